@@ -1,0 +1,182 @@
+"""The offline build: vectors in, an index directory out (see DESIGN.md, "Build").
+
+1. hierarchical balanced k-means into posting-list centroids (about count * centroid_ratio);
+2. the navigation graph over the centroids (native HNSW);
+3. PQ training on a sample;
+4. one streaming pass: each vector's nearest centroids (boundary replication), its PQ code;
+5. the SSD layout: each vector once in its nearest centroid's bucket, buckets packed on blocks;
+6. the page file and the arrays, published atomically with a manifest.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from fusionrag import __version__
+from fusionrag.native import Graph, PageWriter
+from fusionrag.retriever.config import BuildConfig, cpu_threads
+from fusionrag.retriever.errors import InputError
+from fusionrag.retriever.kmeans import hierarchical_balanced_kmeans
+from fusionrag.retriever.layout import plan_layout
+from fusionrag.retriever.manifest import writing_index
+from fusionrag.retriever.pq import ProductQuantizer, auto_m
+from fusionrag.retriever.vectors import STORAGE_DTYPES, VectorFile, as_source, check_finite, storage_dtype
+
+_CHUNK = 65536
+
+
+def internal_metric(metric: str) -> str:
+    """Cosine is L2 over unit vectors inside the engine; the others are themselves."""
+    return "ip" if metric == "ip" else "l2"
+
+
+def normalize(x: np.ndarray, where: str, row_ids: np.ndarray | None = None) -> np.ndarray:
+    """Unit-length rows; a zero row has no direction and is an error naming that row."""
+    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    zero = np.flatnonzero(norms[:, 0] == 0)
+    if zero.size:
+        row = int(zero[0]) if row_ids is None else int(row_ids[zero[0]])
+        raise InputError(f"{where}: row {row} is a zero vector, which has no cosine direction")
+    return x / norms
+
+
+class _Rows:
+    """Vectors of the source as the engine sees them: float32, unit length under cosine."""
+
+    def __init__(self, src: VectorFile, metric: str):
+        self.src, self.metric = src, metric
+
+    def stored(self, ids: np.ndarray) -> np.ndarray:
+        """Rows as written to the SSD tier (raw element type, or float32 when converted)."""
+        raw = self.src[ids]
+        check_finite(raw, self.src.path, ids)
+        if self.metric == "cosine":
+            return normalize(raw.astype(np.float32), self.src.path, ids).astype(np.float32)
+        return raw.astype(storage_dtype(raw.dtype), copy=False)
+
+    def __call__(self, ids: np.ndarray) -> np.ndarray:
+        return self.stored(ids).astype(np.float32, copy=False)
+
+
+def build_index(source, out_dir, config: BuildConfig = BuildConfig(), progress: bool = True,
+                overwrite: bool = False) -> dict:
+    """Build an index of `source` (a vector file path or a 2-D array) into the directory out_dir."""
+    t_start = time.perf_counter()
+    src = as_source(source)
+    n, dim = src.count, src.dim
+    if n >= 2**32:
+        raise InputError(f"{src.path}: {n} vectors exceed the 2^32 vector ids an index holds")
+    metric, nav_metric = config.metric, internal_metric(config.metric)
+    threads = cpu_threads(config.threads)
+    rng = np.random.default_rng(config.seed)
+    rows = _Rows(src, metric)
+    store_dtype = np.dtype(np.float32) if metric == "cosine" else storage_dtype(src.dtype)
+    timings = {}
+
+    def bar(desc: str, total: int):
+        return tqdm(total=total, desc=desc, unit="vec", disable=not progress, leave=False, dynamic_ncols=True)
+
+    # 1. Posting-list centroids.
+    t = time.perf_counter()
+    target = 1.0 / config.centroid_ratio
+    with bar("clustering", n) as pbar:
+        centroids = hierarchical_balanced_kmeans(
+            rows, n, target, max(1, int(target * config.max_list_factor)), config.kmeans_branching,
+            config.kmeans_iters, rng, progress=pbar.update)
+    timings["cluster_s"] = time.perf_counter() - t
+
+    # 2. Navigation graph; cosine and l2 navigate by l2. Replicas are always chosen by l2
+    # distance, so an ip index gets a second, temporary l2 graph for that.
+    t = time.perf_counter()
+    graph = Graph(dim, nav_metric, config.graph_m, config.graph_ef_construction, config.seed)
+    graph.add(centroids, threads)
+    assign_graph = graph
+    if nav_metric != "l2":
+        assign_graph = Graph(dim, "l2", config.graph_m, config.graph_ef_construction, config.seed)
+        assign_graph.add(centroids, threads)
+    timings["graph_s"] = time.perf_counter() - t
+
+    # 3. PQ codebooks from a sample.
+    t = time.perf_counter()
+    sample = np.sort(rng.choice(n, min(n, config.pq_train_size), replace=False))
+    pq = ProductQuantizer.train(rows(sample), config.pq_m or auto_m(dim), config.kmeans_iters, rng)
+    timings["pq_train_s"] = time.perf_counter() - t
+
+    # 4. One pass over all vectors: nearest centroids, replicas, PQ codes (and NaN checks).
+    t = time.perf_counter()
+    codes = np.empty((n, pq.m), dtype=np.uint8)
+    primary = np.empty(n, dtype=np.int64)
+    pair_lists, pair_ids = [], []
+    reps = min(config.max_replicas, len(centroids))
+    with bar("assigning", n) as pbar:
+        for s in range(0, n, _CHUNK):
+            ids = np.arange(s, min(n, s + _CHUNK))
+            x = rows(ids)
+            near, sqd = assign_graph.search(x, reps, max(32, 2 * reps), threads)
+            primary[ids] = near[:, 0]
+            dist = np.sqrt(np.maximum(sqd, 0))
+            keep = (dist <= (1 + config.replica_eps) * dist[:, :1]) & (near >= 0)
+            keep[:, 0] = True
+            pair_lists.append(near[keep].astype(np.int64))
+            pair_ids.append(np.broadcast_to(ids[:, None], near.shape)[keep].astype(np.uint32))
+            codes[ids] = pq.encode(x)
+            pbar.update(len(ids))
+    del assign_graph
+    lists = np.concatenate(pair_lists)
+    list_ids = np.concatenate(pair_ids)
+    order = np.argsort(lists, kind="stable")  # ids stay ascending within a list
+    list_ids = list_ids[order]
+    list_offsets = np.concatenate([[0], np.cumsum(np.bincount(lists, minlength=len(centroids)))]).astype(np.int64)
+    del lists, order, pair_lists, pair_ids
+    timings["assign_s"] = time.perf_counter() - t
+
+    # 5-6. SSD layout and page file, then everything else.
+    t = time.perf_counter()
+    record_bytes = dim * store_dtype.itemsize
+    layout, slots = plan_layout(primary, len(centroids), record_bytes)
+    with writing_index(Path(out_dir), overwrite) as w:
+        writer = PageWriter(str(w.path("vectors.pages")), record_bytes, layout.records_per_block,
+                            layout.pages_per_block)
+        by_slot = np.argsort(slots, kind="stable")
+        with bar("writing pages", n) as pbar:
+            for s in range(0, n, _CHUNK):
+                ids = by_slot[s:s + _CHUNK]
+                read_order = np.argsort(ids)  # read the source in file order, write in slot order
+                recs = np.empty((len(ids), dim), dtype=store_dtype)
+                recs[read_order] = rows.stored(ids[read_order])
+                writer.write(slots[ids], recs.view(np.uint8).reshape(len(ids), record_bytes))
+                pbar.update(len(ids))
+        block_crc = writer.close()
+        w.add_file("vectors.pages", hashed=False)
+        w.save_array("block_crc.npy", block_crc)
+        graph.save(str(w.path("graph.bin")))
+        w.add_file("graph.bin")
+        w.save_array("list_offsets.npy", list_offsets)
+        w.save_array("list_ids.npy", list_ids)
+        w.save_array("pq_codebooks.npy", pq.codebooks)
+        w.save_array("pq_codes.npy", codes)
+        w.save_array("locations.npy", slots)
+        timings["write_s"] = time.perf_counter() - t
+        timings["total_s"] = time.perf_counter() - t_start
+        manifest = {
+            "fusionrag_version": __version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "count": n,
+            "dim": dim,
+            "metric": metric,
+            "internal_metric": nav_metric,
+            "storage_dtype": STORAGE_DTYPES[store_dtype],
+            "source": {"path": str(src.path), "dtype": str(src.dtype)},
+            "centroids": len(centroids),
+            "postings": int(len(list_ids)),
+            "pq": {"m": pq.m, "dsub": pq.dsub},
+            "pages": layout.to_dict(),
+            "build_config": config.to_dict(),
+            "build_timings": timings,
+        }
+        w.publish(manifest)
+    return manifest

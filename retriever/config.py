@@ -1,0 +1,126 @@
+"""Typed configuration, validated at the edge (CLI, HTTP, Python callers) so the engine can trust it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, fields, replace
+
+from fusionrag.retriever.errors import ConfigError
+
+METRICS = ("l2", "ip", "cosine")
+IO_BACKENDS = ("auto", "io_uring", "pread")
+DIRECT_IO = ("auto", "on", "off")
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+class _Config:
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        _check(not unknown, f"unknown {cls.__name__} option(s): {', '.join(sorted(unknown))}")
+        return cls(**d)
+
+    def with_overrides(self, **kw):
+        """A copy with the non-None keyword arguments applied (and validated)."""
+        return replace(self, **{k: v for k, v in kw.items() if v is not None})
+
+
+@dataclass(frozen=True)
+class BuildConfig(_Config):
+    """How an index is built. Defaults are meant to be good on real data without tuning."""
+
+    metric: str = "l2"
+    # Posting lists: about count * centroid_ratio centroids, so lists of ~1/ratio vectors.
+    centroid_ratio: float = 0.1
+    # A list is split again while larger than this multiple of its target size.
+    max_list_factor: float = 2.0
+    kmeans_branching: int = 16
+    kmeans_iters: int = 12
+    # Boundary replication: v joins list i if dist(v, c_i) <= (1 + eps) * dist(v, c_1).
+    replica_eps: float = 0.1
+    max_replicas: int = 8
+    # PQ code bytes per vector; 0 picks about one byte per 4 dimensions (8..64).
+    pq_m: int = 0
+    pq_train_size: int = 65536
+    graph_m: int = 16
+    graph_ef_construction: int = 200
+    threads: int = 0
+    seed: int = 0
+
+    def __post_init__(self):
+        _check(self.metric in METRICS, f"metric must be one of {METRICS}, got {self.metric!r}")
+        _check(0 < self.centroid_ratio <= 0.5, f"centroid_ratio must be in (0, 0.5], got {self.centroid_ratio}")
+        _check(self.max_list_factor >= 1.0, f"max_list_factor must be >= 1, got {self.max_list_factor}")
+        _check(2 <= self.kmeans_branching <= 256, f"kmeans_branching must be in [2, 256], got {self.kmeans_branching}")
+        _check(1 <= self.kmeans_iters <= 100, f"kmeans_iters must be in [1, 100], got {self.kmeans_iters}")
+        _check(self.replica_eps >= 0, f"replica_eps must be >= 0, got {self.replica_eps}")
+        _check(1 <= self.max_replicas <= 8, f"max_replicas must be in [1, 8], got {self.max_replicas}")
+        _check(0 <= self.pq_m <= 256, f"pq_m must be in [0, 256] (0 = automatic), got {self.pq_m}")
+        _check(self.pq_train_size >= 256, f"pq_train_size must be >= 256, got {self.pq_train_size}")
+        _check(4 <= self.graph_m <= 64, f"graph_m must be in [4, 64], got {self.graph_m}")
+        _check(self.graph_ef_construction >= self.graph_m, "graph_ef_construction must be >= graph_m")
+        _check(self.threads >= 0, f"threads must be >= 0, got {self.threads}")
+
+
+@dataclass(frozen=True)
+class SearchParams(_Config):
+    """Per-request knobs of the query path (steps 3-6 of the design)."""
+
+    # m: posting lists probed at most; the distance-ratio rule may probe fewer per query.
+    nprobe: int = 64
+    # Keep list i only if dist(q, c_i) <= (1 + probe_ratio) * dist(q, c_1); 0 disables the rule.
+    probe_ratio: float = 2.0
+    # Navigation graph beam; at least nprobe.
+    graph_ef: int = 0
+    # n: PQ candidates handed to the re-ranker.
+    rerank: int = 200
+    # Algorithm 1 of FusionANNS: mini-batch size, and stop after beta batches with delta <= eps.
+    minibatch: int = 32
+    eps: float = 0.0
+    beta: int = 2
+
+    def __post_init__(self):
+        _check(1 <= self.nprobe <= 65536, f"nprobe must be in [1, 65536], got {self.nprobe}")
+        _check(self.probe_ratio >= 0, f"probe_ratio must be >= 0, got {self.probe_ratio}")
+        _check(self.graph_ef >= 0, f"graph_ef must be >= 0, got {self.graph_ef}")
+        _check(1 <= self.rerank <= 1_000_000, f"rerank must be in [1, 1000000], got {self.rerank}")
+        _check(self.minibatch >= 1, f"minibatch must be >= 1, got {self.minibatch}")
+        _check(0 <= self.eps <= 1, f"eps must be in [0, 1], got {self.eps}")
+        _check(self.beta >= 0, f"beta must be >= 0 (0 disables early stop), got {self.beta}")
+
+
+@dataclass(frozen=True)
+class EngineConfig(_Config):
+    """How an opened index uses the machine."""
+
+    # DRAM page buffer shared by all queries.
+    buffer_bytes: int = 64 << 20
+    io_backend: str = "auto"
+    direct_io: str = "auto"
+    io_threads: int = 8
+    threads: int = 0
+    # Queries per internal batch (bounds the working memory of one call).
+    batch_size: int = 1024
+    # Check every file against the manifest's checksums when opening.
+    verify: bool = True
+
+    def __post_init__(self):
+        _check(self.buffer_bytes >= 0, f"buffer_bytes must be >= 0, got {self.buffer_bytes}")
+        _check(self.io_backend in IO_BACKENDS, f"io_backend must be one of {IO_BACKENDS}, got {self.io_backend!r}")
+        _check(self.direct_io in DIRECT_IO, f"direct_io must be one of {DIRECT_IO}, got {self.direct_io!r}")
+        _check(1 <= self.io_threads <= 256, f"io_threads must be in [1, 256], got {self.io_threads}")
+        _check(self.threads >= 0, f"threads must be >= 0, got {self.threads}")
+        _check(1 <= self.batch_size <= 65536, f"batch_size must be in [1, 65536], got {self.batch_size}")
+
+
+def cpu_threads(requested: int = 0) -> int:
+    """Threads to use: the request, or every core this process may run on."""
+    return requested or len(os.sched_getaffinity(0))

@@ -1,0 +1,21 @@
+"""Errors the engine raises on bad input. Each message names what was wrong and where."""
+
+
+class FusionRAGError(Exception):
+    """Base class of the errors fusionrag raises on purpose."""
+
+
+class ConfigError(FusionRAGError, ValueError):
+    """A configuration value or search parameter is out of range."""
+
+
+class InputError(FusionRAGError, ValueError):
+    """Vectors or queries that cannot be used: wrong shape or dimension, NaN/inf, empty."""
+
+
+class VectorFileError(InputError):
+    """A vector file that cannot be read: unknown extension, truncated, inconsistent rows."""
+
+
+class IndexFormatError(FusionRAGError):
+    """An index directory that is missing, incomplete, corrupt or from a newer version."""

@@ -1,0 +1,146 @@
+"""The index directory: a versioned manifest, a checksum for every file, published atomically.
+
+An index is built in a temporary sibling directory; every file is fsynced, the manifest is
+written last, then the directory is renamed into place and its parent fsynced. A directory
+without a readable manifest, or whose files do not match it, never loads.
+
+The page file is too large to hash on every open, so the manifest holds its size and the
+checksum of its per-block CRC32C table; the re-ranker checks each block's CRC as it reads it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from fusionrag.retriever.errors import IndexFormatError
+
+FORMAT = "fusionrag-index"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class IndexWriter:
+    """Collects the files of an index in a temporary directory, then publishes them at once."""
+
+    def __init__(self, final_dir: Path, overwrite: bool = False):
+        self.final_dir = Path(final_dir)
+        if self.final_dir.exists() and not overwrite:
+            raise FileExistsError(f"{self.final_dir} already exists (pass overwrite to replace it)")
+        self.final_dir.parent.mkdir(parents=True, exist_ok=True)
+        self.dir = Path(tempfile.mkdtemp(prefix=f".{self.final_dir.name}.tmp-", dir=self.final_dir.parent))
+        self.files: dict[str, dict] = {}
+
+    def path(self, name: str) -> Path:
+        return self.dir / name
+
+    def save_array(self, name: str, arr: np.ndarray) -> None:
+        with open(self.path(name), "wb") as f:
+            np.save(f, np.ascontiguousarray(arr), allow_pickle=False)
+        self.add_file(name)
+
+    def add_file(self, name: str, hashed: bool = True) -> None:
+        """Record a finished file: fsync it, note its size and (unless too large) its hash."""
+        p = self.path(name)
+        fsync_path(p)
+        entry = {"bytes": p.stat().st_size}
+        if hashed:
+            entry["sha256"] = sha256_file(p)
+        self.files[name] = entry
+
+    def publish(self, manifest: dict) -> None:
+        manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest, "files": self.files}
+        tmp = self.path(MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        fsync_path(tmp)
+        os.replace(tmp, self.path(MANIFEST))
+        fsync_path(self.dir)
+        old = None
+        if self.final_dir.exists():
+            old = self.final_dir.with_name(f".{self.final_dir.name}.old-{os.getpid()}-{time.monotonic_ns()}")
+            os.replace(self.final_dir, old)
+        os.replace(self.dir, self.final_dir)
+        fsync_path(self.final_dir.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def abort(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@contextmanager
+def writing_index(final_dir: Path, overwrite: bool = False):
+    w = IndexWriter(final_dir, overwrite)
+    try:
+        yield w
+    except BaseException:
+        w.abort()
+        raise
+
+
+def read_manifest(index_dir: Path, verify: bool = True) -> dict:
+    """The manifest of a whole index, after checking every file it lists."""
+    index_dir = Path(index_dir)
+    if not index_dir.is_dir():
+        raise IndexFormatError(f"{index_dir}: no such index directory")
+    mpath = index_dir / MANIFEST
+    if not mpath.exists():
+        raise IndexFormatError(f"{index_dir}: not a fusionrag index, or an incomplete one (no {MANIFEST})")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise IndexFormatError(f"{mpath}: unreadable manifest ({e})") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise IndexFormatError(f"{mpath}: not a fusionrag index manifest")
+    version = manifest.get("format_version")
+    if not isinstance(version, int) or version < 1:
+        raise IndexFormatError(f"{mpath}: invalid format_version {version!r}")
+    if version > FORMAT_VERSION:
+        raise IndexFormatError(
+            f"{index_dir}: index format version {version} is newer than this fusionrag supports "
+            f"({FORMAT_VERSION}); upgrade fusionrag to open it")
+    for name, entry in manifest.get("files", {}).items():
+        p = index_dir / name
+        if not p.exists():
+            raise IndexFormatError(f"{index_dir}: file {name} listed in the manifest is missing")
+        size = p.stat().st_size
+        if size != entry["bytes"]:
+            raise IndexFormatError(f"{p}: {size} bytes, manifest says {entry['bytes']} (truncated or replaced)")
+        if verify and "sha256" in entry and sha256_file(p) != entry["sha256"]:
+            raise IndexFormatError(f"{p}: checksum mismatch, the file is corrupt")
+    return manifest
+
+
+def load_array(index_dir: Path, name: str, dtype, ndim: int) -> np.ndarray:
+    p = Path(index_dir) / name
+    try:
+        arr = np.load(p, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise IndexFormatError(f"{p}: unreadable array ({e})") from e
+    if arr.dtype != np.dtype(dtype) or arr.ndim != ndim:
+        raise IndexFormatError(f"{p}: expected a {ndim}-D {np.dtype(dtype)} array, found {arr.ndim}-D {arr.dtype}")
+    return arr

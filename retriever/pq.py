@@ -1,0 +1,75 @@
+"""Product quantization of raw vectors (not residuals: a replicated vector keeps one code).
+
+M sub-spaces of dsub dimensions (the vector zero-padded to M * dsub), 256 centroids each, one
+byte per sub-space. The lookup table (LUT) of a query holds its distance to every sub-centroid;
+a candidate's PQ distance is the sum of M table entries (ADC). `luts` here is also the reference
+that the GPU kernel of the same step is tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fusionrag.retriever.kmeans import kmeans, sq_dists
+
+KSUB = 256
+
+
+def auto_m(dim: int) -> int:
+    """About one code byte per four dimensions, within [8, 64] and never more than dim."""
+    return int(min(dim, max(8, min(64, -(-dim // 4)))))
+
+
+@dataclass
+class ProductQuantizer:
+    codebooks: np.ndarray  # float32 (M, 256, dsub)
+    dim: int
+
+    @property
+    def m(self) -> int:
+        return self.codebooks.shape[0]
+
+    @property
+    def dsub(self) -> int:
+        return self.codebooks.shape[2]
+
+    def _split(self, x: np.ndarray) -> np.ndarray:
+        """(n, dim) -> (n, M, dsub), zero-padded."""
+        x = np.asarray(x, dtype=np.float32)
+        pad = self.m * self.dsub - self.dim
+        if pad:
+            x = np.pad(x, ((0, 0), (0, pad)))
+        return x.reshape(len(x), self.m, self.dsub)
+
+    @classmethod
+    def train(cls, x: np.ndarray, m: int, iters: int, rng: np.random.Generator) -> "ProductQuantizer":
+        dim = x.shape[1]
+        dsub = -(-dim // m)
+        pq = cls(np.zeros((m, KSUB, dsub), dtype=np.float32), dim)
+        xs = pq._split(x)
+        for j in range(m):
+            pq.codebooks[j], _ = kmeans(xs[:, j, :], KSUB, iters, rng)
+        return pq
+
+    def encode(self, x: np.ndarray) -> np.ndarray:
+        xs = self._split(x)
+        codes = np.empty((len(x), self.m), dtype=np.uint8)
+        for j in range(self.m):
+            codes[:, j] = sq_dists(np.ascontiguousarray(xs[:, j, :]), self.codebooks[j]).argmin(axis=1)
+        return codes
+
+    def decode(self, codes: np.ndarray) -> np.ndarray:
+        parts = self.codebooks[np.arange(self.m)[None, :], codes.astype(np.int64)]
+        return parts.reshape(len(codes), -1)[:, : self.dim]
+
+    def luts(self, queries: np.ndarray, metric: str) -> np.ndarray:
+        """float32 (q, M, 256): squared L2 ('l2') or negative inner product ('ip') per sub-space."""
+        qs = self._split(queries)
+        dots = np.einsum("qmd,mkd->qmk", qs, self.codebooks, optimize=True)
+        if metric == "ip":
+            return np.ascontiguousarray(-dots, dtype=np.float32)
+        q_sq = np.einsum("qmd,qmd->qm", qs, qs)
+        c_sq = np.einsum("mkd,mkd->mk", self.codebooks, self.codebooks)
+        return np.ascontiguousarray(q_sq[:, :, None] - 2 * dots + c_sq[None], dtype=np.float32)

@@ -1,0 +1,79 @@
+"""The three tiers of an open index, each a part with one interface (DESIGN.md, "A query").
+
+- NavigationTier (host RAM): graph search for the top-m posting lists of each query.
+- FilterTier (GPU memory, or host RAM here): gather the lists' IDs, de-duplicate, PQ distance,
+  top-n. CpuFilterTier is the native fallback; a GPU tier implements the same `topn`.
+- RerankTier (SSD + DRAM page buffer): exact distances of the top-n, Algorithm 1 early stop.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from fusionrag import native
+from fusionrag.retriever.config import SearchParams
+
+
+@dataclass
+class Candidates:
+    ids: np.ndarray  # int64 (q, n), best PQ distance first, -1 padding
+    pq_dists: np.ndarray  # float32 (q, n)
+    gathered: np.ndarray  # int64 (q,): IDs gathered, duplicates included
+    unique: np.ndarray  # int64 (q,): after de-duplication
+    seconds: np.ndarray  # float64 (q,)
+
+
+class FilterTier(Protocol):
+    name: str
+
+    def memory_bytes(self) -> int: ...
+
+    def topn(self, luts: np.ndarray, probe_lists: np.ndarray, n: int) -> Candidates: ...
+
+
+class NavigationTier:
+    def __init__(self, graph, metric: str, threads: int):
+        self.graph, self.metric, self.threads = graph, metric, threads
+
+    def memory_bytes(self) -> int:
+        return int(self.graph.memory_bytes())
+
+    def probe(self, queries: np.ndarray, p: SearchParams) -> tuple[np.ndarray, np.ndarray, float]:
+        """Posting lists to probe per query (-1 where the ratio rule cuts), their count, seconds."""
+        t = time.perf_counter()
+        m = min(p.nprobe, self.graph.size)
+        lists, dists = self.graph.search(queries, m, max(m, p.graph_ef), self.threads)
+        if p.probe_ratio > 0 and self.metric == "l2" and m > 1:
+            # Lists much farther than the nearest one rarely hold a top-k neighbour.
+            d = np.sqrt(np.maximum(dists, 0))
+            lists[d > (1 + p.probe_ratio) * d[:, :1]] = -1
+        return lists, (lists >= 0).sum(axis=1), time.perf_counter() - t
+
+
+class CpuFilterTier:
+    name = "cpu"
+
+    def __init__(self, list_offsets: np.ndarray, list_ids: np.ndarray, codes: np.ndarray, threads: int):
+        self.list_offsets, self.list_ids, self.codes, self.threads = list_offsets, list_ids, codes, threads
+
+    def memory_bytes(self) -> int:
+        return int(self.codes.nbytes)
+
+    def topn(self, luts: np.ndarray, probe_lists: np.ndarray, n: int, exclude: np.ndarray | None = None) -> Candidates:
+        ids, dists, counts, seconds = native.scan_topn(
+            luts, probe_lists, self.list_offsets, self.list_ids, self.codes, n, self.threads, exclude)
+        return Candidates(ids, dists, counts[:, 0], counts[:, 1], seconds)
+
+
+class RerankTier:
+    def __init__(self, store, locations: np.ndarray, dtype: str, metric: str, threads: int):
+        self.store, self.locations, self.dtype, self.metric, self.threads = store, locations, dtype, metric, threads
+
+    def rerank(self, queries: np.ndarray, cand: np.ndarray, k: int, p: SearchParams):
+        """(ids, exact distances, stats int64 (q, 4), seconds): see native.rerank."""
+        return native.rerank(self.store, queries, cand, self.locations, self.dtype, self.metric, k,
+                             p.minibatch, p.eps, p.beta, self.threads)

@@ -1,0 +1,160 @@
+"""Vector files, memory-mapped so that a build never needs the whole file in RAM.
+
+texmex: .fvecs (float32), .bvecs (uint8), .ivecs (int32); each row is an int32 dimension then
+the values. big-ann-benchmarks: .fbin (float32), .u8bin (uint8), .i8bin (int8), .ibin (int32):
+int32 count, int32 dimension, then the values. NumPy: .npy (2-D). All little-endian.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from fusionrag.retriever.errors import InputError, VectorFileError
+
+_TEXMEX = {".fvecs": np.float32, ".bvecs": np.uint8, ".ivecs": np.int32}
+_BIN = {".fbin": np.float32, ".u8bin": np.uint8, ".i8bin": np.int8, ".ibin": np.int32}
+EXTENSIONS = tuple(_TEXMEX) + tuple(_BIN) + (".npy",)
+# Element types an index stores as they are; other float types are stored as float32.
+STORAGE_DTYPES = {np.dtype(np.float32): "f32", np.dtype(np.uint8): "u8", np.dtype(np.int8): "i8"}
+
+
+@dataclass
+class VectorFile:
+    """A read-only (count, dim) matrix backed by a file; slicing returns NumPy arrays."""
+
+    path: str
+    data: np.ndarray  # a memmap view, possibly strided (texmex rows carry a header)
+
+    @property
+    def count(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def dim(self) -> int:
+        return self.data.shape[1]
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.data.dtype
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, idx) -> np.ndarray:
+        return np.ascontiguousarray(self.data[idx])
+
+
+def _fail(path: str, msg: str) -> VectorFileError:
+    return VectorFileError(f"{path}: {msg}")
+
+
+def open_vectors(path: str | os.PathLike) -> VectorFile:
+    """Open a vector file by its extension, checking its size and header before any use."""
+    path = os.fspath(path)
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in EXTENSIONS:
+        raise _fail(path, f"unknown vector file extension {ext!r}; expected one of {', '.join(EXTENSIONS)}")
+    try:
+        size = os.path.getsize(path)
+    except OSError as e:
+        raise _fail(path, f"cannot read: {e.strerror}") from e
+    if size == 0:
+        raise _fail(path, "empty file")
+    if ext == ".npy":
+        return _open_npy(path)
+    if ext in _BIN:
+        return _open_bin(path, size, np.dtype(_BIN[ext]))
+    return _open_texmex(path, size, np.dtype(_TEXMEX[ext]))
+
+
+def _open_bin(path: str, size: int, dtype: np.dtype) -> VectorFile:
+    if size < 8:
+        raise _fail(path, f"truncated: {size} bytes, shorter than the 8-byte header")
+    n, d = (int(x) for x in np.fromfile(path, dtype="<i4", count=2))
+    if n <= 0 or d <= 0:
+        raise _fail(path, f"header says {n} vectors of dimension {d}; both must be positive")
+    expected = 8 + n * d * dtype.itemsize
+    if size != expected:
+        raise _fail(path, f"header says {n} x {d} {dtype.name} ({expected} bytes) but the file has {size} bytes"
+                    + (" (truncated)" if size < expected else ""))
+    return VectorFile(path, np.memmap(path, dtype=dtype.newbyteorder("<"), mode="r", offset=8, shape=(n, d)))
+
+
+def _open_texmex(path: str, size: int, dtype: np.dtype) -> VectorFile:
+    if size < 4:
+        raise _fail(path, f"truncated: {size} bytes")
+    d = int(np.fromfile(path, dtype="<i4", count=1)[0])
+    if d <= 0 or d > 1 << 20:
+        raise _fail(path, f"first row says dimension {d}; not a texmex vector file?")
+    row = 4 + d * dtype.itemsize
+    if size % row:
+        raise _fail(path, f"size {size} is not a multiple of the row size {row} (dimension {d}): truncated or mixed dimensions")
+    n = size // row
+    rows = np.memmap(path, dtype=np.dtype([("d", "<i4"), ("v", dtype.newbyteorder("<"), (d,))]), mode="r", shape=(n,))
+    # Every row repeats the dimension; checking a spread of rows catches mixed files cheaply.
+    probe = rows["d"][np.unique(np.linspace(0, n - 1, num=min(n, 4096)).astype(np.int64))]
+    bad = np.flatnonzero(probe != d)
+    if bad.size:
+        raise _fail(path, f"rows have different dimensions ({d} and {int(probe[bad[0]])})")
+    return VectorFile(path, rows["v"])
+
+
+def _open_npy(path: str) -> VectorFile:
+    try:
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    except ValueError as e:
+        raise _fail(path, f"not a readable .npy file: {e}") from e
+    if arr.ndim != 2 or arr.shape[0] == 0 or arr.shape[1] == 0:
+        raise _fail(path, f"expected a non-empty 2-D array, got shape {arr.shape}")
+    if arr.dtype.kind not in "fiu":
+        raise _fail(path, f"unsupported element type {arr.dtype}")
+    return VectorFile(path, arr)
+
+
+def as_source(source) -> VectorFile:
+    """A path or an in-memory (count, dim) array as a VectorFile."""
+    if isinstance(source, VectorFile):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        return open_vectors(source)
+    arr = np.asarray(source)
+    if arr.ndim != 2 or arr.shape[0] == 0 or arr.shape[1] == 0:
+        raise InputError(f"vectors must be a non-empty 2-D array, got shape {arr.shape}")
+    if arr.dtype.kind not in "fiu":
+        raise InputError(f"unsupported element type {arr.dtype}")
+    return VectorFile("<array>", arr)
+
+
+def storage_dtype(dtype: np.dtype) -> np.dtype:
+    """The element type vectors are kept in on the SSD tier."""
+    dtype = np.dtype(dtype)
+    return dtype if dtype in STORAGE_DTYPES else np.dtype(np.float32)
+
+
+def check_finite(block: np.ndarray, where: str, row_ids: np.ndarray | None = None) -> None:
+    """Raise naming the first row (its id in row_ids, else its index) that holds NaN or inf."""
+    if block.dtype.kind == "f":
+        bad = np.flatnonzero(~np.isfinite(block).all(axis=1))
+        if bad.size:
+            row = int(bad[0]) if row_ids is None else int(row_ids[bad[0]])
+            raise InputError(f"{where}: row {row} contains NaN or infinity")
+
+
+def write_bin(path: str | os.PathLike, arr: np.ndarray) -> None:
+    """Write a big-ann-benchmarks .fbin/.u8bin/.i8bin/.ibin file."""
+    arr = np.ascontiguousarray(arr)
+    with open(path, "wb") as f:
+        np.array(arr.shape, dtype="<i4").tofile(f)
+        arr.tofile(f)
+
+
+def write_vecs(path: str | os.PathLike, arr: np.ndarray) -> None:
+    """Write a texmex .fvecs/.ivecs/.bvecs file."""
+    n, d = arr.shape
+    rows = np.empty(n, dtype=[("d", "<i4"), ("v", arr.dtype, (d,))])
+    rows["d"] = d
+    rows["v"] = arr
+    rows.tofile(path)

@@ -1,0 +1,3 @@
+from fusionrag.cli import main
+
+raise SystemExit(main())

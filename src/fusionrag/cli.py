@@ -1,0 +1,151 @@
+"""The `fusionrag` command: build, search, info (and serve, from the server package)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import fields
+
+import numpy as np
+
+from fusionrag.retriever.config import BuildConfig, EngineConfig, SearchParams
+from fusionrag.retriever.errors import FusionRAGError
+
+_HELP = {
+    "centroid_ratio": "posting-list centroids per vector (lists of about 1/ratio vectors)",
+    "replica_eps": "boundary replication: join list i if dist <= (1+eps) * nearest dist",
+    "max_replicas": "posting lists a vector joins at most",
+    "pq_m": "PQ bytes per vector (0: about dim/4, 8..64)",
+    "nprobe": "posting lists probed at most (m)",
+    "probe_ratio": "probe list i only if dist(q, c_i) <= (1+ratio) * dist(q, c_1); 0 disables",
+    "rerank": "PQ candidates re-ranked exactly (n)",
+    "minibatch": "re-rank mini-batch size",
+    "eps": "early stop: top-k change ratio counted as stable",
+    "beta": "early stop after this many stable mini-batches (0 disables)",
+    "graph_ef": "navigation graph beam (at least nprobe)",
+}
+
+
+def _add_config_options(parser: argparse.ArgumentParser, cls, skip=()) -> None:
+    """One --option per dataclass field, typed by its default, defaulting to None (= config default)."""
+    for f in fields(cls):
+        if f.name in skip:
+            continue
+        kind = type(f.default)
+        opt = "--" + f.name.replace("_", "-")
+        if kind is bool:
+            parser.add_argument(opt, action=argparse.BooleanOptionalAction, default=None, help=_HELP.get(f.name))
+        else:
+            parser.add_argument(opt, type=kind, default=None, metavar=f.name.upper(),
+                                help=f"{_HELP.get(f.name, '')} (default {f.default})".strip())
+
+
+def _picked(args: argparse.Namespace, cls, skip=()) -> dict:
+    return {f.name: getattr(args, f.name) for f in fields(cls)
+            if f.name not in skip and getattr(args, f.name, None) is not None}
+
+
+def _cmd_build(args) -> int:
+    from fusionrag.retriever.build import build_index
+
+    config = BuildConfig().with_overrides(**_picked(args, BuildConfig))
+    m = build_index(args.source, args.index_dir, config, progress=not args.quiet, overwrite=args.overwrite)
+    print(json.dumps({"index": args.index_dir, "count": m["count"], "dim": m["dim"], "metric": m["metric"],
+                      "centroids": m["centroids"], "postings": m["postings"], "pq_m": m["pq"]["m"],
+                      "blocks": m["pages"]["num_blocks"], "build_seconds": round(m["build_timings"]["total_s"], 3),
+                      "timings": {k: round(v, 3) for k, v in m["build_timings"].items()}}))
+    return 0
+
+
+def _read_ids(path: str) -> np.ndarray:
+    from fusionrag.retriever.vectors import open_vectors
+
+    return np.asarray(open_vectors(path)[:], dtype=np.int64)
+
+
+def _cmd_search(args) -> int:
+    from fusionrag.retriever import Index, open_vectors
+
+    engine = _picked(args, EngineConfig, skip=("buffer_bytes",))
+    if args.buffer_mb is not None:
+        engine["buffer_bytes"] = int(args.buffer_mb * (1 << 20))
+    params = SearchParams().with_overrides(**_picked(args, SearchParams))
+    index = Index.open(args.index_dir, EngineConfig().with_overrides(**engine), params)
+    queries = open_vectors(args.queries)[:]
+    if args.limit:
+        queries = queries[: args.limit]
+    t = time.perf_counter()
+    res = index.search(queries, args.k)
+    seconds = time.perf_counter() - t
+    np.save(args.out, res.ids)
+    stats = {key: (round(float(v.sum()), 6) if key.endswith("_s") else int(v.sum())) for key, v in res.stats.items()}
+    report = {
+        "queries": len(queries), "k": args.k, "seconds": round(seconds, 6), "qps": round(len(queries) / seconds, 2),
+        "params": params.to_dict(), "threads": index.nav.threads, **res.info,
+        "stats": stats,
+        "per_query": {key: round(v / len(queries), 4) for key, v in stats.items()},
+        "memory": index.memory(),
+    }
+    if args.groundtruth:
+        gt = _read_ids(args.groundtruth)[: len(queries), : args.k]
+        if gt.shape != (len(queries), args.k):
+            raise FusionRAGError(f"{args.groundtruth}: ground truth has shape {gt.shape}, need ({len(queries)}, >= {args.k})")
+        hits = sum(len(np.intersect1d(a, b)) for a, b in zip(res.ids, gt))
+        report[f"recall@{args.k}"] = round(hits / gt.size, 5)
+    print(json.dumps(report))
+    return 0
+
+
+def _cmd_info(args) -> int:
+    from fusionrag.retriever import Index
+
+    index = Index.open(args.index_dir, verify=not args.no_verify)
+    m = dict(index.manifest)
+    m.pop("files", None)
+    print(json.dumps({**m, "memory": index.memory()}, indent=1))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fusionrag", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("build", help="build an index from a vector file")
+    b.add_argument("source", help="vector file: .fvecs .bvecs .fbin .u8bin .i8bin .npy")
+    b.add_argument("index_dir")
+    b.add_argument("--overwrite", action="store_true", help="replace an existing index (atomically)")
+    b.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_config_options(b, BuildConfig)
+    b.set_defaults(run=_cmd_build)
+
+    s = sub.add_parser("search", help="search an index with a query file; prints one JSON line")
+    s.add_argument("index_dir")
+    s.add_argument("queries", help="query vector file")
+    s.add_argument("--k", type=int, default=10)
+    s.add_argument("--out", required=True, help="where to write the int64 (queries x k) ids, .npy")
+    s.add_argument("--groundtruth", help="ground-truth ids (.ivecs, .ibin or .npy) to report recall@k")
+    s.add_argument("--limit", type=int, default=0, help="use only the first N queries")
+    s.add_argument("--buffer-mb", type=float, default=None, help="DRAM page buffer, MiB (default 64)")
+    _add_config_options(s, SearchParams)
+    _add_config_options(s, EngineConfig, skip=("buffer_bytes",))
+    s.set_defaults(run=_cmd_search)
+
+    i = sub.add_parser("info", help="print an index's manifest and memory per tier")
+    i.add_argument("index_dir")
+    i.add_argument("--no-verify", action="store_true", help="skip the checksum pass")
+    i.set_defaults(run=_cmd_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (FusionRAGError, FileExistsError) as e:
+        print(f"fusionrag: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"fusionrag: error: {e}", file=sys.stderr)
+        return 1

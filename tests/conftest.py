@@ -1,0 +1,40 @@
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+# The project's real data sets live in shared/data beside the checkout (each folder has a README).
+DATA = Path(os.environ.get("FUSIONRAG_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    assert DATA.is_dir(), f"real data sets not found at {DATA} (set FUSIONRAG_DATA)"
+    return DATA
+
+
+def clustered(n: int, dim: int, clusters: int, seed: int = 0, spread: float = 0.3) -> np.ndarray:
+    """A Gaussian mixture: real embeddings are clustered, uniform noise is not."""
+    rng = np.random.default_rng(seed)
+    centers = rng.standard_normal((clusters, dim)).astype(np.float32)
+    labels = rng.integers(clusters, size=n)
+    return (centers[labels] + spread * rng.standard_normal((n, dim))).astype(np.float32)
+
+
+def exact_knn(base: np.ndarray, queries: np.ndarray, k: int, metric: str = "l2") -> np.ndarray:
+    base = base.astype(np.float64)
+    queries = queries.astype(np.float64)
+    if metric == "cosine":
+        base = base / np.linalg.norm(base, axis=1, keepdims=True)
+        queries = queries / np.linalg.norm(queries, axis=1, keepdims=True)
+    if metric == "ip" or metric == "cosine":
+        d = -(queries @ base.T)
+    else:
+        d = (queries**2).sum(1)[:, None] - 2 * queries @ base.T + (base**2).sum(1)[None, :]
+    return np.argsort(d, axis=1, kind="stable")[:, :k]
+
+
+def recall(found: np.ndarray, truth: np.ndarray) -> float:
+    k = truth.shape[1]
+    return sum(len(np.intersect1d(a[a >= 0], b)) for a, b in zip(found, truth)) / truth.size

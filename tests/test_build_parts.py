@@ -1,0 +1,130 @@
+"""The build's pure-Python parts: k-means, PQ, the page layout, the manifest."""
+
+import json
+
+import numpy as np
+import pytest
+from conftest import clustered
+
+from fusionrag.retriever.errors import IndexFormatError
+from fusionrag.retriever.kmeans import assign, hierarchical_balanced_kmeans, kmeans
+from fusionrag.retriever.layout import PAGE, block_shape, plan_layout
+from fusionrag.retriever.manifest import FORMAT_VERSION, read_manifest, writing_index
+from fusionrag.retriever.pq import ProductQuantizer, auto_m
+
+
+def test_balanced_kmeans_caps_cluster_size():
+    x = np.random.default_rng(0).standard_normal((4000, 16)).astype(np.float32)
+    _, labels = kmeans(x, 8, 10, np.random.default_rng(1), balance=0.25)
+    sizes = np.bincount(labels, minlength=8)
+    assert sizes.sum() == 4000 and sizes.max() <= np.ceil(4000 / 8 * 1.25)
+
+
+def test_kmeans_finds_separated_clusters():
+    x = clustered(3000, 8, 5, seed=3, spread=0.01)
+    centers, labels = kmeans(x, 5, 20, np.random.default_rng(0))
+    # Every true cluster maps to exactly one label.
+    truth = assign(x, centers)[0]
+    assert len(np.unique(labels)) == 5 and np.array_equal(truth, labels)
+
+
+@pytest.mark.parametrize("n", [1, 15, 5000])
+def test_hierarchical_lists_are_bounded(n):
+    x = clustered(n, 12, 20, seed=n)
+    cents = hierarchical_balanced_kmeans(lambda ids: x[ids], n, 10, 20, 16, 10, np.random.default_rng(0))
+    labels, _ = assign(x, cents)
+    sizes = np.bincount(labels, minlength=len(cents))
+    # About n/10 lists; nearest-centroid sizes stay near the bound (k-means leaves are Voronoi-ish).
+    assert len(cents) >= max(1, n // 20) and len(cents) <= max(1, n // 4)
+    assert sizes.mean() >= 4 or n < 20
+
+
+def test_hierarchical_handles_identical_points():
+    x = np.ones((500, 4), np.float32)
+    cents = hierarchical_balanced_kmeans(lambda ids: x[ids], 500, 10, 20, 16, 5, np.random.default_rng(0))
+    assert len(cents) >= 25
+
+
+def test_pq_round_trip_and_luts():
+    rng = np.random.default_rng(0)
+    x = clustered(3000, 30, 40, seed=1)
+    pq = ProductQuantizer.train(x, 8, 10, rng)  # 30 dims -> 8 x 4, zero-padded
+    assert pq.codebooks.shape == (8, 256, 4)
+    codes = pq.encode(x)
+    err = np.mean(np.sum((pq.decode(codes) - x) ** 2, axis=1)) / np.mean(np.sum(x**2, axis=1))
+    assert err < 0.05
+    q = x[:5] + 0.01
+    for metric in ("l2", "ip"):
+        lut = pq.luts(q, metric)
+        adc = lut[:, np.arange(8)[None, :], codes[:50].astype(int)].sum(-1)  # (5, 50)
+        approx = pq.decode(codes[:50])
+        ref = ((q[:, None] - approx[None]) ** 2).sum(-1) if metric == "l2" else -(q @ approx.T)
+        np.testing.assert_allclose(adc, ref, rtol=1e-4, atol=1e-3)
+
+
+def test_auto_m():
+    assert auto_m(128) == 32 and auto_m(50) == 13 and auto_m(784) == 64 and auto_m(4) == 4
+
+
+@pytest.mark.parametrize("record_bytes", [200, 512, 784, 4096, 6144])
+def test_layout_invariants(record_bytes):
+    rng = np.random.default_rng(record_bytes)
+    buckets = 300
+    bucket_of = rng.integers(buckets, size=5000)
+    layout, slots = plan_layout(bucket_of, buckets, record_bytes)
+    per_block, pages = block_shape(record_bytes)
+    assert layout.records_per_block == per_block and layout.pages_per_block == pages
+    assert per_block * record_bytes <= pages * PAGE
+    # Each vector exactly once, every slot inside the file.
+    assert len(np.unique(slots)) == len(slots)
+    assert slots.max() < layout.num_blocks * per_block
+    # A bucket occupies whole blocks of its own plus at most one shared block.
+    blocks = slots // per_block
+    for b in range(0, buckets, 17):
+        mine = blocks[bucket_of == b]
+        full = np.sum(bucket_of == b) // per_block
+        assert len(np.unique(mine)) <= full + 1
+    # Packing wastes at most one partly filled block per fill level.
+    used = np.bincount(blocks, minlength=layout.num_blocks)
+    assert used.min() >= 1 and np.sum(used < per_block) <= per_block
+
+
+def test_manifest_publish_and_checks(tmp_path):
+    target = tmp_path / "idx"
+    with writing_index(target) as w:
+        w.save_array("a.npy", np.arange(10))
+        w.publish({"count": 10})
+    m = read_manifest(target)
+    assert m["format_version"] == FORMAT_VERSION and "a.npy" in m["files"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".idx")]  # no temp dir left
+
+    # A failed build leaves nothing behind, and the old index stays.
+    with pytest.raises(RuntimeError):
+        with writing_index(target, overwrite=True) as w:
+            w.save_array("a.npy", np.arange(3))
+            raise RuntimeError("crash mid-build")
+    assert read_manifest(target)["count"] == 10
+    assert [p.name for p in tmp_path.iterdir()] == ["idx"]
+    with pytest.raises(FileExistsError):
+        writing_index(target).__enter__()
+
+    raw = bytearray((target / "a.npy").read_bytes())
+    raw[-1] ^= 0xFF
+    (target / "a.npy").write_bytes(bytes(raw))
+    with pytest.raises(IndexFormatError, match="checksum mismatch"):
+        read_manifest(target)
+    (target / "a.npy").write_bytes(bytes(raw[:-1]))
+    with pytest.raises(IndexFormatError, match="truncated"):
+        read_manifest(target)
+
+    m = json.loads((target / "manifest.json").read_text())
+    m["format_version"] = FORMAT_VERSION + 1
+    (target / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(IndexFormatError, match="newer than this fusionrag supports"):
+        read_manifest(target)
+    (target / "manifest.json").write_text("{not json")
+    with pytest.raises(IndexFormatError, match="unreadable manifest"):
+        read_manifest(target)
+    (target / "manifest.json").unlink()
+    with pytest.raises(IndexFormatError, match="no manifest.json"):
+        read_manifest(target)
