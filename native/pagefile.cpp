@@ -523,7 +523,7 @@ void bind_pagefile(nb::module_& m) {
         nb::gil_scoped_release nogil;
         return crc32c(data.data(), data.size(), software);
       },
-      "data"_a, "software"_a = false);
+      "data"_a.noconvert(), "software"_a = false);
 
   m.def(
       "page_layout",
@@ -552,7 +552,7 @@ void bind_pagefile(nb::module_& m) {
             nb::gil_scoped_release nogil;
             w.write(slots.data(), slots.shape(0), records.data());
           },
-          "slots"_a, "records"_a)
+          "slots"_a, "records"_a.noconvert())  // a cast would silently change the bytes
       .def(
           "close",
           [](PageWriter& w) {

@@ -1,6 +1,7 @@
 """The SSD tier: page file writer, CRC32C, and the O_DIRECT page store with its buffer."""
 
 import os
+import shutil
 import threading
 
 import numpy as np
@@ -126,6 +127,8 @@ def test_writer_rejects_bad_input(tmp_path):
         w.write(np.array([7, 9], np.uint32), rec)  # across calls too
     with pytest.raises(ValueError, match="records"):
         w.write(np.array([8, 9], np.uint32), np.ones((2, 399), np.uint8))
+    with pytest.raises(TypeError):  # raw bytes are never cast: view float records as uint8
+        w.write(np.array([8, 9], np.uint32), np.ones((2, 400), np.float32))
     crc = w.close()
     assert np.array_equal(w.close(), crc)  # idempotent
     with pytest.raises(ValueError, match="closed"):
@@ -170,6 +173,21 @@ def test_direct_io_flag(page_file):
     plain = open_store(path, 400, layout, crc, direct_io="off")
     assert not plain.direct and not flags(plain.fd) & 0o40000
     assert open_store(path, 400, layout, crc).direct  # auto takes O_DIRECT where the filesystem allows
+
+
+def test_auto_direct_io_on_tmpfs(page_file):
+    """tmpfs may refuse O_DIRECT (EINVAL); "auto" then opens the file without it."""
+    path, layout, crc = page_file
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    shm = f"/dev/shm/fusionrag-test-{os.getpid()}.pages"
+    shutil.copyfile(path, shm)
+    try:
+        store = open_store(shm, 400, layout, crc)
+        assert store.read_block(5) == path.read_bytes()[5 * PAGE : 6 * PAGE]
+        assert open_store(shm, 400, layout, crc, direct_io="off").read_block(5) == store.read_block(5)
+    finally:
+        os.unlink(shm)
 
 
 @pytest.mark.parametrize("backend", ["io_uring", "pread"])
