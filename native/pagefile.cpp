@@ -1,3 +1,642 @@
+// The page file: a streaming writer, and a reader that goes through the DRAM page
+// buffer and reads misses with O_DIRECT via io_uring or a pread thread pool.
+#include "pagefile.h"
+
+#include <fcntl.h>
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <thread>
+
+#include "crc32c.h"
+#include "io_uring.h"
+#include "numpy_out.h"
+
 namespace nb = nanobind;
-void bind_pagefile(nb::module_& m) { (void)m; }
+using namespace nb::literals;
+
+namespace fusionrag {
+
+namespace {
+
+std::string errno_text(int err) { return std::strerror(err); }
+
+// Reads len bytes at off in full; returns 0, an errno, or -1 when the file ends first.
+int pread_full(int fd, uint8_t* dst, size_t len, uint64_t off) {
+  while (len) {
+    ssize_t r = pread(fd, dst, len, static_cast<off_t>(off));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    if (r == 0) return -1;
+    dst += r, len -= static_cast<size_t>(r), off += static_cast<uint64_t>(r);
+  }
+  return 0;
+}
+
+[[noreturn]] void throw_read_error(const std::string& path, uint32_t block, int err) {
+  if (err < 0) throw std::runtime_error(path + ": short read of block " + std::to_string(block) + ": the file ends early");
+  throw OsError(err, path + ": reading block " + std::to_string(block) + " failed: " + errno_text(err));
+}
+
+// Keeps queue depth high with plain blocking reads: for kernels or sandboxes
+// without io_uring. Owned by one store, so queries never wait behind the
+// compute pool.
+class PreadReader : public BlockReader {
+ public:
+  PreadReader(std::string path, int fd, size_t block_bytes, int threads)
+      : path_(std::move(path)), fd_(fd), block_bytes_(block_bytes) {
+    for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { loop(); });
+  }
+  ~PreadReader() override {
+    {
+      std::lock_guard<std::mutex> lk(mutex_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+  const char* name() const override { return "pread"; }
+
+  void read(const BlockRead* reads, size_t n) override {
+    Batch batch;
+    batch.left = n;
+    {
+      std::lock_guard<std::mutex> lk(mutex_);
+      for (size_t i = 0; i < n; ++i) queue_.push_back({&reads[i], &batch});
+    }
+    cv_.notify_all();
+    std::unique_lock<std::mutex> lk(batch.mutex);
+    batch.done.wait(lk, [&] { return batch.left == 0; });
+    if (batch.err) throw_read_error(path_, batch.err_block, batch.err);
+  }
+
+ private:
+  struct Batch {
+    std::mutex mutex;
+    std::condition_variable done;
+    size_t left = 0;
+    int err = 0;
+    uint32_t err_block = 0;
+  };
+  struct Task {
+    const BlockRead* read;
+    Batch* batch;
+  };
+
+  void loop() {
+    for (;;) {
+      Task t;
+      {
+        std::unique_lock<std::mutex> lk(mutex_);
+        cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
+        if (stop_) return;
+        t = queue_.front();
+        queue_.pop_front();
+      }
+      int err = pread_full(fd_, t.read->dst, block_bytes_, uint64_t(t.read->block) * block_bytes_);
+      std::lock_guard<std::mutex> lk(t.batch->mutex);
+      if (err && !t.batch->err) t.batch->err = err, t.batch->err_block = t.read->block;
+      if (--t.batch->left == 0) t.batch->done.notify_one();
+    }
+  }
+
+  std::string path_;
+  int fd_;
+  size_t block_bytes_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<Task> queue_;
+  bool stop_ = false;
+  std::vector<std::thread> threads_;
+};
+
+// One ring per query in flight, taken from a pool: rings are not thread-safe,
+// and a caller may be any pool worker or any Python thread.
+class UringReader : public BlockReader {
+ public:
+  static constexpr unsigned kDepth = 64;
+
+  UringReader(std::string path, int fd, size_t block_bytes, std::unique_ptr<IoUring> first)
+      : path_(std::move(path)), fd_(fd), block_bytes_(block_bytes) {
+    free_.push_back(std::move(first));
+  }
+  // Returns 0 and a ring, or the errno why this kernel gives none.
+  static int make_ring(std::unique_ptr<IoUring>& ring) {
+    ring.reset(new IoUring);
+    int err = ring->init(kDepth);
+    if (err) ring.reset();
+    return err;
+  }
+  const char* name() const override { return "io_uring"; }
+
+  void read(const BlockRead* reads, size_t n) override {
+    std::unique_ptr<IoUring> ring = acquire();
+    int err = 0;
+    uint32_t err_block = 0;
+    for (size_t first = 0; first < n && !err; first += ring->entries()) {
+      size_t count = std::min<size_t>(ring->entries(), n - first);
+      for (size_t i = first; i < first + count; ++i)
+        ring->prep_read(fd_, reads[i].dst, unsigned(block_bytes_), offset(reads[i]), i);
+      int rc = ring->submit_and_reap([&](uint64_t i, int res) {
+        const BlockRead& r = reads[i];
+        // A short read is finished with pread; if that finds the end too, it is reported.
+        int e = res < 0 ? -res
+                        : size_t(res) == block_bytes_
+                              ? 0
+                              : pread_full(fd_, r.dst + res, block_bytes_ - res, offset(r) + uint64_t(res));
+        if (e && !err) err = e, err_block = r.block;
+      });
+      if (rc) throw OsError(rc, path_ + ": io_uring_enter failed: " + errno_text(rc));  // drops the ring
+    }
+    release(std::move(ring));
+    if (err) throw_read_error(path_, err_block, err);
+  }
+
+ private:
+  uint64_t offset(const BlockRead& r) const { return uint64_t(r.block) * block_bytes_; }
+
+  std::unique_ptr<IoUring> acquire() {
+    {
+      std::lock_guard<std::mutex> lk(mutex_);
+      if (!free_.empty()) {
+        auto ring = std::move(free_.back());
+        free_.pop_back();
+        return ring;
+      }
+    }
+    std::unique_ptr<IoUring> ring;
+    if (int err = make_ring(ring)) throw OsError(err, path_ + ": cannot set up another io_uring: " + errno_text(err));
+    return ring;
+  }
+  void release(std::unique_ptr<IoUring> ring) {
+    std::lock_guard<std::mutex> lk(mutex_);
+    free_.push_back(std::move(ring));
+  }
+
+  std::string path_;
+  int fd_;
+  size_t block_bytes_;
+  std::mutex mutex_;
+  std::vector<std::unique_ptr<IoUring>> free_;
+};
+
+void pwrite_full(const std::string& path, int fd, const uint8_t* src, size_t len, uint64_t off, size_t block_bytes) {
+  while (len) {
+    ssize_t r = pwrite(fd, src, len, static_cast<off_t>(off));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      int err = errno;
+      throw OsError(err, path + ": writing block " + std::to_string(off / block_bytes) + " failed: " + errno_text(err));
+    }
+    src += r, len -= static_cast<size_t>(r), off += static_cast<uint64_t>(r);
+  }
+}
+
+// Streams records in slot order to the page file; only a chunk of blocks is held
+// in memory, so a build never needs the whole file in RAM.
+class PageWriter {
+ public:
+  PageWriter(std::string path, PageLayout layout)
+      : path_(std::move(path)),
+        layout_(layout),
+        chunk_blocks_(std::max<size_t>(1, (size_t(1) << 20) / layout.block_bytes())),
+        chunk_(chunk_blocks_ * layout.block_bytes(), 0) {
+    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd_ < 0) {
+      int err = errno;
+      throw OsError(err, path_ + ": cannot create page file: " + errno_text(err));
+    }
+  }
+  ~PageWriter() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  size_t record_bytes() const { return layout_.record_bytes; }
+
+  void write(const uint32_t* slots, size_t n, const uint8_t* records) {
+    std::lock_guard<std::mutex> lk(mutex_);
+    check_usable();
+    if (fd_ < 0) throw std::invalid_argument(path_ + ": write to a closed PageWriter");
+    for (size_t i = 0; i < n; ++i) {
+      int64_t before = i ? int64_t(slots[i - 1]) : last_slot_;
+      if (int64_t(slots[i]) <= before)
+        throw std::invalid_argument("slots must be strictly ascending: slot " + std::to_string(slots[i]) +
+                                    " comes after slot " + std::to_string(before));
+    }
+    or_fail([&] {
+      const size_t rb = layout_.record_bytes, bb = layout_.block_bytes();
+      for (size_t i = 0; i < n; ++i) {
+        uint64_t block = layout_.block_of(slots[i]);
+        while (block >= first_ + chunk_blocks_) flush(chunk_blocks_);
+        std::memcpy(&chunk_[(block - first_) * bb + layout_.offset_in_block(slots[i])], records + i * rb, rb);
+        end_ = block + 1;
+      }
+    });
+    if (n) last_slot_ = slots[n - 1];
+  }
+
+  std::vector<uint32_t> close() {
+    std::lock_guard<std::mutex> lk(mutex_);
+    check_usable();
+    if (fd_ < 0) return crc_;
+    or_fail([&] {
+      if (end_ > first_) flush(end_ - first_);
+      if (fsync(fd_) != 0) {
+        int err = errno;
+        throw OsError(err, path_ + ": fsync failed: " + errno_text(err));
+      }
+    });
+    int rc = ::close(fd_), err = errno;
+    fd_ = -1;
+    if (rc != 0) {
+      failed_ = true;
+      throw OsError(err, path_ + ": close failed: " + errno_text(err));
+    }
+    return crc_;
+  }
+
+ private:
+  // Writes the first `blocks` blocks of the chunk (gaps stay zero) and moves on.
+  void flush(size_t blocks) {
+    const size_t bb = layout_.block_bytes();
+    for (size_t b = 0; b < blocks; ++b) crc_.push_back(crc32c(&chunk_[b * bb], bb));
+    pwrite_full(path_, fd_, chunk_.data(), blocks * bb, first_ * bb, bb);
+    std::fill(chunk_.begin(), chunk_.begin() + blocks * bb, 0);
+    first_ += blocks;
+  }
+
+  void check_usable() const {
+    if (failed_) throw std::runtime_error(path_ + ": an earlier write failed; the page file is incomplete");
+  }
+  // A failed write leaves an incomplete file: close it and refuse further use.
+  template <class F>
+  void or_fail(F&& work) {
+    try {
+      work();
+    } catch (...) {
+      ::close(fd_);
+      fd_ = -1;
+      failed_ = true;
+      throw;
+    }
+  }
+
+  std::string path_;
+  PageLayout layout_;
+  size_t chunk_blocks_;
+  std::vector<uint8_t> chunk_;  // blocks [first_, first_ + chunk_blocks_)
+  uint64_t first_ = 0, end_ = 0;
+  int64_t last_slot_ = -1;
+  std::vector<uint32_t> crc_;
+  int fd_ = -1;
+  bool failed_ = false;
+  std::mutex mutex_;
+};
+
+}  // namespace
+
+PageLayout::PageLayout(size_t record_bytes, size_t records_per_block, size_t pages_per_block)
+    : record_bytes(record_bytes), records_per_block(records_per_block), pages_per_block(pages_per_block) {
+  if (record_bytes == 0 || records_per_block == 0 || pages_per_block == 0)
+    throw std::invalid_argument("record_bytes, records_per_block and pages_per_block must be positive");
+  if (records_per_block * record_bytes > block_bytes())
+    throw std::invalid_argument(std::to_string(records_per_block) + " records of " + std::to_string(record_bytes) +
+                                " bytes do not fit a block of " + std::to_string(pages_per_block) + " pages");
+}
+
+uint8_t* AlignedBuffer::get(size_t need) {
+  if (need > bytes) {
+    void* p = nullptr;
+    if (posix_memalign(&p, kPageBytes, need)) throw std::bad_alloc();
+    ptr.reset(static_cast<uint8_t*>(p));
+    bytes = need;
+  }
+  return ptr.get();
+}
+
+PageBuffer::PageBuffer(size_t capacity, size_t block_bytes) : capacity_(capacity), block_bytes_(block_bytes) {
+  if (!capacity) return;
+  // Anonymous memory is page-aligned and committed only as frames fill.
+  arena_bytes_ = capacity * block_bytes;
+  arena_ = mmap(nullptr, arena_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (arena_ == MAP_FAILED) throw std::bad_alloc();
+  // At least 256 frames a shard, so CLOCK still sees a useful window.
+  size_t n = std::clamp<size_t>(capacity / 256, 1, 16);
+  shards_ = std::vector<Shard>(n);
+  for (size_t i = 0; i < n; ++i) {
+    size_t lo = capacity * i / n, hi = capacity * (i + 1) / n;
+    Shard& s = shards_[i];
+    s.frames = static_cast<uint8_t*>(arena_) + lo * block_bytes;
+    s.block_of.assign(hi - lo, kEmpty);
+    s.referenced.assign(hi - lo, 0);
+    s.frame_of.reserve(hi - lo);
+  }
+}
+
+PageBuffer::~PageBuffer() {
+  if (arena_) munmap(arena_, arena_bytes_);
+}
+
+bool PageBuffer::lookup(uint32_t block, uint8_t* out) {
+  if (!capacity_) return false;
+  Shard& s = shard(block);
+  std::lock_guard<std::mutex> lk(s.mutex);
+  auto it = s.frame_of.find(block);
+  if (it == s.frame_of.end()) return false;
+  s.referenced[it->second] = 1;
+  std::memcpy(out, s.frames + size_t(it->second) * block_bytes_, block_bytes_);
+  return true;
+}
+
+void PageBuffer::insert(uint32_t block, const uint8_t* data) {
+  if (!capacity_) return;
+  Shard& s = shard(block);
+  std::lock_guard<std::mutex> lk(s.mutex);
+  if (s.frame_of.count(block)) return;  // another query read it meanwhile
+  size_t f;
+  for (;;) {
+    f = s.hand;
+    s.hand = (s.hand + 1) % s.block_of.size();
+    if (s.block_of[f] == kEmpty) break;
+    if (!s.referenced[f]) {
+      s.frame_of.erase(s.block_of[f]);
+      evictions_.fetch_add(1, std::memory_order_relaxed);
+      break;
+    }
+    s.referenced[f] = 0;
+  }
+  // A new block earns its second chance only when it is hit again, so one scan
+  // of cold blocks cannot flush the hot ones.
+  s.block_of[f] = block;
+  s.referenced[f] = 0;
+  s.frame_of[block] = uint32_t(f);
+  std::memcpy(s.frames + f * block_bytes_, data, block_bytes_);
+}
+
+void PageBuffer::clear() {
+  for (Shard& s : shards_) {
+    std::lock_guard<std::mutex> lk(s.mutex);
+    std::fill(s.block_of.begin(), s.block_of.end(), kEmpty);
+    std::fill(s.referenced.begin(), s.referenced.end(), 0);
+    s.frame_of.clear();
+    s.hand = 0;
+  }
+}
+
+PageStore::PageStore(const std::string& path, PageLayout layout, std::vector<uint32_t> block_crc,
+                     size_t buffer_blocks, const std::string& io_backend, const std::string& direct_io,
+                     int io_threads)
+    : path_(path), layout_(layout), crc_(std::move(block_crc)), buffer_(buffer_blocks, layout.block_bytes()) {
+  if (io_backend != "auto" && io_backend != "io_uring" && io_backend != "pread")
+    throw std::invalid_argument("io_backend must be 'auto', 'io_uring' or 'pread', not '" + io_backend + "'");
+  if (direct_io != "auto" && direct_io != "on" && direct_io != "off")
+    throw std::invalid_argument("direct_io must be 'auto', 'on' or 'off', not '" + direct_io + "'");
+  if (io_threads < 1) throw std::invalid_argument("io_threads must be at least 1");
+  if (crc_.size() > UINT32_MAX) throw std::invalid_argument("more than 2^32 - 1 blocks");
+
+  direct_ = direct_io != "off";
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | (direct_ ? O_DIRECT : 0));
+  if (fd_ < 0 && errno == EINVAL && direct_io == "auto") {  // e.g. tmpfs refuses O_DIRECT
+    direct_ = false;
+    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  }
+  if (fd_ < 0) {
+    int err = errno;
+    throw OsError(err, path + ": cannot open page file" + (direct_ ? " with O_DIRECT: " : ": ") + errno_text(err));
+  }
+  struct stat st;
+  if (fstat(fd_, &st) != 0) {
+    int err = errno;
+    ::close(fd_);
+    throw OsError(err, path + ": cannot stat page file: " + errno_text(err));
+  }
+  uint64_t want = uint64_t(crc_.size()) * layout.block_bytes();
+  if (uint64_t(st.st_size) != want) {
+    ::close(fd_);
+    throw std::runtime_error(path + ": page file is " + std::to_string(st.st_size) + " bytes, the index expects " +
+                             std::to_string(want) + " (" + std::to_string(crc_.size()) + " blocks of " +
+                             std::to_string(layout.block_bytes()) + " bytes): truncated or the wrong file");
+  }
+
+  if (io_backend != "pread") {
+    std::unique_ptr<IoUring> ring;
+    int err = UringReader::make_ring(ring);
+    if (!err) {
+      reader_.reset(new UringReader(path, fd_, layout.block_bytes(), std::move(ring)));
+    } else if (io_backend == "io_uring") {
+      ::close(fd_);
+      throw OsError(err, path + ": io_uring is not available here: " + errno_text(err));
+    }
+  }
+  if (!reader_) reader_.reset(new PreadReader(path, fd_, layout.block_bytes(), io_threads));
+}
+
+PageStore::~PageStore() {
+  reader_.reset();  // threads and rings go before the fd they use
+  ::close(fd_);
+}
+
+size_t PageStore::fetch(const uint32_t* blocks, size_t n, uint8_t* out) {
+  const size_t bb = layout_.block_bytes();
+  std::vector<BlockRead> misses;
+  for (size_t i = 0; i < n; ++i) {
+    if (blocks[i] >= crc_.size())
+      throw std::invalid_argument(path_ + ": block " + std::to_string(blocks[i]) + " is past the end (" +
+                                  std::to_string(crc_.size()) + " blocks)");
+    if (!buffer_.lookup(blocks[i], out + i * bb)) misses.push_back({blocks[i], out + i * bb});
+  }
+  blocks_from_buffer_.fetch_add(n - misses.size(), std::memory_order_relaxed);
+  if (misses.empty()) return 0;
+  read_calls_.fetch_add(1, std::memory_order_relaxed);
+  blocks_read_.fetch_add(misses.size(), std::memory_order_relaxed);
+  reader_->read(misses.data(), misses.size());
+  for (const BlockRead& r : misses) {
+    uint32_t got = crc32c(r.dst, bb);
+    if (got != crc_[r.block]) {
+      char detail[64];
+      std::snprintf(detail, sizeof detail, " (crc32c 0x%08x, expected 0x%08x)", got, crc_[r.block]);
+      throw std::runtime_error(path_ + ": block " + std::to_string(r.block) + " fails its checksum" + detail +
+                               ": the index is corrupt");
+    }
+  }
+  for (const BlockRead& r : misses) buffer_.insert(r.block, r.dst);
+  return misses.size();
+}
+
+PageStoreStats PageStore::stats() const {
+  return {blocks_read_.load(), blocks_from_buffer_.load(), read_calls_.load(), buffer_.evictions()};
+}
+
+}  // namespace fusionrag
+
+using namespace fusionrag;
+
+namespace {
+
+using U8Array = nb::ndarray<const uint8_t, nb::c_contig, nb::device::cpu>;
+using U32Vector = nb::ndarray<const uint32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using U8Matrix = nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+
+size_t non_negative(int64_t v, const char* name) {
+  if (v < 0) throw std::invalid_argument(std::string(name) + " must not be negative");
+  return size_t(v);
+}
+
+PageLayout make_layout(int64_t record_bytes, int64_t records_per_block, int64_t pages_per_block) {
+  return PageLayout(non_negative(record_bytes, "record_bytes"), non_negative(records_per_block, "records_per_block"),
+                    non_negative(pages_per_block, "pages_per_block"));
+}
+
+}  // namespace
+
+void bind_pagefile(nb::module_& m) {
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const OsError& e) {
+      PyObject* args = Py_BuildValue("(is)", e.err, e.what());
+      PyErr_SetObject(PyExc_OSError, args);
+      Py_XDECREF(args);
+    }
+  });
+
+  m.def(
+      "crc32c",
+      [](nb::bytes data, bool software) {
+        nb::gil_scoped_release nogil;
+        return crc32c(data.c_str(), data.size(), software);
+      },
+      "data"_a, "software"_a = false, "CRC32C (Castagnoli) of the bytes; software=True skips the SSE4.2 path.");
+  m.def(
+      "crc32c",
+      [](U8Array data, bool software) {
+        nb::gil_scoped_release nogil;
+        return crc32c(data.data(), data.size(), software);
+      },
+      "data"_a.noconvert(), "software"_a = false);
+
+  m.def(
+      "page_layout",
+      [](int64_t record_bytes) {
+        if (record_bytes <= 0) throw std::invalid_argument("record_bytes must be positive");
+        size_t rb = size_t(record_bytes);
+        if (rb <= kPageBytes) return std::make_pair(kPageBytes / rb, size_t(1));
+        return std::make_pair(size_t(1), (rb + kPageBytes - 1) / kPageBytes);
+      },
+      "record_bytes"_a, "(records_per_block, pages_per_block) for records of this size.");
+
+  nb::class_<PageWriter>(m, "PageWriter", "Streams records, in ascending slot order, into a new page file.")
+      .def(
+          "__init__",
+          [](PageWriter* self, const std::string& path, int64_t record_bytes, int64_t records_per_block,
+             int64_t pages_per_block) {
+            new (self) PageWriter(path, make_layout(record_bytes, records_per_block, pages_per_block));
+          },
+          "path"_a, "record_bytes"_a, "records_per_block"_a, "pages_per_block"_a)
+      .def(
+          "write",
+          [](PageWriter& w, U32Vector slots, U8Matrix records) {
+            if (records.shape(0) != slots.shape(0) || records.shape(1) != w.record_bytes())
+              throw std::invalid_argument("records must be uint8[" + std::to_string(slots.shape(0)) + ", " +
+                                          std::to_string(w.record_bytes()) + "] to match slots and record_bytes");
+            nb::gil_scoped_release nogil;
+            w.write(slots.data(), slots.shape(0), records.data());
+          },
+          "slots"_a, "records"_a.noconvert())  // a cast would silently change the bytes
+      .def(
+          "close",
+          [](PageWriter& w) {
+            std::vector<uint32_t> crc;
+            {
+              nb::gil_scoped_release nogil;
+              crc = w.close();
+            }
+            NumpyOut<uint32_t> out({crc.size()});
+            std::copy(crc.begin(), crc.end(), out.data());
+            return out.release();
+          },
+          "Flushes the last block, fsyncs, and returns the CRC32C of every block (uint32).")
+      .def("__enter__", [](nb::handle self) { return self; })
+      .def("__exit__", [](PageWriter& w, nb::args) {
+        nb::gil_scoped_release nogil;
+        w.close();
+      });
+
+  nb::class_<PageStore>(m, "PageStore", "Reads page-file blocks through a shared DRAM page buffer.")
+      .def(
+          "__init__",
+          [](PageStore* self, const std::string& path, int64_t record_bytes, int64_t records_per_block,
+             int64_t pages_per_block, U32Vector block_crc, int64_t buffer_blocks, const std::string& io_backend,
+             const std::string& direct_io, int io_threads) {
+            PageLayout layout = make_layout(record_bytes, records_per_block, pages_per_block);
+            std::vector<uint32_t> crc(block_crc.data(), block_crc.data() + block_crc.shape(0));
+            size_t capacity = non_negative(buffer_blocks, "buffer_blocks");
+            nb::gil_scoped_release nogil;
+            new (self) PageStore(path, layout, std::move(crc), capacity, io_backend, direct_io, io_threads);
+          },
+          "path"_a, "record_bytes"_a, "records_per_block"_a, "pages_per_block"_a, "block_crc"_a, "buffer_blocks"_a,
+          "io_backend"_a = "auto", "direct_io"_a = "auto", "io_threads"_a = 8)
+      .def_prop_ro("path", &PageStore::path)
+      .def_prop_ro("backend", [](const PageStore& s) { return std::string(s.backend()); })
+      .def_prop_ro("direct", &PageStore::direct)
+      .def_prop_ro("fd", &PageStore::fd)
+      .def_prop_ro("num_blocks", &PageStore::num_blocks)
+      .def_prop_ro("record_bytes", [](const PageStore& s) { return s.layout().record_bytes; })
+      .def_prop_ro("records_per_block", [](const PageStore& s) { return s.layout().records_per_block; })
+      .def_prop_ro("pages_per_block", [](const PageStore& s) { return s.layout().pages_per_block; })
+      .def_prop_ro("block_bytes", [](const PageStore& s) { return s.layout().block_bytes(); })
+      .def_prop_ro("buffer_capacity", &PageStore::buffer_capacity)
+      .def_prop_ro("buffer_bytes", [](const PageStore& s) { return s.buffer_capacity() * s.layout().block_bytes(); })
+      .def(
+          "read_block",
+          [](PageStore& s, int64_t block) {
+            if (block < 0 || uint64_t(block) >= s.num_blocks())
+              throw std::invalid_argument("block " + std::to_string(block) + " out of range [0, " +
+                                          std::to_string(s.num_blocks()) + ")");
+            AlignedBuffer buf;
+            uint32_t b = uint32_t(block);
+            {
+              nb::gil_scoped_release nogil;
+              s.fetch(&b, 1, buf.get(s.layout().block_bytes()));
+            }
+            return nb::bytes(buf.ptr.get(), s.layout().block_bytes());
+          },
+          "block"_a, "One block's bytes, through the page buffer.")
+      .def(
+          "read_blocks",
+          [](PageStore& s, U32Vector blocks) {
+            const size_t n = blocks.shape(0), bb = s.layout().block_bytes();
+            NumpyOut<uint8_t> out({n, bb});
+            {
+              nb::gil_scoped_release nogil;
+              s.fetch(blocks.data(), n, out.data());
+            }
+            return out.release();
+          },
+          "blocks"_a, "Several blocks (uint8[n, block_bytes]), the misses read in one batch.")
+      .def("reset_buffer", &PageStore::reset_buffer, nb::call_guard<nb::gil_scoped_release>(),
+           "Empties the page buffer.")
+      .def(
+          "stats",
+          [](const PageStore& s) {
+            PageStoreStats st = s.stats();
+            nb::dict d;
+            d["blocks_read"] = st.blocks_read;
+            d["blocks_from_buffer"] = st.blocks_from_buffer;
+            d["read_calls"] = st.read_calls;
+            d["evictions"] = st.evictions;
+            return d;
+          },
+          "Cumulative counters: blocks_read (from the SSD), blocks_from_buffer, read_calls (batched "
+          "submissions), evictions.");
+}

@@ -1,0 +1,125 @@
+// The SSD tier: raw vectors in a file of 4 KiB pages, read with O_DIRECT through
+// a bounded DRAM page buffer. Record slot s lives in block s / records_per_block
+// at byte (s % records_per_block) * record_bytes; a block is pages_per_block
+// pages and every block carries a CRC32C kept by the index.
+#pragma once
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace fusionrag {
+
+constexpr size_t kPageBytes = 4096;
+
+// A failed system call: becomes OSError(errno, message) in Python.
+struct OsError : std::runtime_error {
+  OsError(int err, const std::string& what) : std::runtime_error(what), err(err) {}
+  int err;
+};
+
+struct PageLayout {
+  size_t record_bytes, records_per_block, pages_per_block;
+
+  // Throws std::invalid_argument unless records fit their blocks.
+  PageLayout(size_t record_bytes, size_t records_per_block, size_t pages_per_block);
+  size_t block_bytes() const { return pages_per_block * kPageBytes; }
+  uint64_t block_of(uint64_t slot) const { return slot / records_per_block; }
+  size_t offset_in_block(uint64_t slot) const { return (slot % records_per_block) * record_bytes; }
+};
+
+// 4096-aligned memory: O_DIRECT reads land in it.
+struct AlignedBuffer {
+  std::unique_ptr<uint8_t, void (*)(void*)> ptr{nullptr, free};
+  size_t bytes = 0;
+  uint8_t* get(size_t need);  // grows, keeps alignment, drops old contents
+};
+
+// The DRAM page buffer: a fixed number of block frames shared by every query and
+// thread. CLOCK eviction; blocks hash onto shards with one lock each so that
+// concurrent queries rarely wait on one another. Lookups copy the block out under
+// the lock: a copy of 4 KiB is cheaper than pinning frames against eviction.
+class PageBuffer {
+ public:
+  PageBuffer(size_t capacity, size_t block_bytes);
+  ~PageBuffer();
+  size_t capacity() const { return capacity_; }
+  bool lookup(uint32_t block, uint8_t* out);
+  void insert(uint32_t block, const uint8_t* data);
+  void clear();
+  uint64_t evictions() const { return evictions_.load(std::memory_order_relaxed); }
+
+ private:
+  static constexpr uint32_t kEmpty = UINT32_MAX;
+  struct Shard {
+    std::mutex mutex;
+    uint8_t* frames = nullptr;
+    std::vector<uint32_t> block_of;  // frame -> block, kEmpty when free
+    std::vector<uint8_t> referenced;
+    std::unordered_map<uint32_t, uint32_t> frame_of;
+    size_t hand = 0;
+  };
+  Shard& shard(uint32_t block) { return shards_[(block * 0x9E3779B1u >> 16) % shards_.size()]; }
+
+  size_t capacity_, block_bytes_, arena_bytes_ = 0;
+  void* arena_ = nullptr;
+  std::vector<Shard> shards_;
+  std::atomic<uint64_t> evictions_{0};
+};
+
+// Reads whole blocks; one implementation per I/O path so either can be swapped in.
+struct BlockRead {
+  uint32_t block;
+  uint8_t* dst;  // block_bytes, 4096-aligned
+};
+
+class BlockReader {
+ public:
+  virtual ~BlockReader() = default;
+  virtual const char* name() const = 0;
+  // Reads every block in full or throws naming the file, the block and the errno.
+  virtual void read(const BlockRead* reads, size_t n) = 0;
+};
+
+struct PageStoreStats {
+  uint64_t blocks_read, blocks_from_buffer, read_calls, evictions;
+};
+
+class PageStore {
+ public:
+  PageStore(const std::string& path, PageLayout layout, std::vector<uint32_t> block_crc, size_t buffer_blocks,
+            const std::string& io_backend, const std::string& direct_io, int io_threads);
+  ~PageStore();
+
+  // Copies blocks[i] to out + i * block_bytes (out 4096-aligned): from the page
+  // buffer when there; the others are read from the SSD together, checked
+  // against their CRC and put in the buffer. Returns how many came from the SSD.
+  size_t fetch(const uint32_t* blocks, size_t n, uint8_t* out);
+  void reset_buffer() { buffer_.clear(); }
+  PageStoreStats stats() const;
+
+  const std::string& path() const { return path_; }
+  const PageLayout& layout() const { return layout_; }
+  size_t num_blocks() const { return crc_.size(); }
+  size_t buffer_capacity() const { return buffer_.capacity(); }
+  const char* backend() const { return reader_->name(); }
+  bool direct() const { return direct_; }
+  int fd() const { return fd_; }
+
+ private:
+  std::string path_;
+  PageLayout layout_;
+  std::vector<uint32_t> crc_;
+  int fd_ = -1;
+  bool direct_ = false;
+  PageBuffer buffer_;
+  std::unique_ptr<BlockReader> reader_;
+  std::atomic<uint64_t> blocks_read_{0}, blocks_from_buffer_{0}, read_calls_{0};
+};
+
+}  // namespace fusionrag

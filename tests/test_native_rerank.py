@@ -1,0 +1,225 @@
+"""Heuristic re-ranking (FusionANNS Algorithm 1) on the page store."""
+
+import numpy as np
+import pytest
+
+from fusionrag import native
+
+NP_DTYPE = {"f32": np.float32, "u8": np.uint8, "i8": np.int8}
+
+
+def make_store(tmp_path, vectors, dtype, buffer_blocks=256, spread=2, seed=0, **kw):
+    """Writes vectors to a page file at shuffled, sparse slots; returns (store, locations)."""
+    n, dim = vectors.shape
+    rng = np.random.default_rng(seed)
+    slots = np.sort(rng.choice(spread * n, n, replace=False)).astype(np.uint32)
+    owner = rng.permutation(n)  # slot order is not id order, as after bucketing
+    locations = np.empty(n, np.uint32)
+    locations[owner] = slots
+    records = np.ascontiguousarray(vectors[owner].astype(NP_DTYPE[dtype])).view(np.uint8)
+    record_bytes = records.shape[1]
+    rpb, ppb = native.page_layout(record_bytes)
+    path = tmp_path / f"vectors-{dtype}-{seed}.pages"
+    w = native.PageWriter(str(path), record_bytes, rpb, ppb)
+    w.write(slots, records)
+    store = native.PageStore(str(path), record_bytes, rpb, ppb, w.close(), buffer_blocks, **kw)
+    return store, locations
+
+
+def brute_force(queries, vectors, metric, k, ids=None):
+    x = vectors.astype(np.float64)
+    q = queries.astype(np.float64)
+    if metric == "l2":
+        d = ((q[:, None, :] - x[None]) ** 2).sum(-1)
+    else:
+        d = -(q @ x.T)
+    if ids is not None:
+        mask = np.full(d.shape, np.inf)
+        np.put_along_axis(mask, ids, 0, 1)
+        d = d + mask
+    order = np.lexsort((np.broadcast_to(np.arange(d.shape[1]), d.shape), d), axis=1)[:, :k]
+    return order, np.take_along_axis(d, order, 1)
+
+
+def random_vectors(rng, dtype, n, dim):
+    if dtype == "f32":
+        return rng.standard_normal((n, dim)).astype(np.float32)
+    lo, hi = (0, 256) if dtype == "u8" else (-128, 128)
+    return rng.integers(lo, hi, (n, dim)).astype(NP_DTYPE[dtype])
+
+
+@pytest.mark.parametrize("dtype", ["f32", "u8", "i8"])
+@pytest.mark.parametrize("metric", ["l2", "ip"])
+def test_full_rerank_equals_brute_force(tmp_path, dtype, metric):
+    rng = np.random.default_rng(7)
+    n, dim, k = 2000, 37, 10  # odd dim exercises the loop tails
+    vectors = random_vectors(rng, dtype, n, dim)
+    # Integer queries keep integer data exact, so ties are real and resolved by id.
+    queries = (rng.standard_normal((6, dim)) * 20).round().astype(np.float32)
+    if dtype == "f32":
+        queries /= 20
+    store, locations = make_store(tmp_path, vectors, dtype)
+    cand = np.stack([rng.permutation(n) for _ in range(len(queries))]).astype(np.int64)
+    cand[3, 1500:] = -1  # a padded row: only its first 1500 candidates count
+    ids, dists, stats, seconds = native.rerank(
+        store, queries, cand, locations, dtype, metric, k, minibatch=64, eps=0.0, beta=0
+    )
+    assert ids.shape == (6, k) and ids.dtype == np.int64 and dists.dtype == np.float32
+    assert stats.shape == (6, 4) and seconds.shape == (6,) and (seconds > 0).all()
+    for i in range(len(queries)):
+        row = cand[i][cand[i] >= 0]
+        want_ids, want_d = brute_force(queries[i : i + 1], vectors, metric, k, ids=row[None])
+        assert np.array_equal(ids[i], want_ids[0]), i
+        np.testing.assert_allclose(dists[i], want_d[0], rtol=1e-5, atol=1e-3)
+        assert stats[i, 1] == len(row) and stats[i, 0] == -(-len(row) // 64)
+
+
+def test_fewer_candidates_than_k(tmp_path):
+    rng = np.random.default_rng(1)
+    vectors = rng.standard_normal((50, 8)).astype(np.float32)
+    store, locations = make_store(tmp_path, vectors, "f32")
+    cand = np.array([[4, 9, 2, -1, -1, -1]], np.int64)
+    ids, dists, stats, _ = native.rerank(store, vectors[:1], cand, locations, "f32", "l2", 5, 2, 0.0, 0)
+    want, _ = brute_force(vectors[:1], vectors, "l2", 3, ids=cand[:, :3])
+    assert np.array_equal(ids[0, :3], want[0])
+    assert np.array_equal(ids[0, 3:], [-1, -1]) and np.isinf(dists[0, 3:]).all()
+    assert stats[0, :2].tolist() == [2, 3]
+
+
+def ranked_store(tmp_path, n=200, dim=16):
+    """Vector i sits at distance i^2 from the zero query (l2), so the rank of an id is the id."""
+    vectors = np.zeros((n, dim), np.float32)
+    vectors[:, 0] = np.arange(n)
+    store, locations = make_store(tmp_path, vectors, "f32")
+    return store, locations, np.zeros((1, dim), np.float32)
+
+
+def run(store, locations, query, order, k, minibatch, eps, beta):
+    cand = np.asarray(order, np.int64)[None]
+    return native.rerank(store, query, cand, locations, "f32", "l2", k, minibatch, eps, beta)
+
+
+def test_early_stop_after_stable_batches(tmp_path):
+    store, locations, q = ranked_store(tmp_path)
+    order = np.arange(100)  # the true top-5 all in the first mini-batch of 10
+    for beta, batches in [(2, 3), (1, 2), (4, 5)]:
+        ids, _, stats, _ = run(store, locations, q, order, 5, 10, 0.0, beta)
+        assert stats[0, 0] == batches and stats[0, 1] == 10 * batches
+        assert ids[0].tolist() == [0, 1, 2, 3, 4]
+    _, _, stats, _ = run(store, locations, q, order, 5, 10, 0.0, 0)
+    assert stats[0, 0] == 10  # beta <= 0: no early stop
+
+
+def test_no_early_stop_while_topk_changes(tmp_path):
+    store, locations, q = ranked_store(tmp_path)
+    order = np.arange(100)[::-1]  # every mini-batch replaces the whole top-k
+    ids, _, stats, _ = run(store, locations, q, order, 5, 5, 0.5, 1)
+    assert stats[0, 0] == 20 and stats[0, 1] == 100
+    assert ids[0].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_eps_tolerates_partial_change(tmp_path):
+    store, locations, q = ranked_store(tmp_path)
+    # Batch 1 holds ranks 0..8 and 10; batch 2 brings rank 9, which pushes out 10
+    # (Delta = 1/10); batch 3 changes nothing.
+    order = [*range(9), 10] + [9, *range(11, 20)] + list(range(20, 30))
+    _, _, stats, _ = run(store, locations, q, order, 10, 10, 0.1, 1)
+    assert stats[0, 0] == 2
+    _, _, stats, _ = run(store, locations, q, order, 10, 10, 0.05, 1)
+    assert stats[0, 0] == 3
+    _, _, stats, _ = run(store, locations, q, order, 10, 10, 0.1, 2)
+    assert stats[0, 0] == 3
+
+
+def test_block_stats(tmp_path):
+    rng = np.random.default_rng(3)
+    vectors = rng.standard_normal((300, 100)).astype(np.float32)  # 10 records a block
+    for buffer_blocks in (0, 64):
+        store, locations = make_store(tmp_path, vectors, "f32", buffer_blocks=buffer_blocks, spread=1)
+        block = locations // 10
+        a, b = np.flatnonzero(block == 3)[:2]  # two ids on one block
+        c = np.flatnonzero(block == 7)[0]
+        cand = np.array([[a, b, c]], np.int64)
+        _, _, stats, _ = native.rerank(store, vectors[:1], cand, locations, "f32", "l2", 2, 3, 0.0, 0)
+        assert stats[0].tolist() == [1, 3, 2, 0]
+        assert store.stats()["read_calls"] == 1
+        _, _, stats, _ = native.rerank(store, vectors[:1], cand, locations, "f32", "l2", 2, 3, 0.0, 0)
+        assert stats[0].tolist() == ([1, 3, 2, 0] if buffer_blocks == 0 else [1, 3, 0, 2])
+
+
+def test_backends_and_threads_agree(tmp_path):
+    rng = np.random.default_rng(5)
+    vectors = rng.integers(0, 256, (3000, 64)).astype(np.uint8)
+    queries = rng.integers(0, 256, (16, 64)).astype(np.float32)
+    d = ((queries[:, None, :] - vectors[None].astype(np.float32)) ** 2).sum(-1)
+    # A PQ-like candidate order: roughly right, with noise.
+    cand = np.argsort(d * rng.uniform(0.8, 1.2, d.shape), 1)[:, :200].astype(np.int64)
+    results = []
+    for backend in ("io_uring", "pread"):
+        try:
+            store, locations = make_store(tmp_path, vectors, "u8", buffer_blocks=64, io_backend=backend)
+        except OSError as e:
+            pytest.skip(f"{backend} not available: {e}")
+        for threads in (1, 2):
+            store.reset_buffer()
+            results.append(native.rerank(store, queries, cand, locations, "u8", "l2", 10, 32, 0.0, 3, threads))
+    for ids, dists, stats, _ in results[1:]:
+        assert np.array_equal(ids, results[0][0]) and np.array_equal(dists, results[0][1])
+        assert np.array_equal(stats[:, :2], results[0][2][:, :2])
+
+
+def test_exact_distances(tmp_path):
+    rng = np.random.default_rng(9)
+    vectors = random_vectors(rng, "i8", 500, 1100)  # 1100-byte records: 3 a block
+    queries = rng.standard_normal((3, 1100)).astype(np.float32)
+    store, locations = make_store(tmp_path, vectors, "i8")
+    ids = rng.integers(0, 500, (3, 150))
+    ids[1, 7] = ids[2, 149] = -1
+    got = native.exact_distances(store, queries, ids, locations, "i8", "ip")
+    want = -(queries.astype(np.float64)[:, None, :] * vectors[ids].astype(np.float64)).sum(-1)
+    want[ids < 0] = np.inf
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-2)
+
+
+def test_rerank_reports_corruption(tmp_path):
+    rng = np.random.default_rng(2)
+    vectors = rng.standard_normal((100, 100)).astype(np.float32)
+    store, locations = make_store(tmp_path, vectors, "f32", buffer_blocks=0, spread=1)
+    with open(store.path, "r+b") as f:
+        f.seek(5 * 4096 + 10)
+        f.write(b"\xff")
+    cand = np.arange(100)[None]
+    with pytest.raises(RuntimeError, match="block 5 fails its checksum"):
+        native.rerank(store, vectors[:1], cand, locations, "f32", "l2", 5, 16, 0.0, 0)
+
+
+def test_rerank_validates_arguments(tmp_path):
+    rng = np.random.default_rng(4)
+    vectors = rng.standard_normal((100, 20)).astype(np.float32)
+    store, locations = make_store(tmp_path, vectors, "f32")
+    q, cand = vectors[:2], np.tile(np.arange(10), (2, 1))
+
+    def call(**over):
+        args = dict(store=store, queries=q, candidates=cand, locations=locations, dtype="f32", metric="l2",
+                    k=5, minibatch=4, eps=0.0, beta=2)
+        args.update(over)
+        return native.rerank(**args)
+
+    for over, message in [
+        (dict(dtype="f16"), "dtype"),
+        (dict(metric="cos"), "metric"),
+        (dict(k=0), "k must be positive"),
+        (dict(minibatch=0), "minibatch must be positive"),
+        (dict(dtype="u8"), "bytes"),
+        (dict(queries=vectors[:2, :10].copy()), "bytes"),
+        (dict(candidates=cand[:1]), "rows"),
+        (dict(candidates=np.array([[1, 100, -1]] * 2)), "outside"),
+        (dict(candidates=np.array([[1, -7, -1]] * 2)), "outside"),
+        (dict(locations=np.full(100, 10**6, np.uint32)), "past the end"),
+        (dict(num_threads=-1), "num_threads"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            call(**over)
+    call(candidates=np.array([[1, -1, 500]] * 2))  # ids after the first -1 are never looked at
+    with pytest.raises(ValueError, match="outside"):
+        native.exact_distances(store, q, np.array([[1, -1, 500]] * 2), locations, "f32", "l2")
