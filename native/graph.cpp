@@ -4,6 +4,7 @@
 // per-node locks for a multi-threaded build, and per-thread search scratch.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/filesystem.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
@@ -467,7 +468,8 @@ void check_rows(const FloatMatrix& a, size_t dim, const char* name) {
   std::string shape;
   for (size_t i = 0; i < a.ndim(); ++i) shape += (i ? ", " : "") + std::to_string(a.shape(i));
   if (a.ndim() == 1) shape += ",";
-  throw std::invalid_argument(std::string(name) + " must have shape (n, " + std::to_string(dim) + "), got (" + shape + ")");
+  throw std::invalid_argument(std::string(name) + " must have shape (n, " + std::to_string(dim) + "), got (" + shape +
+                              ")");
 }
 
 }  // namespace
@@ -479,7 +481,8 @@ void bind_graph(nb::module_& m) {
       .def(
           "__init__",
           [](Graph* g, int64_t dim, const std::string& metric, int64_t M, int64_t ef_construction, uint64_t seed) {
-            if (dim < 1 || dim > kMaxDim) throw std::invalid_argument("dim must be in [1, 2^20], got " + std::to_string(dim));
+            if (dim < 1 || dim > kMaxDim)
+              throw std::invalid_argument("dim must be in [1, 2^20], got " + std::to_string(dim));
             if (M < 2 || M > kMaxM) throw std::invalid_argument("M must be in [2, 4096], got " + std::to_string(M));
             if (ef_construction < 1)
               throw std::invalid_argument("ef_construction must be positive, got " + std::to_string(ef_construction));
@@ -513,8 +516,12 @@ void bind_graph(nb::module_& m) {
           },
           "queries"_a, "k"_a, "ef"_a, "num_threads"_a = 0,
           "Top-k (ids int32, dists float32), ascending, beam max(ef, k); rows padded with -1 / inf.")
-      .def("save", &Graph::save, "path"_a, nb::call_guard<nb::gil_scoped_release>())
-      .def_static("load", &Graph::load, "path"_a, nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "save", [](const Graph& g, const std::filesystem::path& path) { g.save(path.string()); }, "path"_a,
+          nb::call_guard<nb::gil_scoped_release>())
+      .def_static(
+          "load", [](const std::filesystem::path& path) { return Graph::load(path.string()); }, "path"_a,
+          nb::call_guard<nb::gil_scoped_release>(), "Reads a file written by save(); ValueError if it is not whole.")
       .def_prop_ro("size", &Graph::size)
       .def_prop_ro("dim", &Graph::dim)
       .def_prop_ro("metric", [](const Graph& g) { return std::string(metric_name(g.metric())); })

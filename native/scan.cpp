@@ -257,7 +257,8 @@ auto scan_topn(Array<float> luts, Array<int32_t> probe_lists, Array<int64_t> lis
   {
     nb::gil_scoped_release unlocked;
     ScanOut out{ids.get(), dists.get(), counts.get(), seconds.get()};
-    ThreadPool::instance().parallel_for(q, threads, [&](size_t i, size_t) { scan_query(i, lists, pq, excluded, nn, out); });
+    ThreadPool::instance().parallel_for(q, threads,
+                                        [&](size_t i, size_t) { scan_query(i, lists, pq, excluded, nn, out); });
   }
   return std::make_tuple(to_numpy(std::move(ids), {q, nn}), to_numpy(std::move(dists), {q, nn}),
                          to_numpy(std::move(counts), {q, size_t(2)}), to_numpy(std::move(seconds), {q}));

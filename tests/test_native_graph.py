@@ -95,7 +95,7 @@ def test_save_load_round_trip(tmp_path, data):
     g = Graph(32, "ip", M=8, ef_construction=64, seed=9)
     g.add(x[:2000])
     path = tmp_path / "graph.bin"
-    g.save(str(path))
+    g.save(path)  # str or os.PathLike
     h = Graph.load(str(path))
     assert (h.size, h.dim, h.metric) == (2000, 32, "ip")
     assert h.memory_bytes() > x[:2000].nbytes
@@ -141,6 +141,8 @@ def test_load_rejects_bad_files(tmp_path):
 
     with pytest.raises((OSError, RuntimeError), match="missing.bin"):
         Graph.load(str(tmp_path / "missing.bin"))
+    with pytest.raises((OSError, RuntimeError), match="nowhere"):
+        g.save(tmp_path / "nowhere" / "g.bin")
 
 
 def test_bad_arguments_raise_value_error():
