@@ -1,3 +1,539 @@
+// The navigation graph over posting-list centroids: a multi-layer HNSW
+// (Malkov & Yashunin) in the manner of hnswlib. Fixed-size neighbour lists
+// (2*M links on level 0, M above), the diversity heuristic for choosing links,
+// per-node locks for a multi-threaded build, and per-thread search scratch.
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/filesystem.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/unique_ptr.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+#include <vector>
+
+#include "distance.h"
+#include "threadpool.h"
+
 namespace nb = nanobind;
-void bind_graph(nb::module_& m) { (void)m; }
+using namespace nb::literals;
+
+namespace fusionrag {
+namespace {
+
+constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
+constexpr int kMaxLevel = 32;
+constexpr int64_t kMaxDim = 1 << 20, kMaxM = 4096;  // bounds that keep file-size arithmetic from overflowing
+constexpr char kMagic[8] = {'F', 'R', 'G', 'R', 'A', 'P', 'H', '\0'};
+constexpr uint32_t kVersion = 1;
+
+struct Cand {
+  float dist;
+  uint32_t id;
+};
+// Lambdas rather than functions, so the heap code inlines the comparison.
+constexpr auto nearer = [](const Cand& a, const Cand& b) { return a.dist < b.dist; };   // max-heap order
+constexpr auto farther = [](const Cand& a, const Cand& b) { return a.dist > b.dist; };  // min-heap order
+
+// Search state kept per thread between calls, so that a query allocates
+// nothing. Thread-local rather than indexed by pool worker, because two Python
+// threads may search at once.
+struct Scratch {
+  std::vector<uint32_t> visited;  // visited[i] == epoch: node i seen by this search
+  uint32_t epoch = 0;
+  std::vector<Cand> frontier;     // min-heap: nodes still to expand
+  std::vector<Cand> best;         // max-heap: the ef nearest found so far
+  std::vector<uint32_t> links;    // a neighbour list copied out under its node's lock
+  std::vector<Cand> pruned;       // a full neighbour list being shrunk
+
+  // Not inlined: seen through an inlined accessor, GCC re-derives the
+  // thread-local address after every call in the search loop.
+  __attribute__((noinline)) static Scratch& local() {
+    thread_local Scratch s;
+    return s;
+  }
+
+  void start(size_t nodes) {
+    if (visited.size() < nodes) visited.resize(nodes, 0);
+    if (++epoch == 0) {  // wrapped: old tags could collide
+      std::fill(visited.begin(), visited.end(), 0);
+      epoch = 1;
+    }
+    frontier.clear();
+    best.clear();
+  }
+};
+
+// Per-node locks for a build, striped so that growing a large graph by a few
+// nodes stays cheap; a thread never holds two, so sharing cannot deadlock.
+class NodeLocks {
+ public:
+  explicit NodeLocks(size_t nodes) : locks_(std::min<size_t>(nodes, 1 << 16)) {}
+  std::mutex& operator[](uint32_t i) { return locks_[i % locks_.size()]; }
+
+ private:
+  std::vector<std::mutex> locks_;
+};
+
+class File {
+ public:
+  File(const std::string& path, const char* mode) : path_(path), f_(std::fopen(path.c_str(), mode)) {
+    if (!f_) throw std::runtime_error("cannot open '" + path + "': " + std::strerror(errno));
+  }
+  ~File() {
+    if (f_) std::fclose(f_);
+  }
+  void write(const void* p, size_t bytes) {
+    if (bytes && std::fwrite(p, 1, bytes, f_) != bytes)
+      throw std::runtime_error("cannot write '" + path_ + "': " + std::strerror(errno));
+  }
+  void read(void* p, size_t bytes) {
+    if (bytes && std::fread(p, 1, bytes, f_) != bytes) bad("truncated");
+  }
+  uint64_t size() {
+    long here = std::ftell(f_);
+    std::fseek(f_, 0, SEEK_END);
+    long end = std::ftell(f_);
+    std::fseek(f_, here, SEEK_SET);
+    if (here < 0 || end < 0) throw std::runtime_error("cannot seek in '" + path_ + "'");
+    return uint64_t(end);
+  }
+  void close() {
+    FILE* f = f_;
+    f_ = nullptr;
+    if (std::fclose(f) != 0) throw std::runtime_error("cannot write '" + path_ + "': " + std::strerror(errno));
+  }
+  [[noreturn]] void bad(const std::string& why) const {
+    throw std::invalid_argument("graph file '" + path_ + "' is " + why);
+  }
+
+ private:
+  std::string path_;
+  FILE* f_;
+};
+
+// File layout (native byte order): Header, levels (uint8[size]),
+// vectors (float[size*dim]), level-0 lists (uint32[size*(1+2M)]), then each
+// node's upper lists in id order (uint32[level*(1+M)]). A list is [count, ids...].
+struct Header {
+  char magic[8];
+  uint32_t version, metric;
+  uint64_t dim, M, ef_construction, seed, size;
+  uint32_t entry;
+  int32_t max_level;
+};
+static_assert(sizeof(Header) == 64, "Header must have no padding");
+
+class Graph {
+ public:
+  Graph(size_t dim, Metric metric, size_t M, size_t ef_construction, uint64_t seed)
+      : dim_(dim), M_(M), M0_(2 * M), ef_construction_(ef_construction), seed_(seed),
+        metric_(metric), dist_(distance_fn(metric)), level_mult_(1.0 / std::log(double(M))) {}
+
+  size_t size() const {
+    std::shared_lock<std::shared_mutex> r(rw_);
+    return count();
+  }
+  size_t dim() const { return dim_; }
+  Metric metric() const { return metric_; }
+
+  size_t memory_bytes() const {
+    std::shared_lock<std::shared_mutex> r(rw_);
+    size_t bytes = vectors_.capacity() * sizeof(float) + links0_.capacity() * sizeof(uint32_t) +
+                   levels_.capacity() + upper_.capacity() * sizeof(upper_[0]);
+    for (const auto& u : upper_) bytes += u.capacity() * sizeof(uint32_t);
+    return bytes;
+  }
+
+  std::unique_ptr<float[]> copy_vectors(size_t& rows) const {
+    std::shared_lock<std::shared_mutex> r(rw_);
+    rows = count();
+    auto out = std::make_unique<float[]>(vectors_.size());
+    std::copy(vectors_.begin(), vectors_.end(), out.get());
+    return out;
+  }
+
+  void add(const float* data, size_t n, size_t threads) {
+    std::unique_lock<std::shared_mutex> w(rw_);
+    size_t first = count(), total = first + n;
+    if (total > size_t(std::numeric_limits<int32_t>::max()))
+      throw std::invalid_argument("graph would exceed 2^31-1 nodes");
+    vectors_.insert(vectors_.end(), data, data + n * dim_);
+    links0_.resize(total * (1 + M0_), 0);
+    levels_.resize(total);
+    upper_.resize(total);
+    for (size_t i = first; i < total; ++i) {
+      levels_[i] = uint8_t(random_level(i));
+      upper_[i].assign(levels_[i] * (1 + M_), 0);
+    }
+    NodeLocks locks(total);
+    ThreadPool::instance().parallel_for(n, threads, [&](size_t i, size_t) {
+      insert(uint32_t(first + i), Scratch::local(), &locks);
+    });
+  }
+
+  // Writes the k nearest of each query (ascending), padding with -1 / +inf.
+  void search(const float* queries, size_t nq, size_t k, size_t ef, size_t threads, int32_t* ids,
+              float* dists) const {
+    std::shared_lock<std::shared_mutex> r(rw_);
+    ef = std::max(ef, k);
+    ThreadPool::instance().parallel_for(nq, threads, [&](size_t i, size_t) {
+      Scratch& s = Scratch::local();
+      const float* q = queries + i * dim_;
+      size_t found = 0;
+      if (entry_ != kNone) {
+        uint32_t ep = entry_;
+        float ep_dist = dist_(q, vec(ep), dim_);
+        for (int level = max_level_; level > 0; --level) greedy(q, ep, ep_dist, level, s, nullptr);
+        search_layer(q, ep, ep_dist, ef, 0, s, nullptr);
+        std::sort_heap(s.best.begin(), s.best.end(), nearer);
+        found = std::min(k, s.best.size());
+        for (size_t j = 0; j < found; ++j) {
+          ids[i * k + j] = int32_t(s.best[j].id);
+          dists[i * k + j] = s.best[j].dist;
+        }
+      }
+      for (size_t j = found; j < k; ++j) {
+        ids[i * k + j] = -1;
+        dists[i * k + j] = std::numeric_limits<float>::infinity();
+      }
+    });
+  }
+
+  void save(const std::string& path) const {
+    std::shared_lock<std::shared_mutex> r(rw_);
+    Header h{};
+    std::memcpy(h.magic, kMagic, sizeof kMagic);
+    h.version = kVersion;
+    h.metric = uint32_t(metric_);
+    h.dim = dim_;
+    h.M = M_;
+    h.ef_construction = ef_construction_;
+    h.seed = seed_;
+    h.size = count();
+    h.entry = entry_;
+    h.max_level = max_level_;
+    File f(path, "wb");
+    f.write(&h, sizeof h);
+    f.write(levels_.data(), levels_.size());
+    f.write(vectors_.data(), vectors_.size() * sizeof(float));
+    f.write(links0_.data(), links0_.size() * sizeof(uint32_t));
+    for (const auto& u : upper_) f.write(u.data(), u.size() * sizeof(uint32_t));
+    f.close();
+  }
+
+  static std::unique_ptr<Graph> load(const std::string& path) {
+    File f(path, "rb");
+    uint64_t file_size = f.size();
+    Header h;
+    f.read(&h, sizeof h);
+    if (std::memcmp(h.magic, kMagic, sizeof kMagic) != 0) f.bad("not a fusionrag graph (bad magic)");
+    if (h.version != kVersion) f.bad("version " + std::to_string(h.version) + ", expected " + std::to_string(kVersion));
+    if (h.metric > uint32_t(Metric::IP) || h.dim < 1 || h.dim > kMaxDim || h.M < 2 || h.M > kMaxM ||
+        h.ef_construction < 1 || h.size > uint64_t(std::numeric_limits<int32_t>::max()))
+      f.bad("inconsistent (bad header)");
+    auto g = std::make_unique<Graph>(h.dim, Metric(h.metric), h.M, h.ef_construction, h.seed);
+    // Check sizes against the file before allocating, so a corrupt header
+    // cannot ask for terabytes.
+    uint64_t fixed = sizeof h + h.size * (1 + h.dim * sizeof(float) + (1 + g->M0_) * sizeof(uint32_t));
+    if (fixed > file_size) f.bad("truncated");
+    g->levels_.resize(h.size);
+    f.read(g->levels_.data(), h.size);
+    uint64_t upper_words = 0;
+    for (uint8_t l : g->levels_) {
+      if (l > kMaxLevel) f.bad("inconsistent (node level out of range)");
+      upper_words += l * (1 + g->M_);
+    }
+    uint64_t expected = fixed + upper_words * sizeof(uint32_t);
+    if (expected > file_size) f.bad("truncated");
+    if (expected < file_size) f.bad("inconsistent (" + std::to_string(file_size - expected) + " trailing bytes)");
+    g->vectors_.resize(h.size * h.dim);
+    f.read(g->vectors_.data(), g->vectors_.size() * sizeof(float));
+    g->links0_.resize(h.size * (1 + g->M0_));
+    f.read(g->links0_.data(), g->links0_.size() * sizeof(uint32_t));
+    g->upper_.resize(h.size);
+    for (size_t i = 0; i < h.size; ++i) {
+      g->upper_[i].resize(g->levels_[i] * (1 + g->M_));
+      f.read(g->upper_[i].data(), g->upper_[i].size() * sizeof(uint32_t));
+    }
+    g->entry_ = h.entry;
+    g->max_level_ = h.max_level;
+    if (!g->consistent()) f.bad("inconsistent (bad entry point or links)");
+    return g;
+  }
+
+ private:
+  size_t count() const { return levels_.size(); }  // callers hold rw_
+  const float* vec(uint32_t i) const { return vectors_.data() + size_t(i) * dim_; }
+
+  // A list is [count, ids...].
+  uint32_t* links(uint32_t i, int level) {
+    return level == 0 ? &links0_[i * (1 + M0_)] : &upper_[i][(level - 1) * (1 + M_)];
+  }
+  const uint32_t* links(uint32_t i, int level) const { return const_cast<Graph*>(this)->links(i, level); }
+
+  // While building, other threads rewrite lists, so a list is copied out under
+  // its node's lock; searches run only when no build is (see rw_) and read in place.
+  const uint32_t* neighbours(uint32_t i, int level, NodeLocks* locks, Scratch& s) const {
+    const uint32_t* l = links(i, level);
+    if (!locks) return l;
+    std::lock_guard<std::mutex> lk((*locks)[i]);
+    s.links.assign(l, l + 1 + l[0]);
+    return s.links.data();
+  }
+
+  // Levels hash (seed, id) instead of drawing from a stateful generator, so a
+  // graph grown by several add() calls, or saved, loaded and grown, gets the
+  // same levels as one built at once.
+  int random_level(uint64_t id) const {
+    uint64_t x = seed_ + (id + 1) * 0x9E3779B97F4A7C15ull;  // splitmix64
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    x ^= x >> 31;
+    double u = double((x >> 11) + 1) * 0x1.0p-53;  // in (0, 1]
+    return std::min(kMaxLevel, int(-std::log(u) * level_mult_));
+  }
+
+  // Moves ep to a local minimum of the distance to q on one upper level.
+  void greedy(const float* q, uint32_t& ep, float& ep_dist, int level, Scratch& s, NodeLocks* locks) const {
+    for (bool moved = true; moved;) {
+      moved = false;
+      const uint32_t* l = neighbours(ep, level, locks, s);
+      for (uint32_t j = 1; j <= l[0]; ++j) {
+        float d = dist_(q, vec(l[j]), dim_);
+        if (d < ep_dist) {
+          ep_dist = d;
+          ep = l[j];
+          moved = true;
+        }
+      }
+    }
+  }
+
+  // Beam search on one level; leaves the ef nearest found in s.best (a max-heap).
+  void search_layer(const float* q, uint32_t ep, float ep_dist, size_t ef, int level, Scratch& s,
+                    NodeLocks* locks) const {
+    s.start(count());
+    s.visited[ep] = s.epoch;
+    s.frontier.push_back({ep_dist, ep});
+    s.best.push_back({ep_dist, ep});
+    while (!s.frontier.empty()) {
+      Cand c = s.frontier.front();
+      if (c.dist > s.best.front().dist) break;  // nothing left can improve the beam
+      std::pop_heap(s.frontier.begin(), s.frontier.end(), farther);
+      s.frontier.pop_back();
+      const uint32_t* l = neighbours(c.id, level, locks, s);
+      for (uint32_t j = 1; j <= l[0]; ++j) __builtin_prefetch(vec(l[j]));
+      for (uint32_t j = 1; j <= l[0]; ++j) {
+        uint32_t n = l[j];
+        if (s.visited[n] == s.epoch) continue;
+        s.visited[n] = s.epoch;
+        float d = dist_(q, vec(n), dim_);
+        if (s.best.size() < ef || d < s.best.front().dist) {
+          s.frontier.push_back({d, n});
+          std::push_heap(s.frontier.begin(), s.frontier.end(), farther);
+          __builtin_prefetch(links(s.frontier.front().id, level));  // likely expanded next
+          s.best.push_back({d, n});
+          std::push_heap(s.best.begin(), s.best.end(), nearer);
+          if (s.best.size() > ef) {
+            std::pop_heap(s.best.begin(), s.best.end(), nearer);
+            s.best.pop_back();
+          }
+        }
+      }
+    }
+  }
+
+  // The HNSW heuristic on candidates sorted by distance to a base point: keep a
+  // candidate only if it is nearer the base than any candidate kept so far.
+  // Links then spread across directions, which keeps clustered data navigable.
+  void select_neighbours(std::vector<Cand>& c, size_t m) const {
+    if (c.size() <= m) return;
+    size_t kept = 0;
+    for (size_t i = 0; i < c.size() && kept < m; ++i) {
+      bool diverse = true;
+      for (size_t j = 0; j < kept && diverse; ++j) diverse = dist_(vec(c[i].id), vec(c[j].id), dim_) >= c[i].dist;
+      if (diverse) c[kept++] = c[i];
+    }
+    c.resize(kept);
+  }
+
+  // Adds the link node -> id at a level; a full list is re-chosen by the heuristic.
+  void link_back(uint32_t node, uint32_t id, float d, int level, Scratch& s, NodeLocks* locks) {
+    size_t cap = level == 0 ? M0_ : M_;
+    std::lock_guard<std::mutex> lk((*locks)[node]);
+    uint32_t* l = links(node, level);
+    if (l[0] < cap) {
+      l[1 + l[0]++] = id;
+      return;
+    }
+    s.pruned.assign(1, {d, id});
+    for (uint32_t j = 1; j <= l[0]; ++j) s.pruned.push_back({dist_(vec(node), vec(l[j]), dim_), l[j]});
+    std::sort(s.pruned.begin(), s.pruned.end(), nearer);
+    select_neighbours(s.pruned, cap);
+    l[0] = uint32_t(s.pruned.size());
+    for (size_t j = 0; j < s.pruned.size(); ++j) l[1 + j] = s.pruned[j].id;
+  }
+
+  void insert(uint32_t id, Scratch& s, NodeLocks* locks) {
+    const float* q = vec(id);
+    int level = levels_[id];
+    // A node that raises the top level holds this lock for its whole insertion,
+    // so no thread enters the graph through its half-linked upper levels.
+    std::unique_lock<std::mutex> top(entry_mutex_);
+    uint32_t ep = entry_;
+    int top_level = max_level_;
+    if (level <= top_level) top.unlock();
+    if (ep == kNone) {
+      entry_ = id;
+      max_level_ = level;
+      return;
+    }
+    float ep_dist = dist_(q, vec(ep), dim_);
+    for (int l = top_level; l > level; --l) greedy(q, ep, ep_dist, l, s, locks);
+    for (int l = std::min(level, top_level); l >= 0; --l) {
+      search_layer(q, ep, ep_dist, ef_construction_, l, s, locks);
+      std::sort_heap(s.best.begin(), s.best.end(), nearer);
+      ep = s.best[0].id;
+      ep_dist = s.best[0].dist;
+      select_neighbours(s.best, M_);
+      {
+        std::lock_guard<std::mutex> lk((*locks)[id]);
+        uint32_t* own = links(id, l);
+        own[0] = uint32_t(s.best.size());
+        for (size_t j = 0; j < s.best.size(); ++j) own[1 + j] = s.best[j].id;
+      }
+      for (const Cand& c : s.best) link_back(c.id, id, c.dist, l, s, locks);
+    }
+    if (level > top_level) {
+      entry_ = id;
+      max_level_ = level;
+    }
+  }
+
+  bool consistent() const {
+    if (count() == 0) return entry_ == kNone && max_level_ == -1;
+    if (entry_ >= count() || max_level_ != levels_[entry_]) return false;
+    for (uint32_t i = 0; i < count(); ++i)
+      for (int level = 0; level <= levels_[i]; ++level) {
+        const uint32_t* l = links(i, level);
+        if (l[0] > (level == 0 ? M0_ : M_)) return false;
+        for (uint32_t j = 1; j <= l[0]; ++j)
+          if (l[j] >= count() || levels_[l[j]] < level) return false;  // a link must exist on its level
+      }
+    return true;
+  }
+
+  size_t dim_, M_, M0_, ef_construction_;
+  uint64_t seed_;
+  Metric metric_;
+  DistanceFn dist_;
+  double level_mult_;
+  std::vector<float> vectors_;               // size x dim
+  std::vector<uint32_t> links0_;             // size x (1 + 2M)
+  std::vector<std::vector<uint32_t>> upper_; // per node: level x (1 + M)
+  std::vector<uint8_t> levels_;
+  uint32_t entry_ = kNone;
+  int max_level_ = -1;
+  std::mutex entry_mutex_;                   // entry_ and max_level_ during a build
+  mutable std::shared_mutex rw_;             // add() excludes everything else
+};
+
+using FloatMatrix = nb::ndarray<const float, nb::c_contig, nb::device::cpu>;
+
+template <class T>
+nb::ndarray<nb::numpy, T> to_numpy(std::unique_ptr<T[]> data, std::initializer_list<size_t> shape) {
+  T* p = data.release();
+  nb::capsule owner(p, [](void* v) noexcept { delete[] static_cast<T*>(v); });
+  return nb::ndarray<nb::numpy, T>(p, shape, owner);
+}
+
+size_t pool_threads(int num_threads) {
+  if (num_threads < 0) throw std::invalid_argument("num_threads must be >= 0, got " + std::to_string(num_threads));
+  return num_threads ? size_t(num_threads) : ThreadPool::instance().size();
+}
+
+void check_rows(const FloatMatrix& a, size_t dim, const char* name) {
+  if (a.ndim() == 2 && a.shape(1) == dim) return;
+  std::string shape;
+  for (size_t i = 0; i < a.ndim(); ++i) shape += (i ? ", " : "") + std::to_string(a.shape(i));
+  if (a.ndim() == 1) shape += ",";
+  throw std::invalid_argument(std::string(name) + " must have shape (n, " + std::to_string(dim) + "), got (" + shape +
+                              ")");
+}
+
+}  // namespace
+}  // namespace fusionrag
+
+void bind_graph(nb::module_& m) {
+  using namespace fusionrag;
+  nb::class_<Graph>(m, "Graph", "HNSW navigation graph over float32 vectors (ids are insertion order).")
+      .def(
+          "__init__",
+          [](Graph* g, int64_t dim, const std::string& metric, int64_t M, int64_t ef_construction, uint64_t seed) {
+            if (dim < 1 || dim > kMaxDim)
+              throw std::invalid_argument("dim must be in [1, 2^20], got " + std::to_string(dim));
+            if (M < 2 || M > kMaxM) throw std::invalid_argument("M must be in [2, 4096], got " + std::to_string(M));
+            if (ef_construction < 1)
+              throw std::invalid_argument("ef_construction must be positive, got " + std::to_string(ef_construction));
+            new (g) Graph(size_t(dim), parse_metric(metric), size_t(M), size_t(ef_construction), seed);
+          },
+          "dim"_a, "metric"_a = "l2", "M"_a = 16, "ef_construction"_a = 200, "seed"_a = 0)
+      .def(
+          "add",
+          [](Graph& g, FloatMatrix vectors, int num_threads) {
+            check_rows(vectors, g.dim(), "vectors");
+            size_t threads = pool_threads(num_threads);
+            nb::gil_scoped_release unlocked;
+            g.add(vectors.data(), vectors.shape(0), threads);
+          },
+          "vectors"_a, "num_threads"_a = 0, "Append vectors; they get ids size .. size+n-1.")
+      .def(
+          "search",
+          [](const Graph& g, FloatMatrix queries, int64_t k, int64_t ef, int num_threads) {
+            check_rows(queries, g.dim(), "queries");
+            if (k <= 0) throw std::invalid_argument("k must be positive, got " + std::to_string(k));
+            size_t threads = pool_threads(num_threads);
+            size_t nq = queries.shape(0), kk = size_t(k);
+            auto ids = std::make_unique<int32_t[]>(nq * kk);
+            auto dists = std::make_unique<float[]>(nq * kk);
+            {
+              nb::gil_scoped_release unlocked;
+              g.search(queries.data(), nq, kk, size_t(std::max<int64_t>(ef, 0)), threads, ids.get(), dists.get());
+            }
+            return std::make_pair(to_numpy(std::move(ids), {nq, kk}),
+                                  to_numpy(std::move(dists), {nq, kk}));
+          },
+          "queries"_a, "k"_a, "ef"_a, "num_threads"_a = 0,
+          "Top-k (ids int32, dists float32), ascending, beam max(ef, k); rows padded with -1 / inf.")
+      .def(
+          "save", [](const Graph& g, const std::filesystem::path& path) { g.save(path.string()); }, "path"_a,
+          nb::call_guard<nb::gil_scoped_release>())
+      .def_static(
+          "load", [](const std::filesystem::path& path) { return Graph::load(path.string()); }, "path"_a,
+          nb::call_guard<nb::gil_scoped_release>(), "Reads a file written by save(); ValueError if it is not whole.")
+      .def_prop_ro("size", &Graph::size)
+      .def_prop_ro("dim", &Graph::dim)
+      .def_prop_ro("metric", [](const Graph& g) { return std::string(metric_name(g.metric())); })
+      .def("memory_bytes", &Graph::memory_bytes, "Bytes held by vectors and links.")
+      .def("vectors", [](const Graph& g) {
+        size_t rows;
+        auto out = g.copy_vectors(rows);
+        return to_numpy(std::move(out), {rows, g.dim()});
+      }, "A copy of the vectors, row i = node i.")
+      .def("__len__", &Graph::size)
+      .def("__repr__", [](const Graph& g) {
+        return "Graph(dim=" + std::to_string(g.dim()) + ", metric='" + metric_name(g.metric()) +
+               "', size=" + std::to_string(g.size()) + ")";
+      });
+}

@@ -1,0 +1,218 @@
+"""The CPU filter tier (gather, de-duplicate, PQ ADC, top-n) against a plain numpy reference."""
+
+import numpy as np
+import pytest
+
+from fusionrag.native import gather, pq_distances, scan_topn
+
+
+def make_index(rng, n_vectors, n_lists, m_sub, replicas=3, list_len=40):
+    """Posting lists in CSR form over n_vectors PQ codes; every vector sits in 1..replicas lists."""
+    members = [[] for _ in range(n_lists)]
+    for v in range(n_vectors):
+        for c in rng.choice(n_lists, size=rng.integers(1, replicas + 1), replace=False):
+            members[c].append(v)
+    for c in range(n_lists):  # random extra members, so lists differ in length and repeat ids
+        members[c] += list(rng.integers(0, n_vectors, rng.integers(0, list_len)))
+        rng.shuffle(members[c])
+    offsets = np.zeros(n_lists + 1, np.int64)
+    offsets[1:] = np.cumsum([len(m) for m in members])
+    ids = np.concatenate([np.asarray(m, np.uint32) for m in members]) if offsets[-1] else np.zeros(0, np.uint32)
+    codes = rng.integers(0, 256, (n_vectors, m_sub), dtype=np.uint8)
+    return offsets, ids.astype(np.uint32), codes
+
+
+def integer_luts(rng, q, m_sub):
+    """Small integers: every summation order is exact, so ties are real and the tie rule is tested."""
+    return rng.integers(-50, 50, (q, m_sub, 256)).astype(np.float32)
+
+
+def reference(luts, probes, offsets, ids, codes, n, exclude=None):
+    q = probes.shape[0]
+    out_ids = np.full((q, n), -1, np.int64)
+    out_d = np.full((q, n), np.inf, np.float32)
+    counts = np.zeros((q, 2), np.int64)
+    for i in range(q):
+        parts = [ids[offsets[c] : offsets[c + 1]] for c in probes[i] if c != -1]
+        got = np.concatenate(parts) if parts else np.zeros(0, np.uint32)
+        uniq = np.unique(got).astype(np.int64)
+        if exclude is not None:
+            bits = np.unpackbits(exclude, bitorder="little")
+            uniq = uniq[bits[uniq] == 0]
+        d = luts[i][np.arange(codes.shape[1]), codes[uniq]].sum(axis=1, dtype=np.float64).astype(np.float32)
+        order = np.lexsort((uniq, d))[:n]  # by distance, then id
+        out_ids[i, : len(order)] = uniq[order]
+        out_d[i, : len(order)] = d[order]
+        counts[i] = (len(got), len(uniq))
+    return out_ids, out_d, counts
+
+
+@pytest.mark.parametrize(
+    "m_sub,q,n,n_probe",
+    [(1, 1, 5, 3), (3, 37, 10, 4), (8, 37, 100, 6), (25, 5, 1000, 8), (8, 1, 1, 1)],
+)
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_scan_topn_matches_reference(m_sub, q, n, n_probe, num_threads):
+    rng = np.random.default_rng(m_sub * 1000 + q)
+    offsets, ids, codes = make_index(rng, 500, 30, m_sub)
+    probes = rng.integers(0, 30, (q, n_probe)).astype(np.int32)
+    probes[rng.random((q, n_probe)) < 0.2] = -1  # per-query probe counts vary
+    if q > 1:
+        probes[0] = -1  # a query with no lists at all
+    luts = integer_luts(rng, q, m_sub)
+    got_ids, got_d, counts, seconds = scan_topn(luts, probes, offsets, ids, codes, n, num_threads=num_threads)
+    want_ids, want_d, want_counts = reference(luts, probes, offsets, ids, codes, n)
+    np.testing.assert_array_equal(got_ids, want_ids)
+    np.testing.assert_array_equal(got_d, want_d)
+    np.testing.assert_array_equal(counts, want_counts)
+    assert got_ids.dtype == np.int64 and got_d.dtype == np.float32 and counts.dtype == np.int64
+    assert seconds.shape == (q,) and seconds.dtype == np.float64 and np.all(seconds >= 0)
+
+
+def test_float_luts_close_to_reference():
+    rng = np.random.default_rng(7)
+    offsets, ids, codes = make_index(rng, 2000, 50, 16)
+    probes = rng.integers(0, 50, (20, 8)).astype(np.int32)
+    luts = rng.random((20, 16, 256), dtype=np.float32)
+    got_ids, got_d, _, _ = scan_topn(luts, probes, offsets, ids, codes, 50)
+    want_ids, want_d, _ = reference(luts, probes, offsets, ids, codes, 50)
+    np.testing.assert_allclose(got_d, want_d, rtol=1e-5)
+    assert np.mean(got_ids == want_ids) > 0.99  # only near-ties may swap
+    assert np.all(np.diff(got_d, axis=1) >= 0)
+
+
+def test_all_lists_identical_everything_duplicate():
+    rng = np.random.default_rng(1)
+    base = rng.permutation(100).astype(np.uint32)
+    ids = np.tile(base, 8)
+    offsets = np.arange(9, dtype=np.int64) * 100
+    codes = rng.integers(0, 256, (100, 4), dtype=np.uint8)
+    probes = np.tile(np.arange(8, dtype=np.int32), (3, 1))
+    luts = integer_luts(rng, 3, 4)
+    got_ids, got_d, counts, _ = scan_topn(luts, probes, offsets, ids, codes, 150)
+    np.testing.assert_array_equal(counts, [[800, 100]] * 3)
+    assert np.all(got_ids[:, 100:] == -1) and np.all(np.isinf(got_d[:, 100:]))
+    assert all(sorted(row[:100]) == list(range(100)) for row in got_ids)
+    want_ids, want_d, _ = reference(luts, probes, offsets, ids, codes, 150)
+    np.testing.assert_array_equal(got_ids, want_ids)
+
+
+def test_last_id_and_n_larger_than_candidates():
+    rng = np.random.default_rng(2)
+    n_vectors = 130  # not a multiple of 64 or 8: exercises the bitmap tail
+    codes = rng.integers(0, 256, (n_vectors, 3), dtype=np.uint8)
+    ids = np.array([n_vectors - 1, 0, n_vectors - 1, 64, 63], np.uint32)
+    offsets = np.array([0, 3, 5], np.int64)
+    probes = np.array([[0, 1], [1, -1]], np.int32)
+    luts = integer_luts(rng, 2, 3)
+    got_ids, got_d, counts, _ = scan_topn(luts, probes, offsets, ids, codes, 10)
+    want_ids, want_d, want_counts = reference(luts, probes, offsets, ids, codes, 10)
+    np.testing.assert_array_equal(got_ids, want_ids)
+    np.testing.assert_array_equal(got_d, want_d)
+    np.testing.assert_array_equal(counts, [[5, 4], [2, 2]])
+    assert n_vectors - 1 in got_ids[0]
+
+
+def test_exclude_bitmap():
+    rng = np.random.default_rng(3)
+    n_vectors = 301
+    offsets, ids, codes = make_index(rng, n_vectors, 20, 5)
+    probes = rng.integers(0, 20, (9, 5)).astype(np.int32)
+    deleted = rng.random(n_vectors) < 0.3
+    deleted[n_vectors - 1] = True
+    exclude = np.packbits(deleted, bitorder="little")
+    luts = integer_luts(rng, 9, 5)
+    got_ids, got_d, counts, _ = scan_topn(luts, probes, offsets, ids, codes, 40, exclude=exclude)
+    want_ids, want_d, want_counts = reference(luts, probes, offsets, ids, codes, 40, exclude)
+    np.testing.assert_array_equal(got_ids, want_ids)
+    np.testing.assert_array_equal(got_d, want_d)
+    np.testing.assert_array_equal(counts, want_counts)
+    assert not np.any(deleted[got_ids[got_ids >= 0]])
+    # The scratch bitmap is left clean: a later call without exclude sees every id again.
+    plain = scan_topn(luts, probes, offsets, ids, codes, 40)
+    np.testing.assert_array_equal(plain[0], reference(luts, probes, offsets, ids, codes, 40)[0])
+
+
+def test_gather_equals_concatenation():
+    rng = np.random.default_rng(4)
+    offsets, ids, _ = make_index(rng, 400, 25, 1)
+    probes = rng.integers(0, 25, (37, 6)).astype(np.int32)
+    probes[rng.random(probes.shape) < 0.25] = -1
+    probes[3] = -1
+    got, got_offsets = gather(probes, offsets, ids)
+    parts = [[ids[offsets[c] : offsets[c + 1]] for c in row if c != -1] for row in probes]
+    want = [np.concatenate(p) if p else np.zeros(0, np.uint32) for p in parts]
+    np.testing.assert_array_equal(got_offsets, np.concatenate([[0], np.cumsum([len(w) for w in want])]))
+    np.testing.assert_array_equal(got, np.concatenate(want))
+    assert got.dtype == np.uint32 and got_offsets.dtype == np.int64
+
+
+def test_pq_distances():
+    rng = np.random.default_rng(5)
+    codes = rng.integers(0, 256, (50, 7), dtype=np.uint8)
+    luts = integer_luts(rng, 4, 7)
+    ids = rng.integers(-1, 50, (4, 12)).astype(np.int64)
+    got = pq_distances(luts, ids, codes)
+    for i in range(4):
+        for j in range(12):
+            want = np.inf if ids[i, j] < 0 else luts[i][np.arange(7), codes[ids[i, j]]].sum()
+            assert got[i, j] == want
+
+
+def test_empty_query_batch():
+    offsets, ids = np.array([0, 2], np.int64), np.array([0, 1], np.uint32)
+    codes = np.zeros((2, 4), np.uint8)
+    res = scan_topn(np.zeros((0, 4, 256), np.float32), np.zeros((0, 3), np.int32), offsets, ids, codes, 5)
+    assert [r.shape for r in res] == [(0, 5), (0, 5), (0, 2), (0,)]
+    got, got_offsets = gather(np.zeros((0, 3), np.int32), offsets, ids)
+    assert got.shape == (0,) and list(got_offsets) == [0]
+
+
+def _valid():
+    return dict(
+        luts=np.zeros((2, 4, 256), np.float32),
+        probe_lists=np.array([[0, 1], [1, -1]], np.int32),
+        list_offsets=np.array([0, 2, 3], np.int64),
+        list_ids=np.array([0, 5, 9], np.uint32),
+        codes=np.zeros((10, 4), np.uint8),
+        n=4,
+    )
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(n=0), "n must be positive"),
+        (dict(luts=np.zeros((2, 4, 255), np.float32)), "luts"),
+        (dict(luts=np.zeros((3, 4, 256), np.float32)), "luts"),
+        (dict(luts=np.zeros((2, 4), np.float32)), "luts"),
+        (dict(codes=np.zeros((10, 5), np.uint8)), "codes"),
+        (dict(probe_lists=np.array([[0, 2], [1, -1]], np.int32)), r"probe_lists\[0, 1\] = 2"),
+        (dict(probe_lists=np.array([[0, -2], [1, -1]], np.int32)), "probe_lists"),
+        (dict(probe_lists=np.array([0, 1], np.int32)), "probe_lists"),
+        (dict(list_ids=np.array([0, 5, 10], np.uint32)), r"list_ids\[2\] = 10"),
+        (dict(list_offsets=np.array([0, 2, 4], np.int64)), "list_offsets"),
+        (dict(list_offsets=np.array([0, 3, 2], np.int64)), "list_offsets"),
+        (dict(exclude=np.zeros(1, np.uint8)), "exclude"),
+        (dict(num_threads=-1), "num_threads"),
+    ],
+)
+def test_scan_topn_rejects_bad_input(change, match):
+    args = _valid()
+    args.update(change)
+    with pytest.raises(ValueError, match=match):
+        scan_topn(**args)
+
+
+def test_bad_input_of_gather_and_pq_distances():
+    a = _valid()
+    with pytest.raises(ValueError, match="probe_lists"):
+        gather(np.array([[3]], np.int32), a["list_offsets"], a["list_ids"])
+    with pytest.raises(ValueError, match="list_offsets"):
+        gather(np.array([[1]], np.int32), np.array([0, 2, 7], np.int64), a["list_ids"])
+    with pytest.raises(ValueError, match=r"ids\[0, 1\] = 10"):
+        pq_distances(a["luts"], np.array([[0, 10], [1, 2]], np.int64), a["codes"])
+    with pytest.raises(ValueError, match="ids"):
+        pq_distances(a["luts"], np.array([[0, -2], [1, 2]], np.int64), a["codes"])
+    with pytest.raises(ValueError, match="luts"):
+        pq_distances(a["luts"], np.zeros((3, 2), np.int64), a["codes"])
