@@ -47,9 +47,9 @@ class BuildConfig(_Config):
     # Boundary replication: v joins list i if dist(v, c_i) <= (1 + eps) * dist(v, c_1).
     replica_eps: float = 0.1
     max_replicas: int = 8
-    # PQ code bytes per vector; 0 picks about one byte per 4 dimensions (8..64).
+    # PQ code bytes per vector; 0 picks one byte per 2 dimensions (at most 64).
     pq_m: int = 0
-    pq_train_size: int = 65536
+    pq_train_size: int = 32768
     graph_m: int = 16
     graph_ef_construction: int = 200
     threads: int = 0
@@ -75,20 +75,20 @@ class SearchParams(_Config):
     """Per-request knobs of the query path (steps 3-6 of the design)."""
 
     # m: posting lists probed at most; the distance-ratio rule may probe fewer per query.
-    nprobe: int = 64
+    nprobe: int = 128
     # Keep list i only if dist(q, c_i) <= (1 + probe_ratio) * dist(q, c_1); 0 disables the rule.
-    probe_ratio: float = 2.0
+    probe_ratio: float = 1.0
     # Navigation graph beam; at least nprobe.
     graph_ef: int = 0
     # n: PQ candidates handed to the re-ranker.
     rerank: int = 200
     # Algorithm 1 of FusionANNS: mini-batch size, and stop after beta batches with delta <= eps.
-    minibatch: int = 32
+    minibatch: int = 8
     eps: float = 0.0
     beta: int = 2
 
     def __post_init__(self):
-        _check(1 <= self.nprobe <= 65536, f"nprobe must be in [1, 65536], got {self.nprobe}")
+        _check(1 <= self.nprobe <= 1 << 20, f"nprobe must be in [1, 1048576], got {self.nprobe}")
         _check(self.probe_ratio >= 0, f"probe_ratio must be >= 0, got {self.probe_ratio}")
         _check(self.graph_ef >= 0, f"graph_ef must be >= 0, got {self.graph_ef}")
         _check(1 <= self.rerank <= 1_000_000, f"rerank must be in [1, 1000000], got {self.rerank}")

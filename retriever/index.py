@@ -51,7 +51,7 @@ class Index:
         m = read_manifest(path, config.verify)
         try:
             count, dim, metric = int(m["count"]), int(m["dim"]), m["metric"]
-            nav_metric, dtype = m["internal_metric"], m["storage_dtype"]
+            engine_metric, dtype = m["internal_metric"], m["storage_dtype"]
             layout = PageLayout(**m["pages"])
             n_lists = int(m["centroids"])
         except (KeyError, TypeError, ValueError) as e:
@@ -69,7 +69,7 @@ class Index:
         block_crc = load_array(path, "block_crc.npy", np.uint32, 1)
         problems = [
             graph.size != n_lists and f"graph has {graph.size} nodes, manifest says {n_lists}",
-            graph.dim != dim and f"graph dimension {graph.dim}, manifest says {dim}",
+            graph.dim != dim + (metric == "ip") and f"graph dimension {graph.dim} does not fit dimension {dim}",
             len(offsets) != n_lists + 1 and "list_offsets.npy does not match the list count",
             (len(offsets) and (offsets[0] != 0 or offsets[-1] != len(list_ids) or np.any(np.diff(offsets) < 0)))
             and "list_offsets.npy is not a valid CSR offset array",
@@ -94,10 +94,10 @@ class Index:
             raise IndexFormatError(f"{path}: cannot open the SSD tier: {e}") from e
         return cls(
             path, m,
-            NavigationTier(graph, nav_metric, threads),
+            NavigationTier(graph, metric == "ip", threads),
             ProductQuantizer(codebooks, dim),
             CpuFilterTier(offsets, list_ids, codes, threads),
-            RerankTier(store, locations, dtype, nav_metric, threads),
+            RerankTier(store, locations, dtype, engine_metric, threads),
             config, params or SearchParams(),
         )
 
@@ -169,7 +169,7 @@ class Index:
     def _search_batch(self, q, k, p, ids_out, dists_out, st) -> None:
         lists, probed, t_graph = self.nav.probe(q, p)
         t = time.perf_counter()
-        luts = self.pq.luts(q, self.nav.metric)
+        luts = self.pq.luts(q, self.reranker.metric)
         t_lut = time.perf_counter() - t
         cand = self.filter.topn(luts, lists, max(p.rerank, k))
         ids, dists, rstats, rsec = self.reranker.rerank(q, cand.ids, k, p)

@@ -44,6 +44,18 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def _remove_abandoned(final_dir: Path) -> None:
+    """Delete temporary build directories of this target left by builds that were killed."""
+    for p in final_dir.parent.glob(f".{final_dir.name}.tmp-*-*"):
+        try:
+            pid = int(p.name.rsplit(".tmp-", 1)[1].split("-")[0])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(p, ignore_errors=True)
+        except (ValueError, PermissionError):
+            pass
+
+
 class IndexWriter:
     """Collects the files of an index in a temporary directory, then publishes them at once."""
 
@@ -52,7 +64,8 @@ class IndexWriter:
         if self.final_dir.exists() and not overwrite:
             raise FileExistsError(f"{self.final_dir} already exists (pass overwrite to replace it)")
         self.final_dir.parent.mkdir(parents=True, exist_ok=True)
-        self.dir = Path(tempfile.mkdtemp(prefix=f".{self.final_dir.name}.tmp-", dir=self.final_dir.parent))
+        _remove_abandoned(self.final_dir)
+        self.dir = Path(tempfile.mkdtemp(prefix=f".{self.final_dir.name}.tmp-{os.getpid()}-", dir=self.final_dir.parent))
         self.files: dict[str, dict] = {}
 
     def path(self, name: str) -> Path:

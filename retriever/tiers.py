@@ -16,6 +16,7 @@ import numpy as np
 
 from fusionrag import native
 from fusionrag.retriever.config import SearchParams
+from fusionrag.retriever.kmeans import sq_dists
 
 
 @dataclass
@@ -36,18 +37,34 @@ class FilterTier(Protocol):
 
 
 class NavigationTier:
-    def __init__(self, graph, metric: str, threads: int):
-        self.graph, self.metric, self.threads = graph, metric, threads
+    """The l2 graph over the centroids; for an ip index the centroids carry one extra
+    coordinate (see build.mips_augment) and queries get a zero there."""
+
+    def __init__(self, graph, augmented: bool, threads: int):
+        self.graph, self.augmented, self.threads = graph, augmented, threads
+        self._all = None
 
     def memory_bytes(self) -> int:
         return int(self.graph.memory_bytes())
 
+    def _exhaustive(self, q: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+        """Every centroid, by exact distance: what probing all lists must mean."""
+        if self._all is None:
+            self._all = self.graph.vectors()
+        d = sq_dists(q, self._all)
+        order = np.argsort(d, axis=1, kind="stable")[:, :m]
+        return order.astype(np.int32), np.take_along_axis(d, order, axis=1)
+
     def probe(self, queries: np.ndarray, p: SearchParams) -> tuple[np.ndarray, np.ndarray, float]:
         """Posting lists to probe per query (-1 where the ratio rule cuts), their count, seconds."""
         t = time.perf_counter()
+        q = np.hstack([queries, np.zeros((len(queries), 1), np.float32)]) if self.augmented else queries
         m = min(p.nprobe, self.graph.size)
-        lists, dists = self.graph.search(queries, m, max(m, p.graph_ef), self.threads)
-        if p.probe_ratio > 0 and self.metric == "l2" and m > 1:
+        if m == self.graph.size:
+            lists, dists = self._exhaustive(q, m)
+        else:
+            lists, dists = self.graph.search(q, m, max(m, p.graph_ef), self.threads)
+        if p.probe_ratio > 0 and not self.augmented and m > 1:
             # Lists much farther than the nearest one rarely hold a top-k neighbour.
             d = np.sqrt(np.maximum(dists, 0))
             lists[d > (1 + p.probe_ratio) * d[:, :1]] = -1

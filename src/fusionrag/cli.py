@@ -17,7 +17,7 @@ _HELP = {
     "centroid_ratio": "posting-list centroids per vector (lists of about 1/ratio vectors)",
     "replica_eps": "boundary replication: join list i if dist <= (1+eps) * nearest dist",
     "max_replicas": "posting lists a vector joins at most",
-    "pq_m": "PQ bytes per vector (0: about dim/4, 8..64)",
+    "pq_m": "PQ bytes per vector (0: dim/2, at most 64)",
     "nprobe": "posting lists probed at most (m)",
     "probe_ratio": "probe list i only if dist(q, c_i) <= (1+ratio) * dist(q, c_1); 0 disables",
     "rerank": "PQ candidates re-ranked exactly (n)",

@@ -1,0 +1,56 @@
+"""The CLI contract other work relies on: build, search --out, the JSON line, recall, errors."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+from conftest import clustered, exact_knn
+
+from fusionrag.retriever.vectors import write_bin, write_vecs
+
+
+def run(*args, check=True):
+    p = subprocess.run([sys.executable, "-m", "fusionrag", *map(str, args)], capture_output=True, text=True)
+    if check:
+        assert p.returncode == 0, p.stderr
+    return p
+
+
+def test_build_search_recall(tmp_path):
+    base = clustered(4000, 16, 40, seed=11)
+    queries = clustered(64, 16, 40, seed=12)
+    write_bin(tmp_path / "base.fbin", base)
+    write_bin(tmp_path / "q.fbin", queries)
+    write_vecs(tmp_path / "gt.ivecs", exact_knn(base, queries, 10).astype(np.int32))
+    built = json.loads(run("build", tmp_path / "base.fbin", tmp_path / "idx", "--metric", "l2", "--quiet").stdout)
+    assert built["count"] == 4000 and built["dim"] == 16 and built["centroids"] > 100
+    out = run("search", tmp_path / "idx", tmp_path / "q.fbin", "--k", "10", "--out", tmp_path / "ids.npy",
+              "--groundtruth", tmp_path / "gt.ivecs", "--nprobe", "32", "--rerank", "100").stdout.strip().splitlines()
+    assert len(out) == 1
+    report = json.loads(out[0])
+    ids = np.load(tmp_path / "ids.npy")
+    assert ids.dtype == np.int64 and ids.shape == (64, 10)
+    assert report["queries"] == 64 and report["qps"] > 0
+    assert report["params"]["nprobe"] == 32 and report["params"]["rerank"] == 100
+    assert report["recall@10"] >= 0.9
+    assert report["stats"]["pages_read"] + report["stats"]["pages_buffered"] > 0
+    assert report["stats"]["unique_candidates"] <= report["stats"]["candidates"]
+    assert report["io_backend"] in ("io_uring", "pread")
+    info = json.loads(run("info", tmp_path / "idx").stdout)
+    assert info["count"] == 4000 and info["memory"]["pq_bytes"] > 0
+
+
+def test_errors_are_messages_not_tracebacks(tmp_path):
+    base = clustered(300, 8, 4)
+    write_bin(tmp_path / "base.fbin", base)
+    run("build", tmp_path / "base.fbin", tmp_path / "idx", "--quiet")
+    write_bin(tmp_path / "q.fbin", clustered(5, 9, 4))
+    p = run("search", tmp_path / "idx", tmp_path / "q.fbin", "--k", "10", "--out", tmp_path / "o.npy", check=False)
+    assert p.returncode == 2 and "dimension 9, the index has dimension 8" in p.stderr and "Traceback" not in p.stderr
+    p = run("search", tmp_path / "nowhere", tmp_path / "q.fbin", "--out", tmp_path / "o.npy", check=False)
+    assert p.returncode == 2 and "no such index directory" in p.stderr
+    p = run("build", tmp_path / "base.fbin", tmp_path / "idx", "--quiet", check=False)
+    assert p.returncode == 2 and "already exists" in p.stderr
+    p = run("build", tmp_path / "base.fbin", tmp_path / "idx2", "--centroid-ratio", "7", check=False)
+    assert p.returncode == 2 and "centroid_ratio" in p.stderr

@@ -1,0 +1,278 @@
+"""The engine end to end: build, open, search; exactness, recall on real data, bad input."""
+
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import clustered, exact_knn, recall
+
+from fusionrag.retriever import BuildConfig, Index, IndexFormatError, InputError
+from fusionrag.retriever.manifest import FORMAT_VERSION
+from fusionrag.retriever.vectors import open_vectors, write_bin
+
+EXHAUSTIVE = dict(nprobe=100000, probe_ratio=0, rerank=100000, beta=0)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    base = clustered(3000, 24, 30, seed=1)
+    queries = clustered(50, 24, 30, seed=2)
+    path = tmp_path_factory.mktemp("small") / "idx"
+    Index.build(base, path, BuildConfig(metric="l2"), progress=False)
+    return base, queries, path
+
+
+@pytest.mark.parametrize("metric", ["l2", "ip", "cosine"])
+def test_exhaustive_search_is_exact(tmp_path, metric):
+    base = clustered(2000, 20, 25, seed=3)
+    queries = clustered(30, 20, 25, seed=4)
+    Index.build(base, tmp_path / "idx", BuildConfig(metric=metric), progress=False)
+    index = Index.open(tmp_path / "idx")
+    assert index.manifest["storage_dtype"] == "f32"
+    res = index.search(queries, k=10, **EXHAUSTIVE)
+    truth = exact_knn(base, queries, 10, metric)
+    assert recall(res.ids, truth) == 1.0
+    b, q = base.astype(np.float64), queries.astype(np.float64)
+    if metric == "cosine":
+        b /= np.linalg.norm(b, axis=1, keepdims=True)
+        q /= np.linalg.norm(q, axis=1, keepdims=True)
+        want = 1 - np.einsum("qd,qkd->qk", q, b[res.ids])
+    elif metric == "ip":
+        want = -np.einsum("qd,qkd->qk", q, b[res.ids])
+    else:
+        want = ((q[:, None, :] - b[res.ids]) ** 2).sum(-1)
+    np.testing.assert_allclose(res.distances, want, rtol=1e-4, atol=1e-4)
+    assert np.all(np.diff(res.distances, axis=1) >= 0)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8])
+def test_integer_vectors_are_stored_as_is(tmp_path, dtype):
+    rng = np.random.default_rng(5)
+    lo, hi = (0, 256) if dtype == np.uint8 else (-128, 128)
+    base = rng.integers(lo, hi, size=(1500, 40)).astype(dtype)
+    write_bin(tmp_path / ("b.u8bin" if dtype == np.uint8 else "b.i8bin"), base)
+    src = tmp_path / ("b.u8bin" if dtype == np.uint8 else "b.i8bin")
+    m = Index.build(src, tmp_path / "idx", progress=False)
+    assert m["storage_dtype"] == ("u8" if dtype == np.uint8 else "i8")
+    assert m["pages"]["record_bytes"] == 40
+    index = Index.open(tmp_path / "idx")
+    q = base[:20].astype(np.float32) + 0.5
+    res = index.search(q, k=5, **EXHAUSTIVE)
+    assert recall(res.ids, exact_knn(base, q, 5)) == 1.0
+
+
+def test_defaults_have_high_recall_and_stats(small):
+    base, queries, path = small
+    index = Index.open(path)
+    res = index.search(queries, k=10)
+    assert recall(res.ids, exact_knn(base, queries, 10)) >= 0.95
+    s = res.stats
+    assert np.all(s["centroids_probed"] >= 1) and np.all(s["centroids_probed"] <= index.params.nprobe)
+    assert np.all(s["unique_candidates"] <= s["candidates"]) and np.all(s["unique_candidates"] >= 10)
+    assert np.all(s["minibatches"] >= 1) and np.all(s["reranked"] <= index.params.rerank)
+    assert np.all(s["pages_read"] + s["pages_buffered"] >= 1)
+    assert res.info["filter_tier"] == "cpu" and res.info["io_backend"] in ("io_uring", "pread")
+    mem = index.memory()
+    assert mem["pq_bytes"] >= len(base) * index.manifest["pq"]["m"]
+    assert mem["ssd_bytes"] >= base.nbytes
+
+
+def test_early_stop_reads_less(small):
+    base, queries, path = small
+    index = Index.open(path, buffer_bytes=0)
+    full = index.search(queries, k=10, rerank=500, beta=0)
+    early = index.search(queries, k=10, rerank=500, beta=2, minibatch=16)
+    assert early.stats["reranked"].sum() < full.stats["reranked"].sum()
+    assert early.stats["pages_read"].sum() < full.stats["pages_read"].sum()
+    assert recall(early.ids, full.ids) >= 0.95
+
+
+def test_page_buffer_serves_repeated_queries(small):
+    _, queries, path = small
+    index = Index.open(path, buffer_bytes=64 << 20)
+    first = index.search(queries[:5], k=10)
+    again = index.search(queries[:5], k=10)
+    assert first.stats["pages_read"].sum() > 0
+    assert again.stats["pages_read"].sum() == 0 and again.stats["pages_buffered"].sum() > 0
+    np.testing.assert_array_equal(first.ids, again.ids)
+
+
+def test_reads_use_o_direct_and_both_backends_agree(small):
+    _, queries, path = small
+    results = {}
+    for backend in ("io_uring", "pread"):
+        index = Index.open(path, io_backend=backend, direct_io="on", buffer_bytes=0)
+        store = index.reranker.store
+        assert store.backend == backend and store.direct
+        flags = next(line for line in open(f"/proc/self/fdinfo/{store.fd}") if line.startswith("flags:"))
+        assert int(flags.split()[1], 8) & os.O_DIRECT
+        results[backend] = index.search(queries, k=10)
+    np.testing.assert_array_equal(results["io_uring"].ids, results["pread"].ids)
+    np.testing.assert_array_equal(results["io_uring"].stats["pages_read"], results["pread"].stats["pages_read"])
+
+
+def test_single_query_and_batching(small):
+    base, queries, path = small
+    index = Index.open(path, batch_size=7)
+    batched = index.search(queries, k=10)
+    one = index.search(queries[3], k=10)
+    assert one.ids.shape == (1, 10)
+    np.testing.assert_array_equal(one.ids[0], batched.ids[3])
+
+
+def test_real_sift5k_recall_at_defaults(tmp_path, data_dir):
+    d = data_dir / "sift5k-ngt-texmexq"
+    m = Index.build(d / "sift5k_base.fvecs", tmp_path / "idx", progress=False)
+    # SIFT is float32 holding byte values: stored as bytes, losslessly, a quarter of the reads.
+    assert m["storage_dtype"] == "u8" and m["pages"]["record_bytes"] == 128
+    index = Index.open(tmp_path / "idx")
+    res = index.search(open_vectors(d / "sift5k_query.fvecs")[:], k=10)
+    gt = open_vectors(d / "sift5k_groundtruth.ivecs")[:, :10]
+    assert recall(res.ids, gt) >= 0.95
+
+
+def _idx_images(path):
+    with gzip.open(path, "rb") as f:
+        raw = f.read()
+    n, rows, cols = (int.from_bytes(raw[i:i + 4], "big") for i in (4, 8, 12))
+    return np.frombuffer(raw, dtype=np.uint8, offset=16).reshape(n, rows * cols)
+
+
+def test_real_fashion_mnist_recall_at_defaults(tmp_path, data_dir):
+    d = data_dir / "fashion-mnist-784-euclidean"
+    write_bin(tmp_path / "base.u8bin", _idx_images(d / "train-images-idx3-ubyte.gz"))
+    queries = _idx_images(d / "t10k-images-idx3-ubyte.gz")[:1000]
+    Index.build(tmp_path / "base.u8bin", tmp_path / "idx", progress=False)
+    index = Index.open(tmp_path / "idx")
+    res = index.search(queries, k=10)
+    gt = open_vectors(d / "groundtruth_l2_top100.ivecs")[:1000, :10]
+    assert recall(res.ids, gt) >= 0.95
+
+
+def test_bad_queries(small):
+    _, queries, path = small
+    index = Index.open(path)
+    with pytest.raises(InputError, match="dimension 23, the index has dimension 24"):
+        index.search(queries[:, :23])
+    bad = queries[:3].copy()
+    bad[2, 5] = np.nan
+    with pytest.raises(InputError, match="query 2 contains NaN"):
+        index.search(bad)
+    bad[2, 5] = np.inf
+    with pytest.raises(InputError, match="query 2 contains NaN or infinity"):
+        index.search(bad)
+    with pytest.raises(InputError, match="k must be a positive integer"):
+        index.search(queries, k=0)
+    with pytest.raises(InputError, match="non-empty"):
+        index.search(np.empty((0, 24), np.float32))
+    with pytest.raises(ValueError, match="nprobe must be"):
+        index.search(queries, nprobe=0)
+
+
+def test_bad_build_input(tmp_path):
+    x = clustered(500, 8, 5)
+    x[123, 4] = np.nan
+    with pytest.raises(InputError, match="row 123 contains NaN"):
+        Index.build(x, tmp_path / "idx", progress=False)
+    assert not (tmp_path / "idx").exists() and not list(tmp_path.iterdir())
+    x[123, 4] = 0
+    x[77] = 0
+    with pytest.raises(InputError, match="row 77 is a zero vector"):
+        Index.build(x, tmp_path / "idx", BuildConfig(metric="cosine"), progress=False)
+    (tmp_path / "empty.fvecs").write_bytes(b"")
+    with pytest.raises(InputError, match="empty file"):
+        Index.build(tmp_path / "empty.fvecs", tmp_path / "idx", progress=False)
+    with pytest.raises(ValueError, match="metric must be one of"):
+        BuildConfig(metric="hamming")
+    Index.build(clustered(100, 8, 3), tmp_path / "idx", progress=False)
+    with pytest.raises(FileExistsError):
+        Index.build(clustered(100, 8, 3), tmp_path / "idx", progress=False)
+
+
+@pytest.fixture
+def copy_of(small, tmp_path):
+    _, _, path = small
+    dst = tmp_path / "copy"
+    shutil.copytree(path, dst)
+    return dst
+
+
+def _flip_byte(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("name", ["pq_codes.npy", "graph.bin", "list_ids.npy", "locations.npy", "block_crc.npy"])
+def test_corrupted_files_are_refused(copy_of, name):
+    _flip_byte(copy_of / name, os.path.getsize(copy_of / name) - 3)
+    with pytest.raises(IndexFormatError, match=f"{name}: checksum mismatch"):
+        Index.open(copy_of)
+
+
+def test_truncated_and_missing_files_are_refused(copy_of, small):
+    with open(copy_of / "graph.bin", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(IndexFormatError, match="graph.bin: 100 bytes, manifest says"):
+        Index.open(copy_of)
+    shutil.copy(small[2] / "graph.bin", copy_of / "graph.bin")
+    (copy_of / "pq_codes.npy").unlink()
+    with pytest.raises(IndexFormatError, match="pq_codes.npy listed in the manifest is missing"):
+        Index.open(copy_of, verify=False)
+
+
+def test_corrupt_page_is_reported_at_read(copy_of, small):
+    _, queries, _ = small
+    _flip_byte(copy_of / "vectors.pages", 10)  # inside block 0
+    index = Index.open(copy_of, buffer_bytes=0)
+    with pytest.raises(RuntimeError, match=r"vectors.pages.*block 0.*checksum"):
+        index.search(queries, k=10, **EXHAUSTIVE)
+
+
+def test_truncated_page_file_is_refused(copy_of):
+    with open(copy_of / "vectors.pages", "r+b") as f:
+        f.truncate(4096)
+    with pytest.raises(IndexFormatError, match="vectors.pages"):
+        Index.open(copy_of)
+
+
+def test_newer_format_and_incomplete_index(copy_of):
+    m = json.loads((copy_of / "manifest.json").read_text())
+    m["format_version"] = FORMAT_VERSION + 1
+    (copy_of / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(IndexFormatError, match=f"format version {FORMAT_VERSION + 1} is newer"):
+        Index.open(copy_of)
+    (copy_of / "manifest.json").unlink()
+    with pytest.raises(IndexFormatError, match="incomplete"):
+        Index.open(copy_of)
+
+
+def test_killed_build_leaves_no_index(tmp_path):
+    """SIGKILL at several points of a build: the target is either absent or a whole index."""
+    x = clustered(60000, 32, 200, seed=9)
+    write_bin(tmp_path / "x.fbin", x)
+    outcomes = set()
+    for delay in (0.5, 1.5, 3.0, 6.0):
+        target = tmp_path / f"idx{delay}"
+        p = subprocess.Popen([sys.executable, "-m", "fusionrag", "build", str(tmp_path / "x.fbin"), str(target), "--quiet"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(delay)
+        p.kill()
+        p.wait()
+        if target.exists():
+            Index.open(target)  # whole: loads and verifies
+            outcomes.add("whole")
+        else:
+            outcomes.add("absent")
+    assert "absent" in outcomes
+    # The next build of the same target clears what the killed ones left behind.
+    Index.build(clustered(200, 8, 4), tmp_path / "idx0.5", progress=False, overwrite=True)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".idx0.5.tmp-")]
