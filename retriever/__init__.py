@@ -1,11 +1,12 @@
 """The engine: build pipeline, index directory format, the query path over the three tiers."""
 
 from fusionrag.retriever.config import BuildConfig, EngineConfig, SearchParams
-from fusionrag.retriever.errors import ConfigError, FusionRAGError, IndexFormatError, InputError, VectorFileError
+from fusionrag.retriever.errors import (ConfigError, ConflictError, FusionRAGError, IndexFormatError, InputError,
+                                       NotFoundError, VectorFileError)
 from fusionrag.retriever.index import Index, SearchResult
 from fusionrag.retriever.vectors import open_vectors
 
 __all__ = [
-    "BuildConfig", "ConfigError", "EngineConfig", "FusionRAGError", "Index", "IndexFormatError", "InputError",
+    "BuildConfig", "ConfigError", "ConflictError", "EngineConfig", "FusionRAGError", "Index", "IndexFormatError", "InputError", "NotFoundError",
     "SearchParams", "SearchResult", "VectorFileError", "open_vectors",
 ]

@@ -19,3 +19,11 @@ class VectorFileError(InputError):
 
 class IndexFormatError(FusionRAGError):
     """An index directory that is missing, incomplete, corrupt or from a newer version."""
+
+
+class NotFoundError(FusionRAGError, LookupError):
+    """A collection or document that does not exist."""
+
+
+class ConflictError(FusionRAGError):
+    """The request clashes with what exists: a collection name already taken, say."""
