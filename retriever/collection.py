@@ -617,7 +617,7 @@ class Collection:
         if self._pending:
             self._wal.sync(self._last_appended, lambda: self._last_appended)
             self._apply_pending()
-        self.store.checkpoint()
+        self.store.make_durable()
         self._wal.reset()
 
     # -- description ---------------------------------------------------------------------------

@@ -97,10 +97,18 @@ class DocStore:
         self._writer.execute("DELETE FROM docs")
         return rows
 
-    def checkpoint(self) -> None:
-        """Copy SQLite's own log into the database file and fsync it: after this the store holds
-        every applied write durably, so the collection's log can be emptied."""
-        self._writer.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    def make_durable(self) -> None:
+        """fsync every applied write (after this the collection's log can be emptied): one commit
+        under synchronous=FULL syncs SQLite's own log, and with it every commit before it."""
+        self._writer.execute("PRAGMA synchronous=FULL")
+        try:
+            self._writer.execute("BEGIN IMMEDIATE")
+            self._writer.execute("INSERT OR REPLACE INTO meta VALUES ('synced', 1)")
+            self._writer.execute("COMMIT")
+        finally:
+            self.rollback()
+            self._writer.execute("PRAGMA synchronous=NORMAL")
+        self._writer.execute("PRAGMA wal_checkpoint(PASSIVE)")  # keeps SQLite's log short; no waiting
 
     # -- reads ----------------------------------------------------------------------------------
     def count(self) -> int:
