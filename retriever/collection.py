@@ -39,6 +39,7 @@ from fusionrag.retriever.filters import compile_filter
 from fusionrag.retriever.fresh import FreshTier, FreshView, distances
 from fusionrag.retriever.index import STAT_KEYS, Index
 from fusionrag.retriever.manifest import fsync_path
+from fusionrag.retriever.merge import can_store, merge_index
 from fusionrag.retriever.wal import WriteAheadLog
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,12 @@ class CollectionConfig(_Config):
     min_index_count: int = 1000
     # A filter that at most this many documents pass is answered by exact search over them.
     filter_exact_max: int = 20000
+    # Merges fold writes into the current index (merge.py) rather than rebuilding it, until the
+    # index has grown this many times over its last full build (its clusters and PQ codebooks
+    # were trained on that) or until less than this fraction of its SSD slots hold live vectors.
+    incremental_merge: bool = True
+    rebuild_growth: float = 4.0
+    rebuild_live_fraction: float = 0.5
     build: BuildConfig = field(default_factory=BuildConfig)
 
     def __post_init__(self):
@@ -67,6 +74,9 @@ class CollectionConfig(_Config):
         _check(self.merge_fresh_bytes >= 1, f"merge_fresh_bytes must be >= 1, got {self.merge_fresh_bytes}")
         _check(self.min_index_count >= 1, f"min_index_count must be >= 1, got {self.min_index_count}")
         _check(self.filter_exact_max >= 0, f"filter_exact_max must be >= 0, got {self.filter_exact_max}")
+        _check(self.rebuild_growth >= 1, f"rebuild_growth must be >= 1, got {self.rebuild_growth}")
+        _check(0 <= self.rebuild_live_fraction < 1,
+               f"rebuild_live_fraction must be in [0, 1), got {self.rebuild_live_fraction}")
 
 
 @dataclass
@@ -560,43 +570,62 @@ class Collection:
             if self._fresh.n == 0 and self._tomb_count == 0:  # nothing to fold in
                 self._checkpoint()
                 return
-            snap_con = self.store.snapshot()  # the store as of this point, for the build
-            max_row = self._applied_next_row - 1
             with self._mem_lock:
-                self._merging, self._merge_removed = True, []
                 old = self._main
+                dead = np.unpackbits(self._tomb, count=len(old.rows), bitorder="little").astype(bool)
+                fresh_rows, fresh_vecs = self._fresh.live_items()
+                max_row = self._applied_next_row - 1
+                live = len(old.rows) - self._tomb_count + len(fresh_rows)
+                incremental = self._incremental(old, live, fresh_vecs)
+                # A rebuild reads the stored vectors as of this point.
+                snap_con = None if incremental else self.store.snapshot()
+                self._merging, self._merge_removed = True, []
+        gen = old.generation + 1
+        gdir = self.path / f"gen-{gen:06d}"
         try:
-            try:
-                rows, vecs = self.store.rows_and_vectors(-1, snap_con)
-            finally:
-                snap_con.close()
-            gen = old.generation + 1
-            gdir = self.path / f"gen-{gen:06d}"
             shutil.rmtree(gdir, ignore_errors=True)
             gdir.mkdir()
-            indexed = len(rows) >= self.config.min_index_count
+            if incremental:
+                merge_index(old.index, dead, fresh_vecs, gdir / "index", self._build_config)
+                rows = np.concatenate([old.rows[~dead], fresh_rows])
+            else:
+                try:
+                    rows, vecs = self.store.rows_and_vectors(-1, snap_con)
+                finally:
+                    snap_con.close()
+                if len(rows) >= self.config.min_index_count:
+                    build_index(vecs, gdir / "index", self._build_config, progress=False)
+                else:
+                    rows, max_row = np.empty(0, np.int64), -1
             index = None
-            if indexed:
-                build_index(vecs, gdir / "index", self._build_config, progress=False)
+            if len(rows):
                 with open(gdir / "rows.npy", "wb") as f:
                     np.save(f, rows)
                     f.flush()
                     os.fsync(f.fileno())
                 fsync_path(gdir)
                 index = Index.open(gdir / "index", self.engine_config)
-            else:
-                rows, max_row = np.empty(0, np.int64), -1
             new = _Main(gen, index, rows, max_row)
             with self._lock:
-                _write_json_atomic(self.path / "CURRENT", {"generation": gen, "indexed": indexed, "max_row": max_row})
+                _write_json_atomic(self.path / "CURRENT",
+                                   {"generation": gen, "indexed": index is not None, "max_row": max_row})
                 with self._mem_lock:
                     self._publish(new)
                 self._checkpoint()
         finally:
             with self._mem_lock:
                 self._merging, self._merge_removed = False, []
-        if old.generation != gen:
-            shutil.rmtree(self.path / f"gen-{old.generation:06d}", ignore_errors=True)
+        shutil.rmtree(self.path / f"gen-{old.generation:06d}", ignore_errors=True)
+
+    def _incremental(self, old: _Main, live: int, fresh_vecs: np.ndarray) -> bool:
+        """Whether the next generation can grow out of the current one (see CollectionConfig)."""
+        if not self.config.incremental_merge or old.index is None or live < self.config.min_index_count:
+            return False
+        m = old.index.manifest
+        layout = m["pages"]
+        slots = layout["num_blocks"] * layout["records_per_block"]
+        return (live <= self.config.rebuild_growth * int(m.get("full_build_count", m["count"]))
+                and live >= self.config.rebuild_live_fraction * slots and can_store(old.index, fresh_vecs))
 
     def _publish(self, new: _Main) -> None:
         """Swap in the new generation (caller holds _lock and _mem_lock)."""
