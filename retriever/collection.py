@@ -24,6 +24,7 @@ import shutil
 import sqlite3
 import struct
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 MAX_ID_CHARS = 512
 _COLLECTION_FORMAT = 1
+_MERGE_RETRY_S = 30  # a failed background merge (a full disk, say) waits this long to retry
 
 
 @dataclass(frozen=True)
@@ -185,6 +187,7 @@ class Collection:
         self._merge_thread: threading.Thread | None = None
         self._merging = False
         self._merge_removed: list[int] = []
+        self._merge_retry_at = 0.0
         self._pending: list[_Write] = []
         self._closed = False
 
@@ -541,10 +544,12 @@ class Collection:
 
     # -- merge ---------------------------------------------------------------------------------
     def _maybe_merge(self) -> None:
-        f = self._fresh
-        if not self.config.background_merge or self._closed:
+        f, cfg = self._fresh, self.config
+        if not cfg.background_merge or self._closed or time.monotonic() < self._merge_retry_at:
             return
-        if f.live_count < self.config.merge_fresh_count and f.bytes < self.config.merge_fresh_bytes:
+        # Deletes alone also call for a merge: tombstones cost scan time and the log grows.
+        if (f.live_count < cfg.merge_fresh_count and f.bytes < cfg.merge_fresh_bytes
+                and self._tomb_count < cfg.merge_fresh_count and self._wal.bytes < cfg.merge_fresh_bytes):
             return
         with self._mem_lock:
             if self._merge_thread is not None and self._merge_thread.is_alive():
@@ -557,7 +562,9 @@ class Collection:
         try:
             self.merge()
         except Exception:
-            log.exception("collection %r: background merge failed; the fresh tier keeps the writes", self.name)
+            self._merge_retry_at = time.monotonic() + _MERGE_RETRY_S
+            log.exception("collection %r: background merge failed (retried in %d s); the fresh tier keeps the writes",
+                          self.name, _MERGE_RETRY_S)
 
     def merge(self) -> None:
         """Fold the fresh tier into the main index now (blocking)."""
