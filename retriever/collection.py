@@ -217,6 +217,8 @@ class Collection:
             if c["indexed"]:
                 index = Index.open(gdir / "index", self.engine_config)
             rows = np.load(gdir / "rows.npy") if c["indexed"] else np.empty(0, np.int64)
+            if index is not None and len(rows) != index.count:
+                raise IndexFormatError(f"{gdir}: rows.npy maps {len(rows)} vectors, the index has {index.count}")
             main = _Main(int(c["generation"]), index, rows, int(c["max_row"]))
         for p in self.path.glob("gen-*"):  # generations a crash or a merge left behind
             if p.name != keep:
@@ -282,10 +284,17 @@ class Collection:
                 meta = json.dumps(d.metadata, separators=(",", ":"), allow_nan=False)
             except (TypeError, ValueError) as e:
                 raise InputError(f"document {doc_id!r}: metadata is not JSON-serialisable ({e})") from e
-            v = np.asarray(d.vector, dtype=np.float32) if not isinstance(d.vector, str) else None
+            try:
+                v = None if isinstance(d.vector, (str, bytes)) else np.asarray(d.vector, dtype=np.float32)
+            except (TypeError, ValueError):
+                v = None
             if v is None or v.shape != (self.dim,):
-                raise InputError(f"document {doc_id!r}: vector must have dimension {self.dim}, "
-                                 f"got shape {getattr(v, 'shape', None)}")
+                raise InputError(f"document {doc_id!r}: vector must be {self.dim} numbers, "
+                                 f"got {getattr(v, 'shape', type(d.vector).__name__)}")
+            if not np.isfinite(v).all():
+                raise InputError(f"document {doc_id!r}: vector contains NaN or infinity")
+            if self.metric == "cosine" and not v.any():
+                raise InputError(f"document {doc_id!r}: a zero vector has no cosine direction")
             ids.append(doc_id)
             texts.append(d.text)
             metas.append(meta)
@@ -294,8 +303,7 @@ class Collection:
         # An id given twice in one call: the last one wins, as if written one after the other.
         last = {doc_id: j for j, doc_id in enumerate(ids)}
         keep = sorted(last.values())
-        vectors = self._vectors(np.stack([vecs[j] for j in keep]) if keep else np.empty((0, self.dim)),
-                                "document vectors")
+        vectors = np.stack([vecs[j] for j in keep]) if keep else np.empty((0, self.dim), np.float32)
         return _Write("upsert", [ids[j] for j in keep], [texts[j] for j in keep], [metas[j] for j in keep],
                       vectors), out
 
