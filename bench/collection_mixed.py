@@ -163,6 +163,24 @@ def main() -> None:
         "final_state": info["build_state"],
     }
     print(json.dumps({"mixed": result["mixed"]}), flush=True)
+
+    # 4. Filtered searches on the final state: 1% and 10% of documents pass.
+    cur = np.concatenate(all_vecs)
+    buckets = np.arange(len(cur)) % 100
+    result["filtered"] = {}
+    for name, flt, sel in [("1%", {"bucket": 7}, buckets == 7), ("10%", {"bucket": {"$lt": 10}}, buckets < 10)]:
+        ok = np.flatnonzero(live & sel)
+        lat, hits, exact = [], 0, False
+        for j in range(200):
+            qv = queries[j:j + 1]
+            t = time.perf_counter()
+            res = col.search(qv, k=10, filter=flt)
+            lat.append(time.perf_counter() - t)
+            truth = ok[np.argsort(-(cur[ok] @ unit(qv)[0]))[:10]]
+            hits += len({int(h.id) for h in res.hits[0]} & set(truth.tolist()))
+            exact = res.stats[0]["filtered_exact"]
+        result["filtered"][name] = latency_summary(lat) | {"recall_at_10": hits / 2000, "filtered_exact": exact}
+    print(json.dumps({"filtered": result["filtered"]}), flush=True)
     col.merge()
     cat.close()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
