@@ -37,7 +37,7 @@ from fusionrag.retriever.config import METRICS, BuildConfig, EngineConfig, Searc
 from fusionrag.retriever.docstore import DocStore
 from fusionrag.retriever.errors import ConflictError, IndexFormatError, InputError, NotFoundError, StorageError
 from fusionrag.retriever.filters import compile_filter
-from fusionrag.retriever.fresh import FreshTier, FreshView, distances
+from fusionrag.retriever.fresh import FreshTier, FreshView
 from fusionrag.retriever.index import STAT_KEYS, Index
 from fusionrag.retriever.manifest import fsync_path
 from fusionrag.retriever.merge import can_store, merge_index
