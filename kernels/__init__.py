@@ -1,1 +1,6 @@
-"""kernels"""
+"""Triton kernels of the GPU filter tier, one per file, each beside its plain PyTorch reference:
+pq_table (lookup tables), dedup (parallel hash), adc_scan (dedup fused with the PQ scan), topn
+(ragged top-n); and pool, the GPU memory budget and its working blocks.
+
+Importing this package loads neither torch nor triton; its modules do.
+"""
