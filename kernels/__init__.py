@@ -4,3 +4,11 @@ pq_table (lookup tables), dedup (parallel hash), adc_scan (dedup fused with the 
 
 Importing this package loads neither torch nor triton; its modules do.
 """
+
+import os
+
+
+def interpreted() -> bool:
+    """True when Triton runs kernels in its CPU interpreter, where a launch's cost is per
+    operation rather than per element: callers then choose fewer, larger programs."""
+    return os.environ.get("TRITON_INTERPRET") == "1"

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fusionrag.kernels import interpreted
 from fusionrag.kernels.dedup import FREE, hash_insert, table_layout
 from fusionrag.kernels.topn import EMPTY, pack_key
 
@@ -65,7 +66,7 @@ def adc_scan(luts: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, codes
              host_codes: torch.Tensor | None = None, slots: torch.Tensor | None = None,
              exclude: torch.Tensor | None = None, *, table: torch.Tensor | None = None,
              table_base: torch.Tensor | None = None, keys: torch.Tensor | None = None,
-             unique: torch.Tensor | None = None, max_count: int | None = None, block: int = 128):
+             unique: torch.Tensor | None = None, max_count: int | None = None, block: int | None = None):
     """Rank keys int64 (len(ids),) and unique-ID counts int64 (q,) of ragged segments
     ids[offsets[i]:offsets[i+1]] (int32 holding uint32 IDs) against luts float32 (q, M, 256).
 
@@ -73,6 +74,7 @@ def adc_scan(luts: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, codes
     exclude: uint8 bitmap (ceil(N/8),). Working buffers (table: int64 (table_base[-1],) all FREE,
     table_base from dedup.table_layout, keys, unique zeroed) may be given as views into a
     preallocated block, with max_count the longest segment; otherwise they are allocated here.
+    block: IDs per program (default 128; under the interpreter, whole segments up to 4096).
     """
     q, m = luts.shape[0], luts.shape[1]
     if offsets.numel() != q + 1:
@@ -90,6 +92,7 @@ def adc_scan(luts: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, codes
         keys = torch.empty(ids.shape, dtype=torch.int64, device=dev)
         unique = torch.zeros(q, dtype=torch.int64, device=dev)
     if q and max_count:
+        block = block or (min(4096, triton.next_power_of_2(max_count)) if interpreted() else 128)
         tiered = slots is not None
         adc_scan_kernel[(q, triton.cdiv(max_count, block))](
             ids, offsets, table_base, table, luts, codes, host_codes if tiered else codes, slots if tiered else ids,

@@ -16,26 +16,29 @@ import torch
 import triton
 import triton.language as tl
 
+from fusionrag.kernels import interpreted
+
 KSUB = 256
 
 
 @triton.jit
 def pq_table_kernel(queries_ptr, codebooks_ptr, out_ptr, dim, M: tl.constexpr, DSUB: tl.constexpr,
-                    DSUB_P2: tl.constexpr, IP: tl.constexpr):
+                    DSUB_P2: tl.constexpr, SUBS: tl.constexpr, IP: tl.constexpr):
     q = tl.program_id(0).to(tl.int64)
-    m = tl.program_id(1)
-    d = tl.arange(0, DSUB_P2)
-    k = tl.arange(0, 256)
+    m = tl.program_id(1) * SUBS + tl.arange(0, SUBS)[:, None, None]  # [SUBS, 1, 1]
+    k = tl.arange(0, 256)[None, :, None]
+    d = tl.arange(0, DSUB_P2)[None, None, :]
     col = m * DSUB + d
     # The query is zero-padded to M * DSUB dimensions, like the codebooks were trained.
-    x = tl.load(queries_ptr + q * dim + col, mask=(d < DSUB) & (col < dim), other=0.0)
-    c = tl.load(codebooks_ptr + (m * 256 + k[:, None]) * DSUB + d[None, :], mask=d[None, :] < DSUB, other=0.0)
-    dot = tl.sum(c * x[None, :], axis=1)
+    x = tl.load(queries_ptr + q * dim + col, mask=(m < M) & (d < DSUB) & (col < dim), other=0.0)
+    c = tl.load(codebooks_ptr + (m * 256 + k) * DSUB + d, mask=(m < M) & (d < DSUB), other=0.0)
+    dot = tl.sum(c * x, axis=2)
     if IP:
-        row = -dot
+        rows = -dot
     else:
-        row = tl.sum(x * x, axis=0) - 2 * dot + tl.sum(c * c, axis=1)
-    tl.store(out_ptr + (q * M + m) * 256 + k, row)
+        rows = tl.sum(x * x, axis=2) - 2 * dot + tl.sum(c * c, axis=2)
+    m2 = tl.reshape(m, [SUBS, 1])
+    tl.store(out_ptr + (q * M + m2) * 256 + tl.arange(0, 256)[None, :], rows, mask=m2 < M)
 
 
 def pq_tables(queries: torch.Tensor, codebooks: torch.Tensor, metric: str, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -49,8 +52,11 @@ def pq_tables(queries: torch.Tensor, codebooks: torch.Tensor, metric: str, out: 
     if out is None:
         out = torch.empty((q, m, KSUB), dtype=torch.float32, device=queries.device)
     if q:
-        pq_table_kernel[(q, m)](queries, codebooks, out, dim, M=m, DSUB=dsub,
-                                DSUB_P2=triton.next_power_of_2(dsub), IP=metric == "ip")
+        # One sub-space per program on a GPU (a [256, dsub] tile in registers); the interpreter
+        # pays per operation, not per element, so there a program takes every sub-space.
+        subs = triton.next_power_of_2(m) if interpreted() else 1
+        pq_table_kernel[(q, triton.cdiv(m, subs))](queries, codebooks, out, dim, M=m, DSUB=dsub,
+                                                  DSUB_P2=triton.next_power_of_2(dsub), SUBS=subs, IP=metric == "ip")
     return out
 
 

@@ -6,10 +6,10 @@ keys compares (distance, id), which is the CPU tier's order and tie rule (native
 both tiers pick the same candidates. `EMPTY` (int64 max) marks a position holding no candidate
 (a duplicate, an excluded ID, padding) and sorts after every real key.
 
-One program per query walks its segment in tiles of NP >= n keys (a power of two), keeping the n
-smallest seen so far sorted in registers: sort the tile, take the element-wise minimum of the
-buffer and the tile sorted the other way (a bitonic sequence holding the NP smallest of both, the bitonic
-top-k step) and merge it back into order. Selection is not fused into the scan kernel
+One program per query walks its segment in tiles, keeping the NP >= n (a power of two) smallest
+keys seen so far sorted in registers. A tile is cut to its NP smallest by bitonic top-k (sort
+runs of NP, then halve by element-wise minimum of opposite runs and merge, Shanbhag et al.
+2018), and the buffer takes the element-wise minimum of itself and that run and merges again. Selection is not fused into the scan kernel
 (adc_scan.py): it needs a whole segment in one program, and the scan spreads a segment over
 many programs, which matters when a batch has few queries with many candidates each.
 """
@@ -19,9 +19,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-# tl.bitonic_merge itself fails under TRITON_INTERPRET in triton 3.7 (a reshape by x.shape);
-# its hypercube step with explicit shapes works in both modes.
-from triton.language.standard import _bitonic_merge_hypercube
+from triton.language.standard import _elementwise_max, _elementwise_min
 
 EMPTY = (1 << 63) - 1
 # NP bounds: tiles shorter than 64 keys waste the launch; above 4096 keys one program's
@@ -39,22 +37,57 @@ def pack_key(dist, ids):
 
 
 @triton.jit
-def _merge_ascending(x, NP: tl.constexpr, LOG: tl.constexpr):
-    """A bitonic sequence of NP = 2^LOG keys into ascending order."""
-    return tl.reshape(_bitonic_merge_hypercube(tl.reshape(x, [2] * LOG), LOG, 0), [NP])
+def _smallest(x, LT: tl.constexpr, LOG: tl.constexpr):
+    """The 2^LOG smallest of 2^LT keys, descending (bitonic top-k). The keys are held as a
+    [2] * LT hypercube, so a compare-exchange of the keys whose indices differ in one bit is a
+    min and a max over one axis. Not tl.sort: its xor-reduction runs element by element in
+    Triton's interpreter (a second per 256 keys), and jit helpers cost a language patch per
+    call there, so the exchange is written inline with the bare reductions, handed to numpy."""
+    h = tl.reshape(x, [2] * LT)
+    idx = tl.reshape(tl.arange(0, 2**LT), [2] * LT)
+    # Sort runs of 2^LOG keys, runs alternately ascending and descending (one run: descending).
+    for stage in tl.static_range(1, LOG + 1):
+        desc = (idx >> stage) & 1 if stage < LT else idx * 0 + 1
+        for i in tl.static_range(stage):
+            bit: tl.constexpr = stage - 1 - i
+            lo = tl.reduce(h, LT - 1 - bit, _elementwise_min, keep_dims=True)
+            hi = tl.reduce(h, LT - 1 - bit, _elementwise_max, keep_dims=True)
+            h = tl.where((((idx >> bit) & 1) ^ desc) != 0, hi, lo)
+    # Halve: the element-wise min of an ascending and a descending run is a bitonic run holding
+    # the 2^LOG smallest of both; merge it, again alternating, until one run is left.
+    for r in tl.static_range(LT - LOG):
+        dims: tl.constexpr = LT - r - 1
+        h = tl.reduce(h, dims - LOG, _elementwise_min)
+        idx = tl.reshape(tl.arange(0, 2**dims), [2] * dims)
+        desc = (idx >> LOG) & 1 if LOG < dims else idx * 0 + 1
+        for i in tl.static_range(LOG):
+            bit: tl.constexpr = LOG - 1 - i
+            lo = tl.reduce(h, dims - 1 - bit, _elementwise_min, keep_dims=True)
+            hi = tl.reduce(h, dims - 1 - bit, _elementwise_max, keep_dims=True)
+            h = tl.where((((idx >> bit) & 1) ^ desc) != 0, hi, lo)
+    return tl.reshape(h, [2**LOG])
 
 
 @triton.jit
-def topn_kernel(keys_ptr, offsets_ptr, out_ids_ptr, out_dists_ptr, n, NP: tl.constexpr, LOG: tl.constexpr):
+def topn_kernel(keys_ptr, offsets_ptr, out_ids_ptr, out_dists_ptr, n, LT: tl.constexpr, LOG: tl.constexpr):
     q = tl.program_id(0)
     start = tl.load(offsets_ptr + q)
     end = tl.load(offsets_ptr + q + 1)
-    lane = tl.arange(0, NP)
-    best = tl.full([NP], EMPTY, tl.int64)
-    for tile in range(start, end, NP):
-        p = tile + lane
-        x = tl.sort(tl.load(keys_ptr + p, mask=p < end, other=EMPTY), descending=True)
-        best = _merge_ascending(tl.minimum(best, x), NP, LOG)
+    lane = tl.arange(0, 2**LOG)
+    idx = tl.reshape(lane, [2] * LOG)
+    best = tl.reshape(tl.full([2**LOG], EMPTY, tl.int64), [2] * LOG)  # ascending
+    for tile in range(start, end, 2**LT):
+        p = tile + tl.arange(0, 2**LT)
+        x = _smallest(tl.load(keys_ptr + p, mask=p < end, other=EMPTY), LT, LOG)
+        # best ascending, x descending: their element-wise min is bitonic; merge it ascending.
+        h = tl.minimum(best, tl.reshape(x, [2] * LOG))
+        for i in tl.static_range(LOG):
+            bit: tl.constexpr = LOG - 1 - i
+            lo = tl.reduce(h, LOG - 1 - bit, _elementwise_min, keep_dims=True)
+            hi = tl.reduce(h, LOG - 1 - bit, _elementwise_max, keep_dims=True)
+            h = tl.where(((idx >> bit) & 1) != 0, hi, lo)
+        best = h
+    best = tl.reshape(best, [2**LOG])
     found = best != EMPTY
     bits = (best >> 32).to(tl.int32)
     bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
@@ -84,10 +117,11 @@ def unpack_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def topn(keys: torch.Tensor, offsets: torch.Tensor, n: int, out_ids: torch.Tensor | None = None,
-         out_dists: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+         out_dists: torch.Tensor | None = None, max_count: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per segment keys[offsets[i]:offsets[i+1]], the n smallest keys decoded, ascending:
     (ids int64 (q, n), -1 padded; dists float32 (q, n), inf padded). out_* may be given
-    (views into a working block) so that nothing is allocated."""
+    (views into a working block) so that nothing is allocated, and max_count (the longest
+    segment) so that nothing is read back from the device."""
     if n < 1:
         raise ValueError(f"n must be positive, got {n}")
     q = offsets.numel() - 1
@@ -96,13 +130,19 @@ def topn(keys: torch.Tensor, offsets: torch.Tensor, n: int, out_ids: torch.Tenso
         out_dists = torch.empty((q, n), dtype=torch.float32, device=keys.device)
     if q == 0:
         return out_ids, out_dists
+    if max_count is None:
+        max_count = int((offsets[1:] - offsets[:-1]).max())
     np_ = max(MIN_NP, triton.next_power_of_2(n))
     if np_ > MAX_NP:
         ids, dists = _topn_sorted(keys, offsets, n)
         out_ids.copy_(ids)
         out_dists.copy_(dists)
         return out_ids, out_dists
-    topn_kernel[(q,)](keys, offsets, out_ids, out_dists, n, NP=np_, LOG=np_.bit_length() - 1, num_warps=4 if np_ <= 1024 else 8)
+    # Tiles of up to MAX_NP keys (the longest segment's size when shorter) go into each halving
+    # round: fewer merges per key than tiles of NP.
+    tile = min(MAX_NP, max(np_, triton.next_power_of_2(max_count)))
+    topn_kernel[(q,)](keys, offsets, out_ids, out_dists, n, LT=tile.bit_length() - 1, LOG=np_.bit_length() - 1,
+                      num_warps=4 if tile <= 1024 else 8)
     return out_ids, out_dists
 
 

@@ -15,7 +15,7 @@ from fusionrag.retriever.errors import IndexFormatError, InputError
 from fusionrag.retriever.layout import PageLayout
 from fusionrag.retriever.manifest import load_array, read_manifest
 from fusionrag.retriever.pq import ProductQuantizer
-from fusionrag.retriever.tiers import CpuFilterTier, NavigationTier, RerankTier
+from fusionrag.retriever.tiers import NavigationTier, RerankTier, open_filter_tier
 
 STAT_KEYS = ("centroids_probed", "candidates", "unique_candidates", "minibatches", "reranked",
              "pages_read", "pages_buffered", "graph_s", "lut_s", "scan_s", "rerank_s")
@@ -96,7 +96,7 @@ class Index:
             path, m,
             NavigationTier(graph, metric == "ip", threads),
             ProductQuantizer(codebooks, dim),
-            CpuFilterTier(offsets, list_ids, codes, threads),
+            open_filter_tier(config, offsets, list_ids, codes, codebooks, threads),
             RerankTier(store, locations, dtype, engine_metric, threads),
             config, params or SearchParams(),
         )
@@ -125,6 +125,7 @@ class Index:
             "host_index_bytes": int(host),
             "pq_bytes": int(f.memory_bytes() + self.pq.codebooks.nbytes),
             "pq_tier": f.name,
+            "filter": f.describe(),
             "page_buffer_bytes": int(rr.store.buffer_bytes),
             "ssd_bytes": int((self.path / "vectors.pages").stat().st_size),
         }
@@ -162,14 +163,14 @@ class Index:
             self._search_batch(q[sl], k, p, ids[sl], dists[sl], {key: v[sl] for key, v in stats.items()})
         if self.metric == "cosine":
             dists /= 2  # squared L2 between unit vectors is 2 - 2cos
-        info = {"filter_tier": self.filter.name, "io_backend": self.reranker.store.backend,
+        info = {**self.filter.describe(), "io_backend": self.reranker.store.backend,
                 "direct_io": bool(self.reranker.store.direct)}
         return SearchResult(ids, dists, stats, info)
 
     def _search_batch(self, q, k, p, ids_out, dists_out, st) -> None:
         lists, probed, t_graph = self.nav.probe(q, p)
         t = time.perf_counter()
-        luts = self.pq.luts(q, self.reranker.metric)
+        luts = self.filter.luts(self.pq, q, self.reranker.metric)
         t_lut = time.perf_counter() - t
         cand = self.filter.topn(luts, lists, max(p.rerank, k))
         ids, dists, rstats, rsec = self.reranker.rerank(q, cand.ids, k, p)
