@@ -41,9 +41,8 @@ class DeviceBudget:
         self.reserve(what, _aligned(t.numel() * t.element_size()))
         return torch.empty(shape, dtype=dtype, device=self.device)
 
-    def upload(self, what: str, array) -> torch.Tensor:
-        """A host array copied into the budget (torch tensor or numpy array)."""
-        src = torch.as_tensor(array)
+    def upload(self, what: str, src: torch.Tensor) -> torch.Tensor:
+        """A copy of a host tensor, inside the budget."""
         out = self.empty(what, src.shape, src.dtype)
         out.copy_(src)
         return out

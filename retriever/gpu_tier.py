@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,7 +75,7 @@ class GpuFilterTier:
         self.visits = np.zeros(len(list_offsets) - 1, dtype=np.int64)
         self.budget = budget = DeviceBudget(self.device, budget_bytes)
         try:
-            self.codebooks = budget.upload("PQ codebooks", np.ascontiguousarray(codebooks, dtype=np.float32))
+            self.codebooks = budget.upload("PQ codebooks", _host(codebooks.astype(np.float32, copy=False)))
             padded_dim = codebooks.shape[0] * codebooks.shape[2]
             tables = _aligned(batch_size * m * KSUB * 4) + _aligned(batch_size * padded_dim * 4)
             room = budget.budget - budget.used
@@ -85,11 +86,11 @@ class GpuFilterTier:
                 work_bytes = int(np.clip(spare // blocks - tables, MIN_WORK, MAX_WORK)) // ALIGN * ALIGN
             self.pool = BlockPool(budget, blocks, tables + work_bytes, work_bytes // 2)
             if not self.tiered:
-                self.codes = budget.upload("PQ codes", codes)
+                self.codes = budget.upload("PQ codes", _host(codes))
                 self.slots = self.host_codes = None
             else:
                 self.slots = budget.empty("code slot map", (count,), torch.int32)
-                rows = min(count, (budget.budget - budget.used) // m)
+                rows = min(count, (budget.budget - budget.used) // ALIGN * ALIGN // m)
                 self.codes = budget.empty("hot PQ codes", (rows, m), torch.uint8)
                 self.host_codes = torch.empty((count - rows, m), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
                 self.place(np.diff(list_offsets) if hotness is None else hotness)
@@ -114,8 +115,8 @@ class GpuFilterTier:
         slots = np.empty(count, dtype=np.int32)
         slots[hot] = np.arange(rows, dtype=np.int32)
         slots[cold] = -1 - np.arange(len(cold), dtype=np.int32)
-        self.codes.copy_(torch.from_numpy(self.host_codes_all[hot]))
-        self.host_codes.copy_(torch.from_numpy(self.host_codes_all[cold]))
+        self.codes.copy_(_host(self.host_codes_all[hot]))
+        self.host_codes.copy_(_host(self.host_codes_all[cold]))
         self.slots.copy_(torch.from_numpy(slots))
 
     def rebalance(self) -> None:
@@ -148,7 +149,7 @@ class GpuFilterTier:
             block.reset()
             with self._on(block):
                 q = block.device(queries.shape, torch.float32)
-                q.copy_(torch.from_numpy(queries))
+                q.copy_(_host(queries))
                 tables = pq_tables(q, self.codebooks, metric, out=block.device((len(queries), pq.m, KSUB), torch.float32))
             return DeviceLuts(tables, block, block.mark())
         except BaseException:
@@ -167,7 +168,7 @@ class GpuFilterTier:
                 if not isinstance(luts, DeviceLuts):
                     block.reset()
                     tables = block.device(luts.shape, torch.float32)
-                    tables.copy_(torch.from_numpy(np.ascontiguousarray(luts, dtype=np.float32)))
+                    tables.copy_(_host(luts.astype(np.float32, copy=False)))
                 return self._topn(block, tables, probe_lists, n, exclude, start)
         finally:
             self.pool.give(block)
@@ -186,7 +187,7 @@ class GpuFilterTier:
             if exclude.shape != (need,) or exclude.dtype != np.uint8:
                 raise InputError(f"exclude must be a uint8 bitmap of ceil(N/8) = {need} bytes, got {exclude.dtype} {exclude.shape}")
             excluded = block.device((need,), torch.uint8)
-            excluded.copy_(torch.from_numpy(exclude))
+            excluded.copy_(_host(exclude))
         base = block.mark()
         out_ids = np.empty((q, n), dtype=np.int64)
         out_dists = np.empty((q, n), dtype=np.float32)
@@ -242,6 +243,13 @@ class GpuFilterTier:
         if block.stream is not None:
             block.stream.synchronize()
         out_ids[:], out_dists[:], unique[:] = h_out_ids.numpy(), h_out_dists.numpy(), h_unique.numpy()
+
+
+def _host(array: np.ndarray) -> torch.Tensor:
+    """A tensor over a host array (often a read-only memory map) that is only ever read."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(np.ascontiguousarray(array))
 
 
 def _aligned(nbytes: int) -> int:
