@@ -14,6 +14,7 @@ from fusionrag.retriever.config import BuildConfig, EngineConfig, SearchParams, 
 from fusionrag.retriever.errors import IndexFormatError, InputError
 from fusionrag.retriever.layout import PageLayout
 from fusionrag.retriever.manifest import load_array, read_manifest
+from fusionrag.retriever.overlap import overlapped
 from fusionrag.retriever.pq import ProductQuantizer
 from fusionrag.retriever.tiers import NavigationTier, RerankTier, open_filter_tier
 
@@ -158,9 +159,21 @@ class Index:
         ids = np.empty((nq, k), dtype=np.int64)
         dists = np.empty((nq, k), dtype=np.float32)
         stats = {key: np.zeros(nq, dtype=np.float64 if key.endswith("_s") else np.int64) for key in STAT_KEYS}
-        for s in range(0, nq, self.config.batch_size):
-            sl = slice(s, min(nq, s + self.config.batch_size))
-            self._search_batch(q[sl], k, p, ids[sl], dists[sl], {key: v[sl] for key, v in stats.items()})
+        bs = self.config.batch_size
+        batches = [slice(s, min(nq, s + bs)) for s in range(0, nq, bs)]
+
+        def outputs(sl):
+            return ids[sl], dists[sl], {key: v[sl] for key, v in stats.items()}
+
+        if self.filter.name == "gpu" and len(batches) > 1:
+            # The CPU searches the graph and re-ranks while the GPU filters the batch between.
+            overlapped(batches,
+                       lambda sl: (sl, self.nav.probe(q[sl], p)),
+                       lambda job: (job[0], self._filter_stage(q[job[0]], k, p, *job[1])),
+                       lambda job: self._rerank_stage(q[job[0]], k, p, *outputs(job[0]), *job[1]))
+        else:
+            for sl in batches:
+                self._search_batch(q[sl], k, p, *outputs(sl))
         if self.metric == "cosine":
             dists /= 2  # squared L2 between unit vectors is 2 - 2cos
         info = {**self.filter.describe(), "io_backend": self.reranker.store.backend,
@@ -168,11 +181,15 @@ class Index:
         return SearchResult(ids, dists, stats, info)
 
     def _search_batch(self, q, k, p, ids_out, dists_out, st) -> None:
-        lists, probed, t_graph = self.nav.probe(q, p)
+        self._rerank_stage(q, k, p, ids_out, dists_out, st, *self._filter_stage(q, k, p, *self.nav.probe(q, p)))
+
+    def _filter_stage(self, q, k, p, lists, probed, t_graph):
         t = time.perf_counter()
         luts = self.filter.luts(self.pq, q, self.reranker.metric)
         t_lut = time.perf_counter() - t
-        cand = self.filter.topn(luts, lists, max(p.rerank, k))
+        return self.filter.topn(luts, lists, max(p.rerank, k)), probed, t_graph, t_lut
+
+    def _rerank_stage(self, q, k, p, ids_out, dists_out, st, cand, probed, t_graph, t_lut) -> None:
         ids, dists, rstats, rsec = self.reranker.rerank(q, cand.ids, k, p)
         ids_out[:], dists_out[:] = ids, dists
         st["centroids_probed"][:] = probed

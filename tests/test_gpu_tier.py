@@ -4,6 +4,7 @@ Triton's interpreter (conftest.py sets TRITON_INTERPRET=1), so the shapes stay s
 
 import json
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from conftest import clustered, exact_knn, recall
 from fusionrag.cli import main
 from fusionrag.retriever import BuildConfig, ConfigError, EngineConfig, Index
 from fusionrag.retriever.gpu_tier import GpuFilterTier, default_budget, gpu_device
+from fusionrag.retriever.overlap import overlapped
 
 CUDA = torch.cuda.is_available()
 GPU = dict(filter_tier="gpu", gpu_budget_bytes=32 << 20, batch_size=16)
@@ -179,3 +181,22 @@ def test_cli_filter_tier_flag(l2_index, tmp_path, capsys):
     assert main(["search", str(path), str(tmp_path / "q.npy"), "--out", str(tmp_path / "ids.npy"),
                  "--filter-tier", "fpga"]) == 2
     assert "filter_tier must be one of" in capsys.readouterr().err
+
+
+def test_overlapped_stages_run_at_once_in_order():
+    started, done = threading.Event(), []
+
+    def first(i):
+        if i == 1:
+            started.set()
+        return i
+
+    def last(i):
+        if i == 0:  # batch 1's first stage runs while batch 0 is still in its last
+            assert started.wait(timeout=30)
+        done.append(i)
+
+    overlapped(range(6), first, lambda i: i * 10, lambda i: last(i // 10))
+    assert done == list(range(6))
+    with pytest.raises(ZeroDivisionError):
+        overlapped(range(4), lambda i: i, lambda i: 1 / (i - 2), lambda i: None)
