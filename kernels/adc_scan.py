@@ -24,7 +24,7 @@ import triton.language as tl
 
 from fusionrag.kernels import interpreted
 from fusionrag.kernels.dedup import FREE, hash_insert, table_layout
-from fusionrag.kernels.topn import EMPTY, pack_key
+from fusionrag.kernels.topn import EMPTY_KEY, pack_key
 
 
 @triton.jit
@@ -50,15 +50,14 @@ def adc_scan_kernel(ids_ptr, offsets_ptr, table_base_ptr, table_ptr, luts_ptr, c
     if TIERED:
         slot = tl.load(slots_ptr + id64, mask=own, other=0).to(tl.int64)
         near = slot >= 0
-        row = tl.where(near, slot, -slot - 1)
-        code = tl.load(codes_ptr + row[:, None] * M + m[None, :], mask=cols & near[:, None], other=0)
-        far = tl.load(host_codes_ptr + row[:, None] * M + m[None, :], mask=cols & ~near[:, None], other=0)
-        code = tl.where(near[:, None], code, far)
+        row = tl.where(near, slot, -slot - 1) * M
+        rows = tl.where(near, codes_ptr + row, host_codes_ptr + row)  # a pointer per lane, either memory
+        code = tl.load(rows[:, None] + m[None, :], mask=cols, other=0)
     else:
         code = tl.load(codes_ptr + id64[:, None] * M + m[None, :], mask=cols, other=0)
     lut = luts_ptr + q.to(tl.int64) * M * 256 + m[None, :] * 256
     dist = tl.sum(tl.load(lut + code.to(tl.int32), mask=cols, other=0.0), axis=1)
-    tl.store(keys_ptr + p, tl.where(own, pack_key(dist, id64), EMPTY), mask=inside)
+    tl.store(keys_ptr + p, tl.where(own, pack_key(dist, id64), EMPTY_KEY), mask=inside)
     tl.atomic_add(unique_ptr + q, tl.sum(own.to(tl.int64), 0))
 
 

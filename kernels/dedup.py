@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 FREE = -1
+_FREE = tl.constexpr(FREE)  # kernels may read module globals only as constexpr
 
 
 @triton.jit
@@ -34,9 +35,9 @@ def hash_insert(table_ptr, cap, ids, active):
     while tl.max(pending.to(tl.int32), 0) > 0:
         slot = (h + step) & (cap - 1)
         # atomic_cas has no mask: idle lanes compare against a value no slot holds, a no-op.
-        seen = tl.atomic_cas(table_ptr + slot, tl.where(pending, FREE, -2).to(tl.int64), key)
-        won = won | (pending & (seen == FREE))
-        pending = pending & (seen != FREE) & (seen != key)
+        seen = tl.atomic_cas(table_ptr + slot, tl.where(pending, _FREE, -2).to(tl.int64), key)
+        won = won | (pending & (seen == _FREE))
+        pending = pending & (seen != _FREE) & (seen != key)
         step += 1
     return won
 

@@ -22,6 +22,7 @@ import triton.language as tl
 from triton.language.standard import _elementwise_max, _elementwise_min
 
 EMPTY = (1 << 63) - 1
+EMPTY_KEY = tl.constexpr(EMPTY)  # kernels may read module globals only as constexpr
 # NP bounds: tiles shorter than 64 keys waste the launch; above 4096 keys one program's
 # registers spill, and selection falls back to a torch sort.
 MIN_NP, MAX_NP = 64, 4096
@@ -46,25 +47,24 @@ def _smallest(x, LT: tl.constexpr, LOG: tl.constexpr):
     h = tl.reshape(x, [2] * LT)
     idx = tl.reshape(tl.arange(0, 2**LT), [2] * LT)
     # Sort runs of 2^LOG keys, runs alternately ascending and descending (one run: descending).
+    # (Index bit b is hypercube axis LT-1-b. Expressions stay inline: a constexpr assigned to a
+    # local stops being one in compiled code.)
     for stage in tl.static_range(1, LOG + 1):
         desc = (idx >> stage) & 1 if stage < LT else idx * 0 + 1
-        for i in tl.static_range(stage):
-            bit: tl.constexpr = stage - 1 - i
-            lo = tl.reduce(h, LT - 1 - bit, _elementwise_min, keep_dims=True)
-            hi = tl.reduce(h, LT - 1 - bit, _elementwise_max, keep_dims=True)
-            h = tl.where((((idx >> bit) & 1) ^ desc) != 0, hi, lo)
+        for i in tl.static_range(stage):  # bit stage-1-i
+            lo = tl.reduce(h, LT - stage + i, _elementwise_min, keep_dims=True)
+            hi = tl.reduce(h, LT - stage + i, _elementwise_max, keep_dims=True)
+            h = tl.where((((idx >> (stage - 1 - i)) & 1) ^ desc) != 0, hi, lo)
     # Halve: the element-wise min of an ascending and a descending run is a bitonic run holding
     # the 2^LOG smallest of both; merge it, again alternating, until one run is left.
-    for r in tl.static_range(LT - LOG):
-        dims: tl.constexpr = LT - r - 1
-        h = tl.reduce(h, dims - LOG, _elementwise_min)
-        idx = tl.reshape(tl.arange(0, 2**dims), [2] * dims)
-        desc = (idx >> LOG) & 1 if LOG < dims else idx * 0 + 1
-        for i in tl.static_range(LOG):
-            bit: tl.constexpr = LOG - 1 - i
-            lo = tl.reduce(h, dims - 1 - bit, _elementwise_min, keep_dims=True)
-            hi = tl.reduce(h, dims - 1 - bit, _elementwise_max, keep_dims=True)
-            h = tl.where((((idx >> bit) & 1) ^ desc) != 0, hi, lo)
+    for r in tl.static_range(LT - LOG):  # LT-r-1 dimensions after the halving
+        h = tl.reduce(h, LT - r - 1 - LOG, _elementwise_min)
+        idx = tl.reshape(tl.arange(0, 2 ** (LT - r - 1)), [2] * (LT - r - 1))
+        desc = (idx >> LOG) & 1 if LOG < LT - r - 1 else idx * 0 + 1
+        for i in tl.static_range(LOG):  # bit LOG-1-i
+            lo = tl.reduce(h, LT - r - 1 - LOG + i, _elementwise_min, keep_dims=True)
+            hi = tl.reduce(h, LT - r - 1 - LOG + i, _elementwise_max, keep_dims=True)
+            h = tl.where((((idx >> (LOG - 1 - i)) & 1) ^ desc) != 0, hi, lo)
     return tl.reshape(h, [2**LOG])
 
 
@@ -75,20 +75,19 @@ def topn_kernel(keys_ptr, offsets_ptr, out_ids_ptr, out_dists_ptr, n, LT: tl.con
     end = tl.load(offsets_ptr + q + 1)
     lane = tl.arange(0, 2**LOG)
     idx = tl.reshape(lane, [2] * LOG)
-    best = tl.reshape(tl.full([2**LOG], EMPTY, tl.int64), [2] * LOG)  # ascending
+    best = tl.reshape(tl.full([2**LOG], EMPTY_KEY, tl.int64), [2] * LOG)  # ascending
     for tile in range(start, end, 2**LT):
         p = tile + tl.arange(0, 2**LT)
-        x = _smallest(tl.load(keys_ptr + p, mask=p < end, other=EMPTY), LT, LOG)
+        x = _smallest(tl.load(keys_ptr + p, mask=p < end, other=EMPTY_KEY), LT, LOG)
         # best ascending, x descending: their element-wise min is bitonic; merge it ascending.
         h = tl.minimum(best, tl.reshape(x, [2] * LOG))
-        for i in tl.static_range(LOG):
-            bit: tl.constexpr = LOG - 1 - i
-            lo = tl.reduce(h, LOG - 1 - bit, _elementwise_min, keep_dims=True)
-            hi = tl.reduce(h, LOG - 1 - bit, _elementwise_max, keep_dims=True)
-            h = tl.where(((idx >> bit) & 1) != 0, hi, lo)
+        for i in tl.static_range(LOG):  # bit LOG-1-i
+            lo = tl.reduce(h, i, _elementwise_min, keep_dims=True)
+            hi = tl.reduce(h, i, _elementwise_max, keep_dims=True)
+            h = tl.where(((idx >> (LOG - 1 - i)) & 1) != 0, hi, lo)
         best = h
     best = tl.reshape(best, [2**LOG])
-    found = best != EMPTY
+    found = best != EMPTY_KEY
     bits = (best >> 32).to(tl.int32)
     bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     dists = tl.where(found, bits.to(tl.float32, bitcast=True), float("inf"))

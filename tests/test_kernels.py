@@ -2,7 +2,11 @@
 IDs at the top of the uint32 range. On a machine without a GPU, conftest.py sets
 TRITON_INTERPRET=1 and the kernels run on CPU tensors in Triton's interpreter."""
 
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -221,3 +225,12 @@ def test_pool_blocks_are_never_shared():
     assert b.device((10,), torch.int64).shape == (10,)
     with pytest.raises(BudgetError, match="working block"):
         b.device((4096,), torch.int64)
+
+
+def test_kernels_compile_for_a_gpu():
+    """Without a GPU the tests above run the interpreter; this compiles the real thing."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, str(Path(__file__).with_name("kernels_compile.py"))], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("compiled ") == 10
