@@ -58,8 +58,7 @@ class DeviceLuts:
     """A batch's tables, computed in a working block that topn then uses (and gives back)."""
 
     tables: torch.Tensor  # float32 (q, M, 256) on the device
-    block: WorkingBlock
-    end: int  # device bytes of the block the tables (and queries) take
+    block: WorkingBlock  # its later views are carved after the tables
 
 
 class GpuFilterTier:
@@ -81,6 +80,9 @@ class GpuFilterTier:
             room = budget.budget - budget.used
             all_codes = _aligned(count * m)
             self.tiered = (room - all_codes) // blocks - tables < (work_bytes or MIN_WORK)
+            if self.tiered and count >= 1 << 31:
+                raise BudgetError(f"{count} vectors do not all fit, and slots for partly resident codes are int32")
+            # Everything fits: the blocks get what the codes leave. Tiered: a quarter of the budget.
             if not work_bytes:
                 spare = room - all_codes if not self.tiered else (room - 4 * count) // 4
                 work_bytes = int(np.clip(spare // blocks - tables, MIN_WORK, MAX_WORK)) // ALIGN * ALIGN
@@ -93,6 +95,7 @@ class GpuFilterTier:
                 rows = min(count, (budget.budget - budget.used) // ALIGN * ALIGN // m)
                 self.codes = budget.empty("hot PQ codes", (rows, m), torch.uint8)
                 self.host_codes = torch.empty((count - rows, m), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+                # Before any query has come, longer lists count as hotter: they hold more candidates.
                 self.place(np.diff(list_offsets) if hotness is None else hotness)
         except BudgetError as e:
             raise ConfigError(f"{e}; raise gpu_budget_bytes, lower gpu_memory_utilization or use filter_tier='cpu'") from e
@@ -151,7 +154,7 @@ class GpuFilterTier:
                 q = block.device(queries.shape, torch.float32)
                 q.copy_(_host(queries))
                 tables = pq_tables(q, self.codebooks, metric, out=block.device((len(queries), pq.m, KSUB), torch.float32))
-            return DeviceLuts(tables, block, block.mark())
+            return DeviceLuts(tables, block)
         except BaseException:
             self.pool.give(block)
             raise
@@ -178,6 +181,7 @@ class GpuFilterTier:
         if n < 1:
             raise InputError(f"n must be positive, got {n}")
         ids, offsets = native.gather(probe_lists, self.list_offsets, self.list_ids, self.threads)  # validates
+        # Racy under concurrent calls, and harmless: hotness only orders placement.
         self.visits += np.bincount(probe_lists[probe_lists >= 0], minlength=len(self.visits))
         counts = np.diff(offsets)
         caps = 2 ** np.ceil(np.log2(np.maximum(2 * counts, 2))).astype(np.int64)
