@@ -103,8 +103,7 @@ class GpuFilterTier:
             torch.cuda.synchronize(self.device)
 
     def place(self, hotness: np.ndarray) -> None:
-        """Give the resident code rows to the IDs of the hottest posting lists first. Not safe to
-        call while a topn runs."""
+        """Give the resident code rows to the IDs of the hottest posting lists first."""
         lens = np.diff(self.list_offsets)
         order = np.argsort(-np.asarray(hotness), kind="stable")
         run = lens[order]
@@ -123,9 +122,16 @@ class GpuFilterTier:
         self.slots.copy_(torch.from_numpy(slots))
 
     def rebalance(self) -> None:
-        """Re-place the resident codes by the posting lists visited since start-up."""
-        if self.tiered:
+        """Re-place the resident codes by the posting lists visited since start-up. Safe while
+        searches run: it holds every working block, so no scan reads the codes meanwhile."""
+        if not self.tiered:
+            return
+        held = [self.pool.take() for _ in self.pool.blocks]
+        try:
             self.place(self.visits)
+        finally:
+            for block in held:
+                self.pool.give(block)
 
     def memory_bytes(self) -> int:
         held = self.codes.numel() + (self.host_codes.numel() + self.slots.numel() * 4 if self.tiered else 0)
