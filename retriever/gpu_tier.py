@@ -186,6 +186,8 @@ class GpuFilterTier:
         q = len(probe_lists)
         if n < 1:
             raise InputError(f"n must be positive, got {n}")
+        if tables.shape[0] != q:
+            raise InputError(f"{tables.shape[0]} queries' tables for {q} queries' probe lists")
         ids, offsets = native.gather(probe_lists, self.list_offsets, self.list_ids, self.threads)  # validates
         # Racy under concurrent calls, and harmless: hotness only orders placement.
         self.visits += np.bincount(probe_lists[probe_lists >= 0], minlength=len(self.visits))
@@ -239,11 +241,12 @@ class GpuFilterTier:
         table = block.device((int(caps.sum()),), torch.int64).fill_(FREE)
         keys = block.device((len(ids),), torch.int64)
         d_unique = block.device((q,), torch.int64).zero_()
+        longest = int(np.diff(offsets).max())  # known here: nothing is read back before the results
         adc_scan(tables, d_ids, meta[0], self.codes, self.host_codes, self.slots, excluded, table=table,
-                 table_base=meta[1], keys=keys, unique=d_unique, max_count=int(np.diff(offsets).max()))
+                 table_base=meta[1], keys=keys, unique=d_unique, max_count=longest)
         d_out_ids = block.device((q, n), torch.int64)
         d_out_dists = block.device((q, n), torch.float32)
-        select_topn(keys, meta[0], n, d_out_ids, d_out_dists)
+        select_topn(keys, meta[0], n, d_out_ids, d_out_dists, max_count=longest)
         h_out_ids = block.host((q, n), torch.int64)
         h_out_dists = block.host((q, n), torch.float32)
         h_unique = block.host((q,), torch.int64)
