@@ -105,7 +105,8 @@ def bench_scan(device: torch.device, n: int, m: int, q: int, per_query: int, n_t
         "vectors": n, "m": m, "queries": q, "ids_per_query": per_query, "distinct_per_query": round(u / q, 1),
         "scan_seconds": round(scan_s, 6), "scan_ids_per_s": round(ids.numel() / scan_s),
         "scan_bytes_per_s": round(moved / scan_s), "scan_fraction_of_bandwidth": round(moved / scan_s / peak_bw, 3),
-        "topn": n_top, "topn_seconds": round(select_s, 6), "scan_plus_topn_ids_per_s": round(ids.numel() / (scan_s + select_s)),
+        "topn": n_top, "topn_seconds": round(select_s, 6),
+        "scan_plus_topn_ids_per_s": round(ids.numel() / (scan_s + select_s)),
     }
 
 
@@ -114,7 +115,8 @@ def load(name: str, n_queries: int):
     if name == "synthetic":
         rng = np.random.default_rng(0)
         centers = rng.standard_normal((30, 24)).astype(np.float32)
-        x = (centers[rng.integers(30, size=3000 + n_queries)] + 0.3 * rng.standard_normal((3000 + n_queries, 24))).astype(np.float32)
+        n = 3000 + n_queries
+        x = (centers[rng.integers(30, size=n)] + 0.3 * rng.standard_normal((n, 24))).astype(np.float32)
         base, queries = x[:3000], x[3000:]
         d = (queries**2).sum(1)[:, None] - 2 * queries @ base.T + (base**2).sum(1)[None]
         return base, queries, np.argsort(d, axis=1)[:, :10], "l2"
@@ -221,7 +223,8 @@ def main() -> int:
     f = gpu.filter
     work = f.pool.blocks[0].host_bytes * 2
     codebooks = gpu.pq.codebooks.nbytes
-    budget = codebooks + 4 * len(base) + len(f.pool.blocks) * f.pool.blocks[0].device_bytes + f.codes.numel() // 2 + 4096
+    pool = len(f.pool.blocks) * f.pool.blocks[0].device_bytes
+    budget = codebooks + 4 * len(base) + pool + f.codes.numel() // 2 + 4096
     gpu.close()
     del gpu, f
     half = Index.open(path, filter_tier="cpu", batch_size=batch)
@@ -229,7 +232,8 @@ def main() -> int:
     half.filter = GpuFilterTier(c.list_offsets, c.list_ids, c.codes, half.pq.codebooks, device=device,
                                 budget_bytes=budget, batch_size=batch, threads=c.threads, work_bytes=work)
     run = sweep(half, queries, gt, [(best95["nprobe"], best95["rerank"])])[0]
-    e2e["gpu_tier_half_codes_resident"] = {**run, "resident_code_fraction": half.filter.describe()["resident_code_fraction"]}
+    e2e["gpu_tier_half_codes_resident"] = {
+        **run, "resident_code_fraction": half.filter.describe()["resident_code_fraction"]}
     e2e["exact_on_device"] = exact_search(base.astype(np.float32), queries, gt, device)
     for target in TARGETS:
         g, c = e2e["gpu_tier"][f"qps_at_recall_{target:.2f}"], e2e["cpu_tier"][f"qps_at_recall_{target:.2f}"]

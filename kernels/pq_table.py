@@ -41,7 +41,8 @@ def pq_table_kernel(queries_ptr, codebooks_ptr, out_ptr, dim, M: tl.constexpr, D
     tl.store(out_ptr + (q * M + m2) * 256 + tl.arange(0, 256)[None, :], rows, mask=m2 < M)
 
 
-def pq_tables(queries: torch.Tensor, codebooks: torch.Tensor, metric: str, out: torch.Tensor | None = None) -> torch.Tensor:
+def pq_tables(queries: torch.Tensor, codebooks: torch.Tensor, metric: str,
+              out: torch.Tensor | None = None) -> torch.Tensor:
     """float32 (q, M, 256) tables of float32 queries (q, dim) against codebooks (M, 256, dsub)."""
     if metric not in ("l2", "ip"):
         raise ValueError(f"metric must be 'l2' or 'ip', got {metric!r}")

@@ -9,8 +9,9 @@ both tiers pick the same candidates. `EMPTY` (int64 max) marks a position holdin
 One program per query walks its segment in tiles, keeping the NP >= n (a power of two) smallest
 keys seen so far sorted in registers. A tile is cut to its NP smallest by bitonic top-k (sort
 runs of NP, then halve by element-wise minimum of opposite runs and merge, Shanbhag et al.
-2018), and the buffer takes the element-wise minimum of itself and that run and merges again. Selection is not fused into the scan kernel
-(adc_scan.py): it needs a whole segment in one program, and the scan spreads a segment over
+2018), and the buffer takes the element-wise minimum of itself and that run and merges again.
+
+Selection is not fused into the scan kernel (adc_scan.py): it needs a whole segment in one program, and the scan spreads a segment over
 many programs, which matters when a batch has few queries with many candidates each.
 """
 

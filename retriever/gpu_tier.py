@@ -94,11 +94,13 @@ class GpuFilterTier:
                 self.slots = budget.empty("code slot map", (count,), torch.int32)
                 rows = min(count, (budget.budget - budget.used) // ALIGN * ALIGN // m)
                 self.codes = budget.empty("hot PQ codes", (rows, m), torch.uint8)
-                self.host_codes = torch.empty((count - rows, m), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+                self.host_codes = torch.empty((count - rows, m), dtype=torch.uint8,
+                                              pin_memory=self.device.type == "cuda")
                 # Before any query has come, longer lists count as hotter: they hold more candidates.
                 self.place(np.diff(list_offsets) if hotness is None else hotness)
         except BudgetError as e:
-            raise ConfigError(f"{e}; raise gpu_budget_bytes, lower gpu_memory_utilization or use filter_tier='cpu'") from e
+            raise ConfigError(
+                f"{e}; raise gpu_budget_bytes, lower gpu_memory_utilization or use filter_tier='cpu'") from e
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -159,7 +161,8 @@ class GpuFilterTier:
             with self._on(block):
                 q = block.device(queries.shape, torch.float32)
                 q.copy_(_host(queries))
-                tables = pq_tables(q, self.codebooks, metric, out=block.device((len(queries), pq.m, KSUB), torch.float32))
+                out = block.device((len(queries), pq.m, KSUB), torch.float32)
+                tables = pq_tables(q, self.codebooks, metric, out=out)
             return DeviceLuts(tables, block)
         except BaseException:
             self.pool.give(block)
@@ -197,7 +200,8 @@ class GpuFilterTier:
         if exclude is not None:
             need = (len(self.host_codes_all) + 7) // 8
             if exclude.shape != (need,) or exclude.dtype != np.uint8:
-                raise InputError(f"exclude must be a uint8 bitmap of ceil(N/8) = {need} bytes, got {exclude.dtype} {exclude.shape}")
+                raise InputError(
+                    f"exclude must be a uint8 bitmap of ceil(N/8) = {need} bytes, got {exclude.dtype} {exclude.shape}")
             excluded = block.device((need,), torch.uint8)
             excluded.copy_(_host(exclude))
         base = block.mark()

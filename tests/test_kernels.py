@@ -113,8 +113,8 @@ def test_adc_scan_matches_reference(placement, with_exclude):
         if DEVICE.type == "cuda":
             where["host_codes"] = where["host_codes"].pin_memory()
     offsets = offsets_of(*lengths)
-    keys, unique = adc_scan(luts.to(DEVICE), as_u32(raw), offsets, exclude=None if exclude is None else exclude.to(DEVICE),
-                            **where)
+    on_device = None if exclude is None else exclude.to(DEVICE)
+    keys, unique = adc_scan(luts.to(DEVICE), as_u32(raw), offsets, exclude=on_device, **where)
     want = adc_scan_reference(luts, raw, offsets.cpu(), codes, exclude)
     ids, dists = unpack_keys(keys.cpu())
     for i, (want_ids, want_dists) in enumerate(want):
