@@ -15,6 +15,7 @@ from fusionrag.cli import main
 from fusionrag.retriever import BuildConfig, ConfigError, EngineConfig, Index
 from fusionrag.retriever.gpu_tier import GpuFilterTier, default_budget, gpu_device
 from fusionrag.retriever.overlap import overlapped
+from fusionrag.retriever.vectors import open_vectors
 
 CUDA = torch.cuda.is_available()
 GPU = dict(filter_tier="gpu", gpu_budget_bytes=32 << 20, batch_size=16)
@@ -200,3 +201,14 @@ def test_overlapped_stages_run_at_once_in_order():
     assert done == list(range(6))
     with pytest.raises(ZeroDivisionError):
         overlapped(range(4), lambda i: i, lambda i: 1 / (i - 2), lambda i: None)
+
+
+def test_real_sift5k_gpu_tier_equals_cpu_tier(tmp_path, data_dir):
+    d = data_dir / "sift5k-ngt-texmexq"
+    Index.build(d / "sift5k_base.fvecs", tmp_path / "idx", progress=False)
+    queries = open_vectors(d / "sift5k_query.fvecs")[:12]
+    cpu = Index.open(tmp_path / "idx", filter_tier="cpu").search(queries, k=10)
+    gpu = Index.open(tmp_path / "idx", **GPU).search(queries, k=10)
+    same_results(cpu, gpu)
+    assert np.array_equal(cpu.stats["unique_candidates"], gpu.stats["unique_candidates"])
+    assert recall(gpu.ids, open_vectors(d / "sift5k_groundtruth.ivecs")[:12, :10]) >= 0.95
