@@ -104,6 +104,12 @@ class GpuFilterTier:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    @property
+    def in_flight(self) -> int:
+        """Batches this tier filters at once: one per working block on CUDA. One in the
+        interpreter, which patches triton.language process-wide while a kernel runs."""
+        return len(self.pool.blocks) if self.device.type == "cuda" else 1
+
     def place(self, hotness: np.ndarray) -> None:
         """Give the resident code rows to the IDs of the hottest posting lists first."""
         lens = np.diff(self.list_offsets)

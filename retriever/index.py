@@ -170,7 +170,8 @@ class Index:
             overlapped(batches,
                        lambda sl: (sl, self.nav.probe(q[sl], p)),
                        lambda job: (job[0], self._filter_stage(q[job[0]], k, p, *job[1])),
-                       lambda job: self._rerank_stage(q[job[0]], k, p, *outputs(job[0]), *job[1]))
+                       lambda job: self._rerank_stage(q[job[0]], k, p, *outputs(job[0]), *job[1]),
+                       middle_workers=self.filter.in_flight)
         else:
             for sl in batches:
                 self._search_batch(q[sl], k, p, *outputs(sl))

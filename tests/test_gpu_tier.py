@@ -5,6 +5,7 @@ Triton's interpreter (conftest.py sets TRITON_INTERPRET=1), so the shapes stay s
 import json
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -199,6 +200,12 @@ def test_overlapped_stages_run_at_once_in_order():
 
     overlapped(range(6), first, lambda i: i * 10, lambda i: last(i // 10))
     assert done == list(range(6))
+    # Two middles at once (two batches on a GPU): the last stage still sees the items in order.
+    done.clear()
+    started.clear()
+    overlapped(range(9), first, lambda i: time.sleep(0.01 * (i % 3 == 0)) or i * 10, lambda i: last(i // 10),
+               middle_workers=2)
+    assert done == list(range(9))
     with pytest.raises(ZeroDivisionError):
         overlapped(range(4), lambda i: i, lambda i: 1 / (i - 2), lambda i: None)
 
