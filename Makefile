@@ -2,7 +2,7 @@
 # `make test`. Both set up everything they need on a fresh machine, into .venv.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= test,server
+EXTRAS ?= test,server,gpu
 
 .PHONY: setup run test bench
 
@@ -23,5 +23,5 @@ test: setup
 	$(PY) -m pytest -q
 
 bench:
-	$(MAKE) setup EXTRAS=test,server,bench
+	$(MAKE) setup EXTRAS=test,server,gpu,bench
 	$(PY) bench/run.py

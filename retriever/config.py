@@ -10,6 +10,7 @@ from fusionrag.retriever.errors import ConfigError
 METRICS = ("l2", "ip", "cosine")
 IO_BACKENDS = ("auto", "io_uring", "pread")
 DIRECT_IO = ("auto", "on", "off")
+FILTER_TIERS = ("auto", "cpu", "gpu")
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -111,6 +112,14 @@ class EngineConfig(_Config):
     batch_size: int = 1024
     # Check every file against the manifest's checksums when opening.
     verify: bool = True
+    # PQ filtering on the GPU ('gpu', Triton) or the CPU ('cpu'); 'auto' takes the GPU when
+    # torch sees CUDA.
+    filter_tier: str = "auto"
+    # GPU memory the filter tier may hold (codes, codebooks, working blocks); 0: what an LLM
+    # server on the same GPU leaves, (1 - gpu_memory_utilization) of the device, at most what is free.
+    gpu_budget_bytes: int = 0
+    # The LLM server's share of GPU memory (vLLM's --gpu-memory-utilization).
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self):
         _check(self.buffer_bytes >= 0, f"buffer_bytes must be >= 0, got {self.buffer_bytes}")
@@ -119,6 +128,10 @@ class EngineConfig(_Config):
         _check(1 <= self.io_threads <= 256, f"io_threads must be in [1, 256], got {self.io_threads}")
         _check(self.threads >= 0, f"threads must be >= 0, got {self.threads}")
         _check(1 <= self.batch_size <= 65536, f"batch_size must be in [1, 65536], got {self.batch_size}")
+        _check(self.filter_tier in FILTER_TIERS, f"filter_tier must be one of {FILTER_TIERS}, got {self.filter_tier!r}")
+        _check(self.gpu_budget_bytes >= 0, f"gpu_budget_bytes must be >= 0 (0 = automatic), got {self.gpu_budget_bytes}")
+        _check(0 <= self.gpu_memory_utilization < 1,
+               f"gpu_memory_utilization must be in [0, 1), got {self.gpu_memory_utilization}")
 
 
 def cpu_threads(requested: int = 0) -> int:

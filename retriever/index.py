@@ -14,8 +14,9 @@ from fusionrag.retriever.config import BuildConfig, EngineConfig, SearchParams, 
 from fusionrag.retriever.errors import IndexFormatError, InputError
 from fusionrag.retriever.layout import PageLayout
 from fusionrag.retriever.manifest import load_array, read_manifest
+from fusionrag.retriever.overlap import overlapped
 from fusionrag.retriever.pq import ProductQuantizer
-from fusionrag.retriever.tiers import CpuFilterTier, NavigationTier, RerankTier
+from fusionrag.retriever.tiers import NavigationTier, RerankTier, open_filter_tier
 
 STAT_KEYS = ("centroids_probed", "candidates", "unique_candidates", "minibatches", "reranked",
              "pages_read", "pages_buffered", "graph_s", "lut_s", "scan_s", "rerank_s")
@@ -96,7 +97,7 @@ class Index:
             path, m,
             NavigationTier(graph, metric == "ip", threads),
             ProductQuantizer(codebooks, dim),
-            CpuFilterTier(offsets, list_ids, codes, threads),
+            open_filter_tier(config, offsets, list_ids, codes, codebooks, threads),
             RerankTier(store, locations, dtype, engine_metric, threads),
             config, params or SearchParams(),
         )
@@ -125,6 +126,7 @@ class Index:
             "host_index_bytes": int(host),
             "pq_bytes": int(f.memory_bytes() + self.pq.codebooks.nbytes),
             "pq_tier": f.name,
+            "filter": f.describe(),
             "page_buffer_bytes": int(rr.store.buffer_bytes),
             "ssd_bytes": int((self.path / "vectors.pages").stat().st_size),
         }
@@ -159,21 +161,39 @@ class Index:
         ids = np.empty((nq, k), dtype=np.int64)
         dists = np.empty((nq, k), dtype=np.float32)
         stats = {key: np.zeros(nq, dtype=np.float64 if key.endswith("_s") else np.int64) for key in STAT_KEYS}
-        for s in range(0, nq, self.config.batch_size):
-            sl = slice(s, min(nq, s + self.config.batch_size))
-            self._search_batch(q[sl], k, p, ids[sl], dists[sl], {key: v[sl] for key, v in stats.items()}, exclude)
+        bs = self.config.batch_size
+        batches = [slice(s, min(nq, s + bs)) for s in range(0, nq, bs)]
+
+        def outputs(sl):
+            return ids[sl], dists[sl], {key: v[sl] for key, v in stats.items()}
+
+        if self.filter.name == "gpu" and len(batches) > 1:
+            # The CPU searches the graph and re-ranks while the GPU filters the batch between.
+            overlapped(batches,
+                       lambda sl: (sl, self.nav.probe(q[sl], p)),
+                       lambda job: (job[0], self._filter_stage(q[job[0]], k, p, exclude, *job[1])),
+                       lambda job: self._rerank_stage(q[job[0]], k, p, *outputs(job[0]), *job[1]),
+                       middle_workers=self.filter.in_flight)
+        else:
+            for sl in batches:
+                self._search_batch(q[sl], k, p, exclude, *outputs(sl))
         if self.metric == "cosine":
             dists /= 2  # squared L2 between unit vectors is 2 - 2cos
-        info = {"filter_tier": self.filter.name, "io_backend": self.reranker.store.backend,
+        info = {**self.filter.describe(), "io_backend": self.reranker.store.backend,
                 "direct_io": bool(self.reranker.store.direct)}
         return SearchResult(ids, dists, stats, info)
 
-    def _search_batch(self, q, k, p, ids_out, dists_out, st, exclude=None) -> None:
-        lists, probed, t_graph = self.nav.probe(q, p)
+    def _search_batch(self, q, k, p, exclude, ids_out, dists_out, st) -> None:
+        self._rerank_stage(q, k, p, ids_out, dists_out, st,
+                           *self._filter_stage(q, k, p, exclude, *self.nav.probe(q, p)))
+
+    def _filter_stage(self, q, k, p, exclude, lists, probed, t_graph):
         t = time.perf_counter()
-        luts = self.pq.luts(q, self.reranker.metric)
+        luts = self.filter.luts(self.pq, q, self.reranker.metric)
         t_lut = time.perf_counter() - t
-        cand = self.filter.topn(luts, lists, max(p.rerank, k), exclude)
+        return self.filter.topn(luts, lists, max(p.rerank, k), exclude), probed, t_graph, t_lut
+
+    def _rerank_stage(self, q, k, p, ids_out, dists_out, st, cand, probed, t_graph, t_lut) -> None:
         ids, dists, rstats, rsec = self.reranker.rerank(q, cand.ids, k, p)
         ids_out[:], dists_out[:] = ids, dists
         st["centroids_probed"][:] = probed

@@ -1,13 +1,15 @@
 """The three tiers of an open index, each a part with one interface (DESIGN.md, "A query").
 
 - NavigationTier (host RAM): graph search for the top-m posting lists of each query.
-- FilterTier (GPU memory, or host RAM here): gather the lists' IDs, de-duplicate, PQ distance,
-  top-n. CpuFilterTier is the native fallback; a GPU tier implements the same `topn`.
+- FilterTier (GPU memory, or host RAM here): PQ lookup tables; gather the lists' IDs,
+  de-duplicate, PQ distance, top-n. CpuFilterTier is the native fallback; GpuFilterTier
+  (gpu_tier.py, Triton) implements the same interface; `open_filter_tier` picks one.
 - RerankTier (SSD + DRAM page buffer): exact distances of the top-n, Algorithm 1 early stop.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -15,7 +17,7 @@ from typing import Protocol
 import numpy as np
 
 from fusionrag import native
-from fusionrag.retriever.config import SearchParams
+from fusionrag.retriever.config import EngineConfig, SearchParams
 from fusionrag.retriever.kmeans import sq_dists
 
 
@@ -33,7 +35,11 @@ class FilterTier(Protocol):
 
     def memory_bytes(self) -> int: ...
 
-    def topn(self, luts: np.ndarray, probe_lists: np.ndarray, n: int, exclude: np.ndarray | None = None) -> Candidates:
+    def describe(self) -> dict: ...
+
+    def luts(self, pq, queries: np.ndarray, metric: str): ...
+
+    def topn(self, luts, probe_lists: np.ndarray, n: int, exclude: np.ndarray | None = None) -> Candidates:
         """exclude: bitmap of vector ids never to return (a collection's tombstones and filter)."""
 
 
@@ -81,10 +87,40 @@ class CpuFilterTier:
     def memory_bytes(self) -> int:
         return int(self.codes.nbytes)
 
+    def describe(self) -> dict:
+        return {"filter_tier": self.name}
+
+    def luts(self, pq, queries: np.ndarray, metric: str) -> np.ndarray:
+        return pq.luts(queries, metric)
+
     def topn(self, luts: np.ndarray, probe_lists: np.ndarray, n: int, exclude: np.ndarray | None = None) -> Candidates:
         ids, dists, counts, seconds = native.scan_topn(
             luts, probe_lists, self.list_offsets, self.list_ids, self.codes, n, self.threads, exclude)
         return Candidates(ids, dists, counts[:, 0], counts[:, 1], seconds)
+
+
+def _cuda_available() -> bool:
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("triton") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def open_filter_tier(config: EngineConfig, list_offsets: np.ndarray, list_ids: np.ndarray, codes: np.ndarray,
+                     codebooks: np.ndarray, threads: int) -> FilterTier:
+    """config.filter_tier: 'gpu' when CUDA is there (and torch and triton installed) under 'auto'."""
+    kind = config.filter_tier
+    if kind == "auto":
+        kind = "gpu" if _cuda_available() else "cpu"
+    if kind == "cpu":
+        return CpuFilterTier(list_offsets, list_ids, codes, threads)
+    from fusionrag.retriever.gpu_tier import GpuFilterTier, default_budget, gpu_device
+
+    device = gpu_device()
+    budget = config.gpu_budget_bytes or default_budget(device, config.gpu_memory_utilization)
+    return GpuFilterTier(list_offsets, list_ids, codes, codebooks, device=device, budget_bytes=budget,
+                         batch_size=config.batch_size, threads=threads)
 
 
 class RerankTier:

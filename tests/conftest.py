@@ -4,6 +4,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+# Without a GPU the Triton kernels run in Triton's interpreter, which reads this variable when
+# triton is first imported: set it before any test module imports the kernels.
+if "TRITON_INTERPRET" not in os.environ and not Path("/dev/nvidiactl").exists():
+    os.environ["TRITON_INTERPRET"] = "1"
+
 # The project's real data sets live in shared/data beside the checkout (each folder has a README).
 DATA = Path(os.environ.get("FUSIONRAG_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 

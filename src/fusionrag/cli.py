@@ -25,6 +25,9 @@ _HELP = {
     "eps": "early stop: top-k change ratio counted as stable",
     "beta": "early stop after this many stable mini-batches (0 disables)",
     "graph_ef": "navigation graph beam (at least nprobe)",
+    "filter_tier": "PQ filter tier: auto (GPU when CUDA is there), cpu or gpu",
+    "gpu_budget_bytes": "GPU memory the filter tier may hold (0: what the LLM server leaves)",
+    "gpu_memory_utilization": "the LLM server's share of GPU memory, for the default budget",
 }
 
 
@@ -101,7 +104,7 @@ def _cmd_search(args) -> int:
 def _cmd_info(args) -> int:
     from fusionrag.retriever import Index
 
-    index = Index.open(args.index_dir, verify=not args.no_verify)
+    index = Index.open(args.index_dir, verify=not args.no_verify, filter_tier=args.filter_tier)
     m = dict(index.manifest)
     m.pop("files", None)
     print(json.dumps({**m, "memory": index.memory()}, indent=1))
@@ -135,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="print an index's manifest and memory per tier")
     i.add_argument("index_dir")
     i.add_argument("--no-verify", action="store_true", help="skip the checksum pass")
+    i.add_argument("--filter-tier", default=None, help=_HELP["filter_tier"])
     i.set_defaults(run=_cmd_info)
     return parser
 

@@ -1,0 +1,131 @@
+"""GPU memory under a budget: everything the filter tier holds is taken from one `DeviceBudget`
+at start-up, and queries run in fixed working blocks, so the tier never grows while serving.
+
+A `WorkingBlock` is one in-flight batch's memory: a device arena and a host staging arena
+(pinned on CUDA, so copies are asynchronous) carved into typed views per call, and its own CUDA
+stream, so batches in different blocks copy and compute at the same time. `BlockPool` hands
+blocks out; take and give are a deque's pop and append, atomic under the GIL, so the hot path
+takes no lock. Only a caller finding every block busy waits.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+import torch
+
+ALIGN = 256  # bytes: every view starts aligned for any dtype and for coalesced access
+
+
+class BudgetError(ValueError):
+    """The budget cannot hold what was asked of it."""
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+class DeviceBudget:
+    """Bytes of one device this process may hold, and the running and peak totals."""
+
+    def __init__(self, device: torch.device, budget_bytes: int):
+        if budget_bytes <= 0:
+            raise BudgetError(f"a GPU memory budget must be positive, got {budget_bytes} bytes")
+        self.device, self.budget = torch.device(device), int(budget_bytes)
+        self.used = self.peak = 0
+        self.parts: dict[str, int] = {}
+
+    def empty(self, what: str, shape, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype, device="meta")
+        self.reserve(what, _aligned(t.numel() * t.element_size()))
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def upload(self, what: str, src: torch.Tensor) -> torch.Tensor:
+        """A copy of a host tensor, inside the budget."""
+        out = self.empty(what, src.shape, src.dtype)
+        out.copy_(src)
+        return out
+
+    def reserve(self, what: str, nbytes: int) -> None:
+        if self.used + nbytes > self.budget:
+            raise BudgetError(
+                f"GPU memory budget of {self.budget} bytes is too small: {what} needs {nbytes} bytes and "
+                f"{self.budget - self.used} are left after {self._held()}")
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
+        self.parts[what] = self.parts.get(what, 0) + nbytes
+
+    def _held(self) -> str:
+        return ", ".join(f"{k} ({v} bytes)" for k, v in self.parts.items() if v) or "nothing"
+
+
+class WorkingBlock:
+    def __init__(self, budget: DeviceBudget, index: int, device_bytes: int, host_bytes: int):
+        self.arena = budget.empty(f"working block {index}", (device_bytes,), torch.uint8)
+        cuda = budget.device.type == "cuda"
+        self.staging = torch.empty((host_bytes,), dtype=torch.uint8, pin_memory=cuda)
+        self.stream = torch.cuda.Stream(budget.device) if cuda else None
+        self._dev = self._host = 0
+
+    @property
+    def device_bytes(self) -> int:
+        return self.arena.numel()
+
+    @property
+    def host_bytes(self) -> int:
+        return self.staging.numel()
+
+    def mark(self) -> int:
+        """Device bytes carved so far: a later reset(mark) keeps those views."""
+        return self._dev
+
+    def reset(self, keep_device: int = 0) -> None:
+        """Forget the views carved so far, except the first keep_device device bytes."""
+        self._dev, self._host = keep_device, 0
+
+    def device(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        t, self._dev = self._carve(self.arena, self._dev, shape, dtype)
+        return t
+
+    def host(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        t, self._host = self._carve(self.staging, self._host, shape, dtype)
+        return t
+
+    @staticmethod
+    def _carve(arena: torch.Tensor, at: int, shape, dtype: torch.dtype):
+        count = 1
+        for s in (shape if isinstance(shape, (tuple, list)) else (shape,)):
+            count *= int(s)
+        nbytes = count * torch.empty((), dtype=dtype).element_size()
+        end = at + _aligned(nbytes)
+        if end > arena.numel():
+            raise BudgetError(f"a working block of {arena.numel()} bytes cannot hold {end} bytes of views")
+        return arena[at:at + nbytes].view(dtype).view(shape), end
+
+
+class BlockPool:
+    def __init__(self, budget: DeviceBudget, blocks: int, device_bytes: int, host_bytes: int):
+        if blocks < 1:
+            raise BudgetError(f"the pool needs at least one working block, got {blocks}")
+        self.blocks = [WorkingBlock(budget, i, device_bytes, host_bytes) for i in range(blocks)]
+        self._free = deque(self.blocks)
+        self._returned = threading.Condition()
+        self._waiting = 0
+
+    def take(self) -> WorkingBlock:
+        while True:
+            try:
+                return self._free.pop()
+            except IndexError:
+                with self._returned:  # every block is in flight: the one slow path
+                    self._waiting += 1
+                    # A give() between the pop and here notifies no one: the timeout bounds that.
+                    self._returned.wait(timeout=0.005)
+                    self._waiting -= 1
+
+    def give(self, block: WorkingBlock) -> None:
+        self._free.append(block)
+        if self._waiting:
+            with self._returned:
+                self._returned.notify()

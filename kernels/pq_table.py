@@ -1,0 +1,71 @@
+"""PQ distance lookup tables for a batch of queries (step 2 of DESIGN.md).
+
+For query q and sub-space m the table holds the distance from q's m-th slice to each of the
+256 sub-centroids: squared L2 ('l2') or negative inner product ('ip'). One program computes
+one (query, sub-space) row of 256 entries from a [256, dsub] tile of the codebook. L2 uses
+|x|^2 - 2<x, c> + |c|^2, the formula of the CPU reference (retriever/pq.py), so both tiers see
+the same tables up to rounding.
+
+The tables stay in GPU memory for the scan (adc_scan.py): q x M x 1 KiB, where copying the
+host's tables would cross PCIe again for every batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fusionrag.kernels import interpreted
+
+KSUB = 256
+
+
+@triton.jit
+def pq_table_kernel(queries_ptr, codebooks_ptr, out_ptr, dim, M: tl.constexpr, DSUB: tl.constexpr,
+                    DSUB_P2: tl.constexpr, SUBS: tl.constexpr, IP: tl.constexpr):
+    q = tl.program_id(0).to(tl.int64)
+    m = tl.program_id(1) * SUBS + tl.arange(0, SUBS)[:, None, None]  # [SUBS, 1, 1]
+    k = tl.arange(0, 256)[None, :, None]
+    d = tl.arange(0, DSUB_P2)[None, None, :]
+    col = m * DSUB + d
+    # The query is zero-padded to M * DSUB dimensions, like the codebooks were trained.
+    x = tl.load(queries_ptr + q * dim + col, mask=(m < M) & (d < DSUB) & (col < dim), other=0.0)
+    c = tl.load(codebooks_ptr + (m * 256 + k) * DSUB + d, mask=(m < M) & (d < DSUB), other=0.0)
+    dot = tl.sum(c * x, axis=2)
+    if IP:
+        rows = -dot
+    else:
+        rows = tl.sum(x * x, axis=2) - 2 * dot + tl.sum(c * c, axis=2)
+    m2 = tl.reshape(m, [SUBS, 1])
+    tl.store(out_ptr + (q * M + m2) * 256 + tl.arange(0, 256)[None, :], rows, mask=m2 < M)
+
+
+def pq_tables(queries: torch.Tensor, codebooks: torch.Tensor, metric: str,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 (q, M, 256) tables of float32 queries (q, dim) against codebooks (M, 256, dsub)."""
+    if metric not in ("l2", "ip"):
+        raise ValueError(f"metric must be 'l2' or 'ip', got {metric!r}")
+    m, ksub, dsub = codebooks.shape
+    q, dim = queries.shape
+    if ksub != KSUB or m * dsub < dim:
+        raise ValueError(f"codebooks of shape {tuple(codebooks.shape)} do not fit queries of dimension {dim}")
+    if out is None:
+        out = torch.empty((q, m, KSUB), dtype=torch.float32, device=queries.device)
+    if q:
+        # One sub-space per program on a GPU (a [256, dsub] tile in registers); the interpreter
+        # pays per operation, not per element, so there a program takes every sub-space.
+        subs = triton.next_power_of_2(m) if interpreted() else 1
+        pq_table_kernel[(q, triton.cdiv(m, subs))](queries, codebooks, out, dim, M=m, DSUB=dsub,
+                                                  DSUB_P2=triton.next_power_of_2(dsub), SUBS=subs, IP=metric == "ip")
+    return out
+
+
+def pq_tables_reference(queries: torch.Tensor, codebooks: torch.Tensor, metric: str) -> torch.Tensor:
+    """Plain PyTorch, in float64 so that it is the better answer of the two."""
+    m, _, dsub = codebooks.shape
+    x = torch.nn.functional.pad(queries.double(), (0, m * dsub - queries.shape[1])).reshape(-1, m, dsub)
+    c = codebooks.double()
+    if metric == "ip":
+        return -torch.einsum("qmd,mkd->qmk", x, c).float()
+    return ((x[:, :, None, :] - c[None]) ** 2).sum(-1).float()

@@ -1,0 +1,236 @@
+"""Each Triton kernel against its PyTorch reference: odd shapes, empty inputs, all duplicates,
+IDs at the top of the uint32 range. On a machine without a GPU, conftest.py sets
+TRITON_INTERPRET=1 and the kernels run on CPU tensors in Triton's interpreter."""
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from fusionrag.kernels.adc_scan import adc_scan, adc_scan_reference
+from fusionrag.kernels.dedup import dedup, dedup_reference
+from fusionrag.kernels.pool import BlockPool, BudgetError, DeviceBudget
+from fusionrag.kernels.pq_table import pq_tables, pq_tables_reference
+from fusionrag.kernels.topn import EMPTY, MAX_NP, pack_keys, topn, topn_reference, unpack_keys
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TOP = 0xFFFFFFFF
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def as_u32(ids) -> torch.Tensor:
+    """uint32 values (python ints or int64) as the int32 bit patterns the kernels take."""
+    t = torch.as_tensor(ids, dtype=torch.int64) & TOP
+    return torch.where(t >= 1 << 31, t - (1 << 32), t).to(torch.int32).to(DEVICE)
+
+
+def offsets_of(*lengths) -> torch.Tensor:
+    return torch.tensor([0, *torch.cumsum(torch.tensor(lengths), 0).tolist()], dtype=torch.int64, device=DEVICE)
+
+
+@pytest.mark.parametrize("metric", ["l2", "ip"])
+@pytest.mark.parametrize("q,dim,m", [(5, 13, 5), (1, 3, 3), (3, 16, 8), (0, 7, 2)])
+def test_pq_tables_match_reference(metric, q, dim, m):
+    g = gen(q * 100 + dim)
+    codebooks = torch.randn(m, 256, -(-dim // m), generator=g)
+    queries = torch.randn(q, dim, generator=g)
+    got = pq_tables(queries.to(DEVICE), codebooks.to(DEVICE), metric)
+    assert got.shape == (q, m, 256)
+    torch.testing.assert_close(got.cpu(), pq_tables_reference(queries, codebooks, metric), rtol=1e-4, atol=1e-4)
+
+
+def test_pq_tables_refuse_bad_input():
+    with pytest.raises(ValueError, match="metric"):
+        pq_tables(torch.zeros(1, 4, device=DEVICE), torch.zeros(2, 256, 2, device=DEVICE), "cosine")
+    with pytest.raises(ValueError, match="do not fit"):
+        pq_tables(torch.zeros(1, 9, device=DEVICE), torch.zeros(2, 256, 2, device=DEVICE), "l2")
+
+
+def check_dedup(ids: torch.Tensor, offsets: torch.Tensor) -> None:
+    keep = dedup(ids, offsets).cpu()
+    want = dedup_reference(ids, offsets)
+    for i, expected in enumerate(want):
+        s, e = int(offsets[i]), int(offsets[i + 1])
+        kept = ids.cpu()[s:e][keep[s:e]].to(torch.int64) & TOP
+        assert torch.equal(torch.sort(kept).values, expected)  # each distinct ID exactly once
+
+
+def test_dedup_ragged_with_empty_segments_and_top_ids():
+    g = gen(1)
+    lengths = (7, 0, 300, 1, 0, 129)
+    raw = torch.randint(0, 40, (sum(lengths),), generator=g)
+    raw[10:60] = TOP  # the top of the range, repeated
+    raw[60:70] = TOP - 1
+    raw[70:75] = 1 << 31
+    raw[-20:] = 0
+    check_dedup(as_u32(raw), offsets_of(*lengths))
+
+
+def test_dedup_all_duplicates_and_empty_inputs():
+    check_dedup(as_u32([TOP] * 513), offsets_of(513))
+    check_dedup(as_u32([5] * 64 + [TOP] * 64), offsets_of(64, 64))
+    assert dedup(as_u32([]), offsets_of(0, 0)).numel() == 0
+    assert dedup(as_u32([]), offsets_of()).numel() == 0
+
+
+def tiered(codes: torch.Tensor, resident: int, seed: int):
+    """The codes split as the GPU tier splits them: slots map an ID to a resident or host row."""
+    n = len(codes)
+    perm = torch.randperm(n, generator=gen(seed))
+    hot, cold = perm[:resident], perm[resident:]
+    slots = torch.empty(n, dtype=torch.int32)
+    slots[hot] = torch.arange(resident, dtype=torch.int32)
+    slots[cold] = -1 - torch.arange(n - resident, dtype=torch.int32)
+    return dict(codes=codes[hot].contiguous().to(DEVICE), host_codes=codes[cold].contiguous(),
+                slots=slots.to(DEVICE))
+
+
+@pytest.mark.parametrize("placement", ["resident", "tiered", "tiered-all-host"])
+@pytest.mark.parametrize("with_exclude", [False, True])
+def test_adc_scan_matches_reference(placement, with_exclude):
+    g = gen(2)
+    n, m = 301, 7
+    codes = torch.randint(0, 256, (n, m), generator=g, dtype=torch.uint8)
+    luts = torch.randn(5, m, 256, generator=g)
+    lengths = (0, 37, 400, 1, 64)
+    raw = torch.randint(0, n, (sum(lengths),), generator=g)
+    raw[438:502] = n - 1  # a segment of one ID, 64 times
+    exclude = None
+    if with_exclude:
+        exclude = torch.zeros((n + 7) // 8, dtype=torch.uint8)
+        exclude[3], exclude[10], exclude[(n - 1) // 8] = 0xFF, 0x55, 1 << ((n - 1) % 8)
+    if placement == "resident":
+        where = dict(codes=codes.to(DEVICE))
+    else:
+        where = tiered(codes, 120 if placement == "tiered" else 0, seed=3)
+        if DEVICE.type == "cuda":
+            where["host_codes"] = where["host_codes"].pin_memory()
+    offsets = offsets_of(*lengths)
+    on_device = None if exclude is None else exclude.to(DEVICE)
+    keys, unique = adc_scan(luts.to(DEVICE), as_u32(raw), offsets, exclude=on_device, **where)
+    want = adc_scan_reference(luts, raw, offsets.cpu(), codes, exclude)
+    ids, dists = unpack_keys(keys.cpu())
+    for i, (want_ids, want_dists) in enumerate(want):
+        s, e = int(offsets[i]), int(offsets[i + 1])
+        got = ids[s:e] >= 0
+        order = torch.argsort(ids[s:e][got])
+        assert torch.equal(ids[s:e][got][order], want_ids)
+        torch.testing.assert_close(dists[s:e][got][order], want_dists, rtol=1e-5, atol=1e-5)
+        assert int(unique[i]) == len(want_ids)
+    if with_exclude:
+        assert (n - 1) not in ids.tolist()
+
+
+def test_adc_scan_checks_shapes():
+    luts = torch.zeros(2, 4, 256, device=DEVICE)
+    with pytest.raises(ValueError, match="q \\+ 1"):
+        adc_scan(luts, as_u32([1]), offsets_of(1), torch.zeros(5, 4, dtype=torch.uint8, device=DEVICE))
+    with pytest.raises(ValueError, match="bytes per vector"):
+        adc_scan(luts, as_u32([1]), offsets_of(1, 0), torch.zeros(5, 3, dtype=torch.uint8, device=DEVICE))
+    with pytest.raises(ValueError, match="both"):
+        adc_scan(luts, as_u32([1]), offsets_of(1, 0), torch.zeros(5, 4, dtype=torch.uint8, device=DEVICE),
+                 slots=torch.zeros(5, dtype=torch.int32, device=DEVICE))
+
+
+def test_rank_keys_order_as_distance_then_id():
+    d = torch.tensor([1.5, -2.0, 0.0, -0.0, 1.5, float("inf"), -1e-30, 3e38])
+    ids = torch.tensor([7, 3, TOP, 2, 1, 0, 5, 6])
+    keys = pack_keys(d, ids)
+    order = torch.argsort(keys).tolist()
+    # -2, -1e-30, then 0 and -0 tie (id 2 before TOP), then 1.5 by id, 3e38, inf.
+    assert order == [1, 6, 3, 2, 4, 0, 7, 5]
+    back_ids, back_d = unpack_keys(keys)
+    assert torch.equal(back_ids, ids)
+    assert torch.equal(back_d, torch.where(d == 0, torch.zeros_like(d), d))
+    assert int(pack_keys(torch.tensor([1.0]), torch.tensor([-1]))[0]) == EMPTY
+
+
+@pytest.mark.parametrize("n", [1, 5, 64, 200])
+def test_topn_matches_reference(n):
+    g = gen(n)
+    lengths = (0, 3, 1000, 70, 1, 0, 257)
+    total = sum(lengths)
+    dists = torch.randn(total, generator=g)
+    dists[::5] = 0.25  # ties: broken by ID
+    dists[1::9] = -0.0
+    dists[2::9] = 0.0
+    ids = torch.randint(0, 1 << 32, (total,), generator=g)
+    ids[::13] = TOP - torch.arange(len(ids[::13]))
+    ids[3::7] = -1  # positions holding no candidate
+    offsets = offsets_of(*lengths)
+    got_ids, got_dists = topn(pack_keys(dists, ids).to(DEVICE), offsets, n)
+    want_ids, want_dists = topn_reference(dists, ids, offsets.cpu(), n)
+    assert torch.equal(got_ids.cpu(), want_ids)
+    assert torch.equal(got_dists.cpu(), want_dists)
+
+
+def test_topn_all_duplicates_empty_and_large_n():
+    keys = torch.full((300,), EMPTY, dtype=torch.int64)
+    keys[17] = pack_keys(torch.tensor([2.0]), torch.tensor([TOP]))[0]
+    ids, dists = topn(keys.to(DEVICE), offsets_of(300), 10)
+    assert ids.tolist() == [[TOP] + [-1] * 9] and dists[0, 0] == 2.0 and torch.isinf(dists[0, 1:]).all()
+    ids, _ = topn(keys.to(DEVICE), offsets_of(0, 0), 3)
+    assert ids.tolist() == [[-1] * 3] * 2
+    assert topn(keys.to(DEVICE), offsets_of(), 3)[0].shape == (0, 3)
+    with pytest.raises(ValueError):
+        topn(keys.to(DEVICE), offsets_of(300), 0)
+    # n beyond one program's registers: the sorted fallback, same answer.
+    g = gen(9)
+    d, x = torch.randn(6000, generator=g), torch.randperm(6000, generator=g)
+    n = MAX_NP + 100
+    got = topn(pack_keys(d, x).to(DEVICE), offsets_of(5000, 1000), n)
+    want = topn_reference(d, x, offsets_of(5000, 1000).cpu(), n)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+
+
+def test_budget_counts_every_byte_and_names_the_shortfall():
+    budget = DeviceBudget(DEVICE, 10_000)
+    budget.upload("codebooks", torch.zeros(1000, dtype=torch.float32))  # 4000 bytes
+    assert budget.used == 4096 and budget.peak == 4096  # rounded up to the alignment
+    with pytest.raises(BudgetError, match="codes needs 8192 bytes and 5904 are left after codebooks"):
+        budget.empty("codes", (8000,), torch.uint8)
+    assert budget.used == 4096
+    with pytest.raises(BudgetError, match="positive"):
+        DeviceBudget(DEVICE, 0)
+
+
+def test_pool_blocks_are_never_shared():
+    pool = BlockPool(DeviceBudget(DEVICE, 1 << 20), 2, 4096, 1024)
+    held, clashes = set(), []
+
+    def worker():
+        for _ in range(300):
+            b = pool.take()
+            if id(b) in held:
+                clashes.append(b)
+            held.add(id(b))
+            held.discard(id(b))
+            pool.give(b)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not clashes and len(pool._free) == 2
+    b = pool.take()
+    b.reset()
+    assert b.device((10,), torch.int64).shape == (10,)
+    with pytest.raises(BudgetError, match="working block"):
+        b.device((4096,), torch.int64)
+
+
+def test_kernels_compile_for_a_gpu():
+    """Without a GPU the tests above run the interpreter; this compiles the real thing."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, str(Path(__file__).with_name("kernels_compile.py"))], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("compiled ") == 10
