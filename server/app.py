@@ -24,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from fusionrag import __version__
 from fusionrag.retriever.collection import Catalog, Collection, CollectionConfig, Document
 from fusionrag.retriever.config import EngineConfig, SearchParams
-from fusionrag.retriever.embedding import canonical_name, get_embedder
+from fusionrag.retriever.embedding import canonical_name, get_embedder, set_threads
 from fusionrag.retriever.errors import (ConfigError, ConflictError, FusionRAGError, InputError, NotFoundError,
                                        StorageError)
 from fusionrag.retriever.filters import compile_filter
@@ -50,6 +50,7 @@ class State:
 
     def __init__(self, config: ServerConfig):
         self.config = config
+        set_threads(config.embed_threads)
         self.keys = KeyRing.from_config(config.api_keys, config.api_keys_file)
         self.catalog = open_catalog(config)
         self.metrics = Metrics(self.collections_info)
