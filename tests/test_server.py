@@ -192,6 +192,7 @@ BAD = [
     ("bad collection name", "POST", "/v1/collections/bad$name/search", {"texts": ["a"]}, 400,
      "invalid collection name"),
     ("dot-dot collection", "GET", "/v1/collections/%2e%2e", None, 400, "invalid collection name"),
+    ("newline in a name", "GET", "/v1/collections/demo%0A", None, 400, "invalid collection name"),
     ("k too large", "POST", "/v1/collections/demo/search", {"texts": ["a"], "k": 51}, 422, "max_k"),
     ("k zero", "POST", "/v1/collections/demo/search", {"texts": ["a"], "k": 0}, 422, "k"),
     ("too many queries", "POST", "/v1/collections/demo/search", {"texts": ["a"] * 9}, 422, "max_queries"),
@@ -275,8 +276,9 @@ def test_concurrent_searches_share_batches_and_get_their_own_answers(server, cli
             for n, i in enumerate(ids):
                 body = {"vectors": [demo_vectors[i].tolist()], "k": 1} if n % 2 else {"texts": [i], "k": 3}
                 reqs.append(ac.post("/v1/collections/demo/search", json=body))
-            # Same k and filter as others, but a different k: a group of its own inside the batch.
-            reqs.append(ac.post("/v1/collections/demo/search", json={"vectors": [demo_vectors[ids[0]].tolist()], "k": 2}))
+            # A k no other request has: a group of its own inside the batch.
+            body = {"vectors": [demo_vectors[ids[0]].tolist()], "k": 2}
+            reqs.append(ac.post("/v1/collections/demo/search", json=body))
             return await asyncio.gather(*reqs)
 
     responses = asyncio.run(burst())
