@@ -165,9 +165,14 @@ def _check_texts(texts, limit: int, what: str) -> None:
 
 
 def _check_vectors(vectors: np.ndarray, coll: Collection, what: str) -> None:
+    """What Collection.search would refuse, refused here: in a batch, one bad query would fail its neighbours."""
     if vectors.ndim != 2 or vectors.shape[1] != coll.dim:
         got = vectors.shape[1] if vectors.ndim == 2 else "ragged"
         raise _error(422, f"{what} have dimension {got}, collection {coll.name!r} has dimension {coll.dim}")
+    if coll.metric == "cosine":
+        zero = np.flatnonzero(~vectors.any(axis=1))
+        if zero.size:
+            raise _error(422, f"{what}[{zero[0]}] is a zero vector, which has no cosine direction")
 
 
 def _embedder_of(coll: Collection, what: str):

@@ -187,6 +187,7 @@ BAD = [
     ("infinity", "POST", "/v1/collections/demo/search", b'{"vectors": [[Infinity' + b', 0.1' * 383 + b']]}', 422,
      "finite"),
     ("wrong dimension", "POST", "/v1/collections/demo/search", {"vectors": [[0.1, 0.2]]}, 422, "dimension 2"),
+    ("zero vector, cosine", "POST", "/v1/collections/demo/search", {"vectors": [[0.0] * 384]}, 422, "zero vector"),
     ("ragged vectors", "POST", "/v1/collections/demo/search", {"vectors": [[0.1] * 384, [0.1]]}, 422, "dimension"),
     ("unknown collection", "POST", "/v1/collections/nothere/search", {"texts": ["a"]}, 404, "does not exist"),
     ("bad collection name", "POST", "/v1/collections/bad$name/search", {"texts": ["a"]}, 400,
