@@ -22,7 +22,13 @@ class ServerProcess:
             [sys.executable, "-m", "fusionrag", "serve", "--port", "0", "--data-dir", str(data_dir),
              "--log-format", "json", *flags],
             stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-        self.url = self._wait_for_port(60)
+        try:
+            self.url = self._wait_for_port(60)
+        except BaseException:
+            self.proc.kill()  # never leave a server behind
+            self.proc.wait()
+            self._log.close()
+            raise
 
     def _wait_for_port(self, timeout: float) -> str:
         deadline = time.monotonic() + timeout
