@@ -16,8 +16,9 @@ setup: $(PY)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 
+# Options for the service: make run ARGS="--port 9000 --no-demo"
 run: setup
-	$(VENV)/bin/fusionrag serve
+	$(VENV)/bin/fusionrag serve $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q
