@@ -2,11 +2,11 @@
 
 from fusionrag.retriever.config import BuildConfig, EngineConfig, SearchParams
 from fusionrag.retriever.errors import (ConfigError, ConflictError, FusionRAGError, IndexFormatError, InputError,
-                                       NotFoundError, VectorFileError)
+                                       NotFoundError, StorageError, VectorFileError)
 from fusionrag.retriever.index import Index, SearchResult
 from fusionrag.retriever.vectors import open_vectors
 
 __all__ = [
     "BuildConfig", "ConfigError", "ConflictError", "EngineConfig", "FusionRAGError", "Index", "IndexFormatError", "InputError", "NotFoundError",
-    "SearchParams", "SearchResult", "VectorFileError", "open_vectors",
+    "SearchParams", "SearchResult", "StorageError", "VectorFileError", "open_vectors",
 ]

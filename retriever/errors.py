@@ -27,3 +27,8 @@ class NotFoundError(FusionRAGError, LookupError):
 
 class ConflictError(FusionRAGError):
     """The request clashes with what exists: a collection name already taken, say."""
+
+
+class StorageError(FusionRAGError, OSError):
+    """The disk refused a write (full, read-only, failing): the write was not applied and the
+    collection stays readable."""

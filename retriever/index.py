@@ -147,8 +147,10 @@ class Index:
             q = np.ascontiguousarray(normalize(q, "queries"), dtype=np.float32)
         return q
 
-    def search(self, queries, k: int = 10, params: SearchParams | None = None, **overrides) -> SearchResult:
-        """Top-k of each query with exact distances; see SearchParams for the knobs."""
+    def search(self, queries, k: int = 10, params: SearchParams | None = None, exclude: np.ndarray | None = None,
+               **overrides) -> SearchResult:
+        """Top-k of each query with exact distances; see SearchParams for the knobs. exclude: a
+        bitmap (uint8[ceil(count/8)], bit i little-endian) of vectors never to return."""
         if not isinstance(k, (int, np.integer)) or k < 1:
             raise InputError(f"k must be a positive integer, got {k!r}")
         p = (params or self.params).with_overrides(**overrides)
@@ -159,19 +161,19 @@ class Index:
         stats = {key: np.zeros(nq, dtype=np.float64 if key.endswith("_s") else np.int64) for key in STAT_KEYS}
         for s in range(0, nq, self.config.batch_size):
             sl = slice(s, min(nq, s + self.config.batch_size))
-            self._search_batch(q[sl], k, p, ids[sl], dists[sl], {key: v[sl] for key, v in stats.items()})
+            self._search_batch(q[sl], k, p, ids[sl], dists[sl], {key: v[sl] for key, v in stats.items()}, exclude)
         if self.metric == "cosine":
             dists /= 2  # squared L2 between unit vectors is 2 - 2cos
         info = {"filter_tier": self.filter.name, "io_backend": self.reranker.store.backend,
                 "direct_io": bool(self.reranker.store.direct)}
         return SearchResult(ids, dists, stats, info)
 
-    def _search_batch(self, q, k, p, ids_out, dists_out, st) -> None:
+    def _search_batch(self, q, k, p, ids_out, dists_out, st, exclude=None) -> None:
         lists, probed, t_graph = self.nav.probe(q, p)
         t = time.perf_counter()
         luts = self.pq.luts(q, self.reranker.metric)
         t_lut = time.perf_counter() - t
-        cand = self.filter.topn(luts, lists, max(p.rerank, k))
+        cand = self.filter.topn(luts, lists, max(p.rerank, k), exclude)
         ids, dists, rstats, rsec = self.reranker.rerank(q, cand.ids, k, p)
         ids_out[:], dists_out[:] = ids, dists
         st["centroids_probed"][:] = probed

@@ -1,0 +1,766 @@
+"""Mutable collections: documents added, replaced and deleted without a rebuild, durable when a
+write returns (see /work/wt/CONTRACT.md for the interface).
+
+A collection directory holds:
+- collection.json: name, dimension, metric, embedding (written once, at create);
+- docs.sqlite: the doc store, every live document by internal row (docstore.py);
+- wal.log: the write-ahead log of writes not yet folded into a checkpointed doc store (wal.py);
+- CURRENT and gen-NNNNNN/: the published main index (an engine index over the documents that
+  were live when it was built, plus rows.npy mapping its vector ids to rows).
+
+Searches read the main index with tombstones (rows deleted or replaced since its build)
+excluded inside the PQ scan, and the fresh tier (rows written since) exactly; the two are merged
+by exact distance. A merge builds the next generation in the background and publishes it by
+swapping one reference, so a search sees either the old or the new state.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import sqlite3
+import struct
+import threading
+import uuid
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from fusionrag.retriever.build import build_index
+from fusionrag.retriever.config import METRICS, BuildConfig, EngineConfig, SearchParams, _check, _Config
+from fusionrag.retriever.docstore import DocStore
+from fusionrag.retriever.errors import ConflictError, IndexFormatError, InputError, NotFoundError, StorageError
+from fusionrag.retriever.filters import compile_filter
+from fusionrag.retriever.fresh import FreshTier, FreshView, distances
+from fusionrag.retriever.index import STAT_KEYS, Index
+from fusionrag.retriever.manifest import fsync_path
+from fusionrag.retriever.merge import can_store, merge_index
+from fusionrag.retriever.wal import WriteAheadLog
+
+log = logging.getLogger(__name__)
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+MAX_ID_CHARS = 512
+_COLLECTION_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class CollectionConfig(_Config):
+    """How collections fold writes into their main index and answer filtered searches."""
+
+    # A merge starts in the background once the fresh tier holds this many vectors or bytes.
+    merge_fresh_count: int = 20000
+    merge_fresh_bytes: int = 256 << 20
+    background_merge: bool = True
+    # Fewer live documents than this are not worth an index: they stay in the (exact) fresh tier.
+    min_index_count: int = 1000
+    # A filter that at most this many documents pass is answered by exact search over them.
+    filter_exact_max: int = 20000
+    # Merges fold writes into the current index (merge.py) rather than rebuilding it, until the
+    # index has grown this many times over its last full build (its clusters and PQ codebooks
+    # were trained on that) or until less than this fraction of its SSD slots hold live vectors.
+    incremental_merge: bool = True
+    rebuild_growth: float = 4.0
+    rebuild_live_fraction: float = 0.5
+    build: BuildConfig = field(default_factory=BuildConfig)
+
+    def __post_init__(self):
+        _check(self.merge_fresh_count >= 1, f"merge_fresh_count must be >= 1, got {self.merge_fresh_count}")
+        _check(self.merge_fresh_bytes >= 1, f"merge_fresh_bytes must be >= 1, got {self.merge_fresh_bytes}")
+        _check(self.min_index_count >= 1, f"min_index_count must be >= 1, got {self.min_index_count}")
+        _check(self.filter_exact_max >= 0, f"filter_exact_max must be >= 0, got {self.filter_exact_max}")
+        _check(self.rebuild_growth >= 1, f"rebuild_growth must be >= 1, got {self.rebuild_growth}")
+        _check(0 <= self.rebuild_live_fraction < 1,
+               f"rebuild_live_fraction must be in [0, 1), got {self.rebuild_live_fraction}")
+
+
+@dataclass
+class Document:
+    id: str | None = None
+    text: str | None = None
+    vector: np.ndarray | list[float] | None = None
+    metadata: dict = field(default_factory=dict)
+
+
+@dataclass
+class Hit:
+    id: str
+    distance: float
+    score: float
+    text: str | None
+    metadata: dict
+    vector: np.ndarray | None = None
+
+
+@dataclass
+class CollectionSearch:
+    hits: list[list[Hit]]
+    stats: list[dict]
+
+
+def _write_json_atomic(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
+# -- writes as log records ---------------------------------------------------------------------
+
+@dataclass
+class _Write:
+    op: str  # "upsert" | "delete" | "clear"
+    ids: list[str] = field(default_factory=list)
+    texts: list = field(default_factory=list)
+    metas: list[str] = field(default_factory=list)  # JSON text
+    vectors: np.ndarray | None = None  # float32 (n, dim), as given
+    rows: np.ndarray | None = None  # int64 (n,), assigned when logged
+    lsn: int = 0
+    offset: int = 0
+    applied: bool = False
+    error: BaseException | None = None
+    result: int = 0
+
+    def payload(self) -> bytes:
+        head = {"op": self.op, "ids": self.ids, "texts": self.texts, "metas": self.metas,
+                "rows": [] if self.rows is None else self.rows.tolist()}
+        h = json.dumps(head, separators=(",", ":")).encode()
+        vec = b"" if self.vectors is None else np.ascontiguousarray(self.vectors, np.float32).tobytes()
+        return struct.pack("<I", len(h)) + h + vec
+
+    @classmethod
+    def decode(cls, lsn: int, payload: bytes, dim: int) -> "_Write":
+        (n,) = struct.unpack_from("<I", payload)
+        head = json.loads(payload[4:4 + n])
+        w = cls(head["op"], head["ids"], head["texts"], head["metas"], lsn=lsn)
+        w.rows = np.asarray(head["rows"], dtype=np.int64)
+        if w.op == "upsert":
+            w.vectors = np.frombuffer(payload[4 + n:], dtype=np.float32).reshape(len(w.ids), dim)
+        return w
+
+
+@dataclass
+class _Main:
+    """A published generation: the engine index over the rows live when it was built."""
+    generation: int
+    index: Index | None
+    rows: np.ndarray  # int64, sorted: vector id -> row
+    max_row: int  # rows above this were written after the build
+
+
+@dataclass
+class _Snapshot:
+    main: _Main
+    tomb: np.ndarray  # uint8 bitmap over main vector ids, a copy
+    tomb_count: int
+    fresh: FreshView
+
+
+class Collection:
+    """One collection, opened. Thread-safe: searches run concurrently with writes and a merge."""
+
+    def __init__(self, path: Path, engine_config: EngineConfig | None = None,
+                 config: CollectionConfig | None = None):
+        self.path = Path(path)
+        self.engine_config = engine_config or EngineConfig()
+        self.config = config or CollectionConfig()
+        try:
+            desc = json.loads((self.path / "collection.json").read_text())
+            self.name, self.dim, self.metric = desc["name"], int(desc["dim"]), desc["metric"]
+            self.embedding = desc.get("embedding")
+        except (OSError, ValueError, KeyError) as e:
+            raise IndexFormatError(f"{self.path}: not a readable collection ({e})") from e
+        self._build_config = replace(self.config.build, metric=self.metric)
+        self._lock = threading.Lock()  # log appends, applies, publishes
+        self._mem_lock = threading.Lock()  # the in-memory state searches snapshot
+        self._merge_lock = threading.Lock()
+        self._merge_thread: threading.Thread | None = None
+        self._merging = False
+        self._merge_removed: list[int] = []
+        self._pending: list[_Write] = []
+        self._closed = False
+
+        self.store = DocStore(self.path / "docs.sqlite", self.dim)
+        self._main = self._load_main()
+        self._wal = WriteAheadLog(self.path / "wal.log")
+        applied = self.store.meta("applied_lsn")
+        self._next_row = self._applied_next_row = max(self.store.meta("next_row", 0), self._main.max_row + 1)
+        records = self._wal.open()
+        replay = [_Write.decode(lsn, p, self.dim) for lsn, p in records if lsn > applied]
+        if replay:
+            self._apply_to_store(replay)
+        self._next_lsn = max([applied] + [lsn for lsn, _ in records]) + 1
+        self._last_appended = self._next_lsn - 1
+        self._load_memory()
+
+    # -- opening -------------------------------------------------------------------------------
+    def _load_main(self) -> _Main:
+        cur = self.path / "CURRENT"
+        keep = None
+        main = _Main(0, None, np.empty(0, np.int64), -1)
+        if cur.exists():
+            c = json.loads(cur.read_text())
+            keep = f"gen-{c['generation']:06d}"
+            gdir = self.path / keep
+            index = None
+            if c["indexed"]:
+                index = Index.open(gdir / "index", self.engine_config)
+            rows = np.load(gdir / "rows.npy") if c["indexed"] else np.empty(0, np.int64)
+            main = _Main(int(c["generation"]), index, rows, int(c["max_row"]))
+        for p in self.path.glob("gen-*"):  # generations a crash or a merge left behind
+            if p.name != keep:
+                shutil.rmtree(p, ignore_errors=True)
+        return main
+
+    def _load_memory(self) -> None:
+        live = self.store.live_rows()
+        dead = ~np.isin(self._main.rows, live, assume_unique=True)
+        self._tomb = np.packbits(dead, bitorder="little")
+        self._tomb_count = int(dead.sum())
+        rows, vecs = self.store.rows_and_vectors(above=self._main.max_row)
+        self._fresh = FreshTier(self.dim)
+        if len(rows):
+            self._fresh.add(rows, self._engine_form(vecs))
+
+    def _engine_form(self, vecs: np.ndarray) -> np.ndarray:
+        if self.metric == "cosine":
+            return (vecs / np.linalg.norm(vecs, axis=1, keepdims=True)).astype(np.float32)
+        return vecs
+
+    # -- input checks --------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InputError(f"collection {self.name!r} is closed")
+
+    def _vectors(self, vectors, what: str) -> np.ndarray:
+        try:
+            v = np.asarray(vectors, dtype=np.float32)
+        except (TypeError, ValueError) as e:
+            raise InputError(f"{what}: not numeric ({e})") from e
+        if v.ndim == 1:
+            v = v[None, :]
+        if v.ndim != 2 or v.shape[1] != self.dim:
+            raise InputError(f"{what}: expected dimension {self.dim}, got shape {tuple(np.shape(vectors))}")
+        bad = np.flatnonzero(~np.isfinite(v).all(axis=1))
+        if bad.size:
+            raise InputError(f"{what}: row {int(bad[0])} contains NaN or infinity")
+        if self.metric == "cosine":
+            zero = np.flatnonzero(~v.any(axis=1))
+            if zero.size:
+                raise InputError(f"{what}: row {int(zero[0])} is a zero vector, which has no cosine direction")
+        return np.ascontiguousarray(v)
+
+    def _upsert_write(self, docs: Sequence[Document]) -> tuple[_Write, list[str]]:
+        if isinstance(docs, (Document, str, bytes)) or not isinstance(docs, Sequence):
+            raise InputError("upsert takes a sequence of Document")
+        ids, texts, metas, vecs = [], [], [], []
+        for i, d in enumerate(docs):
+            if not isinstance(d, Document):
+                raise InputError(f"document {i}: expected a Document, got {type(d).__name__}")
+            doc_id = uuid.uuid4().hex if d.id is None else d.id
+            if not isinstance(doc_id, str) or not doc_id or len(doc_id) > MAX_ID_CHARS:
+                raise InputError(f"document {i}: id must be a non-empty string of at most {MAX_ID_CHARS} "
+                                 f"characters, got {d.id!r:.80}")
+            if d.text is not None and not isinstance(d.text, str):
+                raise InputError(f"document {doc_id!r}: text must be a string or None")
+            if d.vector is None:
+                raise InputError(f"document {doc_id!r}: a vector is required")
+            if not isinstance(d.metadata, dict) or not all(isinstance(k, str) for k in d.metadata):
+                raise InputError(f"document {doc_id!r}: metadata must be a dict with string keys")
+            try:
+                meta = json.dumps(d.metadata, separators=(",", ":"), allow_nan=False)
+            except (TypeError, ValueError) as e:
+                raise InputError(f"document {doc_id!r}: metadata is not JSON-serialisable ({e})") from e
+            v = np.asarray(d.vector, dtype=np.float32) if not isinstance(d.vector, str) else None
+            if v is None or v.shape != (self.dim,):
+                raise InputError(f"document {doc_id!r}: vector must have dimension {self.dim}, "
+                                 f"got shape {getattr(v, 'shape', None)}")
+            ids.append(doc_id)
+            texts.append(d.text)
+            metas.append(meta)
+            vecs.append(v)
+        out = list(ids)
+        # An id given twice in one call: the last one wins, as if written one after the other.
+        last = {doc_id: j for j, doc_id in enumerate(ids)}
+        keep = sorted(last.values())
+        vectors = self._vectors(np.stack([vecs[j] for j in keep]) if keep else np.empty((0, self.dim)),
+                                "document vectors")
+        return _Write("upsert", [ids[j] for j in keep], [texts[j] for j in keep], [metas[j] for j in keep],
+                      vectors), out
+
+    # -- the write path ------------------------------------------------------------------------
+    def upsert(self, docs: Sequence[Document]) -> list[str]:
+        """Insert or replace documents; durable when it returns. Ids in input order."""
+        self._check_open()
+        w, ids = self._upsert_write(docs)
+        if w.ids:
+            self._commit(w)
+        return ids
+
+    add = upsert
+
+    def delete(self, ids: Sequence[str]) -> int:
+        self._check_open()
+        if isinstance(ids, str) or not all(isinstance(i, str) for i in ids):
+            raise InputError("delete takes a sequence of string ids")
+        ids = list(dict.fromkeys(ids))
+        return self._commit(_Write("delete", ids)) if ids else 0
+
+    def clear(self) -> None:
+        self._check_open()
+        self._commit(_Write("clear"))
+
+    def _commit(self, w: _Write) -> int:
+        with self._lock:
+            self._check_open()
+            w.lsn = self._next_lsn
+            self._next_lsn += 1
+            if w.op == "upsert":
+                w.rows = np.arange(self._next_row, self._next_row + len(w.ids), dtype=np.int64)
+                self._next_row += len(w.ids)
+            try:
+                w.offset = self._wal.append(w.lsn, w.payload())
+            except OSError as e:
+                raise StorageError(f"collection {self.name!r}: cannot write its log: {e}") from e
+            self._last_appended = w.lsn
+            self._pending.append(w)
+        try:
+            self._wal.sync(w.lsn, lambda: self._last_appended)
+        except OSError as e:
+            with self._lock:
+                self._fail_pending(lambda p: not self._wal.durable(p.lsn), e)
+        with self._lock:
+            if not w.applied and w.error is None:
+                self._apply_pending()
+        if w.error is not None:
+            raise StorageError(f"collection {self.name!r}: write not applied: {w.error}") from w.error
+        self._maybe_merge()
+        return w.result
+
+    def _fail_pending(self, which, error: BaseException) -> None:
+        """Cut the log back to before the first failed record; it and every later pending record
+        fail (their writers get the error; none was acknowledged)."""
+        failed = [p for p in self._pending if which(p)]
+        if not failed:
+            return
+        first = min(failed, key=lambda p: p.lsn)
+        doomed = [p for p in self._pending if p.lsn >= first.lsn]
+        try:
+            self._wal.cut(first.offset)
+        except OSError:
+            log.exception("collection %r: cannot cut the log back after a failed write", self.name)
+        for p in doomed:
+            p.error = error
+        self._pending = [p for p in self._pending if p.lsn < first.lsn]
+
+    def _apply_pending(self) -> None:
+        """Apply, in log order, every pending record that is durable (caller holds _lock)."""
+        batch = []
+        for p in self._pending:
+            if not self._wal.durable(p.lsn):
+                break
+            batch.append(p)
+        if not batch:
+            return
+        try:
+            removed = self._apply_to_store(batch)
+        except (sqlite3.Error, OSError) as e:
+            self._fail_pending(lambda p: True, e)
+            return
+        self._pending = self._pending[len(batch):]
+        with self._mem_lock:
+            for p, gone in zip(batch, removed):
+                self._apply_to_memory(p, gone)
+                p.applied = True
+
+    def _apply_to_store(self, batch: list[_Write]) -> list[list[int]]:
+        """One SQLite transaction for the batch, with the last lsn it applied; rows removed per write."""
+        removed = []
+        self.store.begin()
+        try:
+            for w in batch:
+                if w.op == "clear":
+                    gone = self.store.remove_all()
+                else:
+                    gone = self.store.remove(w.ids)
+                if w.op == "upsert":
+                    self.store.insert(w.rows, w.ids, w.texts, w.metas, w.vectors)
+                    self._applied_next_row = max(self._applied_next_row, int(w.rows[-1]) + 1)
+                    self._next_row = max(self._next_row, self._applied_next_row)
+                w.result = len(gone)
+                removed.append(gone)
+            self.store.commit(batch[-1].lsn, self._next_row)
+        except BaseException:
+            self.store.rollback()
+            raise
+        return removed
+
+    def _apply_to_memory(self, w: _Write, gone: list[int]) -> None:
+        self._remove_rows(gone)
+        if w.op == "upsert":
+            self._fresh.add(w.rows, self._engine_form(w.vectors))
+
+    def _remove_rows(self, rows: list[int]) -> None:
+        if not rows:
+            return
+        main = self._main
+        r = np.asarray(rows, dtype=np.int64)
+        in_main = r <= main.max_row
+        if in_main.any() and len(main.rows):
+            rm = r[in_main]
+            pos = np.searchsorted(main.rows, rm)
+            found = pos < len(main.rows)
+            found[found] = main.rows[pos[found]] == rm[found]
+            for p in pos[found].tolist():
+                byte, bit = p >> 3, 1 << (p & 7)
+                if not self._tomb[byte] & bit:
+                    self._tomb[byte] |= bit
+                    self._tomb_count += 1
+        self._fresh.remove(r[~in_main].tolist())
+        if self._merging:
+            self._merge_removed += rows
+
+    # -- reads ---------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.store.count()
+
+    def get(self, ids: Sequence[str], with_vectors: bool = False) -> list[Document]:
+        self._check_open()
+        if isinstance(ids, str) or not all(isinstance(i, str) for i in ids):
+            raise InputError("get takes a sequence of string ids")
+        found = self.store.get(list(dict.fromkeys(ids)), with_vectors)
+        return [Document(i, found[i][0], found[i][2], found[i][1]) for i in ids if i in found]
+
+    def _snapshot(self) -> _Snapshot:
+        with self._mem_lock:
+            return _Snapshot(self._main, self._tomb.copy(), self._tomb_count, self._fresh.view())
+
+    def _queries(self, vectors) -> np.ndarray:
+        q = self._vectors(vectors, "queries")
+        if len(q) == 0:
+            raise InputError("queries: no query vectors given")
+        return self._engine_form(q)
+
+    def search(self, vectors, k: int = 10, filter: dict | None = None, params: SearchParams | None = None,
+               with_vectors: bool = False) -> CollectionSearch:
+        self._check_open()
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+            raise InputError(f"k must be a positive integer, got {k!r}")
+        k = int(k)
+        q = self._queries(vectors)
+        where = compile_filter(filter) if filter is not None else None
+        nq = len(q)
+        snap = self._snapshot()
+        stats = [{key: 0 for key in STAT_KEYS} | {"fresh_candidates": 0, "filtered_exact": False}
+                 for _ in range(nq)]
+        allowed = None
+        if where is not None:
+            allowed = self.store.rows_where(*where)
+            if len(allowed) <= self.config.filter_exact_max:
+                rows, dists = self._exact(q, k, allowed)
+                for s in stats:
+                    s["filtered_exact"] = True
+                return self._hits(rows, dists, k, stats, with_vectors)
+        parts_rows, parts_d = [], []
+        main = snap.main
+        if main.index is not None and len(main.rows) > snap.tomb_count:
+            r, d = self._search_main(q, k, params, snap, allowed, stats)
+            parts_rows.append(r)
+            parts_d.append(d)
+        fr = snap.fresh
+        fmask = None if allowed is None else np.isin(fr.rows, allowed)
+        r, d = fr.search(q, k, self.metric, fmask)
+        n_fresh = int((fr.live if fmask is None else fr.live & fmask).sum())
+        for s in stats:
+            s["fresh_candidates"] = n_fresh
+        parts_rows.append(r)
+        parts_d.append(d)
+        rows = np.concatenate(parts_rows, axis=1)
+        dists = np.concatenate(parts_d, axis=1)
+        return self._hits(rows, dists, k, stats, with_vectors)
+
+    def _search_main(self, q, k, params, snap: _Snapshot, allowed, stats):
+        main = snap.main
+        n = len(main.rows)
+        if allowed is None:
+            exclude, live = snap.tomb, n - snap.tomb_count
+        else:
+            ok = np.isin(main.rows, allowed) & ~np.unpackbits(snap.tomb, count=n, bitorder="little").astype(bool)
+            exclude, live = np.packbits(~ok, bitorder="little"), int(ok.sum())
+        res = main.index.search(q, k, params, exclude=exclude)
+        ids, dists = res.ids, res.distances
+        # Excluded vectors can empty the probed lists: probe them all for queries left short.
+        short = np.flatnonzero((ids >= 0).sum(1) < min(k, live))
+        if short.size:
+            p = (params or main.index.params).with_overrides(nprobe=main.index.nav.graph.size)
+            again = main.index.search(q[short], k, p, exclude=exclude)
+            ids[short], dists[short] = again.ids, again.distances
+        for i, s in enumerate(stats):
+            for key in STAT_KEYS:
+                v = res.stats[key][i]
+                s[key] = float(v) if key.endswith("_s") else int(v)
+        rows = np.where(ids >= 0, main.rows[np.maximum(ids, 0)] if n else -1, -1)
+        return rows, np.where(ids >= 0, dists, np.inf).astype(np.float32)
+
+    def _exact(self, q, k, allowed: np.ndarray):
+        """Exact top-k over the documents a filter passes, vectors read from the doc store."""
+        rows, vecs = self.store.vectors_of(allowed)
+        if len(rows) == 0:
+            return np.full((len(q), 0), -1, np.int64), np.empty((len(q), 0), np.float32)
+        view = FreshView(x := self._engine_form(vecs), (x * x).sum(1), rows, np.ones(len(rows), bool))
+        return view.search(q, k, self.metric)
+
+    def _hits(self, rows: np.ndarray, dists: np.ndarray, k: int, stats, with_vectors: bool) -> CollectionSearch:
+        k_all = []
+        order = np.argsort(dists, axis=1, kind="stable")
+        rows = np.take_along_axis(rows, order, axis=1)
+        dists = np.take_along_axis(dists, order, axis=1)
+        docs = self.store.by_rows(np.unique(rows[rows >= 0]), with_vectors)
+        for qr, qd in zip(rows, dists):
+            hits = []
+            for r, d in zip(qr.tolist(), qd.tolist()):
+                doc = docs.get(r)
+                if doc is None:  # padding, or deleted since the snapshot
+                    continue
+                if len(hits) == k:
+                    break
+                hits.append(Hit(doc[0], d, self._score(d), doc[1], doc[2], doc[3]))
+            k_all.append(hits)
+        return CollectionSearch(k_all, stats)
+
+    def _score(self, d: float) -> float:
+        return 1.0 - d if self.metric == "cosine" else -d
+
+    # -- merge ---------------------------------------------------------------------------------
+    def _maybe_merge(self) -> None:
+        f = self._fresh
+        if not self.config.background_merge or self._closed:
+            return
+        if f.live_count < self.config.merge_fresh_count and f.bytes < self.config.merge_fresh_bytes:
+            return
+        with self._mem_lock:
+            if self._merge_thread is not None and self._merge_thread.is_alive():
+                return
+            self._merge_thread = threading.Thread(target=self._background_merge, name=f"merge-{self.name}",
+                                                  daemon=True)
+            self._merge_thread.start()
+
+    def _background_merge(self) -> None:
+        try:
+            self.merge()
+        except Exception:
+            log.exception("collection %r: background merge failed; the fresh tier keeps the writes", self.name)
+
+    def merge(self) -> None:
+        """Fold the fresh tier into the main index now (blocking)."""
+        self._check_open()
+        with self._merge_lock:
+            self._merge()
+
+    def _merge(self) -> None:
+        with self._lock:
+            if self._fresh.n == 0 and self._tomb_count == 0:  # nothing to fold in
+                self._checkpoint()
+                return
+            with self._mem_lock:
+                old = self._main
+                dead = np.unpackbits(self._tomb, count=len(old.rows), bitorder="little").astype(bool)
+                fresh_rows, fresh_vecs = self._fresh.live_items()
+                max_row = self._applied_next_row - 1
+                live = len(old.rows) - self._tomb_count + len(fresh_rows)
+                incremental = self._incremental(old, live, fresh_vecs)
+                # A rebuild reads the stored vectors as of this point.
+                snap_con = None if incremental else self.store.snapshot()
+                self._merging, self._merge_removed = True, []
+        gen = old.generation + 1
+        gdir = self.path / f"gen-{gen:06d}"
+        try:
+            shutil.rmtree(gdir, ignore_errors=True)
+            gdir.mkdir()
+            if incremental:
+                merge_index(old.index, dead, fresh_vecs, gdir / "index", self._build_config)
+                rows = np.concatenate([old.rows[~dead], fresh_rows])
+            else:
+                try:
+                    rows, vecs = self.store.rows_and_vectors(-1, snap_con)
+                finally:
+                    snap_con.close()
+                if len(rows) >= self.config.min_index_count:
+                    build_index(vecs, gdir / "index", self._build_config, progress=False)
+                else:
+                    rows, max_row = np.empty(0, np.int64), -1
+            index = None
+            if len(rows):
+                with open(gdir / "rows.npy", "wb") as f:
+                    np.save(f, rows)
+                    f.flush()
+                    os.fsync(f.fileno())
+                fsync_path(gdir)
+                index = Index.open(gdir / "index", self.engine_config)
+            new = _Main(gen, index, rows, max_row)
+            with self._lock:
+                _write_json_atomic(self.path / "CURRENT",
+                                   {"generation": gen, "indexed": index is not None, "max_row": max_row})
+                with self._mem_lock:
+                    self._publish(new)
+                self._checkpoint()
+        finally:
+            with self._mem_lock:
+                self._merging, self._merge_removed = False, []
+        shutil.rmtree(self.path / f"gen-{old.generation:06d}", ignore_errors=True)
+
+    def _incremental(self, old: _Main, live: int, fresh_vecs: np.ndarray) -> bool:
+        """Whether the next generation can grow out of the current one (see CollectionConfig)."""
+        if not self.config.incremental_merge or old.index is None or live < self.config.min_index_count:
+            return False
+        m = old.index.manifest
+        layout = m["pages"]
+        slots = layout["num_blocks"] * layout["records_per_block"]
+        return (live <= self.config.rebuild_growth * int(m.get("full_build_count", m["count"]))
+                and live >= self.config.rebuild_live_fraction * slots and can_store(old.index, fresh_vecs))
+
+    def _publish(self, new: _Main) -> None:
+        """Swap in the new generation (caller holds _lock and _mem_lock)."""
+        dead = np.isin(new.rows, np.asarray(self._merge_removed, np.int64))
+        fresh = FreshTier(self.dim)
+        rows, vecs = self._fresh.live_items()
+        if new.index is None:  # nothing indexed: every live row is fresh
+            rows, vecs = self.store.rows_and_vectors(-1)
+            vecs = self._engine_form(vecs)
+        keep = rows > new.max_row
+        if keep.any():
+            fresh.add(rows[keep], vecs[keep])
+        self._main, self._fresh = new, fresh
+        self._tomb, self._tomb_count = np.packbits(dead, bitorder="little"), int(dead.sum())
+
+    def _checkpoint(self) -> None:
+        """Make every logged write durable in the doc store, then empty the log (holds _lock)."""
+        if self._pending:
+            self._wal.sync(self._last_appended, lambda: self._last_appended)
+            self._apply_pending()
+        self.store.make_durable()
+        self._wal.reset()
+
+    # -- description ---------------------------------------------------------------------------
+    def info(self) -> dict:
+        snap = self._snapshot()
+        main = snap.main
+        tiers = {"host_index_bytes": 0, "pq_bytes": 0, "pq_tier": "none", "page_buffer_bytes": 0, "ssd_bytes": 0}
+        if main.index is not None:
+            tiers.update(main.index.memory())
+        tiers["fresh_bytes"] = int(snap.fresh.vectors.nbytes)
+        fresh_live = int(snap.fresh.live.sum())
+        return {
+            "name": self.name, "dimension": self.dim, "metric": self.metric, "embedding": self.embedding,
+            "count": len(self),
+            "tiers": tiers,
+            "build_state": {
+                "indexed": len(main.rows) - snap.tomb_count,
+                "fresh": fresh_live,
+                "deleted": snap.tomb_count + len(snap.fresh.live) - fresh_live,
+                "merging": self._merging,
+                "generation": main.generation,
+            },
+        }
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        t = self._merge_thread
+        if t is not None:
+            t.join()
+        with self._merge_lock, self._lock:
+            self._wal.close()
+            self.store.close()
+            self._main = _Main(0, None, np.empty(0, np.int64), -1)
+
+
+class Catalog:
+    """All collections under one data directory (root/collections/<name>/). Thread-safe."""
+
+    def __init__(self, root: str | os.PathLike, engine_config: EngineConfig | None = None,
+                 collection_config: CollectionConfig | None = None):
+        self.root = Path(root)
+        self.dir = self.root / "collections"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.engine_config = engine_config or EngineConfig()
+        self.collection_config = collection_config or CollectionConfig()
+        self._lock = threading.Lock()
+        self._open: dict[str, Collection] = {}
+        for p in self.dir.glob(".*"):  # creates and drops a crash interrupted
+            shutil.rmtree(p, ignore_errors=True)
+
+    @staticmethod
+    def _check_name(name) -> str:
+        if not isinstance(name, str) or not NAME_RE.match(name):
+            raise InputError(f"collection name {name!r:.80} must match {NAME_RE.pattern}")
+        return name
+
+    def names(self) -> list[str]:
+        return sorted(p.name for p in self.dir.iterdir()
+                      if NAME_RE.match(p.name) and (p / "collection.json").exists())
+
+    def create(self, name: str, dim: int, metric: str = "cosine", embedding: str | None = None) -> Collection:
+        self._check_name(name)
+        if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or not 1 <= dim <= 65536:
+            raise InputError(f"dim must be an integer in [1, 65536], got {dim!r}")
+        if metric not in METRICS:
+            raise InputError(f"metric must be one of {METRICS}, got {metric!r}")
+        if embedding is not None and not isinstance(embedding, str):
+            raise InputError(f"embedding must be a model name or None, got {embedding!r}")
+        with self._lock:
+            final = self.dir / name
+            if final.exists():
+                raise ConflictError(f"collection {name!r} already exists")
+            tmp = self.dir / f".create-{name}-{uuid.uuid4().hex}"
+            tmp.mkdir()
+            _write_json_atomic(tmp / "collection.json", {"format": _COLLECTION_FORMAT, "name": name, "dim": int(dim),
+                                                         "metric": metric, "embedding": embedding})
+            os.rename(tmp, final)
+            fsync_path(self.dir)
+            col = self._open[name] = Collection(final, self.engine_config, self.collection_config)
+            return col
+
+    def get(self, name: str) -> Collection:
+        self._check_name(name)
+        with self._lock:
+            col = self._open.get(name)
+            if col is None:
+                path = self.dir / name
+                if not (path / "collection.json").exists():
+                    raise NotFoundError(f"collection {name!r} does not exist")
+                col = self._open[name] = Collection(path, self.engine_config, self.collection_config)
+            return col
+
+    def drop(self, name: str) -> None:
+        self._check_name(name)
+        with self._lock:
+            path = self.dir / name
+            if not (path / "collection.json").exists():
+                raise NotFoundError(f"collection {name!r} does not exist")
+            col = self._open.pop(name, None)
+            if col is not None:
+                col.close()
+            trash = self.dir / f".drop-{name}-{uuid.uuid4().hex}"
+            os.rename(path, trash)
+            fsync_path(self.dir)
+            shutil.rmtree(trash, ignore_errors=True)
+
+    def close(self) -> None:
+        with self._lock:
+            for col in self._open.values():
+                col.close()
+            self._open.clear()
+
+
+__all__ = ["Catalog", "Collection", "CollectionConfig", "CollectionSearch", "Document", "Hit"]

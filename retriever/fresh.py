@@ -1,0 +1,108 @@
+"""The fresh tier: vectors written since the last merge, in RAM, searched exactly.
+
+Append-only buffers that grow by doubling: a search takes views of the first n slots, and
+later appends write past n (or into a new buffer), so a view never changes under a search.
+Removals clear a slot's live flag; searches copy the flags when they take their snapshot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def distances(q: np.ndarray, x: np.ndarray, x_sq: np.ndarray, metric: str) -> np.ndarray:
+    """Engine distances (q, n) between queries and vectors, both in the engine's form (unit
+    length under cosine): squared L2, 1 - cos, or -inner product."""
+    dots = q @ x.T
+    if metric == "ip":
+        return -dots
+    if metric == "cosine":
+        return 1.0 - dots
+    return np.maximum((q * q).sum(1, keepdims=True) - 2 * dots + x_sq[None, :], 0)
+
+
+@dataclass
+class FreshView:
+    vectors: np.ndarray  # float32 (n, dim)
+    sq: np.ndarray  # float32 (n,)
+    rows: np.ndarray  # int64 (n,)
+    live: np.ndarray  # bool (n,), a copy
+
+    def search(self, q: np.ndarray, k: int, metric: str, allowed: np.ndarray | None = None):
+        """Exact top-k over the live (and allowed) slots: (rows int64 (q, k'), dists (q, k')),
+        k' = min(k, candidates)."""
+        mask = self.live if allowed is None else self.live & allowed
+        idx = np.flatnonzero(mask)
+        if idx.size == 0:
+            return np.empty((len(q), 0), np.int64), np.empty((len(q), 0), np.float32)
+        d = distances(q, self.vectors[idx], self.sq[idx], metric).astype(np.float32)
+        kk = min(k, idx.size)
+        part = np.argpartition(d, kk - 1, axis=1)[:, :kk] if kk < idx.size else np.broadcast_to(
+            np.arange(idx.size), (len(q), idx.size))
+        pd = np.take_along_axis(d, part, axis=1)
+        order = np.argsort(pd, axis=1, kind="stable")
+        return self.rows[idx[np.take_along_axis(part, order, axis=1)]], np.take_along_axis(pd, order, axis=1)
+
+
+class FreshTier:
+    def __init__(self, dim: int, capacity: int = 1024):
+        self.dim = dim
+        self._vecs = np.empty((capacity, dim), np.float32)
+        self._sq = np.empty(capacity, np.float32)
+        self._rows = np.empty(capacity, np.int64)
+        self._live = np.zeros(capacity, bool)
+        self._slot: dict[int, int] = {}
+        self.n = 0
+        self.live_count = 0
+
+    def _grow(self, need: int) -> None:
+        cap = len(self._rows)
+        if need <= cap:
+            return
+        cap = max(need, 2 * cap)
+        for name in ("_vecs", "_sq", "_rows", "_live"):
+            old = getattr(self, name)
+            new = np.zeros((cap,) + old.shape[1:], old.dtype)
+            new[:self.n] = old[:self.n]
+            setattr(self, name, new)
+
+    def add(self, rows: np.ndarray, vectors: np.ndarray) -> None:
+        """vectors in the engine's form (unit length under cosine)."""
+        m = len(rows)
+        self._grow(self.n + m)
+        s = slice(self.n, self.n + m)
+        self._vecs[s] = vectors
+        self._sq[s] = (vectors * vectors).sum(1)
+        self._rows[s] = rows
+        self._live[s] = True
+        self._slot.update(zip(rows.tolist(), range(self.n, self.n + m)))
+        self.n += m
+        self.live_count += m
+
+    def remove(self, rows) -> int:
+        """Clear the live flag of these rows (those not here are ignored); returns how many."""
+        hit = 0
+        for r in rows:
+            s = self._slot.pop(int(r), None)
+            if s is not None:
+                self._live[s] = False
+                hit += 1
+        self.live_count -= hit
+        return hit
+
+    def __contains__(self, row: int) -> bool:
+        return row in self._slot
+
+    def view(self) -> FreshView:
+        n = self.n
+        return FreshView(self._vecs[:n], self._sq[:n], self._rows[:n], self._live[:n].copy())
+
+    def live_items(self) -> tuple[np.ndarray, np.ndarray]:
+        idx = np.flatnonzero(self._live[:self.n])
+        return self._rows[idx].copy(), self._vecs[idx].copy()
+
+    @property
+    def bytes(self) -> int:
+        return int(self.n * (self.dim * 4 + 4 + 8 + 1))
