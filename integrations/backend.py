@@ -14,6 +14,7 @@ import asyncio
 import os
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -250,8 +251,8 @@ class RemoteBackend:
             raise InputError(msg)
         raise RemoteError(status, msg)
 
-    def _request(self, method: str, path: str, json: Any = None, missing_ok: bool = False):
-        resp = self._client.request(method, path, json=json)
+    def _request(self, method: str, path: str, json: Any = None, missing_ok: bool = False, params=None):
+        resp = self._client.request(method, path, json=json, params=params)
         if missing_ok and resp.status_code == 404:
             return None
         self._raise_for(resp)
@@ -267,8 +268,8 @@ class RemoteBackend:
                 base_url=self.url, headers=self._headers, timeout=self._timeout)
         return client
 
-    async def _arequest(self, method: str, path: str, json: Any = None, missing_ok: bool = False):
-        resp = await self._aclient().request(method, path, json=json)
+    async def _arequest(self, method: str, path: str, json: Any = None, missing_ok: bool = False, params=None):
+        resp = await self._aclient().request(method, path, json=json, params=params)
         if missing_ok and resp.status_code == 404:
             return None
         self._raise_for(resp)
@@ -332,68 +333,81 @@ class RemoteBackend:
         if not docs:
             return []
         self._ensure(len(docs[0].vector))
-        return self._request("POST", self._coll_path("/documents"), {"documents": [_doc_json(d) for d in docs]})["ids"]
+        ids = []
+        for part in _chunks(docs):
+            body = {"documents": [_doc_json(d) for d in part]}
+            ids += self._request("POST", self._coll_path("/documents"), body)["ids"]
+        return ids
 
     async def aupsert(self, docs: Sequence[Document]) -> list[str]:
         if not docs:
             return []
         await self._aensure(len(docs[0].vector))
-        body = {"documents": [_doc_json(d) for d in docs]}
-        return (await self._arequest("POST", self._coll_path("/documents"), body))["ids"]
-
-    @staticmethod
-    def _deleted(res: dict | None) -> int:
-        return 0 if res is None else int(res.get("deleted", 0))
+        ids = []
+        for part in _chunks(docs):
+            body = {"documents": [_doc_json(d) for d in part]}
+            ids += (await self._arequest("POST", self._coll_path("/documents"), body))["ids"]
+        return ids
 
     def delete(self, ids: Sequence[str]) -> int:
-        if not ids:
-            return 0
-        return self._deleted(self._request("DELETE", self._coll_path("/documents"), {"ids": list(ids)}, missing_ok=True))
+        n = 0
+        for part in _chunks(list(ids)):
+            res = self._request("DELETE", self._coll_path("/documents"), {"ids": part}, missing_ok=True)
+            n += 0 if res is None else int(res["deleted"])
+        return n
 
     async def adelete(self, ids: Sequence[str]) -> int:
-        if not ids:
-            return 0
-        res = await self._arequest("DELETE", self._coll_path("/documents"), {"ids": list(ids)}, missing_ok=True)
-        return self._deleted(res)
+        n = 0
+        for part in _chunks(list(ids)):
+            res = await self._arequest("DELETE", self._coll_path("/documents"), {"ids": part}, missing_ok=True)
+            n += 0 if res is None else int(res["deleted"])
+        return n
+
+    def _doc_args(self, doc_id: str, with_vectors: bool) -> tuple:
+        return "GET", self._coll_path(f"/documents/{_quote(doc_id)}"), None, True, {"vector": "true"} if with_vectors else None
 
     def get(self, ids: Sequence[str], with_vectors: bool = False) -> list[Document]:
-        out = []
-        for i in ids:
-            d = self._request("GET", self._coll_path(f"/documents/{_quote(i)}"), missing_ok=True)
-            if d is not None:
-                out.append(_doc_from_json(d) if with_vectors else _doc_from_json({**d, "vector": None}))
-        return out
+        found = [self._request(*self._doc_args(i, with_vectors)) for i in ids]
+        return [_doc_from_json(d) for d in found if d is not None]
 
     async def aget(self, ids: Sequence[str], with_vectors: bool = False) -> list[Document]:
-        found = await asyncio.gather(*(self._arequest("GET", self._coll_path(f"/documents/{_quote(i)}"), missing_ok=True)
-                                       for i in ids))
-        return [_doc_from_json(d if with_vectors else {**d, "vector": None}) for d in found if d is not None]
+        found = await asyncio.gather(*(self._arequest(*self._doc_args(i, with_vectors)) for i in ids))
+        return [_doc_from_json(d) for d in found if d is not None]
 
-    def _search_body(self, vectors: np.ndarray, k: int, filter: dict | None, with_vectors: bool) -> dict:
+    def _search_body(self, vectors: np.ndarray, k: int, filter: dict | None) -> dict:
         body: dict[str, Any] = {"vectors": np.asarray(vectors, dtype=np.float32).tolist(), "k": k}
         if filter:
             body["filter"] = filter
         if self._params:
             body["params"] = self._params
-        if with_vectors:
-            body["with_vectors"] = True
         return body
+
+    @staticmethod
+    def _with_vectors(hits: list[list[Hit]], docs: list[Document]) -> list[list[Hit]]:
+        vec = {d.id: d.vector for d in docs}
+        return [[replace(h, vector=vec.get(h.id)) for h in q if h.id in vec] for q in hits]
 
     def search(self, vectors: np.ndarray, k: int, filter: dict | None = None,
                with_vectors: bool = False) -> list[list[Hit]]:
-        res = self._request("POST", self._coll_path("/search"), self._search_body(vectors, k, filter, with_vectors),
-                            missing_ok=True)
+        res = self._request("POST", self._coll_path("/search"), self._search_body(vectors, k, filter), missing_ok=True)
         if res is None:
             return [[] for _ in range(len(vectors))]
-        return [[_hit_from_json(h) for h in hits] for hits in res["results"]]
+        hits = [[_hit_from_json(h) for h in q] for q in res["results"]]
+        if with_vectors:  # the service's search answers without vectors: fetch the hits' documents
+            hits = self._with_vectors(hits, self.get(list({h.id for q in hits for h in q}), with_vectors=True))
+        return hits
 
     async def asearch(self, vectors: np.ndarray, k: int, filter: dict | None = None,
                       with_vectors: bool = False) -> list[list[Hit]]:
-        res = await self._arequest("POST", self._coll_path("/search"),
-                                   self._search_body(vectors, k, filter, with_vectors), missing_ok=True)
+        res = await self._arequest("POST", self._coll_path("/search"), self._search_body(vectors, k, filter),
+                                   missing_ok=True)
         if res is None:
             return [[] for _ in range(len(vectors))]
-        return [[_hit_from_json(h) for h in hits] for hits in res["results"]]
+        hits = [[_hit_from_json(h) for h in q] for q in res["results"]]
+        if with_vectors:
+            docs = await self.aget(list({h.id for q in hits for h in q}), with_vectors=True)
+            hits = self._with_vectors(hits, docs)
+        return hits
 
     def count(self) -> int:
         info = self.info()
@@ -416,6 +430,11 @@ class RemoteBackend:
         self._client.close()
         # Async clients whose loop is gone cannot be closed cleanly; their sockets go with the loop.
         self._aclients.clear()
+
+
+def _chunks(items: Sequence, size: int = 256) -> list:
+    # Well under the service's per-request document limit (max_documents, 1024 by default).
+    return [items[i:i + size] for i in range(0, len(items), size)]
 
 
 def _quote(doc_id: str) -> str:
