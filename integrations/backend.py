@@ -238,6 +238,8 @@ class RemoteBackend:
         try:
             body = resp.json()
             msg = body.get("detail") or body.get("error") or body
+            if isinstance(msg, dict):  # vLLM's error shape, when the API is served by the vLLM plugin
+                msg = msg.get("message", msg)
         except ValueError:
             msg = resp.text
         if not isinstance(msg, str):
