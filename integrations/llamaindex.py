@@ -160,7 +160,8 @@ class FusionRAGVectorStore(BasePydanticVectorStore):
 
     @staticmethod
     def _ids_filter(node_ids: list[str] | None) -> dict | None:
-        return None if node_ids is None else {NODE_ID_KEY: {"$in": list(node_ids)}}
+        # As in LlamaIndex's own stores, an empty list restricts nothing.
+        return {NODE_ID_KEY: {"$in": list(node_ids)}} if node_ids else None
 
     def _probe(self, dim: int) -> np.ndarray:
         # Any valid query vector will do: with k = the whole collection, the filter alone decides.
@@ -195,15 +196,15 @@ class FusionRAGVectorStore(BasePydanticVectorStore):
 
     @staticmethod
     def _query_args(query: VectorStoreQuery) -> tuple[np.ndarray, int, dict | None]:
-        if query.mode != VectorStoreQueryMode.DEFAULT:
-            raise InputError(f"query mode {query.mode.value!r} is not supported by fusionrag (dense search: "
-                             f"'default')")
+        mode = VectorStoreQueryMode(query.mode)
+        if mode != VectorStoreQueryMode.DEFAULT:
+            raise InputError(f"query mode {mode.value!r} is not supported by fusionrag (dense search: 'default')")
         if query.query_embedding is None:
             raise InputError("fusionrag needs a query embedding (is_embedding_query is True)")
         if query.similarity_top_k < 1:
             raise InputError(f"similarity_top_k must be >= 1, got {query.similarity_top_k}")
         flt = _all_of(to_collection_filter(query.filters),
-                      None if query.doc_ids is None else {"ref_doc_id": {"$in": list(query.doc_ids)}},
+                      {"ref_doc_id": {"$in": list(query.doc_ids)}} if query.doc_ids else None,
                       FusionRAGVectorStore._ids_filter(query.node_ids))
         return np.asarray([query.query_embedding], dtype=np.float32), query.similarity_top_k, flt
 
