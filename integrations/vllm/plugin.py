@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fusionrag.integrations.vllm.prompt import augment, question_of
-from fusionrag.retriever.errors import FusionRAGError, InputError
+from fusionrag.retriever.errors import ConfigError, FusionRAGError, InputError, NotFoundError
 from fusionrag.server.app import State, _engine_error, authenticate, v1
 from fusionrag.server.auth import Key
 from fusionrag.server.config import load_config
@@ -89,12 +89,14 @@ async def rag_chat_completions(raw_request: Request, key: Key | None = Depends(a
         return _error(422, f"retrieval.k is {opts.k}, at most {svc.config.max_k} allowed (max_k)")
     if not svc.ready.is_set():
         return _error(503, "the collections are still loading; /readyz says when they are ready")
-    coll = svc.catalog.get(opts.collection)  # NotFoundError -> 404 through the service's handler
-    if not coll.embedding:
-        return _error(422, f"collection {opts.collection!r} has no embedding model to embed the question with")
-    question = question_of(request.messages)
-    res = await svc.batcher.search(coll, opts.k, texts=[question], filter=opts.filter)
-    hits = res.hits[0]
+    try:
+        coll = svc.catalog.get(opts.collection)
+        if not coll.embedding:
+            return _error(422, f"collection {opts.collection!r} has no embedding model to embed the question with")
+        question = question_of(request.messages)
+        hits = (await svc.batcher.search(coll, opts.k, texts=[question], filter=opts.filter)).hits[0]
+    except (NotFoundError, InputError, ConfigError) as e:
+        return _error(404 if isinstance(e, NotFoundError) else 422, str(e))
     request = request.model_copy(update={"messages": augment(request.messages, hits)})
 
     handler = raw_request.app.state.openai_serving_chat
@@ -115,6 +117,7 @@ class FusionRAGEndpointPlugin:
     (see vllm/plugins/endpoint_plugins/interface.py)."""
 
     name = "fusionrag"
+    # Chat needs generation; this also keeps the plugin off vLLM's engine-less render server.
     required_tasks = ("generate",)
 
     def __init__(self) -> None:
@@ -140,8 +143,6 @@ class FusionRAGEndpointPlugin:
         app.router.lifespan_context = lifespan
 
     async def init_state(self, engine_client, state, args: Namespace) -> None:
-        if engine_client is None:
-            raise InputError("the fusionrag plugin needs vLLM's engine (it cannot run on the render-only server)")
         self.state = State(load_config())
         await self.state.batcher.start()
         self._loader = threading.Thread(target=self.state.load, name="fusionrag-load", daemon=True)
