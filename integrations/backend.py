@@ -117,6 +117,9 @@ class EmbeddedBackend:
         coll = self._collection()
         return coll.dim if coll is not None else None
 
+    async def ametric(self) -> str:
+        return self.metric
+
     def _writable(self, dim: int) -> Collection:
         coll = self._collection()
         if coll is None:
@@ -322,6 +325,10 @@ class RemoteBackend:
     @property
     def metric(self) -> str:
         info = self._info or self.info()
+        return info["metric"] if info else (self._metric or "cosine")
+
+    async def ametric(self) -> str:
+        info = self._info or await self.ainfo()
         return info["metric"] if info else (self._metric or "cosine")
 
     @property

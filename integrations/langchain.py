@@ -134,6 +134,12 @@ class FusionRAGVectorStore(VectorStore):
     def _select_relevance_score_fn(self) -> Callable[[float], float]:
         return RELEVANCE[self._backend.metric]
 
+    async def _asimilarity_search_with_relevance_scores(self, query: str, k: int = 4,
+                                                        **kwargs: Any) -> list[tuple[LCDocument, float]]:
+        # As the base class does, but learning the metric without a blocking call in remote mode.
+        fn = RELEVANCE[await self._backend.ametric()]
+        return [(doc, fn(d)) for doc, d in await self.asimilarity_search_with_score(query, k, **kwargs)]
+
     def _hits(self, vector: list[float], k: int, filter: dict | None, with_vectors: bool = False) -> list[Hit]:
         if k < 1:
             raise InputError(f"k must be >= 1, got {k}")

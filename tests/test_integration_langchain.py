@@ -149,6 +149,8 @@ async def test_async_twins_agree_with_sync(make_store):
     assert await store.asimilarity_search("north-east", k=1, filter={"i": 2}) == [sync[-1][0]]
     mmr = await store.amax_marginal_relevance_search("north", k=2, fetch_k=3)
     assert mmr == store.max_marginal_relevance_search("north", k=2, fetch_k=3)
+    rel = await store.asimilarity_search_with_relevance_scores("north-east", k=3)
+    assert rel == store.similarity_search_with_relevance_scores("north-east", k=3)
     assert await store.adelete([ids[0]])
     assert await store.aget_by_ids(ids) == store.get_by_ids(ids[1:])
 
