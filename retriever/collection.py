@@ -24,6 +24,7 @@ import shutil
 import sqlite3
 import struct
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 MAX_ID_CHARS = 512
 _COLLECTION_FORMAT = 1
+_MERGE_RETRY_S = 30  # a failed background merge (a full disk, say) waits this long to retry
 
 
 @dataclass(frozen=True)
@@ -185,6 +187,7 @@ class Collection:
         self._merge_thread: threading.Thread | None = None
         self._merging = False
         self._merge_removed: list[int] = []
+        self._merge_retry_at = 0.0
         self._pending: list[_Write] = []
         self._closed = False
 
@@ -214,6 +217,8 @@ class Collection:
             if c["indexed"]:
                 index = Index.open(gdir / "index", self.engine_config)
             rows = np.load(gdir / "rows.npy") if c["indexed"] else np.empty(0, np.int64)
+            if index is not None and len(rows) != index.count:
+                raise IndexFormatError(f"{gdir}: rows.npy maps {len(rows)} vectors, the index has {index.count}")
             main = _Main(int(c["generation"]), index, rows, int(c["max_row"]))
         for p in self.path.glob("gen-*"):  # generations a crash or a merge left behind
             if p.name != keep:
@@ -279,10 +284,17 @@ class Collection:
                 meta = json.dumps(d.metadata, separators=(",", ":"), allow_nan=False)
             except (TypeError, ValueError) as e:
                 raise InputError(f"document {doc_id!r}: metadata is not JSON-serialisable ({e})") from e
-            v = np.asarray(d.vector, dtype=np.float32) if not isinstance(d.vector, str) else None
+            try:
+                v = None if isinstance(d.vector, (str, bytes)) else np.asarray(d.vector, dtype=np.float32)
+            except (TypeError, ValueError):
+                v = None
             if v is None or v.shape != (self.dim,):
-                raise InputError(f"document {doc_id!r}: vector must have dimension {self.dim}, "
-                                 f"got shape {getattr(v, 'shape', None)}")
+                raise InputError(f"document {doc_id!r}: vector must be {self.dim} numbers, "
+                                 f"got {getattr(v, 'shape', type(d.vector).__name__)}")
+            if not np.isfinite(v).all():
+                raise InputError(f"document {doc_id!r}: vector contains NaN or infinity")
+            if self.metric == "cosine" and not v.any():
+                raise InputError(f"document {doc_id!r}: a zero vector has no cosine direction")
             ids.append(doc_id)
             texts.append(d.text)
             metas.append(meta)
@@ -291,8 +303,7 @@ class Collection:
         # An id given twice in one call: the last one wins, as if written one after the other.
         last = {doc_id: j for j, doc_id in enumerate(ids)}
         keep = sorted(last.values())
-        vectors = self._vectors(np.stack([vecs[j] for j in keep]) if keep else np.empty((0, self.dim)),
-                                "document vectors")
+        vectors = np.stack([vecs[j] for j in keep]) if keep else np.empty((0, self.dim), np.float32)
         return _Write("upsert", [ids[j] for j in keep], [texts[j] for j in keep], [metas[j] for j in keep],
                       vectors), out
 
@@ -541,10 +552,12 @@ class Collection:
 
     # -- merge ---------------------------------------------------------------------------------
     def _maybe_merge(self) -> None:
-        f = self._fresh
-        if not self.config.background_merge or self._closed:
+        f, cfg = self._fresh, self.config
+        if not cfg.background_merge or self._closed or time.monotonic() < self._merge_retry_at:
             return
-        if f.live_count < self.config.merge_fresh_count and f.bytes < self.config.merge_fresh_bytes:
+        # Deletes alone also call for a merge: tombstones cost scan time and the log grows.
+        if (f.live_count < cfg.merge_fresh_count and f.bytes < cfg.merge_fresh_bytes
+                and self._tomb_count < cfg.merge_fresh_count and self._wal.bytes < cfg.merge_fresh_bytes):
             return
         with self._mem_lock:
             if self._merge_thread is not None and self._merge_thread.is_alive():
@@ -557,7 +570,9 @@ class Collection:
         try:
             self.merge()
         except Exception:
-            log.exception("collection %r: background merge failed; the fresh tier keeps the writes", self.name)
+            self._merge_retry_at = time.monotonic() + _MERGE_RETRY_S
+            log.exception("collection %r: background merge failed (retried in %d s); the fresh tier keeps the writes",
+                          self.name, _MERGE_RETRY_S)
 
     def merge(self) -> None:
         """Fold the fresh tier into the main index now (blocking)."""

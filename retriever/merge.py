@@ -56,11 +56,22 @@ def can_store(index: Index, vectors: np.ndarray) -> bool:
     return bool(np.array_equal(vectors, np.rint(vectors)) and vectors.min() >= info.min and vectors.max() <= info.max)
 
 
-def _records(path: Path, layout: PageLayout, num_blocks: int) -> tuple[np.memmap, np.ndarray]:
-    """The page file memory-mapped for writing: (blocks, block_bytes) and its (slots, record_bytes) view."""
-    mm = np.memmap(path, dtype=np.uint8, mode="r+", shape=(num_blocks, layout.block_bytes))
-    per = layout.records_per_block
-    return mm, mm[:, :per * layout.record_bytes].reshape(num_blocks * per, layout.record_bytes)
+class _Records:
+    """The page file memory-mapped for writing, addressed by slot. A block's records need not fill
+    it (20 records of 200 bytes in 4096), so slots are (block, record) pairs of a 3-D view: a
+    flat (slots, record_bytes) reshape of the strided map would be a copy, and writes to it lost."""
+
+    def __init__(self, path: Path, layout: PageLayout, num_blocks: int):
+        self.per = layout.records_per_block
+        self.blocks = np.memmap(path, dtype=np.uint8, mode="r+", shape=(num_blocks, layout.block_bytes))
+        self.view = self.blocks[:, :self.per * layout.record_bytes].reshape(num_blocks, self.per, layout.record_bytes)
+        assert np.shares_memory(self.view, self.blocks)
+
+    def __getitem__(self, slots: np.ndarray) -> np.ndarray:
+        return self.view[slots // self.per, slots % self.per]
+
+    def __setitem__(self, slots: np.ndarray, data) -> None:
+        self.view[slots // self.per, slots % self.per] = data
 
 
 class _Lists:
@@ -75,10 +86,6 @@ class _Lists:
 
     def members(self, lst: int) -> np.ndarray:
         return self.ids[self.lists == lst]
-
-    def drop(self, lst: int, ids: np.ndarray) -> None:
-        gone = (self.lists == lst) & np.isin(self.ids, ids)
-        self.lists, self.ids = self.lists[~gone], self.ids[~gone]
 
     def csr(self, num_lists: int) -> tuple[np.ndarray, np.ndarray]:
         order = np.lexsort((self.ids, self.lists))  # ids ascending within a list, as the build has them
@@ -141,7 +148,8 @@ def merge_index(old: Index, dead: np.ndarray, new_vectors: np.ndarray, out_dir: 
         if extra_blocks:
             with open(pages, "r+b") as fh:
                 fh.truncate(num_blocks * layout.block_bytes)
-        blocks, records = _records(pages, layout, num_blocks)
+        records = _Records(pages, layout, num_blocks)
+        blocks = records.blocks
         dead_slots = old.reranker.locations[dead].astype(np.int64)
         records[dead_slots] = 0  # a reclaimed slot keeps no deleted vector
         if n_new:
@@ -159,10 +167,13 @@ def merge_index(old: Index, dead: np.ndarray, new_vectors: np.ndarray, out_dir: 
 
         sizes = np.bincount(lists.lists, minlength=len(centroids))
         bound = max(16, int(2 * config.max_list_factor * len(f.list_ids) / max(1, len(f.list_offsets) - 1)))
-        splits = 0
-        for lst in np.flatnonzero(sizes > bound).tolist():
-            centroids = _split(lst, lists, centroids, graph, vectors_of, metric, config, rng, threads)
-            splits += 1
+        oversized = np.flatnonzero(sizes > bound).tolist()
+        affected = [_split(lst, lists, centroids, graph, vectors_of, metric, config, rng, threads)
+                    for lst in oversized]
+        centroids = graph.vectors()[:, :dim]
+        if affected:
+            _reassign(lists, np.unique(np.concatenate(affected)), centroids, vectors_of, config)
+        splits = len(oversized)
         del records, blocks
 
         codes = np.concatenate([f.codes[alive], old.pq.encode(x) if n_new else np.empty((0, old.pq.m), np.uint8)])
@@ -213,37 +224,40 @@ def _nearest(x, centroids, graph, metric: str, k: int, threads: int):
 
 def _split(lst: int, lists: _Lists, centroids: np.ndarray, graph, vectors_of, metric: str, config: BuildConfig,
            rng: np.random.Generator, threads: int) -> np.ndarray:
-    """Split list lst in two (SPFresh); returns the centroids with the new one appended."""
+    """Split list lst (SPFresh): 2-means over its vectors; the centre farther from the old centroid
+    becomes a new centroid (graph node). Its candidates, the list's vectors and those of the lists
+    around it, are offered it; _reassign then keeps what the replication rule allows. Returns them."""
     ids = lists.members(lst)
-    x = vectors_of(ids)
     c = centroids[lst]
-    centers, _ = kmeans(x, 2, config.kmeans_iters, rng)
+    centers, _ = kmeans(vectors_of(ids), 2, config.kmeans_iters, rng)
     new_c = centers[int(np.argmax(((centers - c) ** 2).sum(1)))].astype(np.float32)
-    new_id = len(centroids)
     node = new_c[None]
     if metric == "ip":  # the augmented coordinate keeps the graph's l2 order = inner-product order
         r_sq = float((graph.vectors()[0] ** 2).sum())
         node = np.hstack([node, [[np.sqrt(max(r_sq - float(new_c @ new_c), 0.0))]]]).astype(np.float32)
+    new_id = graph.size
     graph.add(np.ascontiguousarray(node, dtype=np.float32), threads)
-    centroids = np.vstack([centroids, node[:, :centroids.shape[1]]])
-    bound = 1 + config.replica_eps
-    # The list's own vectors: to whichever of the two is nearer, and to both when within the bound.
-    d_old = np.sqrt(sq_dists(x, c[None])[:, 0])
-    d_new = np.sqrt(sq_dists(x, new_c[None])[:, 0])
-    nearest = np.minimum(d_old, d_new)
-    lists.drop(lst, ids[d_old > bound * nearest])
-    joiners = [ids[d_new <= bound * nearest]]
-    # Neighbouring lists' vectors that the new centroid now covers (the SPFresh reassignment).
     hood, _ = graph.search(node, min(_NEIGHBOURS + 1, graph.size), max(32, 2 * _NEIGHBOURS), threads)
-    for nb in hood[0].tolist():
-        if nb < 0 or nb in (lst, new_id):
-            continue
-        nids = lists.members(nb)
-        if len(nids):
-            y = vectors_of(nids)
-            d_nb = np.sqrt(sq_dists(y, centroids[nb][None])[:, 0])
-            d_y = np.sqrt(sq_dists(y, new_c[None])[:, 0])
-            joiners.append(nids[d_y <= bound * d_nb])
-    joined = np.unique(np.concatenate(joiners))
-    lists.add(np.full(len(joined), new_id), joined)
-    return centroids
+    cand = np.unique(np.concatenate([ids] + [lists.members(nb) for nb in hood[0].tolist()
+                                             if nb >= 0 and nb not in (lst, new_id)]))
+    lists.add(np.full(len(cand), new_id), cand)
+    return cand
+
+
+def _reassign(lists: _Lists, ids: np.ndarray, centroids: np.ndarray, vectors_of, config: BuildConfig) -> None:
+    """The build's replication rule again for these vectors over the lists they are in or were
+    offered: keep list l if dist(v, c_l) <= (1 + eps) * the nearest such distance, at most
+    max_replicas lists, the nearest always."""
+    sel = np.isin(lists.ids, ids)
+    pairs = np.unique(np.stack([lists.ids[sel], lists.lists[sel]], axis=1), axis=0)  # sorted by id
+    pid, pl = pairs[:, 0], pairs[:, 1]
+    x = vectors_of(ids)
+    d = np.sqrt(((x[np.searchsorted(ids, pid)] - centroids[pl]) ** 2).sum(1))
+    order = np.lexsort((d, pid))
+    pid, pl, d = pid[order], pl[order], d[order]
+    start = np.flatnonzero(np.concatenate([[True], pid[1:] != pid[:-1]]))
+    group = np.repeat(np.arange(len(start)), np.diff(np.concatenate([start, [len(pid)]])))
+    rank = np.arange(len(pid)) - start[group]
+    keep = (d <= (1 + config.replica_eps) * d[start][group]) & (rank < config.max_replicas)
+    lists.lists = np.concatenate([lists.lists[~sel], pl[keep]])
+    lists.ids = np.concatenate([lists.ids[~sel], pid[keep]])
