@@ -8,6 +8,7 @@ import re
 import threading
 import time
 from contextlib import asynccontextmanager
+from dataclasses import fields
 from importlib import resources
 
 import numpy as np
@@ -21,10 +22,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
 from fusionrag import __version__
-from fusionrag.retriever.collection import Catalog, Collection, Document
+from fusionrag.retriever.collection import Catalog, Collection, CollectionConfig, Document
 from fusionrag.retriever.config import EngineConfig, SearchParams
 from fusionrag.retriever.embedding import canonical_name, get_embedder
-from fusionrag.retriever.errors import ConfigError, ConflictError, FusionRAGError, InputError, NotFoundError
+from fusionrag.retriever.errors import (ConfigError, ConflictError, FusionRAGError, InputError, NotFoundError,
+                                       StorageError)
+from fusionrag.retriever.filters import compile_filter
 from fusionrag.server.auth import Key, KeyRing
 from fusionrag.server.batcher import MicroBatcher, ServiceClosing
 from fusionrag.server.config import ServerConfig, data_path
@@ -34,7 +37,12 @@ from fusionrag.server.schemas import CreateCollection, DeleteRequest, SearchRequ
 
 log = logging.getLogger("fusionrag.server")
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-_STATUS = ((NotFoundError, 404), (ConflictError, 409), (InputError, 422), (ConfigError, 422))
+_STATUS = ((NotFoundError, 404), (ConflictError, 409), (InputError, 422), (ConfigError, 422), (StorageError, 507))
+
+
+def open_catalog(config: ServerConfig) -> Catalog:
+    return Catalog(data_path(config), EngineConfig(buffer_bytes=int(config.buffer_mb * (1 << 20))),
+                   CollectionConfig(min_index_count=config.min_index_count))
 
 
 class State:
@@ -43,7 +51,7 @@ class State:
     def __init__(self, config: ServerConfig):
         self.config = config
         self.keys = KeyRing.from_config(config.api_keys, config.api_keys_file)
-        self.catalog = Catalog(data_path(config), EngineConfig(buffer_bytes=int(config.buffer_mb * (1 << 20))))
+        self.catalog = open_catalog(config)
         self.metrics = Metrics(self.collections_info)
         self.batcher = MicroBatcher(config.batch_wait_ms / 1000, config.batch_max_queries,
                                     config.search_threads, self.metrics)
@@ -140,6 +148,17 @@ def _plain(stats: dict) -> dict:
     return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in stats.items()}
 
 
+def _search_params(given: dict) -> SearchParams:
+    kinds = {f.name: type(f.default) for f in fields(SearchParams)}
+    for name, value in given.items():
+        kind = kinds.get(name)
+        ok = kind is None or (isinstance(value, kind) and not isinstance(value, bool)) or \
+            (kind is float and isinstance(value, int) and not isinstance(value, bool))
+        if not ok:
+            raise _error(422, f"params.{name} must be a{'n' if kind is int else ''} {kind.__name__}, got {value!r}")
+    return SearchParams.from_dict(given)  # unknown names and ranges: ConfigError, a 422
+
+
 def _check_texts(texts, limit: int, what: str) -> None:
     for i, t in enumerate(texts):
         if t is not None and len(t) > limit:
@@ -208,7 +227,9 @@ async def search(body: SearchRequest, request: Request, coll: Collection = Depen
         raise _error(422, f"{len(queries)} queries in one request, at most {cfg.max_queries} allowed (max_queries)")
     if body.k > cfg.max_k:
         raise _error(422, f"k is {body.k}, at most {cfg.max_k} allowed (max_k)")
-    params = SearchParams.from_dict(body.params) if body.params else None
+    params = _search_params(body.params) if body.params else None
+    if body.filter is not None:
+        compile_filter(body.filter)  # a bad filter fails its own request here, not the batch it would join
     if body.vectors is not None:
         vectors = np.array(body.vectors, dtype=np.float32) if len({len(v) for v in body.vectors}) == 1 \
             else np.zeros((0,))
@@ -314,6 +335,36 @@ def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": "internal error; see the service's log"}, 500)
 
 
+class BodyLimit:
+    """413, with a message, for a body over the limit: at once when its declared length says so, else as soon as
+    the bytes read pass it (raised from `receive`, so the route answers it like any HTTPException)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    def _message(self, size: int, exact: bool) -> str:
+        return (f"request body {'of' if exact else 'over'} {size} bytes is over the limit of {self.limit} bytes "
+                "(max_body_bytes)")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            return await JSONResponse({"detail": self._message(int(declared), True)}, 413)(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise HTTPException(413, self._message(seen, False))
+            return message
+
+        await self.app(scope, counted, send)
+
+
 class ObserveMiddleware:
     """Counts and times every request by route, and logs it as one structured line."""
 
@@ -360,11 +411,11 @@ def create_app(config: ServerConfig) -> FastAPI:
             state.catalog.close()
             log.info("stopped")
 
-    app = FastAPI(title="fusionrag", version=__version__, lifespan=lifespan, max_body_size=config.max_body_bytes,
-                  docs_url=None, redoc_url=None,
+    app = FastAPI(title="fusionrag", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Retrieval for RAG over a FusionANNS-style index. Send `Authorization: Bearer <key>` "
                               "when the service has API keys.")
     app.state.fusionrag = state
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
     app.add_middleware(ObserveMiddleware, metrics=state.metrics)
     app.add_exception_handler(RequestValidationError, _validation_response)
     app.add_exception_handler(FusionRAGError, _engine_error)

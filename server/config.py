@@ -22,7 +22,6 @@ _HELP = {
     "port": "TCP port to listen on",
     "data_dir": "where collections live (one directory each)",
     "demo": "build the demo collection on the first start (when there are no collections)",
-    "api_keys": "API keys, 'TOKEN [collection,...]' entries separated by ';' (none: no auth)",
     "api_keys_file": "file of API keys, one 'TOKEN [collection,...]' entry per line",
     "max_body_bytes": "largest request body accepted",
     "max_queries": "queries (vectors or texts) per search request at most",
@@ -33,11 +32,16 @@ _HELP = {
     "batch_max_queries": "queries per engine batch at most",
     "search_threads": "engine batches running at once",
     "buffer_mb": "DRAM page buffer per collection, MiB",
+    "min_index_count": "a merge builds the main index only for collections at least this large (smaller: exact search)",
     "embedding": "embedding model of the demo collection and the default for new text collections",
     "log_level": f"one of {', '.join(LOG_LEVELS)}",
     "log_format": f"one of {', '.join(LOG_FORMATS)}",
     "shutdown_timeout_s": "on SIGTERM, how long in-flight requests may take to finish",
 }
+
+
+# Secrets stay off the command line, where every user of the machine can read them.
+_NO_FLAG = {"api_keys"}
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -62,6 +66,7 @@ class ServerConfig:
     batch_max_queries: int = 256
     search_threads: int = 2
     buffer_mb: float = 64.0
+    min_index_count: int = 1
     embedding: str = DEFAULT_MODEL
     log_level: str = "info"
     log_format: str = "json"
@@ -79,6 +84,7 @@ class ServerConfig:
         _check(self.batch_max_queries >= 1, f"batch_max_queries must be >= 1, got {self.batch_max_queries}")
         _check(1 <= self.search_threads <= 64, f"search_threads must be in [1, 64], got {self.search_threads}")
         _check(self.buffer_mb >= 0, f"buffer_mb must be >= 0, got {self.buffer_mb}")
+        _check(self.min_index_count >= 1, f"min_index_count must be >= 1, got {self.min_index_count}")
         _check(self.log_level in LOG_LEVELS, f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         _check(self.log_format in LOG_FORMATS, f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         _check(self.shutdown_timeout_s >= 0, f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
@@ -154,6 +160,8 @@ def add_arguments(parser) -> None:
 
     parser.add_argument("--config", help="TOML file of settings (default: $FUSIONRAG_CONFIG)")
     for f in fields(ServerConfig):
+        if f.name in _NO_FLAG:
+            continue
         opt = "--" + f.name.replace("_", "-")
         env = ENV_PREFIX + f.name.upper()
         if type(f.default) is bool:
@@ -165,7 +173,7 @@ def add_arguments(parser) -> None:
 
 
 def flags_of(args) -> dict:
-    return {f.name: getattr(args, f.name) for f in fields(ServerConfig)}
+    return {f.name: getattr(args, f.name) for f in fields(ServerConfig) if f.name not in _NO_FLAG}
 
 
 def data_path(config: ServerConfig) -> Path:

@@ -39,6 +39,19 @@ def _blocks(markdown: str):
             lines.append(line.rstrip())
 
 
+def _unwrap(block: str) -> str:
+    """Prose and list items on one line each, as the text was meant; tables and code stay as they are."""
+    if block.startswith(("|", "```")):
+        return block
+    items: list[str] = []
+    for line in block.split("\n"):
+        if not items or re.match(r"\s*([-*]|\d+\.) ", line) and not line.startswith("   "):
+            items.append(line.strip())
+        else:
+            items[-1] += " " + line.strip()
+    return "\n".join(items)
+
+
 def _split_long(block: str) -> list[str]:
     """A block longer than a chunk is cut between lines (list items, table rows), never inside one."""
     if len(block) <= MAX_CHUNK_CHARS:
@@ -59,7 +72,7 @@ def chunk_markdown(markdown: str, source: str) -> list[Document]:
     sections: dict[str, list[str]] = {}
     for heading, block in _blocks(markdown):
         if heading:  # text before the first section heading is only the title
-            sections.setdefault(heading, []).extend(_split_long(block))
+            sections.setdefault(heading, []).extend(_split_long(_unwrap(block)))
     docs = []
     for heading, blocks in sections.items():
         chunks, cur = [], ""
@@ -96,7 +109,7 @@ def ensure_demo(catalog: Catalog, embedding: str) -> Collection | None:
     embedder = get_embedder(embedding)
     if DEMO in names:
         coll = catalog.get(DEMO)
-        unfinished = coll.info()["build_state"]["indexed"] == 0
+        unfinished = coll.info()["build_state"]["generation"] == 0  # never merged: a crash cut the build short
         if not (unfinished and coll.embedding == embedder.name and coll.dim == embedder.dim):
             return None
     elif names:

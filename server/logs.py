@@ -8,7 +8,8 @@ import sys
 import time
 
 # Attributes every LogRecord has; anything else was passed in `extra=` and belongs in the line.
-_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName"}
+_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName",
+                                                                        "color_message"}
 
 
 class JsonFormatter(logging.Formatter):
