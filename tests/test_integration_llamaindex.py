@@ -18,17 +18,24 @@ from fusionrag.retriever.errors import InputError
 from integration_helpers import API_KEY, running_service
 
 
+_EMBEDDED: dict[str, list[float]] = {}
+
+
 class MiniLM(BaseEmbedding):
-    """all-MiniLM-L6-v2 from the offline PyPI package, as a LlamaIndex embedding."""
+    """all-MiniLM-L6-v2 from the offline PyPI package, as a LlamaIndex embedding. Each text is
+    embedded once per test session: the tests index the same documents many times."""
 
     def _get_query_embedding(self, query: str) -> list[float]:
-        return get_embedder("all-MiniLM-L6-v2").embed([query])[0].tolist()
+        return self._get_text_embeddings([query])[0]
 
     def _get_text_embedding(self, text: str) -> list[float]:
         return self._get_text_embeddings([text])[0]
 
     def _get_text_embeddings(self, texts: list[str]) -> list[list[float]]:
-        return get_embedder("all-MiniLM-L6-v2").embed(texts).tolist()
+        new = [t for t in dict.fromkeys(texts) if t not in _EMBEDDED]
+        if new:
+            _EMBEDDED.update(zip(new, get_embedder("all-MiniLM-L6-v2").embed(new).tolist()))
+        return [_EMBEDDED[t] for t in texts]
 
     async def _aget_query_embedding(self, query: str) -> list[float]:
         return self._get_query_embedding(query)
