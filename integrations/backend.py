@@ -83,8 +83,6 @@ def _release_catalog(root: Path) -> None:
 class EmbeddedBackend:
     """The engine in-process. Async methods run the blocking engine call on a worker thread."""
 
-    mode = "embedded"
-
     def __init__(self, path: str | os.PathLike, collection: str, metric: str | None, search_params: dict | None):
         self.root = Path(path).resolve()
         self.name = collection
@@ -211,8 +209,6 @@ class RemoteBackend:
     Sync calls share one `httpx.Client`; async calls go through an `httpx.AsyncClient` (one per
     event loop, since a connection pool belongs to the loop that opened it), never a thread.
     """
-
-    mode = "remote"
 
     def __init__(self, url: str, collection: str, api_key: str | None, metric: str | None,
                  search_params: dict | None, timeout: float):
@@ -426,14 +422,23 @@ class RemoteBackend:
         info = await self.ainfo()
         return int(info["count"]) if info else 0
 
+    @staticmethod
+    def _recreate_body(info: dict) -> dict:
+        return {k: info[k] for k in ("name", "dimension", "metric", "embedding")}
+
     def clear(self) -> None:
-        # The service has no "delete all": drop the collection; the next write creates it again.
-        self._request("DELETE", self._coll_path(), missing_ok=True)
-        self._info = None
+        # The service has no "delete all documents": drop the collection and create it again with the
+        # same settings (writes in between get a 404).
+        info = self.info()
+        if info is not None:
+            self._request("DELETE", self._coll_path(), missing_ok=True)
+            self._request("POST", "/v1/collections", self._recreate_body(info))
 
     async def aclear(self) -> None:
-        await self._arequest("DELETE", self._coll_path(), missing_ok=True)
-        self._info = None
+        info = await self.ainfo()
+        if info is not None:
+            await self._arequest("DELETE", self._coll_path(), missing_ok=True)
+            await self._arequest("POST", "/v1/collections", self._recreate_body(info))
 
     def close(self) -> None:
         self._client.close()

@@ -45,3 +45,9 @@ def running_service(data_dir: Path, **config) -> Iterator[str]:
         server.should_exit = True
         thread.join(30)
         sock.close()
+
+
+def drop_collection(url: str, name: str) -> None:
+    """Remove a collection the test made (a store's delete-all keeps the collection itself)."""
+    r = httpx.delete(f"{url}/v1/collections/{name}", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code in (200, 404), r.text

@@ -2,6 +2,7 @@
 then what the suite does not cover: filters, scores and relevance per metric, MMR, from_texts,
 as_retriever, bad input."""
 
+import uuid
 from collections.abc import Iterator
 
 import numpy as np
@@ -12,7 +13,7 @@ from langchain_tests.integration_tests.vectorstores import VectorStoreIntegratio
 
 from fusionrag.integrations.langchain import FusionRAGVectorStore
 from fusionrag.retriever.errors import ConfigError, InputError
-from integration_helpers import API_KEY, running_service
+from integration_helpers import API_KEY, drop_collection, running_service
 
 
 class TestEmbeddedStandard(VectorStoreIntegrationTests):
@@ -40,7 +41,7 @@ class TestRemoteStandard(VectorStoreIntegrationTests):
         try:
             yield store
         finally:
-            store.delete()
+            drop_collection(service, name)
             store.close()
 
 
@@ -64,7 +65,7 @@ def make_store(request, tmp_path, service):
     made = []
 
     def make(metric=None, collection=None, **kw):
-        name = collection or f"t{len(made)}-{request.node.name}"[:64].replace("[", "-").replace("]", "")
+        name = collection or f"t-{uuid.uuid4().hex}"
         if request.param == "embedded":
             store = FusionRAGVectorStore(embedding=kw.pop("embedding", TableEmbeddings()), path=tmp_path,
                                          collection=name, metric=metric, **kw)
@@ -77,7 +78,7 @@ def make_store(request, tmp_path, service):
     yield make
     for store in made:
         if request.param == "remote":
-            store.delete()
+            drop_collection(service, store.collection_name)
         store.close()
 
 
@@ -205,4 +206,25 @@ def test_remote_needs_a_valid_key(service):
         with pytest.raises(RemoteError, match="401"):
             store.add_texts(["north"])
     finally:
+        store.close()
+
+
+async def test_remote_delete_all_keeps_the_collection_settings(service):
+    import httpx
+
+    store = FusionRAGVectorStore(embedding=TableEmbeddings(), url=service, api_key=API_KEY, collection="keep",
+                                 metric="l2")
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    try:
+        store.add_texts(["north", "east"])
+        store.delete()  # no ids: every document
+        info = httpx.get(f"{service}/v1/collections/keep", headers=headers).json()
+        assert (info["count"], info["dimension"], info["metric"]) == (0, 3, "l2")
+        await store.aadd_texts(["south"], ids=["s"])
+        await store.adelete()
+        info = httpx.get(f"{service}/v1/collections/keep", headers=headers).json()
+        assert (info["count"], info["dimension"], info["metric"]) == (0, 3, "l2")
+        assert store.similarity_search("south", k=1) == []
+    finally:
+        drop_collection(service, "keep")
         store.close()

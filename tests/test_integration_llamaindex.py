@@ -2,6 +2,7 @@
 embeddings) in embedded and remote mode; filters, doc/node selection, deletes, get_nodes, clear,
 and the async twins."""
 
+import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -15,7 +16,7 @@ from llama_index.core.vector_stores.types import (FilterCondition, FilterOperato
 from fusionrag.integrations.llamaindex import FusionRAGVectorStore, to_collection_filter
 from fusionrag.retriever.embedding import get_embedder
 from fusionrag.retriever.errors import InputError
-from integration_helpers import API_KEY, running_service
+from integration_helpers import API_KEY, drop_collection, running_service
 
 
 _EMBEDDED: dict[str, list[float]] = {}
@@ -75,11 +76,12 @@ def service(tmp_path_factory) -> Iterator[str]:
 def store(request, tmp_path) -> Iterator[FusionRAGVectorStore]:
     if request.param == "embedded":
         s = FusionRAGVectorStore(path=tmp_path, collection="li")
+        yield s
     else:
-        s = FusionRAGVectorStore(url=request.getfixturevalue("service"), api_key=API_KEY,
-                                 collection=f"li-{request.node.name}"[:64].replace("[", "-").replace("]", ""))
-    yield s
-    s.clear()
+        url = request.getfixturevalue("service")
+        s = FusionRAGVectorStore(url=url, api_key=API_KEY, collection=f"li-{uuid.uuid4().hex}")
+        yield s
+        drop_collection(url, s.collection)
     s.close()
 
 
