@@ -87,8 +87,13 @@ async def rag_chat_completions(raw_request: Request, key: Key | None = Depends(a
         return _error(403, f"this API key has no rights to collection {opts.collection!r}")
     if opts.k > svc.config.max_k:
         return _error(422, f"retrieval.k is {opts.k}, at most {svc.config.max_k} allowed (max_k)")
+    if svc.load_error:
+        return _error(500, f"fusionrag could not load its collections: {svc.load_error}")
     if not svc.ready.is_set():
-        return _error(503, "the collections are still loading; /readyz says when they are ready")
+        return _error(503, "fusionrag is still loading its collections; retry shortly")
+    handler = raw_request.app.state.openai_serving_chat
+    if handler is None:
+        return _error(404, "this vLLM server does not serve chat completions")
     try:
         coll = svc.catalog.get(opts.collection)
         if not coll.embedding:
@@ -99,9 +104,6 @@ async def rag_chat_completions(raw_request: Request, key: Key | None = Depends(a
         return _error(404 if isinstance(e, NotFoundError) else 422, str(e))
     request = request.model_copy(update={"messages": augment(request.messages, hits)})
 
-    handler = raw_request.app.state.openai_serving_chat
-    if handler is None:
-        return _error(404, "this vLLM server does not serve chat completions")
     out = await handler.create_chat_completion(request, raw_request)
     if isinstance(out, ErrorResponse):
         return JSONResponse(out.model_dump(), out.error.code)
