@@ -35,7 +35,7 @@ DATA = Path(os.environ.get("FUSIONRAG_DATA", HERE.parents[1] / "shared" / "data"
 
 def machine() -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    mem = next((int(line.split()[1]) // 1024 // 1024 for line in open("/proc/meminfo") if line.startswith("MemTotal")), 0)
+    mem = next(int(line.split()[1]) >> 20 for line in open("/proc/meminfo") if line.startswith("MemTotal"))
     return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "ram_gib": mem, "python": platform.python_version(),
             "kernel": platform.release()}
 

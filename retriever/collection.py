@@ -37,7 +37,7 @@ from fusionrag.retriever.config import METRICS, BuildConfig, EngineConfig, Searc
 from fusionrag.retriever.docstore import DocStore
 from fusionrag.retriever.errors import ConflictError, IndexFormatError, InputError, NotFoundError, StorageError
 from fusionrag.retriever.filters import compile_filter
-from fusionrag.retriever.fresh import FreshTier, FreshView, distances
+from fusionrag.retriever.fresh import FreshTier, FreshView
 from fusionrag.retriever.index import STAT_KEYS, Index
 from fusionrag.retriever.manifest import fsync_path
 from fusionrag.retriever.merge import can_store, merge_index
@@ -476,7 +476,7 @@ class Collection:
         if where is not None:
             allowed = self.store.rows_where(*where)
             if len(allowed) <= self.config.filter_exact_max:
-                rows, dists = self._exact(q, k, allowed)
+                rows, dists = self._exact(q, k, where)
                 for s in stats:
                     s["filtered_exact"] = True
                 return self._hits(rows, dists, k, stats, with_vectors)
@@ -521,9 +521,9 @@ class Collection:
         rows = np.where(ids >= 0, main.rows[np.maximum(ids, 0)] if n else -1, -1)
         return rows, np.where(ids >= 0, dists, np.inf).astype(np.float32)
 
-    def _exact(self, q, k, allowed: np.ndarray):
+    def _exact(self, q, k, where: tuple[str, list]):
         """Exact top-k over the documents a filter passes, vectors read from the doc store."""
-        rows, vecs = self.store.vectors_of(allowed)
+        rows, vecs = self.store.vectors_where(*where)
         if len(rows) == 0:
             return np.full((len(q), 0), -1, np.int64), np.empty((len(q), 0), np.float32)
         view = FreshView(x := self._engine_form(vecs), (x * x).sum(1), rows, np.ones(len(rows), bool))

@@ -92,9 +92,6 @@ class FreshTier:
         self.live_count -= hit
         return hit
 
-    def __contains__(self, row: int) -> bool:
-        return row in self._slot
-
     def view(self) -> FreshView:
         n = self.n
         return FreshView(self._vecs[:n], self._sq[:n], self._rows[:n], self._live[:n].copy())

@@ -174,7 +174,6 @@ def merge_index(old: Index, dead: np.ndarray, new_vectors: np.ndarray, out_dir: 
         if affected:
             _reassign(lists, np.unique(np.concatenate(affected)), centroids, vectors_of, config)
         splits = len(oversized)
-        del records, blocks
 
         codes = np.concatenate([f.codes[alive], old.pq.encode(x) if n_new else np.empty((0, old.pq.m), np.uint8)])
         offsets, list_ids = lists.csr(len(centroids))
@@ -214,7 +213,7 @@ def _nearest(x, centroids, graph, metric: str, k: int, threads: int):
     sqd = np.empty((len(x), k), np.float32)
     for s in range(0, len(x), 4096):
         d = sq_dists(x[s:s + 4096], centroids)
-        part = np.argpartition(d, k - 1, axis=1)[:, :k] if k < d.shape[1] else np.tile(np.arange(d.shape[1]), (len(d), 1))
+        part = np.argpartition(d, k - 1, axis=1)[:, :k]
         pd = np.take_along_axis(d, part, axis=1)
         order = np.argsort(pd, axis=1)
         near[s:s + 4096] = np.take_along_axis(part, order, axis=1)

@@ -9,8 +9,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
-from collection_crash_child import DIM, THREADS, ops
+from collection_crash_child import THREADS, ops
 
 from fusionrag.retriever.collection import Catalog, CollectionConfig, Document
 from fusionrag.retriever.errors import StorageError
