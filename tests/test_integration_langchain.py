@@ -113,6 +113,8 @@ def test_scores_are_engine_distances_and_relevance_is_in_unit_interval(make_stor
     assert scores[0] == pytest.approx({"cosine": 1.0, "l2": 1.0, "ip": 1 / (1 + np.exp(-1))}[metric], abs=1e-5)
     if metric == "cosine":  # the opposite direction: cos = -1, the bottom of the interval
         assert dict((d.id, s) for d, s in rel)["south"] == pytest.approx(0.0, abs=1e-6)
+    by_vector = store.similarity_search_by_vector(TableEmbeddings.table["north"], k=len(texts))
+    assert [d.id for d in by_vector] == [d.id for d, _ in got]
     kept = store.similarity_search_with_relevance_scores("north", k=len(texts), score_threshold=scores[2])
     assert [d.id for d, _ in kept] == [d.id for d, _ in rel[:3]]
 
@@ -148,6 +150,7 @@ async def test_async_twins_agree_with_sync(make_store):
     sync = store.similarity_search_with_score("north-east", k=3)
     assert await store.asimilarity_search_with_score("north-east", k=3) == sync
     assert await store.asimilarity_search("north-east", k=1, filter={"i": 2}) == [sync[-1][0]]
+    assert await store.asimilarity_search_by_vector([0.7, 0.7, 0.0], k=3) == [d for d, _ in sync]
     mmr = await store.amax_marginal_relevance_search("north", k=2, fetch_k=3)
     assert mmr == store.max_marginal_relevance_search("north", k=2, fetch_k=3)
     rel = await store.asimilarity_search_with_relevance_scores("north-east", k=3)
