@@ -369,7 +369,8 @@ class RemoteBackend:
         return n
 
     def _doc_args(self, doc_id: str, with_vectors: bool) -> tuple:
-        return "GET", self._coll_path(f"/documents/{_quote(doc_id)}"), None, True, {"vector": "true"} if with_vectors else None
+        params = {"vector": "true"} if with_vectors else None
+        return "GET", self._coll_path(f"/documents/{_quote(doc_id)}"), None, True, params
 
     def get(self, ids: Sequence[str], with_vectors: bool = False) -> list[Document]:
         found = [self._request(*self._doc_args(i, with_vectors)) for i in ids]

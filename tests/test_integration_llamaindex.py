@@ -44,7 +44,8 @@ class MiniLM(BaseEmbedding):
 
 DOCS = [
     Document(doc_id="paris", text="The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris. "
-             "It was designed by the company of the engineer Gustave Eiffel.", metadata={"city": "Paris", "year": 1889}),
+             "It was designed by the company of the engineer Gustave Eiffel.",
+             metadata={"city": "Paris", "year": 1889}),
     Document(doc_id="rome", text="The Colosseum is an elliptical amphitheatre in the centre of Rome, built of "
              "travertine limestone and brick-faced concrete.", metadata={"city": "Rome", "year": 80}),
     Document(doc_id="plants", text="Photosynthesis is the process by which plants turn light, water and carbon "
@@ -135,7 +136,7 @@ def test_filters_doc_ids_and_node_ids_narrow_the_query(store):
     assert ids(filters=filters(MetadataFilter(key="topic", value=["biology"], operator=FilterOperator.NIN))) == \
         {"paris", "rome", "python"}
     assert ids(doc_ids=["python", "bees"]) == {"python", "bees"}
-    some = [n.node_id for n in store.get_nodes(node_ids=None, filters=filters(MetadataFilter(key="city", value="Paris")))]
+    some = [n.node_id for n in store.get_nodes(filters=filters(MetadataFilter(key="city", value="Paris")))]
     res = store.query(VectorStoreQuery(query_embedding=embed, similarity_top_k=20, node_ids=some))
     assert res.ids == some
     assert index.as_retriever(similarity_top_k=1, filters=filters(MetadataFilter(key="city", value="Paris"))) \

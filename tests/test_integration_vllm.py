@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 
 from fusionrag.integrations.vllm.prompt import RAG_TEMPLATE
@@ -86,7 +85,8 @@ def vllm_server(tiny_llm, tmp_path_factory) -> Iterator[str]:
     try:
         deadline = time.monotonic() + 420
         while True:
-            assert proc.poll() is None, f"vLLM exited with {proc.returncode}:\n{(data / 'vllm.log').read_text()[-4000:]}"
+            assert proc.poll() is None, \
+                f"vLLM exited with {proc.returncode}:\n{(data / 'vllm.log').read_text()[-4000:]}"
             assert time.monotonic() < deadline, "vLLM did not come up in 420 s"
             try:  # vLLM's /health, then our routes (they answer once the plugin's state is set up)
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200 and \
@@ -129,7 +129,8 @@ def test_plugin_serves_retrieval_and_rag_chat_inside_vllm(vllm_server, tiny_llm)
         assert out["retrieval"]["ids"] == [h["id"] for h in found]
         assert out["retrieval"]["scores"] == pytest.approx([h["score"] for h in found], abs=1e-5)
         # The prompt vLLM ran, read back from its own token ids.
-        prompt = c.post("/detokenize", json={"model": str(tiny_llm), "tokens": out["prompt_token_ids"]}).json()["prompt"]
+        tokens = out["prompt_token_ids"]
+        prompt = c.post("/detokenize", json={"model": str(tiny_llm), "tokens": tokens}).json()["prompt"]
         assert prompt.startswith("<|system|>\nBe brief.\n\nAnswer the user's question using the numbered passages")
         assert f"[1] {found[0]['text']}\n\n[2] {found[1]['text']}\n<|user|>\n{QUESTION}\n<|assistant|>\n" in prompt
 
@@ -192,6 +193,7 @@ def test_offline_batch_rag(tiny_llm, tmp_path, monkeypatch):
     from fusionrag.integrations.vllm import rag_chat
     from fusionrag.retriever.collection import Catalog, Document
     from fusionrag.retriever.embedding import get_embedder
+    from fusionrag.retriever.errors import InputError
 
     catalog = Catalog(tmp_path)
     try:
@@ -209,7 +211,7 @@ def test_offline_batch_rag(tiny_llm, tmp_path, monkeypatch):
             assert a.prompt.startswith("<|system|>\nAnswer the user's question using the numbered passages")
             assert f"[1] {texts[a.ids[0]]}\n\n[2] {texts[a.ids[1]]}\n<|user|>\n{q}\n<|assistant|>\n" in a.prompt
             assert a.text  # three tokens of noise, decoded
-        with pytest.raises(Exception, match="non-empty"):
+        with pytest.raises(InputError, match="non-empty list"):
             rag_chat(llm, coll, [])
     finally:
         catalog.close()
