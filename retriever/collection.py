@@ -504,7 +504,11 @@ class Collection:
         if allowed is None:
             exclude, live = snap.tomb, n - snap.tomb_count
         else:
-            ok = np.isin(main.rows, allowed) & ~np.unpackbits(snap.tomb, count=n, bitorder="little").astype(bool)
+            ok = np.zeros(n, bool)
+            pos = np.searchsorted(main.rows, allowed)  # both sorted
+            pos = pos[pos < n]
+            ok[pos[main.rows[pos] == allowed[:len(pos)]]] = True
+            ok &= ~np.unpackbits(snap.tomb, count=n, bitorder="little").astype(bool)
             exclude, live = np.packbits(~ok, bitorder="little"), int(ok.sum())
         res = main.index.search(q, k, params, exclude=exclude)
         ids, dists = res.ids, res.distances

@@ -161,8 +161,10 @@ class DocStore:
 
     def rows_where(self, query: str, params: list) -> np.ndarray:
         """Sorted rows of the live documents that pass a compiled filter (filters.compile_filter)."""
-        cur = self._reader().execute(query, params)
-        return np.unique(np.fromiter((r for (r,) in cur), dtype=np.int64))
+        # One string of all rows, parsed in C: a Python object per row costs more than the query.
+        (text,) = self._reader().execute(f"SELECT group_concat(row) FROM ({query})", params).fetchone()
+        rows = np.sort(np.fromstring(text or "", dtype=np.int64, sep=","))
+        return rows[np.concatenate([[True], rows[1:] != rows[:-1]])] if len(rows) else rows
 
     def vectors_where(self, query: str, params: list) -> tuple[np.ndarray, np.ndarray]:
         """(rows, vectors) of the live documents that pass a compiled filter, in row order."""

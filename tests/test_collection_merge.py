@@ -45,16 +45,18 @@ def test_merge_index_removes_adds_and_splits(tmp_path, metric):
     q = np.concatenate([clustered(30, DIM, 30, seed=3), base[7:8] + 0.3 * rng.standard_normal((30, DIM))])
     q = q.astype(np.float32)
     truth = exact_knn(vecs, q, 10, metric)
-    # beta=0 re-ranks all PQ candidates: this checks the merged lists, codes and pages. With early
-    # stop on, the stale-codebook PQ order of a dense new region (ip) can end the re-rank early.
-    assert recall(idx.search(q, 10, beta=0).ids, truth) >= 0.95
+    # Every list probed and every candidate re-ranked: exact, if the lists hold every vector and
+    # the pages hold the right ones.
+    assert recall(idx.search(q, 10, nprobe=10**6, rerank=10**4, beta=0).ids, truth) == 1.0
+    # With the default knobs: l2 and cosine keep their recall. (Under ip, a dense new region coded
+    # with codebooks trained before it existed ranks too coarsely for 200 candidates: that drift is
+    # what rebuild_growth bounds.)
     if metric != "ip":
         assert recall(idx.search(q, 10).ids, truth) >= 0.95
     # every vector is still reachable: itself (or an equally near twin) comes back first
     sample = rng.choice(len(vecs), 200, replace=False)
-    res = idx.search(vecs[sample], 1)
-    assert (res.ids[:, 0] == sample).mean() >= 0.97 if metric != "ip" else recall(
-        idx.search(vecs[sample], 10, beta=0).ids, exact_knn(vecs, vecs[sample], 10, "ip")) >= 0.95
+    if metric != "ip":  # (under ip a vector need not be its own nearest)
+        assert (idx.search(vecs[sample], 1).ids[:, 0] == sample).mean() >= 0.97
     # posting lists hold every live vector, nothing else, and none more than max_replicas times
     ids = np.load(tmp_path / "g2" / "list_ids.npy")
     assert np.array_equal(np.unique(ids), np.arange(len(vecs)))
