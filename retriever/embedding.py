@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,6 +20,17 @@ from fusionrag.retriever.errors import ConfigError, InputError
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
 
 
+_threads = 0  # torch intra-op threads for embedding; 0 leaves torch's default (every core)
+
+
+def set_threads(threads: int) -> None:
+    """Threads torch may use to embed. A process-wide torch setting: it applies to every model."""
+    global _threads
+    _threads = threads
+    if threads and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(threads)
+
+
 class _MeanPooled:
     """A sentence-transformers model of the usual shape (transformer, mean pooling, L2 normalisation) run
     with transformers directly: importing sentence-transformers costs seconds a service start need not pay."""
@@ -28,6 +40,8 @@ class _MeanPooled:
         from transformers import AutoModel, AutoTokenizer
 
         self.torch = torch
+        if _threads:
+            torch.set_num_threads(_threads)
         self.max_length = json.loads((path / "sentence_bert_config.json").read_text())["max_seq_length"]
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
         self.model = AutoModel.from_pretrained(str(path)).eval()

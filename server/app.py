@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -22,9 +21,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
 from fusionrag import __version__
-from fusionrag.retriever.collection import Catalog, Collection, CollectionConfig, Document
+from fusionrag.retriever.collection import NAME_RE, Catalog, Collection, CollectionConfig, Document
 from fusionrag.retriever.config import EngineConfig, SearchParams
-from fusionrag.retriever.embedding import canonical_name, get_embedder
+from fusionrag.retriever.embedding import canonical_name, get_embedder, set_threads
 from fusionrag.retriever.errors import (ConfigError, ConflictError, FusionRAGError, InputError, NotFoundError,
                                        StorageError)
 from fusionrag.retriever.filters import compile_filter
@@ -36,7 +35,6 @@ from fusionrag.server.metrics import Metrics
 from fusionrag.server.schemas import CreateCollection, DeleteRequest, SearchRequest, UpsertRequest
 
 log = logging.getLogger("fusionrag.server")
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _STATUS = ((NotFoundError, 404), (ConflictError, 409), (InputError, 422), (ConfigError, 422), (StorageError, 507))
 
 
@@ -50,6 +48,7 @@ class State:
 
     def __init__(self, config: ServerConfig):
         self.config = config
+        set_threads(config.embed_threads)
         self.keys = KeyRing.from_config(config.api_keys, config.api_keys_file)
         self.catalog = open_catalog(config)
         self.metrics = Metrics(self.collections_info)
@@ -117,12 +116,12 @@ def authenticate(request: Request) -> Key | None:
 
 
 def check_name(name: str) -> None:
-    if not NAME.match(name):
+    if not NAME_RE.fullmatch(name):  # fullmatch: `$` alone would let a trailing newline through
         raise _error(400, f"invalid collection name {name[:80]!r}: use 1-64 letters, digits, '_', '.' or '-', "
                           "starting with a letter or digit")
 
 
-def allowed(request: Request, name: str, key: Key | None = Depends(authenticate)) -> str:
+def allowed(name: str, key: Key | None = Depends(authenticate)) -> str:
     """The collection name of the path, valid and open to this key."""
     check_name(name)
     if key is not None and not key.allows(name):
@@ -166,9 +165,14 @@ def _check_texts(texts, limit: int, what: str) -> None:
 
 
 def _check_vectors(vectors: np.ndarray, coll: Collection, what: str) -> None:
+    """What Collection.search would refuse, refused here: in a batch, one bad query would fail its neighbours."""
     if vectors.ndim != 2 or vectors.shape[1] != coll.dim:
         got = vectors.shape[1] if vectors.ndim == 2 else "ragged"
         raise _error(422, f"{what} have dimension {got}, collection {coll.name!r} has dimension {coll.dim}")
+    if coll.metric == "cosine":
+        zero = np.flatnonzero(~vectors.any(axis=1))
+        if zero.size:
+            raise _error(422, f"{what}[{zero[0]}] is a zero vector, which has no cosine direction")
 
 
 def _embedder_of(coll: Collection, what: str):
@@ -317,7 +321,8 @@ def _validation_response(request: Request, exc: RequestValidationError) -> JSONR
     for e in errors:
         loc = ".".join(str(p) for p in e["loc"] if p != "body") or "body"
         parts.append(f"{loc}: {e['msg']}")
-    return JSONResponse({"detail": "; ".join(parts[:10]) + (f" (and {len(parts) - 10} more)" if len(parts) > 10 else ""),
+    more = f" (and {len(parts) - 10} more)" if len(parts) > 10 else ""
+    return JSONResponse({"detail": "; ".join(parts[:10]) + more,
                          "errors": [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in errors[:50]]},
                         422)
 

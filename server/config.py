@@ -34,6 +34,7 @@ _HELP = {
     "buffer_mb": "DRAM page buffer per collection, MiB",
     "min_index_count": "a merge builds the main index only for collections at least this large (smaller: exact search)",
     "embedding": "embedding model of the demo collection and the default for new text collections",
+    "embed_threads": "CPU threads that embed texts (0: every core; more than one pays only on an idle machine)",
     "log_level": f"one of {', '.join(LOG_LEVELS)}",
     "log_format": f"one of {', '.join(LOG_FORMATS)}",
     "shutdown_timeout_s": "on SIGTERM, how long in-flight requests may take to finish",
@@ -68,6 +69,7 @@ class ServerConfig:
     buffer_mb: float = 64.0
     min_index_count: int = 1
     embedding: str = DEFAULT_MODEL
+    embed_threads: int = 1
     log_level: str = "info"
     log_format: str = "json"
     shutdown_timeout_s: float = 30.0
@@ -85,6 +87,7 @@ class ServerConfig:
         _check(1 <= self.search_threads <= 64, f"search_threads must be in [1, 64], got {self.search_threads}")
         _check(self.buffer_mb >= 0, f"buffer_mb must be >= 0, got {self.buffer_mb}")
         _check(self.min_index_count >= 1, f"min_index_count must be >= 1, got {self.min_index_count}")
+        _check(self.embed_threads >= 0, f"embed_threads must be >= 0, got {self.embed_threads}")
         _check(self.log_level in LOG_LEVELS, f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         _check(self.log_format in LOG_FORMATS, f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         _check(self.shutdown_timeout_s >= 0, f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")

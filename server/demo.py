@@ -1,4 +1,4 @@
-"""The demo collection: the project's own documentation (server/demo/*.md), chunked and embedded.
+"""The demo collection: the project's own documentation (server/corpus/*.md), chunked and embedded.
 
 Built on the first start of a service whose data directory has no collection, loaded on later starts.
 """
@@ -91,7 +91,7 @@ def chunk_markdown(markdown: str, source: str) -> list[Document]:
 
 
 def corpus() -> list[Document]:
-    folder = resources.files("fusionrag.server") / "demo"
+    folder = resources.files("fusionrag.server") / "corpus"
     docs = []
     for name in sorted(p.name for p in folder.iterdir() if p.name.endswith(".md")):
         docs += chunk_markdown((folder / name).read_text(encoding="utf-8"), name)

@@ -60,7 +60,7 @@ def test_demo_corpus_is_small_chunked_and_uniquely_named():
     assert 20 <= len(docs) <= 300
     assert len({d.id for d in docs}) == len(docs)
     assert all(0 < len(d.text) <= MAX_CHUNK_CHARS and d.metadata["section"] for d in docs)
-    assert {d.metadata["source"] for d in docs} == {"concepts.md", "design.md"}
+    assert {d.metadata["source"] for d in docs} == {"concepts.md"}
 
 
 def test_chunking_keeps_sections_apart_and_splits_long_ones():

@@ -13,7 +13,9 @@ function headers() {
 }
 
 async function api(path, body) {
-  const init = body === undefined ? { headers: headers() } : { method: "POST", headers: headers(), body: JSON.stringify(body) };
+  const init = body === undefined
+    ? { headers: headers() }
+    : { method: "POST", headers: headers(), body: JSON.stringify(body) };
   const res = await fetch(path, init);
   const data = await res.json().catch(() => ({}));
   if (!res.ok) throw new Error(`${res.status}: ${data.detail || res.statusText}`);
@@ -135,8 +137,10 @@ async function refreshFigures() {
       const t = info.tiers || {};
       const tr = body.insertRow();
       tr.dataset.collection = name;
-      for (const v of [name, info.count, bytes(t.host_index_bytes), bytes(t.pq_bytes) + (t.pq_tier ? ` (${t.pq_tier})` : ""),
-        bytes(t.page_buffer_bytes), bytes(t.ssd_bytes), bytes(t.fresh_bytes)]) {
+      const pq = bytes(t.pq_bytes) + (t.pq_tier ? ` (${t.pq_tier})` : "");
+      const cells = [name, info.count, bytes(t.host_index_bytes), pq, bytes(t.page_buffer_bytes), bytes(t.ssd_bytes),
+        bytes(t.fresh_bytes)];
+      for (const v of cells) {
         tr.insertCell().textContent = v;
       }
     }
