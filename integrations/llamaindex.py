@@ -1,0 +1,222 @@
+"""LlamaIndex vector store over a fusionrag collection, embedded or remote.
+
+    store = FusionRAGVectorStore(path="data", collection="docs")                              # embedded
+    store = FusionRAGVectorStore(url="http://127.0.0.1:8000", api_key=KEY, collection="docs")  # remote
+    index = VectorStoreIndex.from_documents(docs, storage_context=StorageContext.from_defaults(vector_store=store))
+
+A node is stored as one collection document: its id, its text, its embedding, and as metadata the
+node's own metadata plus LlamaIndex's bookkeeping (`_node_content`, `ref_doc_id`, ...) and `_node_id`,
+so that `doc_ids`, `node_ids` and `MetadataFilters` all become one collection filter. Similarities
+are the collection's scores (higher is better: cos similarity, inner product, or -squared L2).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+from llama_index.core.bridge.pydantic import PrivateAttr
+from llama_index.core.schema import BaseNode
+from llama_index.core.vector_stores.types import (BasePydanticVectorStore, FilterCondition, FilterOperator,
+                                                  MetadataFilters, VectorStoreQuery, VectorStoreQueryMode,
+                                                  VectorStoreQueryResult)
+from llama_index.core.vector_stores.utils import metadata_dict_to_node, node_to_metadata_dict
+
+from fusionrag.integrations.backend import EmbeddedBackend, RemoteBackend, open_backend
+from fusionrag.retriever.collection import Document, Hit
+from fusionrag.retriever.errors import InputError
+
+NODE_ID_KEY = "_node_id"
+
+_OPERATORS = {
+    FilterOperator.EQ: "$eq", FilterOperator.NE: "$ne", FilterOperator.GT: "$gt", FilterOperator.GTE: "$gte",
+    FilterOperator.LT: "$lt", FilterOperator.LTE: "$lte", FilterOperator.IN: "$in", FilterOperator.NIN: "$nin",
+}
+
+
+def to_collection_filter(filters: MetadataFilters | None) -> dict | None:
+    """LlamaIndex `MetadataFilters` in the collection's filter syntax; InputError for what it lacks."""
+    if filters is None or not filters.filters:
+        return None
+    parts = []
+    for f in filters.filters:
+        if isinstance(f, MetadataFilters):
+            sub = to_collection_filter(f)
+            if sub is not None:
+                parts.append(sub)
+            continue
+        op = _OPERATORS.get(f.operator)
+        if op is None:
+            supported = ", ".join(o.value for o in _OPERATORS)
+            raise InputError(f"metadata filter operator {f.operator.value!r} (on {f.key!r}) is not supported by "
+                             f"fusionrag; supported: {supported}")
+        parts.append({f.key: {op: f.value}})
+    condition = filters.condition or FilterCondition.AND
+    if condition == FilterCondition.NOT:
+        # Not expressible: NOT(x > 1) must hold where x is missing, and every operator but $ne/$nin fails there.
+        raise InputError("filter condition 'not' is not supported by fusionrag; use the negated operators "
+                         "(!=, nin) instead")
+    if len(parts) == 1:
+        return parts[0]
+    return {"$and" if condition == FilterCondition.AND else "$or": parts}
+
+
+def _all_of(*filters: dict | None) -> dict | None:
+    parts = [f for f in filters if f]
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else {"$and": parts}
+
+
+def _node_doc(node: BaseNode) -> Document:
+    embedding = node.get_embedding()  # raises a clear ValueError when the node was not embedded
+    metadata = node_to_metadata_dict(node, remove_text=True, flat_metadata=False)
+    metadata[NODE_ID_KEY] = node.node_id
+    return Document(id=node.node_id, text=node.get_content(), vector=embedding, metadata=metadata)
+
+
+def _node(item: Hit | Document) -> BaseNode:
+    node = metadata_dict_to_node(item.metadata, text=item.text)
+    node.id_ = item.id
+    return node
+
+
+class FusionRAGVectorStore(BasePydanticVectorStore):
+    """A fusionrag collection as a LlamaIndex vector store. Exactly one of `path` or `url`.
+
+    The collection is created on the first `add` with the nodes' embedding dimension and `metric`
+    (cosine unless given). Selecting by metadata (`delete`, `delete_nodes`/`get_nodes` with
+    `filters`) runs a filtered search over the whole collection, so it is bounded by the service's
+    largest k in remote mode.
+    """
+
+    stores_text: bool = True
+    flat_metadata: bool = False
+    collection: str
+    path: str | None = None
+    url: str | None = None
+
+    _backend: EmbeddedBackend | RemoteBackend = PrivateAttr()
+
+    def __init__(self, *, collection: str, path: str | os.PathLike | None = None, url: str | None = None,
+                 api_key: str | None = None, metric: str | None = None, search_params: dict | None = None,
+                 timeout: float = 60.0, **kwargs: Any):
+        super().__init__(collection=collection, path=None if path is None else os.fspath(path), url=url, **kwargs)
+        self._backend = open_backend(collection=collection, path=path, url=url, api_key=api_key, metric=metric,
+                                     search_params=search_params, timeout=timeout)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "FusionRAGVectorStore"
+
+    @property
+    def client(self) -> EmbeddedBackend | RemoteBackend:
+        return self._backend
+
+    def close(self) -> None:
+        self._backend.close()
+
+    # -- writes ---------------------------------------------------------------------------------
+
+    def add(self, nodes: list[BaseNode], **kwargs: Any) -> list[str]:
+        return self._backend.upsert([_node_doc(n) for n in nodes])
+
+    async def async_add(self, nodes: list[BaseNode], **kwargs: Any) -> list[str]:
+        return await self._backend.aupsert([_node_doc(n) for n in nodes])
+
+    def delete(self, ref_doc_id: str, **delete_kwargs: Any) -> None:
+        """Delete every node of the source document `ref_doc_id`."""
+        self._backend.delete([h.id for h in self._matching({"ref_doc_id": ref_doc_id})])
+
+    async def adelete(self, ref_doc_id: str, **delete_kwargs: Any) -> None:
+        await self._backend.adelete([h.id for h in await self._amatching({"ref_doc_id": ref_doc_id})])
+
+    def delete_nodes(self, node_ids: list[str] | None = None, filters: MetadataFilters | None = None,
+                     **delete_kwargs: Any) -> None:
+        """Delete the nodes with these ids and/or matching these filters (both: nodes meeting both)."""
+        flt = to_collection_filter(filters)
+        if flt is None:
+            self._backend.delete(node_ids or [])
+        else:
+            self._backend.delete([h.id for h in self._matching(_all_of(flt, self._ids_filter(node_ids)))])
+
+    async def adelete_nodes(self, node_ids: list[str] | None = None, filters: MetadataFilters | None = None,
+                            **delete_kwargs: Any) -> None:
+        flt = to_collection_filter(filters)
+        if flt is None:
+            await self._backend.adelete(node_ids or [])
+        else:
+            hits = await self._amatching(_all_of(flt, self._ids_filter(node_ids)))
+            await self._backend.adelete([h.id for h in hits])
+
+    def clear(self) -> None:
+        self._backend.clear()
+
+    async def aclear(self) -> None:
+        await self._backend.aclear()
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _ids_filter(node_ids: list[str] | None) -> dict | None:
+        # As in LlamaIndex's own stores, an empty list restricts nothing.
+        return {NODE_ID_KEY: {"$in": list(node_ids)}} if node_ids else None
+
+    def _probe(self, dim: int) -> np.ndarray:
+        # Any valid query vector will do: with k = the whole collection, the filter alone decides.
+        return np.ones((1, dim), dtype=np.float32)
+
+    def _matching(self, flt: dict) -> list[Hit]:
+        n = self._backend.count()
+        if n == 0:
+            return []
+        return self._backend.search(self._probe(self._backend.dim), n, flt)[0]
+
+    async def _amatching(self, flt: dict) -> list[Hit]:
+        n = await self._backend.acount()
+        if n == 0:
+            return []
+        return (await self._backend.asearch(self._probe(self._backend.dim), n, flt))[0]
+
+    def get_nodes(self, node_ids: list[str] | None = None,
+                  filters: MetadataFilters | None = None) -> list[BaseNode]:
+        """The nodes with these ids (in that order, missing ones skipped) and/or matching the filters."""
+        flt = to_collection_filter(filters)
+        if flt is None:
+            return [_node(d) for d in self._backend.get(node_ids or [])]
+        return [_node(h) for h in self._matching(_all_of(flt, self._ids_filter(node_ids)))]
+
+    async def aget_nodes(self, node_ids: list[str] | None = None,
+                         filters: MetadataFilters | None = None) -> list[BaseNode]:
+        flt = to_collection_filter(filters)
+        if flt is None:
+            return [_node(d) for d in await self._backend.aget(node_ids or [])]
+        return [_node(h) for h in await self._amatching(_all_of(flt, self._ids_filter(node_ids)))]
+
+    @staticmethod
+    def _query_args(query: VectorStoreQuery) -> tuple[np.ndarray, int, dict | None]:
+        mode = VectorStoreQueryMode(query.mode)
+        if mode != VectorStoreQueryMode.DEFAULT:
+            raise InputError(f"query mode {mode.value!r} is not supported by fusionrag (dense search: 'default')")
+        if query.query_embedding is None:
+            raise InputError("fusionrag needs a query embedding (is_embedding_query is True)")
+        if query.similarity_top_k < 1:
+            raise InputError(f"similarity_top_k must be >= 1, got {query.similarity_top_k}")
+        flt = _all_of(to_collection_filter(query.filters),
+                      {"ref_doc_id": {"$in": list(query.doc_ids)}} if query.doc_ids else None,
+                      FusionRAGVectorStore._ids_filter(query.node_ids))
+        return np.asarray([query.query_embedding], dtype=np.float32), query.similarity_top_k, flt
+
+    @staticmethod
+    def _result(hits: list[Hit]) -> VectorStoreQueryResult:
+        return VectorStoreQueryResult(nodes=[_node(h) for h in hits], similarities=[h.score for h in hits],
+                                      ids=[h.id for h in hits])
+
+    def query(self, query: VectorStoreQuery, **kwargs: Any) -> VectorStoreQueryResult:
+        vectors, k, flt = self._query_args(query)
+        return self._result(self._backend.search(vectors, k, flt)[0])
+
+    async def aquery(self, query: VectorStoreQuery, **kwargs: Any) -> VectorStoreQueryResult:
+        vectors, k, flt = self._query_args(query)
+        return self._result((await self._backend.asearch(vectors, k, flt))[0])

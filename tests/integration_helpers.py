@@ -1,0 +1,53 @@
+"""A real fusionrag service (uvicorn on a free loopback port, in a thread of the test process) for
+the integrations' remote-mode tests."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from fusionrag.server.app import create_app
+from fusionrag.server.config import ServerConfig
+
+API_KEY = "integration-test-key"
+
+
+@contextlib.contextmanager
+def running_service(data_dir: Path, **config) -> Iterator[str]:
+    """The service's base URL while the block runs; it requires API_KEY and serves no demo."""
+    cfg = ServerConfig(data_dir=str(data_dir), demo=False, api_keys=API_KEY, log_level="warning", **config)
+    server = uvicorn.Server(uvicorn.Config(create_app(cfg), log_level="warning", lifespan="on"))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert thread.is_alive(), "the service died while starting"
+            assert time.monotonic() < deadline, "the service was not ready within 60 s"
+            time.sleep(0.05)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+def drop_collection(url: str, name: str) -> None:
+    """Remove a collection the test made (a store's delete-all keeps the collection itself)."""
+    r = httpx.delete(f"{url}/v1/collections/{name}", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code in (200, 404), r.text
