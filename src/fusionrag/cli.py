@@ -136,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("index_dir")
     i.add_argument("--no-verify", action="store_true", help="skip the checksum pass")
     i.set_defaults(run=_cmd_info)
+
+    from fusionrag.loadtests.runner import add_arguments as add_loadtest_arguments
+
+    add_loadtest_arguments(sub.add_parser("loadtest", help="run a Locust load test against the service; write a report"))
     return parser
 
 
