@@ -1,1 +1,1 @@
-"""server"""
+"""The retrieval service: FastAPI under uvicorn, micro-batching, API keys, limits, metrics, a web page."""

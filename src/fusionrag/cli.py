@@ -1,4 +1,4 @@
-"""The `fusionrag` command: build, search, info (and serve, from the server package)."""
+"""The `fusionrag` command: build, search, info, and serve (the HTTP service of the server package)."""
 
 from __future__ import annotations
 
@@ -108,6 +108,18 @@ def _cmd_info(args) -> int:
     return 0
 
 
+def _cmd_serve(args) -> int:
+    from fusionrag.server.config import flags_of, load_config
+
+    config = load_config(args.config, flags_of(args))
+    try:
+        from fusionrag.server.main import serve
+    except ImportError as e:
+        raise FusionRAGError(f"the service needs the server extras (pip install 'fusionrag[server]'): {e}") from e
+    serve(config)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fusionrag", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -136,6 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("index_dir")
     i.add_argument("--no-verify", action="store_true", help="skip the checksum pass")
     i.set_defaults(run=_cmd_info)
+
+    v = sub.add_parser("serve", help="run the retrieval service (HTTP), with a demo collection on a first start",
+                       description="Settings come from flags, then FUSIONRAG_* environment variables, then the "
+                                   "TOML file of --config, then defaults.")
+    from fusionrag.server.config import add_arguments
+
+    add_arguments(v)
+    v.set_defaults(run=_cmd_serve)
 
     from fusionrag.loadtests.runner import add_arguments as add_loadtest_arguments
 

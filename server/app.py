@@ -1,0 +1,424 @@
+"""The HTTP API: a FastAPI app over a Catalog of collections. The engine underneath knows nothing of HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import threading
+import time
+from contextlib import asynccontextmanager
+from dataclasses import fields
+from importlib import resources
+
+import numpy as np
+import swagger_ui_bundle
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import HTTPException, RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
+
+from fusionrag import __version__
+from fusionrag.retriever.collection import Catalog, Collection, CollectionConfig, Document
+from fusionrag.retriever.config import EngineConfig, SearchParams
+from fusionrag.retriever.embedding import canonical_name, get_embedder
+from fusionrag.retriever.errors import (ConfigError, ConflictError, FusionRAGError, InputError, NotFoundError,
+                                       StorageError)
+from fusionrag.retriever.filters import compile_filter
+from fusionrag.server.auth import Key, KeyRing
+from fusionrag.server.batcher import MicroBatcher, ServiceClosing
+from fusionrag.server.config import ServerConfig, data_path
+from fusionrag.server.demo import ensure_demo
+from fusionrag.server.metrics import Metrics
+from fusionrag.server.schemas import CreateCollection, DeleteRequest, SearchRequest, UpsertRequest
+
+log = logging.getLogger("fusionrag.server")
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_STATUS = ((NotFoundError, 404), (ConflictError, 409), (InputError, 422), (ConfigError, 422), (StorageError, 507))
+
+
+class State:
+    """What the routes share: the catalog, the batcher, the keys, and whether loading has finished."""
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.keys = KeyRing.from_config(config.api_keys, config.api_keys_file)
+        self.catalog = Catalog(data_path(config), EngineConfig(buffer_bytes=int(config.buffer_mb * (1 << 20))),
+                               CollectionConfig(min_index_count=config.min_index_count))
+        self.metrics = Metrics(self.collections_info)
+        self.batcher = MicroBatcher(config.batch_wait_ms / 1000, config.batch_max_queries,
+                                    config.search_threads, self.metrics)
+        self.ready = threading.Event()
+        self.load_error: str | None = None
+        self.building: set[str] = set()
+        self.lock = threading.Lock()
+
+    def load(self) -> None:
+        """Open every collection (building the demo on a first start) and warm the embedding models."""
+        try:
+            if self.config.demo:
+                with self.lock:
+                    self.building.add("demo")
+                try:
+                    ensure_demo(self.catalog, self.config.embedding)
+                finally:
+                    with self.lock:
+                        self.building.discard("demo")
+            for name in self.catalog.names():
+                coll = self.catalog.get(name)
+                if coll.embedding:
+                    get_embedder(coll.embedding).load()
+            self.ready.set()
+            log.info("ready", extra={"collections": self.catalog.names()})
+        except Exception as e:  # noqa: BLE001 - reported by /readyz and the log; the process stays up
+            self.load_error = f"{type(e).__name__}: {e}"
+            log.exception("loading the collections failed")
+
+    def collections_info(self) -> dict[str, dict]:
+        if not self.ready.is_set():
+            return {}
+        out = {}
+        for name in self.catalog.names():
+            try:
+                out[name] = self.catalog.get(name).info()
+            except NotFoundError:  # dropped meanwhile
+                pass
+        return out
+
+
+def _error(status: int, detail: str, headers: dict | None = None) -> HTTPException:
+    return HTTPException(status_code=status, detail=detail, headers=headers)
+
+
+def _state(request: Request) -> State:
+    return request.app.state.fusionrag
+
+
+def authenticate(request: Request) -> Key | None:
+    """The caller's key; None when the service runs without keys."""
+    ring = _state(request).keys
+    if not ring.enabled:
+        return None
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    challenge = {"WWW-Authenticate": "Bearer"}
+    if scheme.lower() != "bearer" or not token.strip():
+        raise _error(401, "missing API key: send the header 'Authorization: Bearer <key>'", challenge)
+    key = ring.lookup(token.strip())
+    if key is None:
+        raise _error(401, "invalid API key", challenge)
+    return key
+
+
+def check_name(name: str) -> None:
+    if not NAME.match(name):
+        raise _error(400, f"invalid collection name {name[:80]!r}: use 1-64 letters, digits, '_', '.' or '-', "
+                          "starting with a letter or digit")
+
+
+def allowed(request: Request, name: str, key: Key | None = Depends(authenticate)) -> str:
+    """The collection name of the path, valid and open to this key."""
+    check_name(name)
+    if key is not None and not key.allows(name):
+        raise _error(403, f"this API key has no rights to collection {name!r}")
+    return name
+
+
+def open_collection(request: Request, name: str = Depends(allowed)) -> Collection:
+    state = _state(request)
+    with state.lock:
+        building = name in state.building
+    if building:
+        raise _error(503, f"collection {name!r} is being built; /readyz says when it is done", {"Retry-After": "5"})
+    return state.catalog.get(name)
+
+
+def _hit(h) -> dict:
+    return {"id": h.id, "score": float(h.score), "distance": float(h.distance), "text": h.text,
+            "metadata": h.metadata}
+
+
+def _plain(stats: dict) -> dict:
+    return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in stats.items()}
+
+
+def _search_params(given: dict) -> SearchParams:
+    kinds = {f.name: type(f.default) for f in fields(SearchParams)}
+    for name, value in given.items():
+        kind = kinds.get(name)
+        ok = kind is None or (isinstance(value, kind) and not isinstance(value, bool)) or \
+            (kind is float and isinstance(value, int) and not isinstance(value, bool))
+        if not ok:
+            raise _error(422, f"params.{name} must be a{'n' if kind is int else ''} {kind.__name__}, got {value!r}")
+    return SearchParams.from_dict(given)  # unknown names and ranges: ConfigError, a 422
+
+
+def _check_texts(texts, limit: int, what: str) -> None:
+    for i, t in enumerate(texts):
+        if t is not None and len(t) > limit:
+            raise _error(422, f"{what}[{i}] has {len(t)} characters, at most {limit} allowed (max_text_chars)")
+
+
+def _check_vectors(vectors: np.ndarray, coll: Collection, what: str) -> None:
+    if vectors.ndim != 2 or vectors.shape[1] != coll.dim:
+        got = vectors.shape[1] if vectors.ndim == 2 else "ragged"
+        raise _error(422, f"{what} have dimension {got}, collection {coll.name!r} has dimension {coll.dim}")
+
+
+def _embedder_of(coll: Collection, what: str):
+    if not coll.embedding:
+        raise _error(422, f"collection {coll.name!r} has no embedding model, so {what} need vectors")
+    return get_embedder(coll.embedding)
+
+
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
+
+
+@v1.get("/collections", summary="List the collections (those this key may use)")
+def list_collections(request: Request, key: Key | None = Depends(authenticate)):
+    state = _state(request)
+    out = []
+    for name in state.catalog.names():
+        if key is None or key.allows(name):
+            coll = state.catalog.get(name)
+            out.append({"name": name, "dimension": coll.dim, "metric": coll.metric, "embedding": coll.embedding,
+                        "count": len(coll)})
+    return {"collections": out}
+
+
+@v1.post("/collections", status_code=201, summary="Create an empty collection")
+def create_collection(body: CreateCollection, request: Request, key: Key | None = Depends(authenticate)):
+    check_name(body.name)
+    if key is not None and not key.allows(body.name):
+        raise _error(403, f"this API key has no rights to collection {body.name!r}")
+    dim = body.dimension
+    embedding = canonical_name(body.embedding) if body.embedding else None
+    if embedding:
+        model_dim = get_embedder(embedding).dim
+        if dim is not None and dim != model_dim:
+            raise _error(422, f"dimension {dim} does not fit embedding model {embedding} (dimension {model_dim})")
+        dim = model_dim
+    return _state(request).catalog.create(body.name, dim, body.metric, embedding).info()
+
+
+@v1.get("/collections/{name}", summary="Size, tiers, memory per tier and build state of a collection")
+def collection_info(coll: Collection = Depends(open_collection)):
+    return coll.info()
+
+
+@v1.delete("/collections/{name}", summary="Delete a collection and its files")
+def drop_collection(request: Request, name: str = Depends(allowed)):
+    _state(request).catalog.drop(name)
+    return {"deleted": name}
+
+
+@v1.post("/collections/{name}/search", summary="Top-k documents of each query vector or text")
+async def search(body: SearchRequest, request: Request, coll: Collection = Depends(open_collection)):
+    state = _state(request)
+    cfg = state.config
+    queries = body.vectors if body.vectors is not None else body.texts
+    if len(queries) > cfg.max_queries:
+        raise _error(422, f"{len(queries)} queries in one request, at most {cfg.max_queries} allowed (max_queries)")
+    if body.k > cfg.max_k:
+        raise _error(422, f"k is {body.k}, at most {cfg.max_k} allowed (max_k)")
+    params = _search_params(body.params) if body.params else None
+    if body.filter is not None:
+        compile_filter(body.filter)  # a bad filter fails its own request here, not the batch it would join
+    if body.vectors is not None:
+        vectors = np.array(body.vectors, dtype=np.float32) if len({len(v) for v in body.vectors}) == 1 \
+            else np.zeros((0,))
+        _check_vectors(vectors, coll, "query vectors")
+        kind = {"vectors": vectors}
+    else:
+        _check_texts(body.texts, cfg.max_text_chars, "texts")
+        _embedder_of(coll, "queries")
+        kind = {"texts": body.texts}
+    t = time.perf_counter()
+    try:
+        res = await state.batcher.search(coll, body.k, filter=body.filter, params=params, **kind)
+    except ServiceClosing as e:
+        raise _error(503, str(e)) from e
+    state.metrics.recent.add(time.perf_counter() - t, len(queries),
+                             sum(int(s.get("pages_read", 0)) for s in res.stats),
+                             sum(int(s.get("pages_buffered", 0)) for s in res.stats))
+    out = {"results": [[_hit(h) for h in hits] for hits in res.hits]}
+    if body.stats:
+        out["stats"] = [_plain(s) for s in res.stats]
+    return JSONResponse(out)
+
+
+@v1.post("/collections/{name}/documents", summary="Add or replace documents (by id); returns their ids")
+async def upsert_documents(body: UpsertRequest, request: Request, coll: Collection = Depends(open_collection)):
+    cfg = _state(request).config
+    docs = body.documents
+    if len(docs) > cfg.max_documents:
+        raise _error(422, f"{len(docs)} documents in one request, at most {cfg.max_documents} allowed "
+                          "(max_documents)")
+    _check_texts([d.text for d in docs], cfg.max_text_chars, "documents.text")
+    for i, d in enumerate(docs):
+        if d.vector is not None and len(d.vector) != coll.dim:
+            raise _error(422, f"documents[{i}].vector has dimension {len(d.vector)}, collection {coll.name!r} "
+                              f"has dimension {coll.dim}")
+    to_embed = [i for i, d in enumerate(docs) if d.vector is None]
+    embedder = _embedder_of(coll, "documents without a vector") if to_embed else None
+
+    def write() -> list[str]:
+        vectors = [np.asarray(d.vector, dtype=np.float32) if d.vector is not None else None for d in docs]
+        if to_embed:
+            for i, vec in zip(to_embed, embedder.embed([docs[i].text for i in to_embed])):
+                vectors[i] = vec
+        return coll.upsert([Document(id=d.id, text=d.text, vector=v, metadata=d.metadata)
+                            for d, v in zip(docs, vectors)])
+
+    return {"ids": await run_in_threadpool(write)}
+
+
+@v1.get("/collections/{name}/documents/{doc_id:path}", summary="One document by id")
+def get_document(doc_id: str, vector: bool = False, coll: Collection = Depends(open_collection)):
+    found = coll.get([doc_id], with_vectors=vector)
+    if not found:
+        raise _error(404, f"no document {doc_id!r} in collection {coll.name!r}")
+    d = found[0]
+    out = {"id": d.id, "text": d.text, "metadata": d.metadata}
+    if vector:
+        out["vector"] = np.asarray(d.vector, dtype=np.float32).tolist()
+    return out
+
+
+@v1.delete("/collections/{name}/documents", summary="Delete documents by id; unknown ids are ignored")
+def delete_documents(body: DeleteRequest, request: Request, coll: Collection = Depends(open_collection)):
+    limit = _state(request).config.max_documents
+    if len(body.ids) > limit:
+        raise _error(422, f"{len(body.ids)} ids in one request, at most {limit} allowed (max_documents)")
+    return {"deleted": coll.delete(body.ids)}
+
+
+@v1.get("/stats", summary="Live figures for the web page: memory per tier, pages per query, latency")
+def stats(request: Request, key: Key | None = Depends(authenticate)):
+    state = _state(request)
+    infos = {n: i for n, i in state.collections_info().items() if key is None or key.allows(n)}
+    return {"ready": state.ready.is_set(), "collections": infos, "recent": state.metrics.recent.summary(),
+            "page_buffer_hit_ratio": {n: r for n, r in state.metrics.hit_ratios().items() if n in infos}}
+
+
+def _validation_response(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    bad_json = next((e for e in errors if e.get("type") == "json_invalid"), None)
+    if bad_json:
+        pos = bad_json["loc"][-1]
+        return JSONResponse({"detail": f"malformed JSON at character {pos}: {bad_json['ctx']['error']}"}, 400)
+    parts = []
+    for e in errors:
+        loc = ".".join(str(p) for p in e["loc"] if p != "body") or "body"
+        parts.append(f"{loc}: {e['msg']}")
+    return JSONResponse({"detail": "; ".join(parts[:10]) + (f" (and {len(parts) - 10} more)" if len(parts) > 10 else ""),
+                         "errors": [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in errors[:50]]},
+                        422)
+
+
+def _engine_error(request: Request, exc: FusionRAGError) -> JSONResponse:
+    for cls, status in _STATUS:
+        if isinstance(exc, cls):
+            return JSONResponse({"detail": str(exc)}, status)
+    log.error("engine error", exc_info=exc)
+    return JSONResponse({"detail": f"{type(exc).__name__}: {exc}"}, 500)
+
+
+def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.error("unhandled error", exc_info=exc, extra={"path": request.url.path})
+    return JSONResponse({"detail": "internal error; see the service's log"}, 500)
+
+
+class ObserveMiddleware:
+    """Counts and times every request by route, and logs it as one structured line."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), 500
+
+        async def send_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            seconds = time.perf_counter() - start
+            route = getattr(scope.get("route"), "path", "unmatched")
+            self.metrics.requests.labels(scope["method"], route, str(status)).inc()
+            self.metrics.request_seconds.labels(route).observe(seconds)
+            log.info("request", extra={"method": scope["method"], "path": scope["path"], "status": status,
+                                       "ms": round(seconds * 1000, 3),
+                                       "client": (scope.get("client") or ("",))[0]})
+
+
+def create_app(config: ServerConfig) -> FastAPI:
+    state = State(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await state.batcher.start()
+        loader = threading.Thread(target=state.load, name="fusionrag-load", daemon=True)
+        loader.start()
+        try:
+            yield
+        finally:
+            # uvicorn has let the requests in flight finish; what they queued is answered before we close.
+            await state.batcher.stop()
+            await asyncio.get_running_loop().run_in_executor(None, loader.join)
+            state.catalog.close()
+            log.info("stopped")
+
+    app = FastAPI(title="fusionrag", version=__version__, lifespan=lifespan, max_body_size=config.max_body_bytes,
+                  docs_url=None, redoc_url=None,
+                  description="Retrieval for RAG over a FusionANNS-style index. Send `Authorization: Bearer <key>` "
+                              "when the service has API keys.")
+    app.state.fusionrag = state
+    app.add_middleware(ObserveMiddleware, metrics=state.metrics)
+    app.add_exception_handler(RequestValidationError, _validation_response)
+    app.add_exception_handler(FusionRAGError, _engine_error)
+    app.add_exception_handler(Exception, _unexpected)
+    app.include_router(v1)
+
+    static = resources.files("fusionrag.server") / "static"
+
+    @app.get("/", include_in_schema=False)
+    def page():
+        return FileResponse(str(static / "index.html"))
+
+    app.mount("/static", StaticFiles(directory=str(static)), name="static")
+    # The OpenAPI page from a PyPI copy of Swagger UI: the default one loads it from a CDN.
+    app.mount("/swagger", StaticFiles(directory=str(swagger_ui_bundle.swagger_ui_path)), name="swagger")
+
+    @app.get("/docs", include_in_schema=False)
+    def docs():
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="fusionrag API",
+                                   swagger_js_url="/swagger/swagger-ui-bundle.js",
+                                   swagger_css_url="/swagger/swagger-ui.css",
+                                   swagger_favicon_url="/swagger/favicon-32x32.png")
+
+    @app.get("/healthz", summary="Live: the process answers")
+    def healthz():
+        return {"status": "ok"}
+
+    @app.get("/readyz", summary="Ready: every collection is loaded")
+    def readyz():
+        if state.ready.is_set():
+            return {"status": "ready", "collections": state.catalog.names()}
+        if state.load_error:
+            return JSONResponse({"status": "failed", "detail": state.load_error}, 503)
+        return JSONResponse({"status": "loading", "building": sorted(state.building)}, 503)
+
+    @app.get("/metrics", summary="Prometheus metrics")
+    def metrics():
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,183 @@
+"""Micro-batching: concurrent searches gathered into few engine calls, which run off the event loop.
+
+A batch opens with the first waiting request and closes after `max_wait_s` or once `max_queries`
+queries wait, whichever comes first. Requests are then grouped by what the engine needs to share one
+call (collection, k, filter, tuning); texts are embedded together, one model call per batch; each
+group is one `Collection.search`, whose rows are handed back to the requests they came from. While
+every engine thread is busy, new requests keep queueing and join the next batch, so batches grow with
+the load instead of the wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import defaultdict, deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from fusionrag.retriever.collection import Collection, CollectionSearch
+from fusionrag.retriever.config import SearchParams
+from fusionrag.retriever.embedding import get_embedder
+from fusionrag.server.metrics import Metrics
+
+
+@dataclass(eq=False)
+class _Request:
+    collection: Collection
+    vectors: np.ndarray | None  # (q, dim) float32, or None until `texts` are embedded
+    texts: list[str] | None
+    k: int
+    filter: dict | None
+    params: SearchParams | None
+    future: asyncio.Future
+    enqueued: float
+
+    @property
+    def size(self) -> int:
+        return len(self.texts) if self.vectors is None else len(self.vectors)
+
+    def group(self) -> tuple:
+        return id(self.collection), self.k, json.dumps(self.filter, sort_keys=True), self.params
+
+
+class ServiceClosing(RuntimeError):
+    """A search arrived after shutdown began."""
+
+
+class MicroBatcher:
+    def __init__(self, max_wait_s: float, max_queries: int, threads: int, metrics: Metrics):
+        self.max_wait_s, self.max_queries, self.threads = max_wait_s, max_queries, threads
+        self.metrics = metrics
+        self._pending: deque[_Request] = deque()
+        self._queued = 0  # queries in _pending
+        self._closing = False
+
+    async def start(self) -> None:
+        self._wake = asyncio.Event()
+        self._slots = asyncio.Semaphore(self.threads)
+        self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="fusionrag-search")
+        self._inflight: set[asyncio.Task] = set()
+        self._loop_task = asyncio.create_task(self._gather_loop())
+
+    async def stop(self) -> None:
+        """Run what is queued, wait for every batch in flight, then release the threads."""
+        self._closing = True
+        self._wake.set()
+        await self._loop_task
+        if self._inflight:
+            await asyncio.gather(*self._inflight, return_exceptions=True)
+        self._executor.shutdown(wait=True)
+
+    async def search(self, collection: Collection, k: int, *, vectors: np.ndarray | None = None,
+                     texts: list[str] | None = None, filter: dict | None = None,
+                     params: SearchParams | None = None) -> CollectionSearch:
+        """Exactly one of `vectors` ((q, dim) float32, already validated) and `texts`."""
+        if self._closing:
+            raise ServiceClosing("the service is shutting down")
+        future = asyncio.get_running_loop().create_future()
+        req = _Request(collection, vectors, texts, k, filter, params, future, time.perf_counter())
+        self._pending.append(req)
+        self._queued += req.size
+        self._wake.set()
+        return await future
+
+    async def _gather_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            while not self._pending:
+                if self._closing:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+            deadline = loop.time() + self.max_wait_s
+            while self._queued < self.max_queries and not self._closing:
+                left = deadline - loop.time()
+                if left <= 0:
+                    break
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), left)
+                except asyncio.TimeoutError:
+                    break
+            # Requests arriving while we wait for a free thread join this batch.
+            await self._slots.acquire()
+            task = asyncio.create_task(self._execute(self._take()))
+            self._inflight.add(task)
+            task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self._inflight.discard(task)
+        self._slots.release()
+
+    def _take(self) -> list[_Request]:
+        batch, n = [], 0
+        while self._pending and (not batch or n + self._pending[0].size <= self.max_queries):
+            req = self._pending.popleft()
+            batch.append(req)
+            n += req.size
+        self._queued -= n
+        return batch
+
+    async def _execute(self, batch: list[_Request]) -> None:
+        now = time.perf_counter()
+        for req in batch:
+            self.metrics.stage_seconds.labels("queue").observe(now - req.enqueued)
+        self.metrics.batch_requests.observe(len(batch))
+        try:
+            answers = await asyncio.get_running_loop().run_in_executor(self._executor, self._run_batch, batch)
+        except Exception as e:  # noqa: BLE001 - handed to every request of the batch
+            answers = {req: e for req in batch}
+        for req in batch:
+            if not req.future.done():  # the client may have gone away
+                answer = answers[req]
+                if isinstance(answer, Exception):
+                    req.future.set_exception(answer)
+                else:
+                    req.future.set_result(answer)
+
+    def _run_batch(self, batch: list[_Request]) -> dict:
+        answers: dict[_Request, CollectionSearch | Exception] = {}
+        by_model = defaultdict(list)
+        for req in batch:
+            if req.vectors is None:
+                by_model[req.collection.embedding].append(req)
+        for model, reqs in by_model.items():
+            t = time.perf_counter()
+            try:
+                vectors = get_embedder(model).embed([text for req in reqs for text in req.texts])
+            except Exception as e:  # noqa: BLE001
+                answers.update((req, e) for req in reqs)
+                continue
+            self.metrics.stage_seconds.labels("embed").observe(time.perf_counter() - t)
+            at = 0
+            for req in reqs:
+                req.vectors, at = vectors[at: at + len(req.texts)], at + len(req.texts)
+        groups = defaultdict(list)
+        for req in batch:
+            if req not in answers:
+                groups[req.group()].append(req)
+        for reqs in groups.values():
+            try:
+                answers.update(self._search_group(reqs))
+            except Exception as e:  # noqa: BLE001
+                answers.update((req, e) for req in reqs)
+        return answers
+
+    def _search_group(self, reqs: list[_Request]) -> dict:
+        first = reqs[0]
+        vectors = first.vectors if len(reqs) == 1 else np.concatenate([req.vectors for req in reqs])
+        t = time.perf_counter()
+        res = first.collection.search(vectors, first.k, first.filter, first.params)
+        self.metrics.stage_seconds.labels("engine").observe(time.perf_counter() - t)
+        self.metrics.batch_queries.observe(len(vectors))
+        self.metrics.observe_search(first.collection.name, res.stats)
+        out, at = {}, 0
+        for req in reqs:
+            end = at + len(req.vectors)
+            out[req] = CollectionSearch(hits=res.hits[at:end], stats=res.stats[at:end])
+            at = end
+        return out

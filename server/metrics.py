@@ -1,0 +1,123 @@
+"""Prometheus metrics, and the recent figures the web page shows. One registry per app, so apps never share."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+_LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+# Engine statistics (Collection.search) reported per query as stage times.
+ENGINE_STAGES = {"graph_s": "graph", "lut_s": "lut", "scan_s": "scan", "rerank_s": "rerank"}
+
+
+class Recent:
+    """The last few hundred searches, for the live figures of the web page."""
+
+    def __init__(self, size: int = 512):
+        self._rows: deque[tuple[float, float, int, int, int]] = deque(maxlen=size)
+        self._lock = threading.Lock()
+
+    def add(self, seconds: float, queries: int, pages_read: int, pages_buffered: int) -> None:
+        with self._lock:
+            self._rows.append((time.time(), seconds, queries, pages_read, pages_buffered))
+
+    def summary(self) -> dict:
+        with self._lock:
+            rows = list(self._rows)
+        if not rows:
+            return {"searches": 0}
+        lat = sorted(r[1] for r in rows)
+        queries = sum(r[2] for r in rows)
+        read, buffered = sum(r[3] for r in rows), sum(r[4] for r in rows)
+        return {
+            "searches": len(rows),
+            "queries": queries,
+            "latency_ms_p50": round(1000 * lat[len(lat) // 2], 3),
+            "latency_ms_p95": round(1000 * lat[min(len(lat) - 1, int(len(lat) * 0.95))], 3),
+            "pages_read_per_query": round(read / queries, 3),
+            "page_buffer_hit_ratio": round(buffered / (read + buffered), 4) if read + buffered else None,
+        }
+
+
+class Metrics:
+    def __init__(self, collections_info):
+        """`collections_info()` returns {name: Collection.info()} of the open collections, read at scrape time."""
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("fusionrag_http_requests", "HTTP requests answered",
+                                ["method", "route", "status"], registry=r)
+        self.request_seconds = Histogram("fusionrag_http_request_seconds", "HTTP request latency",
+                                         ["route"], buckets=_LATENCY, registry=r)
+        self.stage_seconds = Histogram(
+            "fusionrag_stage_seconds",
+            "Time per search stage: queue (waiting for a batch, per request), embed and engine (per batch), "
+            "graph, lut, scan, rerank (per query, from the engine)",
+            ["stage"], buckets=_LATENCY, registry=r)
+        self.batch_requests = Histogram("fusionrag_batch_requests", "Search requests gathered into one micro-batch",
+                                        buckets=_SIZES, registry=r)
+        self.batch_queries = Histogram("fusionrag_batch_queries", "Queries in one engine call",
+                                       buckets=_SIZES, registry=r)
+        self.queries = Counter("fusionrag_queries", "Queries searched", ["collection"], registry=r)
+        self.pages_read = Counter("fusionrag_ssd_pages_read", "Pages read from the SSD tier",
+                                  ["collection"], registry=r)
+        self.pages_buffered = Counter("fusionrag_page_buffer_hits", "Pages served by the DRAM page buffer",
+                                      ["collection"], registry=r)
+        self._hits: dict[str, list[int]] = {}  # collection -> [read, buffered], for the hit ratio
+        self._lock = threading.Lock()
+        self._collections_info = collections_info
+        r.register(_CollectionCollector(self))
+        self.recent = Recent()
+
+    def observe_search(self, collection: str, stats: list[dict]) -> None:
+        read = sum(int(s.get("pages_read", 0)) for s in stats)
+        buffered = sum(int(s.get("pages_buffered", 0)) for s in stats)
+        self.queries.labels(collection).inc(len(stats))
+        self.pages_read.labels(collection).inc(read)
+        self.pages_buffered.labels(collection).inc(buffered)
+        with self._lock:
+            tot = self._hits.setdefault(collection, [0, 0])
+            tot[0] += read
+            tot[1] += buffered
+        for s in stats:
+            for key, stage in ENGINE_STAGES.items():
+                if key in s:
+                    self.stage_seconds.labels(stage).observe(float(s[key]))
+
+    def hit_ratios(self) -> dict[str, float]:
+        with self._lock:
+            return {c: b / (r + b) for c, (r, b) in self._hits.items() if r + b}
+
+
+class _CollectionCollector:
+    """Figures read from the collections when Prometheus scrapes: documents and memory per tier."""
+
+    def __init__(self, metrics: Metrics):
+        self.m = metrics
+
+    def collect(self):
+        docs = GaugeMetricFamily("fusionrag_collection_documents", "Live documents", labels=["collection"])
+        tiers = GaugeMetricFamily("fusionrag_tier_bytes", "Bytes held per tier", labels=["collection", "tier"])
+        gpu = GaugeMetricFamily("fusionrag_gpu_memory_bytes", "GPU memory: PQ codes held there vs the budget",
+                                labels=["kind"])
+        ratio = GaugeMetricFamily("fusionrag_page_buffer_hit_ratio",
+                                  "Share of page requests served by the DRAM page buffer", labels=["collection"])
+        used = budget = 0
+        for name, info in self.m._collections_info().items():
+            docs.add_metric([name], info.get("count", 0))
+            t = info.get("tiers", {})
+            for key, value in t.items():
+                if key.endswith("_bytes") and isinstance(value, (int, float)):
+                    tiers.add_metric([name, key.removesuffix("_bytes")], value)
+            if t.get("pq_tier", "cpu") != "cpu":
+                used += t.get("pq_bytes", 0)
+            budget += t.get("gpu_budget_bytes", 0)  # reported by the GPU tier once it has a budget
+        gpu.add_metric(["used"], used)
+        gpu.add_metric(["budget"], budget)
+        for name, value in self.m.hit_ratios().items():
+            ratio.add_metric([name], value)
+        return [docs, tiers, gpu, ratio]

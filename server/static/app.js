@@ -1,0 +1,159 @@
+// The search page: talks to the same /v1 API as any client. No framework, nothing fetched from elsewhere.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const collections = new Map(); // name -> {embedding, dimension}
+let lastStatus = "";
+
+function headers() {
+  const h = { "Content-Type": "application/json" };
+  const key = $("apikey").value.trim();
+  if (key) h["Authorization"] = "Bearer " + key;
+  return h;
+}
+
+async function api(path, body) {
+  const init = body === undefined ? { headers: headers() } : { method: "POST", headers: headers(), body: JSON.stringify(body) };
+  const res = await fetch(path, init);
+  const data = await res.json().catch(() => ({}));
+  if (!res.ok) throw new Error(`${res.status}: ${data.detail || res.statusText}`);
+  return data;
+}
+
+function showError(msg) {
+  $("error").textContent = msg;
+  $("error").hidden = !msg;
+}
+
+function bytes(n) {
+  if (n === undefined || n === null) return "–";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return `${n.toFixed(i ? 1 : 0)} ${units[i]}`;
+}
+
+async function loadCollections() {
+  const data = await api("/v1/collections");
+  const select = $("collection");
+  const keep = select.value;
+  select.replaceChildren();
+  collections.clear();
+  for (const c of data.collections) {
+    collections.set(c.name, c);
+    select.append(new Option(`${c.name} (${c.count})`, c.name));
+  }
+  if (collections.has(keep)) select.value = keep;
+  else if (collections.has("demo")) select.value = "demo";
+}
+
+function renderHits(hits) {
+  const list = $("results");
+  list.replaceChildren();
+  for (const h of hits) {
+    const li = document.createElement("li");
+    li.dataset.id = h.id;
+    const head = document.createElement("div");
+    head.className = "hit-head";
+    const id = document.createElement("span");
+    id.className = "hit-id";
+    id.textContent = h.id;
+    const score = document.createElement("span");
+    score.className = "hit-score";
+    score.textContent = `score ${h.score.toFixed(4)}`;
+    const meta = document.createElement("span");
+    meta.className = "hit-meta";
+    meta.textContent = Object.entries(h.metadata || {}).map(([k, v]) => `${k}: ${v}`).join(" · ");
+    head.append(id, score, meta);
+    const text = document.createElement("div");
+    text.className = "hit-text";
+    text.textContent = h.text || "";
+    li.append(head, text);
+    list.append(li);
+  }
+}
+
+async function search(event) {
+  event.preventDefault();
+  showError("");
+  const name = $("collection").value;
+  const query = $("query").value.trim();
+  if (!name) return showError("no collection to search");
+  if (!query) return showError("type something to search for");
+  if (!(collections.get(name) || {}).embedding) {
+    return showError(`collection ${name} has no embedding model: search it with vectors through the API`);
+  }
+  const k = parseInt($("k").value, 10) || 5;
+  const t0 = performance.now();
+  try {
+    const data = await api(`/v1/collections/${encodeURIComponent(name)}/search`, { texts: [query], k, stats: true });
+    const st = data.stats[0];
+    renderHits(data.results[0]);
+    $("summary").textContent =
+      `${data.results[0].length} hits in ${(performance.now() - t0).toFixed(1)} ms · ` +
+      `${st.pages_read} pages read, ${st.pages_buffered} from the buffer, ${st.centroids_probed} lists probed`;
+  } catch (e) {
+    renderHits([]);
+    $("summary").textContent = "";
+    showError(e.message);
+  }
+  refreshFigures();
+}
+
+function setStatus(text, cls) {
+  const s = $("status");
+  s.textContent = text;
+  s.className = "badge " + cls;
+}
+
+async function refreshFigures() {
+  try {
+    const ready = await fetch("/readyz").then((r) => r.json());
+    setStatus(ready.status, ready.status);
+    const data = await api("/v1/stats");
+    const r = data.recent;
+    const rows = [
+      ["searches (recent)", r.searches],
+      ["latency p50", r.latency_ms_p50 !== undefined ? `${r.latency_ms_p50} ms` : "–"],
+      ["latency p95", r.latency_ms_p95 !== undefined ? `${r.latency_ms_p95} ms` : "–"],
+      ["pages read per query", r.pages_read_per_query ?? "–"],
+      ["page buffer hit ratio", r.page_buffer_hit_ratio ?? "–"],
+    ];
+    const dl = $("recent");
+    dl.replaceChildren();
+    for (const [k, v] of rows) {
+      const dt = document.createElement("dt");
+      dt.textContent = k;
+      const dd = document.createElement("dd");
+      dd.textContent = v;
+      dd.dataset.figure = k;
+      dl.append(dt, dd);
+    }
+    const body = $("tiers").tBodies[0];
+    body.replaceChildren();
+    for (const [name, info] of Object.entries(data.collections)) {
+      const t = info.tiers || {};
+      const tr = body.insertRow();
+      tr.dataset.collection = name;
+      for (const v of [name, info.count, bytes(t.host_index_bytes), bytes(t.pq_bytes) + (t.pq_tier ? ` (${t.pq_tier})` : ""),
+        bytes(t.page_buffer_bytes), bytes(t.ssd_bytes), bytes(t.fresh_bytes)]) {
+        tr.insertCell().textContent = v;
+      }
+    }
+    if (ready.status === "ready" && lastStatus !== "ready") await loadCollections();
+    lastStatus = ready.status;
+  } catch (e) {
+    setStatus(e.message.startsWith("401") || e.message.startsWith("403") ? "API key needed" : "offline", "failed");
+  }
+}
+
+$("apikey").value = localStorage.getItem("fusionrag-key") || "";
+$("apikey").addEventListener("change", () => {
+  localStorage.setItem("fusionrag-key", $("apikey").value.trim());
+  loadCollections().then(() => showError(""), (e) => showError(e.message));
+  refreshFigures();
+});
+$("search-form").addEventListener("submit", search);
+loadCollections().catch((e) => showError(e.message));
+refreshFigures();
+setInterval(refreshFigures, 2000);
