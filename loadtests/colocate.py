@@ -181,7 +181,8 @@ def run(args) -> dict:
     service = llm = None
     try:
         vector_qs, _, prep = runner.prepare(prep_args, data_dir, {"vector": 1})
-        service, url = runner.start_service(data_dir, out, args.server_arg, args.start_timeout)
+        service, url = runner.start_service(data_dir, out, args.server_arg)
+        service.wait_http(url + "/readyz", args.start_timeout)
         llm = ServerLLM(args, out) if args.llm_command else DecodeLLM(args, out)
         with GpuSampler() as gpu:
             if args.warmup_seconds:

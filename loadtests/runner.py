@@ -89,18 +89,12 @@ class Child:
         return self.proc.returncode
 
 
-def start_service(data_dir: Path, out: Path, server_args: list[str], timeout: float) -> tuple[Child, str]:
+def start_service(data_dir: Path, out: Path, server_args: list[str]) -> tuple[Child, str]:
+    """Start `fusionrag serve` on the data directory; wait for it with `wait_http(url + "/readyz")`."""
     port = free_port()
     argv = [sys.executable, "-m", "fusionrag", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--data-dir", str(data_dir), "--no-demo", "--log-level", "warning", *server_args]
-    child = Child("the retrieval service", argv, out / "service.log")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        child.wait_http(url + "/readyz", timeout)
-    except BaseException:
-        child.stop()
-        raise
-    return child, url
+    return Child("the retrieval service", argv, out / "service.log"), f"http://127.0.0.1:{port}"
 
 
 def start_llm(args, out: Path) -> tuple[Child | None, LLMTarget | None]:
@@ -221,14 +215,16 @@ def run(args) -> dict:
         else:
             data_dir = Path(tempfile.mkdtemp(prefix="fusionrag-loadtest-"))
             vector_qs, text_qs, prep = prepare(args, data_dir, weights)
-            service, url = start_service(data_dir, out, args.server_arg, args.start_timeout)
+            service, url = start_service(data_dir, out, args.server_arg)
             children.append(service)
         for qs in (vector_qs, text_qs):
             if qs is not None:
                 queryset.save_query_set(qs, out / f"queries-{qs.kind}.json")
-        llm_child, llm = start_llm(args, out)
+        llm_child, llm = start_llm(args, out)  # while the service loads
         if llm_child:
             children.append(llm_child)
+        if not args.url:
+            service.wait_http(url + "/readyz", args.start_timeout)
         plan = Plan(shape=shape, request_log=str(out / "requests.csv"), weights=weights, k=args.k,
                     user_rate=args.user_rate, min_recall=args.min_recall, vector=vector_qs, text=text_qs,
                     write_offset=prep.get("write_offset", 1000.0), write_spread=prep.get("write_spread", 1.0),
