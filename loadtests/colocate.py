@@ -168,6 +168,11 @@ def llm_rate(result: dict, window: tuple[float, float] | None) -> float:
     return llm_mod.rate_between(tl, *window)
 
 
+def _llm_side(result: dict, measured: float | None) -> dict:
+    side = {k: v for k, v in result.items() if k not in ("timeline", "tokens_per_s")}
+    return {**side, "tokens_per_s_whole_run": result.get("tokens_per_s"), "tokens_per_s": measured}
+
+
 def _ratio(a, b):
     return None if a is None or not b else a / b
 
@@ -226,9 +231,7 @@ def run(args) -> dict:
         "preset": None if args.llm_command else args.preset,
         "llm_parameters": None if args.llm_command else llm_mod.PRESETS[args.preset].parameters(),
         "retrieval_alone": alone, "retrieval_beside_llm": beside,
-        "llm_alone": {"tokens_per_s": tok_alone, **{k: v for k, v in llm_alone.items() if k != "timeline"}},
-        "llm_beside_retrieval": {"tokens_per_s": tok_beside,
-                                 **{k: v for k, v in llm_beside.items() if k != "timeline"}},
+        "llm_alone": _llm_side(llm_alone, tok_alone), "llm_beside_retrieval": _llm_side(llm_beside, tok_beside),
         "gpu_peak_bytes_by_process": {("service" if pid == service.proc.pid else
                                        "llm" if pid == llm.pid else str(pid)): b for pid, b in gpu.peak.items()}
         if gpu.available else None,

@@ -101,7 +101,7 @@ def _percentiles(values) -> dict:
     v = np.asarray(values, dtype=np.float64)
     if not len(v):
         return {}
-    p50, p95, p99 = np.percentile(v, [50, 95, 99])
+    p50, p95, p99 = (float(x) for x in np.percentile(v, [50, 95, 99]))
     return {"p50": round(p50, 3), "p95": round(p95, 3), "p99": round(p99, 3), "mean": round(float(v.mean()), 3),
             "max": round(float(v.max()), 3)}
 
