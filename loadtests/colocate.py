@@ -6,6 +6,8 @@ One run, three phases of equal length over the same collection and service:
    a config, random weights, KV cache, a fixed share of GPU memory held from the start), or any
    OpenAI-compatible server such as vLLM kept busy by streaming chat requests (--llm-command);
 3. both at once, the LLM's tokens per second counted over the very seconds Locust ran.
+A decode loop runs only in the phases it is measured in; a server (vLLM) is started first and stays
+resident, idle, through "retrieval alone", as it would in production.
 
 It writes colocate.json and colocate.md: retrieval p99 and throughput alone vs beside the LLM, LLM
 tokens per second alone vs beside retrieval, GPU memory of each against its budget, and the verdict

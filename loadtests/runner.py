@@ -14,6 +14,7 @@ import os
 import platform
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -78,12 +79,13 @@ class Child:
         raise FusionRAGError(f"{self.name} not ready at {url} after {timeout:.0f} s; end of {self.log}:\n{self.tail()}")
 
     def stop(self, timeout: float = 15.0) -> int:
+        """Stop the process and whatever it started (its own session: vLLM, say, runs workers)."""
         if self.proc.poll() is None:
-            self.proc.terminate()
+            os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self._out.close()
         return self.proc.returncode
@@ -212,6 +214,10 @@ def run(args) -> dict:
             url = args.url.rstrip("/")
             vector_qs = queryset.load_query_set(args.vector_query_set) if args.vector_query_set else None
             text_qs = queryset.load_query_set(args.text_query_set) if args.text_query_set else None
+            if vector_qs is not None:  # the data is out of sight: its queries show how far it reaches
+                queries = np.asarray(vector_qs.queries, dtype=np.float32)
+                prep = {"write_offset": 10 * float(np.abs(queries).max()) + 1,
+                        "write_spread": float(queries.std()) or 1.0}
         else:
             data_dir = Path(tempfile.mkdtemp(prefix="fusionrag-loadtest-"))
             vector_qs, text_qs, prep = prepare(args, data_dir, weights)
