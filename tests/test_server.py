@@ -1,0 +1,483 @@
+"""The service end to end: the real uvicorn server in a subprocess on a loopback port, spoken to over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import signal
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server_util import ServerProcess
+
+from fusionrag.server.demo import corpus
+
+# Paraphrased questions whose answer is one known chunk of the demo corpus.
+KNOWN = {
+    "how does the re-ranker decide to stop early?": "concepts/early-stopping-of-the-re-ranker",
+    "what happens to a document when it is deleted?": "concepts/tombstones",
+    "compress a vector into a few bytes with code words": "concepts/product-quantization",
+    "asynchronous reads through a ring shared with the Linux kernel": "concepts/io-uring",
+}
+LIMITS = ["--max-queries", "8", "--max-k", "50", "--max-text-chars", "2000", "--max-documents", "16",
+          "--max-body-bytes", "65536"]
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """The workhorse, started on an empty data directory (so it builds the demo), with small limits and a
+    batch window of 50 ms."""
+    root = tmp_path_factory.mktemp("main")
+    srv = ServerProcess(root / "data", root / "server.log", *LIMITS, "--batch-wait-ms", "50")
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    with server.client() as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def demo_vectors(client):
+    """The stored vector of each demo document, by id."""
+    ids = [d.id for d in corpus()]
+    return {i: np.asarray(client.get(f"/v1/collections/demo/documents/{i}", params={"vector": True}).json()["vector"],
+                          dtype=np.float32) for i in ids}
+
+
+def search(client, name="demo", **body):
+    return client.post(f"/v1/collections/{name}/search", json=body)
+
+
+# -- the demo collection --------------------------------------------------------------------------
+
+def test_first_start_builds_the_demo_with_its_index(server, client):
+    assert client.get("/readyz").json() == {"status": "ready", "collections": ["demo"]}
+    built = [line for line in server.log_lines() if line["msg"] == "building the demo collection"]
+    assert len(built) == 1 and built[0]["documents"] == len(corpus())
+    info = client.get("/v1/collections/demo").json()
+    assert info["count"] == len(corpus()) and info["embedding"] == "all-MiniLM-L6-v2"
+    assert info["build_state"]["indexed"] == len(corpus()) and info["build_state"]["generation"] == 1
+    assert info["tiers"]["ssd_bytes"] > 0 and info["tiers"]["pq_bytes"] > 0
+    assert client.get("/v1/collections").json()["collections"][0]["name"] == "demo"
+
+
+def test_text_search_finds_known_documents(client):
+    r = search(client, texts=list(KNOWN), k=3)
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    assert [hits[0]["id"] for hits in results] == list(KNOWN.values())
+    for hits in results:
+        assert len(hits) == 3
+        assert [h["score"] for h in hits] == sorted((h["score"] for h in hits), reverse=True)
+        assert set(hits[0]) == {"id", "score", "distance", "text", "metadata"}
+        assert hits[0]["metadata"]["source"] == "concepts.md"
+
+
+def test_phrase_from_a_document_returns_it_first(client):
+    docs = corpus()
+    for at in range(0, len(docs), 8):
+        part = docs[at:at + 8]
+        phrases = [" ".join(doc.text.split()[:40]) for doc in part]
+        results = search(client, texts=phrases, k=1).json()["results"]
+        assert [hits[0]["id"] for hits in results] == [doc.id for doc in part]
+        assert [hits[0]["text"] for hits in results] == [doc.text for doc in part]
+
+
+def test_vector_search_returns_the_document_of_its_vector(client, demo_vectors):
+    ids = list(demo_vectors)[:8]
+    r = search(client, vectors=[demo_vectors[i].tolist() for i in ids], k=2, stats=True)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [hits[0]["id"] for hits in body["results"]] == ids
+    for hits in body["results"]:
+        assert hits[0]["score"] == pytest.approx(1.0, abs=1e-4) and hits[0]["distance"] == pytest.approx(0, abs=1e-4)
+    stats = body["stats"]
+    assert len(stats) == 8 and all(s["centroids_probed"] >= 1 and s["pages_read"] + s["pages_buffered"] >= 1
+                                   for s in stats)
+
+
+def test_filter_and_tuning(client):
+    r = search(client, texts=["what is the ssd tier"], k=5, filter={"source": "design.md"}, params={"nprobe": 4})
+    assert r.status_code == 200, r.text
+    hits = r.json()["results"][0]
+    assert hits and all(h["metadata"]["source"] == "design.md" for h in hits)
+    r = search(client, texts=["product quantization"], k=3, filter={"section": {"$in": ["Tombstones", "Collections"]}})
+    assert {h["id"] for h in r.json()["results"][0]} == {"concepts/tombstones", "concepts/collections"}
+
+
+# -- documents ------------------------------------------------------------------------------------
+
+def test_documents_upsert_get_search_delete(client, demo_vectors):
+    r = client.post("/v1/collections", json={"name": "notes", "embedding": "all-MiniLM-L6-v2"})
+    assert r.status_code == 201, r.text
+    assert r.json()["dimension"] == 384 and r.json()["count"] == 0
+    assert client.post("/v1/collections", json={"name": "notes", "dimension": 384}).status_code == 409
+
+    docs = [{"id": "n1", "text": "The lighthouse keeper climbs two hundred steps every evening.", "metadata": {"n": 1}},
+            {"text": "Sourdough bread needs a starter fed with flour and water.", "metadata": {"n": 2}},
+            {"id": "n3", "text": "vector given", "vector": demo_vectors["concepts/page-buffer"].tolist()}]
+    r = client.post("/v1/collections/notes/documents", json={"documents": docs})
+    assert r.status_code == 200, r.text
+    ids = r.json()["ids"]
+    assert ids[0] == "n1" and ids[2] == "n3" and len(ids[1]) == 32  # a new uuid4 hex
+
+    got = client.get("/v1/collections/notes/documents/n1").json()
+    assert got == {"id": "n1", "text": docs[0]["text"], "metadata": {"n": 1}}
+    hits = search(client, "notes", texts=["who climbs the stairs of the lighthouse?"], k=3).json()["results"][0]
+    assert hits[0]["id"] == "n1"
+    hits = search(client, "notes", vectors=[demo_vectors["concepts/page-buffer"].tolist()], k=1).json()["results"][0]
+    assert hits[0]["id"] == "n3"
+
+    # Upsert by id replaces the text and the vector.
+    r = client.post("/v1/collections/notes/documents",
+                    json={"documents": [{"id": "n1", "text": "Bees dance to tell the hive where flowers are."}]})
+    assert r.json() == {"ids": ["n1"]}
+    assert client.get("/v1/collections/notes/documents/n1").json()["text"].startswith("Bees")
+    hits = search(client, "notes", texts=["how do bees communicate?"], k=1).json()["results"][0]
+    assert hits[0]["id"] == "n1"
+    assert client.get("/v1/collections/notes").json()["count"] == 3
+
+    r = client.request("DELETE", "/v1/collections/notes/documents", json={"ids": ["n1", "unknown"]})
+    assert r.json() == {"deleted": 1}
+    r = client.get("/v1/collections/notes/documents/n1")
+    assert r.status_code == 404 and "n1" in r.json()["detail"]
+    hits = search(client, "notes", texts=["how do bees communicate?"], k=3).json()["results"][0]
+    assert "n1" not in {h["id"] for h in hits} and len(hits) == 2
+
+    assert client.delete("/v1/collections/notes").json() == {"deleted": "notes"}
+    assert search(client, "notes", texts=["x"]).status_code == 404
+    assert "notes" not in [c["name"] for c in client.get("/v1/collections").json()["collections"]]
+
+
+def test_vector_only_collection(client):
+    r = client.post("/v1/collections", json={"name": "points", "dimension": 3, "metric": "l2"})
+    assert r.status_code == 201, r.text
+    pts = [[0, 0, 0], [1, 0, 0], [0, 5, 0]]
+    r = client.post("/v1/collections/points/documents",
+                    json={"documents": [{"id": f"p{i}", "vector": p} for i, p in enumerate(pts)]})
+    assert r.json() == {"ids": ["p0", "p1", "p2"]}
+    hits = search(client, "points", vectors=[[0.9, 0.1, 0]], k=3).json()["results"][0]
+    assert [h["id"] for h in hits] == ["p1", "p0", "p2"]
+    assert hits[0]["distance"] == pytest.approx(0.02, abs=1e-5) and hits[0]["score"] == pytest.approx(-0.02, abs=1e-5)
+    # Text needs an embedding model, which this collection does not have.
+    for r in (search(client, "points", texts=["hello"]),
+              client.post("/v1/collections/points/documents", json={"documents": [{"text": "no vector"}]})):
+        assert r.status_code == 422 and "no embedding model" in r.json()["detail"]
+    client.delete("/v1/collections/points")
+
+
+# -- bad input: each gets its 4xx and a message that says what was wrong -----------------------------
+
+BAD = [
+    # (what, method, path, body or raw bytes, status, words in the message)
+    ("malformed JSON", "POST", "/v1/collections/demo/search", b'{"texts": ["a"', 400, "malformed JSON"),
+    ("NaN", "POST", "/v1/collections/demo/search", b'{"vectors": [[NaN' + b', 0.1' * 383 + b']]}', 422, "finite"),
+    ("infinity", "POST", "/v1/collections/demo/search", b'{"vectors": [[Infinity' + b', 0.1' * 383 + b']]}', 422,
+     "finite"),
+    ("wrong dimension", "POST", "/v1/collections/demo/search", {"vectors": [[0.1, 0.2]]}, 422, "dimension 2"),
+    ("ragged vectors", "POST", "/v1/collections/demo/search", {"vectors": [[0.1] * 384, [0.1]]}, 422, "dimension"),
+    ("unknown collection", "POST", "/v1/collections/nothere/search", {"texts": ["a"]}, 404, "does not exist"),
+    ("bad collection name", "POST", "/v1/collections/bad$name/search", {"texts": ["a"]}, 400,
+     "invalid collection name"),
+    ("dot-dot collection", "GET", "/v1/collections/%2e%2e", None, 400, "invalid collection name"),
+    ("k too large", "POST", "/v1/collections/demo/search", {"texts": ["a"], "k": 51}, 422, "max_k"),
+    ("k zero", "POST", "/v1/collections/demo/search", {"texts": ["a"], "k": 0}, 422, "k"),
+    ("too many queries", "POST", "/v1/collections/demo/search", {"texts": ["a"] * 9}, 422, "max_queries"),
+    ("text too long", "POST", "/v1/collections/demo/search", {"texts": ["a" * 2001]}, 422, "max_text_chars"),
+    ("no queries", "POST", "/v1/collections/demo/search", {"texts": []}, 422, "no queries"),
+    ("both kinds", "POST", "/v1/collections/demo/search", {"texts": ["a"], "vectors": [[0.1] * 384]}, 422,
+     "exactly one"),
+    ("unknown field", "POST", "/v1/collections/demo/search", {"texts": ["a"], "topk": 3}, 422, "topk"),
+    ("unknown param", "POST", "/v1/collections/demo/search", {"texts": ["a"], "params": {"nprob": 3}}, 422,
+     "nprob"),
+    ("param of wrong type", "POST", "/v1/collections/demo/search", {"texts": ["a"], "params": {"nprobe": "x"}},
+     422, "params.nprobe"),
+    ("param out of range", "POST", "/v1/collections/demo/search", {"texts": ["a"], "params": {"nprobe": 0}}, 422,
+     "nprobe"),
+    ("bad filter", "POST", "/v1/collections/demo/search", {"texts": ["a"], "filter": {"n": {"$near": 1}}}, 422,
+     "$near"),
+    ("body too large", "POST", "/v1/collections/demo/search", {"texts": ["a" * 70000]}, 413, "max_body_bytes"),
+    ("missing document", "GET", "/v1/collections/demo/documents/no-such-doc", None, 404, "no-such-doc"),
+    ("too many documents", "POST", "/v1/collections/demo/documents", {"documents": [{"text": "a"}] * 17}, 422,
+     "max_documents"),
+    ("document without text or vector", "POST", "/v1/collections/demo/documents",
+     {"documents": [{"id": "x", "metadata": {}}]}, 422, "text, a vector"),
+    ("document vector of wrong dimension", "POST", "/v1/collections/demo/documents",
+     {"documents": [{"id": "x", "vector": [1.0, 2.0]}]}, 422, "dimension 2"),
+    ("empty delete", "DELETE", "/v1/collections/demo/documents", {"ids": []}, 422, "ids"),
+    ("create: bad name", "POST", "/v1/collections", {"name": "../../escape", "dimension": 4}, 400,
+     "invalid collection name"),
+    ("create: bad metric", "POST", "/v1/collections", {"name": "m", "dimension": 4, "metric": "hamming"}, 422,
+     "metric"),
+    ("create: unknown model", "POST", "/v1/collections", {"name": "m", "embedding": "gpt-embed"}, 422,
+     "unknown embedding model"),
+    ("create: dimension does not fit the model", "POST", "/v1/collections",
+     {"name": "m", "dimension": 10, "embedding": "all-MiniLM-L6-v2"}, 422, "does not fit"),
+    ("create: neither dimension nor model", "POST", "/v1/collections", {"name": "m"}, 422, "dimension"),
+]
+
+
+@pytest.mark.parametrize("what,method,path,body,status,words", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_its_4xx(client, server, what, method, path, body, status, words):
+    if isinstance(body, bytes):
+        r = client.request(method, path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = client.request(method, path, json=body)
+    assert r.status_code == status, r.text
+    assert words in r.json()["detail"], r.json()
+    # Nothing was written or created by a refused request, and nothing escaped the data directory.
+    assert client.get("/v1/collections/demo").json()["count"] == len(corpus())
+    assert not (server.data_dir.parent / "escape").exists()
+    assert not {"m", "x", "escape"} & {c["name"] for c in client.get("/v1/collections").json()["collections"]}
+
+
+def test_streamed_body_over_the_limit_gets_413(client):
+    def chunks():  # no Content-Length: the limit must catch it while reading
+        for _ in range(40):
+            yield b'{"texts": ["' + b"a" * 2000
+
+    r = client.post("/v1/collections/demo/search", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "max_body_bytes" in r.json()["detail"]
+
+
+def test_the_process_survives_bad_input(client):
+    assert client.get("/healthz").json() == {"status": "ok"}
+    assert search(client, texts=list(KNOWN)[:1], k=1).json()["results"][0][0]["id"] == list(KNOWN.values())[0]
+
+
+# -- micro-batching ------------------------------------------------------------------------------
+
+def _batch_counts(client) -> tuple[float, float]:
+    fams = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+    samples = {s.name: s.value for s in fams["fusionrag_batch_requests"].samples}
+    return samples["fusionrag_batch_requests_count"], samples["fusionrag_batch_requests_sum"]
+
+
+def test_concurrent_searches_share_batches_and_get_their_own_answers(server, client, demo_vectors):
+    batches0, requests0 = _batch_counts(client)
+    ids = list(demo_vectors)[:24]
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as ac:
+            reqs = []
+            for n, i in enumerate(ids):
+                body = {"vectors": [demo_vectors[i].tolist()], "k": 1} if n % 2 else {"texts": [i], "k": 3}
+                reqs.append(ac.post("/v1/collections/demo/search", json=body))
+            # Same k and filter as others, but a different k: a group of its own inside the batch.
+            reqs.append(ac.post("/v1/collections/demo/search", json={"vectors": [demo_vectors[ids[0]].tolist()], "k": 2}))
+            return await asyncio.gather(*reqs)
+
+    responses = asyncio.run(burst())
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
+    for n, (i, r) in enumerate(zip(ids, responses)):
+        hits = r.json()["results"][0]
+        if n % 2:  # a vector query answers with the document it came from
+            assert len(hits) == 1 and hits[0]["id"] == i
+        else:
+            assert len(hits) == 3
+    assert [h["id"] for h in responses[-1].json()["results"][0]][0] == ids[0]
+    assert len(responses[-1].json()["results"][0]) == 2
+
+    batches, requests = _batch_counts(client)
+    assert requests - requests0 == len(ids) + 1
+    assert batches - batches0 < requests - requests0  # at least one batch held several requests
+
+
+# -- metrics, logs, the OpenAPI page ----------------------------------------------------------
+
+def test_metrics_parse_and_cover_the_figures(client):
+    search(client, texts=["page buffer"], k=3)
+    text = client.get("/metrics").text
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("fusionrag_http_requests", "fusionrag_http_request_seconds", "fusionrag_stage_seconds",
+                 "fusionrag_batch_requests", "fusionrag_batch_queries", "fusionrag_queries",
+                 "fusionrag_ssd_pages_read", "fusionrag_page_buffer_hits", "fusionrag_page_buffer_hit_ratio",
+                 "fusionrag_collection_documents", "fusionrag_tier_bytes", "fusionrag_gpu_memory_bytes"):
+        assert name in fams, name
+    stages = {s.labels["stage"] for s in fams["fusionrag_stage_seconds"].samples}
+    assert {"queue", "embed", "engine", "graph", "lut", "scan", "rerank"} <= stages
+    docs = {s.labels["collection"]: s.value for s in fams["fusionrag_collection_documents"].samples}
+    assert docs["demo"] == len(corpus())
+    tiers = {s.labels["tier"] for s in fams["fusionrag_tier_bytes"].samples if s.labels["collection"] == "demo"}
+    assert {"host_index", "pq", "page_buffer", "ssd", "fresh"} <= tiers
+    ratio = [s.value for s in fams["fusionrag_page_buffer_hit_ratio"].samples if s.labels["collection"] == "demo"]
+    assert len(ratio) == 1 and 0 <= ratio[0] <= 1
+    ok = [s for s in fams["fusionrag_http_requests"].samples
+          if s.name == "fusionrag_http_requests_total" and s.labels["route"] == "/v1/collections/{name}/search"
+          and s.labels["status"] == "200"]
+    assert ok and ok[0].value >= 1
+    read = sum(s.value for s in fams["fusionrag_ssd_pages_read"].samples if s.name.endswith("_total"))
+    assert read >= 1
+
+
+def test_stats_endpoint_and_structured_logs(server, client):
+    search(client, texts=["navigation graph"], k=2)
+    stats = client.get("/v1/stats").json()
+    assert stats["ready"] and stats["collections"]["demo"]["count"] == len(corpus())
+    assert stats["recent"]["searches"] >= 1 and stats["recent"]["latency_ms_p50"] > 0
+    deadline = time.monotonic() + 10  # a request is logged just after its answer is sent
+    while not any(line["msg"] == "request" and line["path"] == "/v1/stats" and line["status"] == 200
+                  and line["ms"] > 0 for line in server.log_lines()):
+        assert time.monotonic() < deadline, "no log line for GET /v1/stats"
+        time.sleep(0.05)
+
+
+def test_openapi_page_is_served_offline(client):
+    spec = client.get("/openapi.json").json()
+    assert "/v1/collections/{name}/search" in spec["paths"]
+    page = client.get("/docs").text
+    assert "/swagger/swagger-ui-bundle.js" in page and "cdn" not in page.lower()
+    assert client.get("/swagger/swagger-ui-bundle.js").status_code == 200
+
+
+# -- API keys -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("auth")
+    keys = root / "keys.txt"
+    keys.write_text("# admin\nadmin-key-0123456789\nteam-key-0123456789 notes-*, shared\n")
+    srv = ServerProcess(root / "data", root / "server.log", "--no-demo", "--api-keys-file", str(keys),
+                        env={"FUSIONRAG_API_KEYS": "env-key-0123456789 shared"})
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_api_keys(keyed):
+    admin = {"Authorization": "Bearer admin-key-0123456789"}
+    team = {"Authorization": "Bearer team-key-0123456789"}
+    env_key = {"Authorization": "Bearer env-key-0123456789"}
+    with keyed.client() as c:
+        r = c.get("/v1/collections")
+        assert r.status_code == 401 and "missing API key" in r.json()["detail"]
+        assert r.headers["www-authenticate"] == "Bearer"
+        r = c.get("/v1/collections", headers={"Authorization": "Bearer admin-key-012345678X"})
+        assert r.status_code == 401 and r.json()["detail"] == "invalid API key"
+        assert c.get("/v1/collections", headers={"Authorization": "Basic YWxhZGRpbjpvcGVu"}).status_code == 401
+
+        for name in ("notes-a", "private", "shared"):
+            assert c.post("/v1/collections", json={"name": name, "dimension": 2}, headers=admin).status_code == 201
+            c.post(f"/v1/collections/{name}/documents", json={"documents": [{"id": "a", "vector": [1, 0]}]},
+                   headers=admin)
+        body = {"vectors": [[1, 0]], "k": 1}
+        assert c.post("/v1/collections/notes-a/search", json=body, headers=team).json()["results"][0][0]["id"] == "a"
+        r = c.post("/v1/collections/private/search", json=body, headers=team)
+        assert r.status_code == 403 and "private" in r.json()["detail"]
+        assert c.get("/v1/collections/private/documents/a", headers=team).status_code == 403
+        assert c.delete("/v1/collections/private", headers=team).status_code == 403
+        assert c.post("/v1/collections", json={"name": "mine", "dimension": 2}, headers=team).status_code == 403
+        assert c.post("/v1/collections", json={"name": "notes-b", "dimension": 2}, headers=team).status_code == 201
+        names = [x["name"] for x in c.get("/v1/collections", headers=team).json()["collections"]]
+        assert names == ["notes-a", "notes-b", "shared"]
+        # A key from the environment works beside the file's.
+        assert c.post("/v1/collections/shared/search", json=body, headers=env_key).status_code == 200
+        assert c.post("/v1/collections/notes-a/search", json=body, headers=env_key).status_code == 403
+        # Health, readiness, metrics and the page stay open; the collection still exists after the 403s.
+        for path in ("/healthz", "/readyz", "/metrics", "/"):
+            assert c.get(path).status_code == 200, path
+        assert c.get("/v1/collections/private", headers=admin).json()["count"] == 1
+
+
+# -- a later start, and graceful shutdown -----------------------------------------------------------
+
+def test_later_start_loads_the_demo_and_sigterm_lets_requests_finish(server, demo_vectors, tmp_path):
+    """The demo is loaded, not rebuilt; a request in flight at SIGTERM still gets its answer."""
+    # The demo is never written after its build, so its files can be copied while the other server runs.
+    shutil.copytree(server.data_dir / "collections" / "demo", tmp_path / "data" / "collections" / "demo")
+    srv = ServerProcess(tmp_path / "data", tmp_path / "server.log", "--batch-wait-ms", "1500")
+    try:
+        assert srv.wait_ready() == {"status": "ready", "collections": ["demo"]}
+        assert not any(line["msg"] == "building the demo collection" for line in srv.log_lines())
+        target = "concepts/graceful-shutdown"
+        answer = {}
+
+        def slow_search():  # waits 1.5 s in the batcher: SIGTERM arrives meanwhile
+            with srv.client() as c:
+                answer["r"] = c.post("/v1/collections/demo/search",
+                                     json={"vectors": [demo_vectors[target].tolist()], "k": 1})
+
+        t = threading.Thread(target=slow_search)
+        t.start()
+        time.sleep(0.5)
+        srv.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        with pytest.raises(httpx.ConnectError):  # no new connections once shutdown began
+            httpx.get(srv.url + "/healthz")
+        t.join(30)
+        assert answer["r"].status_code == 200 and answer["r"].json()["results"][0][0]["id"] == target
+        # uvicorn finishes its shutdown, then re-raises the signal so the exit status says what stopped it.
+        assert srv.proc.wait(30) == -signal.SIGTERM
+        assert [line["msg"] for line in srv.log_lines()][-3:-1] == ["stopped", "Application shutdown complete."]
+    finally:
+        srv.stop()
+
+
+# -- the web page, in headless Chromium ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    driver_path = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+    chromium = shutil.which("chromium")
+    assert chromium and shutil.which(driver_path), \
+        "the page test needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)"
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--window-size=1280,900"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(driver_path), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def test_web_page_searches_and_shows_live_figures(server, browser):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as EC
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    wait = WebDriverWait(browser, 30)
+    browser.get(server.url + "/")
+    wait.until(EC.text_to_be_present_in_element((By.ID, "status"), "ready"))
+    wait.until(lambda d: Select(d.find_element(By.ID, "collection")).first_selected_option.get_attribute("value")
+               == "demo")
+    query = browser.find_element(By.ID, "query")
+    query.send_keys("how are deleted documents kept out of results?")
+    browser.find_element(By.ID, "search").click()
+    wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, "#results li")))
+    hits = browser.find_elements(By.CSS_SELECTOR, "#results li")
+    assert len(hits) == 5
+    assert hits[0].get_attribute("data-id") == "concepts/tombstones"
+    assert hits[0].find_element(By.CLASS_NAME, "hit-score").text.startswith("score 0.")
+    assert "tombstone" in hits[0].find_element(By.CLASS_NAME, "hit-text").text
+    assert "pages read" in browser.find_element(By.ID, "summary").text
+    # Live figures: the demo's tiers, and the search just made counted in the recent figures.
+    wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, "#tiers tr[data-collection='demo']")))
+    row = [td.text for td in browser.find_elements(By.CSS_SELECTOR, "#tiers tr[data-collection='demo'] td")]
+    assert row[0] == "demo" and row[1] == str(len(corpus())) and row[5].endswith("KiB")
+    wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "dd[data-figure='latency p50']").text.endswith(" ms"))
+    # An error is shown, not swallowed.
+    query.clear()
+    browser.find_element(By.ID, "k").clear()
+    browser.find_element(By.ID, "k").send_keys("80")  # the page allows it, the server (max_k 50) does not
+    query.send_keys("anything")
+    browser.find_element(By.ID, "search").click()
+    wait.until(EC.visibility_of_element_located((By.ID, "error")))
+    assert "422" in browser.find_element(By.ID, "error").text and "max_k" in browser.find_element(By.ID, "error").text

