@@ -24,6 +24,7 @@ import shutil
 import sqlite3
 import struct
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -39,6 +40,7 @@ from fusionrag.retriever.filters import compile_filter
 from fusionrag.retriever.fresh import FreshTier, FreshView, distances
 from fusionrag.retriever.index import STAT_KEYS, Index
 from fusionrag.retriever.manifest import fsync_path
+from fusionrag.retriever.merge import can_store, merge_index
 from fusionrag.retriever.wal import WriteAheadLog
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,7 @@ log = logging.getLogger(__name__)
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 MAX_ID_CHARS = 512
 _COLLECTION_FORMAT = 1
+_MERGE_RETRY_S = 30  # a failed background merge (a full disk, say) waits this long to retry
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,12 @@ class CollectionConfig(_Config):
     min_index_count: int = 1000
     # A filter that at most this many documents pass is answered by exact search over them.
     filter_exact_max: int = 20000
+    # Merges fold writes into the current index (merge.py) rather than rebuilding it, until the
+    # index has grown this many times over its last full build (its clusters and PQ codebooks
+    # were trained on that) or until less than this fraction of its SSD slots hold live vectors.
+    incremental_merge: bool = True
+    rebuild_growth: float = 4.0
+    rebuild_live_fraction: float = 0.5
     build: BuildConfig = field(default_factory=BuildConfig)
 
     def __post_init__(self):
@@ -67,6 +76,9 @@ class CollectionConfig(_Config):
         _check(self.merge_fresh_bytes >= 1, f"merge_fresh_bytes must be >= 1, got {self.merge_fresh_bytes}")
         _check(self.min_index_count >= 1, f"min_index_count must be >= 1, got {self.min_index_count}")
         _check(self.filter_exact_max >= 0, f"filter_exact_max must be >= 0, got {self.filter_exact_max}")
+        _check(self.rebuild_growth >= 1, f"rebuild_growth must be >= 1, got {self.rebuild_growth}")
+        _check(0 <= self.rebuild_live_fraction < 1,
+               f"rebuild_live_fraction must be in [0, 1), got {self.rebuild_live_fraction}")
 
 
 @dataclass
@@ -175,6 +187,7 @@ class Collection:
         self._merge_thread: threading.Thread | None = None
         self._merging = False
         self._merge_removed: list[int] = []
+        self._merge_retry_at = 0.0
         self._pending: list[_Write] = []
         self._closed = False
 
@@ -204,6 +217,8 @@ class Collection:
             if c["indexed"]:
                 index = Index.open(gdir / "index", self.engine_config)
             rows = np.load(gdir / "rows.npy") if c["indexed"] else np.empty(0, np.int64)
+            if index is not None and len(rows) != index.count:
+                raise IndexFormatError(f"{gdir}: rows.npy maps {len(rows)} vectors, the index has {index.count}")
             main = _Main(int(c["generation"]), index, rows, int(c["max_row"]))
         for p in self.path.glob("gen-*"):  # generations a crash or a merge left behind
             if p.name != keep:
@@ -269,10 +284,17 @@ class Collection:
                 meta = json.dumps(d.metadata, separators=(",", ":"), allow_nan=False)
             except (TypeError, ValueError) as e:
                 raise InputError(f"document {doc_id!r}: metadata is not JSON-serialisable ({e})") from e
-            v = np.asarray(d.vector, dtype=np.float32) if not isinstance(d.vector, str) else None
+            try:
+                v = None if isinstance(d.vector, (str, bytes)) else np.asarray(d.vector, dtype=np.float32)
+            except (TypeError, ValueError):
+                v = None
             if v is None or v.shape != (self.dim,):
-                raise InputError(f"document {doc_id!r}: vector must have dimension {self.dim}, "
-                                 f"got shape {getattr(v, 'shape', None)}")
+                raise InputError(f"document {doc_id!r}: vector must be {self.dim} numbers, "
+                                 f"got {getattr(v, 'shape', type(d.vector).__name__)}")
+            if not np.isfinite(v).all():
+                raise InputError(f"document {doc_id!r}: vector contains NaN or infinity")
+            if self.metric == "cosine" and not v.any():
+                raise InputError(f"document {doc_id!r}: a zero vector has no cosine direction")
             ids.append(doc_id)
             texts.append(d.text)
             metas.append(meta)
@@ -281,8 +303,7 @@ class Collection:
         # An id given twice in one call: the last one wins, as if written one after the other.
         last = {doc_id: j for j, doc_id in enumerate(ids)}
         keep = sorted(last.values())
-        vectors = self._vectors(np.stack([vecs[j] for j in keep]) if keep else np.empty((0, self.dim)),
-                                "document vectors")
+        vectors = np.stack([vecs[j] for j in keep]) if keep else np.empty((0, self.dim), np.float32)
         return _Write("upsert", [ids[j] for j in keep], [texts[j] for j in keep], [metas[j] for j in keep],
                       vectors), out
 
@@ -531,10 +552,12 @@ class Collection:
 
     # -- merge ---------------------------------------------------------------------------------
     def _maybe_merge(self) -> None:
-        f = self._fresh
-        if not self.config.background_merge or self._closed:
+        f, cfg = self._fresh, self.config
+        if not cfg.background_merge or self._closed or time.monotonic() < self._merge_retry_at:
             return
-        if f.live_count < self.config.merge_fresh_count and f.bytes < self.config.merge_fresh_bytes:
+        # Deletes alone also call for a merge: tombstones cost scan time and the log grows.
+        if (f.live_count < cfg.merge_fresh_count and f.bytes < cfg.merge_fresh_bytes
+                and self._tomb_count < cfg.merge_fresh_count and self._wal.bytes < cfg.merge_fresh_bytes):
             return
         with self._mem_lock:
             if self._merge_thread is not None and self._merge_thread.is_alive():
@@ -547,7 +570,9 @@ class Collection:
         try:
             self.merge()
         except Exception:
-            log.exception("collection %r: background merge failed; the fresh tier keeps the writes", self.name)
+            self._merge_retry_at = time.monotonic() + _MERGE_RETRY_S
+            log.exception("collection %r: background merge failed (retried in %d s); the fresh tier keeps the writes",
+                          self.name, _MERGE_RETRY_S)
 
     def merge(self) -> None:
         """Fold the fresh tier into the main index now (blocking)."""
@@ -560,43 +585,62 @@ class Collection:
             if self._fresh.n == 0 and self._tomb_count == 0:  # nothing to fold in
                 self._checkpoint()
                 return
-            snap_con = self.store.snapshot()  # the store as of this point, for the build
-            max_row = self._applied_next_row - 1
             with self._mem_lock:
-                self._merging, self._merge_removed = True, []
                 old = self._main
+                dead = np.unpackbits(self._tomb, count=len(old.rows), bitorder="little").astype(bool)
+                fresh_rows, fresh_vecs = self._fresh.live_items()
+                max_row = self._applied_next_row - 1
+                live = len(old.rows) - self._tomb_count + len(fresh_rows)
+                incremental = self._incremental(old, live, fresh_vecs)
+                # A rebuild reads the stored vectors as of this point.
+                snap_con = None if incremental else self.store.snapshot()
+                self._merging, self._merge_removed = True, []
+        gen = old.generation + 1
+        gdir = self.path / f"gen-{gen:06d}"
         try:
-            try:
-                rows, vecs = self.store.rows_and_vectors(-1, snap_con)
-            finally:
-                snap_con.close()
-            gen = old.generation + 1
-            gdir = self.path / f"gen-{gen:06d}"
             shutil.rmtree(gdir, ignore_errors=True)
             gdir.mkdir()
-            indexed = len(rows) >= self.config.min_index_count
+            if incremental:
+                merge_index(old.index, dead, fresh_vecs, gdir / "index", self._build_config)
+                rows = np.concatenate([old.rows[~dead], fresh_rows])
+            else:
+                try:
+                    rows, vecs = self.store.rows_and_vectors(-1, snap_con)
+                finally:
+                    snap_con.close()
+                if len(rows) >= self.config.min_index_count:
+                    build_index(vecs, gdir / "index", self._build_config, progress=False)
+                else:
+                    rows, max_row = np.empty(0, np.int64), -1
             index = None
-            if indexed:
-                build_index(vecs, gdir / "index", self._build_config, progress=False)
+            if len(rows):
                 with open(gdir / "rows.npy", "wb") as f:
                     np.save(f, rows)
                     f.flush()
                     os.fsync(f.fileno())
                 fsync_path(gdir)
                 index = Index.open(gdir / "index", self.engine_config)
-            else:
-                rows, max_row = np.empty(0, np.int64), -1
             new = _Main(gen, index, rows, max_row)
             with self._lock:
-                _write_json_atomic(self.path / "CURRENT", {"generation": gen, "indexed": indexed, "max_row": max_row})
+                _write_json_atomic(self.path / "CURRENT",
+                                   {"generation": gen, "indexed": index is not None, "max_row": max_row})
                 with self._mem_lock:
                     self._publish(new)
                 self._checkpoint()
         finally:
             with self._mem_lock:
                 self._merging, self._merge_removed = False, []
-        if old.generation != gen:
-            shutil.rmtree(self.path / f"gen-{old.generation:06d}", ignore_errors=True)
+        shutil.rmtree(self.path / f"gen-{old.generation:06d}", ignore_errors=True)
+
+    def _incremental(self, old: _Main, live: int, fresh_vecs: np.ndarray) -> bool:
+        """Whether the next generation can grow out of the current one (see CollectionConfig)."""
+        if not self.config.incremental_merge or old.index is None or live < self.config.min_index_count:
+            return False
+        m = old.index.manifest
+        layout = m["pages"]
+        slots = layout["num_blocks"] * layout["records_per_block"]
+        return (live <= self.config.rebuild_growth * int(m.get("full_build_count", m["count"]))
+                and live >= self.config.rebuild_live_fraction * slots and can_store(old.index, fresh_vecs))
 
     def _publish(self, new: _Main) -> None:
         """Swap in the new generation (caller holds _lock and _mem_lock)."""

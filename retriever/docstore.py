@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fusionrag.retriever.filters import field_value
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS docs (
     row INTEGER PRIMARY KEY,
@@ -25,6 +27,10 @@ CREATE TABLE IF NOT EXISTS docs (
     vector BLOB NOT NULL
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+-- Every scalar metadata value, typed (filters.py): what metadata filters search by index.
+CREATE TABLE IF NOT EXISTS fields (row INTEGER NOT NULL, key TEXT NOT NULL, t TEXT NOT NULL, v);
+CREATE INDEX IF NOT EXISTS fields_by_value ON fields (key, t, v);
+CREATE INDEX IF NOT EXISTS fields_by_row ON fields (row);
 """
 _CHUNK = 900  # bound on SQL variables per statement
 
@@ -83,18 +89,29 @@ class DocStore:
         rows = []
         for part in _chunks(ids):
             q = ",".join("?" * len(part))
-            rows += [r for (r,) in self._writer.execute(f"SELECT row FROM docs WHERE id IN ({q})", part)]
+            found = [r for (r,) in self._writer.execute(f"SELECT row FROM docs WHERE id IN ({q})", part)]
             self._writer.execute(f"DELETE FROM docs WHERE id IN ({q})", part)
+            if found:
+                self._writer.execute(f"DELETE FROM fields WHERE row IN ({','.join('?' * len(found))})", found)
+            rows += found
         return rows
 
     def insert(self, rows, ids, texts, metas_json, vectors: np.ndarray) -> None:
         self._writer.executemany(
             "INSERT INTO docs (row, id, text, metadata, vector) VALUES (?, ?, ?, ?, ?)",
             ((int(r), i, t, m, v.tobytes()) for r, i, t, m, v in zip(rows, ids, texts, metas_json, vectors)))
+        values = []
+        for r, m in zip(rows, metas_json):
+            for key, value in json.loads(m).items():
+                tv = field_value(value)
+                if tv is not None:
+                    values.append((int(r), key, *tv))
+        self._writer.executemany("INSERT INTO fields (row, key, t, v) VALUES (?, ?, ?, ?)", values)
 
     def remove_all(self) -> list[int]:
         rows = [r for (r,) in self._writer.execute("SELECT row FROM docs")]
         self._writer.execute("DELETE FROM docs")
+        self._writer.execute("DELETE FROM fields")
         return rows
 
     def make_durable(self) -> None:
@@ -140,9 +157,9 @@ class DocStore:
                 out[r] = (i, t, json.loads(m), self._vec(v) if with_vectors else None)
         return out
 
-    def rows_where(self, where: str, params: list) -> np.ndarray:
-        """Sorted rows of the live documents whose metadata passes a compiled filter."""
-        cur = self._reader().execute(f"SELECT row FROM docs WHERE {where} ORDER BY row", params)
+    def rows_where(self, query: str, params: list) -> np.ndarray:
+        """Sorted rows of the live documents that pass a compiled filter (filters.compile_filter)."""
+        cur = self._reader().execute(query, params)
         return np.fromiter((r for (r,) in cur), dtype=np.int64)
 
     def rows_and_vectors(self, above: int = -1, con: sqlite3.Connection | None = None):

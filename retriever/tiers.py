@@ -33,7 +33,8 @@ class FilterTier(Protocol):
 
     def memory_bytes(self) -> int: ...
 
-    def topn(self, luts: np.ndarray, probe_lists: np.ndarray, n: int) -> Candidates: ...
+    def topn(self, luts: np.ndarray, probe_lists: np.ndarray, n: int, exclude: np.ndarray | None = None) -> Candidates:
+        """exclude: bitmap of vector ids never to return (a collection's tombstones and filter)."""
 
 
 class NavigationTier:

@@ -1,0 +1,263 @@
+"""Incremental merge: the next index generation from the current one, its tombstones and the
+fresh vectors, without re-clustering or re-training (DESIGN.md, "Build ... and later incremental").
+
+- Tombstoned vectors leave their posting lists, their PQ codes and their SSD slots; survivors
+  are renumbered densely (the collection maps the new numbers to rows).
+- New vectors join their nearest posting lists with the build's boundary replication, get a PQ
+  code from the existing codebooks, and take free SSD slots (dead vectors' slots first, in
+  ascending order so a list's new vectors share pages) before new blocks are appended.
+- A posting list that grows past its bound is split SPFresh-style: 2-means over its vectors, the
+  centre farther from the old centroid becomes a new centroid in the navigation graph, the list's
+  vectors are re-assigned between the two (with replication), and vectors of the neighbouring
+  lists that now lie within the replication bound of the new centroid join it.
+
+The old generation is never touched: its page file is copied (copy_file_range: in-kernel, a
+reflink where the file system has them) and changed only in the copy, so searches keep running
+on it until the new generation is published.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from fusionrag import native
+from fusionrag.retriever.config import BuildConfig, cpu_threads
+from fusionrag.retriever.index import Index
+from fusionrag.retriever.kmeans import kmeans, sq_dists
+from fusionrag.retriever.layout import PageLayout
+from fusionrag.retriever.manifest import load_array, writing_index
+from fusionrag.retriever.vectors import STORAGE_DTYPES
+
+_DTYPES = {v: k for k, v in STORAGE_DTYPES.items()}
+_NEIGHBOURS = 8  # lists around a split whose vectors may join the new centroid
+
+
+@dataclass
+class MergeStats:
+    removed: int
+    added: int
+    splits: int
+    slots_reused: int
+    blocks_appended: int
+
+
+def can_store(index: Index, vectors: np.ndarray) -> bool:
+    """Whether the index's SSD element type holds these vectors exactly (an index of byte-valued
+    floats stores bytes; a float that is not one needs a rebuild)."""
+    dtype = _DTYPES[index.manifest["storage_dtype"]]
+    if dtype == np.float32 or not len(vectors):
+        return True
+    info = np.iinfo(dtype)
+    return bool(np.array_equal(vectors, np.rint(vectors)) and vectors.min() >= info.min and vectors.max() <= info.max)
+
+
+class _Records:
+    """The page file memory-mapped for writing, addressed by slot. A block's records need not fill
+    it (20 records of 200 bytes in 4096), so slots are (block, record) pairs of a 3-D view: a
+    flat (slots, record_bytes) reshape of the strided map would be a copy, and writes to it lost."""
+
+    def __init__(self, path: Path, layout: PageLayout, num_blocks: int):
+        self.per = layout.records_per_block
+        self.blocks = np.memmap(path, dtype=np.uint8, mode="r+", shape=(num_blocks, layout.block_bytes))
+        self.view = self.blocks[:, :self.per * layout.record_bytes].reshape(num_blocks, self.per, layout.record_bytes)
+        assert np.shares_memory(self.view, self.blocks)
+
+    def __getitem__(self, slots: np.ndarray) -> np.ndarray:
+        return self.view[slots // self.per, slots % self.per]
+
+    def __setitem__(self, slots: np.ndarray, data) -> None:
+        self.view[slots // self.per, slots % self.per] = data
+
+
+class _Lists:
+    """Posting lists as (list, id) pairs while they change; CSR at the end."""
+
+    def __init__(self, lists: np.ndarray, ids: np.ndarray):
+        self.lists, self.ids = lists, ids
+
+    def add(self, lists: np.ndarray, ids: np.ndarray) -> None:
+        self.lists = np.concatenate([self.lists, lists.astype(np.int64)])
+        self.ids = np.concatenate([self.ids, ids.astype(np.int64)])
+
+    def members(self, lst: int) -> np.ndarray:
+        return self.ids[self.lists == lst]
+
+    def csr(self, num_lists: int) -> tuple[np.ndarray, np.ndarray]:
+        order = np.lexsort((self.ids, self.lists))  # ids ascending within a list, as the build has them
+        offsets = np.concatenate([[0], np.cumsum(np.bincount(self.lists, minlength=num_lists))]).astype(np.int64)
+        return offsets, self.ids[order].astype(np.uint32)
+
+
+def merge_index(old: Index, dead: np.ndarray, new_vectors: np.ndarray, out_dir: Path,
+                config: BuildConfig) -> MergeStats:
+    """Write the next generation of `old` to out_dir: vectors flagged in dead (bool per old id)
+    removed, new_vectors (engine form: unit rows under cosine) appended after the survivors."""
+    t0 = time.perf_counter()
+    m_old = old.manifest
+    dim, metric = old.dim, old.metric
+    dtype = _DTYPES[m_old["storage_dtype"]]
+    layout = PageLayout(**m_old["pages"])
+    threads = cpu_threads(config.threads)
+    rng = np.random.default_rng(config.seed + int(m_old.get("generation", 0)) + 1)
+    alive = ~dead
+    n_keep, n_new = int(alive.sum()), len(new_vectors)
+    renum = np.full(len(alive), -1, np.int64)
+    renum[alive] = np.arange(n_keep)
+    new_ids = np.arange(n_keep, n_keep + n_new)
+
+    graph = native.Graph.load(str(old.path / "graph.bin"))  # a private copy: the old one is in use
+    centroids = graph.vectors()[:, :dim].copy()
+    f = old.filter
+    old_lists = np.repeat(np.arange(len(f.list_offsets) - 1), np.diff(f.list_offsets))
+    keep = alive[f.list_ids]
+    lists = _Lists(old_lists[keep], renum[f.list_ids[keep]])
+
+    # New vectors to their nearest lists, with the build's boundary replication.
+    x = np.ascontiguousarray(new_vectors, dtype=np.float32)
+    if n_new:
+        near, sqd = _nearest(x, centroids, graph, metric, min(config.max_replicas, len(centroids)), threads)
+        dist = np.sqrt(np.maximum(sqd, 0))
+        take = (dist <= (1 + config.replica_eps) * dist[:, :1]) & (near >= 0)
+        take[:, 0] = True
+        lists.add(near[take], np.broadcast_to(new_ids[:, None], near.shape)[take])
+        primary = near[:, 0]
+    else:
+        primary = np.empty(0, np.int64)
+
+    with writing_index(out_dir) as w:
+        # The SSD tier: a copy of the old page file, survivors where they were, new vectors into
+        # free slots (dead vectors' first), then new blocks.
+        pages = w.path("vectors.pages")
+        shutil.copyfile(old.path / "vectors.pages", pages)
+        locations = old.reranker.locations[alive].astype(np.int64)
+        per = layout.records_per_block
+        used = np.zeros(layout.num_blocks * per, bool)
+        used[locations] = True
+        free = np.flatnonzero(~used)
+        by_list = np.argsort(primary, kind="stable")
+        reuse = min(len(free), n_new)
+        extra_blocks = -(-(n_new - reuse) // per)
+        new_slots = np.empty(n_new, np.int64)
+        new_slots[by_list] = np.concatenate([free[:reuse], layout.num_blocks * per + np.arange(n_new - reuse)])
+        num_blocks = layout.num_blocks + extra_blocks
+        if extra_blocks:
+            with open(pages, "r+b") as fh:
+                fh.truncate(num_blocks * layout.block_bytes)
+        records = _Records(pages, layout, num_blocks)
+        blocks = records.blocks
+        dead_slots = old.reranker.locations[dead].astype(np.int64)
+        records[dead_slots] = 0  # a reclaimed slot keeps no deleted vector
+        if n_new:
+            records[new_slots] = x.astype(dtype).view(np.uint8).reshape(n_new, layout.record_bytes)
+        blocks.flush()
+        block_crc = np.concatenate([load_array(old.path, "block_crc.npy", np.uint32, 1),
+                                    np.zeros(extra_blocks, np.uint32)])
+        for b in np.unique(np.concatenate([new_slots, dead_slots]) // per).tolist():
+            block_crc[b] = native.crc32c(np.ascontiguousarray(blocks[b]))
+        locations = np.concatenate([locations, new_slots])
+
+        # Oversized lists split; their vectors come from the new page file.
+        def vectors_of(ids: np.ndarray) -> np.ndarray:
+            return records[locations[ids]].view(dtype).reshape(len(ids), dim).astype(np.float32)
+
+        sizes = np.bincount(lists.lists, minlength=len(centroids))
+        bound = max(16, int(2 * config.max_list_factor * len(f.list_ids) / max(1, len(f.list_offsets) - 1)))
+        oversized = np.flatnonzero(sizes > bound).tolist()
+        affected = [_split(lst, lists, centroids, graph, vectors_of, metric, config, rng, threads)
+                    for lst in oversized]
+        centroids = graph.vectors()[:, :dim]
+        if affected:
+            _reassign(lists, np.unique(np.concatenate(affected)), centroids, vectors_of, config)
+        splits = len(oversized)
+        del records, blocks
+
+        codes = np.concatenate([f.codes[alive], old.pq.encode(x) if n_new else np.empty((0, old.pq.m), np.uint8)])
+        offsets, list_ids = lists.csr(len(centroids))
+        w.add_file("vectors.pages", hashed=False)
+        w.save_array("block_crc.npy", block_crc)
+        graph.save(str(w.path("graph.bin")))
+        w.add_file("graph.bin")
+        w.save_array("list_offsets.npy", offsets)
+        w.save_array("list_ids.npy", list_ids)
+        w.save_array("pq_codebooks.npy", old.pq.codebooks)
+        w.save_array("pq_codes.npy", codes)
+        w.save_array("locations.npy", locations.astype(np.uint32))
+        stats = MergeStats(int(dead.sum()), n_new, splits, reuse, extra_blocks)
+        manifest = {k: v for k, v in m_old.items() if k not in ("format", "format_version", "files")}
+        manifest.update({
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "count": n_keep + n_new,
+            "centroids": len(centroids),
+            "postings": int(len(list_ids)),
+            "pages": {**layout.to_dict(), "num_blocks": num_blocks},
+            "source": {"path": "<incremental merge>", "dtype": "float32"},
+            "generation": int(m_old.get("generation", 0)) + 1,
+            "full_build_count": int(m_old.get("full_build_count", m_old["count"])),
+            "merge": {**stats.__dict__, "seconds": time.perf_counter() - t0},
+        })
+        w.publish(manifest)
+    return stats
+
+
+def _nearest(x, centroids, graph, metric: str, k: int, threads: int):
+    """The k nearest centroids by l2 (what the build's replication uses), ids and squared dists."""
+    if metric != "ip":
+        near, sqd = graph.search(x, k, max(32, 2 * k), threads)
+        return near.astype(np.int64), sqd
+    # The ip graph orders by inner product; l2 neighbours come from the centroids directly.
+    near = np.empty((len(x), k), np.int64)
+    sqd = np.empty((len(x), k), np.float32)
+    for s in range(0, len(x), 4096):
+        d = sq_dists(x[s:s + 4096], centroids)
+        part = np.argpartition(d, k - 1, axis=1)[:, :k] if k < d.shape[1] else np.tile(np.arange(d.shape[1]), (len(d), 1))
+        pd = np.take_along_axis(d, part, axis=1)
+        order = np.argsort(pd, axis=1)
+        near[s:s + 4096] = np.take_along_axis(part, order, axis=1)
+        sqd[s:s + 4096] = np.take_along_axis(pd, order, axis=1)
+    return near, sqd
+
+
+def _split(lst: int, lists: _Lists, centroids: np.ndarray, graph, vectors_of, metric: str, config: BuildConfig,
+           rng: np.random.Generator, threads: int) -> np.ndarray:
+    """Split list lst (SPFresh): 2-means over its vectors; the centre farther from the old centroid
+    becomes a new centroid (graph node). Its candidates, the list's vectors and those of the lists
+    around it, are offered it; _reassign then keeps what the replication rule allows. Returns them."""
+    ids = lists.members(lst)
+    c = centroids[lst]
+    centers, _ = kmeans(vectors_of(ids), 2, config.kmeans_iters, rng)
+    new_c = centers[int(np.argmax(((centers - c) ** 2).sum(1)))].astype(np.float32)
+    node = new_c[None]
+    if metric == "ip":  # the augmented coordinate keeps the graph's l2 order = inner-product order
+        r_sq = float((graph.vectors()[0] ** 2).sum())
+        node = np.hstack([node, [[np.sqrt(max(r_sq - float(new_c @ new_c), 0.0))]]]).astype(np.float32)
+    new_id = graph.size
+    graph.add(np.ascontiguousarray(node, dtype=np.float32), threads)
+    hood, _ = graph.search(node, min(_NEIGHBOURS + 1, graph.size), max(32, 2 * _NEIGHBOURS), threads)
+    cand = np.unique(np.concatenate([ids] + [lists.members(nb) for nb in hood[0].tolist()
+                                             if nb >= 0 and nb not in (lst, new_id)]))
+    lists.add(np.full(len(cand), new_id), cand)
+    return cand
+
+
+def _reassign(lists: _Lists, ids: np.ndarray, centroids: np.ndarray, vectors_of, config: BuildConfig) -> None:
+    """The build's replication rule again for these vectors over the lists they are in or were
+    offered: keep list l if dist(v, c_l) <= (1 + eps) * the nearest such distance, at most
+    max_replicas lists, the nearest always."""
+    sel = np.isin(lists.ids, ids)
+    pairs = np.unique(np.stack([lists.ids[sel], lists.lists[sel]], axis=1), axis=0)  # sorted by id
+    pid, pl = pairs[:, 0], pairs[:, 1]
+    x = vectors_of(ids)
+    d = np.sqrt(((x[np.searchsorted(ids, pid)] - centroids[pl]) ** 2).sum(1))
+    order = np.lexsort((d, pid))
+    pid, pl, d = pid[order], pl[order], d[order]
+    start = np.flatnonzero(np.concatenate([[True], pid[1:] != pid[:-1]]))
+    group = np.repeat(np.arange(len(start)), np.diff(np.concatenate([start, [len(pid)]])))
+    rank = np.arange(len(pid)) - start[group]
+    keep = (d <= (1 + config.replica_eps) * d[start][group]) & (rank < config.max_replicas)
+    lists.lists = np.concatenate([lists.lists[~sel], pl[keep]])
+    lists.ids = np.concatenate([lists.ids[~sel], pid[keep]])
