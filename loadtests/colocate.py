@@ -206,7 +206,9 @@ def run(args) -> dict:
     finally:
         if llm is not None:
             llm.stop()
-        service_status = service.stop() if service is not None else None
+        service_alive = service is not None and service.proc.poll() is None
+        if service is not None:
+            service.stop()
         shutil.rmtree(data_dir, ignore_errors=True)
     for r in (llm_alone, llm_beside):
         if not r.get("oom") and "timeline" not in r:
@@ -222,7 +224,7 @@ def run(args) -> dict:
     verdict = {
         "retrieval_p99_ratio": p99_ratio, "retrieval_p99_ok": p99_ratio is not None and p99_ratio <= P99_LIMIT,
         "llm_tokens_ratio": tok_ratio, "llm_tokens_ok": tok_ratio is not None and tok_ratio >= TOKENS_LIMIT,
-        "no_oom": not oom and alone["failures"] == 0 and beside["failures"] == 0,
+        "no_oom": not oom and alone["failures"] == 0 and beside["failures"] == 0 and service_alive,
         "llm_budget_held": llm_budget_held, "retrieval_budget_held": retrieval_budget_held,
     }
     passed = (verdict["retrieval_p99_ok"] and verdict["llm_tokens_ok"] and verdict["no_oom"]
@@ -237,7 +239,7 @@ def run(args) -> dict:
         "gpu_peak_bytes_by_process": {("service" if pid == service.proc.pid else
                                        "llm" if pid == llm.pid else str(pid)): b for pid, b in gpu.peak.items()}
         if gpu.available else None,
-        "collection": prep.get("vectors"), "service_exit_status": service_status,
+        "collection": prep.get("vectors"), "service_alive_at_end": service_alive,
         "machine": runner._machine(), "seconds_per_phase": args.seconds, "users": args.users,
     }
     (out / "colocate.json").write_text(json.dumps(report, indent=1))

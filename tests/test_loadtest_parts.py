@@ -122,7 +122,8 @@ def test_query_set_ground_truth_is_exact_search(metric):
 
 def test_read_texts_skips_duplicates_and_names_a_bad_line(tmp_path):
     good = tmp_path / "t.jsonl"
-    good.write_text('{"id": "a", "text": "one"}\n{"id": "b", "text": "one"}\n{"text": "two"}\n{"id": "d", "text": "3"}\n')
+    good.write_text('{"id": "a", "text": "one"}\n{"id": "b", "text": "one"}\n'
+                    '{"text": "two"}\n{"id": "d", "text": "3"}\n')
     assert read_texts(str(good), 2) == [("a", "one"), ("3", "two")]
     bad = tmp_path / "b.jsonl"
     bad.write_text('{"text": "fine"}\n{"txt": "oops"}\n')

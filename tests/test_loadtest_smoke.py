@@ -24,7 +24,7 @@ def test_smoke_search_writes_and_rag_pass_with_exact_answers(tmp_path):
                   "--users", "vector=2,mixed=1,rag=1", "--llm", "builtin", "--max-tokens", "8")
     assert p.returncode == 0, p.stdout + p.stderr + (out / "locust.log").read_text()
     report = json.loads((out / "report.json").read_text())
-    assert report["passed"] and report["verdict"]["failures"] == 0
+    assert report["passed"] and report["verdict"]["failures"] == 0 and report["verdict"]["servers_alive_at_end"]
     by_type = report["requests"]["by_type"]
     expected = {"search:vector", "write:upsert", "write:read-own", "write:delete", "write:read-deleted",
                 "rag:retrieve", "rag:generate"}
