@@ -117,8 +117,9 @@ class Decoder(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
-        """Logits of `tokens` (batch, t) at positions start..start+t-1, extending the cache."""
+    def forward(self, tokens: torch.Tensor, cache: KVCache, start: int, last_only: bool = False) -> torch.Tensor:
+        """Logits of `tokens` (batch, t) at positions start..start+t-1 (only the last with `last_only`,
+        which spares a prefill the full logits), extending the cache."""
         t = tokens.shape[1]
         if start + t > self.cfg.max_seq:
             raise ConfigError(f"sequence of {start + t} tokens exceeds max_seq {self.cfg.max_seq}")
@@ -127,6 +128,8 @@ class Decoder(nn.Module):
         sin = self.sin[start:start + t].to(x.dtype)
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, cache.kv[i], start)
+        if last_only:
+            x = x[:, -1:]
         return self.head(self.norm(x)).float()
 
 
@@ -146,7 +149,7 @@ def make_model(cfg: DecoderConfig, device: str = "cpu", dtype=None, seed: int = 
 @torch.inference_mode()
 def generate(model: Decoder, cache: KVCache, prompt: torch.Tensor, max_new: int):
     """Greedy decoding: yield the next token of each sequence (a (batch,) tensor) `max_new` times."""
-    logits = model(prompt, cache, 0)
+    logits = model(prompt, cache, 0, last_only=True)
     pos = prompt.shape[1]
     for _ in range(max_new):
         nxt = logits[:, -1].argmax(-1)
@@ -191,8 +194,8 @@ def decode_loop(cfg: DecoderConfig, device: str, batch: int, prompt_len: int, se
         model = make_model(cfg, device, seed=seed)
         cache = KVCache(cfg, batch, device, next(model.parameters()).dtype)
         out["kv_cache_bytes"] = cache.nbytes
-        # Activations of one step: logits in float32 plus a few hidden states per token of a prefill.
-        headroom = 4 * batch * prompt_len * (cfg.vocab + 8 * cfg.dim) + (256 << 20)
+        # Activations of a prefill (attention and MLP inputs in 16 bits, twice over) and the logits.
+        headroom = 4 * batch * prompt_len * (4 * cfg.dim + 2 * cfg.ffn) + 8 * batch * cfg.vocab + (256 << 20)
         budget, filler = hold_memory_share(device, memory_fraction, headroom) if memory_fraction else (0, None)
         gen = torch.Generator(device="cpu").manual_seed(seed)
         timeline, tokens, last = [], 0, 0.0

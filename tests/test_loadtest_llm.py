@@ -34,6 +34,9 @@ def test_kv_cache_decoding_matches_a_full_forward_pass():
         cache = KVCache(CFG, 3, "cpu", torch.float32)
         steps = [model(tokens[:, :7], cache, 0)] + [model(tokens[:, i:i + 1], cache, i) for i in range(7, 24)]
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
+    with torch.inference_mode():
+        last = model(tokens, KVCache(CFG, 3, "cpu", torch.float32), 0, last_only=True)
+    torch.testing.assert_close(last[:, 0], full[:, -1])
     # Causal: changing a later token leaves earlier logits alone.
     changed = tokens.clone()
     changed[:, 20] = (changed[:, 20] + 1) % CFG.vocab
