@@ -1,1 +1,1 @@
-"""loadtests"""
+"""Load tests with Locust: retrieval alone, and retrieval alongside LLM inference."""

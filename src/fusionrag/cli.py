@@ -160,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(v)
     v.set_defaults(run=_cmd_serve)
+
+    from fusionrag.loadtests.runner import add_arguments as add_loadtest_arguments
+
+    add_loadtest_arguments(sub.add_parser("loadtest", help="run a Locust load test against the service; write a report"))
     return parser
 
 

@@ -1,0 +1,3 @@
+from fusionrag.loadtests.runner import main
+
+raise SystemExit(main())

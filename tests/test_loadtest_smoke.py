@@ -1,0 +1,89 @@
+"""The CI smoke: short headless Locust runs against the real service (uvicorn on loopback, CPU), with
+every answer checked against exact search; any error or wrong answer fails the run."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fusionrag.loadtests import queryset, runner
+
+SMALL = ["--count", "1200", "--dim", "16", "--num-queries", "40"]
+
+
+def _loadtest(*args, timeout=150):
+    return subprocess.run([sys.executable, "-m", "fusionrag", "loadtest", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_smoke_search_writes_and_rag_pass_with_exact_answers(tmp_path):
+    out = tmp_path / "report"
+    p = _loadtest("--out", str(out), *SMALL, "--seconds", "4", "--max-users", "4",
+                  "--users", "vector=2,mixed=1,rag=1", "--llm", "builtin", "--max-tokens", "8")
+    assert p.returncode == 0, p.stdout + p.stderr + (out / "locust.log").read_text()
+    report = json.loads((out / "report.json").read_text())
+    assert report["passed"] and report["verdict"]["failures"] == 0 and report["verdict"]["servers_alive_at_end"]
+    by_type = report["requests"]["by_type"]
+    expected = {"search:vector", "write:upsert", "write:read-own", "write:delete", "write:read-deleted",
+                "rag:retrieve", "rag:generate"}
+    assert set(by_type) == expected and all(by_type[t]["requests"] > 0 for t in expected)
+    assert all(by_type[t]["latency_ms"]["p99"] >= by_type[t]["latency_ms"]["p50"] > 0 for t in expected)
+    # Every search answer was checked against exact search, and they were right.
+    checked = by_type["search:vector"]["recall"]
+    assert checked["checked"] == by_type["search:vector"]["requests"] and checked["mean"] >= 0.9
+    gen = by_type["rag:generate"]
+    assert gen["tokens"] == 8 * gen["requests"] and gen["ttft_ms"]["p50"] > 0
+    # The service's own view of the same run.
+    m = report["service_metrics"]
+    assert m["queries"] >= by_type["search:vector"]["requests"] and m["engine_batches"] > 0
+    assert m["queries_per_batch"] >= 1 and m["page_buffer_hit_ratio"] is not None
+    assert m["ssd_pages_read_per_query"] is not None and m["http_responses_by_status"].keys() == {"200"}
+    assert (out / "latency.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "report.md").read_text().startswith("# Load test: PASSED")
+    assert json.loads(p.stdout.strip().splitlines()[-1])["passed"] is True
+
+
+@pytest.fixture
+def service(tmp_path):
+    """A service over the load-test collection, with the true known queries."""
+    parser = __import__("argparse").ArgumentParser()
+    runner.add_arguments(parser)
+    args = parser.parse_args(["--out", str(tmp_path), *SMALL])
+    data = tmp_path / "data"
+    vector_qs, _, _ = runner.prepare(args, data, {"vector": 1})
+    child, url = runner.start_service(data, tmp_path, [])
+    try:
+        child.wait_http(url + "/readyz", 120)
+        yield url, vector_qs
+    finally:
+        child.stop()
+
+
+def test_a_fast_wrong_answer_fails_the_run(service, tmp_path):
+    url, qs = service
+    right, wrong = tmp_path / "right.json", tmp_path / "wrong.json"
+    queryset.save_query_set(qs, right)
+    # Ground truth of the next query: the service's (right) answers no longer match it.
+    queryset.save_query_set(type(qs)(**{**qs.__dict__, "truth": qs.truth[1:] + qs.truth[:1],
+                                        "truth_dist": qs.truth_dist[1:] + qs.truth_dist[:1]}), wrong)
+    common = ["--url", url, "--seconds", "2", "--max-users", "2"]
+    p = _loadtest("--out", str(tmp_path / "bad"), *common, "--vector-query-set", str(wrong))
+    assert p.returncode == 1, p.stdout + p.stderr
+    report = json.loads((tmp_path / "bad" / "report.json").read_text())
+    v = report["verdict"]
+    assert not report["passed"] and v["requests"] > 0 and v["failures"] == v["requests"]
+    assert all("recall@10" in e["error"] or "below the exact" in e["error"] for e in report["requests"]["errors"])
+    # The same service, the same load, the true answers: it passes.
+    p = _loadtest("--out", str(tmp_path / "good"), *common, "--vector-query-set", str(right))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert json.loads((tmp_path / "good" / "report.json").read_text())["verdict"]["failures"] == 0
+
+
+def test_bad_arguments_are_named(tmp_path):
+    p = _loadtest("--out", str(tmp_path), "--users", "vector,browse", timeout=60)
+    assert p.returncode == 2 and "unknown user kind 'browse'" in p.stderr
+    p = _loadtest("--out", str(tmp_path), "--url", "http://127.0.0.1:9", "--users", "rag", timeout=60)
+    assert p.returncode == 2 and "rag users need an LLM server" in p.stderr
+    assert not Path(tmp_path / "report.json").exists()
