@@ -75,7 +75,8 @@ def summarize_metrics(before: dict, after: dict) -> dict:
         "page_buffer_hits_per_query": _ratio(buffered, queries),
         "page_buffer_hit_ratio": _ratio(buffered, (read or 0) + (buffered or 0)),
         "stage_mean_ms": {s: (None if v is None else 1000 * v) for s, v in sorted(stages.items())},
-        "http_responses_by_status": dict(sorted(statuses.items())),
+        # Statuses answered before the run (a /readyz 503 while loading, say) are not the run's.
+        "http_responses_by_status": {s: n for s, n in sorted(statuses.items()) if n > 0},
         "gpu_memory_used_bytes": gpu_used,
         "gpu_memory_budget_bytes": gpu_budget,
         "gpu_within_budget": None if not gpu_budget else bool(gpu_used <= gpu_budget),

@@ -143,7 +143,8 @@ def test_prometheus_parse_and_summary_over_a_run():
     before = parse_prometheus('# HELP x\nfusionrag_queries_total{collection="a"} 10\n'
                               'fusionrag_ssd_pages_read_total{collection="a"} 5\n'
                               'fusionrag_page_buffer_hits_total{collection="a"} 5\n'
-                              'fusionrag_batch_queries_count 4\nfusionrag_batch_queries_sum 10\n')
+                              'fusionrag_batch_queries_count 4\nfusionrag_batch_queries_sum 10\n'
+                              'fusionrag_http_requests_total{method="GET",route="/readyz",status="503"} 3\n')
     after_text = ('fusionrag_queries_total{collection="a"} 30\n'
                   'fusionrag_ssd_pages_read_total{collection="a"} 15\n'
                   'fusionrag_page_buffer_hits_total{collection="a"} 35\n'
@@ -151,6 +152,7 @@ def test_prometheus_parse_and_summary_over_a_run():
                   'fusionrag_stage_seconds_count{stage="rerank"} 20\nfusionrag_stage_seconds_sum{stage="rerank"} 0.02\n'
                   'fusionrag_gpu_memory_bytes{kind="used"} 100\nfusionrag_gpu_memory_bytes{kind="budget"} 200\n'
                   'fusionrag_http_requests_total{method="POST",route="/v1/x",status="200"} 20\n'
+                  'fusionrag_http_requests_total{method="GET",route="/readyz",status="503"} 3\n'
                   'weird_label{path="a \\"quoted\\" b"} 1.5e3\n')
     after = parse_prometheus(after_text)
     assert after[("weird_label", (("path", 'a \\"quoted\\" b'),))] == 1500.0
