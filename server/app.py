@@ -39,8 +39,10 @@ _STATUS = ((NotFoundError, 404), (ConflictError, 409), (InputError, 422), (Confi
 
 
 def open_catalog(config: ServerConfig) -> Catalog:
-    return Catalog(data_path(config), EngineConfig(buffer_bytes=int(config.buffer_mb * (1 << 20))),
-                   CollectionConfig(min_index_count=config.min_index_count))
+    engine = EngineConfig(buffer_bytes=int(config.buffer_mb * (1 << 20)), filter_tier=config.filter_tier,
+                          gpu_budget_bytes=int(config.gpu_budget_mb * (1 << 20)),
+                          gpu_memory_utilization=config.gpu_memory_utilization)
+    return Catalog(data_path(config), engine, CollectionConfig(min_index_count=config.min_index_count))
 
 
 class State:

@@ -32,6 +32,9 @@ _HELP = {
     "batch_max_queries": "queries per engine batch at most",
     "search_threads": "engine batches running at once",
     "buffer_mb": "DRAM page buffer per collection, MiB",
+    "filter_tier": "where PQ candidates are filtered: auto (the GPU when there is one), cpu or gpu",
+    "gpu_budget_mb": "GPU memory the filter tier may use per collection, MiB (0: what the LLM server leaves)",
+    "gpu_memory_utilization": "the LLM server's share of the GPU (vLLM's gpu_memory_utilization), for the default budget",
     "min_index_count": "a merge builds the main index only for collections at least this large (smaller: exact search)",
     "embedding": "embedding model of the demo collection and the default for new text collections",
     "embed_threads": "CPU threads that embed texts (0: every core; more than one pays only on an idle machine)",
@@ -67,6 +70,9 @@ class ServerConfig:
     batch_max_queries: int = 256
     search_threads: int = 2
     buffer_mb: float = 64.0
+    filter_tier: str = "auto"
+    gpu_budget_mb: float = 0.0
+    gpu_memory_utilization: float = 0.9
     min_index_count: int = 1
     embedding: str = DEFAULT_MODEL
     embed_threads: int = 1
@@ -86,6 +92,10 @@ class ServerConfig:
         _check(self.batch_max_queries >= 1, f"batch_max_queries must be >= 1, got {self.batch_max_queries}")
         _check(1 <= self.search_threads <= 64, f"search_threads must be in [1, 64], got {self.search_threads}")
         _check(self.buffer_mb >= 0, f"buffer_mb must be >= 0, got {self.buffer_mb}")
+        _check(self.filter_tier in FILTER_TIERS, f"filter_tier must be one of {FILTER_TIERS}, got {self.filter_tier!r}")
+        _check(0 <= self.gpu_memory_utilization < 1,
+               f"gpu_memory_utilization must be in [0, 1), got {self.gpu_memory_utilization}")
+        _check(self.gpu_budget_mb >= 0, f"gpu_budget_mb must be >= 0 (0 = automatic), got {self.gpu_budget_mb}")
         _check(self.min_index_count >= 1, f"min_index_count must be >= 1, got {self.min_index_count}")
         _check(self.embed_threads >= 0, f"embed_threads must be >= 0, got {self.embed_threads}")
         _check(self.log_level in LOG_LEVELS, f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")

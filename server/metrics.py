@@ -113,9 +113,9 @@ class _CollectionCollector:
             for key, value in t.items():
                 if key.endswith("_bytes") and isinstance(value, (int, float)):
                     tiers.add_metric([name, key.removesuffix("_bytes")], value)
-            if t.get("pq_tier", "cpu") != "cpu":
-                used += t.get("pq_bytes", 0)
-            budget += t.get("gpu_budget_bytes", 0)  # reported by the GPU tier once it has a budget
+            gpu_tier = t.get("filter", {})
+            used += gpu_tier.get("gpu_reserved_bytes", 0)
+            budget += gpu_tier.get("gpu_budget_bytes", 0)
         gpu.add_metric(["used"], used)
         gpu.add_metric(["budget"], budget)
         for name, value in self.m.hit_ratios().items():
