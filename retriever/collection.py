@@ -45,7 +45,7 @@ from fusionrag.retriever.wal import WriteAheadLog
 
 log = logging.getLogger(__name__)
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 MAX_ID_CHARS = 512
 _COLLECTION_FORMAT = 1
 _MERGE_RETRY_S = 30  # a failed background merge (a full disk, say) waits this long to retry
@@ -721,13 +721,14 @@ class Catalog:
 
     @staticmethod
     def _check_name(name) -> str:
-        if not isinstance(name, str) or not NAME_RE.match(name):
-            raise InputError(f"collection name {name!r:.80} must match {NAME_RE.pattern}")
+        if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+            raise InputError(f"collection name {name!r:.80} must be 1-64 letters, digits, '_', '.' or '-', "
+                             "starting with a letter or digit")
         return name
 
     def names(self) -> list[str]:
         return sorted(p.name for p in self.dir.iterdir()
-                      if NAME_RE.match(p.name) and (p / "collection.json").exists())
+                      if NAME_RE.fullmatch(p.name) and (p / "collection.json").exists())
 
     def create(self, name: str, dim: int, metric: str = "cosine", embedding: str | None = None) -> Collection:
         self._check_name(name)

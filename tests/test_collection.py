@@ -31,7 +31,7 @@ def test_catalog_create_get_drop(tmp_path, catalog):
     assert catalog.names() == ["docs-1"] and catalog.get("docs-1") is col
     with pytest.raises(ConflictError):
         catalog.create("docs-1", DIM)
-    for bad in ("", "-x", "a/b", "x" * 65, None):
+    for bad in ("", "-x", "a/b", "x" * 65, None, "demo\n", "..", "a b"):
         with pytest.raises(InputError):
             catalog.create(bad, DIM)
     with pytest.raises(InputError, match="metric"):
