@@ -6,6 +6,8 @@ import asyncio
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -428,6 +430,34 @@ def test_later_start_loads_the_demo_and_sigterm_lets_requests_finish(server, dem
         assert [line["msg"] for line in srv.log_lines()][-3:-1] == ["stopped", "Application shutdown complete."]
     finally:
         srv.stop()
+
+
+def test_gpu_tier_flags_reach_the_engine_and_metrics(server, demo_vectors, tmp_path):
+    """--filter-tier gpu with a budget: answers equal the CPU tier's, and /metrics shows the budget held.
+    Without a GPU the tier runs its Triton kernels through the interpreter (TRITON_INTERPRET=1, conftest)."""
+    shutil.copytree(server.data_dir / "collections" / "demo", tmp_path / "data" / "collections" / "demo")
+    srv = ServerProcess(tmp_path / "data", tmp_path / "server.log", "--filter-tier", "gpu", "--gpu-budget-mb", "32")
+    try:
+        srv.wait_ready()
+        target = "concepts/graceful-shutdown"
+        body = {"vectors": [demo_vectors[target].tolist()], "k": 5}
+        with srv.client() as c, server.client() as cpu:
+            gpu_hits = search(c, **body).json()["results"][0]
+            cpu_hits = search(cpu, **body).json()["results"][0]
+            assert [h["id"] for h in gpu_hits] == [h["id"] for h in cpu_hits] and gpu_hits[0]["id"] == target
+            assert [h["distance"] for h in gpu_hits] == pytest.approx([h["distance"] for h in cpu_hits], abs=1e-5)
+            assert c.get("/v1/collections/demo").json()["tiers"]["pq_tier"] == "gpu"
+            fams = {f.name: f for f in text_string_to_metric_families(c.get("/metrics").text)}
+            gpu = {s.labels["kind"]: s.value for s in fams["fusionrag_gpu_memory_bytes"].samples}
+            assert gpu["budget"] == 32 << 20 and 0 < gpu["used"] <= gpu["budget"]
+    finally:
+        srv.stop()
+
+
+def test_bad_gpu_tier_flag_is_refused(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "fusionrag", "serve", "--data-dir", str(tmp_path), "--no-demo",
+                        "--filter-tier", "tpu"], capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "filter_tier must be one of" in p.stderr
 
 
 # -- the web page, in headless Chromium ------------------------------------------------------------
