@@ -10,8 +10,8 @@ import os
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
-from fusionrag.retriever.embedding import DEFAULT_MODEL, canonical_name
 from fusionrag.retriever.config import FILTER_TIERS
+from fusionrag.retriever.embedding import DEFAULT_MODEL, canonical_name
 from fusionrag.retriever.errors import ConfigError
 
 ENV_PREFIX = "FUSIONRAG_"

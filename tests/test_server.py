@@ -436,7 +436,7 @@ def test_gpu_tier_flags_reach_the_engine_and_metrics(server, demo_vectors, tmp_p
     """--filter-tier gpu with a budget: answers equal the CPU tier's, and /metrics shows the budget held.
     Without a GPU the tier runs its Triton kernels through the interpreter (TRITON_INTERPRET=1, conftest)."""
     shutil.copytree(server.data_dir / "collections" / "demo", tmp_path / "data" / "collections" / "demo")
-    srv = ServerProcess(tmp_path / "data", tmp_path / "server.log", "--filter-tier", "gpu", "--gpu-budget-mb", "32")
+    srv = ServerProcess(tmp_path / "data", tmp_path / "server.log", "--filter-tier", "gpu", "--gpu-budget-mb", "256")
     try:
         srv.wait_ready()
         target = "concepts/graceful-shutdown"
@@ -449,7 +449,7 @@ def test_gpu_tier_flags_reach_the_engine_and_metrics(server, demo_vectors, tmp_p
             assert c.get("/v1/collections/demo").json()["tiers"]["pq_tier"] == "gpu"
             fams = {f.name: f for f in text_string_to_metric_families(c.get("/metrics").text)}
             gpu = {s.labels["kind"]: s.value for s in fams["fusionrag_gpu_memory_bytes"].samples}
-            assert gpu["budget"] == 32 << 20 and 0 < gpu["used"] <= gpu["budget"]
+            assert gpu["budget"] == 256 << 20 and 0 < gpu["used"] <= gpu["budget"]
     finally:
         srv.stop()
 
