@@ -12,6 +12,7 @@ model are imported where they are used.
 
 from __future__ import annotations
 
+import fcntl
 import gzip
 import json
 import sys
@@ -154,8 +155,15 @@ def prepare_synthetic(d: Path, n: int, dim: int = 64, clusters: int = 4096, n_qu
 
 def prepare(work: Path, name: str) -> Path:
     d = work / "data" / name
-    if (d / "meta.json").exists():
-        return d
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another run preparing the same set: wait for it
+        if not (d / "meta.json").exists():
+            _prepare(d, name)
+    return d
+
+
+def _prepare(d: Path, name: str) -> None:
     if name == "glove":
         prepare_glove(d)
     elif name == "fashion":
@@ -166,7 +174,6 @@ def prepare(work: Path, name: str) -> Path:
         prepare_synthetic(d, _count(name[len("synth"):]))
     else:
         raise SystemExit(f"unknown data set {name!r} (glove, fashion, minilm, synth<N> such as synth300k)")
-    return d
 
 
 def _count(s: str) -> int:
