@@ -1,6 +1,8 @@
 """results.json -> results.md (tables, targets) and qps_recall.png.
 
-    python bench/report.py bench/results/results.json
+    python bench/report.py bench/results/results.json [OTHER.json ...]
+
+With OTHER runs, their build-time-against-N rows are merged into results.json first.
 """
 
 from __future__ import annotations
@@ -127,16 +129,18 @@ def write_report(path: Path) -> None:
             md.append("")
     if res.get("scaling"):
         md += ["## Build time against N (fusionrag, clustered synthetic, 2 build threads)", "",
-               "| N | dim | build s | s per 1M vectors | build peak RSS MiB | best QPS@0.90 (2t) | recall/QPS points |",
-               "|---" * 7 + "|"]
+               "| N | dim | build s | s per 1M vectors | load avg at start | build peak RSS MiB | best QPS@0.90 (2t) | recall/QPS points |",
+               "|---" * 8 + "|"]
         for row in res["scaling"]:
             b = row["build"]
             pts = row["search"].get("points", [])
             best = best_at(pts, 2, 0.90)
             md.append(f"| {row['n']:,} | {row['dim']} | {fmt(b.get('build_s'), 1)} | "
-                      f"{fmt((b.get('build_s') or 0) / row['n'] * 1e6, 1)} | {fmt((b.get('build_peak_rss') or 0) / MIB)} | "
+                      f"{fmt((b.get('build_s') or 0) / row['n'] * 1e6, 1)} | {b.get('loadavg_before', [0])[0]:.1f} | "
+                      f"{fmt((b.get('build_peak_rss') or 0) / MIB)} | "
                       f"{fmt(best and best['qps'])} | "
-                      + ", ".join(f"{p['recall']:.3f}/{p['qps']:.0f}" for p in pts) + " |")
+                      + ", ".join(f"{p['recall']:.3f}/{p['qps']:.0f}" for p in pts)
+                      + (f" (run {row['from_run']})" if row.get("from_run") else "") + " |")
         md.append("")
     md += ["## What is measured", "",
            "- Each build and each search is a process of its own. Search processes load the index from disk.",
@@ -166,6 +170,8 @@ def plot(res: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(res["datasets"])
+    if not names:
+        return
     fig, axes = plt.subplots(2, len(names), figsize=(4.2 * len(names), 7.5), squeeze=False)
     for j, name in enumerate(names):
         for i, threads in enumerate((1, 2)):
@@ -194,5 +200,18 @@ def plot(res: dict, out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
+def merge_scaling(path: Path, others: list[Path]) -> None:
+    """Add the build-time rows of other runs (e.g. a large N measured by a run of its own) to
+    `path`, each marked with the run it came from."""
+    res = json.loads(path.read_text())
+    for other in others:
+        for row in json.loads(Path(other).read_text())["scaling"]:
+            res["scaling"].append({**row, "from_run": Path(other).name})
+    res["scaling"].sort(key=lambda r: r["n"])
+    path.write_text(json.dumps(res, indent=1))
+
+
 if __name__ == "__main__":
+    if len(sys.argv) > 2:
+        merge_scaling(Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]])
     write_report(Path(sys.argv[1]))
