@@ -2,7 +2,7 @@
 
     python bench/report.py bench/results/results.json [OTHER.json ...]
 
-With OTHER runs, their build-time-against-N rows are merged into results.json first.
+With OTHER runs, their data sets and build-time rows are merged into results.json first.
 """
 
 from __future__ import annotations
@@ -88,6 +88,7 @@ def write_report(path: Path) -> None:
         summ = {s: system_summary(r) for s, r in ds["systems"].items()}
         summary[name] = summ
         md += [f"## {name}: {meta['count']:,} × {meta['dim']} ({meta['metric']}), {meta['origin']}", "",
+               *([f"Measured by run {ds['from_run']}.", ""] if ds.get("from_run") else []),
                f"fusionrag page buffer {params['buffer_bytes'] / MIB:.1f} MiB = raw vectors "
                f"({params['raw_bytes'] / MIB:.0f} MiB) / {round(params['raw_bytes'] / params['buffer_bytes'])}; "
                f"DiskANN R={params['diskann_r']}, L_build={params['diskann_l_build']}, "
@@ -200,12 +201,17 @@ def plot(res: dict, out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
-def merge_scaling(path: Path, others: list[Path]) -> None:
-    """Add the build-time rows of other runs (e.g. a large N measured by a run of its own) to
-    `path`, each marked with the run it came from."""
+def merge_runs(path: Path, others: list[Path]) -> None:
+    """Add the data sets and build-time rows of other runs (run alongside this one on the same
+    machine) to `path`, each marked with the run it came from."""
     res = json.loads(path.read_text())
     for other in others:
-        for row in json.loads(Path(other).read_text())["scaling"]:
+        o = json.loads(Path(other).read_text())
+        for name, ds in o["datasets"].items():
+            if name not in res["datasets"]:
+                res["datasets"][name] = {**ds, "from_run": f"{Path(other).name}, started {o['started']}, "
+                                                          f"load at start: {o['uptime_start']}"}
+        for row in o["scaling"]:
             res["scaling"].append({**row, "from_run": Path(other).name})
     res["scaling"].sort(key=lambda r: r["n"])
     path.write_text(json.dumps(res, indent=1))
@@ -213,5 +219,5 @@ def merge_scaling(path: Path, others: list[Path]) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 2:
-        merge_scaling(Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]])
+        merge_runs(Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]])
     write_report(Path(sys.argv[1]))

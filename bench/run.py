@@ -107,7 +107,7 @@ def run_dataset(name, args, log) -> dict:
     res = {"meta": meta, "params": params, "systems": {}}
     base_spec = {"work": str(work), "dataset": name, "params": params}
     for s in args.systems:
-        spec = {**base_spec, "phase": "build", "system": s, "index_dir": str(work / "idx" / name / s)}
+        spec = {**base_spec, "phase": "build", "system": s, "index_dir": str(args.index_dir / name / s)}
         subprocess.run(["rm", "-rf", spec["index_dir"]])
         res["systems"][s] = {"build": worker(spec, log), "search": []}
     for i, threads in enumerate(args.threads):
@@ -115,12 +115,12 @@ def run_dataset(name, args, log) -> dict:
         for s in order:
             if "error" in res["systems"][s]["build"]:
                 continue
-            spec = {**base_spec, "phase": "search", "system": s, "index_dir": str(work / "idx" / name / s),
+            spec = {**base_spec, "phase": "search", "system": s, "index_dir": str(args.index_dir / name / s),
                     "threads": [threads], "queries": args.queries, "warmup": args.warmup, "sweep": SWEEPS[s]}
             res["systems"][s]["search"].append(worker(spec, log))
     for s in args.systems:
         if not args.keep_indexes:
-            subprocess.run(["rm", "-rf", str(work / "idx" / name / s)])
+            subprocess.run(["rm", "-rf", str(args.index_dir / name / s)])
     return res
 
 
@@ -133,7 +133,7 @@ def scaling(args, log, rows: list, save) -> None:
         gen_s = time.perf_counter() - t
         _, _, _, meta = load(args.work, name)
         params = params_for(meta, args)
-        idx = str(args.work / "idx" / name / "fusionrag")
+        idx = str(args.index_dir / name / "fusionrag")
         subprocess.run(["rm", "-rf", idx])
         spec = {"work": str(args.work), "dataset": name, "params": params, "system": "fusionrag", "index_dir": idx}
         b = worker({**spec, "phase": "build"}, log)
@@ -157,10 +157,12 @@ def main():
                     help="fusionrag page buffer (and DiskANN node cache) = raw vector bytes / this")
     ap.add_argument("--work", type=Path, default=HERE / "work")
     ap.add_argument("--out", type=Path, default=HERE / "results")
+    ap.add_argument("--index-dir", type=Path, help="where indexes are built (default WORK/idx); runs in parallel need their own")
     ap.add_argument("--tag", default="results")
     ap.add_argument("--keep-indexes", action="store_true")
     args = ap.parse_args()
     args.work = args.work.resolve()
+    args.index_dir = (args.index_dir or args.work / "idx").resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     log = sys.stdout
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
