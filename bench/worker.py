@@ -74,7 +74,7 @@ def fusionrag_build(base_path, base, meta, out, p):
 def fusionrag_open(out, meta, p, threads):
     from fusionrag.retriever import Index
 
-    index = Index.open(str(out), buffer_bytes=p["buffer_bytes"], threads=threads)
+    index = Index.open(str(out), buffer_bytes=p["buffer_bytes"], threads=threads, batch_size=p.get("batch_size"))
 
     def search(q, knob):
         r = index.search(q, K, **knob)
