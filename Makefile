@@ -35,6 +35,10 @@ test: VLLM_CPU ?= 1
 test: setup browser
 	$(PY) -m pytest -q
 
+DISKANN_VENV := bench/work/diskann-venv
+
 bench:
 	$(MAKE) setup EXTRAS=test,server,gpu,bench
-	$(PY) bench/run.py
+	test -x $(DISKANN_VENV)/bin/python || python3 -m venv $(DISKANN_VENV)
+	$(DISKANN_VENV)/bin/pip install -q -r bench/requirements-diskann.txt
+	$(PY) bench/run.py --scaling 100k 1m

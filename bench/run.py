@@ -1,0 +1,186 @@
+"""fusionrag against faiss IVFPQ+RefineFlat, faiss HNSWFlat, hnswlib and DiskANN (SSD index),
+in one run on the same data: QPS at recall@10 >= 0.90 / 0.95 with 1 and 2 threads, build time,
+resident memory, SSD pages read per query, and a QPS-vs-recall plot.
+
+    python bench/run.py [--datasets glove fashion minilm synth300k] [--scaling 100k 300k 1m]
+                        [--queries 2000] [--quick]
+
+Every build and every search runs in a process of its own (bench/worker.py; DiskANN under
+bench/work/diskann-venv because diskannpy pins numpy 1.25). Searches run in rounds by thread
+count, the systems in a rotating order, so the load of a shared machine falls on all of them.
+Results: bench/results/results.json, results.md and qps_recall.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from datasets import load, prepare  # noqa: E402
+from report import write_report  # noqa: E402
+
+SYSTEMS = ["fusionrag", "faiss-ivfpq-refine", "faiss-hnsw", "hnswlib", "diskann"]
+SWEEPS = {
+    # rerank is only an upper bound (Algorithm 1 stops after beta stable mini-batches) and
+    # probe_ratio may cut lists before nprobe: README "Tuning". 0 disables the ratio rule.
+    "fusionrag": [{"nprobe": n, "rerank": r, "beta": b, "probe_ratio": pr} for n, r, b, pr in
+                  [(16, 40, 2, 1.0), (32, 60, 2, 1.0), (64, 100, 2, 1.0), (128, 200, 2, 1.0), (256, 400, 2, 1.0),
+                   (128, 200, 4, 1.0), (128, 200, 2, 0), (256, 400, 4, 0), (512, 800, 4, 0)]],
+    "faiss-ivfpq-refine": [{"nprobe": n, "k_factor": f} for n, f in
+                           [(2, 8), (4, 8), (8, 16), (12, 16), (16, 16), (24, 32), (32, 32), (64, 64), (128, 64)]],
+    "faiss-hnsw": [{"ef": e} for e in (10, 16, 24, 32, 48, 64, 96, 128, 256)],
+    "hnswlib": [{"ef": e} for e in (10, 16, 24, 32, 48, 64, 96, 128, 256)],
+    "diskann": [{"L": L, "W": w} for w in (2, 4) for L in (10, 16, 24, 32, 48, 64, 96, 128, 200)],
+}
+
+
+def machine() -> dict:
+    def sh(cmd):
+        return subprocess.run(cmd, shell=True, capture_output=True, text=True).stdout.strip()
+    return {
+        "lscpu": sh("lscpu"), "memory": sh("free -h"), "disk": sh("df -h / ; lsblk -d -o NAME,ROTA,SIZE,MODEL"),
+        "kernel": platform.uname().release, "python": sys.version.split()[0],
+        "packages": sh(f"{sys.executable} -m pip freeze 2>/dev/null | grep -i -E 'faiss|hnswlib|numpy|fusionrag'"
+                       f"; {diskann_python()} -m pip freeze 2>/dev/null | grep -i -E 'diskannpy|numpy'"),
+    }
+
+
+def diskann_python() -> str:
+    return str(HERE / "work" / "diskann-venv" / "bin" / "python")
+
+
+def params_for(meta: dict, args) -> dict:
+    """Per-data-set parameters, the same rules for every set."""
+    n, d = meta["count"], meta["dim"]
+    raw = n * d * 4
+    pq_m = min(64, max(1, d // 2))  # fusionrag's automatic choice (BuildConfig.pq_m = 0)
+    # faiss PQ needs M | d; sub-vectors of at least 8 dims because faiss 1.15.1 trains 2- and
+    # 4-dim sub-quantizers 50-100x slower here (minutes for 20k vectors). RFlat re-ranks exactly.
+    faiss_m = max(m for m in range(1, d // 8 + 1) if d % m == 0)
+    buffer = max(1 << 20, raw // args.buffer_fraction)
+    # DiskANN's graph degree as HNSW's layer-0 degree (2M = 32), and a build beam of 64: what two
+    # shared cores can build in the time of one run (diskannpy suggests R 60-150, L 75-200).
+    r = 32
+    node_bytes = 4 * d + 4 + 4 * r
+    return {
+        "build_threads": 2, "buffer_bytes": buffer, "pq_m": faiss_m, "nlist": int(4 * math.sqrt(n)),
+        "hnsw_m": 16, "ef_construction": 100,
+        # DiskANN: the same PQ code size as fusionrag in RAM, and a node cache as large as
+        # fusionrag's page buffer: the same memory for the same job.
+        "diskann_r": r, "diskann_l_build": 64, "diskann_search_gb": n * (pq_m + 0.5) / 2**30,
+        "diskann_build_gb": 4.0, "diskann_cache_nodes": buffer // node_bytes,
+        "fusionrag_pq_m": pq_m, "raw_bytes": raw,
+    }
+
+
+def worker(spec: dict, log) -> dict:
+    py = diskann_python() if spec["system"] == "diskann" else sys.executable
+    t = time.perf_counter()
+    load = os.getloadavg()
+    # OpenMP threads that spin at barriers waste the cores of a shared machine: let them sleep.
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    p = subprocess.run([py, str(HERE / "worker.py"), json.dumps(spec)], capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        print(f"FAILED {spec['phase']} {spec['system']} {spec['dataset']}:\n{p.stderr[-3000:]}", file=log, flush=True)
+        return {"error": p.stderr[-2000:]}
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    out["loadavg_before"] = load
+    print(f"{time.strftime('%H:%M:%S')} {spec['phase']:6} {spec['system']:19} {spec['dataset']:10} "
+          f"{time.perf_counter() - t:7.1f}s load {load[0]:.1f}", file=log, flush=True)
+    return out
+
+
+def run_dataset(name, args, log) -> dict:
+    work = args.work
+    prepare(work, name)
+    _, _, _, meta = load(work, name)
+    params = params_for(meta, args)
+    res = {"meta": meta, "params": params, "systems": {}}
+    base_spec = {"work": str(work), "dataset": name, "params": params}
+    for s in args.systems:
+        spec = {**base_spec, "phase": "build", "system": s, "index_dir": str(args.index_dir / name / s)}
+        subprocess.run(["rm", "-rf", spec["index_dir"]])
+        res["systems"][s] = {"build": worker(spec, log), "search": []}
+    for i, threads in enumerate(args.threads):
+        order = args.systems[i % len(args.systems):] + args.systems[:i % len(args.systems)]
+        for s in order:
+            if "error" in res["systems"][s]["build"]:
+                continue
+            spec = {**base_spec, "phase": "search", "system": s, "index_dir": str(args.index_dir / name / s),
+                    "threads": [threads], "queries": args.queries, "warmup": args.warmup, "sweep": SWEEPS[s]}
+            res["systems"][s]["search"].append(worker(spec, log))
+    for s in args.systems:
+        if not args.keep_indexes:
+            subprocess.run(["rm", "-rf", str(args.index_dir / name / s)])
+    return res
+
+
+def scaling(args, log, rows: list, save) -> None:
+    """fusionrag build time against N on the clustered synthetic set (and a short search)."""
+    for n in args.scaling:
+        name = f"synth{n}"
+        t = time.perf_counter()
+        prepare(args.work, name)
+        gen_s = time.perf_counter() - t
+        _, _, _, meta = load(args.work, name)
+        params = params_for(meta, args)
+        idx = str(args.index_dir / name / "fusionrag")
+        subprocess.run(["rm", "-rf", idx])
+        spec = {"work": str(args.work), "dataset": name, "params": params, "system": "fusionrag", "index_dir": idx}
+        b = worker({**spec, "phase": "build"}, log)
+        s = worker({**spec, "phase": "search", "threads": [2], "queries": args.queries, "warmup": args.warmup,
+                    "sweep": SWEEPS["fusionrag"][2:7]}, log)
+        rows.append({"n": meta["count"], "dim": meta["dim"], "generate_s": gen_s, "build": b, "search": s})
+        save()
+        if not args.keep_indexes:
+            subprocess.run(["rm", "-rf", idx])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--datasets", nargs="*", default=["glove", "synth200k", "fashion", "minilm"])
+    ap.add_argument("--systems", nargs="*", default=SYSTEMS)
+    ap.add_argument("--scaling", nargs="*", default=[], help="synthetic sizes for the build-time curve, e.g. 100k 300k 1m")
+    ap.add_argument("--threads", nargs="*", type=int, default=[1, 2])
+    ap.add_argument("--queries", type=int, default=1000)
+    ap.add_argument("--warmup", type=int, default=300)
+    ap.add_argument("--buffer-fraction", type=int, default=16,
+                    help="fusionrag page buffer (and DiskANN node cache) = raw vector bytes / this")
+    ap.add_argument("--work", type=Path, default=HERE / "work")
+    ap.add_argument("--out", type=Path, default=HERE / "results")
+    ap.add_argument("--index-dir", type=Path, help="where indexes are built (default WORK/idx); runs in parallel need their own")
+    ap.add_argument("--tag", default="results")
+    ap.add_argument("--keep-indexes", action="store_true")
+    args = ap.parse_args()
+    args.work = args.work.resolve()
+    args.index_dir = (args.index_dir or args.work / "idx").resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = sys.stdout
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    out = {"started": started, "machine": machine(), "uptime_start": os.popen("uptime").read().strip(),
+           "args": {k: str(v) for k, v in vars(args).items()}, "datasets": {}, "scaling": []}
+    path = args.out / f"{args.tag}.json"
+
+    def save():  # after every step, so a run cut short still leaves its tables
+        out["uptime_end"] = os.popen("uptime").read().strip()
+        out["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+        path.write_text(json.dumps(out, indent=1))
+        write_report(path)
+
+    for name in args.datasets:
+        out["datasets"][name] = run_dataset(name, args, log)
+        save()
+    scaling(args, log, out["scaling"], save)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+"""One system, one data set, one phase, in a process of its own (so its memory is its own):
+
+    python bench/worker.py '{"phase": "build"|"search", "system": ..., "dataset": ..., ...}'
+
+prints one JSON line. `run.py` drives it. DiskANN runs under bench/work/diskann-venv (diskannpy
+pins numpy 1.25), so this file needs only numpy at import; each system's library is imported
+where it is used.
+
+What is measured:
+- build: wall seconds, and the peak RSS of the build process (VmHWM).
+- search: the index is loaded from disk, then for each thread count and each knob setting the
+  queries are run as one batch: QPS, recall@10, process CPU seconds per query, and the bytes
+  this process read from storage (/proc/self/io read_bytes: counted in submit_bio for buffered
+  and O_DIRECT reads alike, so page-cache hits are not counted) divided by 4096 = pages/query.
+  Memory: VmHWM is reset (/proc/self/clear_refs 5) after imports and query loading, so the
+  reported peak covers loading the index and every search; `base_rss` is the process, its
+  library imported, before the index is loaded, and `net` = peak - base.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from datasets import load  # noqa: E402
+
+K = 10
+
+
+def status(field: str) -> int:
+    """A VmRSS/VmHWM line of /proc/self/status, in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def read_bytes() -> int:
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    raise KeyError("read_bytes")
+
+
+def recall(ids: np.ndarray, gt: np.ndarray) -> float:
+    hits = sum(len(np.intersect1d(a[a >= 0], g)) for a, g in zip(ids, gt[:, :K]))
+    return hits / (len(gt) * K)
+
+
+# ---- the systems: build(base_path, base, meta, out_dir, p) and open(out_dir, meta, p, threads)
+# returning search(queries, knob) -> (ids, extra stats) ----
+
+def fusionrag_build(base_path, base, meta, out, p):
+    from fusionrag.retriever import BuildConfig, Index
+
+    Index.build(str(base_path), str(out), BuildConfig(metric=meta["metric"], threads=p["build_threads"]),
+                progress=False)
+
+
+def fusionrag_open(out, meta, p, threads):
+    from fusionrag.retriever import Index
+
+    index = Index.open(str(out), buffer_bytes=p["buffer_bytes"], threads=threads, batch_size=p.get("batch_size"))
+
+    def search(q, knob):
+        r = index.search(q, K, **knob)
+        stats = {k: float(v.mean()) for k, v in r.stats.items()}
+        return r.ids, {"engine": stats, **r.info, "memory": index.memory()}
+    return search
+
+
+def ivfpq_build(base_path, base, meta, out, p):
+    import faiss
+
+    faiss.omp_set_num_threads(p["build_threads"])
+    n, d = base.shape
+    nlist = p["nlist"]
+    index = faiss.index_factory(d, f"IVF{nlist},PQ{p['pq_m']}x8,RFlat")
+    rng = np.random.default_rng(0)
+    train = np.ascontiguousarray(base[np.sort(rng.choice(n, min(n, 64 * nlist, 200_000), replace=False))])
+    index.train(train)
+    for lo in range(0, n, 1 << 18):
+        index.add(np.ascontiguousarray(base[lo:lo + (1 << 18)]))
+    faiss.write_index(index, str(out / "index.faiss"))
+
+
+def ivfpq_open(out, meta, p, threads):
+    import faiss
+
+    faiss.omp_set_num_threads(threads)
+    index = faiss.read_index(str(out / "index.faiss"))
+    ivf = faiss.extract_index_ivf(index)
+    refine = faiss.downcast_index(index)
+
+    def search(q, knob):
+        ivf.nprobe = knob["nprobe"]
+        refine.k_factor = knob["k_factor"]
+        return index.search(q, K)[1], {}
+    return search
+
+
+def faiss_hnsw_build(base_path, base, meta, out, p):
+    import faiss
+
+    faiss.omp_set_num_threads(p["build_threads"])
+    index = faiss.IndexHNSWFlat(base.shape[1], p["hnsw_m"])
+    index.hnsw.efConstruction = p["ef_construction"]
+    for lo in range(0, len(base), 1 << 18):
+        index.add(np.ascontiguousarray(base[lo:lo + (1 << 18)]))
+    faiss.write_index(index, str(out / "index.faiss"))
+
+
+def faiss_hnsw_open(out, meta, p, threads):
+    import faiss
+
+    faiss.omp_set_num_threads(threads)
+    index = faiss.read_index(str(out / "index.faiss"))
+
+    def search(q, knob):
+        index.hnsw.efSearch = knob["ef"]
+        return index.search(q, K)[1], {}
+    return search
+
+
+def hnswlib_build(base_path, base, meta, out, p):
+    import hnswlib
+
+    n, d = base.shape
+    index = hnswlib.Index(space="l2", dim=d)
+    index.init_index(max_elements=n, ef_construction=p["ef_construction"], M=p["hnsw_m"])
+    for lo in range(0, n, 1 << 18):
+        chunk = np.ascontiguousarray(base[lo:lo + (1 << 18)])
+        index.add_items(chunk, np.arange(lo, lo + len(chunk)), num_threads=p["build_threads"])
+    index.save_index(str(out / "index.hnswlib"))
+
+
+def hnswlib_open(out, meta, p, threads):
+    import hnswlib
+
+    index = hnswlib.Index(space="l2", dim=meta["dim"])
+    index.load_index(str(out / "index.hnswlib"))
+
+    def search(q, knob):
+        index.set_ef(knob["ef"])
+        return index.knn_query(q, K, num_threads=threads)[0].astype(np.int64), {}
+    return search
+
+
+def diskann_build(base_path, base, meta, out, p):
+    import diskannpy
+
+    diskannpy.build_disk_index(
+        str(base_path), "l2", str(out), complexity=p["diskann_l_build"], graph_degree=p["diskann_r"],
+        search_memory_maximum=p["diskann_search_gb"], build_memory_maximum=p["diskann_build_gb"],
+        num_threads=p["build_threads"], pq_disk_bytes=0, vector_dtype=np.float32)
+
+
+def diskann_open(out, meta, p, threads):
+    import diskannpy
+
+    # Two scratch contexts even for one search thread: with one, diskannpy 0.7.0 deadlocks while
+    # loading (ScratchStoreManager in use_medoids_data_as_centroids). batch_search sets the threads.
+    index = diskannpy.StaticDiskIndex(str(out), num_threads=max(2, threads), num_nodes_to_cache=p["diskann_cache_nodes"],
+                                      distance_metric="l2", vector_dtype=np.float32, dimensions=meta["dim"])
+
+    def search(q, knob):
+        r = index.batch_search(q, K, complexity=knob["L"], num_threads=threads, beam_width=knob["W"])
+        return r.identifiers.astype(np.int64), {}
+    return search
+
+
+SYSTEMS = {  # name: (build, open, the library, imported before the baseline RSS is taken)
+    "fusionrag": (fusionrag_build, fusionrag_open, "fusionrag.retriever"),
+    "faiss-ivfpq-refine": (ivfpq_build, ivfpq_open, "faiss"),
+    "faiss-hnsw": (faiss_hnsw_build, faiss_hnsw_open, "faiss"),
+    "hnswlib": (hnswlib_build, hnswlib_open, "hnswlib"),
+    "diskann": (diskann_build, diskann_open, "diskannpy"),
+}
+
+
+def build(spec) -> dict:
+    work = Path(spec["work"])
+    base, _, _, meta = load(work, spec["dataset"])
+    out = Path(spec["index_dir"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if spec["system"] != "fusionrag":  # fusionrag publishes its directory atomically, itself
+        out.mkdir()
+    base_path = work / "data" / spec["dataset"] / "base.fbin"
+    rss0 = status("VmRSS")
+    t = time.perf_counter()
+    SYSTEMS[spec["system"]][0](base_path, base, meta, out, spec["params"])
+    seconds = time.perf_counter() - t
+    disk = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    return {"build_s": seconds, "build_peak_rss": status("VmHWM"), "base_rss": rss0, "index_disk_bytes": disk}
+
+
+def search(spec) -> dict:
+    work = Path(spec["work"])
+    base, queries, gt, meta = load(work, spec["dataset"])
+    nq = min(spec["queries"], len(queries))
+    q, gt = np.ascontiguousarray(queries[:nq]), gt[:nq]
+    # Warm-up queries: base rows with a little noise, never the measured queries themselves.
+    rng = np.random.default_rng(1)
+    rows = np.sort(rng.choice(len(base), min(spec["warmup"], len(base)), replace=False))
+    warm = np.asarray(base[rows]) + 0.01 * np.std(base[rows[:100]]) * rng.standard_normal((len(rows), meta["dim"]), dtype=np.float32)
+    warm = warm.astype(np.float32)
+    if meta["metric"] == "cosine":
+        warm /= np.linalg.norm(warm, axis=1, keepdims=True)
+    del base
+    importlib.import_module(SYSTEMS[spec["system"]][2])
+    results = []
+    base_rss = status("VmRSS")
+    reset_peak()
+    for threads in spec["threads"]:
+        t = time.perf_counter()
+        run = SYSTEMS[spec["system"]][1](Path(spec["index_dir"]), meta, spec["params"], threads)
+        load_s = time.perf_counter() - t
+        run(warm, spec["sweep"][len(spec["sweep"]) // 2])
+        for knob in spec["sweep"]:
+            rb, cpu = read_bytes(), os.times()
+            t = time.perf_counter()
+            ids, extra = run(q, knob)
+            seconds = time.perf_counter() - t
+            cpu2, rb2 = os.times(), read_bytes()
+            results.append({
+                "threads": threads, "knob": knob, "qps": nq / seconds, "recall": recall(ids, gt),
+                "cpu_ms_per_query": 1000 * ((cpu2.user - cpu.user) + (cpu2.system - cpu.system)) / nq,
+                "read_pages_per_query": (rb2 - rb) / 4096 / nq, "load_s": load_s, **extra,
+            })
+        del run
+    peak = status("VmHWM")
+    return {"queries": nq, "points": results, "search_peak_rss": peak, "base_rss": base_rss,
+            "net_peak_rss": peak - base_rss}
+
+
+if __name__ == "__main__":
+    spec = json.loads(sys.argv[1])
+    out = build(spec) if spec["phase"] == "build" else search(spec)
+    print(json.dumps({**spec, **out}))
