@@ -52,6 +52,20 @@ def mips_augment(centroids: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.hstack([centroids, extra]), dtype=np.float32)
 
 
+def save_index_files(w, block_crc, graph, list_offsets, list_ids, codebooks, codes, locations) -> None:
+    """Every file of an index directory but the manifest, into the index being written (w), once
+    the page file is complete: one place for the format a build and a merge both write."""
+    w.add_file("vectors.pages", hashed=False)
+    w.save_array("block_crc.npy", block_crc)
+    graph.save(str(w.path("graph.bin")))
+    w.add_file("graph.bin")
+    w.save_array("list_offsets.npy", list_offsets)
+    w.save_array("list_ids.npy", list_ids)
+    w.save_array("pq_codebooks.npy", codebooks)
+    w.save_array("pq_codes.npy", codes)
+    w.save_array("locations.npy", np.asarray(locations, dtype=np.uint32))
+
+
 class _IntegralCheck:
     """Float data whose every value is an integer in a byte's range (SIFT, say) is stored as
     bytes: exactly the same distances, a quarter of the SSD reads."""
@@ -183,16 +197,7 @@ def build_index(source, out_dir, config: BuildConfig = BuildConfig(), progress: 
                 recs[read_order] = rows.stored(ids[read_order])
                 writer.write(slots[ids], recs.view(np.uint8).reshape(len(ids), record_bytes))
                 pbar.update(len(ids))
-        block_crc = writer.close()
-        w.add_file("vectors.pages", hashed=False)
-        w.save_array("block_crc.npy", block_crc)
-        graph.save(str(w.path("graph.bin")))
-        w.add_file("graph.bin")
-        w.save_array("list_offsets.npy", list_offsets)
-        w.save_array("list_ids.npy", list_ids)
-        w.save_array("pq_codebooks.npy", pq.codebooks)
-        w.save_array("pq_codes.npy", codes)
-        w.save_array("locations.npy", slots)
+        save_index_files(w, writer.close(), graph, list_offsets, list_ids, pq.codebooks, codes, slots)
         timings["write_s"] = time.perf_counter() - t
         timings["total_s"] = time.perf_counter() - t_start
         manifest = {

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from fusionrag import native
+from fusionrag.retriever.build import save_index_files
 from fusionrag.retriever.config import BuildConfig, cpu_threads
 from fusionrag.retriever.index import Index
 from fusionrag.retriever.kmeans import kmeans, sq_dists
@@ -177,15 +178,7 @@ def merge_index(old: Index, dead: np.ndarray, new_vectors: np.ndarray, out_dir: 
 
         codes = np.concatenate([f.codes[alive], old.pq.encode(x) if n_new else np.empty((0, old.pq.m), np.uint8)])
         offsets, list_ids = lists.csr(len(centroids))
-        w.add_file("vectors.pages", hashed=False)
-        w.save_array("block_crc.npy", block_crc)
-        graph.save(str(w.path("graph.bin")))
-        w.add_file("graph.bin")
-        w.save_array("list_offsets.npy", offsets)
-        w.save_array("list_ids.npy", list_ids)
-        w.save_array("pq_codebooks.npy", old.pq.codebooks)
-        w.save_array("pq_codes.npy", codes)
-        w.save_array("locations.npy", locations.astype(np.uint32))
+        save_index_files(w, block_crc, graph, offsets, list_ids, old.pq.codebooks, codes, locations)
         stats = MergeStats(int(dead.sum()), n_new, splits, reuse, extra_blocks)
         manifest = {k: v for k, v in m_old.items() if k not in ("format", "format_version", "files")}
         manifest.update({
