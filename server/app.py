@@ -329,7 +329,7 @@ def _validation_response(request: Request, exc: RequestValidationError) -> JSONR
                         422)
 
 
-def _engine_error(request: Request, exc: FusionRAGError) -> JSONResponse:
+def engine_error(request: Request, exc: FusionRAGError) -> JSONResponse:
     for cls, status in _STATUS:
         if isinstance(exc, cls):
             return JSONResponse({"detail": str(exc)}, status)
@@ -425,7 +425,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
     app.add_middleware(ObserveMiddleware, metrics=state.metrics)
     app.add_exception_handler(RequestValidationError, _validation_response)
-    app.add_exception_handler(FusionRAGError, _engine_error)
+    app.add_exception_handler(FusionRAGError, engine_error)
     app.add_exception_handler(Exception, _unexpected)
     app.include_router(v1)
 

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fusionrag.integrations.vllm.prompt import augment, question_of
 from fusionrag.retriever.errors import ConfigError, FusionRAGError, InputError, NotFoundError
-from fusionrag.server.app import State, _engine_error, authenticate, v1
+from fusionrag.server.app import State, authenticate, engine_error, v1
 from fusionrag.server.auth import Key
 from fusionrag.server.config import load_config
 
@@ -129,7 +129,7 @@ class FusionRAGEndpointPlugin:
     def attach_router(self, app: FastAPI) -> None:
         app.include_router(v1)
         app.include_router(rag)
-        app.add_exception_handler(FusionRAGError, _engine_error)
+        app.add_exception_handler(FusionRAGError, engine_error)
         # vLLM's app has a lifespan of its own; ours wraps it to stop the batcher and close the
         # collections when vLLM shuts down.
         inner = app.router.lifespan_context
