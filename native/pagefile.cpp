@@ -446,14 +446,16 @@ PageStore::~PageStore() {
   ::close(fd_);
 }
 
-size_t PageStore::fetch(const uint32_t* blocks, size_t n, uint8_t* out) {
+size_t PageStore::fetch(const uint32_t* blocks, size_t n, uint8_t* out, uint8_t* read_from_ssd) {
   const size_t bb = layout_.block_bytes();
   std::vector<BlockRead> misses;
   for (size_t i = 0; i < n; ++i) {
     if (blocks[i] >= crc_.size())
       throw std::invalid_argument(path_ + ": block " + std::to_string(blocks[i]) + " is past the end (" +
                                   std::to_string(crc_.size()) + " blocks)");
-    if (!buffer_.lookup(blocks[i], out + i * bb)) misses.push_back({blocks[i], out + i * bb});
+    bool hit = buffer_.lookup(blocks[i], out + i * bb);
+    if (!hit) misses.push_back({blocks[i], out + i * bb});
+    if (read_from_ssd) read_from_ssd[i] = !hit;
   }
   blocks_from_buffer_.fetch_add(n - misses.size(), std::memory_order_relaxed);
   if (misses.empty()) return 0;

@@ -98,8 +98,9 @@ class PageStore {
 
   // Copies blocks[i] to out + i * block_bytes (out 4096-aligned): from the page
   // buffer when there; the others are read from the SSD together, checked
-  // against their CRC and put in the buffer. Returns how many came from the SSD.
-  size_t fetch(const uint32_t* blocks, size_t n, uint8_t* out);
+  // against their CRC and put in the buffer. Returns how many came from the SSD;
+  // when given, read_from_ssd[i] says whether blocks[i] did (1) or not (0).
+  size_t fetch(const uint32_t* blocks, size_t n, uint8_t* out, uint8_t* read_from_ssd = nullptr);
   void reset_buffer() { buffer_.clear(); }
   PageStoreStats stats() const;
 

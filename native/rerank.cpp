@@ -118,19 +118,17 @@ struct Exact {
     }
   }
 
-  // Fetches the blocks that ids[0, n) live on, one read per distinct block, and
-  // writes each id's distance from q to out. Returns blocks {from SSD, from buffer}.
-  std::pair<size_t, size_t> distances(const float* q, const int64_t* ids, size_t n, float* out,
-                                      std::vector<uint32_t>& blocks, AlignedBuffer& scratch) const {
-    const PageLayout& layout = store.layout();
-    blocks.clear();
+  // Appends the block of each id >= 0 of ids[0, n).
+  void add_blocks(const int64_t* ids, size_t n, std::vector<uint32_t>& blocks) const {
     for (size_t j = 0; j < n; ++j)
-      if (ids[j] >= 0) blocks.push_back(uint32_t(layout.block_of(locations[ids[j]])));
-    std::sort(blocks.begin(), blocks.end());
-    blocks.erase(std::unique(blocks.begin(), blocks.end()), blocks.end());
-    const size_t bb = layout.block_bytes();
-    uint8_t* data = scratch.get(std::max<size_t>(1, blocks.size()) * bb);
-    size_t from_ssd = store.fetch(blocks.data(), blocks.size(), data);
+      if (ids[j] >= 0) blocks.push_back(uint32_t(store.layout().block_of(locations[ids[j]])));
+  }
+
+  // Writes each id's distance from q to out (inf for -1), its record found in
+  // data, which holds `blocks` (sorted, distinct) one after another.
+  void distances_in(const float* q, const int64_t* ids, size_t n, const std::vector<uint32_t>& blocks,
+                    const uint8_t* data, float* out) const {
+    const PageLayout& layout = store.layout();
     for (size_t j = 0; j < n; ++j) {
       if (ids[j] < 0) {
         out[j] = std::numeric_limits<float>::infinity();
@@ -138,19 +136,15 @@ struct Exact {
       }
       uint32_t slot = locations[ids[j]];
       size_t b = std::lower_bound(blocks.begin(), blocks.end(), uint32_t(layout.block_of(slot))) - blocks.begin();
-      out[j] = distance(q, data + b * bb + layout.offset_in_block(slot), dim);
+      out[j] = distance(q, data + b * layout.block_bytes() + layout.offset_in_block(slot), dim);
     }
-    return {from_ssd, blocks.size() - from_ssd};
   }
 };
 
-struct Scratch {
-  std::vector<uint32_t> blocks;
-  AlignedBuffer data;
-  std::vector<float> dist;
-  std::vector<std::pair<float, int64_t>> heap;
-  std::vector<int64_t> top, prev_top;
-};
+void sort_distinct(std::vector<uint32_t>& v) {
+  std::sort(v.begin(), v.end());
+  v.erase(std::unique(v.begin(), v.end()), v.end());
+}
 
 struct RerankParams {
   size_t k, minibatch;
@@ -158,22 +152,32 @@ struct RerankParams {
   int64_t beta;
 };
 
-// One query; writes k ids and distances and the stats row.
-void rerank_query(const Exact& ex, const RerankParams& p, const float* q, const int64_t* cand, size_t n, int64_t* ids,
-                  float* dists, int64_t* stats, Scratch& s) {
+// One query's progress through Algorithm 1. It advances one mini-batch at a
+// time, so that a worker can keep several queries in flight and read the blocks
+// of all their next mini-batches together.
+struct QueryState {
+  size_t row = 0, pos = 0, end = 0;  // candidates [pos, end) are still to re-rank
+  bool live = false;
   // Max-heap on (distance, id): the root is the worst kept, ties keep the smaller id.
-  auto& heap = s.heap;
-  heap.clear();
-  s.prev_top.clear();
-  size_t end = std::find(cand, cand + n, int64_t(-1)) - cand;
-  int64_t batches = 0, reranked = 0, from_ssd = 0, from_buffer = 0, stable = 0;
-  for (size_t pos = 0; pos < end; pos += p.minibatch) {
-    size_t m = std::min(p.minibatch, end - pos);
-    s.dist.resize(m);
-    auto [ssd, buffered] = ex.distances(q, cand + pos, m, s.dist.data(), s.blocks, s.data);
-    from_ssd += ssd, from_buffer += buffered;
+  std::vector<std::pair<float, int64_t>> heap;
+  std::vector<int64_t> top, prev_top;
+  int64_t batches = 0, from_ssd = 0, from_buffer = 0, stable = 0;
+  double seconds = 0;
+
+  void start(size_t query, const int64_t* cand, size_t n) {
+    row = query, pos = 0, end = std::find(cand, cand + n, int64_t(-1)) - cand;
+    live = true;
+    heap.clear(), prev_top.clear();
+    batches = from_ssd = from_buffer = stable = 0;
+    seconds = 0;
+  }
+  size_t next_size(const RerankParams& p) const { return std::min(p.minibatch, end - pos); }
+  bool done(const RerankParams& p) const { return pos >= end || (p.beta > 0 && stable >= p.beta); }
+
+  // Takes the exact distances of the next mini-batch, cand[0, m), and applies the stop rule.
+  void absorb(const int64_t* cand, const float* dist, size_t m, const RerankParams& p) {
     for (size_t j = 0; j < m; ++j) {
-      std::pair<float, int64_t> e{s.dist[j], cand[pos + j]};
+      std::pair<float, int64_t> e{dist[j], cand[j]};
       if (heap.size() == p.k && !(e < heap.front())) continue;
       // A candidate list may repeat an id (boundary replicas); keep it once.
       if (std::any_of(heap.begin(), heap.end(), [&](const auto& h) { return h.second == e.second; })) continue;
@@ -184,29 +188,123 @@ void rerank_query(const Exact& ex, const RerankParams& p, const float* q, const 
         heap.pop_back();
       }
     }
-    ++batches, reranked += int64_t(m);
+    ++batches, pos += m;
 
     // Delta = |S_n \ S_{n-1}| / k; the first mini-batch never counts as stable.
-    s.top.clear();
-    for (const auto& h : heap) s.top.push_back(h.second);
-    std::sort(s.top.begin(), s.top.end());
+    top.clear();
+    for (const auto& h : heap) top.push_back(h.second);
+    std::sort(top.begin(), top.end());
     size_t kept = 0;
-    for (size_t a = 0, b = 0; a < s.top.size() && b < s.prev_top.size();) {
-      if (s.top[a] < s.prev_top[b]) ++a;
-      else if (s.prev_top[b] < s.top[a]) ++b;
+    for (size_t a = 0, b = 0; a < top.size() && b < prev_top.size();) {
+      if (top[a] < prev_top[b]) ++a;
+      else if (prev_top[b] < top[a]) ++b;
       else ++kept, ++a, ++b;
     }
-    float delta = float(s.top.size() - kept) / float(p.k);
+    float delta = float(top.size() - kept) / float(p.k);
     stable = (batches > 1 && delta <= p.eps) ? stable + 1 : 0;
-    std::swap(s.top, s.prev_top);
-    if (p.beta > 0 && stable >= p.beta) break;
+    std::swap(top, prev_top);
   }
-  std::sort_heap(heap.begin(), heap.end());
-  for (size_t j = 0; j < p.k; ++j) {
-    ids[j] = j < heap.size() ? heap[j].second : -1;
-    dists[j] = j < heap.size() ? heap[j].first : std::numeric_limits<float>::infinity();
+
+  // Writes k ids and distances and the stats row.
+  void finish(const RerankParams& p, int64_t* ids, float* dists, int64_t* stats, double* secs) {
+    std::sort_heap(heap.begin(), heap.end());
+    for (size_t j = 0; j < p.k; ++j) {
+      ids[j] = j < heap.size() ? heap[j].second : -1;
+      dists[j] = j < heap.size() ? heap[j].first : std::numeric_limits<float>::infinity();
+    }
+    stats[0] = batches, stats[1] = int64_t(pos), stats[2] = from_ssd, stats[3] = from_buffer;
+    *secs = seconds;
+    live = false;
   }
-  stats[0] = batches, stats[1] = reranked, stats[2] = from_ssd, stats[3] = from_buffer;
+};
+
+// One rerank call: its inputs and outputs.
+struct RerankJob {
+  const Exact& ex;
+  RerankParams p;
+  const float* queries;
+  const int64_t* cand;
+  size_t n;
+  int64_t *ids, *stats;
+  float* dists;
+  double* seconds;
+
+  const int64_t* next_batch(const QueryState& st) const { return cand + st.row * n + st.pos; }
+  void finish(QueryState& st) const {
+    const size_t i = st.row;
+    st.finish(p, ids + i * p.k, dists + i * p.k, stats + i * 4, seconds + i);
+  }
+};
+
+// Queries in flight times this is the chunk a worker takes: larger keeps the
+// slots refilled for longer, smaller balances the workers' load better.
+constexpr size_t kChunkGroups = 4;
+
+struct Scratch {
+  std::vector<QueryState> slots;
+  std::vector<uint32_t> blocks, mine;
+  std::vector<uint8_t> unclaimed;  // per block of the round: read from the SSD, not yet counted
+  AlignedBuffer data;
+  std::vector<float> dist;
+};
+
+// Re-ranks queries [first, last) with up to `inflight` in flight, in rounds:
+// every live query's next mini-batch is read by one fetch, so the SSD sees all
+// of their reads at once instead of one mini-batch's round trip at a time. A
+// query leaving frees its slot for the next one, and the fetch buffer never
+// holds more than inflight * minibatch blocks.
+void rerank_queries(const RerankJob& job, size_t first, size_t last, size_t inflight, Scratch& s) {
+  const Exact& ex = job.ex;
+  const RerankParams& p = job.p;
+  const size_t bb = ex.store.layout().block_bytes();
+  s.slots.resize(inflight);
+  for (QueryState& st : s.slots) st.live = false;
+  for (size_t next = first;;) {
+    size_t live = 0;
+    for (QueryState& st : s.slots) {
+      while (!st.live && next < last) {
+        st.start(next, job.cand + next * job.n, job.n);
+        ++next;
+        if (st.done(p)) job.finish(st);  // no candidates
+      }
+      live += st.live;
+    }
+    if (!live) return;
+
+    auto t0 = std::chrono::steady_clock::now();
+    s.blocks.clear();
+    for (const QueryState& st : s.slots)
+      if (st.live) ex.add_blocks(job.next_batch(st), st.next_size(p), s.blocks);
+    sort_distinct(s.blocks);
+    uint8_t* data = s.data.get(std::max<size_t>(1, s.blocks.size()) * bb);
+    s.unclaimed.resize(s.blocks.size());
+    ex.store.fetch(s.blocks.data(), s.blocks.size(), data, s.unclaimed.data());
+    for (QueryState& st : s.slots) {
+      if (!st.live) continue;
+      const int64_t* cand = job.next_batch(st);
+      const size_t m = st.next_size(p);
+      // A block read for several queries counts as read for the first, buffered
+      // for the others: summed over queries, pages read are the reads done.
+      s.mine.clear();
+      ex.add_blocks(cand, m, s.mine);
+      sort_distinct(s.mine);
+      for (uint32_t b : s.mine) {
+        size_t at = std::lower_bound(s.blocks.begin(), s.blocks.end(), b) - s.blocks.begin();
+        if (s.unclaimed[at]) ++st.from_ssd, s.unclaimed[at] = 0;
+        else ++st.from_buffer;
+      }
+      s.dist.resize(m);
+      ex.distances_in(job.queries + st.row * ex.dim, cand, m, s.blocks, data, s.dist.data());
+      st.absorb(cand, s.dist.data(), m, p);
+    }
+    // The round's time is split among its queries, so per-query seconds sum to the worker's time.
+    double share = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / double(live);
+    for (QueryState& st : s.slots)
+      if (st.live) {
+        st.seconds += share;
+        if (st.done(p)) job.finish(st);
+      }
+  }
 }
 
 size_t threads_for(int num_threads) {
@@ -229,34 +327,43 @@ void bind_rerank(nb::module_& m) {
   m.def(
       "rerank",
       [](PageStore& store, Queries queries, IdMatrix candidates, Locations locations, const std::string& dtype,
-         const std::string& metric, int64_t k, int64_t minibatch, float eps, int64_t beta, int num_threads) {
+         const std::string& metric, int64_t k, int64_t minibatch, float eps, int64_t beta, int num_threads,
+         int64_t inflight) {
         Exact ex(store, queries, locations, dtype, metric);
         check_rows(queries, candidates, "candidates");
         if (k <= 0) throw std::invalid_argument("k must be positive");
         if (minibatch <= 0) throw std::invalid_argument("minibatch must be positive");
-        const RerankParams p{size_t(k), size_t(minibatch), eps, beta};
+        if (inflight <= 0) throw std::invalid_argument("inflight (queries in flight per worker) must be positive");
         const size_t nq = queries.shape(0), n = candidates.shape(1), threads = threads_for(num_threads);
-        NumpyOut<int64_t> ids({nq, p.k}), stats({nq, 4});
-        NumpyOut<float> dists({nq, p.k});
+        NumpyOut<int64_t> ids({nq, size_t(k)}), stats({nq, 4});
+        NumpyOut<float> dists({nq, size_t(k)});
         NumpyOut<double> seconds({nq});
+        const RerankJob job{ex, {size_t(k), size_t(minibatch), eps, beta}, queries.data(), candidates.data(), n,
+                            ids.data(), stats.data(), dists.data(), seconds.data()};
         {
           nb::gil_scoped_release nogil;
           for (size_t i = 0; i < nq; ++i) ex.validate(candidates.data() + i * n, n, true);
-          std::vector<Scratch> scratch(std::min(threads, std::max<size_t>(1, nq)));
-          ThreadPool::instance().parallel_for(nq, scratch.size(), [&](size_t i, size_t worker) {
-            auto t0 = std::chrono::steady_clock::now();
-            rerank_query(ex, p, queries.data() + i * ex.dim, candidates.data() + i * n, n, ids.data() + i * p.k,
-                         dists.data() + i * p.k, stats.data() + i * 4, scratch[worker]);
-            seconds.data()[i] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          const size_t workers = std::min(threads, std::max<size_t>(1, nq));
+          // No more in flight than spreads the queries over every worker: a small
+          // call still uses all threads.
+          const size_t slots = std::min(size_t(inflight), std::max<size_t>(1, (nq + workers - 1) / workers));
+          // Workers take fixed chunks of consecutive queries, so which queries share
+          // a round, and so each query's blocks from SSD, does not depend on timing.
+          const size_t chunk = slots * kChunkGroups, chunks = (nq + chunk - 1) / chunk;
+          std::vector<Scratch> scratch(workers);
+          ThreadPool::instance().parallel_for(chunks, workers, [&](size_t c, size_t worker) {
+            rerank_queries(job, c * chunk, std::min(nq, (c + 1) * chunk), slots, scratch[worker]);
           });
         }
         return nb::make_tuple(ids.release(), dists.release(), stats.release(), seconds.release());
       },
       "store"_a, "queries"_a, "candidates"_a, "locations"_a, "dtype"_a, "metric"_a, "k"_a, "minibatch"_a, "eps"_a,
-      "beta"_a, "num_threads"_a = 0,
+      "beta"_a, "num_threads"_a = 0, "inflight"_a = 8,
       "Exact top-k of each query's PQ-ranked candidates (best first, -1 padded), read from the page file in "
-      "mini-batches with early stop. Returns (ids int64[q,k], dists float32[q,k], stats int64[q,4] = "
-      "[minibatches, candidates re-ranked, blocks from SSD, blocks from buffer], seconds float64[q]).");
+      "mini-batches with early stop; each worker thread keeps up to `inflight` queries in flight and reads their "
+      "mini-batches' blocks together. Returns (ids int64[q,k], dists float32[q,k], stats int64[q,4] = "
+      "[minibatches, candidates re-ranked, blocks from SSD, blocks from buffer], seconds float64[q] = the query's "
+      "share of its worker's time). A block read once for several queries counts as from SSD for one of them.");
 
   m.def(
       "exact_distances",
@@ -272,9 +379,17 @@ void bind_rerank(nb::module_& m) {
           std::vector<Scratch> scratch(std::min(threads, std::max<size_t>(1, nq)));
           ThreadPool::instance().parallel_for(nq, scratch.size(), [&](size_t i, size_t worker) {
             constexpr size_t kBatch = 64;  // one batched read per 64 ids bounds the scratch
-            for (size_t j = 0; j < n; j += kBatch)
-              ex.distances(queries.data() + i * ex.dim, ids.data() + i * n + j, std::min(kBatch, n - j),
-                           out.data() + i * n + j, scratch[worker].blocks, scratch[worker].data);
+            Scratch& s = scratch[worker];
+            for (size_t j = 0; j < n; j += kBatch) {
+              const int64_t* batch = ids.data() + i * n + j;
+              const size_t m = std::min(kBatch, n - j);
+              s.blocks.clear();
+              ex.add_blocks(batch, m, s.blocks);
+              sort_distinct(s.blocks);
+              uint8_t* data = s.data.get(std::max<size_t>(1, s.blocks.size()) * store.layout().block_bytes());
+              store.fetch(s.blocks.data(), s.blocks.size(), data);
+              ex.distances_in(queries.data() + i * ex.dim, batch, m, s.blocks, data, out.data() + i * n + j);
+            }
           });
         }
         return out.release();

@@ -98,7 +98,7 @@ class Index:
             NavigationTier(graph, metric == "ip", threads),
             ProductQuantizer(codebooks, dim),
             open_filter_tier(config, offsets, list_ids, codes, codebooks, threads),
-            RerankTier(store, locations, dtype, engine_metric, threads),
+            RerankTier(store, locations, dtype, engine_metric, threads, config.rerank_inflight),
             config, params or SearchParams(),
         )
 

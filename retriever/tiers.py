@@ -124,10 +124,12 @@ def open_filter_tier(config: EngineConfig, list_offsets: np.ndarray, list_ids: n
 
 
 class RerankTier:
-    def __init__(self, store, locations: np.ndarray, dtype: str, metric: str, threads: int):
-        self.store, self.locations, self.dtype, self.metric, self.threads = store, locations, dtype, metric, threads
+    def __init__(self, store, locations: np.ndarray, dtype: str, metric: str, threads: int,
+                 inflight: int = EngineConfig.rerank_inflight):
+        self.store, self.locations, self.dtype, self.metric = store, locations, dtype, metric
+        self.threads, self.inflight = threads, inflight
 
     def rerank(self, queries: np.ndarray, cand: np.ndarray, k: int, p: SearchParams):
         """(ids, exact distances, stats int64 (q, 4), seconds): see native.rerank."""
         return native.rerank(self.store, queries, cand, self.locations, self.dtype, self.metric, k,
-                             p.minibatch, p.eps, p.beta, self.threads)
+                             p.minibatch, p.eps, p.beta, self.threads, inflight=self.inflight)

@@ -48,6 +48,9 @@ def test_errors_are_messages_not_tracebacks(tmp_path):
     write_bin(tmp_path / "q.fbin", clustered(5, 9, 4))
     p = run("search", tmp_path / "idx", tmp_path / "q.fbin", "--k", "10", "--out", tmp_path / "o.npy", check=False)
     assert p.returncode == 2 and "dimension 9, the index has dimension 8" in p.stderr and "Traceback" not in p.stderr
+    p = run("search", tmp_path / "idx", tmp_path / "q.fbin", "--out", tmp_path / "o.npy", "--rerank-inflight", "0",
+            check=False)
+    assert p.returncode == 2 and "rerank_inflight must be in [1, 1024]" in p.stderr
     p = run("search", tmp_path / "nowhere", tmp_path / "q.fbin", "--out", tmp_path / "o.npy", check=False)
     assert p.returncode == 2 and "no such index directory" in p.stderr
     p = run("build", tmp_path / "base.fbin", tmp_path / "idx", "--quiet", check=False)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import clustered, exact_knn, recall
 
-from fusionrag.retriever import BuildConfig, Index, IndexFormatError, InputError
+from fusionrag.retriever import BuildConfig, ConfigError, Index, IndexFormatError, InputError
 from fusionrag.retriever.manifest import FORMAT_VERSION
 from fusionrag.retriever.vectors import open_vectors, write_bin
 
@@ -115,6 +115,20 @@ def test_reads_use_o_direct_and_both_backends_agree(small):
         results[backend] = index.search(queries, k=10)
     np.testing.assert_array_equal(results["io_uring"].ids, results["pread"].ids)
     np.testing.assert_array_equal(results["io_uring"].stats["pages_read"], results["pread"].stats["pages_read"])
+
+
+def test_queries_in_flight_match_one_at_a_time(small):
+    _, queries, path = small
+    one = Index.open(path, buffer_bytes=0, rerank_inflight=1).search(queries, k=10)
+    many = Index.open(path, buffer_bytes=0, rerank_inflight=16).search(queries, k=10)
+    np.testing.assert_array_equal(one.ids, many.ids)
+    np.testing.assert_array_equal(one.distances, many.distances)
+    for key in ("minibatches", "reranked"):
+        np.testing.assert_array_equal(one.stats[key], many.stats[key])
+    np.testing.assert_array_equal(one.stats["pages_read"], many.stats["pages_read"] + many.stats["pages_buffered"])
+    assert many.stats["pages_read"].sum() < one.stats["pages_read"].sum()  # queries share pages
+    with pytest.raises(ConfigError, match="rerank_inflight"):
+        Index.open(path, rerank_inflight=0)
 
 
 def test_single_query_and_batching(small):

@@ -223,3 +223,92 @@ def test_rerank_validates_arguments(tmp_path):
     call(candidates=np.array([[1, -1, 500]] * 2))  # ids after the first -1 are never looked at
     with pytest.raises(ValueError, match="outside"):
         native.exact_distances(store, q, np.array([[1, -1, 500]] * 2), locations, "f32", "l2")
+
+
+def mixed_candidates(rng, vectors, queries):
+    """Candidate rows whose queries stop at different rounds: near-sorted rows stop early,
+    reversed rows never settle and run out, padded rows end early, and rows repeat ids."""
+    n = len(vectors)
+    d = ((queries[:, None, :] - vectors[None]) ** 2).sum(-1)
+    cand = np.argsort(d * rng.uniform(0.9, 1.1, d.shape), 1)[:, :120].astype(np.int64)
+    cand[[1, 11]] = np.argsort(d[[1, 11]], 1)[:, 119::-1]  # best last: the top-k changes every mini-batch
+    cand[2, 13:] = -1
+    cand[5, :] = -1  # nothing to re-rank
+    cand[6, 40:] = -1
+    cand[7, 8:16] = cand[7, :8]  # the whole second mini-batch repeats the first
+    cand[9, 3] = cand[9, 1]
+    cand[10] = rng.permutation(n)[:120]  # random: reads blocks nobody else needs
+    return cand
+
+
+def rerank_inflight(store, queries, cand, locations, inflight, threads=1):
+    before = store.stats()["blocks_read"]
+    out = native.rerank(store, queries, cand, locations, "f32", "l2", 5, 8, 0.0, 2, threads, inflight=inflight)
+    return out, store.stats()["blocks_read"] - before
+
+
+@pytest.mark.parametrize("backend", ["io_uring", "pread"])
+def test_queries_in_flight_change_nothing_per_query(tmp_path, backend):
+    rng = np.random.default_rng(11)
+    vectors = rng.standard_normal((2000, 100)).astype(np.float32)  # 10 records a block, 200 blocks
+    queries = rng.standard_normal((13, 100)).astype(np.float32)
+    cand = mixed_candidates(rng, vectors, queries)
+    try:
+        store, locations = make_store(tmp_path, vectors, "f32", buffer_blocks=0, spread=1, io_backend=backend)
+    except OSError as e:
+        pytest.skip(f"{backend} not available: {e}")
+    (ids, dists, stats, seconds), reads = rerank_inflight(store, queries, cand, locations, 1)
+    batches = stats[:, 0]
+    assert batches[5] == 0 and (ids[5] == -1).all() and stats[2, 1] == 13 and stats[6, 1] == 40
+    assert len(set(batches.tolist())) >= 4, "the queries should leave the group at different rounds"
+    assert (stats[[1, 11], 1] == 120).all() and stats[0, 1] < 120  # exhaustion and early stop
+    assert stats[:, 3].sum() == 0 and reads == stats[:, 2].sum()  # no buffer: every query reads its own
+    for inflight in (3, 8, 64):  # 64: more than the queries
+        for threads in (1, 2):
+            (g_ids, g_dists, g_stats, g_seconds), g_reads = rerank_inflight(
+                store, queries, cand, locations, inflight, threads)
+            assert np.array_equal(g_ids, ids) and np.array_equal(g_dists, dists), (inflight, threads)
+            assert np.array_equal(g_stats[:, :2], stats[:, :2])
+            # Each query still touches the same blocks; shared ones count as read only once.
+            assert np.array_equal(g_stats[:, 2] + g_stats[:, 3], stats[:, 2])
+            assert g_reads == g_stats[:, 2].sum() < reads
+            assert (g_seconds[stats[:, 0] > 0] > 0).all()
+
+
+def test_queries_in_flight_attribute_shared_blocks_once(tmp_path):
+    rng = np.random.default_rng(12)
+    vectors = rng.standard_normal((300, 100)).astype(np.float32)
+    store, locations = make_store(tmp_path, vectors, "f32", buffer_blocks=0, spread=1)
+    block = locations // 10
+    a, b = np.flatnonzero(block == 3)[:2]
+    c = np.flatnonzero(block == 7)[0]
+    # Both queries need block 3 in their only mini-batch; the second also needs block 7.
+    cand = np.array([[a, -1], [b, c]], np.int64)
+    (_, _, stats, _), reads = rerank_inflight(store, vectors[:2], cand, locations, 2)
+    assert stats[:, 2:].tolist() == [[1, 0], [1, 1]] and reads == 2
+    assert store.stats()["read_calls"] == 1  # both queries' blocks in one batched read
+    (_, _, stats, _), reads = rerank_inflight(store, vectors[:2], cand, locations, 1)
+    assert stats[:, 2:].tolist() == [[1, 0], [2, 0]] and reads == 3
+
+
+def test_queries_in_flight_use_and_fill_the_page_buffer(tmp_path):
+    rng = np.random.default_rng(13)
+    vectors = rng.standard_normal((2000, 100)).astype(np.float32)
+    queries = rng.standard_normal((13, 100)).astype(np.float32)
+    cand = mixed_candidates(rng, vectors, queries)
+    store, locations = make_store(tmp_path, vectors, "f32", buffer_blocks=512, spread=1)
+    (ids, _, first, _), reads = rerank_inflight(store, queries, cand, locations, 8)
+    assert reads == first[:, 2].sum() > 0
+    (again_ids, _, again, _), reads = rerank_inflight(store, queries, cand, locations, 8)
+    assert reads == 0 and again[:, 2].sum() == 0
+    assert np.array_equal(again[:, 3], first[:, 2] + first[:, 3]) and np.array_equal(again_ids, ids)
+
+
+def test_inflight_must_be_positive(tmp_path):
+    rng = np.random.default_rng(14)
+    vectors = rng.standard_normal((100, 20)).astype(np.float32)
+    store, locations = make_store(tmp_path, vectors, "f32")
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match="inflight .* must be positive"):
+            native.rerank(store, vectors[:2], np.tile(np.arange(10), (2, 1)), locations, "f32", "l2", 5, 4, 0.0, 2,
+                          inflight=bad)

@@ -25,6 +25,7 @@ _HELP = {
     "eps": "early stop: top-k change ratio counted as stable",
     "beta": "early stop after this many stable mini-batches (0 disables)",
     "graph_ef": "navigation graph beam (at least nprobe)",
+    "rerank_inflight": "queries each re-rank thread keeps in flight, their SSD reads overlapped (1: one at a time)",
     "filter_tier": "PQ filter tier: auto (GPU when CUDA is there), cpu or gpu",
     "gpu_budget_bytes": "GPU memory the filter tier may hold (0: what the LLM server leaves)",
     "gpu_memory_utilization": "the LLM server's share of GPU memory, for the default budget",
