@@ -109,9 +109,13 @@ class EngineConfig(_Config):
     direct_io: str = "auto"
     io_threads: int = 8
     threads: int = 0
-    # Queries each re-rank worker keeps in flight: their mini-batches' SSD reads go out together,
-    # so I/O latency overlaps instead of being waited out one mini-batch at a time. DEFAULT_TBD
-    rerank_inflight: int = 8
+    # Queries each re-rank thread keeps in flight: their mini-batches' SSD reads go out together,
+    # so I/O latency overlaps instead of being waited out one mini-batch at a time; 1 is one
+    # query at a time. Results do not depend on it. 16: on a synthetic 100k set (page buffer
+    # raw/16) it took the re-rank stage from ~4000 to ~8000 queries/s on one thread and cut
+    # round trips to the SSD 2x against 8; more (32) gained little and overflows one 64-entry
+    # io_uring submission. Memory: 16 x minibatch blocks per thread (bench/results/rerank_inflight.md).
+    rerank_inflight: int = 16
     # Queries per internal batch: bounds the working memory of one call, which is mostly the
     # batch's float32 PQ tables (M KiB per query). On GloVe 390k, 256 instead of 1024 took the
     # search process's peak RSS from 158 to 105 MB at the same recall (2 threads, 4 MiB buffer).
