@@ -124,6 +124,16 @@ struct Exact {
       if (ids[j] >= 0) blocks.push_back(uint32_t(store.layout().block_of(locations[ids[j]])));
   }
 
+  // Sorts and de-duplicates blocks, then reads them, one after another, into
+  // scratch, which it returns; read_from_ssd as for PageStore::fetch.
+  const uint8_t* fetch(std::vector<uint32_t>& blocks, AlignedBuffer& scratch, uint8_t* read_from_ssd = nullptr) const {
+    std::sort(blocks.begin(), blocks.end());
+    blocks.erase(std::unique(blocks.begin(), blocks.end()), blocks.end());
+    uint8_t* data = scratch.get(std::max<size_t>(1, blocks.size()) * store.layout().block_bytes());
+    store.fetch(blocks.data(), blocks.size(), data, read_from_ssd);
+    return data;
+  }
+
   // Writes each id's distance from q to out (inf for -1), its record found in
   // data, which holds `blocks` (sorted, distinct) one after another.
   void distances_in(const float* q, const int64_t* ids, size_t n, const std::vector<uint32_t>& blocks,
@@ -140,11 +150,6 @@ struct Exact {
     }
   }
 };
-
-void sort_distinct(std::vector<uint32_t>& v) {
-  std::sort(v.begin(), v.end());
-  v.erase(std::unique(v.begin(), v.end()), v.end());
-}
 
 struct RerankParams {
   size_t k, minibatch;
@@ -258,7 +263,6 @@ struct Scratch {
 void rerank_queries(const RerankJob& job, size_t first, size_t last, size_t inflight, Scratch& s) {
   const Exact& ex = job.ex;
   const RerankParams& p = job.p;
-  const size_t bb = ex.store.layout().block_bytes();
   s.slots.resize(inflight);
   for (QueryState& st : s.slots) st.live = false;
   for (size_t next = first;;) {
@@ -277,10 +281,8 @@ void rerank_queries(const RerankJob& job, size_t first, size_t last, size_t infl
     s.blocks.clear();
     for (const QueryState& st : s.slots)
       if (st.live) ex.add_blocks(job.next_batch(st), st.next_size(p), s.blocks);
-    sort_distinct(s.blocks);
-    uint8_t* data = s.data.get(std::max<size_t>(1, s.blocks.size()) * bb);
-    s.unclaimed.resize(s.blocks.size());
-    ex.store.fetch(s.blocks.data(), s.blocks.size(), data, s.unclaimed.data());
+    s.unclaimed.resize(s.blocks.size());  // sized before de-duplication: a flag per distinct block and more
+    const uint8_t* data = ex.fetch(s.blocks, s.data, s.unclaimed.data());
     for (QueryState& st : s.slots) {
       if (!st.live) continue;
       const int64_t* cand = job.next_batch(st);
@@ -289,7 +291,8 @@ void rerank_queries(const RerankJob& job, size_t first, size_t last, size_t infl
       // for the others: summed over queries, pages read are the reads done.
       s.mine.clear();
       ex.add_blocks(cand, m, s.mine);
-      sort_distinct(s.mine);
+      std::sort(s.mine.begin(), s.mine.end());
+      s.mine.erase(std::unique(s.mine.begin(), s.mine.end()), s.mine.end());
       for (uint32_t b : s.mine) {
         size_t at = std::lower_bound(s.blocks.begin(), s.blocks.end(), b) - s.blocks.begin();
         if (s.unclaimed[at]) ++st.from_ssd, s.unclaimed[at] = 0;
@@ -388,9 +391,7 @@ void bind_rerank(nb::module_& m) {
               const size_t m = std::min(kBatch, n - j);
               s.blocks.clear();
               ex.add_blocks(batch, m, s.blocks);
-              sort_distinct(s.blocks);
-              uint8_t* data = s.data.get(std::max<size_t>(1, s.blocks.size()) * store.layout().block_bytes());
-              store.fetch(s.blocks.data(), s.blocks.size(), data);
+              const uint8_t* data = ex.fetch(s.blocks, s.data);
               ex.distances_in(queries.data() + i * ex.dim, batch, m, s.blocks, data, out.data() + i * n + j);
             }
           });
