@@ -111,10 +111,10 @@ class EngineConfig(_Config):
     threads: int = 0
     # Queries each re-rank thread keeps in flight: their mini-batches' SSD reads go out together,
     # so I/O latency overlaps instead of being waited out one mini-batch at a time; 1 is one
-    # query at a time. Results do not depend on it. 16: on a synthetic 100k set (page buffer
-    # raw/16) it took the re-rank stage from ~4000 to ~8000 queries/s on one thread and cut
-    # round trips to the SSD 2x against 8; more (32) gained little and overflows one 64-entry
-    # io_uring submission. Memory: 16 x minibatch blocks per thread (bench/results/rerank_inflight.md).
+    # query at a time. Results do not depend on it. 16: with a page buffer of raw/16 it took the
+    # re-rank stage from ~4700 to ~8800 queries/s (synthetic 100k) and from ~800 to ~1800
+    # (Fashion-MNIST) on one thread, and halves SSD round trips again against 8; 32 gained
+    # little more. Memory: 16 x minibatch blocks per thread (bench/results/rerank_inflight.md).
     rerank_inflight: int = 16
     # Queries per internal batch: bounds the working memory of one call, which is mostly the
     # batch's float32 PQ tables (M KiB per query). On GloVe 390k, 256 instead of 1024 took the
