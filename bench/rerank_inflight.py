@@ -26,7 +26,7 @@ def read_bytes() -> int:
 
 def candidates(index: Index, queries: np.ndarray) -> list[np.ndarray]:
     """The PQ candidates of each engine batch, as the search hands them to the re-ranker."""
-    p, bs = index.params, index.config.batch_size
+    p, bs = index.params, index.config.batch_for(index.filter.name)
     out = []
     for lo in range(0, len(queries), bs):
         q = index.prepare_queries(queries[lo:lo + bs])
@@ -37,7 +37,7 @@ def candidates(index: Index, queries: np.ndarray) -> list[np.ndarray]:
 def rerank_only(index: Index, queries: np.ndarray, cands: list[np.ndarray]) -> float:
     """Seconds the re-rank stage alone takes for all queries, batch by batch as in a search."""
     index.reranker.store.reset_buffer()
-    bs = index.config.batch_size
+    bs = index.config.batch_for(index.filter.name)
     t = time.perf_counter()
     for i, cand in enumerate(cands):
         index.reranker.rerank(index.prepare_queries(queries[i * bs:(i + 1) * bs]), cand, 10, index.params)

@@ -108,8 +108,17 @@ def run_dataset(name, args, log) -> dict:
     base_spec = {"work": str(work), "dataset": name, "params": params}
     for s in args.systems:
         spec = {**base_spec, "phase": "build", "system": s, "index_dir": str(args.index_dir / name / s)}
-        subprocess.run(["rm", "-rf", spec["index_dir"]])
-        res["systems"][s] = {"build": worker(spec, log), "search": []}
+        record = args.index_dir / name / f"{s}.build.json"
+        if args.reuse_builds and record.exists() and json.loads(record.read_text()).get("params") == params:
+            build = json.loads(record.read_text())  # built earlier with the same parameters, and timed then
+        else:
+            subprocess.run(["rm", "-rf", spec["index_dir"], str(record)])
+            build = worker(spec, log)
+            if "error" not in build:
+                record.write_text(json.dumps(build))
+        res["systems"][s] = {"build": build, "search": []}
+    if args.build_only:
+        return res
     for i, threads in enumerate(args.threads):
         order = args.systems[i % len(args.systems):] + args.systems[:i % len(args.systems)]
         for s in order:
@@ -120,7 +129,7 @@ def run_dataset(name, args, log) -> dict:
             res["systems"][s]["search"].append(worker(spec, log))
     for s in args.systems:
         if not args.keep_indexes:
-            subprocess.run(["rm", "-rf", str(args.index_dir / name / s)])
+            subprocess.run(["rm", "-rf", str(args.index_dir / name / s), str(args.index_dir / name / f"{s}.build.json")])
     return res
 
 
@@ -160,7 +169,12 @@ def main():
     ap.add_argument("--index-dir", type=Path, help="where indexes are built (default WORK/idx); runs in parallel need their own")
     ap.add_argument("--tag", default="results")
     ap.add_argument("--keep-indexes", action="store_true")
+    ap.add_argument("--build-only", action="store_true", help="build (and keep) the indexes, search nothing")
+    ap.add_argument("--reuse-builds", action="store_true",
+                    help="search indexes kept by an earlier --build-only/--keep-indexes run with the same parameters, "
+                         "reporting that run's build figures")
     args = ap.parse_args()
+    args.keep_indexes |= args.build_only
     args.work = args.work.resolve()
     args.index_dir = (args.index_dir or args.work / "idx").resolve()
     args.out.mkdir(parents=True, exist_ok=True)

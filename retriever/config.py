@@ -11,6 +11,8 @@ METRICS = ("l2", "ip", "cosine")
 IO_BACKENDS = ("auto", "io_uring", "pread")
 DIRECT_IO = ("auto", "on", "off")
 FILTER_TIERS = ("auto", "cpu", "gpu")
+# Automatic EngineConfig.batch_size per filter tier.
+CPU_BATCH, GPU_BATCH = 64, 1024
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -116,10 +118,11 @@ class EngineConfig(_Config):
     # (Fashion-MNIST) on one thread, and halves SSD round trips again against 8; 32 gained
     # little more. Memory: 16 x minibatch blocks per thread (bench/results/rerank_inflight.md).
     rerank_inflight: int = 16
-    # Queries per internal batch: bounds the working memory of one call, which is mostly the
-    # batch's float32 PQ tables (M KiB per query). On GloVe 390k, 256 instead of 1024 took the
-    # search process's peak RSS from 158 to 105 MB at the same recall (2 threads, 4 MiB buffer).
-    batch_size: int = 256
+    # Queries per internal batch; 0 picks by filter tier (batch_for). On the CPU a batch's float32
+    # PQ tables (M KiB per query) are most of a search's working memory and small batches cost no
+    # speed: Fashion-MNIST 60k (M=64), 2 threads, 64 queries per batch took the process's peak
+    # from 86 to ~44 MiB at the same QPS (256: 523-545 q/s, 64: 653-696). The GPU wants big ones.
+    batch_size: int = 0
     # Check every file against the manifest's checksums when opening.
     verify: bool = True
     # PQ filtering on the GPU ('gpu', Triton) or the CPU ('cpu'); 'auto' takes the GPU when
@@ -139,11 +142,15 @@ class EngineConfig(_Config):
         _check(self.threads >= 0, f"threads must be >= 0, got {self.threads}")
         _check(1 <= self.rerank_inflight <= 1024,
                f"rerank_inflight must be in [1, 1024] (1: one query at a time), got {self.rerank_inflight}")
-        _check(1 <= self.batch_size <= 65536, f"batch_size must be in [1, 65536], got {self.batch_size}")
+        _check(0 <= self.batch_size <= 65536, f"batch_size must be in [0, 65536] (0 = automatic), got {self.batch_size}")
         _check(self.filter_tier in FILTER_TIERS, f"filter_tier must be one of {FILTER_TIERS}, got {self.filter_tier!r}")
         _check(self.gpu_budget_bytes >= 0, f"gpu_budget_bytes must be >= 0 (0 = automatic), got {self.gpu_budget_bytes}")
         _check(0 <= self.gpu_memory_utilization < 1,
                f"gpu_memory_utilization must be in [0, 1), got {self.gpu_memory_utilization}")
+
+    def batch_for(self, filter_tier: str) -> int:
+        """Queries per internal batch with this filter tier ('cpu' or 'gpu')."""
+        return self.batch_size or (CPU_BATCH if filter_tier == "cpu" else GPU_BATCH)
 
 
 def cpu_threads(requested: int = 0) -> int:

@@ -161,7 +161,7 @@ class Index:
         ids = np.empty((nq, k), dtype=np.int64)
         dists = np.empty((nq, k), dtype=np.float32)
         stats = {key: np.zeros(nq, dtype=np.float64 if key.endswith("_s") else np.int64) for key in STAT_KEYS}
-        bs = self.config.batch_size
+        bs = self.config.batch_for(self.filter.name)
         batches = [slice(s, min(nq, s + bs)) for s in range(0, nq, bs)]
 
         def outputs(sl):

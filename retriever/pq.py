@@ -71,9 +71,11 @@ class ProductQuantizer:
     def luts(self, queries: np.ndarray, metric: str) -> np.ndarray:
         """float32 (q, M, 256): squared L2 ('l2') or negative inner product ('ip') per sub-space."""
         qs = self._split(queries)
-        dots = np.einsum("qmd,mkd->qmk", qs, self.codebooks, optimize=True)
-        if metric == "ip":
-            return np.ascontiguousarray(-dots, dtype=np.float32)
-        q_sq = np.einsum("qmd,qmd->qm", qs, qs)
-        c_sq = np.einsum("mkd,mkd->mk", self.codebooks, self.codebooks)
-        return np.ascontiguousarray(q_sq[:, :, None] - 2 * dots + c_sq[None], dtype=np.float32)
+        # One (q, M, 256) array, worked in place: the tables are most of a search's working memory.
+        dots = np.empty((len(qs), self.m, KSUB), dtype=np.float32)
+        np.matmul(qs.transpose(1, 0, 2), self.codebooks.transpose(0, 2, 1), out=dots.transpose(1, 0, 2))
+        dots *= -2 if metric == "l2" else -1
+        if metric == "l2":
+            dots += np.einsum("qmd,qmd->qm", qs, qs)[:, :, None]
+            dots += np.einsum("mkd,mkd->mk", self.codebooks, self.codebooks)[None]
+        return dots

@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -99,7 +101,17 @@ class CpuFilterTier:
         return Candidates(ids, dists, counts[:, 0], counts[:, 1], seconds)
 
 
+# A CUDA (or ROCm) driver makes one of these; without any, torch cannot see a GPU.
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd")
+
+
 def _cuda_available() -> bool:
+    """Without a GPU driver's device nodes there is no CUDA: say so without importing torch,
+    which alone would add ~200 MB to the resident memory of a CPU-only search process."""
+    if "torch" not in sys.modules:
+        if os.environ.get("CUDA_VISIBLE_DEVICES", "").strip() == "-1" or not any(
+                os.path.exists(p) for p in GPU_DEVICE_NODES):
+            return False
     if importlib.util.find_spec("torch") is None or importlib.util.find_spec("triton") is None:
         return False
     import torch
@@ -120,7 +132,7 @@ def open_filter_tier(config: EngineConfig, list_offsets: np.ndarray, list_ids: n
     device = gpu_device()
     budget = config.gpu_budget_bytes or default_budget(device, config.gpu_memory_utilization)
     return GpuFilterTier(list_offsets, list_ids, codes, codebooks, device=device, budget_bytes=budget,
-                         batch_size=config.batch_size, threads=threads)
+                         batch_size=config.batch_for("gpu"), threads=threads)
 
 
 class RerankTier:

@@ -140,6 +140,33 @@ def test_single_query_and_batching(small):
     np.testing.assert_array_equal(one.ids[0], batched.ids[3])
 
 
+def test_batch_size_zero_picks_per_tier(small):
+    from fusionrag.retriever.config import CPU_BATCH, GPU_BATCH, EngineConfig
+
+    assert EngineConfig().batch_for("cpu") == CPU_BATCH and EngineConfig().batch_for("gpu") == GPU_BATCH
+    assert EngineConfig(batch_size=5).batch_for("gpu") == 5
+    base, queries, path = small
+    auto = Index.open(path, filter_tier="cpu").search(queries, k=10)
+    one_batch = Index.open(path, filter_tier="cpu", batch_size=len(queries)).search(queries, k=10)
+    np.testing.assert_array_equal(auto.ids, one_batch.ids)
+
+
+def test_cpu_only_search_never_imports_torch(small):
+    """Importing torch costs a CPU-only search process ~200 MB; without a GPU driver it must not happen."""
+    base, queries, path = small
+    code = (
+        "import sys, numpy as np\n"
+        "import fusionrag.retriever.tiers as tiers\n"
+        "tiers.GPU_DEVICE_NODES = ('/nonexistent/nvidiactl',)\n"
+        "from fusionrag.retriever import Index\n"
+        f"index = Index.open({str(path)!r})\n"
+        "r = index.search(np.zeros((2, 24), np.float32), k=3)\n"
+        "print(r.info['filter_tier'], 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["cpu", "False"]
+
+
 def test_real_sift5k_recall_at_defaults(tmp_path, data_dir):
     d = data_dir / "sift5k-ngt-texmexq"
     m = Index.build(d / "sift5k_base.fvecs", tmp_path / "idx", progress=False)
