@@ -115,7 +115,7 @@ class EngineConfig(_Config):
     # so I/O latency overlaps instead of being waited out one mini-batch at a time; 1 is one
     # query at a time. Results do not depend on it. 16: with a page buffer of raw/16 and io_uring
     # it took the re-rank stage from 4491 to 7069 queries/s (synthetic 100k) and from 1282 to 2226
-    # (Fashion-MNIST) on one thread; 32 gained little more, and the pread pool peaks at 4-8.
+    # (Fashion-MNIST) on one thread; 32 gained little more, and the pread pool mostly peaks at 4-8.
     # Memory: 16 x minibatch blocks per thread (bench/results/rerank_inflight.md).
     rerank_inflight: int = 16
     # Queries per internal batch; 0 picks by filter tier (batch_for). On the CPU a batch's float32
