@@ -13,6 +13,7 @@ import torch
 from conftest import clustered, exact_knn, recall
 
 from fusionrag.cli import main
+from fusionrag.kernels.pool import DeviceBudget
 from fusionrag.retriever import BuildConfig, ConfigError, EngineConfig, Index
 from fusionrag.retriever.gpu_tier import GpuFilterTier, default_budget, gpu_device
 from fusionrag.retriever.overlap import overlapped
@@ -69,8 +70,8 @@ def open_tiers(path, budget: int, **kw):
     """The CPU tier and a GPU tier with the given budget over one index's arrays."""
     index = Index.open(path, filter_tier="cpu")
     f = index.filter
-    gpu = GpuFilterTier(f.list_offsets, f.list_ids, f.codes, index.pq.codebooks, device=gpu_device(),
-                        budget_bytes=budget, batch_size=16, threads=1, **kw)
+    gpu = GpuFilterTier(f.list_offsets, f.list_ids, f.codes, index.pq.codebooks,
+                        account=DeviceBudget(gpu_device(), budget).account("test"), batch_size=16, threads=1, **kw)
     return index, f, gpu
 
 
@@ -81,9 +82,9 @@ def test_codes_beyond_the_budget_are_read_from_host_memory(l2_index):
     tables = 16 * m * 256 * 4 + 16 * 24 * 4  # a block's LUTs and queries, batch_size 16
     # Room for the codebooks, the slot map, two blocks and about a third of the codes.
     budget = index.pq.codebooks.nbytes + 4 * count + 2 * (tables + (1 << 20)) + count * m // 3
-    _, _, gpu = open_tiers(path, budget, work_bytes=1 << 20)
+    _, _, gpu = open_tiers(path, budget, work_bytes=1 << 20, tiered_share=1.0)
     assert gpu.tiered and 0.2 < gpu.describe()["resident_code_fraction"] < 0.5
-    assert gpu.budget.used <= budget
+    assert gpu.account.budget.used <= budget
     q = index.prepare_queries(queries[:8])
     lists, _, _ = index.nav.probe(q, index.params)
     luts = index.pq.luts(q, "l2")
