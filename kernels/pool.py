@@ -53,11 +53,11 @@ class DeviceBudget(_Reserving):
     """Bytes of one device this process may hold, and the running and peak totals. Several
     holders share it through accounts (`account`), each giving its bytes back on `release`."""
 
-    def __init__(self, device: torch.device, budget_bytes: int, peak: int = 0):
+    def __init__(self, device: torch.device, budget_bytes: int):
         if budget_bytes <= 0:
             raise BudgetError(f"a GPU memory budget must be positive, got {budget_bytes} bytes")
         self.device, self.budget = torch.device(device), int(budget_bytes)
-        self.used, self.peak = 0, int(peak)
+        self.used = self.peak = 0
         self.parts: dict[str, int] = {}
         self.owners: set[str] = set()
         self._lock = threading.Lock()  # holders open, reserve and release from any thread
@@ -66,6 +66,15 @@ class DeviceBudget(_Reserving):
     @property
     def left(self) -> int:
         return self.budget - self.used
+
+    def resize(self, budget_bytes: int) -> None:
+        """A new size for a budget no one holds an account in; the peak stays the process's."""
+        with self._lock:
+            if self.owners:
+                raise BudgetError(f"a GPU memory budget held by {', '.join(sorted(self.owners))} cannot be resized")
+            if budget_bytes <= 0:
+                raise BudgetError(f"a GPU memory budget must be positive, got {budget_bytes} bytes")
+            self.budget = int(budget_bytes)
 
     def reserve(self, what: str, nbytes: int) -> None:
         with self._lock:
@@ -98,7 +107,16 @@ class DeviceBudget(_Reserving):
             self.owners.discard(owner)
 
     def _held(self) -> str:
-        return ", ".join(f"{k} ({v} bytes)" for k, v in self.parts.items() if v) or "nothing"
+        """What is held, and by whom: parts named `owner: part` are grouped by owner."""
+        groups: dict[str, dict[str, int]] = {}
+        for key, n in self.parts.items():
+            owner, _, what = key.rpartition(": ")
+            groups.setdefault(owner, {})[what] = n
+        said = []
+        for owner, parts in groups.items():
+            listed = ", ".join(f"{what} ({n} bytes)" for what, n in parts.items())
+            said.append(f"{owner} holds {sum(parts.values())} bytes: {listed}" if owner else listed)
+        return "; ".join(said) or "nothing"
 
 
 class BudgetAccount(_Reserving):

@@ -82,7 +82,10 @@ def shared_account(device: torch.device, budget_bytes: int, llm_utilization: flo
             if size <= 0:
                 raise ConfigError(f"no GPU memory is left for the filter tier on {device} "
                                   f"(gpu_memory_utilization={llm_utilization}); set gpu_budget_bytes")
-            budget = _budgets[device] = DeviceBudget(device, size, peak=budget.peak if budget else 0)
+            if budget is None:
+                budget = _budgets[device] = DeviceBudget(device, size)
+            else:
+                budget.resize(size)
         elif budget_bytes and budget_bytes != budget.budget:
             raise ConfigError(
                 f"gpu_budget_bytes={budget_bytes} for {owner}, but this process's GPU memory budget on {device} "

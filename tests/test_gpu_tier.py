@@ -2,8 +2,10 @@
 results; the memory budget; tier selection. Without a GPU it runs on CPU tensors through
 Triton's interpreter (conftest.py sets TRITON_INTERPRET=1), so the shapes stay small."""
 
+import gc
 import json
 import os
+import re
 import threading
 import time
 
@@ -15,6 +17,7 @@ from conftest import clustered, exact_knn, recall
 from fusionrag.cli import main
 from fusionrag.kernels.pool import DeviceBudget
 from fusionrag.retriever import BuildConfig, ConfigError, EngineConfig, Index
+from fusionrag.retriever.collection import Catalog, CollectionConfig, Document
 from fusionrag.retriever.gpu_tier import GpuFilterTier, default_budget, gpu_device
 from fusionrag.retriever.overlap import overlapped
 from fusionrag.retriever.vectors import open_vectors
@@ -220,3 +223,125 @@ def test_real_sift5k_gpu_tier_equals_cpu_tier(tmp_path, data_dir):
     same_results(cpu, gpu)
     assert np.array_equal(cpu.stats["unique_candidates"], gpu.stats["unique_candidates"])
     assert recall(gpu.ids, open_vectors(d / "sift5k_groundtruth.ivecs")[:12, :10]) >= 0.95
+
+
+# -- one budget per device per process, shared by every open index ----------------------------
+
+@pytest.fixture(scope="module")
+def second_index(tmp_path_factory):
+    base = clustered(2000, 24, 30, seed=5)
+    path = tmp_path_factory.mktemp("gpu2") / "idx"
+    Index.build(base, path, BuildConfig(metric="l2"), progress=False)
+    return base, path
+
+
+def test_indexes_share_one_budget_and_one_that_does_not_fit_fails(l2_index, second_index):
+    _, queries, path_a = l2_index
+    _, path_b = second_index
+    budget = 6 << 20
+    kw = dict(filter_tier="gpu", gpu_budget_bytes=budget, batch_size=16)
+    a, b = Index.open(path_a, **kw), Index.open(path_b, **kw)
+    shared = a.filter.account.budget
+    assert b.filter.account.budget is shared and shared.owners == {str(path_a), str(path_b)}
+    used_a, used_b = a.filter.account.used, b.filter.account.used
+    assert shared.used == used_a + used_b <= budget and used_a > 0 and used_b > 0
+    # The first index took its codes whole, and working blocks out of half of what they left.
+    first = a.filter.account.parts
+    assert used_a <= first["PQ codebooks"] + first["PQ codes"] + (budget - first["PQ codebooks"] - first["PQ codes"]) // 2
+    info = a.memory()["filter"]
+    assert info["gpu_budget_bytes"] == budget and info["gpu_reserved_bytes"] == shared.used
+    assert info["gpu_index_reserved_bytes"] == used_a and info["gpu_index_parts"] == first
+    assert info["gpu_budget_holders"] == 2 and info["gpu_peak_bytes"] >= shared.used
+    # A third does not fit: the error names the budget, what is held and by whom; nothing leaks.
+    with pytest.raises(ConfigError, match=(
+            rf"GPU memory budget of {budget} bytes is too small: {re.escape(str(path_a))} #2: working block .* "
+            rf"left after {re.escape(str(path_a))} holds {used_a} bytes: .*; "
+            rf"{re.escape(str(path_b))} holds {used_b} bytes: .*gpu_budget_bytes")):
+        Index.open(path_a, **kw)
+    assert shared.used == used_a + used_b and shared.owners == {str(path_a), str(path_b)}
+    with pytest.raises(ConfigError, match=f"budget on .* is {budget} bytes, held by .*every index of a process"):
+        Index.open(path_a, **{**kw, "gpu_budget_bytes": 2 * budget})
+    # The two still search as the CPU tier does.
+    for index, path in ((a, path_a), (b, path_b)):
+        same_results(Index.open(path, filter_tier="cpu").search(queries, k=10), index.search(queries, k=10))
+    a.close()
+    assert shared.used == used_b and shared.owners == {str(path_b)}
+    a.close()  # twice is harmless
+    b.close()
+    assert shared.used == 0 and not shared.owners and shared.peak >= used_a + used_b
+
+
+def test_close_gives_the_bytes_back(l2_index):
+    _, queries, path = l2_index
+    kw = dict(filter_tier="gpu", gpu_budget_bytes=3 << 20, batch_size=16)  # holds one index, not two
+    first = Index.open(path, **kw)
+    shared = first.filter.account.budget
+    with pytest.raises(ConfigError, match="too small"):
+        Index.open(path, **kw)
+    want = first.search(queries[:4], k=5).ids
+    first.close()
+    assert shared.used == 0
+    for _ in range(4):
+        index = Index.open(path, **kw)
+        assert index.filter.account.budget is shared and 0 < shared.used <= 3 << 20
+        index.close()
+        assert shared.used == 0 and not shared.owners
+    # An index dropped without close() gives its share back when collected.
+    index = Index.open(path, **kw)
+    assert np.array_equal(index.search(queries[:4], k=5).ids, want)
+    del index
+    gc.collect()
+    assert shared.used == 0 and not shared.owners
+
+
+def test_catalog_collections_share_one_budget_and_merges_do_not_leak(tmp_path):
+    budget = 16 << 20
+    engine = EngineConfig(filter_tier="gpu", gpu_budget_bytes=budget, batch_size=16)
+    catalog = Catalog(tmp_path, engine, CollectionConfig(min_index_count=100, background_merge=False))
+    data = {}
+    for name, seed in (("a", 11), ("b", 12)):
+        col = catalog.create(name, dim=24, metric="l2")
+        data[name] = clustered(600, 24, 12, seed=seed)
+        col.upsert([Document(id=str(i), vector=v) for i, v in enumerate(data[name])])
+        col.merge()  # the first generation: an index with a GPU tier
+    a, b = catalog.get("a"), catalog.get("b")
+    old, index_b = a._main.index, b._main.index
+    shared = old.filter.account.budget
+    assert index_b.filter.account.budget is shared
+    assert shared.used == old.filter.account.used + index_b.filter.account.used <= budget
+    tiers = a.info()["tiers"]
+    assert tiers["pq_tier"] == "gpu" and tiers["filter"]["gpu_reserved_bytes"] == shared.used
+    assert tiers["filter"]["gpu_index_reserved_bytes"] == old.filter.account.used
+    # A search still reading the old generation when the merge publishes the next one keeps it
+    # open; the last reader out closes it.
+    reading, merged, found = threading.Event(), threading.Event(), []
+    search = old.search
+
+    def slow_search(*args, **kw):
+        reading.set()
+        assert merged.wait(timeout=60)
+        return search(*args, **kw)
+
+    old.search = slow_search
+    t = threading.Thread(target=lambda: found.append(a.search(data["a"][:3], k=5)))
+    t.start()
+    assert reading.wait(timeout=60)
+    a.upsert([Document(id=f"new{i}", vector=v) for i, v in enumerate(clustered(50, 24, 12, seed=13))])
+    a.merge()
+    new = a._main.index
+    assert new is not old and not old.filter.account.closed
+    assert shared.used == sum(i.filter.account.used for i in (old, new, index_b)) <= budget
+    merged.set()
+    t.join(timeout=60)
+    assert [h.id for h in found[0].hits[0]][0] == "0"  # the query is document 0 itself
+    assert old.filter.account.closed
+    assert shared.used == new.filter.account.used + index_b.filter.account.used
+    # A merge with no reader in flight closes the old generation at once.
+    a.upsert([Document(id="late", vector=data["a"][1] + 0.01)])
+    a.merge()
+    assert new.filter.account.closed
+    assert shared.used == a._main.index.filter.account.used + index_b.filter.account.used
+    catalog.drop("b")
+    assert shared.used == a._main.index.filter.account.used and shared.owners == {str(a._main.index.path)}
+    catalog.close()
+    assert shared.used == 0 and not shared.owners
