@@ -20,6 +20,7 @@ from fusionrag.retriever import BuildConfig, ConfigError, EngineConfig, Index
 from fusionrag.retriever.collection import Catalog, CollectionConfig, Document
 from fusionrag.retriever.gpu_tier import GpuFilterTier, default_budget, gpu_device
 from fusionrag.retriever.overlap import overlapped
+from fusionrag.retriever.tiers import CpuFilterTier
 from fusionrag.retriever.vectors import open_vectors
 
 CUDA = torch.cuda.is_available()
@@ -345,3 +346,42 @@ def test_catalog_collections_share_one_budget_and_merges_do_not_leak(tmp_path):
     assert shared.used == a._main.index.filter.account.used and shared.owners == {str(a._main.index.path)}
     catalog.close()
     assert shared.used == 0 and not shared.owners
+
+
+def test_an_index_whose_codes_do_not_fit_leaves_room_for_the_next():
+    rng = np.random.default_rng(0)
+    count, m = 10_000, 32
+    codes = rng.integers(0, 256, (count, m), dtype=np.uint8)
+    codebooks = rng.standard_normal((m, 256, 1)).astype(np.float32)
+    offsets = np.arange(0, count + 1, 100, dtype=np.int64)
+    ids = rng.permutation(count).astype(np.uint32)
+    cpu = CpuFilterTier(offsets, ids, codes, threads=1)
+    luts = rng.random((3, m, 256), dtype=np.float32)
+    lists = rng.choice(len(offsets) - 1, (3, 3), replace=False).astype(np.int32)
+    want = cpu.topn(luts, lists, 40)
+    # Codebooks 32 KiB, slot map 40 KB, two blocks ~97 KiB: the codes (320 KB) fit in neither tier's share.
+    budget = DeviceBudget(gpu_device(), 440_000)
+
+    def open_tier(owner, share=0.5):
+        return GpuFilterTier(offsets, ids, codes, codebooks, account=budget.account(owner), batch_size=1, threads=1,
+                             work_bytes=16 << 10, tiered_share=share)
+
+    first = open_tier("first")
+    room = budget.budget - first.account.parts["PQ codebooks"]
+    slots = first.account.parts["code slot map"]
+    assert first.tiered and 0 < first.codes.shape[0] < count
+    assert budget.left >= (room - slots) // 2  # half of what it found is left for the next one
+    second = open_tier("second")
+    assert second.tiered and second.codes.shape[0] == 0 and budget.used <= budget.budget
+    for tier in (first, second):  # the second keeps no code resident: every one is read from host memory
+        for i in range(len(lists)):  # blocks of one query's tables (batch_size=1)
+            got = tier.topn(luts[i:i + 1], lists[i:i + 1], 40)
+            assert set(got.ids[0]) == set(want.ids[i])
+            np.testing.assert_allclose(got.pq_dists[0], want.pq_dists[i], rtol=1e-5, atol=1e-5)
+    first.close()
+    second.close()
+    assert budget.used == 0
+    greedy = open_tier("greedy", share=1.0)  # takes all it finds: the next one cannot start
+    with pytest.raises(ConfigError, match="greedy holds"):
+        open_tier("late")
+    greedy.close()
