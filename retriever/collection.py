@@ -16,6 +16,7 @@ swapping one reference, so a search sees either the old or the new state.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -23,7 +24,6 @@ import re
 import shutil
 import sqlite3
 import struct
-import contextlib
 import threading
 import time
 import uuid

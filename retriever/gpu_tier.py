@@ -140,10 +140,12 @@ class GpuFilterTier:
                                                   pin_memory=self.device.type == "cuda")
                     # Before any query has come, longer lists count as hotter: they hold more candidates.
                     self.place(np.diff(list_offsets) if hotness is None else hotness)
-            except BudgetError as e:
-                self._release()
-                raise ConfigError(
-                    f"{e}; raise gpu_budget_bytes, lower gpu_memory_utilization or use filter_tier='cpu'") from e
+            except BaseException as e:
+                self._release()  # what it took so far goes back now, not when the tier is collected
+                if isinstance(e, BudgetError):
+                    raise ConfigError(
+                        f"{e}; raise gpu_budget_bytes, lower gpu_memory_utilization or use filter_tier='cpu'") from e
+                raise
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
