@@ -36,6 +36,7 @@ import torch  # noqa: E402
 
 from fusionrag.kernels.adc_scan import adc_scan  # noqa: E402
 from fusionrag.kernels.dedup import table_layout  # noqa: E402
+from fusionrag.kernels.pool import DeviceBudget  # noqa: E402
 from fusionrag.kernels.topn import topn  # noqa: E402
 from fusionrag.retriever import BuildConfig, Index  # noqa: E402
 from fusionrag.retriever.gpu_tier import GpuFilterTier  # noqa: E402
@@ -229,8 +230,9 @@ def main() -> int:
     del gpu, f
     half = Index.open(path, filter_tier="cpu", batch_size=batch)
     c = half.filter
-    half.filter = GpuFilterTier(c.list_offsets, c.list_ids, c.codes, half.pq.codebooks, device=device,
-                                budget_bytes=budget, batch_size=batch, threads=c.threads, work_bytes=work)
+    half.filter = GpuFilterTier(c.list_offsets, c.list_ids, c.codes, half.pq.codebooks,
+                                account=DeviceBudget(device, budget).account("half"), batch_size=batch,
+                                threads=c.threads, work_bytes=work, tiered_share=1.0)
     run = sweep(half, queries, gt, [(best95["nprobe"], best95["rerank"])])[0]
     e2e["gpu_tier_half_codes_resident"] = {
         **run, "resident_code_fraction": half.filter.describe()["resident_code_fraction"]}

@@ -32,9 +32,12 @@ SYSTEMS = ["fusionrag", "faiss-ivfpq-refine", "faiss-hnsw", "hnswlib", "diskann"
 SWEEPS = {
     # rerank is only an upper bound (Algorithm 1 stops after beta stable mini-batches) and
     # probe_ratio may cut lists before nprobe: README "Tuning". 0 disables the ratio rule.
-    "fusionrag": [{"nprobe": n, "rerank": r, "beta": b, "probe_ratio": pr} for n, r, b, pr in
-                  [(16, 40, 2, 1.0), (32, 60, 2, 1.0), (64, 100, 2, 1.0), (128, 200, 2, 1.0), (256, 400, 2, 1.0),
-                   (128, 200, 4, 1.0), (128, 200, 2, 0), (256, 400, 4, 0), (512, 800, 4, 0)]],
+    "fusionrag": [{"nprobe": n, "rerank": r, "beta": b, "probe_ratio": pr, "minibatch": mb} for n, r, b, pr, mb in
+                  [(16, 40, 2, 1.0, 8), (32, 60, 2, 1.0, 8), (64, 100, 2, 1.0, 8), (128, 200, 2, 1.0, 8),
+                   (256, 400, 2, 1.0, 8), (128, 200, 4, 1.0, 8), (128, 200, 2, 0, 8), (256, 400, 4, 0, 8),
+                   (512, 800, 4, 0, 8),
+                   # Smaller mini-batches stop sooner: fewer pages for the same recall on high-d data.
+                   (8, 30, 2, 1.0, 4), (16, 40, 2, 1.0, 4), (32, 60, 2, 1.0, 4), (64, 100, 2, 1.0, 4)]],
     "faiss-ivfpq-refine": [{"nprobe": n, "k_factor": f} for n, f in
                            [(2, 8), (4, 8), (8, 16), (12, 16), (16, 16), (24, 32), (32, 32), (64, 64), (128, 64)]],
     "faiss-hnsw": [{"ef": e} for e in (10, 16, 24, 32, 48, 64, 96, 128, 256)],

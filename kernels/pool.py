@@ -1,5 +1,7 @@
-"""GPU memory under a budget: everything the filter tier holds is taken from one `DeviceBudget`
-at start-up, and queries run in fixed working blocks, so the tier never grows while serving.
+"""GPU memory under a budget: everything a filter tier holds is taken from a `DeviceBudget` at
+start-up, and queries run in fixed working blocks, so the tier never grows while serving. One
+budget serves several tiers (one per open index) through a `BudgetAccount` each, which names
+their parts and gives them back when the tier closes.
 
 A `WorkingBlock` is one in-flight batch's memory: a device arena and a host staging arena
 (pinned on CUDA, so copies are asynchronous) carved into typed views per call, and its own CUDA
@@ -26,15 +28,14 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-class DeviceBudget:
-    """Bytes of one device this process may hold, and the running and peak totals."""
+class _Reserving:
+    """Tensors taken from a budget: `reserve` counts their bytes first, so nothing is allocated
+    that the budget cannot hold."""
 
-    def __init__(self, device: torch.device, budget_bytes: int):
-        if budget_bytes <= 0:
-            raise BudgetError(f"a GPU memory budget must be positive, got {budget_bytes} bytes")
-        self.device, self.budget = torch.device(device), int(budget_bytes)
-        self.used = self.peak = 0
-        self.parts: dict[str, int] = {}
+    device: torch.device
+
+    def reserve(self, what: str, nbytes: int) -> None:
+        raise NotImplementedError
 
     def empty(self, what: str, shape, dtype: torch.dtype) -> torch.Tensor:
         t = torch.empty(shape, dtype=dtype, device="meta")
@@ -47,21 +48,107 @@ class DeviceBudget:
         out.copy_(src)
         return out
 
+
+class DeviceBudget(_Reserving):
+    """Bytes of one device this process may hold, and the running and peak totals. Several
+    holders share it through accounts (`account`), each giving its bytes back on `release`."""
+
+    def __init__(self, device: torch.device, budget_bytes: int):
+        if budget_bytes <= 0:
+            raise BudgetError(f"a GPU memory budget must be positive, got {budget_bytes} bytes")
+        self.device, self.budget = torch.device(device), int(budget_bytes)
+        self.used = self.peak = 0
+        self.parts: dict[str, int] = {}
+        self.owners: set[str] = set()
+        self._lock = threading.Lock()  # holders open, reserve and release from any thread
+        self.opening = threading.Lock()  # held by a holder sizing its share from what is left
+
+    @property
+    def left(self) -> int:
+        return self.budget - self.used
+
+    def resize(self, budget_bytes: int) -> None:
+        """A new size for a budget no one holds an account in; the peak stays the process's."""
+        with self._lock:
+            if self.owners:
+                raise BudgetError(f"a GPU memory budget held by {', '.join(sorted(self.owners))} cannot be resized")
+            if budget_bytes <= 0:
+                raise BudgetError(f"a GPU memory budget must be positive, got {budget_bytes} bytes")
+            self.budget = int(budget_bytes)
+
     def reserve(self, what: str, nbytes: int) -> None:
-        if self.used + nbytes > self.budget:
-            raise BudgetError(
-                f"GPU memory budget of {self.budget} bytes is too small: {what} needs {nbytes} bytes and "
-                f"{self.budget - self.used} are left after {self._held()}")
-        self.used += nbytes
-        self.peak = max(self.peak, self.used)
-        self.parts[what] = self.parts.get(what, 0) + nbytes
+        with self._lock:
+            if self.used + nbytes > self.budget:
+                raise BudgetError(
+                    f"GPU memory budget of {self.budget} bytes is too small: {what} needs {nbytes} bytes and "
+                    f"{self.budget - self.used} are left after {self._held()}")
+            self.used += nbytes
+            self.peak = max(self.peak, self.used)
+            self.parts[what] = self.parts.get(what, 0) + nbytes
+
+    def release(self, what: str) -> None:
+        """Give back every byte reserved as `what`."""
+        with self._lock:
+            self.used -= self.parts.pop(what, 0)
+
+    def account(self, owner: str) -> "BudgetAccount":
+        """A holder's share of this budget; its parts are named `owner: part` here (the owner gets a
+        suffix when another open account has its name)."""
+        with self._lock:
+            name, n = owner, 1
+            while name in self.owners:
+                n += 1
+                name = f"{owner} #{n}"
+            self.owners.add(name)
+        return BudgetAccount(self, name)
+
+    def _close_account(self, owner: str) -> None:
+        with self._lock:
+            self.owners.discard(owner)
 
     def _held(self) -> str:
-        return ", ".join(f"{k} ({v} bytes)" for k, v in self.parts.items() if v) or "nothing"
+        """What is held, and by whom: parts named `owner: part` are grouped by owner."""
+        groups: dict[str, dict[str, int]] = {}
+        for key, n in self.parts.items():
+            owner, _, what = key.rpartition(": ")
+            groups.setdefault(owner, {})[what] = n
+        said = []
+        for owner, parts in groups.items():
+            listed = ", ".join(f"{what} ({n} bytes)" for what, n in parts.items())
+            said.append(f"{owner} holds {sum(parts.values())} bytes: {listed}" if owner else listed)
+        return "; ".join(said) or "nothing"
+
+
+class BudgetAccount(_Reserving):
+    """One holder's reservations in a shared DeviceBudget."""
+
+    def __init__(self, budget: DeviceBudget, owner: str):
+        self.budget, self.owner, self.device = budget, owner, budget.device
+        self.parts: dict[str, int] = {}
+        self.closed = False
+
+    @property
+    def used(self) -> int:
+        return sum(self.parts.values())
+
+    def reserve(self, what: str, nbytes: int) -> None:
+        if self.closed:
+            raise BudgetError(f"the GPU memory account of {self.owner} is closed")
+        self.budget.reserve(f"{self.owner}: {what}", nbytes)
+        self.parts[what] = self.parts.get(what, 0) + nbytes
+
+    def release(self) -> None:
+        """Give every part back to the budget and close the account (idempotent)."""
+        for what in self.parts:
+            self.budget.release(f"{self.owner}: {what}")
+        self.parts.clear()
+        if not self.closed:
+            self.closed = True
+            self.budget._close_account(self.owner)
 
 
 class WorkingBlock:
-    def __init__(self, budget: DeviceBudget, index: int, device_bytes: int, host_bytes: int):
+    def __init__(self, budget: _Reserving, index: int, device_bytes: int, host_bytes: int):
         self.arena = budget.empty(f"working block {index}", (device_bytes,), torch.uint8)
         cuda = budget.device.type == "cuda"
         self.staging = torch.empty((host_bytes,), dtype=torch.uint8, pin_memory=cuda)
@@ -105,7 +192,7 @@ class WorkingBlock:
 
 
 class BlockPool:
-    def __init__(self, budget: DeviceBudget, blocks: int, device_bytes: int, host_bytes: int):
+    def __init__(self, budget: _Reserving, blocks: int, device_bytes: int, host_bytes: int):
         if blocks < 1:
             raise BudgetError(f"the pool needs at least one working block, got {blocks}")
         self.blocks = [WorkingBlock(budget, i, device_bytes, host_bytes) for i in range(blocks)]

@@ -16,6 +16,7 @@ swapping one reference, so a search sees either the old or the new state.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -149,13 +150,17 @@ class _Write:
         return w
 
 
-@dataclass
+@dataclass(eq=False)
 class _Main:
     """A published generation: the engine index over the rows live when it was built."""
     generation: int
     index: Index | None
     rows: np.ndarray  # int64, sorted: vector id -> row
     max_row: int  # rows above this were written after the build
+    # Searches reading it now. Once replaced (a merge) or closed it is retired, and its index is
+    # closed by whoever leaves it last unread, giving its GPU memory back to the shared budget.
+    readers: int = 0
+    retired: bool = False
 
 
 @dataclass
@@ -218,6 +223,7 @@ class Collection:
                 index = Index.open(gdir / "index", self.engine_config)
             rows = np.load(gdir / "rows.npy") if c["indexed"] else np.empty(0, np.int64)
             if index is not None and len(rows) != index.count:
+                index.close()
                 raise IndexFormatError(f"{gdir}: rows.npy maps {len(rows)} vectors, the index has {index.count}")
             main = _Main(int(c["generation"]), index, rows, int(c["max_row"]))
         for p in self.path.glob("gen-*"):  # generations a crash or a merge left behind
@@ -450,9 +456,26 @@ class Collection:
         found = self.store.get(list(dict.fromkeys(ids)), with_vectors)
         return [Document(i, found[i][0], found[i][2], found[i][1]) for i in ids if i in found]
 
-    def _snapshot(self) -> _Snapshot:
+    @contextlib.contextmanager
+    def _reading(self):
+        """A snapshot whose main index stays open until the block ends."""
         with self._mem_lock:
-            return _Snapshot(self._main, self._tomb.copy(), self._tomb_count, self._fresh.view())
+            snap = _Snapshot(self._main, self._tomb.copy(), self._tomb_count, self._fresh.view())
+            snap.main.readers += 1
+        try:
+            yield snap
+        finally:
+            with self._mem_lock:
+                snap.main.readers -= 1
+                done = snap.main.retired and not snap.main.readers and snap.main.index is not None
+            if done:
+                snap.main.index.close()
+
+    def _retire(self, main: _Main) -> bool:
+        """Mark a generation no longer published (caller holds _mem_lock); True when no search reads
+        it, and the caller closes its index."""
+        main.retired = True
+        return main.index is not None and not main.readers
 
     def _queries(self, vectors) -> np.ndarray:
         q = self._vectors(vectors, "queries")
@@ -468,8 +491,11 @@ class Collection:
         k = int(k)
         q = self._queries(vectors)
         where = compile_filter(filter) if filter is not None else None
+        with self._reading() as snap:
+            return self._search(snap, q, k, where, params, with_vectors)
+
+    def _search(self, snap: _Snapshot, q, k, where, params, with_vectors) -> CollectionSearch:
         nq = len(q)
-        snap = self._snapshot()
         stats = [{key: 0 for key in STAT_KEYS} | {"fresh_candidates": 0, "filtered_exact": False}
                  for _ in range(nq)]
         allowed = None
@@ -625,12 +651,22 @@ class Collection:
                 fsync_path(gdir)
                 index = Index.open(gdir / "index", self.engine_config)
             new = _Main(gen, index, rows, max_row)
-            with self._lock:
-                _write_json_atomic(self.path / "CURRENT",
-                                   {"generation": gen, "indexed": index is not None, "max_row": max_row})
-                with self._mem_lock:
-                    self._publish(new)
-                self._checkpoint()
+            unread_old = False
+            try:
+                with self._lock:
+                    _write_json_atomic(self.path / "CURRENT",
+                                       {"generation": gen, "indexed": index is not None, "max_row": max_row})
+                    with self._mem_lock:
+                        self._publish(new)
+                        unread_old = self._retire(old)
+                    self._checkpoint()
+            except BaseException:
+                if self._main is not new and index is not None:  # never published: nothing else holds it
+                    index.close()
+                raise
+            finally:
+                if unread_old:
+                    old.index.close()
         finally:
             with self._mem_lock:
                 self._merging, self._merge_removed = False, []
@@ -670,11 +706,11 @@ class Collection:
 
     # -- description ---------------------------------------------------------------------------
     def info(self) -> dict:
-        snap = self._snapshot()
-        main = snap.main
-        tiers = {"host_index_bytes": 0, "pq_bytes": 0, "pq_tier": "none", "page_buffer_bytes": 0, "ssd_bytes": 0}
-        if main.index is not None:
-            tiers.update(main.index.memory())
+        with self._reading() as snap:
+            main = snap.main
+            tiers = {"host_index_bytes": 0, "pq_bytes": 0, "pq_tier": "none", "page_buffer_bytes": 0, "ssd_bytes": 0}
+            if main.index is not None:
+                tiers.update(main.index.memory())
         tiers["fresh_bytes"] = int(snap.fresh.vectors.nbytes)
         fresh_live = int(snap.fresh.live.sum())
         return {
@@ -701,7 +737,11 @@ class Collection:
         with self._merge_lock, self._lock:
             self._wal.close()
             self.store.close()
-            self._main = _Main(0, None, np.empty(0, np.int64), -1)
+            with self._mem_lock:
+                old, self._main = self._main, _Main(0, None, np.empty(0, np.int64), -1)
+                unread = self._retire(old)
+        if unread:
+            old.index.close()
 
 
 class Catalog:

@@ -128,11 +128,14 @@ class EngineConfig(_Config):
     # PQ filtering on the GPU ('gpu', Triton) or the CPU ('cpu'); 'auto' takes the GPU when
     # torch sees CUDA.
     filter_tier: str = "auto"
-    # GPU memory the filter tier may hold (codes, codebooks, working blocks); 0: what an LLM
-    # server on the same GPU leaves, (1 - gpu_memory_utilization) of the device, at most what is free.
+    # GPU memory the filter tiers of all the process's indexes share (codes, codebooks, working blocks);
+    # 0: what an LLM server on the same GPU leaves, (1 - gpu_memory_utilization) of the device, at most what is free.
     gpu_budget_bytes: int = 0
     # The LLM server's share of GPU memory (vLLM's --gpu-memory-utilization).
     gpu_memory_utilization: float = 0.9
+    # Every index of a process shares one GPU budget: one whose codes do not all fit keeps its hottest
+    # lists' codes in at most this fraction of what is left, so later indexes still start (1: all).
+    gpu_tiered_share: float = 0.5
 
     def __post_init__(self):
         _check(self.buffer_bytes >= 0, f"buffer_bytes must be >= 0, got {self.buffer_bytes}")
@@ -147,6 +150,7 @@ class EngineConfig(_Config):
         _check(self.gpu_budget_bytes >= 0, f"gpu_budget_bytes must be >= 0 (0 = automatic), got {self.gpu_budget_bytes}")
         _check(0 <= self.gpu_memory_utilization < 1,
                f"gpu_memory_utilization must be in [0, 1), got {self.gpu_memory_utilization}")
+        _check(0 < self.gpu_tiered_share <= 1, f"gpu_tiered_share must be in (0, 1], got {self.gpu_tiered_share}")
 
     def batch_for(self, filter_tier: str) -> int:
         """Queries per internal batch with this filter tier ('cpu' or 'gpu')."""

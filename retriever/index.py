@@ -97,7 +97,7 @@ class Index:
             path, m,
             NavigationTier(graph, metric == "ip", threads),
             ProductQuantizer(codebooks, dim),
-            open_filter_tier(config, offsets, list_ids, codes, codebooks, threads),
+            open_filter_tier(config, offsets, list_ids, codes, codebooks, threads, str(path)),
             RerankTier(store, locations, dtype, engine_metric, threads, config.rerank_inflight),
             config, params or SearchParams(),
         )
@@ -208,4 +208,7 @@ class Index:
         st["rerank_s"][:] = rsec
 
     def close(self) -> None:
+        """Give back what the tiers hold (GPU memory to the process's budget); call it once no search
+        runs on this index, as Collection does when it retires a generation."""
+        self.filter.close()
         self.reranker.store = None

@@ -39,6 +39,9 @@ class FilterTier(Protocol):
 
     def describe(self) -> dict: ...
 
+    def close(self) -> None:
+        """Give back what the tier holds (GPU memory); no search may run meanwhile or after."""
+
     def luts(self, pq, queries: np.ndarray, metric: str): ...
 
     def topn(self, luts, probe_lists: np.ndarray, n: int, exclude: np.ndarray | None = None) -> Candidates:
@@ -92,6 +95,9 @@ class CpuFilterTier:
     def describe(self) -> dict:
         return {"filter_tier": self.name}
 
+    def close(self) -> None:
+        """Nothing to give back: the codes are the index's own arrays."""
+
     def luts(self, pq, queries: np.ndarray, metric: str) -> np.ndarray:
         return pq.luts(queries, metric)
 
@@ -120,19 +126,19 @@ def _cuda_available() -> bool:
 
 
 def open_filter_tier(config: EngineConfig, list_offsets: np.ndarray, list_ids: np.ndarray, codes: np.ndarray,
-                     codebooks: np.ndarray, threads: int) -> FilterTier:
-    """config.filter_tier: 'gpu' when CUDA is there (and torch and triton installed) under 'auto'."""
+                     codebooks: np.ndarray, threads: int, owner: str) -> FilterTier:
+    """config.filter_tier: 'gpu' when CUDA is there (and torch and triton installed) under 'auto'.
+    A GPU tier holds an account, named by owner, in the process's one budget on its device."""
     kind = config.filter_tier
     if kind == "auto":
         kind = "gpu" if _cuda_available() else "cpu"
     if kind == "cpu":
         return CpuFilterTier(list_offsets, list_ids, codes, threads)
-    from fusionrag.retriever.gpu_tier import GpuFilterTier, default_budget, gpu_device
+    from fusionrag.retriever.gpu_tier import GpuFilterTier, gpu_device, shared_account
 
-    device = gpu_device()
-    budget = config.gpu_budget_bytes or default_budget(device, config.gpu_memory_utilization)
-    return GpuFilterTier(list_offsets, list_ids, codes, codebooks, device=device, budget_bytes=budget,
-                         batch_size=config.batch_for("gpu"), threads=threads)
+    account = shared_account(gpu_device(), config.gpu_budget_bytes, config.gpu_memory_utilization, owner)
+    return GpuFilterTier(list_offsets, list_ids, codes, codebooks, account=account,
+                         batch_size=config.batch_for("gpu"), threads=threads, tiered_share=config.gpu_tiered_share)
 
 
 class RerankTier:

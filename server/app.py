@@ -41,7 +41,8 @@ _STATUS = ((NotFoundError, 404), (ConflictError, 409), (InputError, 422), (Confi
 def open_catalog(config: ServerConfig) -> Catalog:
     engine = EngineConfig(buffer_bytes=int(config.buffer_mb * (1 << 20)), filter_tier=config.filter_tier,
                           gpu_budget_bytes=int(config.gpu_budget_mb * (1 << 20)),
-                          gpu_memory_utilization=config.gpu_memory_utilization)
+                          gpu_memory_utilization=config.gpu_memory_utilization,
+                          gpu_tiered_share=config.gpu_tiered_share)
     return Catalog(data_path(config), engine, CollectionConfig(min_index_count=config.min_index_count))
 
 

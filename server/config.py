@@ -34,7 +34,8 @@ _HELP = {
     "search_threads": "engine batches running at once",
     "buffer_mb": "DRAM page buffer per collection, MiB",
     "filter_tier": "where PQ candidates are filtered: auto (the GPU when there is one), cpu or gpu",
-    "gpu_budget_mb": "GPU memory the filter tier may use per collection, MiB (0: what the LLM server leaves)",
+    "gpu_budget_mb": "GPU memory the filter tiers of all collections share, MiB (0: what the LLM server leaves)",
+    "gpu_tiered_share": "a collection whose PQ codes do not all fit the GPU takes at most this share of what is left",
     "gpu_memory_utilization": "the LLM server's share of the GPU (vLLM's gpu_memory_utilization), for the default budget",
     "min_index_count": "a merge builds the main index only for collections at least this large (smaller: exact search)",
     "embedding": "embedding model of the demo collection and the default for new text collections",
@@ -74,6 +75,7 @@ class ServerConfig:
     filter_tier: str = "auto"
     gpu_budget_mb: float = 0.0
     gpu_memory_utilization: float = 0.9
+    gpu_tiered_share: float = 0.5
     min_index_count: int = 1
     embedding: str = DEFAULT_MODEL
     embed_threads: int = 1
@@ -97,6 +99,7 @@ class ServerConfig:
         _check(0 <= self.gpu_memory_utilization < 1,
                f"gpu_memory_utilization must be in [0, 1), got {self.gpu_memory_utilization}")
         _check(self.gpu_budget_mb >= 0, f"gpu_budget_mb must be >= 0 (0 = automatic), got {self.gpu_budget_mb}")
+        _check(0 < self.gpu_tiered_share <= 1, f"gpu_tiered_share must be in (0, 1], got {self.gpu_tiered_share}")
         _check(self.min_index_count >= 1, f"min_index_count must be >= 1, got {self.min_index_count}")
         _check(self.embed_threads >= 0, f"embed_threads must be >= 0, got {self.embed_threads}")
         _check(self.log_level in LOG_LEVELS, f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")

@@ -102,11 +102,12 @@ class _CollectionCollector:
     def collect(self):
         docs = GaugeMetricFamily("fusionrag_collection_documents", "Live documents", labels=["collection"])
         tiers = GaugeMetricFamily("fusionrag_tier_bytes", "Bytes held per tier", labels=["collection", "tier"])
-        gpu = GaugeMetricFamily("fusionrag_gpu_memory_bytes", "GPU memory: PQ codes held there vs the budget",
-                                labels=["kind"])
+        gpu = GaugeMetricFamily("fusionrag_gpu_memory_bytes",
+                                "GPU memory of the process's filter tiers: reserved now, peak, and the budget "
+                                "every collection shares", labels=["kind"])
         ratio = GaugeMetricFamily("fusionrag_page_buffer_hit_ratio",
                                   "Share of page requests served by the DRAM page buffer", labels=["collection"])
-        used = budget = 0
+        process = {"used": 0, "peak": 0, "budget": 0}
         for name, info in self.m._collections_info().items():
             docs.add_metric([name], info.get("count", 0))
             t = info.get("tiers", {})
@@ -114,10 +115,13 @@ class _CollectionCollector:
                 if key.endswith("_bytes") and isinstance(value, (int, float)):
                     tiers.add_metric([name, key.removesuffix("_bytes")], value)
             gpu_tier = t.get("filter", {})
-            used += gpu_tier.get("gpu_reserved_bytes", 0)
-            budget += gpu_tier.get("gpu_budget_bytes", 0)
-        gpu.add_metric(["used"], used)
-        gpu.add_metric(["budget"], budget)
+            if "gpu_index_reserved_bytes" in gpu_tier:  # this collection's share of the budget
+                tiers.add_metric([name, "gpu"], gpu_tier["gpu_index_reserved_bytes"])
+            # Every collection reports the one budget: read at slightly different times, take the largest.
+            for kind, key in (("used", "gpu_reserved_bytes"), ("peak", "gpu_peak_bytes"), ("budget", "gpu_budget_bytes")):
+                process[kind] = max(process[kind], gpu_tier.get(key, 0))
+        for kind, value in process.items():
+            gpu.add_metric([kind], value)
         for name, value in self.m.hit_ratios().items():
             ratio.add_metric([name], value)
         return [docs, tiers, gpu, ratio]

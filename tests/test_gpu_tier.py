@@ -2,8 +2,10 @@
 results; the memory budget; tier selection. Without a GPU it runs on CPU tensors through
 Triton's interpreter (conftest.py sets TRITON_INTERPRET=1), so the shapes stay small."""
 
+import gc
 import json
 import os
+import re
 import threading
 import time
 
@@ -13,9 +15,12 @@ import torch
 from conftest import clustered, exact_knn, recall
 
 from fusionrag.cli import main
+from fusionrag.kernels.pool import DeviceBudget
 from fusionrag.retriever import BuildConfig, ConfigError, EngineConfig, Index
+from fusionrag.retriever.collection import Catalog, CollectionConfig, Document
 from fusionrag.retriever.gpu_tier import GpuFilterTier, default_budget, gpu_device
 from fusionrag.retriever.overlap import overlapped
+from fusionrag.retriever.tiers import CpuFilterTier
 from fusionrag.retriever.vectors import open_vectors
 
 CUDA = torch.cuda.is_available()
@@ -69,8 +74,8 @@ def open_tiers(path, budget: int, **kw):
     """The CPU tier and a GPU tier with the given budget over one index's arrays."""
     index = Index.open(path, filter_tier="cpu")
     f = index.filter
-    gpu = GpuFilterTier(f.list_offsets, f.list_ids, f.codes, index.pq.codebooks, device=gpu_device(),
-                        budget_bytes=budget, batch_size=16, threads=1, **kw)
+    gpu = GpuFilterTier(f.list_offsets, f.list_ids, f.codes, index.pq.codebooks,
+                        account=DeviceBudget(gpu_device(), budget).account("test"), batch_size=16, threads=1, **kw)
     return index, f, gpu
 
 
@@ -81,9 +86,9 @@ def test_codes_beyond_the_budget_are_read_from_host_memory(l2_index):
     tables = 16 * m * 256 * 4 + 16 * 24 * 4  # a block's LUTs and queries, batch_size 16
     # Room for the codebooks, the slot map, two blocks and about a third of the codes.
     budget = index.pq.codebooks.nbytes + 4 * count + 2 * (tables + (1 << 20)) + count * m // 3
-    _, _, gpu = open_tiers(path, budget, work_bytes=1 << 20)
+    _, _, gpu = open_tiers(path, budget, work_bytes=1 << 20, tiered_share=1.0)
     assert gpu.tiered and 0.2 < gpu.describe()["resident_code_fraction"] < 0.5
-    assert gpu.budget.used <= budget
+    assert gpu.account.budget.used <= budget
     q = index.prepare_queries(queries[:8])
     lists, _, _ = index.nav.probe(q, index.params)
     luts = index.pq.luts(q, "l2")
@@ -219,3 +224,164 @@ def test_real_sift5k_gpu_tier_equals_cpu_tier(tmp_path, data_dir):
     same_results(cpu, gpu)
     assert np.array_equal(cpu.stats["unique_candidates"], gpu.stats["unique_candidates"])
     assert recall(gpu.ids, open_vectors(d / "sift5k_groundtruth.ivecs")[:12, :10]) >= 0.95
+
+
+# -- one budget per device per process, shared by every open index ----------------------------
+
+@pytest.fixture(scope="module")
+def second_index(tmp_path_factory):
+    base = clustered(2000, 24, 30, seed=5)
+    path = tmp_path_factory.mktemp("gpu2") / "idx"
+    Index.build(base, path, BuildConfig(metric="l2"), progress=False)
+    return base, path
+
+
+def test_indexes_share_one_budget_and_one_that_does_not_fit_fails(l2_index, second_index):
+    _, queries, path_a = l2_index
+    _, path_b = second_index
+    budget = 6 << 20
+    kw = dict(filter_tier="gpu", gpu_budget_bytes=budget, batch_size=16)
+    a, b = Index.open(path_a, **kw), Index.open(path_b, **kw)
+    shared = a.filter.account.budget
+    assert b.filter.account.budget is shared and shared.owners == {str(path_a), str(path_b)}
+    used_a, used_b = a.filter.account.used, b.filter.account.used
+    assert shared.used == used_a + used_b <= budget and used_a > 0 and used_b > 0
+    # The first index took its codes whole, and working blocks out of half of what they left.
+    first = a.filter.account.parts
+    assert used_a <= first["PQ codebooks"] + first["PQ codes"] + (budget - first["PQ codebooks"] - first["PQ codes"]) // 2
+    info = a.memory()["filter"]
+    assert info["gpu_budget_bytes"] == budget and info["gpu_reserved_bytes"] == shared.used
+    assert info["gpu_index_reserved_bytes"] == used_a and info["gpu_index_parts"] == first
+    assert info["gpu_budget_holders"] == 2 and info["gpu_peak_bytes"] >= shared.used
+    # A third does not fit: the error names the budget, what is held and by whom; nothing leaks.
+    with pytest.raises(ConfigError, match=(
+            rf"GPU memory budget of {budget} bytes is too small: {re.escape(str(path_a))} #2: working block .* "
+            rf"left after {re.escape(str(path_a))} holds {used_a} bytes: .*; "
+            rf"{re.escape(str(path_b))} holds {used_b} bytes: .*gpu_budget_bytes")):
+        Index.open(path_a, **kw)
+    assert shared.used == used_a + used_b and shared.owners == {str(path_a), str(path_b)}
+    with pytest.raises(ConfigError, match=f"budget on .* is {budget} bytes, held by .*every index of a process"):
+        Index.open(path_a, **{**kw, "gpu_budget_bytes": 2 * budget})
+    # The two still search as the CPU tier does.
+    for index, path in ((a, path_a), (b, path_b)):
+        same_results(Index.open(path, filter_tier="cpu").search(queries, k=10), index.search(queries, k=10))
+    a.close()
+    assert shared.used == used_b and shared.owners == {str(path_b)}
+    a.close()  # twice is harmless
+    b.close()
+    assert shared.used == 0 and not shared.owners and shared.peak >= used_a + used_b
+
+
+def test_close_gives_the_bytes_back(l2_index):
+    _, queries, path = l2_index
+    kw = dict(filter_tier="gpu", gpu_budget_bytes=3 << 20, batch_size=16)  # holds one index, not two
+    first = Index.open(path, **kw)
+    shared = first.filter.account.budget
+    with pytest.raises(ConfigError, match="too small"):
+        Index.open(path, **kw)
+    want = first.search(queries[:4], k=5).ids
+    first.close()
+    assert shared.used == 0
+    for _ in range(4):
+        index = Index.open(path, **kw)
+        assert index.filter.account.budget is shared and 0 < shared.used <= 3 << 20
+        index.close()
+        assert shared.used == 0 and not shared.owners
+    # An index dropped without close() gives its share back when collected.
+    index = Index.open(path, **kw)
+    assert np.array_equal(index.search(queries[:4], k=5).ids, want)
+    del index
+    gc.collect()
+    assert shared.used == 0 and not shared.owners
+
+
+def test_catalog_collections_share_one_budget_and_merges_do_not_leak(tmp_path):
+    budget = 16 << 20
+    engine = EngineConfig(filter_tier="gpu", gpu_budget_bytes=budget, batch_size=16)
+    catalog = Catalog(tmp_path, engine, CollectionConfig(min_index_count=100, background_merge=False))
+    data = {}
+    for name, seed in (("a", 11), ("b", 12)):
+        col = catalog.create(name, dim=24, metric="l2")
+        data[name] = clustered(600, 24, 12, seed=seed)
+        col.upsert([Document(id=str(i), vector=v) for i, v in enumerate(data[name])])
+        col.merge()  # the first generation: an index with a GPU tier
+    a, b = catalog.get("a"), catalog.get("b")
+    old, index_b = a._main.index, b._main.index
+    shared = old.filter.account.budget
+    assert index_b.filter.account.budget is shared
+    assert shared.used == old.filter.account.used + index_b.filter.account.used <= budget
+    tiers = a.info()["tiers"]
+    assert tiers["pq_tier"] == "gpu" and tiers["filter"]["gpu_reserved_bytes"] == shared.used
+    assert tiers["filter"]["gpu_index_reserved_bytes"] == old.filter.account.used
+    # A search still reading the old generation when the merge publishes the next one keeps it
+    # open; the last reader out closes it.
+    reading, merged, found = threading.Event(), threading.Event(), []
+    search = old.search
+
+    def slow_search(*args, **kw):
+        reading.set()
+        assert merged.wait(timeout=60)
+        return search(*args, **kw)
+
+    old.search = slow_search
+    t = threading.Thread(target=lambda: found.append(a.search(data["a"][:3], k=5)))
+    t.start()
+    assert reading.wait(timeout=60)
+    a.upsert([Document(id=f"new{i}", vector=v) for i, v in enumerate(clustered(50, 24, 12, seed=13))])
+    a.merge()
+    new = a._main.index
+    assert new is not old and not old.filter.account.closed
+    assert shared.used == sum(i.filter.account.used for i in (old, new, index_b)) <= budget
+    merged.set()
+    t.join(timeout=60)
+    assert [h.id for h in found[0].hits[0]][0] == "0"  # the query is document 0 itself
+    assert old.filter.account.closed
+    assert shared.used == new.filter.account.used + index_b.filter.account.used
+    # A merge with no reader in flight closes the old generation at once.
+    a.upsert([Document(id="late", vector=data["a"][1] + 0.01)])
+    a.merge()
+    assert new.filter.account.closed
+    assert shared.used == a._main.index.filter.account.used + index_b.filter.account.used
+    catalog.drop("b")
+    assert shared.used == a._main.index.filter.account.used and shared.owners == {str(a._main.index.path)}
+    catalog.close()
+    assert shared.used == 0 and not shared.owners
+
+
+def test_an_index_whose_codes_do_not_fit_leaves_room_for_the_next():
+    rng = np.random.default_rng(0)
+    count, m = 10_000, 32
+    codes = rng.integers(0, 256, (count, m), dtype=np.uint8)
+    codebooks = rng.standard_normal((m, 256, 1)).astype(np.float32)
+    offsets = np.arange(0, count + 1, 100, dtype=np.int64)
+    ids = rng.permutation(count).astype(np.uint32)
+    cpu = CpuFilterTier(offsets, ids, codes, threads=1)
+    luts = rng.random((3, m, 256), dtype=np.float32)
+    lists = rng.choice(len(offsets) - 1, (3, 3), replace=False).astype(np.int32)
+    want = cpu.topn(luts, lists, 40)
+    # Codebooks 32 KiB, slot map 40 KB, two blocks ~97 KiB: the codes (320 KB) fit in neither tier's share.
+    budget = DeviceBudget(gpu_device(), 440_000)
+
+    def open_tier(owner, share=0.5):
+        return GpuFilterTier(offsets, ids, codes, codebooks, account=budget.account(owner), batch_size=1, threads=1,
+                             work_bytes=16 << 10, tiered_share=share)
+
+    first = open_tier("first")
+    room = budget.budget - first.account.parts["PQ codebooks"]
+    slots = first.account.parts["code slot map"]
+    assert first.tiered and 0 < first.codes.shape[0] < count
+    assert budget.left >= (room - slots) // 2  # half of what it found is left for the next one
+    second = open_tier("second")
+    assert second.tiered and second.codes.shape[0] == 0 and budget.used <= budget.budget
+    for tier in (first, second):  # the second keeps no code resident: every one is read from host memory
+        for i in range(len(lists)):  # blocks of one query's tables (batch_size=1)
+            got = tier.topn(luts[i:i + 1], lists[i:i + 1], 40)
+            assert set(got.ids[0]) == set(want.ids[i])
+            np.testing.assert_allclose(got.pq_dists[0], want.pq_dists[i], rtol=1e-5, atol=1e-5)
+    first.close()
+    second.close()
+    assert budget.used == 0
+    greedy = open_tier("greedy", share=1.0)  # takes all it finds: the next one cannot start
+    with pytest.raises(ConfigError, match="greedy holds"):
+        open_tier("late")
+    greedy.close()

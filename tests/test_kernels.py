@@ -201,6 +201,27 @@ def test_budget_counts_every_byte_and_names_the_shortfall():
         DeviceBudget(DEVICE, 0)
 
 
+def test_budget_accounts_name_their_parts_and_give_them_back():
+    budget = DeviceBudget(DEVICE, 20_000)
+    a, b = budget.account("idx"), budget.account("idx")
+    assert (a.owner, b.owner) == ("idx", "idx #2") and budget.owners == {"idx", "idx #2"}
+    a.empty("codes", (5000,), torch.uint8)
+    b.upload("codebooks", torch.zeros(1000, dtype=torch.float32))
+    assert budget.used == a.used + b.used == 5120 + 4096 and a.parts == {"codes": 5120}
+    with pytest.raises(BudgetError, match=r"left after idx holds 5120 bytes: codes \(5120 bytes\); idx #2 holds 4096"):
+        b.empty("codes", (20_000,), torch.uint8)
+    with pytest.raises(BudgetError, match="cannot be resized"):
+        budget.resize(40_000)
+    a.release()
+    assert budget.used == 4096 and budget.owners == {"idx #2"} and budget.peak == 9216
+    with pytest.raises(BudgetError, match="closed"):
+        a.empty("codes", (10,), torch.uint8)
+    b.release()
+    b.release()  # twice is harmless
+    budget.resize(40_000)
+    assert budget.used == 0 and budget.budget == 40_000 and budget.peak == 9216
+
+
 def test_pool_blocks_are_never_shared():
     pool = BlockPool(DeviceBudget(DEVICE, 1 << 20), 2, 4096, 1024)
     held, clashes = set(), []

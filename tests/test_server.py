@@ -449,7 +449,11 @@ def test_gpu_tier_flags_reach_the_engine_and_metrics(server, demo_vectors, tmp_p
             assert c.get("/v1/collections/demo").json()["tiers"]["pq_tier"] == "gpu"
             fams = {f.name: f for f in text_string_to_metric_families(c.get("/metrics").text)}
             gpu = {s.labels["kind"]: s.value for s in fams["fusionrag_gpu_memory_bytes"].samples}
-            assert gpu["budget"] == 256 << 20 and 0 < gpu["used"] <= gpu["budget"]
+            assert gpu["budget"] == 256 << 20 and 0 < gpu["used"] <= gpu["budget"] and gpu["peak"] >= gpu["used"]
+            # The one collection's share of the process's budget is all of what is used.
+            share = [s.value for s in fams["fusionrag_tier_bytes"].samples
+                     if s.labels == {"collection": "demo", "tier": "gpu"}]
+            assert share == [gpu["used"]]
     finally:
         srv.stop()
 

@@ -27,7 +27,8 @@ _HELP = {
     "graph_ef": "navigation graph beam (at least nprobe)",
     "rerank_inflight": "queries each re-rank thread keeps in flight, their SSD reads overlapped (1: one at a time)",
     "filter_tier": "PQ filter tier: auto (GPU when CUDA is there), cpu or gpu",
-    "gpu_budget_bytes": "GPU memory the filter tier may hold (0: what the LLM server leaves)",
+    "gpu_budget_bytes": "GPU memory the filter tiers of the process share (0: what the LLM server leaves)",
+    "gpu_tiered_share": "an index whose PQ codes do not all fit takes at most this share of the budget left",
     "gpu_memory_utilization": "the LLM server's share of GPU memory, for the default budget",
 }
 
