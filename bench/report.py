@@ -115,14 +115,14 @@ def write_report(path: Path) -> None:
         f = ds["systems"].get("fusionrag")
         if f:
             md += ["fusionrag per-stage profile (mean per query, 1 thread):", "",
-                   "| nprobe | rerank | beta | probe ratio | recall | QPS | probed | cand. | unique | minibatches | reranked | pages SSD | pages buffer | graph µs | LUT µs | scan µs | rerank µs |",
-                   "|---" * 17 + "|"]
+                   "| nprobe | rerank | minibatch | beta | probe ratio | recall | QPS | probed | cand. | unique | minibatches | reranked | pages SSD | pages buffer | graph µs | LUT µs | scan µs | rerank µs |",
+                   "|---" * 18 + "|"]
             for s in f["search"]:
                 for p in s.get("points", []):
                     if p["threads"] != 1:
                         continue
                     e = p["engine"]
-                    md.append(f"| {p['knob']['nprobe']} | {p['knob']['rerank']} | {p['knob'].get('beta', '')} | {p['knob'].get('probe_ratio', '')} | {p['recall']:.3f} | {p['qps']:,.0f} | "
+                    md.append(f"| {p['knob']['nprobe']} | {p['knob']['rerank']} | {p['knob'].get('minibatch', 8)} | {p['knob'].get('beta', '')} | {p['knob'].get('probe_ratio', '')} | {p['recall']:.3f} | {p['qps']:,.0f} | "
                               f"{e['centroids_probed']:.0f} | {e['candidates']:.0f} | {e['unique_candidates']:.0f} | "
                               f"{e['minibatches']:.1f} | {e['reranked']:.0f} | {e['pages_read']:.1f} | "
                               f"{e['pages_buffered']:.1f} | {e['graph_s'] * 1e6:.0f} | {e['lut_s'] * 1e6:.0f} | "

@@ -208,6 +208,16 @@ def build(spec) -> dict:
     return {"build_s": seconds, "build_peak_rss": status("VmHWM"), "base_rss": rss0, "index_disk_bytes": disk}
 
 
+def return_freed_memory() -> None:
+    """What `fusionrag search` and `serve` do (retriever/process.py), applied to every system alike:
+    glibc hands freed blocks of 128 KiB and more back to the kernel instead of keeping the peak."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD
+    libc.mallopt(-1, 128 << 10)  # M_TRIM_THRESHOLD
+
+
 def search(spec) -> dict:
     work = Path(spec["work"])
     base, queries, gt, meta = load(work, spec["dataset"])
@@ -222,6 +232,7 @@ def search(spec) -> dict:
         warm /= np.linalg.norm(warm, axis=1, keepdims=True)
     del base
     importlib.import_module(SYSTEMS[spec["system"]][2])
+    return_freed_memory()
     results = []
     base_rss = status("VmRSS")
     reset_peak()

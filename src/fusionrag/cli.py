@@ -171,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.run in (_cmd_search, _cmd_serve):
+        from fusionrag.retriever.process import return_freed_memory
+
+        return_freed_memory()
     try:
         return args.run(args)
     except (FusionRAGError, FileExistsError) as e:
