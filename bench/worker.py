@@ -210,7 +210,8 @@ def build(spec) -> dict:
 
 def return_freed_memory() -> None:
     """What `fusionrag search` and `serve` do (retriever/process.py), applied to every system alike:
-    glibc hands freed blocks of 128 KiB and more back to the kernel instead of keeping the peak."""
+    glibc hands freed blocks of 128 KiB and more back to the kernel instead of keeping the peak.
+    A copy, not an import: DiskANN's worker runs in a venv without fusionrag."""
     import ctypes
 
     libc = ctypes.CDLL("libc.so.6")

@@ -74,8 +74,9 @@ class ProductQuantizer:
         # One (q, M, 256) array, worked in place: the tables are most of a search's working memory.
         dots = np.empty((len(qs), self.m, KSUB), dtype=np.float32)
         np.matmul(qs.transpose(1, 0, 2), self.codebooks.transpose(0, 2, 1), out=dots.transpose(1, 0, 2))
-        dots *= -2 if metric == "l2" else -1
-        if metric == "l2":
-            dots += np.einsum("qmd,qmd->qm", qs, qs)[:, :, None]
-            dots += np.einsum("mkd,mkd->mk", self.codebooks, self.codebooks)[None]
+        if metric == "ip":
+            return np.negative(dots, out=dots)
+        dots *= -2
+        dots += np.einsum("qmd,qmd->qm", qs, qs)[:, :, None]
+        dots += np.einsum("mkd,mkd->mk", self.codebooks, self.codebooks)[None]
         return dots
