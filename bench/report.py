@@ -53,7 +53,8 @@ def fmt(x, nd=0):
 
 
 def targets(summ: dict) -> list[str]:
-    """The issue's three targets, from numbers measured in the same run."""
+    """The issue's three targets, from numbers measured in the same run: fusionrag at its defaults,
+    and for "no more memory" whichever fusionrag configuration fits in DiskANN's net memory."""
     f, h, d = summ.get("fusionrag"), summ.get("hnswlib"), summ.get("diskann")
     lines = []
     if f and h and f["net_peak_rss"] and h["net_peak_rss"]:
@@ -61,18 +62,31 @@ def targets(summ: dict) -> list[str]:
         r_tot = f["search_peak_rss"] / h["search_peak_rss"]
         lines.append(f"memory vs hnswlib (target ≤ 0.25): net {r_net:.2f}, whole process {r_tot:.2f} "
                      f"→ {'met' if r_net <= 0.25 else 'missed'} (net)")
-    if f and d:
-        for th in (1, 2):
-            fb, db = f["best"].get(f"{th}t@0.90"), d["best"].get(f"{th}t@0.90")
-            if fb and db:
-                ratio = fb["qps"] / db["qps"]
-                mem = f["net_peak_rss"] / d["net_peak_rss"] if d["net_peak_rss"] else float("nan")
-                lines.append(f"QPS@0.90 vs DiskANN, {th} thread(s) (target ≥ 2): {ratio:.2f} "
-                             f"(memory fusionrag/DiskANN net {mem:.2f}) → {'met' if ratio >= 2 and mem <= 1.05 else 'missed'}")
-                pr = fb["pages"] / db["pages"] if db["pages"] else float("nan")
-                lines.append(f"pages/query@0.90 vs DiskANN, {th} thread(s) (target ≤ 0.5): {fb['pages']:.1f} vs "
-                             f"{db['pages']:.1f} = {pr:.2f}; fewest at ≥0.90: {fb['fewest_pages']:.1f} vs "
-                             f"{db['fewest_pages']:.1f} → {'met' if pr <= 0.5 else 'missed'}")
+    if not (f and d):
+        return lines
+    variants = {s: v for s, v in summ.items() if s.startswith("fusionrag") and v["net_peak_rss"]}
+    for th in (1, 2):
+        fb, db = f["best"].get(f"{th}t@0.90"), d["best"].get(f"{th}t@0.90")
+        if not (fb and db):
+            continue
+        mem = f["net_peak_rss"] / d["net_peak_rss"] if d["net_peak_rss"] else float("nan")
+        lines.append(f"QPS@0.90 vs DiskANN, {th} thread(s) (target ≥ 2), defaults: {fb['qps'] / db['qps']:.2f} "
+                     f"(memory fusionrag/DiskANN net {mem:.2f}) → {'met' if fb['qps'] >= 2 * db['qps'] else 'missed'}")
+        fits = {s: v["best"][f"{th}t@0.90"] for s, v in variants.items()
+                if v["net_peak_rss"] <= d["net_peak_rss"] and v["best"].get(f"{th}t@0.90")}
+        if fits:
+            s, b = max(fits.items(), key=lambda kv: kv[1]["qps"])
+            m = variants[s]["net_peak_rss"] / d["net_peak_rss"]
+            lines.append(f"… with no more memory than DiskANN, {th} thread(s): {s} {b['qps'] / db['qps']:.2f}× "
+                         f"(net memory {m:.2f} of DiskANN's) → {'met' if b['qps'] >= 2 * db['qps'] else 'missed'}")
+        else:
+            lines.append(f"… with no more memory than DiskANN, {th} thread(s): no fusionrag configuration fits "
+                         f"(smallest net {min(v['net_peak_rss'] for v in variants.values()) / d['net_peak_rss']:.2f} "
+                         "of DiskANN's) → missed")
+        pr = fb["pages"] / db["pages"] if db["pages"] else float("nan")
+        lines.append(f"pages/query@0.90 vs DiskANN, {th} thread(s) (target ≤ 0.5): {fb['pages']:.1f} vs "
+                     f"{db['pages']:.1f} = {pr:.2f}; fewest at ≥0.90: {fb['fewest_pages']:.1f} vs "
+                     f"{db['fewest_pages']:.1f} → {'met' if pr <= 0.5 else 'missed'}")
     return lines
 
 
@@ -90,7 +104,8 @@ def write_report(path: Path) -> None:
         md += [f"## {name}: {meta['count']:,} × {meta['dim']} ({meta['metric']}), {meta['origin']}", "",
                *([f"Measured by run {ds['from_run']}.", ""] if ds.get("from_run") else []),
                f"fusionrag page buffer {params['buffer_bytes'] / MIB:.1f} MiB = raw vectors "
-               f"({params['raw_bytes'] / MIB:.0f} MiB) / {round(params['raw_bytes'] / params['buffer_bytes'])}; "
+               f"({params['raw_bytes'] / MIB:.0f} MiB) / {round(params['raw_bytes'] / params['buffer_bytes'])} "
+               f"(fusionrag-lean: a quarter of it, lists of ~40 vectors, at most 3 replicas); "
                f"DiskANN R={params['diskann_r']}, L_build={params['diskann_l_build']}, "
                f"PQ {params['fusionrag_pq_m']} B/vector (as fusionrag), node cache {params['diskann_cache_nodes']:,} "
                f"nodes (≈ the page buffer); faiss IVF{params['nlist']},PQ{params['pq_m']}+RFlat; HNSW M=16, "
@@ -112,9 +127,10 @@ def write_report(path: Path) -> None:
                                  for t in TARGETS if v["best"].get(f"1t@{t:.2f}"))
             for s, v in summ.items()), ""]
         md += ["Targets:", ""] + [f"- {line}" for line in targets(summ)] + [""]
-        f = ds["systems"].get("fusionrag")
-        if f:
-            md += ["fusionrag per-stage profile (mean per query, 1 thread):", "",
+        for fname, f in ds["systems"].items():
+            if not fname.startswith("fusionrag"):
+                continue
+            md += [f"{fname} per-stage profile (mean per query, 1 thread):", "",
                    "| nprobe | rerank | minibatch | beta | probe ratio | recall | QPS | probed | cand. | unique | minibatches | reranked | pages SSD | pages buffer | graph µs | LUT µs | scan µs | rerank µs |",
                    "|---" * 18 + "|"]
             for s in f["search"]:
