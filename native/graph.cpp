@@ -146,20 +146,21 @@ static_assert(sizeof(Header) == 64, "Header must have no padding");
 
 // SQ8: per dimension i, code c_i = round((x_i - lo_i) / s_i). A query is mapped
 // into code units once (q'_i = (q_i - lo_i) / s_i, or q_i * s_i for ip), so each
-// distance is one pass over a node's bytes, in the original units (approximately).
+// distance is one pass over a node's bytes, in the original units (approximately):
+// l2 sums (s_i (q'_i - c_i))^2, which overflows only where the distance does.
 // Sixteen partial sums vectorize without -ffast-math (see distance.h).
 FUSIONRAG_SIMD_CLONES
-static float sq8_l2(const float* qc, const float* w, const uint8_t* c, size_t d) {
+static float sq8_l2(const float* qc, const float* s, const uint8_t* c, size_t d) {
   float acc[16] = {};
   size_t i = 0;
   for (; i + 16 <= d; i += 16)
     for (size_t j = 0; j < 16; ++j) {
-      float t = qc[i + j] - float(c[i + j]);
-      acc[j] += w[i + j] * t * t;
+      float t = s[i + j] * (qc[i + j] - float(c[i + j]));
+      acc[j] += t * t;
     }
   for (size_t j = 0; i < d; ++i, ++j) {
-    float t = qc[i] - float(c[i]);
-    acc[j] += w[i] * t * t;
+    float t = s[i] * (qc[i] - float(c[i]));
+    acc[j] += t * t;
   }
   return reduce16(acc);
 }
@@ -190,11 +191,11 @@ struct FloatDist {
 struct Sq8Dist {
   Sq8Fn fn;
   const float* q;  // in code units
-  const float* w;  // s_i^2 (l2)
+  const float* s;  // s_i (l2)
   float offset;    // -q.lo (ip)
   const uint8_t* codes;
   size_t dim;
-  float operator()(uint32_t i) const { return offset + fn(q, w, codes + size_t(i) * dim, dim); }
+  float operator()(uint32_t i) const { return offset + fn(q, s, codes + size_t(i) * dim, dim); }
   void prefetch(uint32_t i) const { __builtin_prefetch(codes + size_t(i) * dim); }
 };
 
@@ -215,7 +216,7 @@ class Graph {
   size_t memory_bytes() const {
     std::shared_lock<std::shared_mutex> r(rw_);
     size_t bytes = vectors_.capacity() * sizeof(float) + codes_.capacity() +
-                   (lo_.capacity() + scale_.capacity() + weight_.capacity()) * sizeof(float) +
+                   (lo_.capacity() + scale_.capacity()) * sizeof(float) +
                    links0_.capacity() * sizeof(uint32_t) + levels_.capacity() + upper_.capacity() * sizeof(upper_[0]);
     for (const auto& u : upper_) bytes += u.capacity() * sizeof(uint32_t);
     return bytes;
@@ -375,12 +376,10 @@ class Graph {
         }
     }
     scale_.resize(dim_);
-    weight_.resize(dim_);
     for (size_t i = 0; i < dim_; ++i) {
       if (n == 0) lo_[i] = hi[i] = 0;
       float s = float((double(hi[i]) - double(lo_[i])) / 255.0);  // in double: the range may exceed FLT_MAX
       scale_[i] = s > 0 ? s : 1.0f;  // a constant dimension: every code 0, exact
-      weight_[i] = scale_[i] * scale_[i];
     }
     f.seek(start);
     codes_.resize(n * dim_);
@@ -400,7 +399,7 @@ class Graph {
     s.query.resize(dim_);
     if (metric_ == Metric::L2) {
       for (size_t i = 0; i < dim_; ++i) s.query[i] = (q[i] - lo_[i]) / scale_[i];
-      return {sq8_l2, s.query.data(), weight_.data(), 0.0f, codes_.data(), dim_};
+      return {sq8_l2, s.query.data(), scale_.data(), 0.0f, codes_.data(), dim_};
     }
     double q_lo = 0;  // q.x = q.lo + sum (q_i s_i) c_i
     for (size_t i = 0; i < dim_; ++i) {
@@ -585,9 +584,9 @@ class Graph {
   DistanceFn dist_;
   double level_mult_;
   std::vector<float> vectors_;               // size x dim, unless quantized
-  bool quantized_ = false;                   // SQ8: codes_ (size x dim), lo_, scale_ and weight_ (= scale^2) instead
+  bool quantized_ = false;                   // SQ8: codes_ (size x dim), lo_ and scale_ (dim) instead
   std::vector<uint8_t> codes_;
-  std::vector<float> lo_, scale_, weight_;
+  std::vector<float> lo_, scale_;
   std::vector<uint32_t> links0_;             // size x (1 + 2M)
   std::vector<std::vector<uint32_t>> upper_; // per node: level x (1 + M)
   std::vector<uint8_t> levels_;

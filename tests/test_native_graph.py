@@ -243,9 +243,9 @@ def test_sq8_graph_is_read_only_and_smaller(tmp_path):
     assert np.all(v[:, 5] == 2.5)
     assert not np.array_equal(v, x)
 
-    # Codes take a byte where a float took four; three per-dimension floats (lo, s, s^2) come on top.
+    # Codes take a byte where a float took four; two per-dimension floats (lo, s) come on top.
     saved_bytes = g.memory_bytes() - h.memory_bytes()
-    assert saved_bytes == x.nbytes - x.size - 3 * 40 * 4
+    assert saved_bytes == x.nbytes - x.size - 2 * 40 * 4
 
     with pytest.raises(ValueError, match="quantized graph is read-only; load it with quantize=False"):
         h.add(x[:10])
