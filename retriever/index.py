@@ -59,7 +59,7 @@ class Index:
             raise IndexFormatError(f"{path}: manifest lacks or garbles a field ({e!r})") from e
         threads = cpu_threads(config.threads)
         try:
-            graph = native.Graph.load(str(path / "graph.bin"))
+            graph = native.Graph.load(str(path / "graph.bin"), quantize=config.graph_sq8)
         except ValueError as e:
             raise IndexFormatError(str(e)) from e
         offsets = load_array(path, "list_offsets.npy", np.int64, 1)

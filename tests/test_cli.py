@@ -37,6 +37,10 @@ def test_build_search_recall(tmp_path):
     assert report["stats"]["pages_read"] + report["stats"]["pages_buffered"] > 0
     assert report["stats"]["unique_candidates"] <= report["stats"]["candidates"]
     assert report["io_backend"] in ("io_uring", "pread")
+    flt = json.loads(run("search", tmp_path / "idx", tmp_path / "q.fbin", "--k", "10", "--out", tmp_path / "ids.npy",
+                         "--groundtruth", tmp_path / "gt.ivecs", "--nprobe", "32", "--rerank", "100",
+                         "--no-graph-sq8").stdout)
+    assert flt["recall@10"] >= 0.9 and flt["memory"]["host_index_bytes"] > report["memory"]["host_index_bytes"]
     info = json.loads(run("info", tmp_path / "idx").stdout)
     assert info["count"] == 4000 and info["memory"]["pq_bytes"] > 0
 

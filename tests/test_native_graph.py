@@ -108,7 +108,8 @@ def test_save_load_round_trip(tmp_path, data):
         np.testing.assert_array_equal(a, b)
 
 
-def test_load_rejects_bad_files(tmp_path):
+@pytest.mark.parametrize("quantize", [False, True])
+def test_load_rejects_bad_files(tmp_path, quantize):
     g = Graph(4)
     g.add(np.random.default_rng(0).normal(size=(100, 4)).astype(np.float32))
     good = tmp_path / "g.bin"
@@ -119,17 +120,17 @@ def test_load_rejects_bad_files(tmp_path):
     for cut in (10, 64, 200, len(blob) - 1):
         truncated.write_bytes(blob[:cut])
         with pytest.raises(ValueError, match="truncated.bin"):
-            Graph.load(str(truncated))
+            Graph.load(str(truncated), quantize=quantize)
 
     wrong_magic = tmp_path / "magic.bin"
     wrong_magic.write_bytes(b"NOTGRAPH" + blob[8:])
     with pytest.raises(ValueError, match="magic"):
-        Graph.load(str(wrong_magic))
+        Graph.load(str(wrong_magic), quantize=quantize)
 
     trailing = tmp_path / "trailing.bin"
     trailing.write_bytes(blob + b"\0" * 4)
     with pytest.raises(ValueError, match="trailing"):
-        Graph.load(str(trailing))
+        Graph.load(str(trailing), quantize=quantize)
 
     bad_link = bytearray(blob)  # first link id of node 0 points past the end
     start = 64 + 100 + 100 * 4 * 4
@@ -137,10 +138,10 @@ def test_load_rejects_bad_files(tmp_path):
     corrupt = tmp_path / "corrupt.bin"
     corrupt.write_bytes(bytes(bad_link))
     with pytest.raises(ValueError, match="inconsistent"):
-        Graph.load(str(corrupt))
+        Graph.load(str(corrupt), quantize=quantize)
 
     with pytest.raises((OSError, RuntimeError), match="missing.bin"):
-        Graph.load(str(tmp_path / "missing.bin"))
+        Graph.load(str(tmp_path / "missing.bin"), quantize=quantize)
     with pytest.raises((OSError, RuntimeError), match="nowhere"):
         g.save(tmp_path / "nowhere" / "g.bin")
 
@@ -164,3 +165,106 @@ def test_bad_arguments_raise_value_error():
         Graph(8, M=1)
     with pytest.raises(ValueError, match="num_threads"):
         g.search(np.zeros((2, 8), np.float32), 3, 10, num_threads=-1)
+
+
+# SQ8: the graph loaded with its vectors as 8-bit codes per dimension (Graph.load(quantize=True)).
+
+
+def sq8_step(x):
+    """The code step s_i of each dimension, as load(quantize=True) picks it."""
+    span = x.max(0).astype(np.float64) - x.min(0)
+    return np.where(span > 0, span / 255, 1.0)
+
+
+def saved(tmp_path, x, metric="l2", **kw):
+    g = Graph(x.shape[1], metric, seed=1, **kw)
+    g.add(x)
+    path = tmp_path / "graph.bin"
+    g.save(path)
+    return g, path
+
+
+# Ranges per dimension: alike; one dimension 1000x wider than the rest, holding a few levels (a
+# group label); spreads over six orders of magnitude; offsets of +-1e4. Out of reach of 8 bits, and
+# so not here: detail inside a dimension much wider than the rest, which then orders the points
+# alone (x[:, 7] *= 1000 on this data: top-32 overlap 0.76; 1000 * group + x[:, 7]: 0.92).
+@pytest.mark.parametrize("dim,metric,ranges", [
+    (64, "l2", "even"), (300, "l2", "even"), (64, "l2", "one dim x1000"),
+    (64, "l2", "1e-3 .. 1e3"), (64, "l2", "offsets"), (64, "ip", "even"),
+])
+def test_sq8_search_agrees_with_float(tmp_path, dim, metric, ranges):
+    rng = np.random.default_rng(dim)
+    x = clustered(rng, 5200, dim)
+    if ranges == "one dim x1000":
+        x[:, 7] = 1000 * rng.integers(0, 16, len(x))
+    elif ranges == "1e-3 .. 1e3":
+        x *= np.logspace(-3, 3, dim, dtype=np.float32)[rng.permutation(dim)]
+    elif ranges == "offsets":
+        x += np.linspace(-1e4, 1e4, dim, dtype=np.float32)
+    x, q = x[200:], x[:200]
+    g, path = saved(tmp_path, x, metric)
+    h = Graph.load(path, quantize=True)
+    assert h.quantized and not g.quantized and "quantized=True" in repr(h)
+    for m in (32, 256):
+        want, _ = g.search(q, m, m)
+        ids, dists = h.search(q, m, m)
+        assert np.mean([len(np.intersect1d(a, b)) / m for a, b in zip(ids, want)]) >= 0.95
+        assert np.all(np.diff(dists, axis=1) >= 0)
+        # Against the true distances of the same nodes. The decoded x' is within s_i/2 of x per
+        # coordinate, so the l2 distance (a norm) moves by at most ||s||/2, and -q.x by at most
+        # sum |q_i| s_i / 2: bounds that hold for every pair, whatever the data.
+        x64, q64 = x[ids].astype(np.float64), q.astype(np.float64)
+        if metric == "l2":
+            exact = ((q64[:, None, :] - x64) ** 2).sum(-1)
+            off = np.abs(np.sqrt(dists) - np.sqrt(exact))
+            assert np.all(off <= np.linalg.norm(sq8_step(x)) / 2 * 1.001 + 1e-6 * np.sqrt(exact).max())
+        else:
+            exact = -np.einsum("qd,qkd->qk", q64, x64)
+            bound = np.abs(q64) @ sq8_step(x) / 2
+            assert np.all(np.abs(dists - exact) <= bound[:, None] * 1.001 + 1e-6 * np.abs(exact).max())
+        # Typical error is far below the bound: 0.1-4% of the distance here (the most where a few
+        # wide dimensions carry the distance).
+        assert np.median(np.abs(dists - exact) / np.abs(exact)) <= 0.06
+
+
+def test_sq8_graph_is_read_only_and_smaller(tmp_path):
+    rng = np.random.default_rng(3)
+    x = clustered(rng, 3000, 40)
+    x[:, 5] = 2.5  # a constant dimension is coded exactly
+    g, path = saved(tmp_path, x, M=8, ef_construction=64)
+    h = Graph.load(path, quantize=True)
+    assert (h.size, h.dim, h.metric) == (g.size, g.dim, g.metric)
+
+    v = h.vectors()
+    assert v.dtype == np.float32 and v.shape == x.shape
+    step = sq8_step(x)
+    slack = 4 * np.finfo(np.float32).eps * np.abs(x).max(0)  # float rounding of lo + s * code
+    assert np.all(np.abs(v.astype(np.float64) - x) <= step / 2 + slack)
+    assert np.all(v[:, 5] == 2.5)
+    assert not np.array_equal(v, x)
+
+    # Codes take a byte where a float took four; two per-dimension floats (lo, s) come on top.
+    saved_bytes = g.memory_bytes() - h.memory_bytes()
+    assert saved_bytes == x.nbytes - x.size - 2 * 40 * 4
+
+    with pytest.raises(ValueError, match="quantized graph is read-only; load it with quantize=False"):
+        h.add(x[:10])
+    with pytest.raises(ValueError, match="quantize=False"):
+        h.save(tmp_path / "again.bin")
+    assert not (tmp_path / "again.bin").exists()
+    assert h.size == 3000
+
+    empty = tmp_path / "empty.bin"
+    Graph(8).save(empty)
+    e = Graph.load(empty, quantize=True)
+    ids, dists = e.search(np.zeros((2, 8), np.float32), 3, 10)
+    assert e.quantized and np.all(ids == -1) and np.all(np.isinf(dists)) and e.vectors().shape == (0, 8)
+
+
+def test_sq8_load_rejects_non_finite_vectors(tmp_path):
+    x = np.random.default_rng(4).normal(size=(50, 4)).astype(np.float32)
+    x[17, 2] = np.nan
+    _, path = saved(tmp_path, x)
+    assert Graph.load(path).size == 50  # the float graph holds what it is given
+    with pytest.raises(ValueError, match="node 17 has a non-finite coordinate"):
+        Graph.load(path, quantize=True)
