@@ -93,9 +93,8 @@ def test_candidates_equal_numpy_table_path(real):
     lists, _, _ = index.nav.probe(q, index.params)
     n = 200
     tables = cpu.luts(index.pq, q, metric)
-    assert isinstance(tables, BatchTables) and not any(
-        isinstance(v, np.ndarray) and v.ndim == 3 and v.shape[-1] == 256 and v.shape[0] == len(q)
-        for v in vars(tables).values())
+    assert isinstance(tables, BatchTables)  # nothing built yet: the batch's own arrays
+    assert tables.queries is q and tables.codebooks is index.pq.codebooks and tables.metric == metric
     drop = np.zeros(len(cpu.codes), dtype=bool)
     drop[::7] = True  # the exclude bitmap goes the same way
     exclude = np.packbits(drop, bitorder="little")
