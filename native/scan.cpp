@@ -252,9 +252,9 @@ class LutBuilder {
   // The per-call part: transposed codebooks and, for l2, ||c||^2 of every centroid.
   void prepare() {
     columns_.resize(M * dsub * kCodebook);
-    for (size_t m = 0; m < M; ++m)
-      for (size_t k = 0; k < kCodebook; ++k)
-        for (size_t d = 0; d < dsub; ++d)
+    for (size_t m = 0; m < M; ++m)  // written in order; the reads stride dsub floats, cache lines reused
+      for (size_t d = 0; d < dsub; ++d)
+        for (size_t k = 0; k < kCodebook; ++k)
           columns_[(m * dsub + d) * kCodebook + k] = codebooks_[(m * kCodebook + k) * dsub + d];
     if (ip_) return;
     norms_.assign(M * kCodebook, 0.0f);
