@@ -6,7 +6,9 @@
 
 Prints, per set and thread count, the wall time per query of tables + scan (best of --repeat,
 batches of 64 as a search makes them), then the peak RSS (VmHWM) of a process that opens the
-index and searches the queries, each way, measured as bench/worker.py does.
+index and searches the queries, each way, measured as bench/worker.py does (lowest of
+--rss-repeat processes), with the QPS of that search (highest; default search parameters,
+no warm-up, so the page buffer starts cold).
 
     python bench/lut_scan.py --work bench/work --sets minilm fashion glove
 """
@@ -82,10 +84,12 @@ def peak_rss(work: Path, name: str, nq: int, threads: int, tables: str) -> dict:
     base = status("VmRSS")
     reset_peak()
     index = open_index(work, name, threads, tables)
+    t = time.perf_counter()
     index.search(queries, K)
+    qps = len(queries) / (time.perf_counter() - t)
     peak = status("VmHWM")
     return {"set": name, "threads": threads, "tables": tables, "peak_mib": round(peak / 2**20, 2),
-            "net_mib": round((peak - base) / 2**20, 2)}
+            "net_mib": round((peak - base) / 2**20, 2), "qps": round(qps)}
 
 
 def main() -> None:
@@ -111,7 +115,8 @@ def main() -> None:
                     [sys.executable, __file__, "--work", str(args.work), "--sets", name, "--queries",
                      str(args.queries), "--threads", str(threads), "--rss", tables],
                     check=True, capture_output=True, text=True).stdout) for _ in range(args.rss_repeat)]
-                print(json.dumps(min(runs, key=lambda r: r["peak_mib"])), flush=True)
+                print(json.dumps({**min(runs, key=lambda r: r["peak_mib"]), "qps": max(r["qps"] for r in runs)}),
+                      flush=True)
 
 
 if __name__ == "__main__":
