@@ -176,13 +176,18 @@ constexpr size_t kWidth = sizeof(Lanes) / sizeof(float);
 constexpr size_t kBlock = 4 * kWidth;  // centroids whose sums stay in registers across a sub-space
 static_assert(kCodebook % kBlock == 0);
 
-Lanes load(const float* p) {
+// Unaligned loads and stores. GCC notes that Lanes by value has another ABI with AVX than
+// without (up to the end of fill_table); these are always inlined, into both builds of
+// fill_table, so no call crosses.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+__attribute__((always_inline)) inline Lanes load(const float* p) {
   Lanes v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-void store(float* p, Lanes v) { std::memcpy(p, &v, sizeof v); }
+__attribute__((always_inline)) inline void store(float* p, Lanes v) { std::memcpy(p, &v, sizeof v); }
 
 // numpy's tables come from OpenBLAS kernels picked at run time (AVX2, AVX-512); this
 // one is built for AVX2 + FMA too where the CPU has them, the library being for baseline x86-64.
@@ -219,6 +224,7 @@ void fill_table(const float* padded, const float* columns, const float* norms, s
     }
   }
 }
+#pragma GCC diagnostic pop
 
 // Builds each query's PQ table as ProductQuantizer.luts does (the query zero-padded to
 // M * dsub; l2: ||q||^2 - 2 q.c + ||c||^2 per sub-space, ip: -q.c). The codebooks are
