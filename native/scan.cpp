@@ -2,11 +2,13 @@
 // machines without one. Per query: gather the IDs of the probed posting lists,
 // drop duplicates (boundary replication puts a vector in up to 8 lists), score
 // each by asymmetric distance computation (ADC) against the query's PQ table,
-// and keep the n best.
+// and keep the n best. The tables come as one array, or are built per query
+// by the scanning thread (scan_topn_pq).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 
 #include <algorithm>
@@ -101,28 +103,19 @@ struct Lists {
   }
 };
 
-// Per-query PQ tables and the codes they score.
+// The PQ codes a scan scores, one byte per sub-space.
 struct Codes {
-  const float* luts;  // q x M x 256
   const uint8_t* codes;  // N x M
   size_t M, N;
 
-  Codes(const Array<float>& lut_array, const Array<uint8_t>& code_array, size_t q) {
-    check_ndim(lut_array, 3, "luts");
+  Codes(const Array<uint8_t>& code_array, size_t m, const char* tables) : M(m) {
     check_ndim(code_array, 2, "codes");
-    if (lut_array.shape(0) != q || lut_array.shape(2) != kCodebook)
-      throw std::invalid_argument("luts must have shape (" + std::to_string(q) + ", M, 256), got " +
-                                  shape_of(lut_array));
-    M = lut_array.shape(1);
     if (M == 0 || code_array.shape(1) != M)
-      throw std::invalid_argument("codes must have shape (N, " + std::to_string(M) + ") to match luts, got " +
-                                  shape_of(code_array));
-    luts = lut_array.data();
+      throw std::invalid_argument("codes must have shape (N, " + std::to_string(M) + ") to match " + tables +
+                                  ", got " + shape_of(code_array));
     codes = code_array.data();
     N = code_array.shape(0);
   }
-
-  const float* lut(size_t query) const { return luts + query * M * kCodebook; }
 
   // Several partial sums so consecutive table lookups do not wait on one add chain.
   float adc(const float* lut, size_t id) const {
@@ -134,6 +127,164 @@ struct Codes {
     for (; m < M; ++m) s[0] += lut[m * kCodebook + c[m]];
     return (s[0] + s[1]) + (s[2] + s[3]);
   }
+};
+
+// Per-query PQ tables given as one array, q x M x 256.
+struct LutArray {
+  const float* luts;
+  size_t M;
+
+  LutArray(const Array<float>& lut_array, size_t q) {
+    check_ndim(lut_array, 3, "luts");
+    if (lut_array.shape(0) != q || lut_array.shape(2) != kCodebook || lut_array.shape(1) == 0)
+      throw std::invalid_argument("luts must have shape (" + std::to_string(q) + ", M, 256), got " +
+                                  shape_of(lut_array));
+    luts = lut_array.data();
+    M = lut_array.shape(1);
+  }
+
+  const float* lut(size_t query) const { return luts + query * M * kCodebook; }
+};
+
+using AnyArray = nb::ndarray<nb::ro, nb::device::cpu>;
+
+// A float32 C-contiguous array, taken as given: converting would hide a caller's
+// wrong dtype and copy a whole batch.
+const float* float32_array(const AnyArray& a, size_t ndim, const char* name) {
+  if (a.dtype() != nb::dtype<float>()) {
+    static const char* kinds[] = {"int", "uint", "float", "bfloat", "complex", "bool"};
+    uint8_t code = a.dtype().code;
+    throw std::invalid_argument(std::string(name) + " must be float32, got " + (code < 6 ? kinds[code] : "dtype") +
+                                std::to_string(a.dtype().bits));
+  }
+  if (a.ndim() != ndim)
+    throw std::invalid_argument(std::string(name) + " must be " + std::to_string(ndim) + "-D, got shape " +
+                                shape_of(a));
+  int64_t step = 1;
+  for (size_t i = ndim; i-- > 0;) {
+    if (a.shape(i) > 1 && a.stride(i) != step)
+      throw std::invalid_argument(std::string(name) + " must be C-contiguous");
+    step *= int64_t(a.shape(i));
+  }
+  return static_cast<const float*>(a.data());
+}
+
+// Eight floats: one AVX register, or two SSE ones; GCC/Clang vector extensions,
+// so that the table's inner loop is vector code without -ffast-math.
+using Lanes = float __attribute__((vector_size(32)));
+constexpr size_t kWidth = sizeof(Lanes) / sizeof(float);
+constexpr size_t kBlock = 4 * kWidth;  // centroids whose sums stay in registers across a sub-space
+static_assert(kCodebook % kBlock == 0);
+
+// Unaligned loads and stores. GCC notes that Lanes by value has another ABI with AVX than
+// without (up to the end of fill_table); these are always inlined, into both builds of
+// fill_table, so no call crosses.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+__attribute__((always_inline)) inline Lanes load(const float* p) {
+  Lanes v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+__attribute__((always_inline)) inline void store(float* p, Lanes v) { std::memcpy(p, &v, sizeof v); }
+
+// numpy's tables come from OpenBLAS kernels picked at run time (AVX2, AVX-512); this
+// one is built for AVX2 + FMA too where the CPU has them, the library being for baseline x86-64.
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__has_attribute)
+#if __has_attribute(target_clones)
+#define FUSIONRAG_X86_64_V3 __attribute__((target_clones("arch=x86-64-v3", "default")))
+#endif
+#endif
+#ifndef FUSIONRAG_X86_64_V3
+#define FUSIONRAG_X86_64_V3
+#endif
+
+// One query's M x 256 table from its zero-padded sub-vectors (M x dsub) and the codebooks
+// transposed to M x dsub x 256: l2 (norms = ||c||^2, M x 256) or ip (norms null).
+FUSIONRAG_X86_64_V3
+void fill_table(const float* padded, const float* columns, const float* norms, size_t M, size_t dsub, float* lut) {
+  for (size_t m = 0; m < M; ++m) {
+    const float* qm = padded + m * dsub;
+    const float* cols = columns + m * dsub * kCodebook;
+    float* row = lut + m * kCodebook;
+    float qn = 0;
+    for (size_t d = 0; d < dsub; ++d) qn += qm[d] * qm[d];
+    for (size_t k = 0; k < kCodebook; k += kBlock) {
+      Lanes acc[4] = {};
+      for (size_t d = 0; d < dsub; ++d) {
+        Lanes x = Lanes{} + qm[d];
+        for (size_t j = 0; j < 4; ++j) acc[j] += x * load(cols + d * kCodebook + k + j * kWidth);
+      }
+      for (size_t j = 0; j < 4; ++j) {
+        size_t at = k + j * kWidth;
+        // As numpy: (-2 q.c + ||q||^2) + ||c||^2, so candidate orders match up to rounding.
+        store(row + at, norms ? (acc[j] * -2.0f + qn) + load(norms + m * kCodebook + at) : -acc[j]);
+      }
+    }
+  }
+}
+#pragma GCC diagnostic pop
+
+// Builds each query's PQ table as ProductQuantizer.luts does (the query zero-padded to
+// M * dsub; l2: ||q||^2 - 2 q.c + ||c||^2 per sub-space, ip: -q.c). The codebooks are
+// laid out once per call as M x dsub x 256, so the inner loops run across the 256
+// centroids: independent sums, vector code without -ffast-math.
+class LutBuilder {
+ public:
+  size_t q, dim, M, dsub;
+
+  LutBuilder(const AnyArray& query_array, const AnyArray& codebook_array, const std::string& metric) {
+    if (metric != "l2" && metric != "ip")
+      throw std::invalid_argument("metric must be 'l2' or 'ip', not '" + metric + "'");
+    ip_ = metric == "ip";
+    const float* c = float32_array(codebook_array, 3, "codebooks");
+    M = codebook_array.shape(0);
+    dsub = codebook_array.shape(2);
+    if (M == 0 || dsub == 0 || codebook_array.shape(1) != kCodebook)
+      throw std::invalid_argument("codebooks must have shape (M, 256, dsub) with M, dsub >= 1, got " +
+                                  shape_of(codebook_array));
+    queries_ = float32_array(query_array, 2, "queries");
+    q = query_array.shape(0);
+    dim = query_array.shape(1);
+    // dsub = ceil(dim / M): the dimensions these codebooks were trained for.
+    if (dim > M * dsub || dim <= M * (dsub - 1))
+      throw std::invalid_argument("queries have dimension " + std::to_string(dim) + ", but codebooks of shape " +
+                                  shape_of(codebook_array) + " are for dimensions " +
+                                  std::to_string(M * (dsub - 1) + 1) + ".." + std::to_string(M * dsub));
+    codebooks_ = c;
+  }
+
+  // The per-call part: transposed codebooks and, for l2, ||c||^2 of every centroid.
+  void prepare() {
+    columns_.resize(M * dsub * kCodebook);
+    for (size_t m = 0; m < M; ++m)  // written in order; the reads stride dsub floats, cache lines reused
+      for (size_t d = 0; d < dsub; ++d)
+        for (size_t k = 0; k < kCodebook; ++k)
+          columns_[(m * dsub + d) * kCodebook + k] = codebooks_[(m * kCodebook + k) * dsub + d];
+    if (ip_) return;
+    norms_.assign(M * kCodebook, 0.0f);
+    for (size_t m = 0; m < M; ++m)
+      for (size_t d = 0; d < dsub; ++d) {
+        const float* col = &columns_[(m * dsub + d) * kCodebook];
+        float* norm = &norms_[m * kCodebook];
+        for (size_t k = 0; k < kCodebook; ++k) norm[k] += col[k] * col[k];
+      }
+  }
+
+  // Writes the M x 256 table of query i to lut; padded is scratch of M * dsub floats.
+  void build(size_t i, float* lut, float* padded) const {
+    const float* x = queries_ + i * dim;
+    std::copy(x, x + dim, padded);
+    std::fill(padded + dim, padded + M * dsub, 0.0f);
+    fill_table(padded, columns_.data(), ip_ ? nullptr : norms_.data(), M, dsub, lut);
+  }
+
+ private:
+  bool ip_;
+  const float* queries_;
+  const float* codebooks_;
+  std::vector<float> columns_, norms_;
 };
 
 // (distance, id) packed into one integer whose order is distance first, then
@@ -162,6 +313,7 @@ struct ScanScratch {
   std::vector<std::pair<const uint32_t*, const uint32_t*>> ranges;  // the probed lists
   std::vector<uint32_t> unique;
   std::vector<uint64_t> keys;
+  std::vector<float> lut, padded;  // the table of the query this thread scans, and its zero-padded query
 
   // Not inlined: seen through an inlined accessor, GCC re-derives the
   // thread-local address after every call in the scan loop.
@@ -172,15 +324,43 @@ struct ScanScratch {
   }
 };
 
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+// What a scan returns: rows of n ids and distances, two counts and the seconds of each query.
 struct ScanOut {
-  int64_t* ids;
-  float* dists;
-  int64_t* counts;
-  double* seconds;
+  size_t q, n;
+  std::unique_ptr<int64_t[]> ids;
+  std::unique_ptr<float[]> dists;
+  std::unique_ptr<int64_t[]> counts;
+  std::unique_ptr<double[]> seconds;
+
+  ScanOut(size_t queries, int64_t top) : q(queries), n(top > 0 ? size_t(top) : 0) {
+    if (top <= 0) throw std::invalid_argument("n must be positive, got " + std::to_string(top));
+    ids = std::make_unique<int64_t[]>(q * n);
+    dists = std::make_unique<float[]>(q * n);
+    counts = std::make_unique<int64_t[]>(q * 2);
+    seconds = std::make_unique<double[]>(q);
+  }
+
+  auto release() {
+    return std::make_tuple(to_numpy(std::move(ids), {q, n}), to_numpy(std::move(dists), {q, n}),
+                           to_numpy(std::move(counts), {q, size_t(2)}), to_numpy(std::move(seconds), {q}));
+  }
 };
 
-void scan_query(size_t i, const Lists& lists, const Codes& pq, const uint8_t* exclude, size_t n, const ScanOut& out) {
-  auto start = std::chrono::steady_clock::now();
+const uint8_t* exclude_bitmap(const std::optional<Array<uint8_t>>& exclude, size_t n_codes) {
+  if (!exclude) return nullptr;
+  check_ndim(*exclude, 1, "exclude");
+  if (exclude->shape(0) != (n_codes + 7) / 8)
+    throw std::invalid_argument("exclude must be a bitmap of ceil(N/8) = " + std::to_string((n_codes + 7) / 8) +
+                                " bytes, got " + std::to_string(exclude->shape(0)));
+  return exclude->data();
+}
+
+void scan_query(size_t i, const Lists& lists, const Codes& pq, const float* lut, const uint8_t* exclude,
+                ScanOut& out) {
   ScanScratch& s = ScanScratch::local(pq.N);
   s.unique.clear();
   // Unmarks exactly the words this query touched, also when a bad id throws.
@@ -214,7 +394,6 @@ void scan_query(size_t i, const Lists& lists, const Codes& pq, const uint8_t* ex
     }
   }
 
-  const float* lut = pq.lut(i);
   size_t u = s.unique.size();
   s.keys.resize(u);
   constexpr size_t kAhead = 16;  // codes are scattered in memory; fetch them early
@@ -222,7 +401,7 @@ void scan_query(size_t i, const Lists& lists, const Codes& pq, const uint8_t* ex
     if (j + kAhead < u) __builtin_prefetch(pq.codes + size_t(s.unique[j + kAhead]) * pq.M);
     s.keys[j] = rank_key(pq.adc(lut, s.unique[j]), s.unique[j]);
   }
-  size_t keep = std::min(n, u);
+  size_t n = out.n, keep = std::min(n, u);
   std::nth_element(s.keys.begin(), s.keys.begin() + keep, s.keys.end());
   std::sort(s.keys.begin(), s.keys.begin() + keep);
 
@@ -232,36 +411,78 @@ void scan_query(size_t i, const Lists& lists, const Codes& pq, const uint8_t* ex
   }
   out.counts[2 * i] = gathered;
   out.counts[2 * i + 1] = int64_t(u);
-  out.seconds[i] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
 auto scan_topn(Array<float> luts, Array<int32_t> probe_lists, Array<int64_t> list_offsets, Array<uint32_t> list_ids,
                Array<uint8_t> codes, int64_t n, int num_threads, std::optional<Array<uint8_t>> exclude) {
   Lists lists(probe_lists, list_offsets, list_ids);
-  Codes pq(luts, codes, lists.q);
-  if (n <= 0) throw std::invalid_argument("n must be positive, got " + std::to_string(n));
-  const uint8_t* excluded = nullptr;
-  if (exclude) {
-    check_ndim(*exclude, 1, "exclude");
-    if (exclude->shape(0) != (pq.N + 7) / 8)
-      throw std::invalid_argument("exclude must be a bitmap of ceil(N/8) = " + std::to_string((pq.N + 7) / 8) +
-                                  " bytes, got " + std::to_string(exclude->shape(0)));
-    excluded = exclude->data();
-  }
-  size_t q = lists.q, nn = size_t(n);
-  auto ids = std::make_unique<int64_t[]>(q * nn);
-  auto dists = std::make_unique<float[]>(q * nn);
-  auto counts = std::make_unique<int64_t[]>(q * 2);
-  auto seconds = std::make_unique<double[]>(q);
+  LutArray tables(luts, lists.q);
+  Codes pq(codes, tables.M, "luts");
+  ScanOut out(lists.q, n);
+  const uint8_t* excluded = exclude_bitmap(exclude, pq.N);
   size_t threads = pool_threads(num_threads);
   {
     nb::gil_scoped_release unlocked;
-    ScanOut out{ids.get(), dists.get(), counts.get(), seconds.get()};
-    ThreadPool::instance().parallel_for(q, threads,
-                                        [&](size_t i, size_t) { scan_query(i, lists, pq, excluded, nn, out); });
+    ThreadPool::instance().parallel_for(lists.q, threads, [&](size_t i, size_t) {
+      auto start = Clock::now();
+      scan_query(i, lists, pq, tables.lut(i), excluded, out);
+      out.seconds[i] = seconds_since(start);
+    });
   }
-  return std::make_tuple(to_numpy(std::move(ids), {q, nn}), to_numpy(std::move(dists), {q, nn}),
-                         to_numpy(std::move(counts), {q, size_t(2)}), to_numpy(std::move(seconds), {q}));
+  return out.release();
+}
+
+// As scan_topn, but each query's table is built by the thread that scans it, right
+// before the scan: threads x one table in memory instead of a whole batch of them.
+auto scan_topn_pq(AnyArray queries, AnyArray codebooks, const std::string& metric, Array<int32_t> probe_lists,
+                  Array<int64_t> list_offsets, Array<uint32_t> list_ids, Array<uint8_t> codes, int64_t n,
+                  int num_threads, std::optional<Array<uint8_t>> exclude) {
+  LutBuilder builder(queries, codebooks, metric);
+  Lists lists(probe_lists, list_offsets, list_ids);
+  if (lists.q != builder.q)
+    throw std::invalid_argument("probe_lists has " + std::to_string(lists.q) + " rows for " +
+                                std::to_string(builder.q) + " queries");
+  Codes pq(codes, builder.M, "codebooks");
+  ScanOut out(lists.q, n);
+  const uint8_t* excluded = exclude_bitmap(exclude, pq.N);
+  size_t threads = pool_threads(num_threads);
+  auto lut_seconds = std::make_unique<double[]>(lists.q);
+  {
+    nb::gil_scoped_release unlocked;
+    auto start = Clock::now();
+    builder.prepare();
+    double shared = lists.q ? seconds_since(start) / double(lists.q) : 0.0;  // spread over the batch
+    ThreadPool::instance().parallel_for(lists.q, threads, [&](size_t i, size_t) {
+      auto t0 = Clock::now();
+      ScanScratch& s = ScanScratch::local(pq.N);
+      s.lut.resize(builder.M * kCodebook);
+      s.padded.resize(builder.M * builder.dsub);
+      builder.build(i, s.lut.data(), s.padded.data());
+      auto t1 = Clock::now();
+      scan_query(i, lists, pq, s.lut.data(), excluded, out);
+      lut_seconds[i] = std::chrono::duration<double>(t1 - t0).count() + shared;
+      out.seconds[i] = seconds_since(t1);
+    });
+  }
+  size_t q = lists.q;
+  return std::tuple_cat(out.release(), std::make_tuple(to_numpy(std::move(lut_seconds), {q})));
+}
+
+// The tables scan_topn_pq builds, as one array: to check them against ProductQuantizer.luts.
+auto pq_luts(AnyArray queries, AnyArray codebooks, const std::string& metric, int num_threads) {
+  LutBuilder builder(queries, codebooks, metric);
+  size_t threads = pool_threads(num_threads);
+  auto luts = std::make_unique<float[]>(builder.q * builder.M * kCodebook);
+  {
+    nb::gil_scoped_release unlocked;
+    builder.prepare();
+    ThreadPool::instance().parallel_for(builder.q, threads, [&](size_t i, size_t) {
+      std::vector<float>& padded = ScanScratch::local(0).padded;
+      padded.resize(builder.M * builder.dsub);
+      builder.build(i, luts.get() + i * builder.M * kCodebook, padded.data());
+    });
+  }
+  return to_numpy(std::move(luts), {builder.q, builder.M, kCodebook});
 }
 
 auto gather(Array<int32_t> probe_lists, Array<int64_t> list_offsets, Array<uint32_t> list_ids, int num_threads) {
@@ -288,7 +509,8 @@ auto gather(Array<int32_t> probe_lists, Array<int64_t> list_offsets, Array<uint3
 auto pq_distances(Array<float> luts, Array<int64_t> ids, Array<uint8_t> codes, int num_threads) {
   check_ndim(ids, 2, "ids");
   size_t q = ids.shape(0), n = ids.shape(1);
-  Codes pq(luts, codes, q);
+  LutArray tables(luts, q);
+  Codes pq(codes, tables.M, "luts");
   size_t threads = pool_threads(num_threads);
   auto dists = std::make_unique<float[]>(q * n);
   {
@@ -299,7 +521,7 @@ auto pq_distances(Array<float> luts, Array<int64_t> ids, Array<uint8_t> codes, i
         if (id < -1 || id >= int64_t(pq.N))
           throw std::invalid_argument("ids[" + std::to_string(i) + ", " + std::to_string(j) + "] = " +
                                       std::to_string(id) + " is out of range for " + std::to_string(pq.N) + " codes");
-        dists[i * n + j] = id < 0 ? std::numeric_limits<float>::infinity() : pq.adc(pq.lut(i), size_t(id));
+        dists[i * n + j] = id < 0 ? std::numeric_limits<float>::infinity() : pq.adc(tables.lut(i), size_t(id));
       }
     });
   }
@@ -318,6 +540,14 @@ void bind_scan(nb::module_& m) {
         "rows ascending by (distance, id), padded with -1 / inf; counts[:, 0] = ids gathered with duplicates,\n"
         "counts[:, 1] = unique ids scored (after exclude). exclude: uint8[ceil(N/8)], bit i (little-endian\n"
         "bit order, as np.packbits(..., bitorder='little')) set = vector i is left out.");
+  m.def("scan_topn_pq", &scan_topn_pq, "queries"_a, "codebooks"_a, "metric"_a, "probe_lists"_a, "list_offsets"_a,
+        "list_ids"_a, "codes"_a, "n"_a, "num_threads"_a = 0, "exclude"_a = nb::none(),
+        "As scan_topn, the PQ tables built inside: each query's (as ProductQuantizer.luts: float32 queries\n"
+        "(q, dim) zero-padded to M * dsub, codebooks float32 (M, 256, dsub), metric 'l2' or 'ip') by the thread\n"
+        "that scans it. Returns (ids, dists, counts, seconds, lut_seconds float64[q]): seconds of the scan alone,\n"
+        "lut_seconds of building the query's table (with its share of the per-call codebook set-up).");
+  m.def("pq_luts", &pq_luts, "queries"_a, "codebooks"_a, "metric"_a, "num_threads"_a = 0,
+        "float32 (q, M, 256): the tables scan_topn_pq builds, all at once (to check them).");
   m.def("gather", &gather, "probe_lists"_a, "list_offsets"_a, "list_ids"_a, "num_threads"_a = 0,
         "The ids of each query's probed lists concatenated, duplicates kept: (ids uint32[total], offsets int64[q+1]).");
   m.def("pq_distances", &pq_distances, "luts"_a, "ids"_a, "codes"_a, "num_threads"_a = 0,

@@ -119,7 +119,8 @@ class EngineConfig(_Config):
     # Memory: 16 x minibatch blocks per thread (bench/results/rerank_inflight.md).
     rerank_inflight: int = 16
     # Queries per internal batch; 0 picks by filter tier (batch_for). On the CPU a batch's float32
-    # PQ tables (M KiB per query) are most of a search's working memory and small batches cost no
+    # PQ tables (M KiB per query) were most of a search's working memory (since built one per thread,
+    # in the scan: bench/results/lut_scan.md), and small batches cost no
     # speed: Fashion-MNIST 60k (M=64), 2 threads, 64 queries per batch took the process's peak
     # from 86 to ~44 MiB at the same QPS (256: 523-545 q/s, 64: 653-696). The GPU wants big ones.
     batch_size: int = 0

@@ -30,6 +30,19 @@ class Candidates:
     gathered: np.ndarray  # int64 (q,): IDs gathered, duplicates included
     unique: np.ndarray  # int64 (q,): after de-duplication
     seconds: np.ndarray  # float64 (q,)
+    # float64 (q,): building PQ tables inside topn (the CPU tier's BatchTables); 0 where
+    # the tables came built (timed by whoever built them).
+    lut_seconds: np.ndarray | float = 0.0
+
+
+@dataclass(frozen=True)
+class BatchTables:
+    """A batch's PQ tables, not built: CpuFilterTier.topn builds each query's table (as
+    ProductQuantizer.luts) in the thread that scans it, so a search holds one M x 256 table
+    per thread instead of one per query of the batch."""
+    queries: np.ndarray  # float32 (q, dim)
+    codebooks: np.ndarray  # float32 (M, 256, dsub)
+    metric: str  # 'l2' or 'ip'
 
 
 class FilterTier(Protocol):
@@ -42,10 +55,13 @@ class FilterTier(Protocol):
     def close(self) -> None:
         """Give back what the tier holds (GPU memory); no search may run meanwhile or after."""
 
-    def luts(self, pq, queries: np.ndarray, metric: str): ...
+    def luts(self, pq, queries: np.ndarray, metric: str):
+        """The queries' PQ tables in the form topn takes best: BatchTables on the CPU (built
+        during topn), tables in device memory on the GPU."""
 
     def topn(self, luts, probe_lists: np.ndarray, n: int, exclude: np.ndarray | None = None) -> Candidates:
-        """exclude: bitmap of vector ids never to return (a collection's tombstones and filter)."""
+        """luts: from self.luts, or float32 (q, M, 256) host tables as ProductQuantizer.luts gives.
+        exclude: bitmap of vector ids never to return (a collection's tombstones and filter)."""
 
 
 class NavigationTier:
@@ -98,12 +114,17 @@ class CpuFilterTier:
     def close(self) -> None:
         """Nothing to give back: the codes are the index's own arrays."""
 
-    def luts(self, pq, queries: np.ndarray, metric: str) -> np.ndarray:
-        return pq.luts(queries, metric)
+    def luts(self, pq, queries: np.ndarray, metric: str) -> BatchTables:
+        return BatchTables(queries, pq.codebooks, metric)
 
-    def topn(self, luts: np.ndarray, probe_lists: np.ndarray, n: int, exclude: np.ndarray | None = None) -> Candidates:
-        ids, dists, counts, seconds = native.scan_topn(
-            luts, probe_lists, self.list_offsets, self.list_ids, self.codes, n, self.threads, exclude)
+    def topn(self, luts: BatchTables | np.ndarray, probe_lists: np.ndarray, n: int,
+             exclude: np.ndarray | None = None) -> Candidates:
+        index = (self.list_offsets, self.list_ids, self.codes, n, self.threads, exclude)
+        if isinstance(luts, BatchTables):
+            ids, dists, counts, seconds, lut_seconds = native.scan_topn_pq(
+                luts.queries, luts.codebooks, luts.metric, probe_lists, *index)
+            return Candidates(ids, dists, counts[:, 0], counts[:, 1], seconds, lut_seconds)
+        ids, dists, counts, seconds = native.scan_topn(luts, probe_lists, *index)
         return Candidates(ids, dists, counts[:, 0], counts[:, 1], seconds)
 
 
