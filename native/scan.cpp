@@ -226,50 +226,83 @@ void fill_table(const float* padded, const float* columns, const float* norms, s
 }
 #pragma GCC diagnostic pop
 
-// Builds each query's PQ table as ProductQuantizer.luts does (the query zero-padded to
-// M * dsub; l2: ||q||^2 - 2 q.c + ||c||^2 per sub-space, ip: -q.c). The codebooks are
-// laid out once per call as M x dsub x 256, so the inner loops run across the 256
-// centroids: independent sums, vector code without -ffast-math.
-class LutBuilder {
- public:
-  size_t q, dim, M, dsub;
+using Clock = std::chrono::steady_clock;
 
-  LutBuilder(const AnyArray& query_array, const AnyArray& codebook_array, const std::string& metric) {
-    if (metric != "l2" && metric != "ip")
-      throw std::invalid_argument("metric must be 'l2' or 'ip', not '" + metric + "'");
-    ip_ = metric == "ip";
+double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+// The codebooks laid out for building tables: M x dsub x 256, so the inner loops run
+// across the 256 centroids (independent sums, vector code without -ffast-math), and
+// ||c||^2 of every centroid. CpuFilterTier makes one per index; a call given the raw
+// (M, 256, dsub) array makes its own, ~0.1 ms of set-up a single query would pay each time.
+class PqCodebooks {
+ public:
+  size_t M, dsub;
+  std::vector<float> columns, norms;
+
+  explicit PqCodebooks(const AnyArray& codebook_array) {
     const float* c = float32_array(codebook_array, 3, "codebooks");
     M = codebook_array.shape(0);
     dsub = codebook_array.shape(2);
     if (M == 0 || dsub == 0 || codebook_array.shape(1) != kCodebook)
       throw std::invalid_argument("codebooks must have shape (M, 256, dsub) with M, dsub >= 1, got " +
                                   shape_of(codebook_array));
+    columns.resize(M * dsub * kCodebook);
+    for (size_t m = 0; m < M; ++m)  // written in order; the reads stride dsub floats, cache lines reused
+      for (size_t d = 0; d < dsub; ++d)
+        for (size_t k = 0; k < kCodebook; ++k)
+          columns[(m * dsub + d) * kCodebook + k] = c[(m * kCodebook + k) * dsub + d];
+    norms.assign(M * kCodebook, 0.0f);
+    for (size_t m = 0; m < M; ++m)
+      for (size_t d = 0; d < dsub; ++d) {
+        const float* col = &columns[(m * dsub + d) * kCodebook];
+        float* norm = &norms[m * kCodebook];
+        for (size_t k = 0; k < kCodebook; ++k) norm[k] += col[k] * col[k];
+      }
+  }
+
+  size_t nbytes() const { return (columns.size() + norms.size()) * sizeof(float); }
+};
+
+// A call's codebooks: a PqCodebooks made earlier, or the raw array, laid out for this call.
+struct CodebooksArg {
+  std::optional<PqCodebooks> own;
+  const PqCodebooks* cb;
+  double setup_seconds = 0;  // laying out a raw array
+
+  explicit CodebooksArg(nb::handle h) {
+    if (nb::isinstance<PqCodebooks>(h)) {
+      cb = nb::cast<const PqCodebooks*>(h);
+      return;
+    }
+    AnyArray raw;
+    if (!nb::try_cast(h, raw))
+      throw std::invalid_argument("codebooks must be a float32 (M, 256, dsub) array or a PqCodebooks");
+    auto start = Clock::now();
+    own.emplace(raw);
+    cb = &*own;
+    setup_seconds = seconds_since(start);
+  }
+};
+
+// Builds each query's PQ table as ProductQuantizer.luts does (the query zero-padded to
+// M * dsub; l2: ||q||^2 - 2 q.c + ||c||^2 per sub-space, ip: -q.c).
+class LutBuilder {
+ public:
+  size_t q, dim, M, dsub;
+
+  LutBuilder(const AnyArray& query_array, const PqCodebooks& cb, const std::string& metric)
+      : M(cb.M), dsub(cb.dsub), cb_(cb) {
+    if (metric != "l2" && metric != "ip")
+      throw std::invalid_argument("metric must be 'l2' or 'ip', not '" + metric + "'");
+    ip_ = metric == "ip";
     queries_ = float32_array(query_array, 2, "queries");
     q = query_array.shape(0);
     dim = query_array.shape(1);
     // dsub = ceil(dim / M): the dimensions these codebooks were trained for.
     if (dim > M * dsub || dim <= M * (dsub - 1))
-      throw std::invalid_argument("queries have dimension " + std::to_string(dim) + ", but codebooks of shape " +
-                                  shape_of(codebook_array) + " are for dimensions " +
+      throw std::invalid_argument("queries have dimension " + std::to_string(dim) + ", but codebooks of shape (" +
+                                  std::to_string(M) + ", 256, " + std::to_string(dsub) + ") are for dimensions " +
                                   std::to_string(M * (dsub - 1) + 1) + ".." + std::to_string(M * dsub));
-    codebooks_ = c;
-  }
-
-  // The per-call part: transposed codebooks and, for l2, ||c||^2 of every centroid.
-  void prepare() {
-    columns_.resize(M * dsub * kCodebook);
-    for (size_t m = 0; m < M; ++m)  // written in order; the reads stride dsub floats, cache lines reused
-      for (size_t d = 0; d < dsub; ++d)
-        for (size_t k = 0; k < kCodebook; ++k)
-          columns_[(m * dsub + d) * kCodebook + k] = codebooks_[(m * kCodebook + k) * dsub + d];
-    if (ip_) return;
-    norms_.assign(M * kCodebook, 0.0f);
-    for (size_t m = 0; m < M; ++m)
-      for (size_t d = 0; d < dsub; ++d) {
-        const float* col = &columns_[(m * dsub + d) * kCodebook];
-        float* norm = &norms_[m * kCodebook];
-        for (size_t k = 0; k < kCodebook; ++k) norm[k] += col[k] * col[k];
-      }
   }
 
   // Writes the M x 256 table of query i to lut; padded is scratch of M * dsub floats.
@@ -277,14 +310,13 @@ class LutBuilder {
     const float* x = queries_ + i * dim;
     std::copy(x, x + dim, padded);
     std::fill(padded + dim, padded + M * dsub, 0.0f);
-    fill_table(padded, columns_.data(), ip_ ? nullptr : norms_.data(), M, dsub, lut);
+    fill_table(padded, cb_.columns.data(), ip_ ? nullptr : cb_.norms.data(), M, dsub, lut);
   }
 
  private:
   bool ip_;
   const float* queries_;
-  const float* codebooks_;
-  std::vector<float> columns_, norms_;
+  const PqCodebooks& cb_;
 };
 
 // (distance, id) packed into one integer whose order is distance first, then
@@ -324,9 +356,6 @@ struct ScanScratch {
   }
 };
 
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
 // What a scan returns: rows of n ids and distances, two counts and the seconds of each query.
 struct ScanOut {
@@ -434,10 +463,11 @@ auto scan_topn(Array<float> luts, Array<int32_t> probe_lists, Array<int64_t> lis
 
 // As scan_topn, but each query's table is built by the thread that scans it, right
 // before the scan: threads x one table in memory instead of a whole batch of them.
-auto scan_topn_pq(AnyArray queries, AnyArray codebooks, const std::string& metric, Array<int32_t> probe_lists,
+auto scan_topn_pq(AnyArray queries, nb::handle codebooks, const std::string& metric, Array<int32_t> probe_lists,
                   Array<int64_t> list_offsets, Array<uint32_t> list_ids, Array<uint8_t> codes, int64_t n,
                   int num_threads, std::optional<Array<uint8_t>> exclude) {
-  LutBuilder builder(queries, codebooks, metric);
+  CodebooksArg cb(codebooks);
+  LutBuilder builder(queries, *cb.cb, metric);
   Lists lists(probe_lists, list_offsets, list_ids);
   if (lists.q != builder.q)
     throw std::invalid_argument("probe_lists has " + std::to_string(lists.q) + " rows for " +
@@ -449,9 +479,7 @@ auto scan_topn_pq(AnyArray queries, AnyArray codebooks, const std::string& metri
   auto lut_seconds = std::make_unique<double[]>(lists.q);
   {
     nb::gil_scoped_release unlocked;
-    auto start = Clock::now();
-    builder.prepare();
-    double shared = lists.q ? seconds_since(start) / double(lists.q) : 0.0;  // spread over the batch
+    double shared = lists.q ? cb.setup_seconds / double(lists.q) : 0.0;  // spread over the batch
     ThreadPool::instance().parallel_for(lists.q, threads, [&](size_t i, size_t) {
       auto t0 = Clock::now();
       ScanScratch& s = ScanScratch::local(pq.N);
@@ -469,13 +497,13 @@ auto scan_topn_pq(AnyArray queries, AnyArray codebooks, const std::string& metri
 }
 
 // The tables scan_topn_pq builds, as one array: to check them against ProductQuantizer.luts.
-auto pq_luts(AnyArray queries, AnyArray codebooks, const std::string& metric, int num_threads) {
-  LutBuilder builder(queries, codebooks, metric);
+auto pq_luts(AnyArray queries, nb::handle codebooks, const std::string& metric, int num_threads) {
+  CodebooksArg cb(codebooks);
+  LutBuilder builder(queries, *cb.cb, metric);
   size_t threads = pool_threads(num_threads);
   auto luts = std::make_unique<float[]>(builder.q * builder.M * kCodebook);
   {
     nb::gil_scoped_release unlocked;
-    builder.prepare();
     ThreadPool::instance().parallel_for(builder.q, threads, [&](size_t i, size_t) {
       std::vector<float>& padded = ScanScratch::local(0).padded;
       padded.resize(builder.M * builder.dsub);
@@ -540,12 +568,20 @@ void bind_scan(nb::module_& m) {
         "rows ascending by (distance, id), padded with -1 / inf; counts[:, 0] = ids gathered with duplicates,\n"
         "counts[:, 1] = unique ids scored (after exclude). exclude: uint8[ceil(N/8)], bit i (little-endian\n"
         "bit order, as np.packbits(..., bitorder='little')) set = vector i is left out.");
+  nb::class_<PqCodebooks>(m, "PqCodebooks",
+                          "PQ codebooks laid out for building tables (scan_topn_pq, pq_luts): made once per index, "
+                          "so a call does not lay them out again.")
+      .def(nb::init<const AnyArray&>(), "codebooks"_a, "codebooks: float32 (M, 256, dsub), C-contiguous.")
+      .def_ro("M", &PqCodebooks::M)
+      .def_ro("dsub", &PqCodebooks::dsub)
+      .def_prop_ro("nbytes", &PqCodebooks::nbytes, "Bytes held.");
   m.def("scan_topn_pq", &scan_topn_pq, "queries"_a, "codebooks"_a, "metric"_a, "probe_lists"_a, "list_offsets"_a,
         "list_ids"_a, "codes"_a, "n"_a, "num_threads"_a = 0, "exclude"_a = nb::none(),
         "As scan_topn, the PQ tables built inside: each query's (as ProductQuantizer.luts: float32 queries\n"
         "(q, dim) zero-padded to M * dsub, codebooks float32 (M, 256, dsub), metric 'l2' or 'ip') by the thread\n"
-        "that scans it. Returns (ids, dists, counts, seconds, lut_seconds float64[q]): seconds of the scan alone,\n"
-        "lut_seconds of building the query's table (with its share of the per-call codebook set-up).");
+        "that scans it; codebooks may also be a PqCodebooks made once. Returns (ids, dists, counts, seconds,\n"
+        "lut_seconds float64[q]): seconds of the scan alone, lut_seconds of building the query's table (with\n"
+        "its share of laying out raw codebooks).");
   m.def("pq_luts", &pq_luts, "queries"_a, "codebooks"_a, "metric"_a, "num_threads"_a = 0,
         "float32 (q, M, 256): the tables scan_topn_pq builds, all at once (to check them).");
   m.def("gather", &gather, "probe_lists"_a, "list_offsets"_a, "list_ids"_a, "num_threads"_a = 0,

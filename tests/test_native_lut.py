@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import recall
 
-from fusionrag.native import pq_luts, scan_topn_pq
+from fusionrag.native import PqCodebooks, pq_luts, scan_topn_pq
 from fusionrag.retriever import BuildConfig, Index
 from fusionrag.retriever.pq import ProductQuantizer
 from fusionrag.retriever.tiers import BatchTables, CpuFilterTier
@@ -93,8 +93,10 @@ def test_candidates_equal_numpy_table_path(real):
     lists, _, _ = index.nav.probe(q, index.params)
     n = 200
     tables = cpu.luts(index.pq, q, metric)
-    assert isinstance(tables, BatchTables)  # nothing built yet: the batch's own arrays
-    assert tables.queries is q and tables.codebooks is index.pq.codebooks and tables.metric == metric
+    assert isinstance(tables, BatchTables)  # nothing built yet: the batch's queries, the index's codebooks
+    assert tables.queries is q and tables.metric == metric
+    assert isinstance(tables.codebooks, PqCodebooks) and tables.codebooks.M == index.pq.m
+    assert cpu.luts(index.pq, q[:1], metric).codebooks is tables.codebooks  # laid out once per index
     drop = np.zeros(len(cpu.codes), dtype=bool)
     drop[::7] = True  # the exclude bitmap goes the same way
     exclude = np.packbits(drop, bitorder="little")
@@ -177,6 +179,25 @@ def test_bad_input_is_refused(change, match):
     if {"queries", "codebooks", "metric"} & set(change):
         with pytest.raises(ValueError, match=match):
             pq_luts(args["queries"], args["codebooks"], args["metric"])
+
+
+@pytest.mark.parametrize("metric", ["l2", "ip"])
+def test_codebooks_laid_out_once_give_the_same_tables_and_candidates(metric):
+    a = _valid()
+    laid = PqCodebooks(a["codebooks"])
+    assert (laid.M, laid.dsub) == (4, 3) and laid.nbytes == (4 * 3 * 256 + 4 * 256) * 4
+    np.testing.assert_array_equal(pq_luts(a["queries"], laid, metric), pq_luts(a["queries"], a["codebooks"], metric))
+    a["codes"] = np.random.default_rng(1).integers(0, 256, (10, 4), dtype=np.uint8)
+    got = scan_topn_pq(**{**a, "codebooks": laid, "metric": metric})
+    want = scan_topn_pq(**{**a, "metric": metric})
+    for g, w in zip(got[:3], want[:3]):
+        np.testing.assert_array_equal(g, w)
+    with pytest.raises(ValueError, match="queries have dimension 13"):
+        pq_luts(np.zeros((2, 13), np.float32), laid, metric)
+    with pytest.raises(ValueError, match="codebooks must be a float32 .* array or a PqCodebooks"):
+        pq_luts(a["queries"], "codebooks", metric)
+    with pytest.raises(ValueError, match="codebooks must be float32, got float64"):
+        PqCodebooks(np.zeros((4, 256, 3)))
 
 
 def test_bad_input_through_the_tier():
