@@ -28,7 +28,10 @@ sys.path.insert(0, str(HERE))
 from datasets import load, prepare  # noqa: E402
 from report import write_report  # noqa: E402
 
-SYSTEMS = ["fusionrag", "fusionrag-lean", "faiss-ivfpq-refine", "faiss-hnsw", "hnswlib", "diskann"]
+SYSTEMS = ["fusionrag", "fusionrag-halfbuf", "fusionrag-lean", "fusionrag-lean-fullbuf", "faiss-ivfpq-refine",
+           "faiss-hnsw", "hnswlib", "diskann"]
+# Variants that search another system's index with other engine settings (worker.py says which).
+BUILT_BY = {"fusionrag-halfbuf": "fusionrag", "fusionrag-lean-fullbuf": "fusionrag-lean"}
 SWEEPS = {
     # rerank is only an upper bound (Algorithm 1 stops after beta stable mini-batches) and
     # probe_ratio may cut lists before nprobe: README "Tuning". 0 disables the ratio rule.
@@ -50,6 +53,10 @@ SWEEPS = {
     "hnswlib": [{"ef": e} for e in (10, 16, 24, 32, 48, 64, 96, 128, 256)],
     "diskann": [{"L": L, "W": w} for w in (2, 4) for L in (10, 16, 24, 32, 48, 64, 96, 128, 200)],
 }
+
+
+for _variant, _built_by in BUILT_BY.items():
+    SWEEPS[_variant] = SWEEPS[_built_by]
 
 
 def machine() -> dict:
@@ -115,7 +122,12 @@ def run_dataset(name, args, log) -> dict:
     params = params_for(meta, args)
     res = {"meta": meta, "params": params, "systems": {}}
     base_spec = {"work": str(work), "dataset": name, "params": params}
-    for s in args.systems:
+    for s in sorted(args.systems, key=lambda s: s in BUILT_BY):  # variants after the builds they search
+        if s in BUILT_BY:
+            if BUILT_BY[s] not in res["systems"]:
+                raise SystemExit(f"{s} searches the index of {BUILT_BY[s]}: run them together")
+            res["systems"][s] = {"build": res["systems"][BUILT_BY[s]]["build"], "search": []}
+            continue
         spec = {**base_spec, "phase": "build", "system": s, "index_dir": str(args.index_dir / name / s)}
         record = args.index_dir / name / f"{s}.build.json"
         if args.reuse_builds and record.exists() and json.loads(record.read_text()).get("params") == params:
@@ -126,6 +138,7 @@ def run_dataset(name, args, log) -> dict:
             if "error" not in build:
                 record.write_text(json.dumps(build))
         res["systems"][s] = {"build": build, "search": []}
+    res["systems"] = {s: res["systems"][s] for s in args.systems}
     if args.build_only:
         return res
     for i, threads in enumerate(args.threads):
@@ -133,10 +146,11 @@ def run_dataset(name, args, log) -> dict:
         for s in order:
             if "error" in res["systems"][s]["build"]:
                 continue
-            spec = {**base_spec, "phase": "search", "system": s, "index_dir": str(args.index_dir / name / s),
+            spec = {**base_spec, "phase": "search", "system": s,
+                    "index_dir": str(args.index_dir / name / BUILT_BY.get(s, s)),
                     "threads": [threads], "queries": args.queries, "warmup": args.warmup, "sweep": SWEEPS[s]}
             res["systems"][s]["search"].append(worker(spec, log))
-    for s in args.systems:
+    for s in set(args.systems) - set(BUILT_BY):
         if not args.keep_indexes:
             subprocess.run(["rm", "-rf", str(args.index_dir / name / s), str(args.index_dir / name / f"{s}.build.json")])
     return res
