@@ -355,7 +355,7 @@ def test_an_index_whose_codes_do_not_fit_leaves_room_for_the_next():
     codebooks = rng.standard_normal((m, 256, 1)).astype(np.float32)
     offsets = np.arange(0, count + 1, 100, dtype=np.int64)
     ids = rng.permutation(count).astype(np.uint32)
-    cpu = CpuFilterTier(offsets, ids, codes, threads=1)
+    cpu = CpuFilterTier(offsets, ids, codes, codebooks, threads=1)
     luts = rng.random((3, m, 256), dtype=np.float32)
     lists = rng.choice(len(offsets) - 1, (3, 3), replace=False).astype(np.int32)
     want = cpu.topn(luts, lists, 40)

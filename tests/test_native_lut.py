@@ -202,7 +202,7 @@ def test_codebooks_laid_out_once_give_the_same_tables_and_candidates(metric):
 
 def test_bad_input_through_the_tier():
     a = _valid()
-    tier = CpuFilterTier(a["list_offsets"], a["list_ids"], a["codes"], threads=1)
+    tier = CpuFilterTier(a["list_offsets"], a["list_ids"], a["codes"], a["codebooks"], threads=1)
     pq = ProductQuantizer(a["codebooks"], 10)
     ok = tier.topn(tier.luts(pq, a["queries"], "l2"), a["probe_lists"], 4)
     assert ok.ids.shape == (2, 4) and ok.lut_seconds.shape == (2,)
