@@ -42,6 +42,16 @@ def load(work: Path, name: str):
     return read_fbin(d / "base.fbin"), np.load(d / "queries.npy"), np.load(d / "gt.npy"), meta
 
 
+def load_as_searched(work: Path, name: str):
+    """(base as float32 in RAM, unit rows for cosine sets: the vectors distances are measured on,
+    queries, gt, meta)."""
+    base, queries, gt, meta = load(work, name)
+    x = np.ascontiguousarray(base, dtype=np.float32)
+    if meta["metric"] == "cosine":
+        x = x / np.linalg.norm(x, axis=1, keepdims=True)
+    return x, queries, gt, meta
+
+
 def _unit(x: np.ndarray) -> np.ndarray:
     return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
 

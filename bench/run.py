@@ -42,11 +42,14 @@ SWEEPS = {
                    # Smaller mini-batches stop sooner: fewer pages for the same recall on high-d data.
                    (8, 30, 2, 1.0, 4), (16, 40, 2, 1.0, 4), (32, 60, 2, 1.0, 4), (64, 100, 2, 1.0, 4),
                    # One stable mini-batch ends the re-rank: the fewest pages for a given recall.
-                   (16, 40, 1, 1.0, 4), (32, 60, 1, 1.0, 4), (64, 100, 1, 1.0, 4)]],
+                   (16, 40, 1, 1.0, 4), (32, 60, 1, 1.0, 4), (64, 100, 1, 1.0, 4),
+                   # Mini-batches of 2: with page-mates scored, the top-k can settle after very few pages.
+                   (16, 40, 2, 1.0, 2), (32, 60, 2, 1.0, 2), (64, 100, 2, 1.0, 2)]],
     # Lists 4x larger: a quarter of the lists probed for the same candidates.
-    "fusionrag-lean": [{"nprobe": n, "rerank": r, "beta": 2, "probe_ratio": 1.0, "minibatch": mb} for n, r, mb in
-                       [(4, 30, 4), (8, 40, 4), (12, 60, 4), (16, 60, 4), (24, 80, 4), (32, 100, 4), (32, 100, 8),
-                        (48, 150, 8), (64, 200, 8), (96, 300, 8)]],
+    "fusionrag-lean": [{"nprobe": n, "rerank": r, "beta": b, "probe_ratio": 1.0, "minibatch": mb} for n, r, mb, b in
+                       [(4, 30, 4, 2), (8, 40, 4, 2), (12, 60, 4, 2), (16, 60, 4, 2), (24, 80, 4, 2), (32, 100, 4, 2),
+                        (32, 100, 8, 2), (48, 150, 8, 2), (64, 200, 8, 2), (96, 300, 8, 2),
+                        (8, 40, 4, 1), (16, 60, 4, 1), (24, 80, 4, 1), (8, 40, 2, 2), (16, 60, 2, 2), (24, 80, 2, 2)]],
     "faiss-ivfpq-refine": [{"nprobe": n, "k_factor": f} for n, f in
                            [(2, 8), (4, 8), (8, 16), (12, 16), (16, 16), (24, 32), (32, 32), (64, 64), (128, 64)]],
     "faiss-hnsw": [{"ef": e} for e in (10, 16, 24, 32, 48, 64, 96, 128, 256)],

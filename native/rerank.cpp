@@ -1,6 +1,9 @@
 // Heuristic re-ranking (FusionANNS, Algorithm 1): exact distances on raw vectors
 // read from the SSD in mini-batches, stopping once the top-k has held still for
-// beta mini-batches in a row.
+// beta mini-batches in a row. With page-mates on, a block read for a mini-batch
+// also scores the query's later candidates stored in it: they cost no read, the
+// build puts near vectors on the same page, and their own mini-batch later has
+// nothing to read for them.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
@@ -134,20 +137,23 @@ struct Exact {
     return data;
   }
 
+  uint64_t block_of(int64_t id) const { return store.layout().block_of(locations[id]); }
+
+  // The distance from q to id's record, found in data, which holds `blocks`
+  // (sorted, distinct) one after another.
+  float distance_in(const float* q, int64_t id, const std::vector<uint32_t>& blocks, const uint8_t* data) const {
+    const PageLayout& layout = store.layout();
+    uint32_t slot = locations[id];
+    size_t b = std::lower_bound(blocks.begin(), blocks.end(), uint32_t(layout.block_of(slot))) - blocks.begin();
+    return distance(q, data + b * layout.block_bytes() + layout.offset_in_block(slot), dim);
+  }
+
   // Writes each id's distance from q to out (inf for -1), its record found in
   // data, which holds `blocks` (sorted, distinct) one after another.
   void distances_in(const float* q, const int64_t* ids, size_t n, const std::vector<uint32_t>& blocks,
                     const uint8_t* data, float* out) const {
-    const PageLayout& layout = store.layout();
-    for (size_t j = 0; j < n; ++j) {
-      if (ids[j] < 0) {
-        out[j] = std::numeric_limits<float>::infinity();
-        continue;
-      }
-      uint32_t slot = locations[ids[j]];
-      size_t b = std::lower_bound(blocks.begin(), blocks.end(), uint32_t(layout.block_of(slot))) - blocks.begin();
-      out[j] = distance(q, data + b * layout.block_bytes() + layout.offset_in_block(slot), dim);
-    }
+    for (size_t j = 0; j < n; ++j)
+      out[j] = ids[j] < 0 ? std::numeric_limits<float>::infinity() : distance_in(q, ids[j], blocks, data);
   }
 };
 
@@ -155,34 +161,73 @@ struct RerankParams {
   size_t k, minibatch;
   float eps;
   int64_t beta;
+  bool page_mates;
 };
 
 // One query's progress through Algorithm 1. It advances one mini-batch at a
 // time, so that a worker can keep several queries in flight and read the blocks
 // of all their next mini-batches together.
 struct QueryState {
-  size_t row = 0, pos = 0, end = 0;  // candidates [pos, end) are still to re-rank
+  size_t row = 0, pos = 0, end = 0;  // candidates [pos, end) are still to re-rank, less those scored
   bool live = false;
+  std::vector<int64_t> batch;        // the next mini-batch: candidate ids, and their positions
+  std::vector<uint32_t> batch_pos;
+  // Page-mates only: (block, position) of every candidate, sorted, and which have a distance.
+  std::vector<std::pair<uint32_t, uint32_t>> by_block;
+  std::vector<uint8_t> scored;
   // Max-heap on (distance, id): the root is the worst kept, ties keep the smaller id.
   std::vector<std::pair<float, int64_t>> heap;
   std::vector<int64_t> top, prev_top;
-  int64_t batches = 0, from_ssd = 0, from_buffer = 0, stable = 0;
+  int64_t batches = 0, from_ssd = 0, from_buffer = 0, stable = 0, reranked = 0, mates = 0;
   double seconds = 0;
 
-  void start(size_t query, const int64_t* cand, size_t n) {
+  void start(size_t query, const int64_t* cand, size_t n, const Exact* mates_of) {
     row = query, pos = 0, end = std::find(cand, cand + n, int64_t(-1)) - cand;
     live = true;
     heap.clear(), prev_top.clear();
-    batches = from_ssd = from_buffer = stable = 0;
+    batches = from_ssd = from_buffer = stable = reranked = mates = 0;
     seconds = 0;
+    by_block.clear();
+    if (!mates_of) return;
+    scored.assign(end, 0);
+    for (size_t j = 0; j < end; ++j)
+      if (cand[j] >= 0) by_block.push_back({uint32_t(mates_of->block_of(cand[j])), uint32_t(j)});
+    std::sort(by_block.begin(), by_block.end());
   }
-  size_t next_size(const RerankParams& p) const { return std::min(p.minibatch, end - pos); }
   bool done(const RerankParams& p) const { return pos >= end || (p.beta > 0 && stable >= p.beta); }
 
-  // Takes the exact distances of the next mini-batch, cand[0, m), and applies the stop rule.
-  void absorb(const int64_t* cand, const float* dist, size_t m, const RerankParams& p) {
-    for (size_t j = 0; j < m; ++j) {
-      std::pair<float, int64_t> e{dist[j], cand[j]};
+  // Takes the next mini-batch, the next p.minibatch candidates, less those a
+  // page-mate read already scored (they need no read; the batch may be empty).
+  void next_batch(const int64_t* cand, const RerankParams& p) {
+    batch.clear(), batch_pos.clear();
+    for (const size_t stop = std::min(end, pos + p.minibatch); pos < stop; ++pos)
+      if (by_block.empty() || !scored[pos]) batch.push_back(cand[pos]), batch_pos.push_back(uint32_t(pos));
+  }
+
+  // Appends to ids/dist the later candidates stored in the query's blocks `mine`
+  // (sorted), found in data, which holds `blocks`; marks them and the batch scored.
+  void page_mates(const Exact& ex, const float* q, const int64_t* cand, const std::vector<uint32_t>& mine,
+                  const std::vector<uint32_t>& blocks, const uint8_t* data, std::vector<int64_t>& ids,
+                  std::vector<float>& dist) {
+    for (uint32_t at : batch_pos) scored[at] = 1;
+    auto it = by_block.begin();
+    for (uint32_t b : mine) {
+      it = std::lower_bound(it, by_block.end(), std::make_pair(b, uint32_t(0)));
+      for (; it != by_block.end() && it->first == b; ++it) {
+        if (scored[it->second]) continue;
+        scored[it->second] = 1;
+        const int64_t id = cand[it->second];
+        ids.push_back(id);
+        dist.push_back(ex.distance_in(q, id, blocks, data));
+      }
+    }
+  }
+
+  // Takes the exact distances of ids[0, n): the mini-batch's m candidates first,
+  // then their page-mates; and applies the stop rule.
+  void absorb(const int64_t* ids, const float* dist, size_t n, size_t m, const RerankParams& p) {
+    for (size_t j = 0; j < n; ++j) {
+      std::pair<float, int64_t> e{dist[j], ids[j]};
       if (heap.size() == p.k && !(e < heap.front())) continue;
       // A candidate list may repeat an id (boundary replicas); keep it once.
       if (std::any_of(heap.begin(), heap.end(), [&](const auto& h) { return h.second == e.second; })) continue;
@@ -193,7 +238,7 @@ struct QueryState {
         heap.pop_back();
       }
     }
-    ++batches, pos += m;
+    ++batches, reranked += int64_t(n), mates += int64_t(n - m);
 
     // Delta = |S_n \ S_{n-1}| / k; the first mini-batch never counts as stable.
     top.clear();
@@ -217,11 +262,13 @@ struct QueryState {
       ids[j] = j < heap.size() ? heap[j].second : -1;
       dists[j] = j < heap.size() ? heap[j].first : std::numeric_limits<float>::infinity();
     }
-    stats[0] = batches, stats[1] = int64_t(pos), stats[2] = from_ssd, stats[3] = from_buffer;
+    stats[0] = batches, stats[1] = reranked, stats[2] = from_ssd, stats[3] = from_buffer, stats[4] = mates;
     *secs = seconds;
     live = false;
   }
 };
+
+constexpr size_t kStats = 5;  // per query: see rerank's docstring
 
 // One rerank call: its inputs and outputs.
 struct RerankJob {
@@ -234,10 +281,10 @@ struct RerankJob {
   float* dists;
   double* seconds;
 
-  const int64_t* next_batch(const QueryState& st) const { return cand + st.row * n + st.pos; }
+  const int64_t* row(const QueryState& st) const { return cand + st.row * n; }
   void finish(QueryState& st) const {
     const size_t i = st.row;
-    st.finish(p, ids + i * p.k, dists + i * p.k, stats + i * 4, seconds + i);
+    st.finish(p, ids + i * p.k, dists + i * p.k, stats + i * kStats, seconds + i);
   }
 };
 
@@ -253,6 +300,7 @@ struct Scratch {
   std::vector<uint8_t> unclaimed;  // per block of the round: read from the SSD, not yet counted
   AlignedBuffer data;
   std::vector<float> dist;
+  std::vector<int64_t> ids;
 };
 
 // Re-ranks queries [first, last) with up to `inflight` in flight, in rounds:
@@ -269,7 +317,7 @@ void rerank_queries(const RerankJob& job, size_t first, size_t last, size_t infl
     size_t live = 0;
     for (QueryState& st : s.slots) {
       while (!st.live && next < last) {
-        st.start(next, job.cand + next * job.n, job.n);
+        st.start(next, job.cand + next * job.n, job.n, p.page_mates ? &ex : nullptr);
         ++next;
         if (st.done(p)) job.finish(st);  // no candidates
       }
@@ -279,14 +327,17 @@ void rerank_queries(const RerankJob& job, size_t first, size_t last, size_t infl
 
     auto t0 = std::chrono::steady_clock::now();
     s.blocks.clear();
-    for (const QueryState& st : s.slots)
-      if (st.live) ex.add_blocks(job.next_batch(st), st.next_size(p), s.blocks);
+    for (QueryState& st : s.slots)
+      if (st.live) {
+        st.next_batch(job.row(st), p);
+        ex.add_blocks(st.batch.data(), st.batch.size(), s.blocks);
+      }
     s.unclaimed.resize(s.blocks.size());  // sized before de-duplication: a flag per distinct block and more
     const uint8_t* data = ex.fetch(s.blocks, s.data, s.unclaimed.data());
     for (QueryState& st : s.slots) {
       if (!st.live) continue;
-      const int64_t* cand = job.next_batch(st);
-      const size_t m = st.next_size(p);
+      const int64_t* cand = st.batch.data();
+      const size_t m = st.batch.size();
       // A block read for several queries counts as read for the first, buffered
       // for the others: summed over queries, pages read are the reads done.
       s.mine.clear();
@@ -298,9 +349,16 @@ void rerank_queries(const RerankJob& job, size_t first, size_t last, size_t infl
         if (s.unclaimed[at]) ++st.from_ssd, s.unclaimed[at] = 0;
         else ++st.from_buffer;
       }
+      const float* q = job.queries + st.row * ex.dim;
       s.dist.resize(m);
-      ex.distances_in(job.queries + st.row * ex.dim, cand, m, s.blocks, data, s.dist.data());
-      st.absorb(cand, s.dist.data(), m, p);
+      ex.distances_in(q, cand, m, s.blocks, data, s.dist.data());
+      if (!p.page_mates) {
+        st.absorb(cand, s.dist.data(), m, m, p);
+        continue;
+      }
+      s.ids.assign(cand, cand + m);
+      st.page_mates(ex, q, job.row(st), s.mine, s.blocks, data, s.ids, s.dist);
+      st.absorb(s.ids.data(), s.dist.data(), s.ids.size(), m, p);
     }
     // The round's time is split among its queries, so per-query seconds sum to the worker's time.
     double share = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / double(live);
@@ -333,17 +391,17 @@ void bind_rerank(nb::module_& m) {
       "rerank",
       [](PageStore& store, Queries queries, IdMatrix candidates, Locations locations, const std::string& dtype,
          const std::string& metric, int64_t k, int64_t minibatch, float eps, int64_t beta, int num_threads,
-         int64_t inflight) {
+         int64_t inflight, bool page_mates) {
         Exact ex(store, queries, locations, dtype, metric);
         check_rows(queries, candidates, "candidates");
         if (k <= 0) throw std::invalid_argument("k must be positive");
         if (minibatch <= 0) throw std::invalid_argument("minibatch must be positive");
         if (inflight <= 0) throw std::invalid_argument("inflight (queries in flight per worker) must be positive");
         const size_t nq = queries.shape(0), n = candidates.shape(1), threads = threads_for(num_threads);
-        NumpyOut<int64_t> ids({nq, size_t(k)}), stats({nq, 4});
+        NumpyOut<int64_t> ids({nq, size_t(k)}), stats({nq, kStats});
         NumpyOut<float> dists({nq, size_t(k)});
         NumpyOut<double> seconds({nq});
-        const RerankJob job{ex, {size_t(k), size_t(minibatch), eps, beta}, queries.data(), candidates.data(), n,
+        const RerankJob job{ex, {size_t(k), size_t(minibatch), eps, beta, page_mates}, queries.data(), candidates.data(), n,
                             ids.data(), stats.data(), dists.data(), seconds.data()};
         {
           nb::gil_scoped_release nogil;
@@ -364,12 +422,14 @@ void bind_rerank(nb::module_& m) {
         return nb::make_tuple(ids.release(), dists.release(), stats.release(), seconds.release());
       },
       "store"_a, "queries"_a, "candidates"_a, "locations"_a, "dtype"_a, "metric"_a, "k"_a, "minibatch"_a, "eps"_a,
-      "beta"_a, "num_threads"_a = 0, "inflight"_a = 16,
+      "beta"_a, "num_threads"_a = 0, "inflight"_a = 16, "page_mates"_a = false,
       "Exact top-k of each query's PQ-ranked candidates (best first, -1 padded), read from the page file in "
       "mini-batches with early stop; each worker thread keeps up to `inflight` queries in flight and reads their "
-      "mini-batches' blocks together. Returns (ids int64[q,k], dists float32[q,k], stats int64[q,4] = "
-      "[minibatches, candidates re-ranked, blocks from SSD, blocks from buffer], seconds float64[q] = the query's "
-      "share of its worker's time). A block read once for several queries counts as from SSD for one of them.");
+      "mini-batches' blocks together. With page_mates, a block read also scores the query's later candidates "
+      "stored in it; their own mini-batch then reads nothing for them. Returns (ids int64[q,k], dists float32[q,k], stats "
+      "int64[q,5] = [minibatches, candidates re-ranked, blocks from SSD, blocks from buffer, of those re-ranked "
+      "the page-mates], seconds float64[q] = the query's share of its worker's time). A block read once for "
+      "several queries counts as from SSD for one of them.");
 
   m.def(
       "exact_distances",

@@ -4,7 +4,8 @@
 2. the navigation graph over the centroids (native HNSW);
 3. PQ training on a sample;
 4. one streaming pass: each vector's nearest centroids (boundary replication), its PQ code;
-5. the SSD layout: each vector once in its nearest centroid's bucket, buckets packed on blocks;
+5. the SSD layout: each vector once in its nearest centroid's bucket, a bucket as a nearest-neighbour
+   chain (page-mates are near), buckets packed on blocks;
 6. the page file and the arrays, published atomically with a manifest.
 """
 
@@ -21,7 +22,7 @@ from fusionrag.native import Graph, PageWriter
 from fusionrag.retriever.config import BuildConfig, cpu_threads
 from fusionrag.retriever.errors import InputError
 from fusionrag.retriever.kmeans import hierarchical_balanced_kmeans
-from fusionrag.retriever.layout import plan_layout
+from fusionrag.retriever.layout import chain_order, plan_layout
 from fusionrag.retriever.manifest import writing_index
 from fusionrag.retriever.pq import ProductQuantizer, auto_m
 from fusionrag.retriever.vectors import STORAGE_DTYPES, VectorFile, as_source, check_finite, storage_dtype
@@ -184,7 +185,9 @@ def build_index(source, out_dir, config: BuildConfig = BuildConfig(), progress: 
     t = time.perf_counter()
     rows.dtype = store_dtype = integral.dtype() or rows.dtype
     record_bytes = dim * store_dtype.itemsize
-    layout, slots = plan_layout(primary, len(centroids), record_bytes)
+    # Within a bucket, near vectors share pages; PQ reconstructions are near enough to order them.
+    order = chain_order(primary, len(centroids), centroids, lambda ids: pq.decode(codes[ids]))
+    layout, slots = plan_layout(primary, len(centroids), record_bytes, order)
     with writing_index(Path(out_dir), overwrite) as w:
         writer = PageWriter(str(w.path("vectors.pages")), record_bytes, layout.records_per_block,
                             layout.pages_per_block)

@@ -132,6 +132,10 @@ class EngineConfig(_Config):
     # (3.6k x 384-d) 6.0 -> 1.9 MB; the top-256 lists agree with float32's for 98.9-99.9% (bench sets,
     # 1000 queries). Coded while read, in chunks: opening never holds the float matrix.
     graph_sq8: bool = True
+    # A block the re-ranker reads for a mini-batch also scores the query's later candidates stored in it
+    # (its page-mates), and their own mini-batch later reads nothing for them: no read, and the build puts near
+    # vectors on the same page (layout.chain_order), so the top-k settles after fewer pages. No memory.
+    page_mates: bool = True
     # PQ filtering on the GPU ('gpu', Triton) or the CPU ('cpu'); 'auto' takes the GPU when
     # torch sees CUDA.
     filter_tier: str = "auto"

@@ -19,7 +19,7 @@ from fusionrag.retriever.pq import ProductQuantizer
 from fusionrag.retriever.tiers import NavigationTier, RerankTier, open_filter_tier
 
 STAT_KEYS = ("centroids_probed", "candidates", "unique_candidates", "minibatches", "reranked",
-             "pages_read", "pages_buffered", "graph_s", "lut_s", "scan_s", "rerank_s")
+             "page_mates", "pages_read", "pages_buffered", "graph_s", "lut_s", "scan_s", "rerank_s")
 
 
 @dataclass
@@ -98,7 +98,7 @@ class Index:
             NavigationTier(graph, metric == "ip", threads),
             ProductQuantizer(codebooks, dim),
             open_filter_tier(config, offsets, list_ids, codes, codebooks, threads, str(path)),
-            RerankTier(store, locations, dtype, engine_metric, threads, config.rerank_inflight),
+            RerankTier(store, locations, dtype, engine_metric, threads, config.rerank_inflight, config.page_mates),
             config, params or SearchParams(),
         )
 
@@ -200,7 +200,7 @@ class Index:
         st["candidates"][:] = cand.gathered
         st["unique_candidates"][:] = cand.unique
         st["minibatches"][:], st["reranked"][:] = rstats[:, 0], rstats[:, 1]
-        st["pages_read"][:], st["pages_buffered"][:] = rstats[:, 2], rstats[:, 3]
+        st["pages_read"][:], st["pages_buffered"][:], st["page_mates"][:] = rstats[:, 2], rstats[:, 3], rstats[:, 4]
         # Graph search and tables built before topn are timed per batch; their share is spread
         # evenly. Tables the filter tier builds inside topn (CPU) are timed per query.
         st["graph_s"][:] = t_graph / len(q)

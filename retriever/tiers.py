@@ -166,12 +166,16 @@ def open_filter_tier(config: EngineConfig, list_offsets: np.ndarray, list_ids: n
 
 
 class RerankTier:
+    """The exact re-ranker over the page file. With page_mates, a block read for a mini-batch also
+    scores the query's later candidates stored in it (EngineConfig.page_mates)."""
+
     def __init__(self, store, locations: np.ndarray, dtype: str, metric: str, threads: int,
-                 inflight: int = EngineConfig.rerank_inflight):
+                 inflight: int = EngineConfig.rerank_inflight, page_mates: bool = EngineConfig.page_mates):
         self.store, self.locations, self.dtype, self.metric = store, locations, dtype, metric
-        self.threads, self.inflight = threads, inflight
+        self.threads, self.inflight, self.page_mates = threads, inflight, page_mates
 
     def rerank(self, queries: np.ndarray, cand: np.ndarray, k: int, p: SearchParams):
-        """(ids, exact distances, stats int64 (q, 4), seconds): see native.rerank."""
+        """(ids, exact distances, stats int64 (q, 5), seconds): see native.rerank."""
         return native.rerank(self.store, queries, cand, self.locations, self.dtype, self.metric, k,
-                             p.minibatch, p.eps, p.beta, self.threads, inflight=self.inflight)
+                             p.minibatch, p.eps, p.beta, self.threads, inflight=self.inflight,
+                             page_mates=self.page_mates)

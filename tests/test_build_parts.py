@@ -8,7 +8,7 @@ from conftest import clustered
 
 from fusionrag.retriever.errors import IndexFormatError
 from fusionrag.retriever.kmeans import assign, hierarchical_balanced_kmeans, kmeans
-from fusionrag.retriever.layout import PAGE, block_shape, plan_layout
+from fusionrag.retriever.layout import PAGE, block_shape, chain_order, plan_layout
 from fusionrag.retriever.manifest import FORMAT_VERSION, read_manifest, writing_index
 from fusionrag.retriever.pq import ProductQuantizer, auto_m
 
@@ -91,6 +91,57 @@ def test_layout_invariants(record_bytes):
     full_blocks, rest = int(np.sum(counts // per_block)), counts % per_block
     assert used.min() >= 1
     assert layout.num_blocks - full_blocks <= 11 / 9 * np.ceil(rest.sum() / per_block) + 1
+
+
+def test_chain_order_puts_near_vectors_on_one_page():
+    """Each bucket is a nearest-neighbour chain: the same slots as id order, but records that
+    share a block are nearer each other than in id order."""
+    rng = np.random.default_rng(1)
+    buckets, dim, record_bytes = 200, 8, 1024  # 4 records per block
+    centers = rng.standard_normal((buckets, dim)).astype(np.float32) * 10
+    bucket_of = np.concatenate([rng.integers(buckets, size=6000), np.arange(buckets)])  # every bucket used
+    # Each bucket holds a few tight groups, as a posting list of real data holds near-duplicates.
+    groups = centers[:, None] + rng.standard_normal((buckets, 6, dim)).astype(np.float32) * 3
+    x = (groups[bucket_of, rng.integers(6, size=len(bucket_of))]
+         + 0.3 * rng.standard_normal((len(bucket_of), dim))).astype(np.float32)
+    order = chain_order(bucket_of, buckets, centers, lambda ids: x[ids], chunk_floats=5000)  # many chunks
+    assert np.array_equal(np.sort(order), np.arange(len(x))) and np.all(np.diff(bucket_of[order]) >= 0)
+    # A chain starts at its bucket's vector nearest the center and steps to the nearest unplaced one.
+    first = order[np.searchsorted(bucket_of[order], 7)]
+    mine = np.flatnonzero(bucket_of == 7)
+    assert first == mine[((x[mine] - centers[7]) ** 2).sum(1).argmin()]
+    chained = order[bucket_of[order] == 7]
+    for t in range(len(chained) - 1):
+        a, rest = chained[t], chained[t + 1:]
+        assert ((x[chained[t + 1]] - x[a]) ** 2).sum() == ((x[rest] - x[a]) ** 2).sum(1).min()
+    by_id, slots_id = plan_layout(bucket_of, buckets, record_bytes)
+    by_chain, slots_chain = plan_layout(bucket_of, buckets, record_bytes, order)
+    assert by_id == by_chain
+    for b in range(buckets):  # a bucket keeps its slots; only who sits where changes
+        assert set(slots_id[bucket_of == b]) == set(slots_chain[bucket_of == b])
+
+    def mean_mate_distance(slots):  # over the blocks a bucket has to itself
+        block = slots // by_id.records_per_block
+        total, pairs = 0.0, 0
+        for blk in np.unique(block):
+            ids = np.flatnonzero(block == blk)
+            if len(ids) > 1 and len(np.unique(bucket_of[ids])) == 1:
+                diff = x[ids][:, None] - x[ids][None]
+                total += (diff ** 2).sum() / 2
+                pairs += len(ids) * (len(ids) - 1) // 2
+        return total / pairs
+
+    near, far = mean_mate_distance(slots_chain), mean_mate_distance(slots_id)
+    assert near < 0.5 * far
+    with pytest.raises(ValueError, match="grouped by bucket"):
+        plan_layout(bucket_of, buckets, record_bytes, order[::-1])
+    with pytest.raises(ValueError, match="grouped by bucket"):
+        plan_layout(bucket_of, buckets, record_bytes, order[:-1])
+    twice = order.copy()
+    twice[1] = twice[0]  # same bucket, one id twice and one missing
+    assert bucket_of[order[0]] == bucket_of[order[1]]
+    with pytest.raises(ValueError, match="every id once"):
+        plan_layout(bucket_of, buckets, record_bytes, twice)
 
 
 def test_manifest_publish_and_checks(tmp_path):

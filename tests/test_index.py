@@ -167,6 +167,28 @@ def test_cpu_only_search_never_imports_torch(small):
     assert out == ["cpu", "False"]
 
 
+def test_page_mates(small):
+    """Page-mates (the default) read fewer pages, give the exact answer when every candidate is
+    re-ranked, and never return an excluded vector, even one stored on a page they read."""
+    base, queries, path = small
+    truth = exact_knn(base, queries, 10)
+    lean = dict(nprobe=8, rerank=40, minibatch=2, beta=1)  # an early stop: page-mates matter
+    on, off = Index.open(path), Index.open(path, page_mates=False)
+    assert on.config.page_mates and not off.config.page_mates
+    a, b = on.search(queries, k=10, **lean), off.search(queries, k=10, **lean)
+    assert a.stats["page_mates"].sum() > 0 and b.stats["page_mates"].sum() == 0
+    # The same settings read fewer pages (and the early stop may come sooner: README "Page-mates").
+    pages = lambda r: (r.stats["pages_read"] + r.stats["pages_buffered"]).sum()
+    assert pages(a) < pages(b) and recall(a.ids, truth) >= 0.7
+    drop = np.zeros(len(base), bool)
+    drop[truth[:, :5].ravel()] = True
+    res = on.search(queries, k=10, exclude=np.packbits(drop, bitorder="little"), **lean)
+    assert not drop[res.ids[res.ids >= 0]].any() and res.stats["page_mates"].sum() > 0
+    # Every candidate re-ranked either way: the same answer.
+    full = dict(rerank=100, beta=0)
+    np.testing.assert_array_equal(on.search(queries, k=10, **full).ids, off.search(queries, k=10, **full).ids)
+
+
 def test_real_sift5k_recall_at_defaults(tmp_path, data_dir):
     d = data_dir / "sift5k-ngt-texmexq"
     m = Index.build(d / "sift5k_base.fvecs", tmp_path / "idx", progress=False)

@@ -65,7 +65,7 @@ def test_full_rerank_equals_brute_force(tmp_path, dtype, metric):
         store, queries, cand, locations, dtype, metric, k, minibatch=64, eps=0.0, beta=0
     )
     assert ids.shape == (6, k) and ids.dtype == np.int64 and dists.dtype == np.float32
-    assert stats.shape == (6, 4) and seconds.shape == (6,) and (seconds > 0).all()
+    assert stats.shape == (6, 5) and seconds.shape == (6,) and (seconds > 0).all()
     for i in range(len(queries)):
         row = cand[i][cand[i] >= 0]
         want_ids, want_d = brute_force(queries[i : i + 1], vectors, metric, k, ids=row[None])
@@ -141,10 +141,10 @@ def test_block_stats(tmp_path):
         c = np.flatnonzero(block == 7)[0]
         cand = np.array([[a, b, c]], np.int64)
         _, _, stats, _ = native.rerank(store, vectors[:1], cand, locations, "f32", "l2", 2, 3, 0.0, 0)
-        assert stats[0].tolist() == [1, 3, 2, 0]
+        assert stats[0].tolist() == [1, 3, 2, 0, 0]
         assert store.stats()["read_calls"] == 1
         _, _, stats, _ = native.rerank(store, vectors[:1], cand, locations, "f32", "l2", 2, 3, 0.0, 0)
-        assert stats[0].tolist() == ([1, 3, 2, 0] if buffer_blocks == 0 else [1, 3, 0, 2])
+        assert stats[0].tolist() == ([1, 3, 2, 0, 0] if buffer_blocks == 0 else [1, 3, 0, 2, 0])
 
 
 def test_backends_and_threads_agree(tmp_path):
@@ -285,10 +285,10 @@ def test_queries_in_flight_attribute_shared_blocks_once(tmp_path):
     # Both queries need block 3 in their only mini-batch; the second also needs block 7.
     cand = np.array([[a, -1], [b, c]], np.int64)
     (_, _, stats, _), reads = rerank_inflight(store, vectors[:2], cand, locations, 2)
-    assert stats[:, 2:].tolist() == [[1, 0], [1, 1]] and reads == 2
+    assert stats[:, 2:4].tolist() == [[1, 0], [1, 1]] and reads == 2
     assert store.stats()["read_calls"] == 1  # both queries' blocks in one batched read
     (_, _, stats, _), reads = rerank_inflight(store, vectors[:2], cand, locations, 1)
-    assert stats[:, 2:].tolist() == [[1, 0], [2, 0]] and reads == 3
+    assert stats[:, 2:4].tolist() == [[1, 0], [2, 0]] and reads == 3
 
 
 def test_queries_in_flight_use_and_fill_the_page_buffer(tmp_path):
@@ -312,3 +312,70 @@ def test_inflight_must_be_positive(tmp_path):
         with pytest.raises(ValueError, match="inflight .* must be positive"):
             native.rerank(store, vectors[:2], np.tile(np.arange(10), (2, 1)), locations, "f32", "l2", 5, 4, 0.0, 2,
                           inflight=bad)
+
+
+
+def _by_hand(vectors, locations, rpb, query, cand, k, minibatch, beta, mates):
+    """Algorithm 1 with page-mates, step by step in Python: (ids, reranked, mates, blocks touched)."""
+    scored, best, prev, stable, blocks, batches, pos = {}, [], None, 0, set(), 0, 0
+    while pos < len(cand) and not (beta and stable >= beta):
+        batch = [c for c in cand[pos:pos + minibatch] if c not in scored]
+        pos += minibatch
+        mine = {int(locations[c]) // rpb for c in batch}
+        blocks |= mine
+        new = list(batch)
+        if mates:
+            new += [c for c in cand if int(locations[c]) // rpb in mine and c not in scored and c not in batch]
+        for c in new:
+            scored[c] = float(((vectors[c].astype(np.float64) - query) ** 2).sum())
+        top = sorted(scored, key=lambda c: (scored[c], c))[:k]
+        batches += 1
+        stable = stable + 1 if batches > 1 and set(top) == prev else 0
+        prev = set(top)
+    return top, len(scored), blocks
+
+
+@pytest.mark.parametrize("beta", [0, 1, 2])
+def test_page_mates_follow_algorithm_1(tmp_path, beta):
+    """A block read for a mini-batch also scores the query's later candidates stored in it; their
+    own mini-batches read nothing for them. Checked step by step against a Python replay."""
+    rng = np.random.default_rng(3)
+    n, dim, k, minibatch = 600, 96, 10, 4
+    vectors = random_vectors(rng, "u8", n, dim)
+    store, locations = make_store(tmp_path, vectors.astype(np.float32), "f32", spread=1)
+    rpb = store.records_per_block
+    assert rpb == 10
+    queries = (rng.standard_normal((5, dim)) * 20 + 128).round().astype(np.float32)
+    # Candidates clustered on a few blocks, as PQ candidates of real data are.
+    some_blocks = rng.choice(n // rpb, 12, replace=False)
+    pool = np.flatnonzero(np.isin(locations // rpb, some_blocks))
+    cand = np.stack([rng.permutation(pool)[:40] for _ in range(5)]).astype(np.int64)
+    ids, dists, stats, _ = native.rerank(store, queries, cand, locations, "f32", "l2", k, minibatch, 0.0, beta,
+                                         page_mates=True)
+    plain = native.rerank(store, queries, cand, locations, "f32", "l2", k, minibatch, 0.0, beta)
+    for i in range(5):
+        want, reranked, blocks = _by_hand(vectors, locations, rpb, queries[i], cand[i].tolist(), k, minibatch, beta, True)
+        assert ids[i].tolist() == want
+        assert stats[i, 1] == reranked and stats[i, 2] + stats[i, 3] == len(blocks) and stats[i, 4] > 0
+        w, r, b = _by_hand(vectors, locations, rpb, queries[i], cand[i].tolist(), k, minibatch, beta, False)
+        assert plain[0][i].tolist() == w and plain[2][i, 1] == r and plain[2][i, 4] == 0
+    if beta == 0:  # every candidate scored either way: the exact top-k of the candidates
+        np.testing.assert_array_equal(ids, plain[0])
+        np.testing.assert_array_equal(dists, plain[1])
+        assert (stats[:, 2] + stats[:, 3] <= plain[2][:, 2] + plain[2][:, 3]).all()
+        assert (stats[:, 2] + stats[:, 3] < plain[2][:, 2] + plain[2][:, 3]).any()  # blocks read once
+
+
+def test_page_mates_are_only_candidates(tmp_path):
+    """A record that shares a block with a candidate but is no candidate (excluded, or not in the
+    probed lists) is never scored or returned."""
+    rng = np.random.default_rng(4)
+    vectors = rng.standard_normal((400, 16)).astype(np.float32)
+    store, locations = make_store(tmp_path, vectors, "f32", spread=1)
+    rpb = store.records_per_block
+    on_block = np.flatnonzero(locations // rpb == locations[0] // rpb)
+    other = [int(i) for i in on_block if i != 0]
+    cand = np.array([other], np.int64)  # vector 0, the query itself, is left out
+    ids, _, stats, _ = native.rerank(store, vectors[:1], cand, locations, "f32", "l2", 3, 1, 0.0, 0, page_mates=True)
+    assert 0 not in ids[0] and stats[0, 1] == len(other) and stats[0, 2] + stats[0, 3] == 1
+    assert stats[0, 4] == len(other) - 1  # the first mini-batch read the block for all

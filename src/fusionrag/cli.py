@@ -26,6 +26,7 @@ _HELP = {
     "beta": "early stop after this many stable mini-batches (0 disables)",
     "graph_ef": "navigation graph beam (at least nprobe)",
     "graph_sq8": "hold the navigation graph's centroids as 8-bit codes (a quarter of their memory)",
+    "page_mates": "a block read for a mini-batch also scores the query's later candidates stored in it",
     "rerank_inflight": "queries each re-rank thread keeps in flight, their SSD reads overlapped (1: one at a time)",
     "filter_tier": "PQ filter tier: auto (GPU when CUDA is there), cpu or gpu",
     "gpu_budget_bytes": "GPU memory the filter tiers of the process share (0: what the LLM server leaves)",
