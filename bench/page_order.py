@@ -34,6 +34,52 @@ import fusionrag.retriever as fr  # noqa: E402
 from fusionrag.retriever.layout import chain_order, plan_layout  # noqa: E402
 
 
+def replay(X, q, gt, orders, loc, rpb, mb, beta, mates="no", slot2id=None, k=10):
+    """Algorithm 1 replayed in numpy, exact distances from X: (pages touched, records scored,
+    recall@k), each a mean over queries. orders[i]: query i's candidate ids in re-rank order; a
+    record's page is loc[id] // rpb. mates: "no"; "candidates" (the query's own candidates on a page
+    read are scored, as EngineConfig.page_mates does); "every record" (all of a page read's records,
+    from slot2id, -1 where empty)."""
+    pages = hits = scored = 0
+    for i, c in enumerate(orders):
+        mine = set(c.tolist())
+        best, prev, stable, seen = {}, None, 0, set()
+        for b in range(0, len(c), mb):
+            batch = c[b:b + mb]
+            pg = set((loc[batch] // rpb).tolist())
+            new, seen = pg - seen, seen | pg
+            ids = set(batch.tolist())
+            if mates != "no":
+                for page in new:
+                    s = slot2id[page * rpb:(page + 1) * rpb]
+                    ids |= set(s[s >= 0].tolist()) & mine if mates == "candidates" else set(s[s >= 0].tolist())
+            ids = np.array(sorted(ids - best.keys()))
+            if len(ids):
+                best.update(zip(ids.tolist(), ((X[ids] - q[i]) ** 2).sum(1).tolist()))
+            top = set(sorted(best, key=lambda j: (best[j], j))[:k])
+            stable = stable + 1 if prev is not None and top == prev else 0
+            prev = top
+            if stable >= beta:
+                break
+        pages += len(seen)
+        scored += len(best)
+        hits += len(top & set(gt[i, :k].tolist()))
+    nq = len(orders)
+    return pages / nq, scored / nq, hits / (nq * k)
+
+
+def oracle(gt, orders, loc, rpb, need=9, k=10):
+    """The shortest prefix of each order holding `need` of the true top-k (all there are, if fewer):
+    (pages, candidates), means over queries."""
+    pages = n = 0
+    for i, c in enumerate(orders):
+        pos = np.flatnonzero(np.isin(c, gt[i, :k]))
+        cut = pos[min(need, len(pos)) - 1] + 1 if len(pos) else 0
+        n += cut
+        pages += len(np.unique(loc[c[:cut]] // rpb))
+    return pages / len(orders), n / len(orders)
+
+
 def pq_candidates(idx, queries: np.ndarray, nprobe: int = 32, n: int = 200):
     """(prepared queries, each one's n best PQ candidates in PQ order, -1 padded) from the index's
     own graph and filter tier."""
@@ -61,45 +107,8 @@ def main() -> None:
     nq = args.queries
     q, cand = pq_candidates(idx, queries[:nq])
     decoded = lambda ids: idx.pq.decode(idx.filter.codes[ids])
+    orders = [c[c >= 0] for c in cand]
     print(f"{args.set}: {len(X)} x {X.shape[1]}, {rpb} records per page, {nq} queries, nprobe 32, 200 candidates")
-
-    def replay(loc, slot2id, mates, mb, beta, k=10):
-        pages = hits = scored = 0
-        for i in range(nq):
-            c = cand[i][cand[i] >= 0]
-            mine = set(c.tolist())
-            best, prev, stable, seen = {}, None, 0, set()
-            for b in range(0, len(c), mb):
-                batch = c[b:b + mb]
-                pg = set((loc[batch] // rpb).tolist())
-                new, seen = pg - seen, seen | pg
-                ids = set(batch.tolist())
-                if mates != "no":
-                    for page in new:
-                        s = slot2id[page * rpb:(page + 1) * rpb]
-                        ids |= set(s[s >= 0].tolist()) & mine if mates == "candidates" else set(s[s >= 0].tolist())
-                ids = np.array(sorted(ids - best.keys()))
-                if len(ids):
-                    best.update(zip(ids.tolist(), ((X[ids] - q[i]) ** 2).sum(1).tolist()))
-                top = set(sorted(best, key=lambda j: (best[j], j))[:k])
-                stable = stable + 1 if prev is not None and top == prev else 0
-                prev = top
-                if stable >= beta:
-                    break
-            pages += len(seen)
-            scored += len(best)
-            hits += len(top & set(gt[i, :k].tolist()))
-        return pages / nq, scored / nq, hits / (nq * k)
-
-    def oracle(loc, need=9, k=10):
-        pages = n = 0
-        for i in range(nq):
-            c = cand[i][cand[i] >= 0]
-            pos = np.flatnonzero(np.isin(c, gt[i, :k]))
-            cut = pos[min(need, len(pos)) - 1] + 1 if len(pos) else 0
-            n += cut
-            pages += len(np.unique(loc[c[:cut]] // rpb))
-        return pages / nq, n / nq
 
     print("| layout | true top-10 pages | oracle 9/10: pages (candidates) | page-mates | "
           "mb 4, β 1 | mb 4, β 2 | mb 2, β 2 | mb 1, β 4 |")
@@ -111,10 +120,11 @@ def main() -> None:
         slot2id = np.full(loc.max() + 1 + rpb, -1, np.int64)
         slot2id[loc] = np.arange(len(loc))
         top10 = np.mean([len(np.unique(loc[gt[i, :10]] // rpb)) for i in range(nq)])
-        o_pages, o_cands = oracle(loc)
+        o_pages, o_cands = oracle(gt, orders, loc, rpb)
         for mates in ("no", "candidates", "every record"):
             cells = [f"{pg:.1f} p, {sc:.0f} scored, recall {rec:.3f}" for pg, sc, rec in
-                     (replay(loc, slot2id, mates, mb, beta) for mb, beta in ((4, 1), (4, 2), (2, 2), (1, 4)))]
+                     (replay(X, q, gt, orders, loc, rpb, mb, beta, mates, slot2id)
+                      for mb, beta in ((4, 1), (4, 2), (2, 2), (1, 4)))]
             print(f"| {name} | {top10:.2f} | {o_pages:.1f} ({o_cands:.1f}) | {mates} | "
                   + " | ".join(cells) + " |", flush=True)
 

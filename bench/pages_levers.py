@@ -12,55 +12,26 @@ Results: bench/results/pages_levers.md.
 """
 import sys, numpy as np
 sys.path.insert(0, "bench")
-from datasets import load
+from datasets import load_as_searched
+from page_order import pq_candidates, replay
 from pathlib import Path
 import fusionrag.retriever as fr
 ds = sys.argv[1] if len(sys.argv) > 1 else "minilm"
-base, queries, gt, meta = load(Path("bench/work").resolve(), ds)
-X = np.asarray(base, dtype=np.float32)
-if meta["metric"] == "cosine":
-    X = X / np.linalg.norm(X, axis=1, keepdims=True)
+X, queries, gt, meta = load_as_searched(Path("bench/work").resolve(), ds)
 idx = fr.Index.open(f"bench/work/idx/{ds}/fusionrag", threads=1)
 nq = 1000
-q = idx.prepare_queries(np.asarray(queries[:nq]))
-p = idx.params.with_overrides(nprobe=32, rerank=60)
-lists, _, _ = idx.nav.probe(q, p)
-cand = idx.filter.topn(idx.filter.luts(idx.pq, q, "l2"), lists, 60).ids
+q, cand = pq_candidates(idx, queries[:nq], nprobe=32, n=60)
 loc = idx.reranker.locations.astype(np.int64)
 rpb0 = idx.manifest["pages"]["records_per_block"]
 slot2id = np.full(loc.max() + 1, -1, np.int64); slot2id[loc] = np.arange(len(loc))
 
-def run(rpb, coresident, mb, beta, k=10):
-    pages_tot, hits = 0, 0
-    for i in range(nq):
-        c = cand[i][cand[i] >= 0]
-        best = {}  # id -> dist
-        prev, stable, seen_pages = None, 0, set()
-        for b in range(0, len(c), mb):
-            batch = c[b:b + mb]
-            pg = set((loc[batch] // rpb).tolist())
-            new_pages = pg - seen_pages
-            seen_pages |= pg
-            ids = set(batch.tolist())
-            if coresident:
-                for page in new_pages:
-                    s = slot2id[page * rpb:(page + 1) * rpb]
-                    ids |= set(s[s >= 0].tolist())
-            ids = np.array(sorted(ids - best.keys()))
-            if len(ids):
-                d = ((X[ids] - q[i]) ** 2).sum(1)
-                best.update(zip(ids.tolist(), d.tolist()))
-            top = set(sorted(best, key=lambda j: (best[j], j))[:k])
-            if prev is not None and top == prev:
-                stable += 1
-            else:
-                stable = 0
-            prev = top
-            if stable >= beta:
-                break
-        pages_tot += len(seen_pages)
-        hits += len(top & set(gt[i, :k].tolist()))
-    return pages_tot / nq, hits / (nq * k)
+orders = [c[c >= 0] for c in cand]
+
+
+def run(rpb, coresident, mb, beta):
+    pages, _, rec = replay(X, q, gt, orders, loc, rpb, mb, beta, "every record" if coresident else "no", slot2id)
+    return pages, rec
+
 
 print(ds, "records per page now", rpb0)
 for rpb in (rpb0, int(rpb0 * 2.5) if rpb0 == 2 else rpb0 * 2):

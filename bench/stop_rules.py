@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from datasets import load_as_searched  # noqa: E402
-from page_order import pq_candidates  # noqa: E402
+from page_order import oracle, pq_candidates, replay  # noqa: E402
 
 import fusionrag.retriever as fr  # noqa: E402
 
@@ -71,31 +71,6 @@ def main() -> None:
             out.append((c[o], ad[o]))
         return out
 
-    def oracle(order, need=9, k=10):
-        pages = n = 0
-        for i, (c, _) in enumerate(order):
-            pos = np.flatnonzero(np.isin(c, gt[i, :k]))
-            cut = pos[min(need, len(pos)) - 1] + 1 if len(pos) else 0
-            n += cut
-            pages += len(np.unique(loc[c[:cut]] // rpb))
-        return pages / nq, n / nq
-
-    def algorithm1(order, mb, beta, k=10):
-        pages = hits = n = 0
-        for i, (c, _) in enumerate(order):
-            best, prev, stable, seen = {}, None, 0, set()
-            for b in range(0, len(c), mb):
-                batch = c[b:b + mb]
-                seen |= set((loc[batch] // rpb).tolist())
-                best.update(zip(batch.tolist(), ((X[batch] - q[i]) ** 2).sum(1).tolist()))
-                top = set(sorted(best, key=lambda j: (best[j], j))[:k])
-                stable = stable + 1 if prev is not None and top == prev else 0
-                prev = top
-                if stable >= beta:
-                    break
-            pages, n, hits = pages + len(seen), n + len(best), hits + len(top & set(gt[i, :k].tolist()))
-        return pages / nq, n / nq, hits / (nq * k)
-
     def bound(order, tau, k=10):
         pages = hits = n = 0
         for i, (c, ad) in enumerate(order):
@@ -117,9 +92,11 @@ def main() -> None:
             continue
         order = ordered(*qz)
         name = f"PQ{m}{' + OPQ' if opq else ''}"
-        print(f"{name}: oracle 9/10 {oracle(order)[0]:.1f} pages ({oracle(order)[1]:.1f} candidates)")
+        ids = [c for c, _ in order]
+        o_pages, o_cands = oracle(gt, ids, loc, rpb)
+        print(f"{name}: oracle 9/10 {o_pages:.1f} pages ({o_cands:.1f} candidates)")
         for mb, beta in ((4, 1), (4, 2), (2, 2), (1, 4)):
-            print(f"  Algorithm 1, mini-batch {mb}, beta {beta}: {'%.1f pages, %.1f re-ranked, recall %.3f' % algorithm1(order, mb, beta)}")
+            print(f"  Algorithm 1, mini-batch {mb}, beta {beta}: {'%.1f pages, %.1f re-ranked, recall %.3f' % replay(X, q, gt, ids, loc, rpb, mb, beta)}")
         for tau in (0.95, 1.0, 1.05, 1.1):
             print(f"  bound rule, tau {tau}: {'%.1f pages, %.1f re-ranked, recall %.3f' % bound(order, tau)}", flush=True)
 

@@ -201,7 +201,7 @@ struct QueryState {
   void next_batch(const int64_t* cand, const RerankParams& p) {
     batch.clear(), batch_pos.clear();
     for (const size_t stop = std::min(end, pos + p.minibatch); pos < stop; ++pos)
-      if (by_block.empty() || !scored[pos]) batch.push_back(cand[pos]), batch_pos.push_back(uint32_t(pos));
+      if (!p.page_mates || !scored[pos]) batch.push_back(cand[pos]), batch_pos.push_back(uint32_t(pos));
   }
 
   // Appends to ids/dist the later candidates stored in the query's blocks `mine`
