@@ -25,7 +25,8 @@ from fusionrag.retriever.kmeans import hierarchical_balanced_kmeans
 from fusionrag.retriever.layout import chain_order, plan_layout
 from fusionrag.retriever.manifest import writing_index
 from fusionrag.retriever.pq import ProductQuantizer, auto_m
-from fusionrag.retriever.vectors import STORAGE_DTYPES, VectorFile, as_source, check_finite, storage_dtype
+from fusionrag.retriever.vectors import (STORAGE_DTYPES, VectorFile, as_source, check_vectors, normalize,
+                                        storage_dtype)
 
 _CHUNK = 65536
 
@@ -33,16 +34,6 @@ _CHUNK = 65536
 def internal_metric(metric: str) -> str:
     """Cosine is L2 over unit vectors inside the engine; the others are themselves."""
     return "ip" if metric == "ip" else "l2"
-
-
-def normalize(x: np.ndarray, where: str, row_ids: np.ndarray | None = None) -> np.ndarray:
-    """Unit-length rows; a zero row has no direction and is an error naming that row."""
-    norms = np.linalg.norm(x, axis=1, keepdims=True)
-    zero = np.flatnonzero(norms[:, 0] == 0)
-    if zero.size:
-        row = int(zero[0]) if row_ids is None else int(row_ids[zero[0]])
-        raise InputError(f"{where}: row {row} is a zero vector, which has no cosine direction")
-    return x / norms
 
 
 def mips_augment(centroids: np.ndarray) -> np.ndarray:
@@ -98,9 +89,9 @@ class _Rows:
     def stored(self, ids: np.ndarray) -> np.ndarray:
         """Rows as written to the SSD tier, in self.dtype."""
         raw = self.src[ids]
-        check_finite(raw, self.src.path, ids)
+        check_vectors(raw, self.metric, self.src.path, ids)
         if self.metric == "cosine":
-            return normalize(raw.astype(np.float32), self.src.path, ids).astype(np.float32)
+            return normalize(raw)
         return raw.astype(self.dtype, copy=False)
 
     def __call__(self, ids: np.ndarray) -> np.ndarray:

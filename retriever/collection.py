@@ -17,6 +17,8 @@ swapping one reference, so a search sees either the old or the new state.
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import json
 import logging
 import os
@@ -36,12 +38,14 @@ import numpy as np
 from fusionrag.retriever.build import build_index
 from fusionrag.retriever.config import METRICS, BuildConfig, EngineConfig, SearchParams, _check, _Config
 from fusionrag.retriever.docstore import DocStore
-from fusionrag.retriever.errors import ConflictError, IndexFormatError, InputError, NotFoundError, StorageError
+from fusionrag.retriever.errors import (ConflictError, FusionRAGError, IndexFormatError, InputError, NotFoundError,
+                                       StorageError, UnavailableError)
 from fusionrag.retriever.filters import compile_filter
 from fusionrag.retriever.fresh import FreshTier, FreshView
 from fusionrag.retriever.index import STAT_KEYS, Index
 from fusionrag.retriever.manifest import fsync_path
 from fusionrag.retriever.merge import can_store, merge_index
+from fusionrag.retriever.vectors import normalize, vector_problems
 from fusionrag.retriever.wal import WriteAheadLog
 
 log = logging.getLogger(__name__)
@@ -49,6 +53,7 @@ log = logging.getLogger(__name__)
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 MAX_ID_CHARS = 512
 _COLLECTION_FORMAT = 1
+_CURRENT_FORMAT = 2  # 2: CURRENT holds the digest of its generation's rows.npy
 _MERGE_RETRY_S = 30  # a failed background merge (a full disk, say) waits this long to retry
 
 
@@ -161,6 +166,7 @@ class _Main:
     # closed by whoever leaves it last unread, giving its GPU memory back to the shared budget.
     readers: int = 0
     retired: bool = False
+    unsearchable: int | None = None  # live rows a rebuild left out (see Collection._usable)
 
 
 @dataclass
@@ -169,6 +175,23 @@ class _Snapshot:
     tomb: np.ndarray  # uint8 bitmap over main vector ids, a copy
     tomb_count: int
     fresh: FreshView
+
+
+def _in_use(method):
+    """Run a public method as one use of the collection: close (a drop, a shutdown) waits for every
+    use to end before it closes the store and the index, and a call that starts later is refused."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        self._enter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._leave()
+    return call
+
+
+def _rows_digest(rows: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(rows, np.int64).tobytes()).hexdigest()
 
 
 class Collection:
@@ -194,20 +217,44 @@ class Collection:
         self._merge_removed: list[int] = []
         self._merge_retry_at = 0.0
         self._pending: list[_Write] = []
-        self._closed = False
+        self._users = 0  # calls in progress, and a background merge
+        self._users_cv = threading.Condition()
+        self._closed: tuple[type, str] | None = None  # once closing began: what a later call raises
+        self._unsearchable = 0  # stored vectors the engine cannot use (written before they were refused)
 
-        self.store = DocStore(self.path / "docs.sqlite", self.dim)
-        self._main = self._load_main()
         self._wal = WriteAheadLog(self.path / "wal.log")
-        applied = self.store.meta("applied_lsn")
-        self._next_row = self._applied_next_row = max(self.store.meta("next_row", 0), self._main.max_row + 1)
-        records = self._wal.open()
-        replay = [_Write.decode(lsn, p, self.dim) for lsn, p in records if lsn > applied]
-        if replay:
-            self._apply_to_store(replay)
-        self._next_lsn = max([applied] + [lsn for lsn, _ in records]) + 1
-        self._last_appended = self._next_lsn - 1
-        self._load_memory()
+        self._main = _Main(0, None, np.empty(0, np.int64), -1)
+        self.store = None
+        try:
+            records = self._wal.open()
+            # Until a first merge the log holds every write ever made, and a lost doc store can be
+            # remade from it; after one, the doc store holds what the log no longer does.
+            whole_log = not (self.path / "CURRENT").exists() and (not records or records[0][0] == 1)
+            self.store = DocStore(self.path / "docs.sqlite", self.dim, create=whole_log)
+            self._main = self._load_main()
+            next_row = self.store.meta("next_row", 0)
+            if next_row <= self._main.max_row:
+                raise IndexFormatError(
+                    f"docs.sqlite holds no document past row {next_row - 1}, but generation {self._main.generation} "
+                    f"indexed rows up to {self._main.max_row}: the doc store was emptied or replaced")
+            applied = self.store.meta("applied_lsn")
+            if records and records[0][0] > applied + 1:
+                raise IndexFormatError(f"docs.sqlite has applied writes up to {applied}, but wal.log starts at "
+                                       f"write {records[0][0]}: the doc store is older than the log (restored?)")
+            self._next_row = self._applied_next_row = next_row
+            replay = [_Write.decode(lsn, p, self.dim) for lsn, p in records if lsn > applied]
+            if replay:
+                self._apply_to_store(replay)
+            self._next_lsn = max([applied] + [lsn for lsn, _ in records]) + 1
+            self._last_appended = self._next_lsn - 1
+            self._load_memory()
+        except BaseException:
+            self._wal.close()
+            if self.store is not None:
+                self.store.close()
+            if self._main.index is not None:
+                self._main.index.close()
+            raise
 
     # -- opening -------------------------------------------------------------------------------
     def _load_main(self) -> _Main:
@@ -215,41 +262,87 @@ class Collection:
         keep = None
         main = _Main(0, None, np.empty(0, np.int64), -1)
         if cur.exists():
-            c = json.loads(cur.read_text())
-            keep = f"gen-{c['generation']:06d}"
-            gdir = self.path / keep
-            index = None
-            if c["indexed"]:
-                index = Index.open(gdir / "index", self.engine_config)
-            rows = np.load(gdir / "rows.npy") if c["indexed"] else np.empty(0, np.int64)
+            try:
+                c = json.loads(cur.read_text())
+                generation, indexed, max_row = int(c["generation"]), bool(c["indexed"]), int(c["max_row"])
+            except (OSError, ValueError, TypeError, KeyError) as e:
+                raise IndexFormatError(f"CURRENT is unreadable ({e!r})") from e
+            keep = f"gen-{generation:06d}"
+            rows = self._load_rows(keep, c) if indexed else np.empty(0, np.int64)
+            index = Index.open(self.path / keep / "index", self.engine_config) if indexed else None
             if index is not None and len(rows) != index.count:
                 index.close()
-                raise IndexFormatError(f"{gdir}: rows.npy maps {len(rows)} vectors, the index has {index.count}")
-            main = _Main(int(c["generation"]), index, rows, int(c["max_row"]))
+                raise IndexFormatError(f"{keep}/rows.npy maps {len(rows)} vectors, {keep}/index has {index.count}")
+            main = _Main(generation, index, rows, max_row)
         for p in self.path.glob("gen-*"):  # generations a crash or a merge left behind
             if p.name != keep:
                 shutil.rmtree(p, ignore_errors=True)
         return main
+
+    def _load_rows(self, gen: str, current: dict) -> np.ndarray:
+        """A generation's vector id -> row map, checked against the digest CURRENT holds for it: a
+        flipped byte or a permutation would make answers wrong with no error."""
+        name = f"{gen}/rows.npy"
+        legacy = current.get("format", 1) < _CURRENT_FORMAT
+        if not legacy and "rows_sha256" not in current:
+            raise IndexFormatError(f"CURRENT holds no checksum of {name}")
+        try:
+            rows = np.load(self.path / name, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise IndexFormatError(f"{name} is missing or unreadable ({e})") from e
+        if rows.dtype != np.int64 or rows.ndim != 1:
+            raise IndexFormatError(f"{name} is not a 1-D int64 array: the file is corrupt")
+        if legacy:  # written before CURRENT held the digest: record it from now on
+            log.warning("collection %r: CURRENT had no checksum of %s; recording one", self.name, name)
+            _write_json_atomic(self.path / "CURRENT", current | {"format": _CURRENT_FORMAT,
+                                                                 "rows_sha256": _rows_digest(rows)})
+        elif _rows_digest(rows) != current["rows_sha256"]:
+            raise IndexFormatError(f"{name} does not match its checksum in CURRENT: the file is corrupt")
+        return rows
 
     def _load_memory(self) -> None:
         live = self.store.live_rows()
         dead = ~np.isin(self._main.rows, live, assume_unique=True)
         self._tomb = np.packbits(dead, bitorder="little")
         self._tomb_count = int(dead.sum())
-        rows, vecs = self.store.rows_and_vectors(above=self._main.max_row)
+        rows, vecs, bad = self._usable(*self.store.rows_and_vectors(above=self._main.max_row))
+        # Live rows a merge left out of the index it built (see _usable), and those of the fresh tier.
+        main = self._main
+        self._unsearchable = bad + len(np.setdiff1d(live[live <= main.max_row], main.rows, assume_unique=True))
         self._fresh = FreshTier(self.dim)
         if len(rows):
             self._fresh.add(rows, self._engine_form(vecs))
 
+    def _usable(self, rows: np.ndarray, vecs: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        """The stored vectors the engine can use, and how many it cannot. Writes refuse those, but a
+        store written before they were refused may hold some: they are left out of every index and
+        search (and logged) rather than failing every merge and search after them."""
+        bad, why = vector_problems(vecs, self.metric)
+        if not bad.size:
+            return rows, vecs, 0
+        docs = self.store.by_rows(rows[bad[:5]], False)
+        log.warning("collection %r: %d stored vectors cannot be searched and are left out, e.g. document %r %s",
+                    self.name, len(bad), docs.get(int(rows[bad[0]]), ("?",))[0], why[0])
+        keep = np.ones(len(rows), bool)
+        keep[bad] = False
+        return rows[keep], vecs[keep], len(bad)
+
     def _engine_form(self, vecs: np.ndarray) -> np.ndarray:
-        if self.metric == "cosine":
-            return (vecs / np.linalg.norm(vecs, axis=1, keepdims=True)).astype(np.float32)
-        return vecs
+        return normalize(vecs) if self.metric == "cosine" else vecs
 
     # -- input checks --------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise InputError(f"collection {self.name!r} is closed")
+    def _enter(self) -> None:
+        with self._users_cv:
+            if self._closed is not None:
+                cls, message = self._closed
+                raise cls(message)
+            self._users += 1
+
+    def _leave(self) -> None:
+        with self._users_cv:
+            self._users -= 1
+            if not self._users:
+                self._users_cv.notify_all()
 
     def _vectors(self, vectors, what: str) -> np.ndarray:
         try:
@@ -260,13 +353,9 @@ class Collection:
             v = v[None, :]
         if v.ndim != 2 or v.shape[1] != self.dim:
             raise InputError(f"{what}: expected dimension {self.dim}, got shape {tuple(np.shape(vectors))}")
-        bad = np.flatnonzero(~np.isfinite(v).all(axis=1))
+        bad, why = vector_problems(v, self.metric)
         if bad.size:
-            raise InputError(f"{what}: row {int(bad[0])} contains NaN or infinity")
-        if self.metric == "cosine":
-            zero = np.flatnonzero(~v.any(axis=1))
-            if zero.size:
-                raise InputError(f"{what}: row {int(zero[0])} is a zero vector, which has no cosine direction")
+            raise InputError(f"{what}: row {int(bad[0])} {why[0]}")
         return np.ascontiguousarray(v)
 
     def _upsert_write(self, docs: Sequence[Document]) -> tuple[_Write, list[str]]:
@@ -297,10 +386,9 @@ class Collection:
             if v is None or v.shape != (self.dim,):
                 raise InputError(f"document {doc_id!r}: vector must be {self.dim} numbers, "
                                  f"got {getattr(v, 'shape', type(d.vector).__name__)}")
-            if not np.isfinite(v).all():
-                raise InputError(f"document {doc_id!r}: vector contains NaN or infinity")
-            if self.metric == "cosine" and not v.any():
-                raise InputError(f"document {doc_id!r}: a zero vector has no cosine direction")
+            _, why = vector_problems(v[None, :], self.metric)
+            if why:
+                raise InputError(f"document {doc_id!r}: vector {why[0]}")
             ids.append(doc_id)
             texts.append(d.text)
             metas.append(meta)
@@ -314,9 +402,9 @@ class Collection:
                       vectors), out
 
     # -- the write path ------------------------------------------------------------------------
+    @_in_use
     def upsert(self, docs: Sequence[Document]) -> list[str]:
         """Insert or replace documents; durable when it returns. Ids in input order."""
-        self._check_open()
         w, ids = self._upsert_write(docs)
         if w.ids:
             self._commit(w)
@@ -324,20 +412,19 @@ class Collection:
 
     add = upsert
 
+    @_in_use
     def delete(self, ids: Sequence[str]) -> int:
-        self._check_open()
         if isinstance(ids, str) or not all(isinstance(i, str) for i in ids):
             raise InputError("delete takes a sequence of string ids")
         ids = list(dict.fromkeys(ids))
         return self._commit(_Write("delete", ids)) if ids else 0
 
+    @_in_use
     def clear(self) -> None:
-        self._check_open()
         self._commit(_Write("clear"))
 
     def _commit(self, w: _Write) -> int:
         with self._lock:
-            self._check_open()
             w.lsn = self._next_lsn
             self._next_lsn += 1
             if w.op == "upsert":
@@ -446,11 +533,12 @@ class Collection:
             self._merge_removed += rows
 
     # -- reads ---------------------------------------------------------------------------------
+    @_in_use
     def __len__(self) -> int:
         return self.store.count()
 
+    @_in_use
     def get(self, ids: Sequence[str], with_vectors: bool = False) -> list[Document]:
-        self._check_open()
         if isinstance(ids, str) or not all(isinstance(i, str) for i in ids):
             raise InputError("get takes a sequence of string ids")
         found = self.store.get(list(dict.fromkeys(ids)), with_vectors)
@@ -483,9 +571,9 @@ class Collection:
             raise InputError("queries: no query vectors given")
         return self._engine_form(q)
 
+    @_in_use
     def search(self, vectors, k: int = 10, filter: dict | None = None, params: SearchParams | None = None,
                with_vectors: bool = False) -> CollectionSearch:
-        self._check_open()
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
             raise InputError(f"k must be a positive integer, got {k!r}")
         k = int(k)
@@ -583,7 +671,7 @@ class Collection:
     # -- merge ---------------------------------------------------------------------------------
     def _maybe_merge(self) -> None:
         f, cfg = self._fresh, self.config
-        if not cfg.background_merge or self._closed or time.monotonic() < self._merge_retry_at:
+        if not cfg.background_merge or self._closed is not None or time.monotonic() < self._merge_retry_at:
             return
         # Deletes alone also call for a merge: tombstones cost scan time and the log grows.
         if (f.live_count < cfg.merge_fresh_count and f.bytes < cfg.merge_fresh_bytes
@@ -592,25 +680,42 @@ class Collection:
         with self._mem_lock:
             if self._merge_thread is not None and self._merge_thread.is_alive():
                 return
+            try:
+                self._enter()  # the merge is a use: close waits for it
+            except FusionRAGError:  # closing
+                return
             self._merge_thread = threading.Thread(target=self._background_merge, name=f"merge-{self.name}",
                                                   daemon=True)
             self._merge_thread.start()
 
     def _background_merge(self) -> None:
         try:
-            self.merge()
+            with self._merge_lock:
+                self._merge()
         except Exception:
+            if self._closed is not None:
+                log.info("collection %r: merge given up, the collection is closing", self.name)
+                return
             self._merge_retry_at = time.monotonic() + _MERGE_RETRY_S
             log.exception("collection %r: background merge failed (retried in %d s); the fresh tier keeps the writes",
                           self.name, _MERGE_RETRY_S)
+        finally:
+            self._leave()
 
+    @_in_use
     def merge(self) -> None:
         """Fold the fresh tier into the main index now (blocking)."""
-        self._check_open()
         with self._merge_lock:
             self._merge()
 
+    def _stop_if_closing(self) -> None:
+        """A merge gives up once its collection is being closed or dropped: close is waiting for it."""
+        closed = self._closed
+        if closed is not None:
+            raise closed[0](closed[1])
+
     def _merge(self) -> None:
+        self._stop_if_closing()
         with self._lock:
             if self._fresh.n == 0 and self._tomb_count == 0:  # nothing to fold in
                 self._checkpoint()
@@ -635,7 +740,7 @@ class Collection:
                 rows = np.concatenate([old.rows[~dead], fresh_rows])
             else:
                 try:
-                    rows, vecs = self.store.rows_and_vectors(-1, snap_con)
+                    rows, vecs, unsearchable = self._usable(*self.store.rows_and_vectors(-1, snap_con))
                 finally:
                     snap_con.close()
                 if len(rows) >= self.config.min_index_count:
@@ -643,19 +748,24 @@ class Collection:
                 else:
                     rows, max_row = np.empty(0, np.int64), -1
             index = None
+            current = {"format": _CURRENT_FORMAT, "generation": gen, "indexed": bool(len(rows)), "max_row": max_row}
             if len(rows):
+                rows = np.ascontiguousarray(rows, np.int64)
                 with open(gdir / "rows.npy", "wb") as f:
                     np.save(f, rows)
                     f.flush()
                     os.fsync(f.fileno())
                 fsync_path(gdir)
+                current["rows_sha256"] = _rows_digest(rows)
                 index = Index.open(gdir / "index", self.engine_config)
             new = _Main(gen, index, rows, max_row)
+            if not incremental:
+                new.unsearchable = unsearchable
             unread_old = False
             try:
+                self._stop_if_closing()
                 with self._lock:
-                    _write_json_atomic(self.path / "CURRENT",
-                                       {"generation": gen, "indexed": index is not None, "max_row": max_row})
+                    _write_json_atomic(self.path / "CURRENT", current)
                     with self._mem_lock:
                         self._publish(new)
                         unread_old = self._retire(old)
@@ -688,8 +798,10 @@ class Collection:
         fresh = FreshTier(self.dim)
         rows, vecs = self._fresh.live_items()
         if new.index is None:  # nothing indexed: every live row is fresh
-            rows, vecs = self.store.rows_and_vectors(-1)
+            rows, vecs, new.unsearchable = self._usable(*self.store.rows_and_vectors(-1))
             vecs = self._engine_form(vecs)
+        if new.unsearchable is not None:  # counted again by a rebuild; an incremental merge keeps the count
+            self._unsearchable = new.unsearchable
         keep = rows > new.max_row
         if keep.any():
             fresh.add(rows[keep], vecs[keep])
@@ -705,6 +817,7 @@ class Collection:
         self._wal.reset()
 
     # -- description ---------------------------------------------------------------------------
+    @_in_use
     def info(self) -> dict:
         with self._reading() as snap:
             main = snap.main
@@ -715,7 +828,8 @@ class Collection:
         fresh_live = int(snap.fresh.live.sum())
         return {
             "name": self.name, "dimension": self.dim, "metric": self.metric, "embedding": self.embedding,
-            "count": len(self),
+            "state": "ready",
+            "count": self.store.count(),
             "tiers": tiers,
             "build_state": {
                 "indexed": len(main.rows) - snap.tomb_count,
@@ -723,29 +837,35 @@ class Collection:
                 "deleted": snap.tomb_count + len(snap.fresh.live) - fresh_live,
                 "merging": self._merging,
                 "generation": main.generation,
+                "unsearchable": self._unsearchable,
             },
         }
 
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
+    def close(self, error: FusionRAGError | None = None) -> None:
+        """Refuse new calls (with `error`, else "closed"), wait for those in progress and a
+        background merge to end, then close the store, the log and the index."""
+        with self._users_cv:
+            if self._closed is not None:
                 return
-            self._closed = True
-        t = self._merge_thread
-        if t is not None:
-            t.join()
-        with self._merge_lock, self._lock:
-            self._wal.close()
-            self.store.close()
-            with self._mem_lock:
-                old, self._main = self._main, _Main(0, None, np.empty(0, np.int64), -1)
-                unread = self._retire(old)
+            error = error or UnavailableError(f"collection {self.name!r} is closed")
+            self._closed = (type(error), str(error))
+            while self._users:
+                self._users_cv.wait()
+        # Nothing uses the collection now, and nothing can start to.
+        self._wal.close()
+        self.store.close()
+        with self._mem_lock:
+            old, self._main = self._main, _Main(0, None, np.empty(0, np.int64), -1)
+            unread = self._retire(old)
         if unread:
             old.index.close()
 
 
 class Catalog:
-    """All collections under one data directory (root/collections/<name>/). Thread-safe."""
+    """All collections under one data directory (root/collections/<name>/). Thread-safe.
+
+    A collection that fails to open is set aside with the reason (its calls get UnavailableError,
+    `failed()` lists it) while the others serve; dropping it removes it."""
 
     def __init__(self, root: str | os.PathLike, engine_config: EngineConfig | None = None,
                  collection_config: CollectionConfig | None = None):
@@ -756,6 +876,9 @@ class Catalog:
         self.collection_config = collection_config or CollectionConfig()
         self._lock = threading.Lock()
         self._open: dict[str, Collection] = {}
+        self._failed: dict[str, str] = {}  # name -> why it would not open
+        self._dropping: set[str] = set()  # dropped, waiting for their calls in progress to end
+        self._closed = False
         for p in self.dir.glob(".*"):  # creates and drops a crash interrupted
             shutil.rmtree(p, ignore_errors=True)
 
@@ -767,8 +890,31 @@ class Catalog:
         return name
 
     def names(self) -> list[str]:
+        """Every collection, those that failed to open included (each a directory named like one)."""
+        with self._lock:
+            dropping = set(self._dropping)
         return sorted(p.name for p in self.dir.iterdir()
-                      if NAME_RE.fullmatch(p.name) and (p / "collection.json").exists())
+                      if NAME_RE.fullmatch(p.name) and p.name not in dropping and p.is_dir())
+
+    def failed(self) -> dict[str, str]:
+        """The collections that failed to open, and why (no server paths in the reasons)."""
+        with self._lock:
+            return dict(self._failed)
+
+    def open_all(self) -> dict[str, str]:
+        """Open every collection; returns those that failed (see failed())."""
+        for name in self.names():
+            with contextlib.suppress(NotFoundError, UnavailableError):
+                self.get(name)
+        return self.failed()
+
+    def _reason(self, e: BaseException, path: Path) -> str:
+        text = f"{type(e).__name__}: {e}" if not isinstance(e, FusionRAGError) else str(e)
+        return text.replace(f"{path}{os.sep}", "").replace(str(path), ".").replace(str(self.root), "<data-dir>")
+
+    def _unavailable(self, name: str) -> UnavailableError:
+        return UnavailableError(f"collection {name!r} failed to open: {self._failed[name]}; fix or restore its files "
+                                "and restart the service, or delete the collection")
 
     def create(self, name: str, dim: int, metric: str = "cosine", embedding: str | None = None) -> Collection:
         self._check_name(name)
@@ -780,47 +926,84 @@ class Catalog:
             raise InputError(f"embedding must be a model name or None, got {embedding!r}")
         with self._lock:
             final = self.dir / name
+            if name in self._dropping:
+                raise ConflictError(f"collection {name!r} is being deleted; create it again once that is done")
             if final.exists():
                 raise ConflictError(f"collection {name!r} already exists")
             tmp = self.dir / f".create-{name}-{uuid.uuid4().hex}"
-            tmp.mkdir()
-            _write_json_atomic(tmp / "collection.json", {"format": _COLLECTION_FORMAT, "name": name, "dim": int(dim),
-                                                         "metric": metric, "embedding": embedding})
-            os.rename(tmp, final)
-            fsync_path(self.dir)
-            col = self._open[name] = Collection(final, self.engine_config, self.collection_config)
-            return col
+            published = False
+            try:
+                # Made whole under a hidden name, then renamed into place: a crash or a full disk never
+                # leaves half a collection behind.
+                tmp.mkdir()
+                _write_json_atomic(tmp / "collection.json", {"format": _COLLECTION_FORMAT, "name": name,
+                                                             "dim": int(dim), "metric": metric, "embedding": embedding})
+                DocStore(tmp / "docs.sqlite", int(dim), create=True).close()
+                os.rename(tmp, final)
+                published = True
+                fsync_path(self.dir)
+                col = self._open[name] = Collection(final, self.engine_config, self.collection_config)
+                return col
+            except (OSError, sqlite3.Error) as e:
+                with contextlib.suppress(OSError):
+                    if published:
+                        os.rename(final, tmp)
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise StorageError(f"cannot create collection {name!r}: {self._reason(e, tmp)}") from e
 
     def get(self, name: str) -> Collection:
         self._check_name(name)
         with self._lock:
             col = self._open.get(name)
-            if col is None:
-                path = self.dir / name
-                if not (path / "collection.json").exists():
-                    raise NotFoundError(f"collection {name!r} does not exist")
+            if col is not None:
+                return col
+            if self._closed:
+                raise UnavailableError("the service is stopping")
+            if name in self._failed:
+                raise self._unavailable(name)
+            path = self.dir / name
+            if name in self._dropping or not path.is_dir():
+                raise NotFoundError(f"collection {name!r} does not exist")
+            try:
                 col = self._open[name] = Collection(path, self.engine_config, self.collection_config)
+            except Exception as e:  # noqa: BLE001 - whatever it was, this collection alone is set aside
+                self._failed[name] = self._reason(e, path)
+                log.error("collection %r failed to open: %s", name, self._failed[name], exc_info=e)
+                raise self._unavailable(name) from e
             return col
 
     def drop(self, name: str) -> None:
+        """Delete a collection: calls in progress on it finish first, later ones get NotFoundError."""
         self._check_name(name)
         with self._lock:
             path = self.dir / name
-            if not (path / "collection.json").exists():
+            if name in self._dropping or not path.is_dir():
                 raise NotFoundError(f"collection {name!r} does not exist")
+            self._dropping.add(name)
+            self._failed.pop(name, None)
             col = self._open.pop(name, None)
+        trash = self.dir / f".drop-{name}-{uuid.uuid4().hex}"
+        try:
             if col is not None:
-                col.close()
-            trash = self.dir / f".drop-{name}-{uuid.uuid4().hex}"
-            os.rename(path, trash)
-            fsync_path(self.dir)
-            shutil.rmtree(trash, ignore_errors=True)
+                col.close(NotFoundError(f"collection {name!r} was deleted"))
+        finally:
+            with self._lock:
+                try:
+                    os.rename(path, trash)
+                    fsync_path(self.dir)
+                except OSError as e:
+                    raise StorageError(f"cannot delete collection {name!r}: {self._reason(e, path)}") from e
+                finally:
+                    self._dropping.discard(name)
+        shutil.rmtree(trash, ignore_errors=True)
 
     def close(self) -> None:
         with self._lock:
-            for col in self._open.values():
-                col.close()
+            self._closed = True
+            cols = list(self._open.values())
             self._open.clear()
+        for col in cols:
+            col.close()
 
 
 __all__ = ["Catalog", "Collection", "CollectionConfig", "CollectionSearch", "Document", "Hit"]

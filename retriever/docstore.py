@@ -9,6 +9,7 @@ sequence number it applied in the same transaction as the write, so replay is ex
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import threading
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fusionrag.retriever.errors import IndexFormatError, StorageError
 from fusionrag.retriever.filters import field_value
 
 _SCHEMA = """
@@ -34,6 +36,19 @@ CREATE INDEX IF NOT EXISTS fields_by_row ON fields (row);
 """
 _CHUNK = 900  # bound on SQL variables per statement
 _MMAP_BYTES = 1 << 30
+_TABLES = {"docs", "meta", "fields"}
+# Read connections a store keeps at most: each holds a descriptor or three and its own page cache,
+# and a connection per thread grew without bound under bursts of clients (then: "Too many open files").
+MAX_READERS = 8
+
+
+def _unreadable(path: Path, e: sqlite3.DatabaseError) -> Exception:
+    """A full or failing disk is a StorageError (nothing is wrong with the store); anything else
+    SQLite refuses is a store that is not one."""
+    if getattr(e, "sqlite_errorcode", None) in (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR) or \
+            "disk is full" in str(e) or "disk I/O error" in str(e):
+        return StorageError(f"{path.name}: the disk refused a write ({e})")
+    return IndexFormatError(f"{path.name} is not a readable SQLite database ({e})")
 
 
 def _chunks(seq, n=_CHUNK):
@@ -42,31 +57,66 @@ def _chunks(seq, n=_CHUNK):
 
 
 class DocStore:
-    def __init__(self, path: Path, dim: int):
+    """create: make the store (a new collection); otherwise it must exist and hold the tables."""
+
+    def __init__(self, path: Path, dim: int, create: bool = False, max_readers: int = MAX_READERS):
         self.path, self.dim = Path(path), dim
+        if not create and not self.path.is_file():
+            raise IndexFormatError(f"{self.path.name} is missing: the collection's documents are gone")
         self._writer = self._connect()
-        self._writer.executescript(_SCHEMA)
-        self._local = threading.local()
-        self._readers: list[sqlite3.Connection] = []
+        try:
+            if not create:
+                self._check_tables()
+            self._writer.executescript(_SCHEMA)
+        except BaseException:
+            self._writer.close()
+            raise
+        self._idle: list[sqlite3.Connection] = []  # read connections not in use
+        self._all: list[sqlite3.Connection] = []
         self._readers_lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(max_readers)
+
+    def _check_tables(self) -> None:
+        try:
+            names = {n for (n,) in self._writer.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        except sqlite3.DatabaseError as e:
+            raise _unreadable(self.path, e) from e
+        if not _TABLES <= names:
+            raise IndexFormatError(f"{self.path.name} holds no document store (tables {sorted(_TABLES - names)} "
+                                   "missing): emptied or replaced")
 
     def _connect(self) -> sqlite3.Connection:
-        con = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=60)
-        con.execute("PRAGMA journal_mode=WAL")
+        try:
+            con = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=60)
+            con.execute("PRAGMA journal_mode=WAL")
+        except sqlite3.DatabaseError as e:
+            raise _unreadable(self.path, e) from e
         con.execute("PRAGMA synchronous=NORMAL")
         con.execute(f"PRAGMA mmap_size={_MMAP_BYTES}")  # reads without a syscall per page
         return con
 
-    def _reader(self) -> sqlite3.Connection:
-        """One read connection per thread: WAL-mode readers never block each other or the writer."""
-        con = getattr(self._local, "con", None)
-        if con is None:
-            con = self._connect()
-            con.execute("PRAGMA query_only=1")
-            self._local.con = con
+    @contextlib.contextmanager
+    def _reader(self):
+        """A read connection for one call, from a pool of at most max_readers (callers beyond that
+        wait): WAL-mode readers never block each other or the writer."""
+        with self._slots:
             with self._readers_lock:
-                self._readers.append(con)
-        return con
+                con = self._idle.pop() if self._idle else None
+            if con is None:
+                con = self._connect()
+                con.execute("PRAGMA query_only=1")
+                with self._readers_lock:
+                    self._all.append(con)
+            try:
+                yield con
+            finally:
+                with self._readers_lock:
+                    self._idle.append(con)
+
+    @property
+    def open_readers(self) -> int:
+        with self._readers_lock:
+            return len(self._all)
 
     # -- state kept with the data --------------------------------------------------------------
     def meta(self, key: str, default: int = 0) -> int:
@@ -131,7 +181,8 @@ class DocStore:
 
     # -- reads ----------------------------------------------------------------------------------
     def count(self) -> int:
-        return self._reader().execute("SELECT COUNT(*) FROM docs").fetchone()[0]
+        with self._reader() as con:
+            return con.execute("SELECT COUNT(*) FROM docs").fetchone()[0]
 
     def _vec(self, blob: bytes) -> np.ndarray:
         return np.frombuffer(blob, dtype=np.float32).copy()
@@ -139,60 +190,60 @@ class DocStore:
     def get(self, ids: list[str], with_vectors: bool) -> dict[str, tuple]:
         """id -> (text, metadata, vector or None) for the ids that exist."""
         out = {}
-        con = self._reader()
-        for part in _chunks(ids):
-            q = ",".join("?" * len(part))
-            for i, t, m, v in con.execute(f"SELECT id, text, metadata, vector FROM docs WHERE id IN ({q})", part):
-                out[i] = (t, json.loads(m), self._vec(v) if with_vectors else None)
+        with self._reader() as con:
+            for part in _chunks(ids):
+                q = ",".join("?" * len(part))
+                for i, t, m, v in con.execute(f"SELECT id, text, metadata, vector FROM docs WHERE id IN ({q})", part):
+                    out[i] = (t, json.loads(m), self._vec(v) if with_vectors else None)
         return out
 
     def by_rows(self, rows, with_vectors: bool) -> dict[int, tuple]:
         """row -> (id, text, metadata, vector or None) for the rows still live."""
         out = {}
-        con = self._reader()
         rows = [int(r) for r in rows]
         col = "vector" if with_vectors else "NULL"
-        for part in _chunks(rows):
-            q = ",".join("?" * len(part))
-            for r, i, t, m, v in con.execute(
-                    f"SELECT row, id, text, metadata, {col} FROM docs WHERE row IN ({q})", part):
-                out[r] = (i, t, json.loads(m), self._vec(v) if with_vectors else None)
+        with self._reader() as con:
+            for part in _chunks(rows):
+                q = ",".join("?" * len(part))
+                for r, i, t, m, v in con.execute(
+                        f"SELECT row, id, text, metadata, {col} FROM docs WHERE row IN ({q})", part):
+                    out[r] = (i, t, json.loads(m), self._vec(v) if with_vectors else None)
         return out
 
     def rows_where(self, query: str, params: list) -> np.ndarray:
         """Sorted rows of the live documents that pass a compiled filter (filters.compile_filter)."""
         # One string of all rows, parsed in C: a Python object per row costs more than the query.
-        (text,) = self._reader().execute(f"SELECT group_concat(row) FROM ({query})", params).fetchone()
+        with self._reader() as con:
+            (text,) = con.execute(f"SELECT group_concat(row) FROM ({query})", params).fetchone()
         rows = np.sort(np.fromstring(text or "", dtype=np.int64, sep=","))
         return rows[np.concatenate([[True], rows[1:] != rows[:-1]])] if len(rows) else rows
 
     def vectors_where(self, query: str, params: list) -> tuple[np.ndarray, np.ndarray]:
         """(rows, vectors) of the live documents that pass a compiled filter, in row order."""
         # Driven by the filter's rows, each a rowid lookup (row IN (...) would scan every document).
-        cur = self._reader().execute(
-            f"SELECT d.row, d.vector FROM (SELECT DISTINCT row FROM ({query})) AS f JOIN docs AS d ON d.row = f.row",
-            params)
         rows, blobs = [], []
-        for r, v in cur:
-            rows.append(r)
-            blobs.append(v)
+        with self._reader() as con:
+            for r, v in con.execute(f"SELECT d.row, d.vector FROM (SELECT DISTINCT row FROM ({query})) AS f "
+                                    "JOIN docs AS d ON d.row = f.row", params):
+                rows.append(r)
+                blobs.append(v)
         rows = np.asarray(rows, np.int64)
         order = np.argsort(rows)
         return rows[order], np.frombuffer(b"".join(blobs), np.float32).reshape(len(rows), self.dim)[order]
 
     def rows_and_vectors(self, above: int = -1, con: sqlite3.Connection | None = None):
         """(rows int64 sorted, vectors float32 (n, dim)) of the live documents with row > above."""
-        cur = (con or self._reader()).execute("SELECT row, vector FROM docs WHERE row > ? ORDER BY row", (above,))
         rows, blobs = [], []
-        for r, v in cur:
-            rows.append(r)
-            blobs.append(v)
+        with contextlib.nullcontext(con) if con is not None else self._reader() as c:
+            for r, v in c.execute("SELECT row, vector FROM docs WHERE row > ? ORDER BY row", (above,)):
+                rows.append(r)
+                blobs.append(v)
         vecs = np.frombuffer(b"".join(blobs), dtype=np.float32).reshape(len(rows), self.dim)
         return np.asarray(rows, dtype=np.int64), vecs
 
     def live_rows(self) -> np.ndarray:
-        cur = self._reader().execute("SELECT row FROM docs ORDER BY row")
-        return np.fromiter((r for (r,) in cur), dtype=np.int64)
+        with self._reader() as con:
+            return np.fromiter((r for (r,) in con.execute("SELECT row FROM docs ORDER BY row")), dtype=np.int64)
 
     def snapshot(self) -> sqlite3.Connection:
         """A connection holding a read transaction: it sees the store as of now until closed."""
@@ -202,8 +253,10 @@ class DocStore:
         return con
 
     def close(self) -> None:
+        """Only once no call is reading (the collection waits for its calls to end first)."""
         with self._readers_lock:
-            for con in self._readers:
+            for con in self._all:
                 con.close()
-            self._readers.clear()
+            self._all.clear()
+            self._idle.clear()
         self._writer.close()

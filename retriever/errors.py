@@ -32,3 +32,8 @@ class ConflictError(FusionRAGError):
 class StorageError(FusionRAGError, OSError):
     """The disk refused a write (full, read-only, failing): the write was not applied and the
     collection stays readable."""
+
+
+class UnavailableError(FusionRAGError):
+    """The collection cannot serve now: it is closing (the service stops) or it failed to open (the
+    message says why); other collections are not affected."""

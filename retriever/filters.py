@@ -6,6 +6,11 @@ Each comparison is an index range, not a scan of every document's JSON; $and/$or
 row sets by INTERSECT/UNION, and $ne/$nin are the complement of $eq/$in (so a document without
 the field passes them). Comparisons are typed: a string never equals or orders against a number,
 and a bool matches only a bool.
+
+Each node of the filter is a CTE that names the nodes below it, so a deep filter never nests the
+SQL: SQLite's parser overflows at about ten nested subqueries. A filter has at most MAX_TERMS
+comparisons, MAX_VALUES values in its $in/$nin lists and MAX_DEPTH levels of $and/$or, and a
+compound of more than SQLite's 500 terms is split.
 """
 
 from __future__ import annotations
@@ -15,6 +20,10 @@ from fusionrag.retriever.errors import InputError
 _CMP = {"$eq": "=", "$ne": "=", "$gt": ">", "$gte": ">=", "$lt": "<", "$lte": "<="}
 _LIST = ("$in", "$nin")
 _INT64 = (-(1 << 63), (1 << 63) - 1)
+MAX_TERMS = 1000
+MAX_VALUES = 10000
+MAX_DEPTH = 32
+_COMPOUND_MAX = 500  # SQLITE_MAX_COMPOUND_SELECT's default
 
 
 def field_value(value) -> tuple[str, object] | None:
@@ -40,44 +49,64 @@ def _typed(value, where: str) -> tuple[str, object]:
     return tv
 
 
-def _sub(sql: str) -> str:
-    """A compound-select operand: SQLite groups compounds left to right, so nest each one."""
-    return f"SELECT row FROM ({sql})"
+class _Query:
+    """The CTEs of a filter, in the order their SQL (and so their parameters) is written."""
+
+    def __init__(self):
+        self.ctes: list[str] = []
+        self.params: list = []
+        self.terms = self.values = 0
+
+    def add(self, sql: str) -> str:
+        name = f"f{len(self.ctes)}"
+        self.ctes.append(f"{name} AS ({sql})")
+        return name
+
+    def term(self, where: str) -> None:
+        self.terms += 1
+        if self.terms > MAX_TERMS:
+            raise InputError(f"filter {where}: a filter has at most {MAX_TERMS} comparisons")
+
+    def compound(self, names: list[str], op: str) -> str:
+        while len(names) > 1:
+            names = [self.add(f" {op} ".join(f"SELECT row FROM {n}" for n in names[i:i + _COMPOUND_MAX]))
+                     for i in range(0, len(names), _COMPOUND_MAX)]
+        return names[0]
+
+    def negate(self, name: str) -> str:
+        return self.add(f"SELECT row FROM docs EXCEPT SELECT row FROM {name}")
 
 
-def _compound(parts: list[str], op: str) -> str:
-    return parts[0] if len(parts) == 1 else f" {op} ".join(_sub(p) for p in parts)
-
-
-def _not(sql: str) -> str:
-    return f"SELECT row FROM docs EXCEPT {_sub(sql)}"
-
-
-def _cmp(field: str, op: str, value, where: str, params: list) -> str:
+def _cmp(q: _Query, field: str, op: str, value, where: str) -> str:
     t, v = _typed(value, where)
-    params += [field, t, v]
-    return f"SELECT row FROM fields WHERE key = ? AND t = ? AND v {op} ?"
+    q.term(where)
+    q.params += [field, t, v]
+    return q.add(f"SELECT row FROM fields WHERE key = ? AND t = ? AND v {op} ?")
 
 
-def _in(field: str, values, where: str, params: list) -> str:
+def _in(q: _Query, field: str, values, where: str) -> str:
     if not isinstance(values, (list, tuple)) or not values:
         raise InputError(f"filter {where}: expects a non-empty list of values")
+    q.term(where)
+    q.values += len(values)
+    if q.values > MAX_VALUES:
+        raise InputError(f"filter {where}: a filter has at most {MAX_VALUES} values in its $in and $nin lists")
     groups: dict[str, list] = {}
     for value in values:
         t, v = _typed(value, where)
         groups.setdefault(t, []).append(v)
     parts = []
     for t, vs in groups.items():
-        params += [field, t, *vs]
-        parts.append(f"SELECT row FROM fields WHERE key = ? AND t = ? AND v IN ({','.join('?' * len(vs))})")
-    return _compound(parts, "UNION")
+        q.params += [field, t, *vs]
+        parts.append(q.add(f"SELECT row FROM fields WHERE key = ? AND t = ? AND v IN ({','.join('?' * len(vs))})"))
+    return q.compound(parts, "UNION")
 
 
-def _field(field: str, cond, params: list) -> str:
+def _field(q: _Query, field: str, cond) -> str:
     if not isinstance(field, str) or not field:
         raise InputError(f"filter field {field!r} must be a non-empty string")
     if not isinstance(cond, dict):
-        return _cmp(field, "=", cond, f"on {field!r}", params)
+        return _cmp(q, field, "=", cond, f"on {field!r}")
     if not cond:
         raise InputError(f"filter on {field!r}: empty operator dict")
     parts = []
@@ -86,34 +115,38 @@ def _field(field: str, cond, params: list) -> str:
         if op in _CMP:
             if op not in ("$eq", "$ne") and isinstance(value, bool):
                 raise InputError(f"filter {where}: a bool cannot be ordered")
-            sql = _cmp(field, _CMP[op], value, where, params)
-            parts.append(_not(sql) if op == "$ne" else sql)
+            name = _cmp(q, field, _CMP[op], value, where)
+            parts.append(q.negate(name) if op == "$ne" else name)
         elif op in _LIST:
-            sql = _in(field, value, where, params)
-            parts.append(_not(sql) if op == "$nin" else sql)
+            name = _in(q, field, value, where)
+            parts.append(q.negate(name) if op == "$nin" else name)
         else:
             raise InputError(f"filter on {field!r}: unknown operator {op!r}; expected one of "
                              f"{', '.join(list(_CMP) + list(_LIST))}")
-    return _compound(parts, "INTERSECT")
+    return q.compound(parts, "INTERSECT")
 
 
-def _node(f, params: list) -> str:
+def _node(q: _Query, f, depth: int) -> str:
     if not isinstance(f, dict) or not f:
-        raise InputError(f"a filter must be a non-empty dict, got {f!r}")
+        raise InputError(f"a filter must be a non-empty dict, got {f!r:.200}")
     parts = []
     for key, value in f.items():
         if key in ("$and", "$or"):
             if not isinstance(value, (list, tuple)) or not value:
                 raise InputError(f"filter {key} expects a non-empty list of filters")
-            parts.append(_compound([_node(sub, params) for sub in value], "INTERSECT" if key == "$and" else "UNION"))
+            if depth == MAX_DEPTH:
+                raise InputError(f"filter: $and/$or nest at most {MAX_DEPTH} deep")
+            parts.append(q.compound([_node(q, sub, depth + 1) for sub in value],
+                                    "INTERSECT" if key == "$and" else "UNION"))
         elif isinstance(key, str) and key.startswith("$"):
             raise InputError(f"filter: unknown operator {key!r} at the top level; expected $and, $or or a field name")
         else:
-            parts.append(_field(key, value, params))
-    return _compound(parts, "INTERSECT")
+            parts.append(_field(q, key, value))
+    return q.compound(parts, "INTERSECT")
 
 
 def compile_filter(f: dict) -> tuple[str, list]:
     """(SQL query yielding the rows that pass, in any order, possibly repeated; its parameters)."""
-    params: list = []
-    return _sub(_node(f, params)), params
+    q = _Query()
+    top = _node(q, f, 0)
+    return f"WITH {', '.join(q.ctes)} SELECT row FROM {top}", q.params

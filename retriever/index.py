@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from fusionrag import native
-from fusionrag.retriever.build import build_index, normalize
+from fusionrag.retriever.build import build_index
 from fusionrag.retriever.config import BuildConfig, EngineConfig, SearchParams, cpu_threads
 from fusionrag.retriever.errors import IndexFormatError, InputError
 from fusionrag.retriever.layout import PageLayout
@@ -17,7 +17,12 @@ from fusionrag.retriever.manifest import load_array, read_manifest
 from fusionrag.retriever.overlap import overlapped
 from fusionrag.retriever.pq import ProductQuantizer
 from fusionrag.retriever.tiers import NavigationTier, RerankTier, open_filter_tier
+from fusionrag.retriever.vectors import check_vectors, normalize
 
+# The files an index is read from, and whether each is checksummed whole (the page file is too large:
+# its per-block CRC table is, and each block is checked as it is read).
+REQUIRED_FILES = {"vectors.pages": False, "block_crc.npy": True, "graph.bin": True, "list_offsets.npy": True,
+                  "list_ids.npy": True, "pq_codebooks.npy": True, "pq_codes.npy": True, "locations.npy": True}
 STAT_KEYS = ("centroids_probed", "candidates", "unique_candidates", "minibatches", "reranked",
              "page_mates", "pages_read", "pages_buffered", "graph_s", "lut_s", "scan_s", "rerank_s")
 
@@ -49,7 +54,7 @@ class Index:
              **engine_overrides) -> "Index":
         config = (config or EngineConfig()).with_overrides(**engine_overrides)
         path = Path(path)
-        m = read_manifest(path, config.verify)
+        m = read_manifest(path, config.verify, REQUIRED_FILES)
         try:
             count, dim, metric = int(m["count"]), int(m["dim"]), m["metric"]
             engine_metric, dtype = m["internal_metric"], m["storage_dtype"]
@@ -142,11 +147,9 @@ class Index:
         if q.shape[1] != self.dim:
             raise InputError(f"queries have dimension {q.shape[1]}, the index has dimension {self.dim}")
         q = np.ascontiguousarray(q, dtype=np.float32)
-        bad = np.flatnonzero(~np.isfinite(q).all(axis=1))
-        if bad.size:
-            raise InputError(f"query {int(bad[0])} contains NaN or infinity")
+        check_vectors(q, self.metric, "queries")
         if self.metric == "cosine":
-            q = np.ascontiguousarray(normalize(q, "queries"), dtype=np.float32)
+            q = normalize(q)
         return q
 
     def search(self, queries, k: int = 10, params: SearchParams | None = None, exclude: np.ndarray | None = None,

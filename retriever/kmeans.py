@@ -43,8 +43,9 @@ def _plus_plus(x: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
     centers[0] = x[rng.integers(len(x))]
     closest = sq_dists(x, centers[:1])[:, 0]
     for i in range(1, k):
-        total = float(closest.sum())
-        j = rng.choice(len(x), p=closest / total) if total > 0 else rng.integers(len(x))
+        weights = closest.astype(np.float64)  # a float32 sum over 64k squared distances can overflow
+        total = weights.sum()
+        j = rng.choice(len(x), p=weights / total) if total > 0 else rng.integers(len(x))
         centers[i] = x[j]
         np.minimum(closest, sq_dists(x, centers[i:i + 1])[:, 0], out=closest)
     return centers

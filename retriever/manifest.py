@@ -115,8 +115,10 @@ def writing_index(final_dir: Path, overwrite: bool = False):
         raise
 
 
-def read_manifest(index_dir: Path, verify: bool = True) -> dict:
-    """The manifest of a whole index, after checking every file it lists."""
+def read_manifest(index_dir: Path, verify: bool = True, required: dict[str, bool] | None = None) -> dict:
+    """The manifest of a whole index, after checking every file it lists. required: file name ->
+    whether it must carry a checksum; a required file the manifest does not list (or lists without
+    its checksum) is an error, so taking an entry out does not make a file go unchecked."""
     index_dir = Path(index_dir)
     if not index_dir.is_dir():
         raise IndexFormatError(f"{index_dir}: no such index directory")
@@ -136,7 +138,15 @@ def read_manifest(index_dir: Path, verify: bool = True) -> dict:
         raise IndexFormatError(
             f"{index_dir}: index format version {version} is newer than this fusionrag supports "
             f"({FORMAT_VERSION}); upgrade fusionrag to open it")
-    for name, entry in manifest.get("files", {}).items():
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise IndexFormatError(f"{mpath}: no file list")
+    for name, hashed in (required or {}).items():
+        entry = files.get(name)
+        if not isinstance(entry, dict) or "bytes" not in entry or (hashed and "sha256" not in entry):
+            raise IndexFormatError(f"{index_dir}: the manifest does not list {name} with its size"
+                                   f"{' and checksum' if hashed else ''}")
+    for name, entry in files.items():
         p = index_dir / name
         if not p.exists():
             raise IndexFormatError(f"{index_dir}: file {name} listed in the manifest is missing")

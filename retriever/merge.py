@@ -176,7 +176,10 @@ def merge_index(old: Index, dead: np.ndarray, new_vectors: np.ndarray, out_dir: 
             _reassign(lists, np.unique(np.concatenate(affected)), centroids, vectors_of, config)
         splits = len(oversized)
 
-        codes = np.concatenate([f.codes[alive], old.pq.encode(x) if n_new else np.empty((0, old.pq.m), np.uint8)])
+        # From the index's own file, not the filter tier: on the GPU its codes are a device tensor, and
+        # when tiered only the hot rows, in slot order.
+        old_codes = np.load(old.path / "pq_codes.npy", mmap_mode="r")
+        codes = np.concatenate([old_codes[alive], old.pq.encode(x) if n_new else np.empty((0, old.pq.m), np.uint8)])
         offsets, list_ids = lists.csr(len(centroids))
         save_index_files(w, block_crc, graph, offsets, list_ids, old.pq.codebooks, codes, locations)
         stats = MergeStats(int(dead.sum()), n_new, splits, reuse, extra_blocks)

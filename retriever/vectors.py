@@ -134,13 +134,49 @@ def storage_dtype(dtype: np.dtype) -> np.dtype:
     return dtype if dtype in STORAGE_DTYPES else np.dtype(np.float32)
 
 
-def check_finite(block: np.ndarray, where: str, row_ids: np.ndarray | None = None) -> None:
-    """Raise naming the first row (its id in row_ids, else its index) that holds NaN or inf."""
-    if block.dtype.kind == "f":
-        bad = np.flatnonzero(~np.isfinite(block).all(axis=1))
-        if bad.size:
-            row = int(bad[0]) if row_ids is None else int(row_ids[bad[0]])
-            raise InputError(f"{where}: row {row} contains NaN or infinity")
+# Float32 arithmetic on vectors must stay finite: a squared distance is at most 2|q|² + 2|x|², and
+# sums run over whole clusters (k-means, PQ tables). So a vector's squared norm must stay far below
+# float32's largest value (3.4e38), or one finite but huge vector turns distances into inf and NaN.
+MAX_SQ_NORM = 1e30
+
+
+def vector_problems(block: np.ndarray, metric: str) -> tuple[np.ndarray, list[str]]:
+    """Rows (indices into block) the engine cannot use, and why: NaN or infinity, a squared norm over
+    MAX_SQ_NORM, or a zero vector under cosine. Norms are taken in float64, so a tiny (even
+    denormal) vector still has its direction."""
+    if block.dtype.kind != "f":  # 8-bit and int32 rows are finite and far below the bound
+        if metric == "cosine":
+            bad = np.flatnonzero(~block.any(axis=1))
+            return bad, ["is a zero vector, which has no cosine direction"] * len(bad)
+        return np.empty(0, np.int64), []
+    finite = np.isfinite(block).all(axis=1)
+    b = np.where(finite[:, None], block, 0).astype(np.float64)
+    sq = np.einsum("ij,ij->i", b, b)
+    bad = np.flatnonzero(~finite | (sq > MAX_SQ_NORM) | ((sq == 0) if metric == "cosine" else False))
+    why = []
+    for i in bad.tolist():
+        if not finite[i]:
+            why.append("contains NaN or infinity")
+        elif sq[i] > MAX_SQ_NORM:
+            why.append(f"has squared norm {sq[i]:.3g}, over the {MAX_SQ_NORM:.0e} that float32 distances allow")
+        else:
+            why.append("is a zero vector, which has no cosine direction")
+    return bad, why
+
+
+def check_vectors(block: np.ndarray, metric: str, where: str, row_ids: np.ndarray | None = None) -> None:
+    """Raise naming the first row (its id in row_ids, else its index) the engine cannot use."""
+    bad, why = vector_problems(block, metric)
+    if bad.size:
+        row = int(bad[0]) if row_ids is None else int(row_ids[bad[0]])
+        raise InputError(f"{where}: row {row} {why[0]}")
+
+
+def normalize(x: np.ndarray) -> np.ndarray:
+    """Unit-length float32 rows, the norm taken in float64 so that neither a huge nor a tiny vector
+    overflows or underflows on the way (rows must have passed check_vectors under cosine)."""
+    x64 = np.asarray(x, dtype=np.float64)
+    return (x64 / np.linalg.norm(x64, axis=1, keepdims=True)).astype(np.float32)
 
 
 def write_bin(path: str | os.PathLike, arr: np.ndarray) -> None:

@@ -24,6 +24,7 @@ _HELP = {
     "data_dir": "where collections live (one directory each)",
     "demo": "build the demo collection on the first start (when there are no collections)",
     "api_keys_file": "file of API keys, one 'TOKEN [collection,...]' entry per line",
+    "metrics_auth": "with API keys, /metrics answers only a key that covers every collection (its names and sizes)",
     "max_body_bytes": "largest request body accepted",
     "max_queries": "queries (vectors or texts) per search request at most",
     "max_k": "largest k of a search",
@@ -63,6 +64,7 @@ class ServerConfig:
     demo: bool = True
     api_keys: str = ""
     api_keys_file: str = ""
+    metrics_auth: bool = True
     max_body_bytes: int = 16 << 20
     max_queries: int = 256
     max_k: int = 1000

@@ -1,25 +1,45 @@
-"""Request bodies of the HTTP API. Limits that come from the configuration are checked in the routes."""
+"""Request bodies and error answers of the HTTP API. Limits that come from the configuration are checked in the
+routes (and written into the OpenAPI document by the app). The search and documents routes read their vectors
+themselves (server/bodies.py) and validate the rest of their body with these models; the constraints that span
+fields (exactly one of vectors and texts; a text or a vector) are checked in the routes and declared here."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from fusionrag.retriever.collection import NAME_RE
+from fusionrag.retriever.embedding import model_names
+
+NAME_PATTERN = f"^{NAME_RE.pattern}$"
 
 # JSON has no NaN, but Python's parser accepts the literal; a non-finite number is refused here.
 Finite = Annotated[float, Field(allow_inf_nan=False)]
+# JSON Schema's integer: 3.0 is one (strict mode alone refuses it), true and "3" are not.
+Integer = Annotated[int, BeforeValidator(lambda v: int(v) if isinstance(v, float) and v.is_integer() else v)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Strict: JSON's types as the document declares them, not Python's coercions of "3" or true to numbers.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def _given(name: str, kind: str) -> dict:
+    return {"required": [name], "properties": {name: {"type": kind}}}
 
 
 class CreateCollection(_Body):
-    name: str = Field(description="^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-    dimension: int | None = Field(None, ge=1, le=65536,
-                                  description="vector dimension; may be left out when `embedding` is given")
+    model_config = ConfigDict(json_schema_extra={"anyOf": [_given("dimension", "integer"),
+                                                           _given("embedding", "string")]})
+    name: str = Field(description="1-64 letters, digits, '_', '.' or '-', starting with a letter or digit",
+                      json_schema_extra={"pattern": NAME_PATTERN})
+    dimension: Integer | None = Field(None, ge=1, le=65536,
+                                      description="vector dimension; may be left out when `embedding` is given")
     metric: Literal["l2", "ip", "cosine"] = "cosine"
-    embedding: str | None = Field(None, description="model that embeds texts, e.g. all-MiniLM-L6-v2")
+    embedding: str | None = Field(None, description="model that embeds texts (or an alias, such as "
+                                                  "sentence-transformers/all-MiniLM-L6-v2)",
+                                  json_schema_extra=lambda s: s["anyOf"][0].update(enum=model_names()))
 
     @model_validator(mode="after")
     def _dimension_or_embedding(self):
@@ -29,33 +49,22 @@ class CreateCollection(_Body):
 
 
 class SearchRequest(_Body):
-    vectors: list[list[Finite]] | None = Field(None, description="query vectors")
-    texts: list[str] | None = Field(None, description="query texts, embedded by the collection's model")
-    k: int = Field(10, ge=1, description="hits per query")
+    model_config = ConfigDict(json_schema_extra={"oneOf": [_given("vectors", "array"), _given("texts", "array")]})
+    vectors: list[list[Finite]] | None = Field(None, description="query vectors", json_schema_extra={"minItems": 1})
+    texts: list[str] | None = Field(None, description="query texts, embedded by the collection's model",
+                                    json_schema_extra={"minItems": 1})
+    k: Integer = Field(10, ge=1, description="hits per query")
     filter: dict[str, Any] | None = Field(None, description="metadata filter, e.g. {\"source\": \"design.md\"}")
     params: dict[str, Any] | None = Field(None, description="tuning: nprobe, probe_ratio, rerank, ...")
     stats: bool = Field(False, description="return the engine's statistics of each query")
 
-    @model_validator(mode="after")
-    def _one_kind(self):
-        if (self.vectors is None) == (self.texts is None):
-            raise ValueError("give exactly one of 'vectors' and 'texts'")
-        if not (self.vectors or self.texts):
-            raise ValueError("no queries: 'vectors' or 'texts' is empty")
-        return self
-
 
 class DocumentIn(_Body):
+    model_config = ConfigDict(json_schema_extra={"anyOf": [_given("text", "string"), _given("vector", "array")]})
     id: str | None = Field(None, min_length=1, max_length=512, description="left out: a new id is assigned")
     text: str | None = None
     vector: list[Finite] | None = Field(None, description="left out: the text is embedded")
     metadata: dict[str, Any] = Field(default_factory=dict)
-
-    @model_validator(mode="after")
-    def _text_or_vector(self):
-        if self.text is None and self.vector is None:
-            raise ValueError("a document needs a text, a vector, or both")
-        return self
 
 
 class UpsertRequest(_Body):
@@ -64,3 +73,23 @@ class UpsertRequest(_Body):
 
 class DeleteRequest(_Body):
     ids: list[Annotated[str, Field(min_length=1, max_length=512)]] = Field(min_length=1)
+
+
+class ErrorItem(BaseModel):
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class Error(BaseModel):
+    """Every 4xx and 5xx answer: what was wrong; for a body the models refused, their findings too."""
+    detail: str
+    errors: list[ErrorItem] | None = None
+
+
+class Readiness(BaseModel):
+    """The names in it are those the caller's key may see; with API keys, none without a key."""
+    status: str = Field(description="ready (200), or loading (503)")
+    collections: list[str] | None = None
+    failed: dict[str, str] | None = Field(None, description="collections that failed to open, and why")
+    building: list[str] | None = None

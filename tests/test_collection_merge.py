@@ -7,7 +7,7 @@ import pytest
 from conftest import clustered, exact_knn, recall
 
 from fusionrag.retriever import BuildConfig, Index
-from fusionrag.retriever.build import normalize
+from fusionrag.retriever.vectors import normalize
 from fusionrag.retriever.collection import Catalog, CollectionConfig, Document
 from fusionrag.retriever.merge import merge_index
 
@@ -30,7 +30,7 @@ def test_merge_index_removes_adds_and_splits(tmp_path, metric):
     dead[rng.choice(len(base), 400, replace=False)] = True
     # New vectors crowd one region, so the lists there outgrow their bound and split.
     new = (base[7] + 0.3 * rng.standard_normal((900, DIM))).astype(np.float32)
-    new_engine = normalize(new, "new") if metric == "cosine" else new
+    new_engine = normalize(new) if metric == "cosine" else new
     stats = merge_index(old, dead, new_engine.astype(np.float32), tmp_path / "g2", cfg)
     assert {p.name: sha(p) for p in (tmp_path / "g1").iterdir()} == before  # old generation untouched
     assert (stats.removed, stats.added) == (400, 900) and stats.splits > 0
@@ -66,7 +66,7 @@ def test_merge_index_removes_adds_and_splits(tmp_path, metric):
     store = idx.reranker
     got = native.exact_distances(store.store, np.zeros((1, DIM), np.float32), np.arange(len(vecs))[None],
                                  store.locations, store.dtype, "l2")
-    engine = normalize(vecs, "v") if metric == "cosine" else vecs
+    engine = normalize(vecs) if metric == "cosine" else vecs
     assert np.allclose(got[0], (engine ** 2).sum(1), rtol=1e-4, atol=1e-4)
 
 
@@ -98,3 +98,25 @@ def test_collection_merges_incrementally_then_rebuilds(tmp_path):
     found = np.array([[int(h.id) for h in hits] for hits in res.hits])
     assert recall(found, alive[exact_knn(x[alive], q, 10, "cosine")]) >= 0.95
     cat.close()
+
+
+def test_merge_reads_codes_from_the_index_not_the_filter_tier(tmp_path):
+    """On the GPU tier the filter's codes are a device tensor that numpy refuses, and when tiered only
+    the hot rows in slot order: a merge must take the codes from the index's own file."""
+    torch = pytest.importorskip("torch")
+    base = clustered(1200, DIM, 30, seed=1)
+    Index.build(base, tmp_path / "g1", BuildConfig(), progress=False)
+    old = Index.open(tmp_path / "g1")
+    codes = np.load(tmp_path / "g1" / "pq_codes.npy")
+    hot = np.random.default_rng(0).permutation(len(codes))[:400]
+    # Device-like: rows in another order, on a device whose data numpy cannot read.
+    old.filter.codes = torch.from_numpy(codes[hot]).to("meta")
+    with pytest.raises((RuntimeError, TypeError, NotImplementedError)):
+        np.asarray(old.filter.codes)
+    dead = np.zeros(len(base), bool)
+    dead[::3] = True
+    new = clustered(50, DIM, 30, seed=5)
+    merge_index(old, dead, new, tmp_path / "g2", BuildConfig())
+    merged = np.load(tmp_path / "g2" / "pq_codes.npy")
+    assert np.array_equal(merged[:int((~dead).sum())], codes[~dead])
+    assert np.array_equal(merged[-50:], old.pq.encode(new))

@@ -248,10 +248,13 @@ def test_bad_queries(small):
         index.search(queries[:, :23])
     bad = queries[:3].copy()
     bad[2, 5] = np.nan
-    with pytest.raises(InputError, match="query 2 contains NaN"):
+    with pytest.raises(InputError, match="queries: row 2 contains NaN"):
         index.search(bad)
     bad[2, 5] = np.inf
-    with pytest.raises(InputError, match="query 2 contains NaN or infinity"):
+    with pytest.raises(InputError, match="queries: row 2 contains NaN or infinity"):
+        index.search(bad)
+    bad[2, 5] = 1e20  # finite, but its squared norm overflows float32 distances
+    with pytest.raises(InputError, match="queries: row 2 has squared norm 1e\\+40"):
         index.search(bad)
     with pytest.raises(InputError, match="k must be a positive integer"):
         index.search(queries, k=0)
@@ -265,6 +268,10 @@ def test_bad_build_input(tmp_path):
     x = clustered(500, 8, 5)
     x[123, 4] = np.nan
     with pytest.raises(InputError, match="row 123 contains NaN"):
+        Index.build(x, tmp_path / "idx", progress=False)
+    assert not (tmp_path / "idx").exists() and not list(tmp_path.iterdir())
+    x[123, 4] = 3e19  # finite, but float32 distances to it overflow: refused, not built into NaN
+    with pytest.raises(InputError, match="row 123 has squared norm 9e\\+38"):
         Index.build(x, tmp_path / "idx", progress=False)
     assert not (tmp_path / "idx").exists() and not list(tmp_path.iterdir())
     x[123, 4] = 0

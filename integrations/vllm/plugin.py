@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fusionrag.integrations.vllm.prompt import augment, question_of
-from fusionrag.retriever.errors import ConfigError, FusionRAGError, InputError, NotFoundError
+from fusionrag.retriever.errors import ConfigError, FusionRAGError, InputError, NotFoundError, UnavailableError
 from fusionrag.server.app import State, authenticate, engine_error, v1
 from fusionrag.server.auth import Key
 from fusionrag.server.config import load_config
@@ -87,8 +87,6 @@ async def rag_chat_completions(raw_request: Request, key: Key | None = Depends(a
         return _error(403, f"this API key has no rights to collection {opts.collection!r}")
     if opts.k > svc.config.max_k:
         return _error(422, f"retrieval.k is {opts.k}, at most {svc.config.max_k} allowed (max_k)")
-    if svc.load_error:
-        return _error(500, f"fusionrag could not load its collections: {svc.load_error}")
     if not svc.ready.is_set():
         return _error(503, "fusionrag is still loading its collections; retry shortly")
     handler = raw_request.app.state.openai_serving_chat
@@ -100,8 +98,9 @@ async def rag_chat_completions(raw_request: Request, key: Key | None = Depends(a
             return _error(422, f"collection {opts.collection!r} has no embedding model to embed the question with")
         question = question_of(request.messages)
         hits = (await svc.batcher.search(coll, opts.k, texts=[question], filter=opts.filter)).hits[0]
-    except (NotFoundError, InputError, ConfigError) as e:
-        return _error(404 if isinstance(e, NotFoundError) else 422, str(e))
+    except (NotFoundError, InputError, ConfigError, UnavailableError) as e:
+        status = 404 if isinstance(e, NotFoundError) else 503 if isinstance(e, UnavailableError) else 422
+        return _error(status, str(e))
     request = request.model_copy(update={"messages": augment(request.messages, hits)})
 
     out = await handler.create_chat_completion(request, raw_request)
