@@ -42,3 +42,20 @@ bench:
 	test -x $(DISKANN_VENV)/bin/python || python3 -m venv $(DISKANN_VENV)
 	$(DISKANN_VENV)/bin/pip install -q -r bench/requirements-diskann.txt
 	$(PY) bench/run.py --scaling 100k 1m
+
+# The GPU acceptance (README "Acceptance on a GPU"). Here, where a package registry answers:
+# `make gpu-wheels` puts the Python 3.12 wheels the GPU machine lacks (bench/gpu-wheels.txt) and the
+# data sets its tests read into .whl/ (git-ignored). There, with .whl/ carried:
+# `make gpu-accept OUT=dir [STEPS=install,a,b,c,d] [DEADLINE=seconds]`; anywhere without CUDA the same
+# command is a dry run at toy size (tests/test_gpu_accept.py).
+.PHONY: gpu-wheels gpu-accept
+ACCEPT_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+STEPS ?= install,a,b,c,d
+DEADLINE ?= 1500
+
+gpu-wheels:
+	$(ACCEPT_PY) bench/gpu_accept.py --wheels .whl
+
+gpu-accept:
+	@test -n "$(OUT)" || { echo "make gpu-accept: OUT= names the folder for gpu_accept.json and .md" >&2; exit 2; }
+	$(ACCEPT_PY) bench/gpu_accept.py --out "$(OUT)" --steps "$(STEPS)" --deadline "$(DEADLINE)"

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from fusionrag.retriever.collection import Catalog, Collection, Document, Hit
+from fusionrag.retriever.collection import DEFAULT_TEXT_WEIGHT, Catalog, Collection, Document, Hit
 from fusionrag.retriever.config import METRICS, SearchParams
 from fusionrag.retriever.errors import ConfigError, ConflictError, FusionRAGError, InputError, NotFoundError
 
@@ -40,8 +40,10 @@ def _check_metric(metric: str | None) -> None:
 
 def open_backend(*, collection: str, path: str | os.PathLike | None = None, url: str | None = None,
                  api_key: str | None = None, metric: str | None = None, search_params: dict | None = None,
-                 timeout: float = 60.0) -> EmbeddedBackend | RemoteBackend:
-    """The backend for exactly one of `path` (embedded) or `url` (remote)."""
+                 timeout: float = 60.0, embedding: str | None = None) -> EmbeddedBackend | RemoteBackend:
+    """The backend for exactly one of `path` (embedded) or `url` (remote). `embedding`: the name of the model
+    the caller embeds with, when the service knows it: the collection is created with it, so that the
+    service can embed text queries and documents for it, and an existing one must have no other."""
     if (path is None) == (url is None):
         raise ConfigError("give exactly one of path= (embedded mode) or url= (remote mode)")
     if not isinstance(collection, str) or not collection:
@@ -50,8 +52,13 @@ def open_backend(*, collection: str, path: str | os.PathLike | None = None, url:
     if path is not None:
         if api_key is not None:
             raise ConfigError("api_key= is for remote mode (url=); embedded mode reads the data directory directly")
-        return EmbeddedBackend(path, collection, metric, search_params)
-    return RemoteBackend(url, collection, api_key, metric, search_params, timeout)
+        return EmbeddedBackend(path, collection, metric, search_params, embedding)
+    return RemoteBackend(url, collection, api_key, metric, search_params, timeout, embedding)
+
+
+def _check_embedding_matches(name: str, existing: str | None, given: str | None) -> None:
+    if existing is not None and given is not None and existing != given:
+        raise ConfigError(f"collection {name!r} exists with embedding model {existing!r}, not {given!r}")
 
 
 # One Catalog per data directory per process: a collection is opened once and its writes serialized,
@@ -83,15 +90,23 @@ def _release_catalog(root: Path) -> None:
 class EmbeddedBackend:
     """The engine in-process. Async methods run the blocking engine call on a worker thread."""
 
-    def __init__(self, path: str | os.PathLike, collection: str, metric: str | None, search_params: dict | None):
+    def __init__(self, path: str | os.PathLike, collection: str, metric: str | None, search_params: dict | None,
+                 embedding: str | None = None):
         self.root = Path(path).resolve()
         self.name = collection
         self._metric = metric
+        self._embedding = embedding
         self._params = SearchParams.from_dict(search_params) if search_params else None
         self._catalog = _acquire_catalog(self.root)
         self._closed = False
         if self.name in self._catalog.names():
-            self._check_metric_matches(self._catalog.get(self.name).metric)
+            try:
+                existing = self._catalog.get(self.name)
+                self._check_metric_matches(existing.metric)
+                _check_embedding_matches(self.name, existing.embedding, embedding)
+            except BaseException:  # a store refused leaves the data directory's catalog to the others
+                self.close()
+                raise
 
     def _check_metric_matches(self, existing: str) -> None:
         if self._metric is not None and self._metric != existing:
@@ -122,7 +137,7 @@ class EmbeddedBackend:
         coll = self._collection()
         if coll is None:
             try:
-                coll = self._catalog.create(self.name, dim, self._metric or "cosine")
+                coll = self._catalog.create(self.name, dim, self._metric or "cosine", self._embedding)
             except ConflictError:  # another store created it meanwhile
                 coll = self._catalog.get(self.name)
         if coll.dim != dim:
@@ -142,12 +157,15 @@ class EmbeddedBackend:
         coll = self._collection()
         return coll.get(list(ids), with_vectors=with_vectors) if coll is not None and ids else []
 
-    def search(self, vectors: np.ndarray, k: int, filter: dict | None = None,
-               with_vectors: bool = False) -> list[list[Hit]]:
+    def search(self, vectors: np.ndarray | None, k: int, filter: dict | None = None, with_vectors: bool = False,
+               texts: list[str] | None = None, mode: str = "vector",
+               text_weight: float = DEFAULT_TEXT_WEIGHT) -> list[list[Hit]]:
+        """mode, texts, text_weight: as Collection.search (vectors None in text mode)."""
         coll = self._collection()
         if coll is None:
-            return [[] for _ in range(len(vectors))]
-        return coll.search(vectors, k=k, filter=filter, params=self._params, with_vectors=with_vectors).hits
+            return [[] for _ in range(len(texts if vectors is None else vectors))]
+        return coll.search(vectors, k=k, filter=filter, params=self._params, with_vectors=with_vectors,
+                           texts=texts, mode=mode, text_weight=text_weight).hits
 
     def count(self) -> int:
         coll = self._collection()
@@ -172,8 +190,9 @@ class EmbeddedBackend:
     async def aget(self, ids, with_vectors=False):
         return await asyncio.to_thread(self.get, ids, with_vectors)
 
-    async def asearch(self, vectors, k, filter=None, with_vectors=False):
-        return await asyncio.to_thread(self.search, vectors, k, filter, with_vectors)
+    async def asearch(self, vectors, k, filter=None, with_vectors=False, texts=None, mode="vector",
+                      text_weight=DEFAULT_TEXT_WEIGHT):
+        return await asyncio.to_thread(self.search, vectors, k, filter, with_vectors, texts, mode, text_weight)
 
     async def acount(self):
         return await asyncio.to_thread(self.count)
@@ -211,13 +230,14 @@ class RemoteBackend:
     """
 
     def __init__(self, url: str, collection: str, api_key: str | None, metric: str | None,
-                 search_params: dict | None, timeout: float):
+                 search_params: dict | None, timeout: float, embedding: str | None = None):
         import httpx
 
         self._httpx = httpx
         self.url = url.rstrip("/")
         self.name = collection
         self._metric = metric
+        self._embedding = embedding
         self._params = SearchParams.from_dict(search_params).to_dict() if search_params else None
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._timeout = timeout
@@ -279,13 +299,14 @@ class RemoteBackend:
     # -- collection lifecycle -------------------------------------------------------------------
 
     def _create_body(self, dim: int) -> dict:
-        return {"name": self.name, "dimension": dim, "metric": self._metric or "cosine"}
+        return {"name": self.name, "dimension": dim, "metric": self._metric or "cosine", "embedding": self._embedding}
 
     def _checked_info(self, info: dict | None) -> dict | None:
         if info is not None:
             if self._metric is not None and info.get("metric") != self._metric:
                 raise ConfigError(f"collection {self.name!r} exists with metric {info.get('metric')!r}, "
                                   f"not {self._metric!r}")
+            _check_embedding_matches(self.name, info.get("embedding"), self._embedding)
             self._info = info
         return info
 
@@ -380,8 +401,13 @@ class RemoteBackend:
         found = await asyncio.gather(*(self._arequest(*self._doc_args(i, with_vectors)) for i in ids))
         return [_doc_from_json(d) for d in found if d is not None]
 
-    def _search_body(self, vectors: np.ndarray, k: int, filter: dict | None) -> dict:
-        body: dict[str, Any] = {"vectors": np.asarray(vectors, dtype=np.float32).tolist(), "k": k}
+    def _search_body(self, vectors: np.ndarray | None, k: int, filter: dict | None, texts: list[str] | None = None,
+                     mode: str = "vector", text_weight: float = DEFAULT_TEXT_WEIGHT) -> dict:
+        body: dict[str, Any] = {"k": k}
+        if vectors is not None:
+            body["vectors"] = np.asarray(vectors, dtype=np.float32).tolist()
+        if mode != "vector":
+            body.update(texts=list(texts or []), mode=mode, text_weight=text_weight)
         if filter:
             body["filter"] = filter
         if self._params:
@@ -393,22 +419,25 @@ class RemoteBackend:
         vec = {d.id: d.vector for d in docs}
         return [[replace(h, vector=vec.get(h.id)) for h in q if h.id in vec] for q in hits]
 
-    def search(self, vectors: np.ndarray, k: int, filter: dict | None = None,
-               with_vectors: bool = False) -> list[list[Hit]]:
-        res = self._request("POST", self._coll_path("/search"), self._search_body(vectors, k, filter), missing_ok=True)
+    def search(self, vectors: np.ndarray | None, k: int, filter: dict | None = None, with_vectors: bool = False,
+               texts: list[str] | None = None, mode: str = "vector",
+               text_weight: float = DEFAULT_TEXT_WEIGHT) -> list[list[Hit]]:
+        res = self._request("POST", self._coll_path("/search"),
+                            self._search_body(vectors, k, filter, texts, mode, text_weight), missing_ok=True)
         if res is None:
-            return [[] for _ in range(len(vectors))]
+            return [[] for _ in range(len(texts if vectors is None else vectors))]
         hits = [[_hit_from_json(h) for h in q] for q in res["results"]]
         if with_vectors:  # the service's search answers without vectors: fetch the hits' documents
             hits = self._with_vectors(hits, self.get(list({h.id for q in hits for h in q}), with_vectors=True))
         return hits
 
-    async def asearch(self, vectors: np.ndarray, k: int, filter: dict | None = None,
-                      with_vectors: bool = False) -> list[list[Hit]]:
-        res = await self._arequest("POST", self._coll_path("/search"), self._search_body(vectors, k, filter),
-                                   missing_ok=True)
+    async def asearch(self, vectors: np.ndarray | None, k: int, filter: dict | None = None,
+                      with_vectors: bool = False, texts: list[str] | None = None, mode: str = "vector",
+                      text_weight: float = DEFAULT_TEXT_WEIGHT) -> list[list[Hit]]:
+        res = await self._arequest("POST", self._coll_path("/search"),
+                                   self._search_body(vectors, k, filter, texts, mode, text_weight), missing_ok=True)
         if res is None:
-            return [[] for _ in range(len(vectors))]
+            return [[] for _ in range(len(texts if vectors is None else vectors))]
         hits = [[_hit_from_json(h) for h in q] for q in res["results"]]
         if with_vectors:
             docs = await self.aget(list({h.id for q in hits for h in q}), with_vectors=True)

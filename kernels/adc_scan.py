@@ -25,6 +25,7 @@ import triton.language as tl
 from fusionrag.kernels import interpreted
 from fusionrag.kernels.dedup import FREE, hash_insert, table_layout
 from fusionrag.kernels.topn import EMPTY_KEY, pack_key
+from fusionrag.kernels.variants import Variant, variant
 
 
 @triton.jit
@@ -65,7 +66,7 @@ def adc_scan(luts: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, codes
              host_codes: torch.Tensor | None = None, slots: torch.Tensor | None = None,
              exclude: torch.Tensor | None = None, *, table: torch.Tensor | None = None,
              table_base: torch.Tensor | None = None, keys: torch.Tensor | None = None,
-             unique: torch.Tensor | None = None, max_count: int | None = None, block: int | None = None):
+             unique: torch.Tensor | None = None, max_count: int | None = None):
     """Rank keys int64 (len(ids),) and unique-ID counts int64 (q,) of ragged segments
     ids[offsets[i]:offsets[i+1]] (int32 holding uint32 IDs) against luts float32 (q, M, 256).
 
@@ -73,7 +74,7 @@ def adc_scan(luts: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, codes
     exclude: uint8 bitmap (ceil(N/8),). Working buffers (table: int64 (table_base[-1],) all FREE,
     table_base from dedup.table_layout, keys, unique zeroed) may be given as views into a
     preallocated block, with max_count the longest segment; otherwise they are allocated here.
-    block: IDs per program (default 128; under the interpreter, whole segments up to 4096).
+    A program takes 128 IDs (under the interpreter, whole segments up to 4096).
     """
     q, m = luts.shape[0], luts.shape[1]
     if offsets.numel() != q + 1:
@@ -91,13 +92,29 @@ def adc_scan(luts: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, codes
         keys = torch.empty(ids.shape, dtype=torch.int64, device=dev)
         unique = torch.zeros(q, dtype=torch.int64, device=dev)
     if q and max_count:
-        block = block or (min(4096, triton.next_power_of_2(max_count)) if interpreted() else 128)
         tiered = slots is not None
-        adc_scan_kernel[(q, triton.cdiv(max_count, block))](
+        params = _params(m, max_count, tiered, exclude is not None, interpreted())
+        adc_scan_kernel[(q, triton.cdiv(max_count, params["BLOCK"]))](
             ids, offsets, table_base, table, luts, codes, host_codes if tiered else codes, slots if tiered else ids,
-            exclude if exclude is not None else ids, keys, unique, M=m, M_P2=triton.next_power_of_2(m), BLOCK=block,
-            TIERED=tiered, EXCLUDE=exclude is not None)
+            exclude if exclude is not None else ids, keys, unique, **params)
     return keys, unique
+
+
+def _params(m: int, max_count: int, tiered: bool, exclude: bool, interpret: bool) -> dict:
+    block = min(4096, triton.next_power_of_2(max_count)) if interpret else 128
+    return dict(M=m, M_P2=triton.next_power_of_2(m), BLOCK=block, TIERED=tiered, EXCLUDE=exclude, num_warps=4)
+
+
+def variants(m: int, tiered: bool) -> list[Variant]:
+    """What adc_scan compiles on a GPU for M-byte codes, resident or tiered: with and without an
+    exclusion bitmap (without one, the IDs stand in for its pointer: an int32 pointer)."""
+    out = []
+    for exclude in (False, True):
+        params = _params(m, 1, tiered, exclude, interpret=False)
+        signature = ("*i32", "*i64", "*i64", "*i64", "*fp32", "*u8", "*u8", "*i32", "*u8" if exclude else "*i32",
+                     "*i64", "*i64")
+        out.append(variant(adc_scan_kernel, signature, params.pop("num_warps"), **params))
+    return out
 
 
 def adc_scan_reference(luts: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, codes: torch.Tensor,

@@ -3,6 +3,11 @@ start-up, and queries run in fixed working blocks, so the tier never grows while
 budget serves several tiers (one per open index) through a `BudgetAccount` each, which names
 their parts and gives them back when the tier closes.
 
+A process's own budget (`measured`) also holds what the process really holds on the device
+beside the parts: the CUDA context, loaded kernel modules and the allocator's rounding, as the
+driver counts them (`process_gpu_bytes`, nvidia-smi's per-process figure), trued up whenever a
+tier opens (`true_up`).
+
 A `WorkingBlock` is one in-flight batch's memory: a device arena and a host staging arena
 (pinned on CUDA, so copies are asynchronous) carved into typed views per call, and its own CUDA
 stream, so batches in different blocks copy and compute at the same time. `BlockPool` hands
@@ -12,12 +17,16 @@ takes no lock. Only a caller finding every block busy waits.
 
 from __future__ import annotations
 
+import os
+import subprocess
 import threading
+import time
 from collections import deque
 
 import torch
 
 ALIGN = 256  # bytes: every view starts aligned for any dtype and for coalesced access
+OVERHEAD = "CUDA context, kernels and allocator"  # a measured budget's part beside its holders' parts
 
 
 class BudgetError(ValueError):
@@ -51,17 +60,21 @@ class _Reserving:
 
 class DeviceBudget(_Reserving):
     """Bytes of one device this process may hold, and the running and peak totals. Several
-    holders share it through accounts (`account`), each giving its bytes back on `release`."""
+    holders share it through accounts (`account`), each giving its bytes back on `release`.
+    measured: on CUDA, the budget also holds what the driver counts for the process beyond the
+    parts (`true_up`); the process's one budget per device is, a budget made for a test is not."""
 
-    def __init__(self, device: torch.device, budget_bytes: int):
+    def __init__(self, device: torch.device, budget_bytes: int, measured: bool = False):
         if budget_bytes <= 0:
             raise BudgetError(f"a GPU memory budget must be positive, got {budget_bytes} bytes")
         self.device, self.budget = torch.device(device), int(budget_bytes)
+        self.measured = measured and self.device.type == "cuda"
         self.used = self.peak = 0
         self.parts: dict[str, int] = {}
         self.owners: set[str] = set()
         self._lock = threading.Lock()  # holders open, reserve and release from any thread
         self.opening = threading.Lock()  # held by a holder sizing its share from what is left
+        self._process = (0.0, None)  # (when, process_gpu_bytes) last read, for `process_bytes`
 
     @property
     def left(self) -> int:
@@ -90,6 +103,41 @@ class DeviceBudget(_Reserving):
         """Give back every byte reserved as `what`."""
         with self._lock:
             self.used -= self.parts.pop(what, 0)
+
+    def true_up(self) -> None:
+        """Set the OVERHEAD part to what the process holds on the device beyond the other parts
+        (the CUDA context, kernel modules, the allocator's rounding), as the driver counts it; where
+        the driver gives no per-process figure, to what torch's allocator holds beyond them. A
+        measured budget's holder calls this when it opens, before sizing its share from what is
+        left and after allocating it; BudgetError when the budget cannot hold it."""
+        if not self.measured:
+            return
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # freed blocks are torch's cache, not anyone's memory
+        held = process_gpu_bytes(self.device, nvidia_smi=True)
+        if held is None:
+            held = torch.cuda.memory_reserved(self.device)
+        with self._lock:
+            booked = self.used - self.parts.get(OVERHEAD, 0)
+            overhead = _aligned(max(0, held - booked))
+            if booked + overhead > self.budget:
+                raise BudgetError(
+                    f"GPU memory budget of {self.budget} bytes is too small: this process holds {held} bytes on "
+                    f"{self.device}, {overhead} of them beyond {self._held()} (the CUDA context, kernels, the "
+                    "allocator's rounding)")
+            self.parts[OVERHEAD] = overhead
+            self.used = booked + overhead
+            self.peak = max(self.peak, self.used)
+
+    def process_bytes(self) -> int | None:
+        """process_gpu_bytes from NVML, read at most once a second: searches report it."""
+        if self.device.type != "cuda":
+            return None
+        when, value = self._process
+        if time.monotonic() - when > 1.0:
+            value = process_gpu_bytes(self.device)
+            self._process = (time.monotonic(), value)
+        return value
 
     def account(self, owner: str) -> "BudgetAccount":
         """A holder's share of this budget; its parts are named `owner: part` here (the owner gets a
@@ -216,3 +264,44 @@ class BlockPool:
         if self._waiting:
             with self._returned:
                 self._returned.notify()
+
+
+_nvml = None  # the pynvml module once initialised, False where it cannot be
+
+
+def process_gpu_bytes(device: torch.device, nvidia_smi: bool = False) -> int | None:
+    """What this process holds on a CUDA device as the driver counts it (nvidia-smi's per-process
+    used memory): from NVML through the nvidia-ml-py package, else, when nvidia_smi (slow: a
+    subprocess), from nvidia-smi itself; None where neither lists this process."""
+    global _nvml
+    try:
+        index = torch.cuda._get_nvml_device_index(device)
+    except Exception:  # CUDA_VISIBLE_DEVICES by UUID without NVML: the CUDA index
+        index = torch.device(device).index or 0
+    if _nvml is None:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            _nvml = pynvml
+        except Exception:
+            _nvml = False
+    if _nvml:
+        try:
+            handle = _nvml.nvmlDeviceGetHandleByIndex(index)
+            for p in _nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if p.pid == os.getpid() and p.usedGpuMemory is not None:
+                    return int(p.usedGpuMemory)
+        except Exception:
+            pass
+    if nvidia_smi:
+        try:
+            out = subprocess.run(["nvidia-smi", "-i", str(index), "--query-compute-apps=pid,used_memory",
+                                  "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+        for line in out.splitlines():
+            pid, _, mib = line.partition(",")
+            if pid.strip() == str(os.getpid()) and mib.strip().isdigit():
+                return int(mib) << 20
+    return None

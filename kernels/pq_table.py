@@ -17,11 +17,12 @@ import triton
 import triton.language as tl
 
 from fusionrag.kernels import interpreted
+from fusionrag.kernels.variants import Variant, variant
 
 KSUB = 256
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["dim"])
 def pq_table_kernel(queries_ptr, codebooks_ptr, out_ptr, dim, M: tl.constexpr, DSUB: tl.constexpr,
                     DSUB_P2: tl.constexpr, SUBS: tl.constexpr, IP: tl.constexpr):
     q = tl.program_id(0).to(tl.int64)
@@ -53,12 +54,22 @@ def pq_tables(queries: torch.Tensor, codebooks: torch.Tensor, metric: str,
     if out is None:
         out = torch.empty((q, m, KSUB), dtype=torch.float32, device=queries.device)
     if q:
-        # One sub-space per program on a GPU (a [256, dsub] tile in registers); the interpreter
-        # pays per operation, not per element, so there a program takes every sub-space.
-        subs = triton.next_power_of_2(m) if interpreted() else 1
-        pq_table_kernel[(q, triton.cdiv(m, subs))](queries, codebooks, out, dim, M=m, DSUB=dsub,
-                                                  DSUB_P2=triton.next_power_of_2(dsub), SUBS=subs, IP=metric == "ip")
+        params = _params(m, dsub, metric, interpreted())
+        pq_table_kernel[(q, triton.cdiv(m, params["SUBS"]))](queries, codebooks, out, dim, **params)
     return out
+
+
+def _params(m: int, dsub: int, metric: str, interpret: bool) -> dict:
+    # One sub-space per program on a GPU (a [256, dsub] tile in registers); the interpreter
+    # pays per operation, not per element, so there a program takes every sub-space.
+    subs = triton.next_power_of_2(m) if interpret else 1
+    return dict(M=m, DSUB=dsub, DSUB_P2=triton.next_power_of_2(dsub), SUBS=subs, IP=metric == "ip", num_warps=4)
+
+
+def variants(m: int, dsub: int, metric: str) -> list[Variant]:
+    """What pq_tables compiles on a GPU for codebooks (m, 256, dsub) and this metric."""
+    params = _params(m, dsub, metric, interpret=False)
+    return [variant(pq_table_kernel, ("*fp32", "*fp32", "*fp32", "i32"), params.pop("num_warps"), **params)]
 
 
 def pq_tables_reference(queries: torch.Tensor, codebooks: torch.Tensor, metric: str) -> torch.Tensor:

@@ -6,10 +6,13 @@ keys compares (distance, id), which is the CPU tier's order and tie rule (native
 both tiers pick the same candidates. `EMPTY` (int64 max) marks a position holding no candidate
 (a duplicate, an excluded ID, padding) and sorts after every real key.
 
-One program per query walks its segment in tiles, keeping the NP >= n (a power of two) smallest
+One program per query walks its segment in tiles, keeping the NP >= n (a power of four) smallest
 keys seen so far sorted in registers. A tile is cut to its NP smallest by bitonic top-k (sort
 runs of NP, then halve by element-wise minimum of opposite runs and merge, Shanbhag et al.
 2018), and the buffer takes the element-wise minimum of itself and that run and merges again.
+n beyond one program's registers (4096) goes in rounds of 4096, each taking the keys after the
+last one the previous round kept (a segment's keys are distinct: the scan keeps each ID once): no
+sort outside the kernel, and nothing allocated.
 
 Selection is not fused into the scan kernel (adc_scan.py): it needs a whole segment in one program, and the scan spreads a segment over
 many programs, which matters when a batch has few queries with many candidates each.
@@ -22,10 +25,14 @@ import triton
 import triton.language as tl
 from triton.language.standard import _elementwise_max, _elementwise_min
 
+from fusionrag.kernels.variants import Variant, variant
+
 EMPTY = (1 << 63) - 1
 EMPTY_KEY = tl.constexpr(EMPTY)  # kernels may read module globals only as constexpr
-# NP bounds: tiles shorter than 64 keys waste the launch; above 4096 keys one program's
-# registers spill, and selection falls back to a torch sort.
+BEFORE_ALL = -(1 << 63)  # a round bound below every key
+# NP bounds: tiles shorter than 64 keys waste the launch; above 4096 keys one program's registers
+# spill, and selection goes in rounds. NP and the tile are powers of four: each (tile, NP) pair is
+# a kernel compiled when an index opens (variants), and this keeps them to seven.
 MIN_NP, MAX_NP = 64, 4096
 
 
@@ -69,17 +76,20 @@ def _smallest(x, LT: tl.constexpr, LOG: tl.constexpr):
     return tl.reshape(h, [2**LOG])
 
 
-@triton.jit
-def topn_kernel(keys_ptr, offsets_ptr, out_ids_ptr, out_dists_ptr, n, LT: tl.constexpr, LOG: tl.constexpr):
+@triton.jit(do_not_specialize=["n", "stride"])
+def topn_kernel(keys_ptr, offsets_ptr, after_ptr, out_ids_ptr, out_dists_ptr, n, stride, LT: tl.constexpr,
+                LOG: tl.constexpr):
     q = tl.program_id(0)
     start = tl.load(offsets_ptr + q)
     end = tl.load(offsets_ptr + q + 1)
+    after = tl.load(after_ptr + q)  # keys up to this one went to an earlier round
     lane = tl.arange(0, 2**LOG)
     idx = tl.reshape(lane, [2] * LOG)
     best = tl.reshape(tl.full([2**LOG], EMPTY_KEY, tl.int64), [2] * LOG)  # ascending
     for tile in range(start, end, 2**LT):
         p = tile + tl.arange(0, 2**LT)
-        x = _smallest(tl.load(keys_ptr + p, mask=p < end, other=EMPTY_KEY), LT, LOG)
+        x = tl.load(keys_ptr + p, mask=p < end, other=EMPTY_KEY)
+        x = _smallest(tl.where(x > after, x, EMPTY_KEY), LT, LOG)
         # best ascending, x descending: their element-wise min is bitonic; merge it ascending.
         h = tl.minimum(best, tl.reshape(x, [2] * LOG))
         for i in tl.static_range(LOG):  # bit LOG-1-i
@@ -88,12 +98,13 @@ def topn_kernel(keys_ptr, offsets_ptr, out_ids_ptr, out_dists_ptr, n, LT: tl.con
             h = tl.where(((idx >> (LOG - 1 - i)) & 1) != 0, hi, lo)
         best = h
     best = tl.reshape(best, [2**LOG])
+    tl.store(after_ptr + q, tl.max(tl.where(lane < n, best, after), 0))  # the next round's bound
     found = best != EMPTY_KEY
     bits = (best >> 32).to(tl.int32)
     bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     dists = tl.where(found, bits.to(tl.float32, bitcast=True), float("inf"))
     ids = tl.where(found, best & 0xFFFFFFFF, -1)
-    out = q.to(tl.int64) * n + lane
+    out = q.to(tl.int64) * stride + lane
     tl.store(out_ids_ptr + out, ids, mask=lane < n)
     tl.store(out_dists_ptr + out, dists, mask=lane < n)
 
@@ -117,11 +128,12 @@ def unpack_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def topn(keys: torch.Tensor, offsets: torch.Tensor, n: int, out_ids: torch.Tensor | None = None,
-         out_dists: torch.Tensor | None = None, max_count: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+         out_dists: torch.Tensor | None = None, max_count: int | None = None,
+         after: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per segment keys[offsets[i]:offsets[i+1]], the n smallest keys decoded, ascending:
-    (ids int64 (q, n), -1 padded; dists float32 (q, n), inf padded). out_* may be given
-    (views into a working block) so that nothing is allocated, and max_count (the longest
-    segment) so that nothing is read back from the device."""
+    (ids int64 (q, n), -1 padded; dists float32 (q, n), inf padded). out_* and after (int64
+    (q,), the rounds' bounds) may be given (views into a working block) so that nothing is
+    allocated, and max_count (the longest segment) so that nothing is read back from the device."""
     if n < 1:
         raise ValueError(f"n must be positive, got {n}")
     q = offsets.numel() - 1
@@ -132,30 +144,36 @@ def topn(keys: torch.Tensor, offsets: torch.Tensor, n: int, out_ids: torch.Tenso
         return out_ids, out_dists
     if max_count is None:
         max_count = int((offsets[1:] - offsets[:-1]).max())
-    np_ = max(MIN_NP, triton.next_power_of_2(n))
-    if np_ > MAX_NP:
-        ids, dists = _topn_sorted(keys, offsets, n)
-        out_ids.copy_(ids)
-        out_dists.copy_(dists)
-        return out_ids, out_dists
-    # Tiles of up to MAX_NP keys (the longest segment's size when shorter) go into each halving
-    # round: fewer merges per key than tiles of NP.
-    tile = min(MAX_NP, max(np_, triton.next_power_of_2(max_count)))
-    topn_kernel[(q,)](keys, offsets, out_ids, out_dists, n, LT=tile.bit_length() - 1, LOG=np_.bit_length() - 1,
-                      num_warps=4 if tile <= 1024 else 8)
+    if after is None:
+        after = torch.empty(q, dtype=torch.int64, device=keys.device)
+    after.fill_(BEFORE_ALL)
+    for first in range(0, n, MAX_NP):
+        width = min(MAX_NP, n - first)
+        params = _params(width, max_count)
+        topn_kernel[(q,)](keys, offsets, after, out_ids[:, first:], out_dists[:, first:], width, n, **params)
     return out_ids, out_dists
 
 
-def _topn_sorted(keys: torch.Tensor, offsets: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Large n: a padded (q, longest segment) matrix sorted by torch; allocates."""
-    off = offsets.to(torch.int64)
-    counts = off[1:] - off[:-1]
-    q, width = counts.numel(), max(int(counts.max()) if counts.numel() else 0, n)
-    grid = torch.full((q, width), EMPTY, dtype=torch.int64, device=keys.device)
-    col = torch.arange(width, device=keys.device)
-    inside = col[None, :] < counts[:, None]
-    grid[inside] = keys[(off[:-1, None] + col[None, :])[inside]]
-    return unpack_keys(torch.sort(grid, dim=1).values[:, :n])
+def _params(n: int, max_count: int) -> dict:
+    """NP: the power of four >= n (at least MIN_NP); the tile: NP when every segment fits in one,
+    else MAX_NP keys, which go into each halving round with fewer merges per key than tiles of NP."""
+    log = max(MIN_NP, triton.next_power_of_2(n)).bit_length() - 1
+    log += log % 2
+    lt = log if max_count <= 1 << log else MAX_NP.bit_length() - 1
+    return dict(LT=lt, LOG=log, num_warps=4 if lt <= 10 else 8)
+
+
+def variants() -> list[Variant]:
+    """What topn compiles on a GPU: every (tile, NP) pair _params can pick."""
+    signature = ("*i64", "*i64", "*i64", "*i64", "*fp32", "i32", "i32")
+    out = []
+    for n in (MIN_NP, 256, 1024, MAX_NP):
+        for max_count in (1, MAX_NP + 1):
+            params = _params(n, max_count)
+            v = variant(topn_kernel, signature, params.pop("num_warps"), **params)
+            if v not in out:
+                out.append(v)
+    return out
 
 
 def topn_reference(dists: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, n: int):

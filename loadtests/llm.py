@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fusionrag.kernels.pool import process_gpu_bytes
 from fusionrag.retriever.errors import ConfigError
 
 
@@ -167,14 +168,19 @@ def _sync(device) -> None:
 
 def hold_memory_share(device: str, fraction: float, headroom: int) -> tuple[int, torch.Tensor | None]:
     """Cap this process at `fraction` of the GPU and claim all of it now, as vLLM does, so that what
-    the retriever may use is fixed from the start. Returns the budget in bytes and the filler block."""
+    the retriever may use is fixed from the start. The share counts the whole process, as vLLM's
+    does: its CUDA context and whatever else the driver counts beside torch's allocator come off the
+    allocator's cap. Returns the budget in bytes and the filler block."""
     if not str(device).startswith("cuda"):
         return 0, None
     dev = torch.device(device)
     total = torch.cuda.get_device_properties(dev).total_memory
-    torch.cuda.set_per_process_memory_fraction(fraction, dev)
     budget = int(total * fraction)
-    spare = budget - torch.cuda.memory_reserved(dev) - headroom
+    torch.cuda.synchronize(dev)
+    held = process_gpu_bytes(dev, nvidia_smi=True)
+    beside = 0 if held is None else max(0, held - torch.cuda.memory_reserved(dev))
+    torch.cuda.set_per_process_memory_fraction((budget - beside) / total, dev)
+    spare = budget - beside - torch.cuda.memory_reserved(dev) - headroom
     filler = torch.empty(max(spare, 0), dtype=torch.uint8, device=dev) if spare > 0 else None
     return budget, filler
 
@@ -199,6 +205,8 @@ def decode_loop(cfg: DecoderConfig, device: str, batch: int, prompt_len: int, se
         budget, filler = hold_memory_share(device, memory_fraction, headroom) if memory_fraction else (0, None)
         gen = torch.Generator(device="cpu").manual_seed(seed)
         timeline, tokens, last = [], 0, 0.0
+        cuda = str(device).startswith("cuda")
+        held_max = None  # the driver's count of this process, sampled with the timeline
         if on_start:
             on_start()
         t0 = time.time()
@@ -211,17 +219,22 @@ def decode_loop(cfg: DecoderConfig, device: str, batch: int, prompt_len: int, se
                     _sync(device)
                     timeline.append((time.time(), tokens))
                     last = now
+                    held = process_gpu_bytes(torch.device(device)) if cuda else None
+                    if held is not None:
+                        held_max = max(held_max or 0, held)
                 if now - t0 >= seconds:
                     break
         _sync(device)
         end = time.time()
         timeline.append((end, tokens))
         out.update(tokens=tokens, seconds=end - t0, tokens_per_s=tokens / (end - t0), timeline=timeline)
-        if str(device).startswith("cuda"):
+        if cuda:
             dev = torch.device(device)
             out.update(memory_budget_bytes=budget, memory_reserved_max_bytes=torch.cuda.max_memory_reserved(dev),
-                       memory_allocated_max_bytes=torch.cuda.max_memory_allocated(dev))
-            out["budget_held"] = bool(budget == 0 or out["memory_reserved_max_bytes"] <= budget)
+                       memory_allocated_max_bytes=torch.cuda.max_memory_allocated(dev),
+                       memory_process_max_bytes=held_max)
+            # Measured by the driver (the allocator's cap makes its own figures hold by construction).
+            out["budget_held"] = None if not budget or held_max is None else held_max <= budget
         del filler
     except torch.OutOfMemoryError as e:
         out.update(oom=True, error=str(e)[:500])

@@ -65,6 +65,9 @@ def summarize_metrics(before: dict, after: dict) -> dict:
             statuses[dict(ls).get("status", "?")] += v - before.get((n, ls), 0.0)
     gpu_used = _total(after, "fusionrag_gpu_memory_bytes", kind="used")
     gpu_budget = _total(after, "fusionrag_gpu_memory_bytes", kind="budget")
+    # What the driver counts for the service process, measured: the budget's own bookkeeping ("used")
+    # cannot say whether the budget held.
+    gpu_process = _total(after, "fusionrag_gpu_memory_bytes", kind="process")
     return {
         "engine_batches": batches,
         "queries_per_batch": _ratio(_delta(before, after, "fusionrag_batch_queries_sum"), batches),
@@ -79,7 +82,8 @@ def summarize_metrics(before: dict, after: dict) -> dict:
         "http_responses_by_status": {s: n for s, n in sorted(statuses.items()) if n > 0},
         "gpu_memory_used_bytes": gpu_used,
         "gpu_memory_budget_bytes": gpu_budget,
-        "gpu_within_budget": None if not gpu_budget else bool(gpu_used <= gpu_budget),
+        "gpu_memory_process_bytes": gpu_process,
+        "gpu_within_budget": None if not gpu_budget or gpu_process is None else bool(gpu_process <= gpu_budget),
         "collection_documents": {dict(ls)["collection"]: v for (n, ls), v in after.items()
                                  if n == "fusionrag_collection_documents"},
     }

@@ -133,8 +133,10 @@ def _wait_external(url: str, timeout: float) -> bytes:
 def prepare(args, data_dir: Path, weights: dict) -> tuple[QuerySet | None, QuerySet | None, dict]:
     """Build the collections with known answers into `data_dir` (before the service opens it)."""
     from fusionrag.retriever.collection import Catalog
+    from fusionrag.retriever.config import EngineConfig
 
-    catalog = Catalog(data_dir)
+    # On the CPU tier: the files are the same, and on a GPU only the service then holds GPU memory.
+    catalog = Catalog(data_dir, EngineConfig(filter_tier="cpu"))
     info = {}
     try:
         t = time.perf_counter()

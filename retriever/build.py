@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from fusionrag import __version__
 from fusionrag.native import Graph, PageWriter
@@ -25,6 +24,7 @@ from fusionrag.retriever.kmeans import hierarchical_balanced_kmeans
 from fusionrag.retriever.layout import chain_order, plan_layout
 from fusionrag.retriever.manifest import writing_index
 from fusionrag.retriever.pq import ProductQuantizer, auto_m
+from fusionrag.retriever.progress import OnProgress, Progress
 from fusionrag.retriever.vectors import (STORAGE_DTYPES, VectorFile, as_source, check_vectors, normalize,
                                         storage_dtype)
 
@@ -98,9 +98,12 @@ class _Rows:
         return self.stored(ids).astype(np.float32, copy=False)
 
 
-def build_index(source, out_dir, config: BuildConfig = BuildConfig(), progress: bool = True,
-                overwrite: bool = False) -> dict:
-    """Build an index of `source` (a vector file path or a 2-D array) into the directory out_dir."""
+def build_index(source, out_dir, config: BuildConfig = BuildConfig(), progress: bool | None = None,
+                overwrite: bool = False, on_progress: OnProgress | None = None) -> dict:
+    """Build an index of `source` (a vector file path or a 2-D array) into the directory out_dir.
+
+    progress: a bar per step on stderr (None: when stderr is a terminal); on_progress(step, done, total)
+    is told the same as the steps advance."""
     t_start = time.perf_counter()
     src = as_source(source)
     n, dim = src.count, src.dim
@@ -112,35 +115,38 @@ def build_index(source, out_dir, config: BuildConfig = BuildConfig(), progress: 
     rows = _Rows(src, metric)
     integral = _IntegralCheck(src.dtype, metric)
     timings = {}
-
-    def bar(desc: str, total: int):
-        return tqdm(total=total, desc=desc, unit="vec", disable=not progress, leave=False, dynamic_ncols=True)
+    steps = Progress(progress, on_progress)
 
     # 1. Posting-list centroids.
     t = time.perf_counter()
     target = 1.0 / config.centroid_ratio
-    with bar("clustering", n) as pbar:
+    with steps.step("clustering", n) as update:
         centroids = hierarchical_balanced_kmeans(
             rows, n, target, max(1, int(target * config.max_list_factor)), config.kmeans_branching,
-            config.kmeans_iters, rng, progress=pbar.update)
+            config.kmeans_iters, rng, progress=update)
     timings["cluster_s"] = time.perf_counter() - t
 
     # 2. Navigation graph. It is always an l2 graph: cosine is l2 over unit vectors, and for ip
     # the centroids gain one coordinate that turns inner-product order into l2 order (HNSW
     # graphs built on inner products leave nodes unreachable). Replicas are chosen by l2.
     t = time.perf_counter()
-    assign_graph = Graph(dim, "l2", config.graph_m, config.graph_ef_construction, config.seed)
-    assign_graph.add(centroids, threads)
-    graph = assign_graph
-    if metric == "ip":
-        graph = Graph(dim + 1, "l2", config.graph_m, config.graph_ef_construction, config.seed)
-        graph.add(mips_augment(centroids), threads)
+    with steps.step("graph", len(centroids) * (2 if metric == "ip" else 1), "centroid") as update:
+        assign_graph = Graph(dim, "l2", config.graph_m, config.graph_ef_construction, config.seed)
+        assign_graph.add(centroids, threads)
+        update(len(centroids))
+        graph = assign_graph
+        if metric == "ip":
+            graph = Graph(dim + 1, "l2", config.graph_m, config.graph_ef_construction, config.seed)
+            graph.add(mips_augment(centroids), threads)
+            update(len(centroids))
     timings["graph_s"] = time.perf_counter() - t
 
     # 3. PQ codebooks from a sample.
     t = time.perf_counter()
     sample = np.sort(rng.choice(n, min(n, config.pq_train_size), replace=False))
-    pq = ProductQuantizer.train(rows(sample), config.pq_m or auto_m(dim), config.kmeans_iters, rng)
+    pq_m = config.pq_m or auto_m(dim)
+    with steps.step("pq training", pq_m, "sub-space") as update:
+        pq = ProductQuantizer.train(rows(sample), pq_m, config.kmeans_iters, rng, progress=update)
     timings["pq_train_s"] = time.perf_counter() - t
 
     # 4. One pass over all vectors: nearest centroids, replicas, PQ codes (and NaN checks).
@@ -149,7 +155,7 @@ def build_index(source, out_dir, config: BuildConfig = BuildConfig(), progress: 
     primary = np.empty(n, dtype=np.int64)
     pair_lists, pair_ids = [], []
     reps = min(config.max_replicas, len(centroids))
-    with bar("assigning", n) as pbar:
+    with steps.step("assigning", n) as update:
         for s in range(0, n, _CHUNK):
             ids = np.arange(s, min(n, s + _CHUNK))
             x = rows(ids)
@@ -162,7 +168,7 @@ def build_index(source, out_dir, config: BuildConfig = BuildConfig(), progress: 
             pair_lists.append(near[keep].astype(np.int64))
             pair_ids.append(np.broadcast_to(ids[:, None], near.shape)[keep].astype(np.uint32))
             codes[ids] = pq.encode(x)
-            pbar.update(len(ids))
+            update(len(ids))
     del assign_graph
     lists = np.concatenate(pair_lists)
     list_ids = np.concatenate(pair_ids)
@@ -177,20 +183,21 @@ def build_index(source, out_dir, config: BuildConfig = BuildConfig(), progress: 
     rows.dtype = store_dtype = integral.dtype() or rows.dtype
     record_bytes = dim * store_dtype.itemsize
     # Within a bucket, near vectors share pages; PQ reconstructions are near enough to order them.
-    order = chain_order(primary, len(centroids), centroids, lambda ids: pq.decode(codes[ids]))
+    with steps.step("ordering pages", n) as update:
+        order = chain_order(primary, len(centroids), centroids, lambda ids: pq.decode(codes[ids]), progress=update)
     layout, slots = plan_layout(primary, len(centroids), record_bytes, order)
     with writing_index(Path(out_dir), overwrite) as w:
         writer = PageWriter(str(w.path("vectors.pages")), record_bytes, layout.records_per_block,
                             layout.pages_per_block)
         by_slot = np.argsort(slots, kind="stable")
-        with bar("writing pages", n) as pbar:
+        with steps.step("writing pages", n) as update:
             for s in range(0, n, _CHUNK):
                 ids = by_slot[s:s + _CHUNK]
                 read_order = np.argsort(ids)  # read the source in file order, write in slot order
                 recs = np.empty((len(ids), dim), dtype=store_dtype)
                 recs[read_order] = rows.stored(ids[read_order])
                 writer.write(slots[ids], recs.view(np.uint8).reshape(len(ids), record_bytes))
-                pbar.update(len(ids))
+                update(len(ids))
         save_index_files(w, writer.close(), graph, list_offsets, list_ids, pq.codebooks, codes, slots)
         timings["write_s"] = time.perf_counter() - t
         timings["total_s"] = time.perf_counter() - t_start

@@ -40,8 +40,8 @@ from fusionrag.retriever.config import METRICS, BuildConfig, EngineConfig, Searc
 from fusionrag.retriever.docstore import DocStore
 from fusionrag.retriever.errors import (ConflictError, FusionRAGError, IndexFormatError, InputError, NotFoundError,
                                        StorageError, UnavailableError)
-from fusionrag.retriever.filters import compile_filter
-from fusionrag.retriever.fresh import FreshTier, FreshView
+from fusionrag.retriever.filters import compile_filter, filter_warnings
+from fusionrag.retriever.fresh import FreshTier, FreshView, distances
 from fusionrag.retriever.index import STAT_KEYS, Index
 from fusionrag.retriever.manifest import fsync_path
 from fusionrag.retriever.merge import can_store, merge_index
@@ -55,6 +55,13 @@ MAX_ID_CHARS = 512
 _COLLECTION_FORMAT = 1
 _CURRENT_FORMAT = 2  # 2: CURRENT holds the digest of its generation's rows.npy
 _MERGE_RETRY_S = 30  # a failed background merge (a full disk, say) waits this long to retry
+SEARCH_MODES = ("vector", "text", "hybrid")
+# Hybrid search: each ranking is taken this deep (or k) before fusion, and fused by reciprocal rank
+# with the usual constant (Cormack et al., 2009); the text ranking's weight by default. Chosen on half of
+# a labelled question set of the Python docs (bench/hybrid.py).
+HYBRID_DEPTH = 20
+RRF_K = 60
+DEFAULT_TEXT_WEIGHT = 0.5
 
 
 @dataclass(frozen=True)
@@ -221,6 +228,7 @@ class Collection:
         self._users_cv = threading.Condition()
         self._closed: tuple[type, str] | None = None  # once closing began: what a later call raises
         self._unsearchable = 0  # stored vectors the engine cannot use (written before they were refused)
+        self._progress: dict | None = None  # the running merge's step, for info()
 
         self._wal = WriteAheadLog(self.path / "wal.log")
         self._main = _Main(0, None, np.empty(0, np.int64), -1)
@@ -572,17 +580,87 @@ class Collection:
         return self._engine_form(q)
 
     @_in_use
-    def search(self, vectors, k: int = 10, filter: dict | None = None, params: SearchParams | None = None,
-               with_vectors: bool = False) -> CollectionSearch:
+    def filter_warnings(self, filter: dict) -> list[str]:
+        """Why parts of a filter match nothing: each field it compares only with types of values that the
+        documents do not hold it as ("3" against numbers, a scalar against lists); none when all can match."""
+        return filter_warnings(filter, self.store.field_types)
+
+    @_in_use
+    def search(self, vectors=None, k: int = 10, filter: dict | None = None, params: SearchParams | None = None,
+               with_vectors: bool = False, *, texts: Sequence[str] | None = None, mode: str = "vector",
+               text_weight: float = DEFAULT_TEXT_WEIGHT) -> CollectionSearch:
+        """Top-k of each query. mode "vector": by the query vectors; "text": by BM25 over the documents'
+        texts (hits' distance is SQLite's bm25, lower is better); "hybrid": both rankings, each
+        HYBRID_DEPTH deep (or k), fused by reciprocal rank with the text ranking weighted
+        text_weight (hits' score is the fused score, their distance the exact vector distance)."""
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
             raise InputError(f"k must be a positive integer, got {k!r}")
         k = int(k)
-        q = self._queries(vectors)
+        if mode not in SEARCH_MODES:
+            raise InputError(f"mode must be one of {SEARCH_MODES}, got {mode!r}")
+        if mode == "text":
+            if vectors is not None:
+                raise InputError("mode 'text' searches by texts alone: give no query vectors")
+        else:
+            q = self._queries(vectors)
+        if mode != "vector":
+            if isinstance(texts, str) or not isinstance(texts, Sequence) or not texts \
+                    or not all(isinstance(t, str) for t in texts):
+                raise InputError(f"mode {mode!r} needs texts: a non-empty list of strings")
+            if mode == "hybrid" and len(texts) != len(q):
+                raise InputError(f"mode 'hybrid' needs one text per query vector, got {len(texts)} for {len(q)}")
+            if isinstance(text_weight, bool) or not isinstance(text_weight, (int, float)) \
+                    or not 0 <= text_weight <= 1:
+                raise InputError(f"text_weight must be a number in [0, 1], got {text_weight!r}")
         where = compile_filter(filter) if filter is not None else None
+        if mode == "text":
+            return self._text_hits(texts, k, where, with_vectors)
         with self._reading() as snap:
-            return self._search(snap, q, k, where, params, with_vectors)
+            if mode == "vector":
+                return self._hits(*self._search(snap, q, k, where, params), k, with_vectors)
+            depth = max(k, HYBRID_DEPTH)
+            rows, _, stats = self._search(snap, q, depth, where, params)
+        return self._fused_hits(q, rows, texts, depth, k, float(text_weight), where, stats, with_vectors)
 
-    def _search(self, snap: _Snapshot, q, k, where, params, with_vectors) -> CollectionSearch:
+    def _text_hits(self, texts, k, where, with_vectors) -> CollectionSearch:
+        found = [self.store.text_search(t, k, where) for t in texts]
+        rows = np.full((len(texts), k), -1, np.int64)
+        dists = np.full((len(texts), k), np.inf, np.float32)
+        stats = []
+        for i, (r, d) in enumerate(found):
+            rows[i, :len(r)], dists[i, :len(r)] = r, d
+            stats.append({"text_candidates": len(r)})
+        return self._hits(rows, dists, stats, k, with_vectors, score=lambda d: -d)
+
+    def _fused_hits(self, q, vec_rows, texts, depth, k, w, where, stats, with_vectors) -> CollectionSearch:
+        """Reciprocal rank fusion: a document scores (1 - w) / (RRF_K + its vector rank) plus
+        w / (RRF_K + its text rank), ranks from 1, a ranking it is not in adding nothing."""
+        fused = []
+        for i, text in enumerate(texts):
+            score: dict[int, float] = {}
+            ranked = vec_rows[i][vec_rows[i] >= 0]
+            for rank, r in enumerate(ranked.tolist(), 1):
+                score[r] = (1 - w) / (RRF_K + rank)
+            text_rows, _ = self.store.text_search(text, depth, where)
+            for rank, r in enumerate(text_rows.tolist(), 1):
+                score[r] = score.get(r, 0.0) + w / (RRF_K + rank)
+            stats[i]["text_candidates"] = len(text_rows)
+            fused.append(sorted(score.items(), key=lambda item: -item[1]))
+        docs = self.store.by_rows(sorted({r for f in fused for r, _ in f}), True)
+        hits = []
+        for i, f in enumerate(fused):
+            live = [(r, sc) for r, sc in f if r in docs][:k]  # a document deleted since is left out
+            if not live:
+                hits.append([])
+                continue
+            x = self._engine_form(np.stack([docs[r][3] for r, _ in live]))
+            d = distances(q[i:i + 1], x, (x * x).sum(1), self.metric)[0]
+            hits.append([Hit(docs[r][0], float(dist), sc, docs[r][1], docs[r][2], docs[r][3] if with_vectors else None)
+                         for (r, sc), dist in zip(live, d.tolist())])
+        return CollectionSearch(hits, stats)
+
+    def _search(self, snap: _Snapshot, q, k, where, params):
+        """Rows and exact distances of each query's k nearest (unsorted, padded with -1), and statistics."""
         nq = len(q)
         stats = [{key: 0 for key in STAT_KEYS} | {"fresh_candidates": 0, "filtered_exact": False}
                  for _ in range(nq)]
@@ -593,7 +671,7 @@ class Collection:
                 rows, dists = self._exact(q, k, where)
                 for s in stats:
                     s["filtered_exact"] = True
-                return self._hits(rows, dists, k, stats, with_vectors)
+                return rows, dists, stats
         parts_rows, parts_d = [], []
         main = snap.main
         if main.index is not None and len(main.rows) > snap.tomb_count:
@@ -608,9 +686,7 @@ class Collection:
             s["fresh_candidates"] = n_fresh
         parts_rows.append(r)
         parts_d.append(d)
-        rows = np.concatenate(parts_rows, axis=1)
-        dists = np.concatenate(parts_d, axis=1)
-        return self._hits(rows, dists, k, stats, with_vectors)
+        return np.concatenate(parts_rows, axis=1), np.concatenate(parts_d, axis=1), stats
 
     def _search_main(self, q, k, params, snap: _Snapshot, allowed, stats):
         main = snap.main
@@ -647,7 +723,9 @@ class Collection:
         view = FreshView(x := self._engine_form(vecs), (x * x).sum(1), rows, np.ones(len(rows), bool))
         return view.search(q, k, self.metric)
 
-    def _hits(self, rows: np.ndarray, dists: np.ndarray, k: int, stats, with_vectors: bool) -> CollectionSearch:
+    def _hits(self, rows: np.ndarray, dists: np.ndarray, stats, k: int, with_vectors: bool,
+              score=None) -> CollectionSearch:
+        score = score or self._score
         k_all = []
         order = np.argsort(dists, axis=1, kind="stable")
         rows = np.take_along_axis(rows, order, axis=1)
@@ -661,7 +739,7 @@ class Collection:
                     continue
                 if len(hits) == k:
                     break
-                hits.append(Hit(doc[0], d, self._score(d), doc[1], doc[2], doc[3]))
+                hits.append(Hit(doc[0], d, score(d), doc[1], doc[2], doc[3]))
             k_all.append(hits)
         return CollectionSearch(k_all, stats)
 
@@ -703,10 +781,11 @@ class Collection:
             self._leave()
 
     @_in_use
-    def merge(self) -> None:
-        """Fold the fresh tier into the main index now (blocking)."""
+    def merge(self, progress: bool | None = None) -> None:
+        """Fold the fresh tier into the main index now (blocking). progress: bars on stderr for its long
+        steps (None: when stderr is a terminal; a background merge draws none)."""
         with self._merge_lock:
-            self._merge()
+            self._merge(progress)
 
     def _stop_if_closing(self) -> None:
         """A merge gives up once its collection is being closed or dropped: close is waiting for it."""
@@ -714,7 +793,10 @@ class Collection:
         if closed is not None:
             raise closed[0](closed[1])
 
-    def _merge(self) -> None:
+    def _merge_step(self, step: str, done: int, total: int) -> None:
+        self._progress = {"step": step, "done": done, "total": total}
+
+    def _merge(self, progress: bool | None = False) -> None:
         self._stop_if_closing()
         with self._lock:
             if self._fresh.n == 0 and self._tomb_count == 0:  # nothing to fold in
@@ -736,7 +818,7 @@ class Collection:
             shutil.rmtree(gdir, ignore_errors=True)
             gdir.mkdir()
             if incremental:
-                merge_index(old.index, dead, fresh_vecs, gdir / "index", self._build_config)
+                merge_index(old.index, dead, fresh_vecs, gdir / "index", self._build_config, progress, self._merge_step)
                 rows = np.concatenate([old.rows[~dead], fresh_rows])
             else:
                 try:
@@ -744,7 +826,7 @@ class Collection:
                 finally:
                     snap_con.close()
                 if len(rows) >= self.config.min_index_count:
-                    build_index(vecs, gdir / "index", self._build_config, progress=False)
+                    build_index(vecs, gdir / "index", self._build_config, progress, on_progress=self._merge_step)
                 else:
                     rows, max_row = np.empty(0, np.int64), -1
             index = None
@@ -779,7 +861,7 @@ class Collection:
                     old.index.close()
         finally:
             with self._mem_lock:
-                self._merging, self._merge_removed = False, []
+                self._merging, self._merge_removed, self._progress = False, [], None
         shutil.rmtree(self.path / f"gen-{old.generation:06d}", ignore_errors=True)
 
     def _incremental(self, old: _Main, live: int, fresh_vecs: np.ndarray) -> bool:
@@ -838,6 +920,7 @@ class Collection:
                 "merging": self._merging,
                 "generation": main.generation,
                 "unsearchable": self._unsearchable,
+                "progress": self._progress,  # while a merge runs: {"step", "done", "total"}
             },
         }
 

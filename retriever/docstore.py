@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sqlite3
 import threading
 from pathlib import Path
@@ -18,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from fusionrag.retriever.errors import IndexFormatError, StorageError
-from fusionrag.retriever.filters import field_value
+from fusionrag.retriever.filters import TYPES, field_rows
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS docs (
@@ -29,14 +30,32 @@ CREATE TABLE IF NOT EXISTS docs (
     vector BLOB NOT NULL
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
--- Every scalar metadata value, typed (filters.py): what metadata filters search by index.
+-- Every scalar metadata value and every element of a list value, typed (filters.py): what metadata filters
+-- search by index.
 CREATE TABLE IF NOT EXISTS fields (row INTEGER NOT NULL, key TEXT NOT NULL, t TEXT NOT NULL, v);
 CREATE INDEX IF NOT EXISTS fields_by_value ON fields (key, t, v, row);  -- covering: no table lookups
 CREATE INDEX IF NOT EXISTS fields_by_row ON fields (row);
+-- Full text of the documents (BM25 ranking): an index over docs.text, kept by triggers in the write's
+-- own transaction (a replace is a delete then an insert).
+CREATE VIRTUAL TABLE IF NOT EXISTS docs_fts USING fts5(text, content='docs', content_rowid='row',
+                                                       tokenize='porter unicode61');
+CREATE TRIGGER IF NOT EXISTS docs_fts_insert AFTER INSERT ON docs WHEN new.text IS NOT NULL BEGIN
+    INSERT INTO docs_fts (rowid, text) VALUES (new.row, new.text);
+END;
+CREATE TRIGGER IF NOT EXISTS docs_fts_delete AFTER DELETE ON docs WHEN old.text IS NOT NULL BEGIN
+    INSERT INTO docs_fts (docs_fts, rowid, text) VALUES ('delete', old.row, old.text);
+END;
 """
 _CHUNK = 900  # bound on SQL variables per statement
 _MMAP_BYTES = 1 << 30
 _TABLES = {"docs", "meta", "fields"}
+_TERM = re.compile(r"\w+")
+MAX_TEXT_TERMS = 64  # words of a text query that count; a longer one is cut
+# Lucene's English stop words. BM25 gives them next to no weight, but matching them ranks most of the
+# collection: a query drops them (unless it has no other word), which made text search on the Python docs
+# several times faster at the same answers.
+STOP_WORDS = frozenset("a an and are as at be but by for if in into is it no not of on or such that the their "
+                       "then there these they this to was will with".split())
 # Read connections a store keeps at most: each holds a descriptor or three and its own page cache,
 # and a connection per thread grew without bound under bursts of clients (then: "Too many open files").
 MAX_READERS = 8
@@ -65,9 +84,12 @@ class DocStore:
             raise IndexFormatError(f"{self.path.name} is missing: the collection's documents are gone")
         self._writer = self._connect()
         try:
-            if not create:
-                self._check_tables()
+            had_fts = False if create else "docs_fts" in self._check_tables()
             self._writer.executescript(_SCHEMA)
+            if not had_fts:  # a store from before full text: index what it holds
+                self._writer.execute("INSERT INTO docs_fts (docs_fts) VALUES ('rebuild')")
+            if not self.meta("list_elements"):  # a store from before lists' elements were: index those it holds
+                self._index_list_elements()
         except BaseException:
             self._writer.close()
             raise
@@ -76,7 +98,19 @@ class DocStore:
         self._readers_lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_readers)
 
-    def _check_tables(self) -> None:
+    def _index_list_elements(self) -> None:
+        self._writer.execute("BEGIN IMMEDIATE")
+        try:
+            for row, m in self._writer.execute("SELECT row, metadata FROM docs WHERE metadata LIKE '%[%'").fetchall():
+                self._writer.execute("DELETE FROM fields WHERE row = ?", (row,))
+                self._writer.executemany("INSERT INTO fields (row, key, t, v) VALUES (?, ?, ?, ?)",
+                                         [(row, *f) for f in field_rows(json.loads(m))])
+            self._writer.execute("INSERT OR REPLACE INTO meta VALUES ('list_elements', 1)")
+            self._writer.execute("COMMIT")
+        finally:
+            self.rollback()
+
+    def _check_tables(self) -> set[str]:
         try:
             names = {n for (n,) in self._writer.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         except sqlite3.DatabaseError as e:
@@ -84,6 +118,7 @@ class DocStore:
         if not _TABLES <= names:
             raise IndexFormatError(f"{self.path.name} holds no document store (tables {sorted(_TABLES - names)} "
                                    "missing): emptied or replaced")
+        return names
 
     def _connect(self) -> sqlite3.Connection:
         try:
@@ -152,12 +187,7 @@ class DocStore:
         self._writer.executemany(
             "INSERT INTO docs (row, id, text, metadata, vector) VALUES (?, ?, ?, ?, ?)",
             ((int(r), i, t, m, v.tobytes()) for r, i, t, m, v in zip(rows, ids, texts, metas_json, vectors)))
-        values = []
-        for r, m in zip(rows, metas_json):
-            for key, value in json.loads(m).items():
-                tv = field_value(value)
-                if tv is not None:
-                    values.append((int(r), key, *tv))
+        values = [(int(r), *f) for r, m in zip(rows, metas_json) for f in field_rows(json.loads(m))]
         self._writer.executemany("INSERT INTO fields (row, key, t, v) VALUES (?, ?, ?, ?)", values)
 
     def remove_all(self) -> list[int]:
@@ -210,6 +240,12 @@ class DocStore:
                     out[r] = (i, t, json.loads(m), self._vec(v) if with_vectors else None)
         return out
 
+    def field_types(self, key: str) -> set[str]:
+        """The types (filters.TYPES) of the values stored under a metadata key: an index seek each."""
+        with self._reader() as con:
+            return {t for t in TYPES
+                    if con.execute("SELECT 1 FROM fields WHERE key = ? AND t = ? LIMIT 1", (key, t)).fetchone()}
+
     def rows_where(self, query: str, params: list) -> np.ndarray:
         """Sorted rows of the live documents that pass a compiled filter (filters.compile_filter)."""
         # One string of all rows, parsed in C: a Python object per row costs more than the query.
@@ -217,6 +253,24 @@ class DocStore:
             (text,) = con.execute(f"SELECT group_concat(row) FROM ({query})", params).fetchone()
         rows = np.sort(np.fromstring(text or "", dtype=np.int64, sep=","))
         return rows[np.concatenate([[True], rows[1:] != rows[:-1]])] if len(rows) else rows
+
+    def text_search(self, text: str, limit: int, where: tuple[str, list] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The `limit` documents whose text best matches the words of `text` by BM25, best first:
+        (rows, bm25 scores; lower is better, as SQLite's bm25() gives them). Any one word matches
+        (each quoted, so no word is read as query syntax); `where` is a compiled filter."""
+        words = list(dict.fromkeys(_TERM.findall(text.lower())))
+        terms = ([w for w in words if w not in STOP_WORDS] or words)[:MAX_TEXT_TERMS]
+        if not terms:
+            return np.empty(0, np.int64), np.empty(0, np.float64)
+        match = " OR ".join('"' + t.replace('"', '""') + '"' for t in terms)
+        sql = "SELECT rowid, bm25(docs_fts) AS s FROM docs_fts WHERE docs_fts MATCH ?"
+        params: list = [match]
+        if where is not None:
+            sql += f" AND rowid IN (SELECT row FROM ({where[0]}))"
+            params += where[1]
+        with self._reader() as con:
+            found = con.execute(sql + " ORDER BY s LIMIT ?", params + [int(limit)]).fetchall()
+        return np.asarray([r for r, _ in found], np.int64), np.asarray([s for _, s in found], np.float64)
 
     def vectors_where(self, query: str, params: list) -> tuple[np.ndarray, np.ndarray]:
         """(rows, vectors) of the live documents that pass a compiled filter, in row order."""

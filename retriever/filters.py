@@ -1,11 +1,14 @@
 """Metadata filters: the contract's dict syntax compiled to one SQL query over the doc store's
 field table `fields(row, key, t, v)`, which holds every scalar metadata value of every live
-document with its type t ('s' string, 'n' number, 'b' bool) under an index on (key, t, v, row).
+document with its type t ('s' string, 'n' number, 'b' bool), and every scalar element of a list
+value with its type prefixed by 'l' ('ls', 'ln', 'lb'), under an index on (key, t, v, row).
 
 Each comparison is an index range, not a scan of every document's JSON; $and/$or combine the
 row sets by INTERSECT/UNION, and $ne/$nin are the complement of $eq/$in (so a document without
 the field passes them). Comparisons are typed: a string never equals or orders against a number,
-and a bool matches only a bool.
+and a bool matches only a bool. The comparison operators see scalar values; $contains sees the
+elements of lists. `filter_warnings` names the comparisons that no stored value can match because
+the field holds values of other types only.
 
 Each node of the filter is a CTE that names the nodes below it, so a deep filter never nests the
 SQL: SQLite's parser overflows at about ten nested subqueries. A filter has at most MAX_TERMS
@@ -15,10 +18,17 @@ compound of more than SQLite's 500 terms is split.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fusionrag.retriever.errors import InputError
 
 _CMP = {"$eq": "=", "$ne": "=", "$gt": ">", "$gte": ">=", "$lt": "<", "$lte": "<="}
 _LIST = ("$in", "$nin")
+_CONTAINS = "$contains"
+_ELEMENT = "l"  # type prefix of a list's elements
+TYPES = ("s", "n", "b", "ls", "ln", "lb")
+_TYPE_NAMES = {"s": "strings", "n": "numbers", "b": "bools", "ls": "lists of strings", "ln": "lists of numbers",
+               "lb": "lists of bools"}
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 MAX_TERMS = 1000
 MAX_VALUES = 10000
@@ -39,6 +49,21 @@ def field_value(value) -> tuple[str, object] | None:
     return None
 
 
+def field_rows(metadata: dict) -> list[tuple[str, str, object]]:
+    """(key, type, value) rows of the field table for one document's metadata: its scalar values, and each
+    distinct scalar element of its list values (other values, such as objects, are kept but not filterable)."""
+    out = []
+    for key, value in metadata.items():
+        if isinstance(value, list):
+            elements = dict.fromkeys(tv for tv in map(field_value, value) if tv is not None)
+            out += [(key, _ELEMENT + t, v) for t, v in elements]
+        else:
+            tv = field_value(value)
+            if tv is not None:
+                out.append((key, *tv))
+    return out
+
+
 def _typed(value, where: str) -> tuple[str, object]:
     if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
         raise InputError(f"filter {where}: {value!r} is not a finite number")
@@ -56,6 +81,7 @@ class _Query:
         self.ctes: list[str] = []
         self.params: list = []
         self.terms = self.values = 0
+        self.types: dict[str, set[str]] = {}  # field -> the stored types its comparisons can match
 
     def add(self, sql: str) -> str:
         name = f"f{len(self.ctes)}"
@@ -77,9 +103,11 @@ class _Query:
         return self.add(f"SELECT row FROM docs EXCEPT SELECT row FROM {name}")
 
 
-def _cmp(q: _Query, field: str, op: str, value, where: str) -> str:
+def _cmp(q: _Query, field: str, op: str, value, where: str, prefix: str = "") -> str:
     t, v = _typed(value, where)
+    t = prefix + t
     q.term(where)
+    q.types.setdefault(field, set()).add(t)
     q.params += [field, t, v]
     return q.add(f"SELECT row FROM fields WHERE key = ? AND t = ? AND v {op} ?")
 
@@ -95,6 +123,7 @@ def _in(q: _Query, field: str, values, where: str) -> str:
     for value in values:
         t, v = _typed(value, where)
         groups.setdefault(t, []).append(v)
+    q.types.setdefault(field, set()).update(groups)
     parts = []
     for t, vs in groups.items():
         q.params += [field, t, *vs]
@@ -120,9 +149,11 @@ def _field(q: _Query, field: str, cond) -> str:
         elif op in _LIST:
             name = _in(q, field, value, where)
             parts.append(q.negate(name) if op == "$nin" else name)
+        elif op == _CONTAINS:  # a list value holds this element
+            parts.append(_cmp(q, field, "=", value, where, _ELEMENT))
         else:
             raise InputError(f"filter on {field!r}: unknown operator {op!r}; expected one of "
-                             f"{', '.join(list(_CMP) + list(_LIST))}")
+                             f"{', '.join(list(_CMP) + list(_LIST) + [_CONTAINS])}")
     return q.compound(parts, "INTERSECT")
 
 
@@ -150,3 +181,30 @@ def compile_filter(f: dict) -> tuple[str, list]:
     q = _Query()
     top = _node(q, f, 0)
     return f"WITH {', '.join(q.ctes)} SELECT row FROM {top}", q.params
+
+
+def _names(types: set[str]) -> str:
+    return " and ".join(_TYPE_NAMES[t] for t in TYPES if t in types)
+
+
+def filter_warnings(f: dict, stored_types: Callable[[str], set[str]]) -> list[str]:
+    """For each field of a (valid) filter that the documents hold, but only as values of types its comparisons
+    never match, a sentence saying so: those comparisons match no stored value, silently otherwise.
+    stored_types(field) gives the types stored under a field (TYPES' codes)."""
+    q = _Query()
+    _node(q, f, 0)
+    out = []
+    for field, wanted in q.types.items():
+        have = stored_types(field)
+        if not have or have & wanted:
+            continue
+        held, sought = ({t.startswith(_ELEMENT) for t in ts} for ts in (have, wanted))  # lists' elements?
+        hint = ""
+        if held == {True} and sought == {False}:
+            hint = f'; {{"{_CONTAINS}": value}} tests the elements of a list'
+        elif held == {False} and sought == {True}:
+            hint = f"; {_CONTAINS} tests the elements of lists only"
+        out.append(f"filter on {field!r}: the documents hold it as {_names(have)} only, the filter looks for "
+                   f"{_names(wanted)}, so no stored value matches (a value matches only its own type: "
+                   f'"3" is not 3{hint})')
+    return out

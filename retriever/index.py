@@ -45,7 +45,7 @@ class Index:
         self.config, self.params = config, params
 
     @staticmethod
-    def build(source, out_dir, config: BuildConfig | None = None, progress: bool = True,
+    def build(source, out_dir, config: BuildConfig | None = None, progress: bool | None = None,
               overwrite: bool = False) -> dict:
         return build_index(source, out_dir, config or BuildConfig(), progress, overwrite)
 
@@ -102,7 +102,7 @@ class Index:
             path, m,
             NavigationTier(graph, metric == "ip", threads),
             ProductQuantizer(codebooks, dim),
-            open_filter_tier(config, offsets, list_ids, codes, codebooks, threads, str(path)),
+            open_filter_tier(config, offsets, list_ids, codes, codebooks, threads, str(path), engine_metric),
             RerankTier(store, locations, dtype, engine_metric, threads, config.rerank_inflight, config.page_mates),
             config, params or SearchParams(),
         )

@@ -15,6 +15,7 @@ page-mates too, and the re-ranker scores the query's other candidates on a page 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -106,7 +107,7 @@ def plan_layout(bucket_of: np.ndarray, num_buckets: int, record_bytes: int,
 
 
 def chain_order(bucket_of: np.ndarray, num_buckets: int, centers: np.ndarray, vectors,
-                chunk_floats: int = 1 << 24) -> np.ndarray:
+                chunk_floats: int = 1 << 24, progress: Callable[[int], None] = lambda n: None) -> np.ndarray:
     """Every id, grouped by bucket in bucket order, each bucket as a greedy nearest-neighbour chain:
     it starts at the vector nearest the bucket's center and steps to the nearest vector not yet
     placed, so consecutive ids (which `plan_layout` puts on the same page) are near each other.
@@ -119,10 +120,13 @@ def chain_order(bucket_of: np.ndarray, num_buckets: int, centers: np.ndarray, ve
     On the benchmark's Fashion-MNIST index (5 records per page) the true top-10 of a query lie on
     7.5 pages instead of 8.1 in id order, and the pages a re-rank touches at the same recall fall
     by 8-10%, 20% with page-mate scoring (bench/results/page_order.md).
+
+    progress(n) is called as n more ids have their place.
     """
     order = np.argsort(bucket_of, kind="stable")
     counts = np.bincount(bucket_of, minlength=num_buckets)
     starts = np.concatenate([[0], np.cumsum(counts)])
+    progress(int(counts[counts <= 2].sum()))  # any order is a chain of one or two
     for size in np.unique(counts[counts > 2]):
         buckets = np.flatnonzero(counts == size)
         per = max(1, chunk_floats // int(size * max(size, centers.shape[1])))
@@ -145,4 +149,5 @@ def chain_order(bucket_of: np.ndarray, num_buckets: int, centers: np.ndarray, ve
                     step = np.where(placed, np.inf, d[rows, cur])
                     cur = step.argmin(axis=1)
             order[pos] = ids[rows[:, None], chain]
+            progress(ids.size)
     return order

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,10 +33,12 @@ from fusionrag.retriever.index import Index
 from fusionrag.retriever.kmeans import kmeans, sq_dists
 from fusionrag.retriever.layout import PageLayout
 from fusionrag.retriever.manifest import load_array, writing_index
+from fusionrag.retriever.progress import OnProgress, Progress
 from fusionrag.retriever.vectors import STORAGE_DTYPES
 
 _DTYPES = {v: k for k, v in STORAGE_DTYPES.items()}
 _NEIGHBOURS = 8  # lists around a split whose vectors may join the new centroid
+_CHUNK = 65536  # new vectors assigned and encoded at a time: a step of the progress shown
 
 
 @dataclass
@@ -85,8 +88,11 @@ class _Lists:
         self.lists = np.concatenate([self.lists, lists.astype(np.int64)])
         self.ids = np.concatenate([self.ids, ids.astype(np.int64)])
 
-    def members(self, lst: int) -> np.ndarray:
-        return self.ids[self.lists == lst]
+    def members(self) -> Callable[[int], np.ndarray]:
+        """list -> its ids, as the lists stand now (later changes are not seen)."""
+        order = np.argsort(self.lists, kind="stable")
+        ids, offsets = self.ids[order], np.searchsorted(self.lists[order], np.arange(int(self.lists.max(initial=-1)) + 2))
+        return lambda lst: ids[offsets[lst]:offsets[lst + 1]] if lst + 1 < len(offsets) else ids[:0]
 
     def csr(self, num_lists: int) -> tuple[np.ndarray, np.ndarray]:
         order = np.lexsort((self.ids, self.lists))  # ids ascending within a list, as the build has them
@@ -95,10 +101,13 @@ class _Lists:
 
 
 def merge_index(old: Index, dead: np.ndarray, new_vectors: np.ndarray, out_dir: Path,
-                config: BuildConfig) -> MergeStats:
+                config: BuildConfig, progress: bool | None = None, on_progress: OnProgress | None = None) -> MergeStats:
     """Write the next generation of `old` to out_dir: vectors flagged in dead (bool per old id)
-    removed, new_vectors (engine form: unit rows under cosine) appended after the survivors."""
+    removed, new_vectors (engine form: unit rows under cosine) appended after the survivors.
+
+    progress, on_progress: as for build_index."""
     t0 = time.perf_counter()
+    steps = Progress(progress, on_progress)
     m_old = old.manifest
     dim, metric = old.dim, old.metric
     dtype = _DTYPES[m_old["storage_dtype"]]
@@ -120,21 +129,25 @@ def merge_index(old: Index, dead: np.ndarray, new_vectors: np.ndarray, out_dir: 
 
     # New vectors to their nearest lists, with the build's boundary replication.
     x = np.ascontiguousarray(new_vectors, dtype=np.float32)
-    if n_new:
-        near, sqd = _nearest(x, centroids, graph, metric, min(config.max_replicas, len(centroids)), threads)
-        dist = np.sqrt(np.maximum(sqd, 0))
-        take = (dist <= (1 + config.replica_eps) * dist[:, :1]) & (near >= 0)
-        take[:, 0] = True
-        lists.add(near[take], np.broadcast_to(new_ids[:, None], near.shape)[take])
-        primary = near[:, 0]
-    else:
-        primary = np.empty(0, np.int64)
+    primary = np.empty(n_new, np.int64)
+    with steps.step("assigning", n_new) as update:
+        for s in range(0, n_new, _CHUNK):
+            part = slice(s, min(n_new, s + _CHUNK))
+            near, sqd = _nearest(x[part], centroids, graph, metric, min(config.max_replicas, len(centroids)), threads)
+            dist = np.sqrt(np.maximum(sqd, 0))
+            take = (dist <= (1 + config.replica_eps) * dist[:, :1]) & (near >= 0)
+            take[:, 0] = True
+            lists.add(near[take], np.broadcast_to(new_ids[part, None], near.shape)[take])
+            primary[part] = near[:, 0]
+            update(len(near))
 
     with writing_index(out_dir) as w:
         # The SSD tier: a copy of the old page file, survivors where they were, new vectors into
         # free slots (dead vectors' first), then new blocks.
         pages = w.path("vectors.pages")
-        shutil.copyfile(old.path / "vectors.pages", pages)
+        with steps.step("copying pages", layout.num_blocks, "block") as update:
+            shutil.copyfile(old.path / "vectors.pages", pages)
+            update(layout.num_blocks)
         locations = old.reranker.locations[alive].astype(np.int64)
         per = layout.records_per_block
         used = np.zeros(layout.num_blocks * per, bool)
@@ -169,17 +182,32 @@ def merge_index(old: Index, dead: np.ndarray, new_vectors: np.ndarray, out_dir: 
         sizes = np.bincount(lists.lists, minlength=len(centroids))
         bound = max(16, int(2 * config.max_list_factor * len(f.list_ids) / max(1, len(f.list_offsets) - 1)))
         oversized = np.flatnonzero(sizes > bound).tolist()
-        affected = [_split(lst, lists, centroids, graph, vectors_of, metric, config, rng, threads)
-                    for lst in oversized]
+        # Each split offers its new list the vectors of the lists around it as they stood before any
+        # split: offers seen by later splits would snowball (each offering the last one's offers again).
+        members = lists.members()
+        with steps.step("splitting lists", len(oversized), "list") as update:
+            affected, offered_to = [], []
+            for lst in oversized:
+                new_id, cand = _split(lst, members, centroids, graph, vectors_of, metric, config, rng, threads)
+                affected.append(cand)
+                offered_to.append(np.full(len(cand), new_id))
+                update(1)
         centroids = graph.vectors()[:, :dim]
         if affected:
+            lists.add(np.concatenate(offered_to), np.concatenate(affected))
             _reassign(lists, np.unique(np.concatenate(affected)), centroids, vectors_of, config)
         splits = len(oversized)
 
         # From the index's own file, not the filter tier: on the GPU its codes are a device tensor, and
         # when tiered only the hot rows, in slot order.
         old_codes = np.load(old.path / "pq_codes.npy", mmap_mode="r")
-        codes = np.concatenate([old_codes[alive], old.pq.encode(x) if n_new else np.empty((0, old.pq.m), np.uint8)])
+        new_codes = np.empty((n_new, old.pq.m), np.uint8)
+        with steps.step("pq encoding", n_new) as update:
+            for s in range(0, n_new, _CHUNK):
+                part = x[s:s + _CHUNK]
+                new_codes[s:s + len(part)] = old.pq.encode(part)
+                update(len(part))
+        codes = np.concatenate([old_codes[alive], new_codes])
         offsets, list_ids = lists.csr(len(centroids))
         save_index_files(w, block_crc, graph, offsets, list_ids, old.pq.codebooks, codes, locations)
         stats = MergeStats(int(dead.sum()), n_new, splits, reuse, extra_blocks)
@@ -217,12 +245,12 @@ def _nearest(x, centroids, graph, metric: str, k: int, threads: int):
     return near, sqd
 
 
-def _split(lst: int, lists: _Lists, centroids: np.ndarray, graph, vectors_of, metric: str, config: BuildConfig,
-           rng: np.random.Generator, threads: int) -> np.ndarray:
+def _split(lst: int, members: Callable[[int], np.ndarray], centroids: np.ndarray, graph, vectors_of, metric: str,
+           config: BuildConfig, rng: np.random.Generator, threads: int) -> tuple[int, np.ndarray]:
     """Split list lst (SPFresh): 2-means over its vectors; the centre farther from the old centroid
-    becomes a new centroid (graph node). Its candidates, the list's vectors and those of the lists
-    around it, are offered it; _reassign then keeps what the replication rule allows. Returns them."""
-    ids = lists.members(lst)
+    becomes a new centroid (graph node). Returns it and its candidates, the list's vectors and those
+    of the lists around it; _reassign then keeps what the replication rule allows."""
+    ids = members(lst)
     c = centroids[lst]
     centers, _ = kmeans(vectors_of(ids), 2, config.kmeans_iters, rng)
     new_c = centers[int(np.argmax(((centers - c) ** 2).sum(1)))].astype(np.float32)
@@ -233,10 +261,9 @@ def _split(lst: int, lists: _Lists, centroids: np.ndarray, graph, vectors_of, me
     new_id = graph.size
     graph.add(np.ascontiguousarray(node, dtype=np.float32), threads)
     hood, _ = graph.search(node, min(_NEIGHBOURS + 1, graph.size), max(32, 2 * _NEIGHBOURS), threads)
-    cand = np.unique(np.concatenate([ids] + [lists.members(nb) for nb in hood[0].tolist()
+    cand = np.unique(np.concatenate([ids] + [members(nb) for nb in hood[0].tolist()
                                              if nb >= 0 and nb not in (lst, new_id)]))
-    lists.add(np.full(len(cand), new_id), cand)
-    return cand
+    return new_id, cand
 
 
 def _reassign(lists: _Lists, ids: np.ndarray, centroids: np.ndarray, vectors_of, config: BuildConfig) -> None:
@@ -247,7 +274,11 @@ def _reassign(lists: _Lists, ids: np.ndarray, centroids: np.ndarray, vectors_of,
     pairs = np.unique(np.stack([lists.ids[sel], lists.lists[sel]], axis=1), axis=0)  # sorted by id
     pid, pl = pairs[:, 0], pairs[:, 1]
     x = vectors_of(ids)
-    d = np.sqrt(((x[np.searchsorted(ids, pid)] - centroids[pl]) ** 2).sum(1))
+    at = np.searchsorted(ids, pid)
+    d = np.empty(len(pid), np.float32)
+    for s in range(0, len(pid), _CHUNK):  # (pairs, dim) at once could be gigabytes
+        e = s + _CHUNK
+        d[s:e] = np.sqrt(((x[at[s:e]] - centroids[pl[s:e]]) ** 2).sum(1))
     order = np.lexsort((d, pid))
     pid, pl, d = pid[order], pl[order], d[order]
     start = np.flatnonzero(np.concatenate([[True], pid[1:] != pid[:-1]]))

@@ -8,6 +8,7 @@ that the GPU kernel of the same step is tested against.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,13 +49,16 @@ class ProductQuantizer:
         return x.reshape(len(x), self.m, self.dsub)
 
     @classmethod
-    def train(cls, x: np.ndarray, m: int, iters: int, rng: np.random.Generator) -> "ProductQuantizer":
+    def train(cls, x: np.ndarray, m: int, iters: int, rng: np.random.Generator,
+              progress: Callable[[int], None] = lambda n: None) -> "ProductQuantizer":
+        """progress(1) is called as each sub-space's codebook is trained."""
         dim = x.shape[1]
         dsub = -(-dim // m)
         pq = cls(np.zeros((m, KSUB, dsub), dtype=np.float32), dim)
         xs = pq._split(x)
         for j in range(m):
             pq.codebooks[j], _ = kmeans(xs[:, j, :], KSUB, iters, rng)
+            progress(1)
         return pq
 
     def encode(self, x: np.ndarray) -> np.ndarray:

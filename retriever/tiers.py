@@ -150,9 +150,10 @@ def _cuda_available() -> bool:
 
 
 def open_filter_tier(config: EngineConfig, list_offsets: np.ndarray, list_ids: np.ndarray, codes: np.ndarray,
-                     codebooks: np.ndarray, threads: int, owner: str) -> FilterTier:
+                     codebooks: np.ndarray, threads: int, owner: str, metric: str) -> FilterTier:
     """config.filter_tier: 'gpu' when CUDA is there (and torch and triton installed) under 'auto'.
-    A GPU tier holds an account, named by owner, in the process's one budget on its device."""
+    A GPU tier holds an account, named by owner, in the process's one budget on its device, and
+    compiles its kernels for the tables' metric ('l2' or 'ip')."""
     kind = config.filter_tier
     if kind == "auto":
         kind = "gpu" if _cuda_available() else "cpu"
@@ -161,7 +162,7 @@ def open_filter_tier(config: EngineConfig, list_offsets: np.ndarray, list_ids: n
     from fusionrag.retriever.gpu_tier import GpuFilterTier, gpu_device, shared_account
 
     account = shared_account(gpu_device(), config.gpu_budget_bytes, config.gpu_memory_utilization, owner)
-    return GpuFilterTier(list_offsets, list_ids, codes, codebooks, account=account,
+    return GpuFilterTier(list_offsets, list_ids, codes, codebooks, account=account, metric=metric,
                          batch_size=config.batch_for("gpu"), threads=threads, tiered_share=config.gpu_tiered_share)
 
 

@@ -12,7 +12,6 @@ from importlib import resources
 from typing import Annotated, Callable
 
 import numpy as np
-import swagger_ui_bundle
 from fastapi import APIRouter, Depends, FastAPI, Path, Request
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import HTTPException, RequestValidationError
@@ -321,8 +320,14 @@ async def search(request: Request, coll: Collection = Depends(open_collection)):
     rows = data.pop("vectors", None)
     # Vectors that are not a list are the model's to refuse, with its message.
     body = validate(SearchRequest, data if isinstance(rows, (list, type(None))) else {**data, "vectors": rows})
-    if (rows is None) == (body.texts is None):
+    if body.mode == "vector" and (rows is None) == (body.texts is None):
         raise _error(422, "give exactly one of 'vectors' and 'texts'")
+    if body.mode != "vector" and body.texts is None:
+        raise _error(422, f"mode {body.mode!r} needs 'texts'")
+    if body.mode == "text" and rows is not None:
+        raise _error(422, "mode 'text' searches by 'texts' alone: give no 'vectors'")
+    if body.mode == "hybrid" and rows is not None and len(rows) != len(body.texts):
+        raise _error(422, f"mode 'hybrid' needs one text per query vector, got {len(body.texts)} for {len(rows)}")
     queries = rows if rows is not None else body.texts
     if not queries:
         raise _error(422, "no queries: 'vectors' or 'texts' is empty")
@@ -331,23 +336,27 @@ async def search(request: Request, coll: Collection = Depends(open_collection)):
     params = _search_params(body.params) if body.params else None
     if body.filter is not None:
         compile_filter(body.filter)  # a bad filter fails its own request here, not the batch it would join
+    vectors = None
     if rows is not None:
         vectors = np.stack(rows)
         _check_vectors(vectors, coll, "query vectors")
-        kind = {"vectors": vectors}
-    else:
+    if body.texts is not None:
         _check_texts(body.texts, cfg.max_text_chars, "texts")
-        _embedder_of(coll, "queries")
-        kind = {"texts": body.texts}
+        if vectors is None and body.mode != "text":
+            _embedder_of(coll, "queries")
     t = time.perf_counter()
     try:
-        res = await state.batcher.search(coll, body.k, filter=body.filter, params=params, **kind)
+        res = await state.batcher.search(coll, body.k, filter=body.filter, params=params, vectors=vectors,
+                                         texts=body.texts, mode=body.mode, text_weight=body.text_weight)
     except ServiceClosing as e:
         raise _error(503, str(e)) from e
     state.metrics.recent.add(time.perf_counter() - t, len(queries),
                              sum(int(s.get("pages_read", 0)) for s in res.stats),
                              sum(int(s.get("pages_buffered", 0)) for s in res.stats))
     out = {"results": [[_hit(h) for h in hits] for hits in res.hits]}
+    # A filter comparing a field with values of a type it is not held as matches nothing: said, not silent.
+    if body.filter is not None and (warnings := await run_in_threadpool(coll.filter_warnings, body.filter)):
+        out["warnings"] = warnings
     if body.stats:
         out["stats"] = [_plain(s) for s in res.stats]
     return JSONResponse(out)
@@ -593,15 +602,16 @@ def create_app(config: ServerConfig) -> FastAPI:
         return FileResponse(str(static / "index.html"))
 
     app.mount("/static", StaticFiles(directory=str(static)), name="static")
-    # The OpenAPI page from a PyPI copy of Swagger UI: the default one loads it from a CDN.
-    app.mount("/swagger", StaticFiles(directory=str(swagger_ui_bundle.swagger_ui_path)), name="swagger")
+    # The OpenAPI page from a PyPI copy of Swagger UI (fastapi-offline's, 5.x: the OpenAPI 3.1 that FastAPI writes
+    # needs Swagger UI 5); the default page loads it from a CDN.
+    app.mount("/swagger", StaticFiles(directory=str(resources.files("fastapi_offline") / "static")), name="swagger")
 
     @app.get("/docs", include_in_schema=False)
     def docs():
         return get_swagger_ui_html(openapi_url="/openapi.json", title="fusionrag API",
                                    swagger_js_url="/swagger/swagger-ui-bundle.js",
                                    swagger_css_url="/swagger/swagger-ui.css",
-                                   swagger_favicon_url="/swagger/favicon-32x32.png")
+                                   swagger_favicon_url="/swagger/favicon.png")
 
     @app.get("/healthz", summary="Live: the process answers")
     def healthz():

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fusionrag.retriever.collection import Collection, CollectionSearch
+from fusionrag.retriever.collection import DEFAULT_TEXT_WEIGHT, Collection, CollectionSearch
 from fusionrag.retriever.config import SearchParams
 from fusionrag.retriever.embedding import get_embedder
 from fusionrag.server.metrics import Metrics
@@ -28,11 +28,13 @@ from fusionrag.server.metrics import Metrics
 @dataclass(eq=False)
 class _Request:
     collection: Collection
-    vectors: np.ndarray | None  # (q, dim) float32, or None until `texts` are embedded
+    vectors: np.ndarray | None  # (q, dim) float32; None until `texts` are embedded, and in text mode
     texts: list[str] | None
     k: int
     filter: dict | None
     params: SearchParams | None
+    mode: str
+    text_weight: float
     future: asyncio.Future
     enqueued: float
 
@@ -41,7 +43,8 @@ class _Request:
         return len(self.texts) if self.vectors is None else len(self.vectors)
 
     def group(self) -> tuple:
-        return id(self.collection), self.k, json.dumps(self.filter, sort_keys=True), self.params
+        return (id(self.collection), self.k, json.dumps(self.filter, sort_keys=True), self.params, self.mode,
+                self.text_weight)
 
 
 class ServiceClosing(RuntimeError):
@@ -74,12 +77,14 @@ class MicroBatcher:
 
     async def search(self, collection: Collection, k: int, *, vectors: np.ndarray | None = None,
                      texts: list[str] | None = None, filter: dict | None = None,
-                     params: SearchParams | None = None) -> CollectionSearch:
-        """Exactly one of `vectors` ((q, dim) float32, already validated) and `texts`."""
+                     params: SearchParams | None = None, mode: str = "vector",
+                     text_weight: float = DEFAULT_TEXT_WEIGHT) -> CollectionSearch:
+        """`vectors` ((q, dim) float32, already validated) or `texts` (embedded here unless in text mode),
+        or both in hybrid mode; see Collection.search for the modes."""
         if self._closing:
             raise ServiceClosing("the service is shutting down")
         future = asyncio.get_running_loop().create_future()
-        req = _Request(collection, vectors, texts, k, filter, params, future, time.perf_counter())
+        req = _Request(collection, vectors, texts, k, filter, params, mode, text_weight, future, time.perf_counter())
         self._pending.append(req)
         self._queued += req.size
         self._wake.set()
@@ -143,7 +148,7 @@ class MicroBatcher:
         answers: dict[_Request, CollectionSearch | Exception] = {}
         by_model = defaultdict(list)
         for req in batch:
-            if req.vectors is None:
+            if req.vectors is None and req.mode != "text":
                 by_model[req.collection.embedding].append(req)
         for model, reqs in by_model.items():
             t = time.perf_counter()
@@ -169,15 +174,17 @@ class MicroBatcher:
 
     def _search_group(self, reqs: list[_Request]) -> dict:
         first = reqs[0]
-        vectors = first.vectors if len(reqs) == 1 else np.concatenate([req.vectors for req in reqs])
+        vectors = None if first.mode == "text" else np.concatenate([req.vectors for req in reqs])
+        texts = None if first.mode == "vector" else [t for req in reqs for t in req.texts]
         t = time.perf_counter()
-        res = first.collection.search(vectors, first.k, first.filter, first.params)
+        res = first.collection.search(vectors, first.k, first.filter, first.params, texts=texts, mode=first.mode,
+                                      text_weight=first.text_weight)
         self.metrics.stage_seconds.labels("engine").observe(time.perf_counter() - t)
-        self.metrics.batch_queries.observe(len(vectors))
+        self.metrics.batch_queries.observe(len(res.hits))
         self.metrics.observe_search(first.collection.name, res.stats)
         out, at = {}, 0
         for req in reqs:
-            end = at + len(req.vectors)
+            end = at + req.size
             out[req] = CollectionSearch(hits=res.hits[at:end], stats=res.stats[at:end])
             at = end
         return out

@@ -35,7 +35,7 @@ _HELP = {
     "search_threads": "engine batches running at once",
     "buffer_mb": "DRAM page buffer per collection, MiB",
     "filter_tier": "where PQ candidates are filtered: auto (the GPU when there is one), cpu or gpu",
-    "gpu_budget_mb": "GPU memory the filter tiers of all collections share, MiB (0: what the LLM server leaves)",
+    "gpu_budget_mb": "GPU memory the filter tiers of all collections share, MiB, the service's CUDA context and kernels included (0: what the LLM server leaves)",
     "gpu_tiered_share": "a collection whose PQ codes do not all fit the GPU takes at most this share of what is left",
     "gpu_memory_utilization": "the LLM server's share of the GPU (vLLM's gpu_memory_utilization), for the default budget",
     "min_index_count": "a merge builds the main index only for collections at least this large (smaller: exact search)",

@@ -122,6 +122,6 @@ def ensure_demo(catalog: Catalog, embedding: str) -> Collection | None:
     for doc, vec in zip(docs, vectors):
         doc.vector = vec
     coll.upsert(docs)  # ids are fixed, so a rerun after a crash replaces rather than duplicates
-    coll.merge()
+    coll.merge(progress=False)  # the service's stderr is its log: no bars in it
     log.info("demo collection ready", extra={"documents": len(coll)})
     return coll

@@ -103,11 +103,14 @@ class _CollectionCollector:
         docs = GaugeMetricFamily("fusionrag_collection_documents", "Live documents", labels=["collection"])
         tiers = GaugeMetricFamily("fusionrag_tier_bytes", "Bytes held per tier", labels=["collection", "tier"])
         gpu = GaugeMetricFamily("fusionrag_gpu_memory_bytes",
-                                "GPU memory of the process's filter tiers: reserved now, peak, and the budget "
-                                "every collection shares", labels=["kind"])
+                                "GPU memory of the process's filter tiers: used (their reservations plus the "
+                                "measured CUDA context, kernels and allocator rounding), peak, the budget every "
+                                "collection shares, and what the driver reports the process holds (process; "
+                                "where it gives a per-process figure)", labels=["kind"])
         ratio = GaugeMetricFamily("fusionrag_page_buffer_hit_ratio",
                                   "Share of page requests served by the DRAM page buffer", labels=["collection"])
         process = {"used": 0, "peak": 0, "budget": 0}
+        measured = None
         for name, info in self.m._collections_info().items():
             docs.add_metric([name], info.get("count", 0))
             t = info.get("tiers", {})
@@ -120,8 +123,12 @@ class _CollectionCollector:
             # Every collection reports the one budget: read at slightly different times, take the largest.
             for kind, key in (("used", "gpu_reserved_bytes"), ("peak", "gpu_peak_bytes"), ("budget", "gpu_budget_bytes")):
                 process[kind] = max(process[kind], gpu_tier.get(key, 0))
+            if gpu_tier.get("gpu_process_bytes") is not None:
+                measured = max(measured or 0, gpu_tier["gpu_process_bytes"])
         for kind, value in process.items():
             gpu.add_metric([kind], value)
+        if measured is not None:
+            gpu.add_metric(["process"], measured)
         for name, value in self.m.hit_ratios().items():
             ratio.add_metric([name], value)
         return [docs, tiers, gpu, ratio]

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from fusionrag.retriever.collection import NAME_RE
+from fusionrag.retriever.collection import DEFAULT_TEXT_WEIGHT, NAME_RE
 from fusionrag.retriever.embedding import model_names
 
 NAME_PATTERN = f"^{NAME_RE.pattern}$"
@@ -48,11 +48,29 @@ class CreateCollection(_Body):
         return self
 
 
+def _search_kinds() -> list[dict]:
+    """Vectors alone (mode vector), texts alone (any mode), or both, one text per vector (mode hybrid)."""
+    vectors, texts = _given("vectors", "array"), _given("texts", "array")
+    return [{**vectors, "not": {"required": ["texts"]}, "properties": {**vectors["properties"],
+                                                                       "mode": {"enum": ["vector"]}}},
+            {**texts, "not": {"required": ["vectors"]}},
+            {"required": ["vectors", "texts", "mode"], "properties": {"vectors": {"type": "array"},
+                                                                      "texts": {"type": "array"},
+                                                                      "mode": {"const": "hybrid"}}}]
+
+
 class SearchRequest(_Body):
-    model_config = ConfigDict(json_schema_extra={"oneOf": [_given("vectors", "array"), _given("texts", "array")]})
+    model_config = ConfigDict(json_schema_extra={"oneOf": _search_kinds()})
     vectors: list[list[Finite]] | None = Field(None, description="query vectors", json_schema_extra={"minItems": 1})
-    texts: list[str] | None = Field(None, description="query texts, embedded by the collection's model",
-                                    json_schema_extra={"minItems": 1})
+    texts: list[str] | None = Field(None, description="query texts: embedded by the collection's model (unless "
+                                    "`vectors` are given too, in hybrid mode), and matched by their words in the "
+                                    "text and hybrid modes", json_schema_extra={"minItems": 1})
+    mode: Literal["vector", "text", "hybrid"] = Field(
+        "vector", description="vector: nearest by vector; text: BM25 over the documents' texts; hybrid: both "
+                              "rankings fused by reciprocal rank")
+    text_weight: Finite = Field(DEFAULT_TEXT_WEIGHT, ge=0, le=1,
+                                description="hybrid mode: the text ranking's weight in the fusion (the vector "
+                                            "ranking's is 1 - text_weight)")
     k: Integer = Field(10, ge=1, description="hits per query")
     filter: dict[str, Any] | None = Field(None, description="metadata filter, e.g. {\"source\": \"design.md\"}")
     params: dict[str, Any] | None = Field(None, description="tuning: nprobe, probe_ratio, rerank, ...")

@@ -99,3 +99,111 @@ def test_selective_filters_keep_recall(tmp_path):
             assert all(sel[int(h.id)] for hits in res.hits for h in hits)
             assert res.stats[0]["filtered_exact"] == (len(ok) <= exact_max)
         cat.close()
+
+
+LISTS = [
+    {"tags": ["a", "b"], "years": [2020, 2021], "flags": [True]},
+    {"tags": ["b"], "years": [2019]},
+    {"tags": "a"},  # a scalar: equality sees it, $contains does not
+    {"tags": []},
+    {"tags": ["a", 1, True, {"x": 1}, ["nested"]]},
+]
+
+
+@pytest.fixture
+def listed(tmp_path):
+    cat = Catalog(tmp_path, collection_config=CollectionConfig(background_merge=False, min_index_count=1))
+    col = cat.create("l", DIM, "l2")
+    rng = np.random.default_rng(1)
+    col.add([Document(str(i), None, rng.standard_normal(DIM), m) for i, m in enumerate(LISTS)])
+    yield col
+    cat.close()
+
+
+def _ids(col, flt) -> set[str]:
+    return {h.id for h in col.search(np.zeros((1, DIM)), k=10, filter=flt).hits[0]}
+
+
+@pytest.mark.parametrize("flt, expect", [
+    ({"tags": {"$contains": "a"}}, {"0", "4"}),
+    ({"tags": {"$contains": "b"}}, {"0", "1"}),
+    ({"years": {"$contains": 2020}}, {"0"}),
+    ({"years": {"$contains": 2020.0}}, {"0"}),
+    ({"years": {"$contains": "2020"}}, set()),  # typed, as every comparison
+    ({"tags": {"$contains": 1}}, {"4"}),
+    ({"tags": {"$contains": True}}, {"4"}),
+    ({"flags": {"$contains": True}}, {"0"}),
+    ({"tags": "a"}, {"2"}),  # the comparison operators see scalar values only
+    ({"tags": {"$ne": "a"}}, {"0", "1", "3", "4"}),
+    ({"$or": [{"tags": {"$contains": "b"}}, {"years": {"$contains": 2019}}]}, {"0", "1"}),
+    ({"tags": {"$contains": "a"}, "years": {"$contains": 2021}}, {"0"}),
+    ({"tags": {"$contains": "zzz"}}, set()),
+])
+def test_contains_tests_the_elements_of_lists(listed, flt, expect):
+    assert _ids(listed, flt) == expect
+    listed.merge()  # the same from the main index
+    assert _ids(listed, flt) == expect
+
+
+def test_contains_is_an_index_range_and_follows_writes(listed):
+    sql, params = compile_filter({"tags": {"$contains": "a"}})
+    with listed.store._reader() as con:
+        plan = " | ".join(row[-1] for row in con.execute(f"EXPLAIN QUERY PLAN {sql}", params))
+    assert "USING COVERING INDEX fields_by_value" in plan and "SCAN fields" not in plan, plan
+    listed.upsert([Document("0", None, np.ones(DIM), {"tags": ["c"]})])  # replaced: its old elements go
+    listed.delete(["4"])
+    assert _ids(listed, {"tags": {"$contains": "a"}}) == set()
+    assert _ids(listed, {"tags": {"$contains": "c"}}) == {"0"}
+
+
+@pytest.mark.parametrize("value", [["a"], {"a": 1}, None, float("nan")])
+def test_contains_takes_one_scalar(listed, value):
+    with pytest.raises(InputError, match=r"\$contains on 'tags'"):
+        listed.search(np.zeros((1, DIM)), k=1, filter={"tags": {"$contains": value}})
+
+
+def test_a_store_written_before_lists_were_indexed_indexes_them_when_opened(tmp_path):
+    import sqlite3
+
+    cat = Catalog(tmp_path, collection_config=CollectionConfig(background_merge=False))
+    cat.create("old", DIM, "l2").add([Document(str(i), None, np.full(DIM, i + 1.0), m) for i, m in enumerate(LISTS)])
+    cat.close()
+    # What an older version wrote: scalar values alone in the field table, and no mark of list elements.
+    with sqlite3.connect(tmp_path / "collections" / "old" / "docs.sqlite") as con:
+        con.execute("DELETE FROM fields WHERE t LIKE 'l%'")
+        con.execute("DELETE FROM meta WHERE key = 'list_elements'")
+    cat = Catalog(tmp_path, collection_config=CollectionConfig(background_merge=False))
+    try:
+        col = cat.get("old")
+        assert _ids(col, {"tags": {"$contains": "a"}}) == {"0", "4"}
+        assert _ids(col, {"tags": "a"}) == {"2"}
+    finally:
+        cat.close()
+
+
+@pytest.mark.parametrize("flt, words", [
+    ({"price": "9.5"}, ["'price'", "numbers only", "looks for strings"]),
+    ({"ok": 1}, ["'ok'", "bools only", "looks for numbers"]),
+    ({"color": {"$in": [1, 2]}}, ["'color'", "strings only"]),
+    ({"$or": [{"color": "red"}, {"price": {"$gt": "1"}}]}, ["'price'"]),
+    ({"color": {"$contains": "red"}}, ["'color'", "looks for lists of strings", "$contains tests the elements of lists"]),
+])
+def test_a_filter_on_values_of_another_type_says_why_it_matches_nothing(small, flt, words):
+    warnings = small.filter_warnings(flt)
+    assert len(warnings) == 1 and all(w in warnings[0] for w in words), warnings
+    assert not any(h.metadata.get("price") == "9.5" for h in small.search(np.zeros((1, DIM)), k=10, filter=flt).hits[0])
+
+
+@pytest.mark.parametrize("flt", [
+    {"size": 3}, {"size": "3"},  # the field holds both types: each can match
+    {"nothing": 1},  # no document has it: nothing to say of its type
+    {"color": "purple"}, {"price": {"$gt": 100}},  # the right type, no match: that is an answer
+])
+def test_filters_that_can_match_have_no_warning(small, flt):
+    assert small.filter_warnings(flt) == []
+
+
+def test_a_scalar_comparison_on_a_list_field_points_to_contains(listed):
+    [warning] = listed.filter_warnings({"years": 2020})
+    assert "lists of numbers only" in warning and '{"$contains": value}' in warning
+    assert listed.filter_warnings({"years": {"$contains": 2020}}) == []

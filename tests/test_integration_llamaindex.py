@@ -143,8 +143,24 @@ def test_filters_doc_ids_and_node_ids_narrow_the_query(store):
         .retrieve("Rome amphitheatre")[0].node.ref_doc_id == "paris"
 
 
-@pytest.mark.parametrize("operator", [FilterOperator.CONTAINS, FilterOperator.TEXT_MATCH, FilterOperator.ANY,
-                                      FilterOperator.IS_EMPTY])
+def test_contains_any_and_all_test_the_elements_of_list_metadata(store):
+    tagged = [TextNode(id_=name, text=name, embedding=[1.0, float(i)], metadata={"tags": tags})
+              for i, (name, tags) in enumerate({"a": ["x", "y"], "b": ["y"], "c": ["z"], "d": "x"}.items())]
+    store.add(tagged)
+
+    def ids(operator, value):
+        flt = MetadataFilters(filters=[MetadataFilter(key="tags", value=value, operator=operator)])
+        return {n.node_id for n in store.query(VectorStoreQuery(query_embedding=[1.0, 0.0], similarity_top_k=10,
+                                                                 filters=flt)).nodes}
+
+    assert ids(FilterOperator.CONTAINS, "x") == {"a"}  # "d" holds a string, not a list
+    assert ids(FilterOperator.ANY, ["x", "z"]) == {"a", "c"}
+    assert ids(FilterOperator.ALL, ["x", "y"]) == {"a"}
+    with pytest.raises(InputError, match="needs a non-empty list"):
+        ids(FilterOperator.ANY, [])
+
+
+@pytest.mark.parametrize("operator", [FilterOperator.TEXT_MATCH, FilterOperator.IS_EMPTY])
 def test_unsupported_filters_are_named(operator):
     with pytest.raises(InputError, match=f"operator '{operator.value}' \\(on 'topic'\\) is not supported"):
         to_collection_filter(MetadataFilters(filters=[MetadataFilter(key="topic", value="bio", operator=operator)]))

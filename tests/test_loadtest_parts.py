@@ -151,6 +151,7 @@ def test_prometheus_parse_and_summary_over_a_run():
                   'fusionrag_batch_queries_count 8\nfusionrag_batch_queries_sum 30\n'
                   'fusionrag_stage_seconds_count{stage="rerank"} 20\nfusionrag_stage_seconds_sum{stage="rerank"} 0.02\n'
                   'fusionrag_gpu_memory_bytes{kind="used"} 100\nfusionrag_gpu_memory_bytes{kind="budget"} 200\n'
+                  'fusionrag_gpu_memory_bytes{kind="process"} 250\n'
                   'fusionrag_http_requests_total{method="POST",route="/v1/x",status="200"} 20\n'
                   'fusionrag_http_requests_total{method="GET",route="/readyz",status="503"} 3\n'
                   'weird_label{path="a \\"quoted\\" b"} 1.5e3\n')
@@ -159,7 +160,9 @@ def test_prometheus_parse_and_summary_over_a_run():
     s = summarize_metrics(before, after)
     assert s["queries"] == 20 and s["ssd_pages_read_per_query"] == 0.5 and s["page_buffer_hit_ratio"] == 0.75
     assert s["queries_per_batch"] == 5 and s["stage_mean_ms"] == {"rerank": pytest.approx(1.0)}
-    assert s["gpu_within_budget"] is True and s["http_responses_by_status"] == {"200": 20}
+    # Judged by what the process holds (250), not by the budget's bookkeeping (100).
+    assert s["gpu_within_budget"] is False and s["http_responses_by_status"] == {"200": 20}
+    assert summarize_metrics(before, parse_prometheus(after_text.replace("} 250", "} 150")))["gpu_within_budget"]
     with pytest.raises(ValueError, match="not a Prometheus sample line"):
         parse_prometheus("{} 1\n")
 

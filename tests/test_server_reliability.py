@@ -253,7 +253,8 @@ def test_openapi_document_declares_what_the_api_does(app_client):
         name = next(p for p in search["parameters"] if p["name"] == "name")
         assert name["schema"]["pattern"] == "^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
         body = search["requestBody"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
-        assert [b["required"] for b in schemas[body]["oneOf"]] == [["vectors"], ["texts"]]
+        assert [b["required"] for b in schemas[body]["oneOf"]] == [["vectors"], ["texts"], ["vectors", "texts", "mode"]]
+        assert schemas[body]["oneOf"][2]["properties"]["mode"] == {"const": "hybrid"}
         assert schemas[body]["properties"]["k"]["maximum"] == 1000
         assert set(paths["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
         # A 405 names every method of the path, not those of its first route.

@@ -82,18 +82,24 @@ async function search(event) {
   const query = $("query").value.trim();
   if (!name) return showError("no collection to search");
   if (!query) return showError("type something to search for");
-  if (!(collections.get(name) || {}).embedding) {
-    return showError(`collection ${name} has no embedding model: search it with vectors through the API`);
+  const mode = $("mode").value;
+  if (mode !== "text" && !(collections.get(name) || {}).embedding) {
+    return showError(`collection ${name} has no embedding model: search it in text mode, or with vectors through the API`);
   }
   const k = parseInt($("k").value, 10) || 5;
   const t0 = performance.now();
   try {
-    const data = await api(`/v1/collections/${encodeURIComponent(name)}/search`, { texts: [query], k, stats: true });
+    const data = await api(`/v1/collections/${encodeURIComponent(name)}/search`,
+                           { texts: [query], k, mode, stats: true });
     const st = data.stats[0];
     renderHits(data.results[0]);
+    const parts = [];
+    if (mode !== "text") {
+      parts.push(`${st.pages_read} pages read, ${st.pages_buffered} from the buffer, ${st.centroids_probed} lists probed`);
+    }
+    if (mode !== "vector") parts.push(`${st.text_candidates} matched by words`);
     $("summary").textContent =
-      `${data.results[0].length} hits in ${(performance.now() - t0).toFixed(1)} ms · ` +
-      `${st.pages_read} pages read, ${st.pages_buffered} from the buffer, ${st.centroids_probed} lists probed`;
+      `${data.results[0].length} hits in ${(performance.now() - t0).toFixed(1)} ms · ` + parts.join(" · ");
   } catch (e) {
     renderHits([]);
     $("summary").textContent = "";

@@ -58,7 +58,8 @@ def _cmd_build(args) -> int:
     from fusionrag.retriever.build import build_index
 
     config = BuildConfig().with_overrides(**_picked(args, BuildConfig))
-    m = build_index(args.source, args.index_dir, config, progress=not args.quiet, overwrite=args.overwrite)
+    m = build_index(args.source, args.index_dir, config, progress=False if args.quiet else None,
+                    overwrite=args.overwrite)
     print(json.dumps({"index": args.index_dir, "count": m["count"], "dim": m["dim"], "metric": m["metric"],
                       "centroids": m["centroids"], "postings": m["postings"], "pq_m": m["pq"]["m"],
                       "blocks": m["pages"]["num_blocks"], "build_seconds": round(m["build_timings"]["total_s"], 3),
@@ -135,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("source", help="vector file: .fvecs .bvecs .fbin .u8bin .i8bin .npy")
     b.add_argument("index_dir")
     b.add_argument("--overwrite", action="store_true", help="replace an existing index (atomically)")
-    b.add_argument("--quiet", action="store_true", help="no progress bars")
+    b.add_argument("--quiet", action="store_true", help="no progress bars (they are drawn when stderr is a terminal)")
     _add_config_options(b, BuildConfig)
     b.set_defaults(run=_cmd_build)
 
