@@ -2,7 +2,7 @@
 # `make test`. Both set up everything they need on a fresh machine, into .venv.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= test,server,gpu,langchain,llamaindex,loadtest
+EXTRAS ?= test,server,client,gpu,langchain,llamaindex,loadtest
 
 .PHONY: setup browser run test bench
 

@@ -13,6 +13,13 @@ copy of the repository that carries the wheels of `make gpu-wheels` (.whl/, git-
   d        the co-location run: loadtests/colocate.py --device cuda, the ~1B decoder holding 40% of the
            GPU from the start, the service a 4 GiB budget, with its verdict
 
+Not covered here: the vLLM plugin on the GPU tier inside vLLM's own API-server process. The GPU machine
+has no vLLM (a CUDA vLLM is not among the wheels), so its order and refusal are tested on the CPU
+(tests/test_integration_vllm.py: vLLM calls the plugin only once its engine has profiled and allocated
+its KV cache; a budget plan_plugin_split finds too large stops vLLM with what to set). On a GPU with
+vLLM, the check to make is that nvidia-smi's figure for vLLM's API-server process stays within
+FUSIONRAG_GPU_BUDGET_MB (or the budget the plugin logs) while vLLM's engine holds what it was given.
+
 Each step runs in a process of its own under a time limit, its log and outputs kept; a failed step
 does not stop the next. OUT gets three files, rewritten after every step: gpu_accept.json and
 gpu_accept.md (the device as torch names it, every step's outcome and figures) and

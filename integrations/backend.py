@@ -14,23 +14,15 @@ import asyncio
 import os
 import threading
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from fusionrag.client import AsyncClient, Client, CollectionInfo, Op, Ops
+from fusionrag.client import RemoteError  # noqa: F401 - where callers have imported it from
 from fusionrag.retriever.collection import DEFAULT_TEXT_WEIGHT, Catalog, Collection, Document, Hit
 from fusionrag.retriever.config import METRICS, SearchParams
 from fusionrag.retriever.errors import ConfigError, ConflictError, FusionRAGError, InputError, NotFoundError
-
-
-class RemoteError(FusionRAGError):
-    """The service answered with an error the contract's error types do not cover (401, 403, 5xx)."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(f"HTTP {status}: {message}")
-        self.status = status
 
 
 def _check_metric(metric: str | None) -> None:
@@ -85,6 +77,13 @@ def _release_catalog(root: Path) -> None:
         if entry[1] == 0:
             del _catalogs[root]
             entry[0].close()
+
+
+def _in_thread(method):
+    """The async twin of a blocking method: the same call on a worker thread."""
+    async def twin(self, *args, **kwargs):
+        return await asyncio.to_thread(method, self, *args, **kwargs)
+    return twin
 
 
 class EmbeddedBackend:
@@ -153,9 +152,24 @@ class EmbeddedBackend:
         coll = self._collection()
         return coll.delete(list(ids)) if coll is not None and ids else 0
 
+    def delete_where(self, filter: dict) -> int:
+        """Delete every document the filter passes, in one write."""
+        coll = self._collection()
+        return coll.delete_where(filter) if coll is not None else 0
+
     def get(self, ids: Sequence[str], with_vectors: bool = False) -> list[Document]:
         coll = self._collection()
         return coll.get(list(ids), with_vectors=with_vectors) if coll is not None and ids else []
+
+    def select(self, filter: dict | None, with_vectors: bool = False) -> list[Document]:
+        """Every document the filter passes (all without one), in a stable order."""
+        coll = self._collection()
+        found: list[Document] = []
+        after: int | None = -1
+        while coll is not None and after is not None:
+            page, after = coll.scroll(_CHUNK, after, filter, with_vectors)
+            found += page
+        return found
 
     def search(self, vectors: np.ndarray | None, k: int, filter: dict | None = None, with_vectors: bool = False,
                texts: list[str] | None = None, mode: str = "vector",
@@ -181,294 +195,177 @@ class EmbeddedBackend:
             self._closed = True
             _release_catalog(self.root)
 
-    async def aupsert(self, docs):
-        return await asyncio.to_thread(self.upsert, docs)
-
-    async def adelete(self, ids):
-        return await asyncio.to_thread(self.delete, ids)
-
-    async def aget(self, ids, with_vectors=False):
-        return await asyncio.to_thread(self.get, ids, with_vectors)
-
-    async def asearch(self, vectors, k, filter=None, with_vectors=False, texts=None, mode="vector",
-                      text_weight=DEFAULT_TEXT_WEIGHT):
-        return await asyncio.to_thread(self.search, vectors, k, filter, with_vectors, texts, mode, text_weight)
-
-    async def acount(self):
-        return await asyncio.to_thread(self.count)
-
-    async def aclear(self):
-        return await asyncio.to_thread(self.clear)
+    aupsert = _in_thread(upsert)
+    adelete = _in_thread(delete)
+    adelete_where = _in_thread(delete_where)
+    aget = _in_thread(get)
+    aselect = _in_thread(select)
+    asearch = _in_thread(search)
+    acount = _in_thread(count)
+    aclear = _in_thread(clear)
 
 
-def _doc_json(doc: Document) -> dict:
-    out: dict[str, Any] = {"text": doc.text, "metadata": doc.metadata}
-    if doc.id is not None:
-        out["id"] = doc.id
-    if doc.vector is not None:
-        out["vector"] = np.asarray(doc.vector, dtype=np.float32).tolist()
-    return out
+def _both(op):
+    """The sync and async methods of one operation (fusionrag.client): the same code over either client."""
+    def sync(self, *args, **kwargs):
+        return self._client.run(op(self, *args, **kwargs))
 
+    async def asynchronous(self, *args, **kwargs):
+        return await self._aclient().run(op(self, *args, **kwargs))
 
-def _doc_from_json(d: dict) -> Document:
-    vec = d.get("vector")
-    return Document(id=d["id"], text=d.get("text"), metadata=d.get("metadata") or {},
-                    vector=None if vec is None else np.asarray(vec, dtype=np.float32))
-
-
-def _hit_from_json(d: dict) -> Hit:
-    vec = d.get("vector")
-    return Hit(id=d["id"], distance=float(d["distance"]), score=float(d["score"]), text=d.get("text"),
-               metadata=d.get("metadata") or {}, vector=None if vec is None else np.asarray(vec, dtype=np.float32))
+    return sync, asynchronous
 
 
 class RemoteBackend:
-    """Our HTTP service (see the README's API section), with an optional bearer API key.
+    """Our HTTP service through fusionrag.client, with an optional bearer API key.
 
-    Sync calls share one `httpx.Client`; async calls go through an `httpx.AsyncClient` (one per
-    event loop, since a connection pool belongs to the loop that opened it), never a thread.
+    Each call is one client operation, run by a `Client` (sync) or by an `AsyncClient` (async; one per event
+    loop, since a connection pool belongs to the loop that opened it), never a thread.
     """
 
     def __init__(self, url: str, collection: str, api_key: str | None, metric: str | None,
                  search_params: dict | None, timeout: float, embedding: str | None = None):
-        import httpx
-
-        self._httpx = httpx
         self.url = url.rstrip("/")
         self.name = collection
         self._metric = metric
         self._embedding = embedding
-        self._params = SearchParams.from_dict(search_params).to_dict() if search_params else None
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._timeout = timeout
-        self._client = httpx.Client(base_url=self.url, headers=self._headers, timeout=timeout)
-        self._aclients: dict[asyncio.AbstractEventLoop, Any] = {}
-        self._info: dict | None = None
+        self._params = SearchParams.from_dict(search_params) if search_params else None
+        self._api_key, self._timeout = api_key, timeout
+        self._client = Client(self.url, api_key, timeout=timeout)
+        self._aclients: dict[asyncio.AbstractEventLoop, AsyncClient] = {}
+        self._info: CollectionInfo | None = None
 
-    # -- plumbing -------------------------------------------------------------------------------
-
-    def _coll_path(self, suffix: str = "") -> str:
-        return f"/v1/collections/{self.name}{suffix}"
-
-    @staticmethod
-    def _raise_for(resp) -> None:
-        if resp.status_code < 400:
-            return
-        try:
-            body = resp.json()
-            msg = body.get("detail") or body.get("error") or body
-            if isinstance(msg, dict):  # vLLM's error shape, when the API is served by the vLLM plugin
-                msg = msg.get("message", msg)
-        except ValueError:
-            msg = resp.text
-        if not isinstance(msg, str):
-            msg = str(msg)
-        status = resp.status_code
-        if status == 404:
-            raise NotFoundError(msg)
-        if status == 409:
-            raise ConflictError(msg)
-        if status in (400, 413, 422):
-            raise InputError(msg)
-        raise RemoteError(status, msg)
-
-    def _request(self, method: str, path: str, json: Any = None, missing_ok: bool = False, params=None):
-        resp = self._client.request(method, path, json=json, params=params)
-        if missing_ok and resp.status_code == 404:
-            return None
-        self._raise_for(resp)
-        return resp.json() if resp.content else {}
-
-    def _aclient(self):
+    def _aclient(self) -> AsyncClient:
         loop = asyncio.get_running_loop()
         for old in [lp for lp in self._aclients if lp.is_closed()]:
             del self._aclients[old]  # its connections died with their loop
         client = self._aclients.get(loop)
         if client is None:
-            client = self._aclients[loop] = self._httpx.AsyncClient(
-                base_url=self.url, headers=self._headers, timeout=self._timeout)
+            client = self._aclients[loop] = AsyncClient(self.url, self._api_key, timeout=self._timeout)
         return client
-
-    async def _arequest(self, method: str, path: str, json: Any = None, missing_ok: bool = False, params=None):
-        resp = await self._aclient().request(method, path, json=json, params=params)
-        if missing_ok and resp.status_code == 404:
-            return None
-        self._raise_for(resp)
-        return resp.json() if resp.content else {}
 
     # -- collection lifecycle -------------------------------------------------------------------
 
-    def _create_body(self, dim: int) -> dict:
-        return {"name": self.name, "dimension": dim, "metric": self._metric or "cosine", "embedding": self._embedding}
-
-    def _checked_info(self, info: dict | None) -> dict | None:
-        if info is not None:
-            if self._metric is not None and info.get("metric") != self._metric:
-                raise ConfigError(f"collection {self.name!r} exists with metric {info.get('metric')!r}, "
-                                  f"not {self._metric!r}")
-            _check_embedding_matches(self.name, info.get("embedding"), self._embedding)
-            self._info = info
+    def _info_op(self) -> Op[CollectionInfo | None]:
+        try:
+            info = yield from Ops.info(self.name)
+        except NotFoundError:
+            return None
+        if self._metric is not None and info.metric != self._metric:
+            raise ConfigError(f"collection {self.name!r} exists with metric {info.metric!r}, not {self._metric!r}")
+        _check_embedding_matches(self.name, info.embedding, self._embedding)
+        self._info = info
         return info
 
-    def info(self) -> dict | None:
-        return self._checked_info(self._request("GET", self._coll_path(), missing_ok=True))
+    info, ainfo = _both(_info_op)
 
-    async def ainfo(self) -> dict | None:
-        return self._checked_info(await self._arequest("GET", self._coll_path(), missing_ok=True))
-
-    def _ensure(self, dim: int) -> None:
-        if self._info is None and self.info() is None:
+    def _ensure(self, dim: int) -> Op[None]:
+        if self._info is None and (yield from self._info_op()) is None:
             try:
-                self._request("POST", "/v1/collections", self._create_body(dim))
-            except ConflictError:
+                yield from Ops.create_collection(self.name, dim, metric=self._metric or "cosine",
+                                                 embedding=self._embedding)
+            except ConflictError:  # another store created it meanwhile
                 pass
-            self.info()
-        self._check_dim(dim)
-
-    async def _aensure(self, dim: int) -> None:
-        if self._info is None and await self.ainfo() is None:
-            try:
-                await self._arequest("POST", "/v1/collections", self._create_body(dim))
-            except ConflictError:
-                pass
-            await self.ainfo()
-        self._check_dim(dim)
-
-    def _check_dim(self, dim: int) -> None:
-        have = self._info.get("dimension")
+            yield from self._info_op()
+        have = self._info.dimension
         if have != dim:
             raise InputError(f"collection {self.name!r} holds {have}-dimensional vectors, got {dim}")
 
-    @property
-    def metric(self) -> str:
-        info = self._info or self.info()
-        return info["metric"] if info else (self._metric or "cosine")
+    def _metric_op(self) -> Op[str]:
+        info = self._info or (yield from self._info_op())
+        return info.metric if info else (self._metric or "cosine")
 
-    async def ametric(self) -> str:
-        info = self._info or await self.ainfo()
-        return info["metric"] if info else (self._metric or "cosine")
+    def _dim_op(self) -> Op[int | None]:
+        info = self._info or (yield from self._info_op())
+        return info.dimension if info else None
 
-    @property
-    def dim(self) -> int | None:
-        info = self._info or self.info()
-        return info["dimension"] if info else None
+    _metric_now, ametric = _both(_metric_op)
+    metric = property(_metric_now)
+    dim = property(_both(_dim_op)[0])
 
     # -- documents and search -------------------------------------------------------------------
 
-    def upsert(self, docs: Sequence[Document]) -> list[str]:
+    def _upsert(self, docs: Sequence[Document]) -> Op[list[str]]:
         if not docs:
             return []
-        self._ensure(len(docs[0].vector))
-        ids = []
+        yield from self._ensure(len(docs[0].vector))
+        ids: list[str] = []
         for part in _chunks(docs):
-            body = {"documents": [_doc_json(d) for d in part]}
-            ids += self._request("POST", self._coll_path("/documents"), body)["ids"]
+            ids += yield from Ops.upsert(self.name, part)
         return ids
 
-    async def aupsert(self, docs: Sequence[Document]) -> list[str]:
-        if not docs:
-            return []
-        await self._aensure(len(docs[0].vector))
-        ids = []
-        for part in _chunks(docs):
-            body = {"documents": [_doc_json(d) for d in part]}
-            ids += (await self._arequest("POST", self._coll_path("/documents"), body))["ids"]
-        return ids
-
-    def delete(self, ids: Sequence[str]) -> int:
+    def _delete(self, ids: Sequence[str]) -> Op[int]:
         n = 0
         for part in _chunks(list(ids)):
-            res = self._request("DELETE", self._coll_path("/documents"), {"ids": part}, missing_ok=True)
-            n += 0 if res is None else int(res["deleted"])
+            try:
+                n += yield from Ops.delete(self.name, part)
+            except NotFoundError:  # no collection: nothing to delete
+                break
         return n
 
-    async def adelete(self, ids: Sequence[str]) -> int:
-        n = 0
+    def _delete_where(self, filter: dict) -> Op[int]:
+        try:
+            return (yield from Ops.delete(self.name, filter=filter))
+        except NotFoundError:
+            return 0
+
+    def _get(self, ids: Sequence[str], with_vectors: bool = False) -> Op[list[Document]]:
+        found: list[Document] = []
         for part in _chunks(list(ids)):
-            res = await self._arequest("DELETE", self._coll_path("/documents"), {"ids": part}, missing_ok=True)
-            n += 0 if res is None else int(res["deleted"])
-        return n
+            try:
+                found += yield from Ops.get(self.name, part, with_vectors=with_vectors)
+            except NotFoundError:
+                return []
+        return found
 
-    def _doc_args(self, doc_id: str, with_vectors: bool) -> tuple:
-        params = {"vector": "true"} if with_vectors else None
-        return "GET", self._coll_path(f"/documents/{_quote(doc_id)}"), None, True, params
+    def _select(self, filter: dict | None, with_vectors: bool = False) -> Op[list[Document]]:
+        found: list[Document] = []
+        cursor = None
+        while True:
+            try:
+                page = yield from Ops.scroll(self.name, limit=_CHUNK, cursor=cursor, filter=filter,
+                                             with_vectors=with_vectors)
+            except NotFoundError:
+                return []
+            found += page.documents
+            if page.next_cursor is None:
+                return found
+            cursor = page.next_cursor
 
-    def get(self, ids: Sequence[str], with_vectors: bool = False) -> list[Document]:
-        found = [self._request(*self._doc_args(i, with_vectors)) for i in ids]
-        return [_doc_from_json(d) for d in found if d is not None]
-
-    async def aget(self, ids: Sequence[str], with_vectors: bool = False) -> list[Document]:
-        found = await asyncio.gather(*(self._arequest(*self._doc_args(i, with_vectors)) for i in ids))
-        return [_doc_from_json(d) for d in found if d is not None]
-
-    def _search_body(self, vectors: np.ndarray | None, k: int, filter: dict | None, texts: list[str] | None = None,
-                     mode: str = "vector", text_weight: float = DEFAULT_TEXT_WEIGHT) -> dict:
-        body: dict[str, Any] = {"k": k}
-        if vectors is not None:
-            body["vectors"] = np.asarray(vectors, dtype=np.float32).tolist()
-        if mode != "vector":
-            body.update(texts=list(texts or []), mode=mode, text_weight=text_weight)
-        if filter:
-            body["filter"] = filter
-        if self._params:
-            body["params"] = self._params
-        return body
-
-    @staticmethod
-    def _with_vectors(hits: list[list[Hit]], docs: list[Document]) -> list[list[Hit]]:
-        vec = {d.id: d.vector for d in docs}
-        return [[replace(h, vector=vec.get(h.id)) for h in q if h.id in vec] for q in hits]
-
-    def search(self, vectors: np.ndarray | None, k: int, filter: dict | None = None, with_vectors: bool = False,
-               texts: list[str] | None = None, mode: str = "vector",
-               text_weight: float = DEFAULT_TEXT_WEIGHT) -> list[list[Hit]]:
-        res = self._request("POST", self._coll_path("/search"),
-                            self._search_body(vectors, k, filter, texts, mode, text_weight), missing_ok=True)
-        if res is None:
+    def _search(self, vectors: np.ndarray | None, k: int, filter: dict | None = None, with_vectors: bool = False,
+                texts: list[str] | None = None, mode: str = "vector",
+                text_weight: float = DEFAULT_TEXT_WEIGHT) -> Op[list[list[Hit]]]:
+        try:
+            res = yield from Ops.search(self.name, vectors, texts=None if mode == "vector" else list(texts or []),
+                                        k=k, filter=filter or None, params=self._params, mode=mode,
+                                        text_weight=text_weight, with_vectors=with_vectors)
+        except NotFoundError:
             return [[] for _ in range(len(texts if vectors is None else vectors))]
-        hits = [[_hit_from_json(h) for h in q] for q in res["results"]]
-        if with_vectors:  # the service's search answers without vectors: fetch the hits' documents
-            hits = self._with_vectors(hits, self.get(list({h.id for q in hits for h in q}), with_vectors=True))
-        return hits
+        return res.hits
 
-    async def asearch(self, vectors: np.ndarray | None, k: int, filter: dict | None = None,
-                      with_vectors: bool = False, texts: list[str] | None = None, mode: str = "vector",
-                      text_weight: float = DEFAULT_TEXT_WEIGHT) -> list[list[Hit]]:
-        res = await self._arequest("POST", self._coll_path("/search"),
-                                   self._search_body(vectors, k, filter, texts, mode, text_weight), missing_ok=True)
-        if res is None:
-            return [[] for _ in range(len(texts if vectors is None else vectors))]
-        hits = [[_hit_from_json(h) for h in q] for q in res["results"]]
-        if with_vectors:
-            docs = await self.aget(list({h.id for q in hits for h in q}), with_vectors=True)
-            hits = self._with_vectors(hits, docs)
-        return hits
+    def _count(self) -> Op[int]:
+        info = yield from self._info_op()
+        return int(info.count) if info else 0
 
-    def count(self) -> int:
-        info = self.info()
-        return int(info["count"]) if info else 0
-
-    async def acount(self) -> int:
-        info = await self.ainfo()
-        return int(info["count"]) if info else 0
-
-    @staticmethod
-    def _recreate_body(info: dict) -> dict:
-        return {k: info[k] for k in ("name", "dimension", "metric", "embedding")}
-
-    def clear(self) -> None:
+    def _clear(self) -> Op[None]:
         # The service has no "delete all documents": drop the collection and create it again with the
         # same settings (writes in between get a 404).
-        info = self.info()
+        info = yield from self._info_op()
         if info is not None:
-            self._request("DELETE", self._coll_path(), missing_ok=True)
-            self._request("POST", "/v1/collections", self._recreate_body(info))
+            try:
+                yield from Ops.drop_collection(self.name)
+            except NotFoundError:
+                pass
+            yield from Ops.create_collection(self.name, info.dimension, metric=info.metric, embedding=info.embedding)
 
-    async def aclear(self) -> None:
-        info = await self.ainfo()
-        if info is not None:
-            await self._arequest("DELETE", self._coll_path(), missing_ok=True)
-            await self._arequest("POST", "/v1/collections", self._recreate_body(info))
+    upsert, aupsert = _both(_upsert)
+    delete, adelete = _both(_delete)
+    delete_where, adelete_where = _both(_delete_where)
+    get, aget = _both(_get)
+    select, aselect = _both(_select)
+    search, asearch = _both(_search)
+    count, acount = _both(_count)
+    clear, aclear = _both(_clear)
 
     def close(self) -> None:
         self._client.close()
@@ -476,12 +373,8 @@ class RemoteBackend:
         self._aclients.clear()
 
 
-def _chunks(items: Sequence, size: int = 256) -> list:
-    # Well under the service's per-request document limit (max_documents, 1024 by default).
+_CHUNK = 256  # well under the service's per-request document limit (max_documents, 1024 by default)
+
+
+def _chunks(items: Sequence, size: int = _CHUNK) -> list:
     return [items[i:i + size] for i in range(0, len(items), size)]
-
-
-def _quote(doc_id: str) -> str:
-    from urllib.parse import quote
-
-    return quote(doc_id, safe="")

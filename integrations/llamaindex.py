@@ -139,9 +139,8 @@ class FusionRAGVectorStore(BasePydanticVectorStore):
     The collection is created on the first `add` with the nodes' embedding dimension and `metric`
     (cosine unless given), and with the model of `embed_model` when it is a `FusionRAGEmbedding` of a model
     the service knows by name (so the service embeds text queries for it too; an existing collection must
-    have no other). Selecting by metadata (`delete`, `delete_nodes`/`get_nodes` with
-    `filters`) runs a filtered search over the whole collection, so it is bounded by the service's
-    largest k in remote mode.
+    have no other). Selecting by metadata (`delete`, `delete_nodes`/`get_nodes` with `filters`) runs on the
+    collection's own filters: a delete is one write, `get_nodes` pages through what the filter passes.
     """
 
     stores_text: bool = True
@@ -181,10 +180,10 @@ class FusionRAGVectorStore(BasePydanticVectorStore):
 
     def delete(self, ref_doc_id: str, **delete_kwargs: Any) -> None:
         """Delete every node of the source document `ref_doc_id`."""
-        self._backend.delete([h.id for h in self._matching({"ref_doc_id": ref_doc_id})])
+        self._backend.delete_where({"ref_doc_id": ref_doc_id})
 
     async def adelete(self, ref_doc_id: str, **delete_kwargs: Any) -> None:
-        await self._backend.adelete([h.id for h in await self._amatching({"ref_doc_id": ref_doc_id})])
+        await self._backend.adelete_where({"ref_doc_id": ref_doc_id})
 
     def delete_nodes(self, node_ids: list[str] | None = None, filters: MetadataFilters | None = None,
                      **delete_kwargs: Any) -> None:
@@ -193,7 +192,7 @@ class FusionRAGVectorStore(BasePydanticVectorStore):
         if flt is None:
             self._backend.delete(node_ids or [])
         else:
-            self._backend.delete([h.id for h in self._matching(_all_of(flt, self._ids_filter(node_ids)))])
+            self._backend.delete_where(_all_of(flt, self._ids_filter(node_ids)))
 
     async def adelete_nodes(self, node_ids: list[str] | None = None, filters: MetadataFilters | None = None,
                             **delete_kwargs: Any) -> None:
@@ -201,8 +200,7 @@ class FusionRAGVectorStore(BasePydanticVectorStore):
         if flt is None:
             await self._backend.adelete(node_ids or [])
         else:
-            hits = await self._amatching(_all_of(flt, self._ids_filter(node_ids)))
-            await self._backend.adelete([h.id for h in hits])
+            await self._backend.adelete_where(_all_of(flt, self._ids_filter(node_ids)))
 
     def clear(self) -> None:
         self._backend.clear()
@@ -217,36 +215,20 @@ class FusionRAGVectorStore(BasePydanticVectorStore):
         # As in LlamaIndex's own stores, an empty list restricts nothing.
         return {NODE_ID_KEY: {"$in": list(node_ids)}} if node_ids else None
 
-    def _probe(self, dim: int) -> np.ndarray:
-        # Any valid query vector will do: with k = the whole collection, the filter alone decides.
-        return np.ones((1, dim), dtype=np.float32)
-
-    def _matching(self, flt: dict) -> list[Hit]:
-        n = self._backend.count()
-        if n == 0:
-            return []
-        return self._backend.search(self._probe(self._backend.dim), n, flt)[0]
-
-    async def _amatching(self, flt: dict) -> list[Hit]:
-        n = await self._backend.acount()
-        if n == 0:
-            return []
-        return (await self._backend.asearch(self._probe(self._backend.dim), n, flt))[0]
-
     def get_nodes(self, node_ids: list[str] | None = None,
                   filters: MetadataFilters | None = None) -> list[BaseNode]:
         """The nodes with these ids (in that order, missing ones skipped) and/or matching the filters."""
         flt = to_collection_filter(filters)
         if flt is None:
             return [_node(d) for d in self._backend.get(node_ids or [])]
-        return [_node(h) for h in self._matching(_all_of(flt, self._ids_filter(node_ids)))]
+        return [_node(d) for d in self._backend.select(_all_of(flt, self._ids_filter(node_ids)))]
 
     async def aget_nodes(self, node_ids: list[str] | None = None,
                          filters: MetadataFilters | None = None) -> list[BaseNode]:
         flt = to_collection_filter(filters)
         if flt is None:
             return [_node(d) for d in await self._backend.aget(node_ids or [])]
-        return [_node(h) for h in await self._amatching(_all_of(flt, self._ids_filter(node_ids)))]
+        return [_node(d) for d in await self._backend.aselect(_all_of(flt, self._ids_filter(node_ids)))]
 
     @staticmethod
     def _query_args(query: VectorStoreQuery) -> dict:

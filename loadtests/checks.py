@@ -72,11 +72,15 @@ class StreamedAnswer:
     chunks: int  # content chunks, one token each for servers that stream token by token
     finish_reason: str
     ttft_s: float  # time to the first content chunk
+    retrieval: dict | None = None  # what a chunk's "retrieval" carried (the vLLM plugin's first chunk)
+    retrieval_s: float | None = None  # time to that chunk
+    usage: dict | None = None  # the usage chunk's, when the server sent one
 
 
 def read_chat_stream(lines, started: float, clock) -> StreamedAnswer:
     """Consume an OpenAI chat-completions SSE stream (an iterable of byte lines) to its `[DONE]`."""
     text, chunks, finish, first = [], 0, None, None
+    retrieval, retrieval_at, usage = None, None, None
     done = False
     for raw in lines:
         line = raw.decode() if isinstance(raw, bytes) else raw
@@ -94,6 +98,11 @@ def read_chat_stream(lines, started: float, clock) -> StreamedAnswer:
             raise Wrong(f"stream event is not JSON: {data[:120]!r}") from None
         if "error" in event:
             raise Wrong(f"LLM server error in stream: {str(event['error'])[:200]}")
+        if "retrieval" in event:
+            if retrieval is not None:
+                raise Wrong("the stream carried the retrieval twice")
+            retrieval, retrieval_at = event["retrieval"], clock()
+        usage = event.get("usage") or usage
         for choice in event.get("choices", []):
             piece = (choice.get("delta") or {}).get("content")
             if piece:
@@ -108,4 +117,5 @@ def read_chat_stream(lines, started: float, clock) -> StreamedAnswer:
         raise Wrong("stream carried no content")
     if finish is None:
         raise Wrong("stream never gave a finish_reason")
-    return StreamedAnswer("".join(text), chunks, finish, first - started)
+    return StreamedAnswer("".join(text), chunks, finish, first - started, retrieval,
+                          None if retrieval_at is None else retrieval_at - started, usage)

@@ -187,7 +187,8 @@ def run(args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     data_dir = Path(tempfile.mkdtemp(prefix="fusionrag-colocate-"))
     prep_args = argparse.Namespace(base=args.base, count=args.count, dim=args.dim, queries=None,
-                                   num_queries=args.num_queries, metric="l2", k=args.k, texts=None)
+                                   num_queries=args.num_queries, metric="l2", k=args.k, texts=None,
+                                   rag_route="separate")
     service = llm = None
     try:
         vector_qs, _, prep = runner.prepare(prep_args, data_dir, {"vector": 1})

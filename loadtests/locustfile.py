@@ -21,7 +21,7 @@ from fusionrag.loadtests.rag import rag_messages
 
 PLAN = Plan.from_env()
 TIMEOUT_S = 60
-LOG_FIELDS = ("t", "name", "ms", "ok", "recall", "ttft_ms", "tokens", "error")
+LOG_FIELDS = ("t", "name", "ms", "ok", "recall", "ttft_ms", "tokens", "retrieval_ms", "error")
 
 
 class RequestLog:
@@ -32,11 +32,12 @@ class RequestLog:
         self.out = csv.writer(self.file)
         self.out.writerow(LOG_FIELDS)
 
-    def row(self, t: float, name: str, ms: float, error: str = "", recall=None, ttft_ms=None, tokens=None):
+    def row(self, t: float, name: str, ms: float, error: str = "", recall=None, ttft_ms=None, tokens=None,
+            retrieval_ms=None):
         self.out.writerow((f"{t:.6f}", name, f"{ms:.3f}", 0 if error else 1,
                            "" if recall is None else f"{recall:.4f}",
                            "" if ttft_ms is None else f"{ttft_ms:.3f}", "" if tokens is None else tokens,
-                           error.replace("\n", " ")[:300]))
+                           "" if retrieval_ms is None else f"{retrieval_ms:.3f}", error.replace("\n", " ")[:300]))
 
 
 LOG = RequestLog(PLAN.request_log)
@@ -139,10 +140,13 @@ class MixedUser(_ServiceUser):
 
 
 class RagUser(_ServiceUser):
-    """Retrieve, then stream an answer from the LLM server with the hits in the prompt."""
+    """Retrieve, then stream an answer from the LLM server with the hits in the prompt; or, on the
+    plugin's route, both in one streamed request to vLLM."""
 
     @task
     def ask(self):
+        if PLAN.rag_route == "plugin":
+            return self.ask_plugin()
         qs = PLAN.text or PLAN.vector
         found = self.search_known(qs, "rag:retrieve", PLAN.rag_k)
         if found is None:
@@ -159,6 +163,32 @@ class RagUser(_ServiceUser):
             return {"ttft_ms": 1000 * ans.ttft_s, "tokens": ans.chunks}
 
         self.call("rag:generate", "POST", llm.url.rstrip("/") + "/v1/chat/completions", body, streamed, stream=True)
+
+    def ask_plugin(self):
+        """One known text question to /v1/rag/chat/completions: the retrieval its first chunk carries is
+        checked against the exact top-k, and must come before the first token."""
+        qs, k, llm = PLAN.text, PLAN.rag_k, PLAN.llm
+        i = random.randrange(len(qs.queries))
+        body = {"model": llm.model, "messages": [{"role": "user", "content": qs.queries[i]}],
+                "max_tokens": llm.max_tokens, "stream": True, "temperature": 0,
+                "retrieval": {"collection": qs.collection, "k": k}}
+
+        def streamed(resp, clock):
+            ans = read_chat_stream(resp.iter_lines(), clock, time.perf_counter)
+            if ans.retrieval is None or ans.retrieval_s > ans.ttft_s:
+                raise Wrong("the stream did not carry the retrieval before its first token")
+            ids = ans.retrieval.get("ids")
+            if not isinstance(ids, list) or len(ids) != k or len(set(ids)) != k:
+                raise Wrong(f"retrieval ids {str(ids)[:200]}: expected {k} distinct ids")
+            recall = len(set(ids) & set(qs.truth[i][:k])) / k
+            if recall < PLAN.min_recall:
+                raise Wrong(f"retrieval recall@{k} {recall:.2f} below {PLAN.min_recall}: got {ids}, "
+                            f"exact {qs.truth[i][:k]}")
+            tokens = (ans.usage or {}).get("completion_tokens", ans.chunks)
+            return {"ttft_ms": 1000 * ans.ttft_s, "tokens": tokens, "recall": recall,
+                    "retrieval_ms": 1000 * ans.retrieval_s}
+
+        self.call("rag:chat", "POST", "/v1/rag/chat/completions", body, streamed, stream=True)
 
 
 for _kind, _weight in PLAN.weights.items():

@@ -15,6 +15,9 @@ from fusionrag.retriever.errors import ConfigError
 
 PLAN_ENV = "FUSIONRAG_LOADTEST_PLAN"
 SHAPES = ("steady", "step", "burst")
+# How a rag user reaches the LLM: "separate": a search of the service, then a chat completion with the hits
+# in the prompt; "plugin": one streamed request to the plugin's /v1/rag/chat/completions on vLLM.
+RAG_ROUTES = ("separate", "plugin")
 # Locust user class of each kind the runner offers.
 USER_CLASSES = {"vector": "VectorSearchUser", "text": "TextSearchUser", "mixed": "MixedUser", "rag": "RagUser"}
 
@@ -122,6 +125,7 @@ class Plan:
     write_spread: float = 1.0
     rag_k: int = 4
     llm: LLMTarget | None = None
+    rag_route: str = "separate"
 
     def __post_init__(self):
         unknown = sorted(set(self.weights) - set(USER_CLASSES))
@@ -132,6 +136,7 @@ class Plan:
         _check(self.user_rate >= 0, f"user_rate must be >= 0, got {self.user_rate}")
         _check(0 <= self.min_recall <= 1, f"min_recall must be in [0, 1], got {self.min_recall}")
         _check(self.rag_k >= 1, f"rag_k must be >= 1, got {self.rag_k}")
+        _check(self.rag_route in RAG_ROUTES, f"rag_route must be one of {RAG_ROUTES}, got {self.rag_route!r}")
         for qs in (self.vector, self.text):
             if qs is not None:
                 _check(qs.k >= self.k, f"query set of {qs.collection!r} has ground truth for k={qs.k}, "
@@ -147,6 +152,8 @@ class Plan:
         if "rag" in kinds:
             _check(self.llm is not None, "rag users need an LLM server")
             _check(self.text is not None or self.vector is not None, "rag users need a query set")
+            _check(self.rag_route != "plugin" or self.text is not None,
+                   "rag users on the plugin's route need a text query set: the plugin embeds the question")
 
     def user_classes(self) -> list[str]:
         return [USER_CLASSES[name] for name, w in self.weights.items() if w > 0]

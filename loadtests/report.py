@@ -89,6 +89,30 @@ def summarize_metrics(before: dict, after: dict) -> dict:
     }
 
 
+def summarize_llm_metrics(before: dict, after: dict) -> dict | None:
+    """vLLM's own figures over the run, when the LLM server is vLLM (None otherwise): requests by how they
+    finished, tokens, and its mean time to first token, between tokens and in its queue, as it measured them."""
+    if not any(n.startswith("vllm:") for n, _ in after):
+        return None
+    finished = defaultdict(float)
+    for (n, ls), v in after.items():
+        if n == "vllm:request_success_total":
+            finished[dict(ls).get("finished_reason", "?")] += v - before.get((n, ls), 0.0)
+
+    def mean_ms(name: str) -> float | None:
+        mean = _ratio(_delta(before, after, f"{name}_sum"), _delta(before, after, f"{name}_count"))
+        return None if mean is None else round(1000 * mean, 3)
+
+    return {
+        "requests_by_finish": {r: n for r, n in sorted(finished.items()) if n > 0},
+        "prompt_tokens": _delta(before, after, "vllm:prompt_tokens_total"),
+        "generation_tokens": _delta(before, after, "vllm:generation_tokens_total"),
+        "ttft_mean_ms": mean_ms("vllm:time_to_first_token_seconds"),
+        "inter_token_mean_ms": mean_ms("vllm:inter_token_latency_seconds"),
+        "queue_mean_ms": mean_ms("vllm:request_queue_time_seconds"),
+    }
+
+
 # -- the client's view -------------------------------------------------------------------------------
 
 def read_request_log(path: str | Path) -> list[dict]:
@@ -98,7 +122,9 @@ def read_request_log(path: str | Path) -> list[dict]:
             rows.append({"t": float(r["t"]), "name": r["name"], "ms": float(r["ms"]), "ok": r["ok"] == "1",
                          "recall": float(r["recall"]) if r["recall"] else None,
                          "ttft_ms": float(r["ttft_ms"]) if r["ttft_ms"] else None,
-                         "tokens": int(r["tokens"]) if r["tokens"] else None, "error": r["error"]})
+                         "tokens": int(r["tokens"]) if r["tokens"] else None,
+                         "retrieval_ms": float(r["retrieval_ms"]) if r.get("retrieval_ms") else None,
+                         "error": r["error"]})
     return rows
 
 
@@ -127,6 +153,13 @@ def summarize_requests(rows: list[dict], seconds: float) -> dict:
             out["ttft_ms"] = _percentiles(ttft)
             out["tokens"] = tokens
             out["tokens_per_s"] = round(tokens / seconds, 3)
+        # The vLLM plugin's route: the retrieval chunk's arrival, alone and as a share of the first token's
+        # and of the whole request's time.
+        both = [r for r in ok if r.get("retrieval_ms") is not None and r["ttft_ms"]]
+        if both:
+            out["retrieval_ms"] = _percentiles([r["retrieval_ms"] for r in both])
+            out["retrieval_share_of_ttft"] = _percentiles([r["retrieval_ms"] / r["ttft_ms"] for r in both])
+            out["retrieval_share_of_latency"] = _percentiles([r["retrieval_ms"] / r["ms"] for r in both])
         return out
 
     by_name = defaultdict(list)
@@ -196,11 +229,20 @@ def markdown(report: dict) -> str:
         rec = b.get("recall", {}).get("mean", "")
         lines.append(f"| {name} | {b['requests']} | {b['failures']} | {b['per_s']} | {lat.get('p50', '')} | "
                      f"{lat.get('p95', '')} | {lat.get('p99', '')} | {rec} |")
-    gen = req["by_type"].get("rag:generate")
-    if gen and "ttft_ms" in gen:
-        lines += ["", f"LLM: time to first token p50 {gen['ttft_ms']['p50']} ms, p95 {gen['ttft_ms']['p95']} ms; "
-                      f"{gen['tokens_per_s']} streamed tokens/s"]
+    for name in ("rag:generate", "rag:chat"):
+        gen = req["by_type"].get(name)
+        if gen and "ttft_ms" in gen:
+            lines += ["", f"LLM ({name}): time to first token p50 {gen['ttft_ms']['p50']} ms, p95 "
+                          f"{gen['ttft_ms']['p95']} ms; {gen['tokens_per_s']} streamed tokens/s"]
+        if gen and "retrieval_ms" in gen:
+            lines += [f"Retrieval ({name}): p50 {gen['retrieval_ms']['p50']} ms, p95 {gen['retrieval_ms']['p95']} ms; "
+                      f"share of the time to first token p50 {gen['retrieval_share_of_ttft']['p50']:.3f}, of the "
+                      f"request p50 {gen['retrieval_share_of_latency']['p50']:.3f}"]
     if req["errors"]:
         lines += ["", "Errors:", ""] + [f"- {e['count']} x {e['error']}" for e in req["errors"]]
-    lines += ["", "Service metrics over the run:", "", "```", json.dumps(report["service_metrics"], indent=1), "```"]
+    if report["service_metrics"] is not None:
+        lines += ["", "Service metrics over the run:", "", "```", json.dumps(report["service_metrics"], indent=1),
+                  "```"]
+    if report.get("llm_metrics"):
+        lines += ["", "vLLM's metrics over the run:", "", "```", json.dumps(report["llm_metrics"], indent=1), "```"]
     return "\n".join(lines) + "\n"

@@ -28,9 +28,10 @@ from pathlib import Path
 import numpy as np
 
 from fusionrag.loadtests import queryset
-from fusionrag.loadtests.plan import PLAN_ENV, SHAPES, LLMTarget, Plan, QuerySet, ShapeConfig, parse_weights
+from fusionrag.loadtests.plan import (PLAN_ENV, RAG_ROUTES, SHAPES, LLMTarget, Plan, QuerySet, ShapeConfig,
+                                      parse_weights)
 from fusionrag.loadtests.report import (markdown, parse_prometheus, plot_latency, read_request_log,
-                                        summarize_metrics, summarize_requests)
+                                        summarize_llm_metrics, summarize_metrics, summarize_requests)
 from fusionrag.retriever.errors import ConfigError, FusionRAGError
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
@@ -99,8 +100,9 @@ def start_service(data_dir: Path, out: Path, server_args: list[str]) -> tuple[Ch
     return Child("the retrieval service", argv, out / "service.log"), f"http://127.0.0.1:{port}"
 
 
-def start_llm(args, out: Path) -> tuple[Child | None, LLMTarget | None]:
-    """The LLM server the RAG user talks to: the built-in one, one started by a command, or a given URL."""
+def start_llm(args, out: Path, env: dict | None = None) -> tuple[Child | None, LLMTarget | None]:
+    """The LLM server the RAG user talks to: the built-in one, one started by a command (in `env`), or a
+    given URL."""
     if args.llm == "none":
         return None, None
     if args.llm.startswith(("http://", "https://")):
@@ -112,7 +114,7 @@ def start_llm(args, out: Path) -> tuple[Child | None, LLMTarget | None]:
                     "--preset", args.llm_preset]
         else:  # a command line, e.g. "vllm serve /models/tiny --port {port}"
             argv = [a.replace("{port}", str(port)) for a in shlex.split(args.llm)]
-        child, url = Child("the LLM server", argv, out / "llm.log"), f"http://127.0.0.1:{port}"
+        child, url = Child("the LLM server", argv, out / "llm.log", env), f"http://127.0.0.1:{port}"
     try:
         body = (child.wait_http if child else _wait_external)(url + "/v1/models", args.start_timeout)
         model = args.llm_model or json.loads(body)["data"][0]["id"]
@@ -121,6 +123,22 @@ def start_llm(args, out: Path) -> tuple[Child | None, LLMTarget | None]:
             child.stop()
         raise
     return child, LLMTarget(url=url, model=model, max_tokens=args.max_tokens)
+
+
+def plugin_env(data_dir: Path) -> dict:
+    """The environment of a vLLM that serves the run's collections through fusionrag's plugin."""
+    plugins = [p for p in os.environ.get("VLLM_PLUGINS", "").split(",") if p]
+    return {**os.environ, "VLLM_PLUGINS": ",".join(dict.fromkeys([*plugins, "fusionrag"])),
+            "FUSIONRAG_DATA_DIR": str(data_dir), "FUSIONRAG_DEMO": "false"}
+
+
+def wait_plugin_ready(child: Child, url: str, timeout: float) -> None:
+    """vLLM answers before the plugin has opened the collections: wait until its /v1/stats says ready."""
+    deadline = time.monotonic() + timeout
+    while not json.loads(child.wait_http(url + "/v1/stats", max(deadline - time.monotonic(), 1)))["ready"]:
+        if time.monotonic() > deadline:
+            raise FusionRAGError(f"the plugin did not open its collections within {timeout:.0f} s; see {child.log}")
+        time.sleep(0.2)
 
 
 def _wait_external(url: str, timeout: float) -> bytes:
@@ -154,7 +172,7 @@ def prepare(args, data_dir: Path, weights: dict) -> tuple[QuerySet | None, Query
         info["write_offset"] = 10 * float(np.abs(base).max()) + 1
         info["write_spread"] = float(base.std()) or 1.0
         text_qs = None
-        if weights.get("text") or args.texts:
+        if weights.get("text") or args.texts or args.rag_route == "plugin":
             t = time.perf_counter()
             texts = queryset.read_texts(args.texts, args.text_count)
             text_qs = queryset.build_text_collection(catalog, texts, args.num_queries, args.k, args.embedding)
@@ -180,9 +198,12 @@ def run_locust(plan: Plan, url: str, out: Path) -> int:
         child.stop()
 
 
-def scrape(url: str) -> tuple[str, dict]:
+def scrape(url: str, required: bool = True) -> tuple[str, dict]:
+    """A server's Prometheus metrics; ("", {}) from one that has none when not `required`."""
     status, body = http_get(url + "/metrics")
     if status != 200:
+        if not required:
+            return "", {}
         raise FusionRAGError(f"{url}/metrics answered HTTP {status}")
     text = body.decode()
     return text, parse_prometheus(text)
@@ -209,6 +230,10 @@ def run(args) -> dict:
                         start_users=min(args.start_users, args.max_users), step_users=args.step_users,
                         step_seconds=args.step_seconds, burst_every_s=args.burst_every,
                         burst_seconds=args.burst_seconds)
+    plugin = args.rag_route == "plugin"
+    if plugin and (args.url or args.llm in ("none", "builtin") or args.llm.startswith(("http://", "https://"))):
+        raise ConfigError("--rag-route plugin starts vLLM itself, with fusionrag's plugin serving the run's "
+                          "collections: give --llm a command with {port} in it, and no --url")
     children, data_dir = [], None
     try:
         prep = {}
@@ -223,25 +248,34 @@ def run(args) -> dict:
         else:
             data_dir = Path(tempfile.mkdtemp(prefix="fusionrag-loadtest-"))
             vector_qs, text_qs, prep = prepare(args, data_dir, weights)
-            service, url = start_service(data_dir, out, args.server_arg)
-            children.append(service)
+            if not plugin:  # with the plugin, vLLM serves the collections
+                service, url = start_service(data_dir, out, args.server_arg)
+                children.append(service)
         for qs in (vector_qs, text_qs):
             if qs is not None:
                 queryset.save_query_set(qs, out / f"queries-{qs.kind}.json")
-        llm_child, llm = start_llm(args, out)  # while the service loads
+        llm_child, llm = start_llm(args, out, plugin_env(data_dir) if plugin else None)  # while the service loads
         if llm_child:
             children.append(llm_child)
-        if not args.url:
+        if plugin:
+            url = llm.url
+            wait_plugin_ready(llm_child, url, args.start_timeout)
+        elif not args.url:
             service.wait_http(url + "/readyz", args.start_timeout)
         plan = Plan(shape=shape, request_log=str(out / "requests.csv"), weights=weights, k=args.k,
                     user_rate=args.user_rate, min_recall=args.min_recall, vector=vector_qs, text=text_qs,
                     write_offset=prep.get("write_offset", 1000.0), write_spread=prep.get("write_spread", 1.0),
-                    rag_k=min(args.rag_k, args.k), llm=llm)
-        before_text, before = scrape(url)
-        (out / "metrics-before.txt").write_text(before_text)
+                    rag_k=min(args.rag_k, args.k), llm=llm, rag_route=args.rag_route)
+        # fusionrag's metrics are the service's; on vLLM's port /metrics is vLLM's own.
+        before_text, before = ("", {}) if plugin else scrape(url)
+        llm_before_text, llm_before = scrape(llm.url, required=False) if llm else ("", {})
         locust_status = run_locust(plan, url, out)
-        after_text, after = scrape(url)
-        (out / "metrics-after.txt").write_text(after_text)
+        after_text, after = ("", {}) if plugin else scrape(url)
+        llm_after_text, llm_after = scrape(llm.url, required=False) if llm else ("", {})
+        for name, text in (("metrics-before.txt", before_text), ("metrics-after.txt", after_text),
+                           ("llm-metrics-before.txt", llm_before_text), ("llm-metrics-after.txt", llm_after_text)):
+            if text:
+                (out / name).write_text(text)
     finally:
         # A service that died under load is a failure even when Locust saw no error after it.
         alive = {c.name: c.proc.poll() is None for c in children}
@@ -273,7 +307,9 @@ def run(args) -> dict:
         "min_recall_per_answer": args.min_recall, "collections": prep,
         "llm": asdict(llm) if llm else None,
         "requests": requests,
-        "service_metrics": summarize_metrics(before, after),
+        "service_metrics": None if plugin else summarize_metrics(before, after),
+        "llm_metrics": summarize_llm_metrics(llm_before, llm_after),
+        "rag_route": args.rag_route,
         "machine": _machine(),
     }
     (out / "report.json").write_text(json.dumps(report, indent=1))
@@ -332,6 +368,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--llm-model", help="model name to ask for (default: the server's first)")
     g.add_argument("--max-tokens", type=int, default=16)
     g.add_argument("--rag-k", type=int, default=4, help="hits put into the prompt")
+    g.add_argument("--rag-route", choices=RAG_ROUTES, default="separate",
+                   help="separate: rag users search the service, then stream from --llm; plugin: one streamed "
+                        "request to /v1/rag/chat/completions of vLLM with fusionrag's plugin, which --llm (a "
+                        "command) starts on the run's collections instead of `fusionrag serve`")
     p.set_defaults(run=cli_run)
 
 

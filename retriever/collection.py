@@ -17,6 +17,7 @@ swapping one reference, so a search sees either the old or the new state.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import json
@@ -29,6 +30,7 @@ import struct
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
@@ -45,6 +47,7 @@ from fusionrag.retriever.fresh import FreshTier, FreshView, distances
 from fusionrag.retriever.index import STAT_KEYS, Index
 from fusionrag.retriever.manifest import fsync_path
 from fusionrag.retriever.merge import can_store, merge_index
+from fusionrag.retriever import importer, snapshot
 from fusionrag.retriever.vectors import normalize, vector_problems
 from fusionrag.retriever.wal import WriteAheadLog
 
@@ -132,7 +135,7 @@ def _write_json_atomic(path: Path, obj: dict) -> None:
 
 @dataclass
 class _Write:
-    op: str  # "upsert" | "delete" | "clear"
+    op: str  # "upsert" | "delete" | "delete_where" | "clear"
     ids: list[str] = field(default_factory=list)
     texts: list = field(default_factory=list)
     metas: list[str] = field(default_factory=list)  # JSON text
@@ -143,10 +146,13 @@ class _Write:
     applied: bool = False
     error: BaseException | None = None
     result: int = 0
+    filter: str | None = None  # JSON text, op "delete_where": evaluated when applied, at its place in the log
 
     def payload(self) -> bytes:
         head = {"op": self.op, "ids": self.ids, "texts": self.texts, "metas": self.metas,
                 "rows": [] if self.rows is None else self.rows.tolist()}
+        if self.filter is not None:
+            head["filter"] = self.filter
         h = json.dumps(head, separators=(",", ":")).encode()
         vec = b"" if self.vectors is None else np.ascontiguousarray(self.vectors, np.float32).tobytes()
         return struct.pack("<I", len(h)) + h + vec
@@ -155,7 +161,7 @@ class _Write:
     def decode(cls, lsn: int, payload: bytes, dim: int) -> "_Write":
         (n,) = struct.unpack_from("<I", payload)
         head = json.loads(payload[4:4 + n])
-        w = cls(head["op"], head["ids"], head["texts"], head["metas"], lsn=lsn)
+        w = cls(head["op"], head["ids"], head["texts"], head["metas"], lsn=lsn, filter=head.get("filter"))
         w.rows = np.asarray(head["rows"], dtype=np.int64)
         if w.op == "upsert":
             w.vectors = np.frombuffer(payload[4 + n:], dtype=np.float32).reshape(len(w.ids), dim)
@@ -228,7 +234,8 @@ class Collection:
         self._users_cv = threading.Condition()
         self._closed: tuple[type, str] | None = None  # once closing began: what a later call raises
         self._unsearchable = 0  # stored vectors the engine cannot use (written before they were refused)
-        self._progress: dict | None = None  # the running merge's step, for info()
+        self._progress: dict | None = None  # the running merge's or import's step, for info()
+        self._import: dict | None = None  # the last bulk import: its state, and what it did or why it failed
 
         self._wal = WriteAheadLog(self.path / "wal.log")
         self._main = _Main(0, None, np.empty(0, np.int64), -1)
@@ -428,11 +435,21 @@ class Collection:
         return self._commit(_Write("delete", ids)) if ids else 0
 
     @_in_use
+    def delete_where(self, filter: dict) -> int:
+        """Delete every document the filter passes, as one write: the filter is logged and evaluated when the
+        write is applied, in the same transaction, so it sees every write logged before it and none after."""
+        compile_filter(filter)  # a bad filter is refused before it is logged
+        return self._commit(_Write("delete_where", filter=json.dumps(filter, separators=(",", ":"), allow_nan=False)))
+
+    @_in_use
     def clear(self) -> None:
         self._commit(_Write("clear"))
 
     def _commit(self, w: _Write) -> int:
         with self._lock:
+            if self._import is not None and self._import["state"] == "running":
+                raise ConflictError(f"collection {self.name!r} is importing documents: write once the import is "
+                                    "done (its progress is in the collection's info)")
             w.lsn = self._next_lsn
             self._next_lsn += 1
             if w.op == "upsert":
@@ -501,6 +518,8 @@ class Collection:
             for w in batch:
                 if w.op == "clear":
                     gone = self.store.remove_all()
+                elif w.op == "delete_where":
+                    gone = self.store.remove_where(*compile_filter(json.loads(w.filter)))
                 else:
                     gone = self.store.remove(w.ids)
                 if w.op == "upsert":
@@ -551,6 +570,21 @@ class Collection:
             raise InputError("get takes a sequence of string ids")
         found = self.store.get(list(dict.fromkeys(ids)), with_vectors)
         return [Document(i, found[i][0], found[i][2], found[i][1]) for i in ids if i in found]
+
+    @_in_use
+    def scroll(self, limit: int, after: int = -1, filter: dict | None = None,
+               with_vectors: bool = False) -> tuple[list[Document], int | None]:
+        """Up to `limit` documents (those the filter passes) in internal row order past row `after`, and the row
+        to continue after (None at the end). Rows are never reused and a write takes new ones: a document live
+        throughout a scroll is seen once, one replaced meanwhile may be seen again (at its new row)."""
+        for name, v, low in (("limit", limit, 1), ("after", after, -1)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
+                raise InputError(f"{name} must be an integer >= {low}, got {v!r}")
+        where = compile_filter(filter) if filter is not None else None
+        found = self.store.page(int(after), int(limit) + 1, where, with_vectors)  # one more: is there a next page?
+        more = len(found) > limit
+        found = found[:limit]
+        return [Document(i, t, v, m) for _, i, t, m, v in found], (found[-1][0] if more else None)
 
     @contextlib.contextmanager
     def _reading(self):
@@ -781,6 +815,101 @@ class Collection:
             self._leave()
 
     @_in_use
+    def snapshot(self, dest: str | os.PathLike) -> dict:
+        """Write the collection's state as of now to the archive `dest` (retriever/snapshot.py), while
+        writes go on; a merge waits until it is written. Returns what the archive holds."""
+        with self._merge_lock:  # the published generation stays while its files are read
+            cur = self.path / "CURRENT"
+            current = json.loads(cur.read_text()) if cur.exists() else None
+            try:
+                return snapshot.write(self, current, Path(dest))
+            except (OSError, sqlite3.Error) as e:
+                raise StorageError(f"collection {self.name!r}: cannot write its snapshot: {e}") from e
+
+    @_in_use
+    def import_files(self, documents: str | os.PathLike | None = None, vectors: str | os.PathLike | None = None,
+                     progress: bool | None = None) -> dict:
+        """Bulk-import documents into this empty collection from files, indexed by one build (see
+        retriever/importer.py); writes wait (ConflictError) until it is done. Returns what it did."""
+        from fusionrag.retriever.embedding import get_embedder
+
+        with self._merge_lock:  # no merge meanwhile: the import publishes the next generation itself
+            with self._lock:
+                importer.check_empty(self)
+                self._import = {"state": "running", "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            try:
+                embedder = get_embedder(self.embedding) if self.embedding else None
+                done = importer.import_files(self, None if documents is None else Path(documents),
+                                             None if vectors is None else Path(vectors), progress, embedder)
+            except BaseException as e:
+                self._import = {**self._import, "state": "failed", "reason": str(e)}
+                if isinstance(e, OSError) and not isinstance(e, StorageError):
+                    raise StorageError(f"collection {self.name!r}: the import could not write: {e}") from e
+                raise
+            finally:
+                self._progress = None
+            self._import = {**self._import, "state": "done", **done}
+            return done
+
+    def _publish_import(self, n: int, source: Path, documents, index_dir: Path | None, steps) -> int:
+        """Store the n imported documents (documents(): chunks of (id, text, metadata JSON); vectors from
+        source) in one transaction, then publish index_dir (if any) as the next generation over them.
+        Caller holds _merge_lock; writes are refused meanwhile. Returns the documents stored."""
+        vecs = np.load(source, mmap_mode="r")
+        with self._lock:
+            old = self._main
+            base = self._next_row
+            rows = np.arange(base, base + n, dtype=np.int64)
+            gen = old.generation + 1
+            gdir = self.path / f"gen-{gen:06d}"
+            if index_dir is not None:
+                shutil.rmtree(gdir, ignore_errors=True)
+                gdir.mkdir()
+                os.rename(index_dir, gdir / "index")
+                with open(gdir / "rows.npy", "wb") as f:
+                    np.save(f, rows)
+                    f.flush()
+                    os.fsync(f.fileno())
+                fsync_path(gdir)
+            self.store.begin()
+            try:
+                at = 0
+                with steps.step("storing documents", n, "doc") as update:
+                    for chunk in documents():
+                        # An id given twice: the later line wins (the earlier's row stays unstored, a tombstone).
+                        keep = sorted({doc_id: j for j, (doc_id, _, _) in enumerate(chunk)}.values())
+                        ids = [chunk[j][0] for j in keep]
+                        self.store.remove(ids)
+                        self.store.insert(rows[at:at + len(chunk)][keep], ids, [chunk[j][1] for j in keep],
+                                          [chunk[j][2] for j in keep], vecs[at:at + len(chunk)][keep])
+                        at += len(chunk)
+                        update(len(chunk))
+                self.store.commit(self.store.meta("applied_lsn"), base + n)
+            except BaseException:
+                self.store.rollback()
+                shutil.rmtree(gdir, ignore_errors=True)
+                raise
+            self._next_row = self._applied_next_row = base + n
+            self.store.make_durable()
+            index = None
+            if index_dir is not None:
+                index = Index.open(gdir / "index", self.engine_config)
+                _write_json_atomic(self.path / "CURRENT", {"format": _CURRENT_FORMAT, "generation": gen, "indexed": True,
+                                                           "max_row": base + n - 1, "rows_sha256": _rows_digest(rows)})
+            with self._mem_lock:
+                unread = False
+                if index is not None:
+                    self._main = _Main(gen, index, rows, base + n - 1)
+                    unread = self._retire(old)
+                self._load_memory()
+            stored = self.store.count()
+        if unread:
+            old.index.close()
+        if index is not None:
+            shutil.rmtree(self.path / f"gen-{old.generation:06d}", ignore_errors=True)
+        return stored
+
+    @_in_use
     def merge(self, progress: bool | None = None) -> None:
         """Fold the fresh tier into the main index now (blocking). progress: bars on stderr for its long
         steps (None: when stderr is a terminal; a background merge draws none)."""
@@ -920,7 +1049,8 @@ class Collection:
                 "merging": self._merging,
                 "generation": main.generation,
                 "unsearchable": self._unsearchable,
-                "progress": self._progress,  # while a merge runs: {"step", "done", "total"}
+                "progress": self._progress,  # while a merge or an import runs: {"step", "done", "total"}
+                "import": self._import,
             },
         }
 
@@ -948,19 +1078,25 @@ class Catalog:
     """All collections under one data directory (root/collections/<name>/). Thread-safe.
 
     A collection that fails to open is set aside with the reason (its calls get UnavailableError,
-    `failed()` lists it) while the others serve; dropping it removes it."""
+    `failed()` lists it) while the others serve; dropping it removes it.
+
+    One catalog at a time holds a data directory (an exclusive lock on root/catalog.lock, released by
+    close or the process's end): two would append to the same logs and rebuild the same indexes."""
 
     def __init__(self, root: str | os.PathLike, engine_config: EngineConfig | None = None,
                  collection_config: CollectionConfig | None = None):
         self.root = Path(root)
         self.dir = self.root / "collections"
         self.dir.mkdir(parents=True, exist_ok=True)
+        # Released by close, or when the catalog is collected without one.
+        self._release = weakref.finalize(self, os.close, _hold(self.root / "catalog.lock"))
         self.engine_config = engine_config or EngineConfig()
         self.collection_config = collection_config or CollectionConfig()
         self._lock = threading.Lock()
         self._open: dict[str, Collection] = {}
         self._failed: dict[str, str] = {}  # name -> why it would not open
         self._dropping: set[str] = set()  # dropped, waiting for their calls in progress to end
+        self._restoring: set[str] = set()  # names a restore is unpacking a snapshot for
         self._closed = False
         for p in self.dir.glob(".*"):  # creates and drops a crash interrupted
             shutil.rmtree(p, ignore_errors=True)
@@ -1009,10 +1145,7 @@ class Catalog:
             raise InputError(f"embedding must be a model name or None, got {embedding!r}")
         with self._lock:
             final = self.dir / name
-            if name in self._dropping:
-                raise ConflictError(f"collection {name!r} is being deleted; create it again once that is done")
-            if final.exists():
-                raise ConflictError(f"collection {name!r} already exists")
+            self._check_free(name)
             tmp = self.dir / f".create-{name}-{uuid.uuid4().hex}"
             published = False
             try:
@@ -1033,6 +1166,53 @@ class Catalog:
                         os.rename(final, tmp)
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise StorageError(f"cannot create collection {name!r}: {self._reason(e, tmp)}") from e
+
+    def check_free(self, name: str) -> None:
+        """ConflictError unless a collection `name` could be made now."""
+        self._check_name(name)
+        with self._lock:
+            self._check_free(name)
+
+    def _check_free(self, name: str) -> None:
+        """ConflictError unless `name` can be taken now (caller holds _lock)."""
+        if name in self._dropping:
+            raise ConflictError(f"collection {name!r} is being deleted; create it again once that is done")
+        if name in self._restoring:
+            raise ConflictError(f"collection {name!r} is being restored from a snapshot")
+        if (self.dir / name).exists():
+            raise ConflictError(f"collection {name!r} already exists")
+
+    def restore(self, name: str, archive) -> Collection:
+        """A new collection `name` from a snapshot archive (a binary file object, read as a stream; see
+        Collection.snapshot). InputError for an archive that is not a whole, valid snapshot."""
+        self._check_name(name)
+        with self._lock:
+            self._check_free(name)
+            self._restoring.add(name)
+        tmp = self.dir / f".restore-{name}-{uuid.uuid4().hex}"
+        final = self.dir / name
+        try:
+            tmp.mkdir()
+            snapshot.extract(archive, tmp)
+            snapshot.rename_collection(tmp, name)
+            with self._lock:
+                os.rename(tmp, final)
+                try:
+                    self._open[name] = col = Collection(final, self.engine_config, self.collection_config)
+                except BaseException as e:
+                    os.rename(final, tmp)
+                    if isinstance(e, FusionRAGError) and not isinstance(e, StorageError):
+                        raise InputError(f"snapshot: the restored collection does not open: "
+                                         f"{self._reason(e, final)}") from e
+                    raise
+                fsync_path(self.dir)
+            return col
+        except OSError as e:
+            raise StorageError(f"cannot restore collection {name!r}: {self._reason(e, tmp)}") from e
+        finally:
+            snapshot.remove(tmp)
+            with self._lock:
+                self._restoring.discard(name)
 
     def get(self, name: str) -> Collection:
         self._check_name(name)
@@ -1082,11 +1262,30 @@ class Catalog:
 
     def close(self) -> None:
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
             cols = list(self._open.values())
             self._open.clear()
         for col in cols:
             col.close()
+        self._release()  # after the collections: nothing of this catalog writes any more
+
+
+def _hold(path: Path) -> int:
+    """An exclusive lock on `path` for as long as the descriptor returned stays open; ConflictError,
+    naming the holder, when another process (or catalog) holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise ConflictError(f"data directory {path.parent} is in use by another catalog (process {holder}): "
+                            "stop the service using it, or go through its HTTP API") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
 
 
 __all__ = ["Catalog", "Collection", "CollectionConfig", "CollectionSearch", "Document", "Hit"]

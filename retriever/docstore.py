@@ -183,6 +183,15 @@ class DocStore:
             rows += found
         return rows
 
+    def remove_where(self, query: str, params: list) -> list[int]:
+        """Delete the documents that pass a compiled filter (filters.compile_filter); returns their rows."""
+        rows = [r for (r,) in self._writer.execute(f"SELECT DISTINCT row FROM ({query})", params)]
+        for part in _chunks(rows):
+            q = ",".join("?" * len(part))
+            self._writer.execute(f"DELETE FROM docs WHERE row IN ({q})", part)
+            self._writer.execute(f"DELETE FROM fields WHERE row IN ({q})", part)
+        return rows
+
     def insert(self, rows, ids, texts, metas_json, vectors: np.ndarray) -> None:
         self._writer.executemany(
             "INSERT INTO docs (row, id, text, metadata, vector) VALUES (?, ?, ?, ?, ?)",
@@ -239,6 +248,19 @@ class DocStore:
                         f"SELECT row, id, text, metadata, {col} FROM docs WHERE row IN ({q})", part):
                     out[r] = (i, t, json.loads(m), self._vec(v) if with_vectors else None)
         return out
+
+    def page(self, after: int, limit: int, where: tuple[str, list] | None, with_vectors: bool) -> list[tuple]:
+        """(row, id, text, metadata, vector or None) of the first `limit` live documents past row `after` that
+        pass a compiled filter (all without one), in row order. Without a filter a page is a range of the rowid,
+        however far the scroll; with one, the filter's rows are gathered again for every page."""
+        sql = f"SELECT row, id, text, metadata, {'vector' if with_vectors else 'NULL'} FROM docs WHERE row > ?"
+        params = [after]
+        if where is not None:
+            sql += f" AND row IN (SELECT row FROM ({where[0]}))"
+            params += where[1]
+        with self._reader() as con:
+            found = con.execute(sql + " ORDER BY row LIMIT ?", params + [limit]).fetchall()
+        return [(r, i, t, json.loads(m), self._vec(v) if with_vectors else None) for r, i, t, m, v in found]
 
     def field_types(self, key: str) -> set[str]:
         """The types (filters.TYPES) of the values stored under a metadata key: an index seek each."""

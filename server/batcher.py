@@ -2,8 +2,8 @@
 
 A batch opens with the first waiting request and closes after `max_wait_s` or once `max_queries`
 queries wait, whichever comes first. Requests are then grouped by what the engine needs to share one
-call (collection, k, filter, tuning); texts are embedded together, one model call per batch; each
-group is one `Collection.search`, whose rows are handed back to the requests they came from. While
+call (collection, k, filter, tuning, whether hits carry vectors); texts are embedded together, one model
+call per batch; each group is one `Collection.search`, whose rows are handed back to the requests they came from. While
 every engine thread is busy, new requests keep queueing and join the next batch, so batches grow with
 the load instead of the wait.
 """
@@ -37,6 +37,7 @@ class _Request:
     text_weight: float
     future: asyncio.Future
     enqueued: float
+    with_vectors: bool = False
 
     @property
     def size(self) -> int:
@@ -44,7 +45,7 @@ class _Request:
 
     def group(self) -> tuple:
         return (id(self.collection), self.k, json.dumps(self.filter, sort_keys=True), self.params, self.mode,
-                self.text_weight)
+                self.text_weight, self.with_vectors)
 
 
 class ServiceClosing(RuntimeError):
@@ -78,13 +79,14 @@ class MicroBatcher:
     async def search(self, collection: Collection, k: int, *, vectors: np.ndarray | None = None,
                      texts: list[str] | None = None, filter: dict | None = None,
                      params: SearchParams | None = None, mode: str = "vector",
-                     text_weight: float = DEFAULT_TEXT_WEIGHT) -> CollectionSearch:
+                     text_weight: float = DEFAULT_TEXT_WEIGHT, with_vectors: bool = False) -> CollectionSearch:
         """`vectors` ((q, dim) float32, already validated) or `texts` (embedded here unless in text mode),
         or both in hybrid mode; see Collection.search for the modes."""
         if self._closing:
             raise ServiceClosing("the service is shutting down")
         future = asyncio.get_running_loop().create_future()
-        req = _Request(collection, vectors, texts, k, filter, params, mode, text_weight, future, time.perf_counter())
+        req = _Request(collection, vectors, texts, k, filter, params, mode, text_weight, future, time.perf_counter(),
+                       with_vectors)
         self._pending.append(req)
         self._queued += req.size
         self._wake.set()
@@ -178,7 +180,7 @@ class MicroBatcher:
         texts = None if first.mode == "vector" else [t for req in reqs for t in req.texts]
         t = time.perf_counter()
         res = first.collection.search(vectors, first.k, first.filter, first.params, texts=texts, mode=first.mode,
-                                      text_weight=first.text_weight)
+                                      text_weight=first.text_weight, with_vectors=first.with_vectors)
         self.metrics.stage_seconds.labels("engine").observe(time.perf_counter() - t)
         self.metrics.batch_queries.observe(len(res.hits))
         self.metrics.observe_search(first.collection.name, res.stats)

@@ -26,10 +26,11 @@ _HELP = {
     "api_keys_file": "file of API keys, one 'TOKEN [collection,...]' entry per line",
     "metrics_auth": "with API keys, /metrics answers only a key that covers every collection (its names and sizes)",
     "max_body_bytes": "largest request body accepted",
+    "max_upload_bytes": "largest upload accepted: a snapshot to restore or a file to import",
     "max_queries": "queries (vectors or texts) per search request at most",
     "max_k": "largest k of a search",
     "max_text_chars": "longest text accepted, per query or document",
-    "max_documents": "documents per upsert request at most",
+    "max_documents": "documents per upsert request, ids per get or delete, documents per page, at most",
     "batch_wait_ms": "how long a search waits for others to share its engine batch",
     "batch_max_queries": "queries per engine batch at most",
     "search_threads": "engine batches running at once",
@@ -66,6 +67,7 @@ class ServerConfig:
     api_keys_file: str = ""
     metrics_auth: bool = True
     max_body_bytes: int = 16 << 20
+    max_upload_bytes: int = 64 << 30
     max_queries: int = 256
     max_k: int = 1000
     max_text_chars: int = 8192
@@ -89,6 +91,7 @@ class ServerConfig:
         _check(0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}")
         _check(bool(self.data_dir), "data_dir must not be empty")
         _check(self.max_body_bytes >= 1024, f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        _check(self.max_upload_bytes >= 1024, f"max_upload_bytes must be >= 1024, got {self.max_upload_bytes}")
         _check(self.max_queries >= 1, f"max_queries must be >= 1, got {self.max_queries}")
         _check(1 <= self.max_k <= 100_000, f"max_k must be in [1, 100000], got {self.max_k}")
         _check(self.max_text_chars >= 1, f"max_text_chars must be >= 1, got {self.max_text_chars}")

@@ -75,6 +75,7 @@ class SearchRequest(_Body):
     filter: dict[str, Any] | None = Field(None, description="metadata filter, e.g. {\"source\": \"design.md\"}")
     params: dict[str, Any] | None = Field(None, description="tuning: nprobe, probe_ratio, rerank, ...")
     stats: bool = Field(False, description="return the engine's statistics of each query")
+    with_vectors: bool = Field(False, description="return each hit's stored vector (`vector`)")
 
 
 class DocumentIn(_Body):
@@ -89,8 +90,46 @@ class UpsertRequest(_Body):
     documents: list[DocumentIn] = Field(min_length=1)
 
 
+DocId = Annotated[str, Field(min_length=1, max_length=512)]
+
+
+def _alone(name: str, other: str, kind: str) -> dict:
+    return {**_given(name, kind), "not": {"required": [other]}}
+
+
 class DeleteRequest(_Body):
-    ids: list[Annotated[str, Field(min_length=1, max_length=512)]] = Field(min_length=1)
+    # Typed without None (so null is refused, as the schema says), and left out by default.
+    model_config = ConfigDict(json_schema_extra={"oneOf": [_alone("ids", "filter", "array"),
+                                                           _alone("filter", "ids", "object")]})
+    ids: list[DocId] = Field(None, min_length=1, description="delete these ids (unknown ones are ignored)")
+    filter: dict[str, Any] = Field(None, description="delete every document this metadata filter passes, in one "
+                                                     "write")
+
+
+class GetRequest(_Body):
+    ids: list[DocId] = Field(min_length=1, description="documents are returned in this order; ids not found are "
+                                                       "left out")
+    with_vectors: bool = Field(False, description="return each document's vector")
+
+
+class DocumentOut(BaseModel):
+    id: str
+    text: str | None
+    metadata: dict[str, Any]
+    vector: list[float] = Field(None, description="given with_vectors only")
+
+
+class Documents(BaseModel):
+    documents: list[DocumentOut]
+
+
+class DocumentsPage(Documents):
+    next_cursor: str | None = Field(description="the `cursor` of the next page; null on the last page")
+    warnings: list[str] = Field(None, description="why the filter can match nothing, as search says it")
+
+
+class Deleted(BaseModel):
+    deleted: int = Field(description="documents deleted")
 
 
 class ErrorItem(BaseModel):

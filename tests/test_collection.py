@@ -175,7 +175,7 @@ def test_merge_keeps_results_and_tombstones(catalog):
     col.merge()
     info = col.info()["build_state"]
     assert info == {"indexed": 1500, "fresh": 0, "deleted": 0, "merging": False, "generation": 1, "unsearchable": 0,
-                    "progress": None}
+                    "progress": None, "import": None}
     assert not (col.path / "gen-000000").exists() and os.path.getsize(col.path / "wal.log") == 0
     col.add(docs_of(x[1500:], 1500))  # these live in the fresh tier beside the main index
     before = col.search(q, k=10)

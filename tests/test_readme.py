@@ -56,7 +56,8 @@ def test_snippet_runs_as_written(section, code, service, tmp_path):
     run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, f"{section} snippet failed:\n{code}\n{run.stderr[-4000:]}"
-    if "FUSIONRAG_URL" in code:  # its remote store wrote to the service, and recorded the model it embeds with
+    # The LangChain snippet's remote store wrote to the service, and recorded the model it embeds with.
+    if "FUSIONRAG_URL" in code and "FusionRAGVectorStore" in code:
         headers = {"Authorization": f"Bearer {KEY}"}
         with service.client(headers=headers) as c:
             info = c.get("/v1/collections/docs").json()

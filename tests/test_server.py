@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import shutil
 import signal
@@ -586,6 +587,32 @@ def test_web_page_text_and_hybrid_modes(server, browser):
         hits = browser.find_elements(By.CSS_SELECTOR, "#results li")
         assert hits[0].get_attribute("data-id") == "concepts/tombstones", mode
         assert "matched by words" in browser.find_element(By.ID, "summary").text
+
+
+def test_web_page_shows_how_imports_went(server, client, browser):
+    """The page's collection table has each collection's state: an import's outcome, its reason when it failed."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    vecs = np.random.default_rng(3).standard_normal((40, 8)).astype(np.float32)
+    for name, dim in (("page-import", 8), ("page-badimport", 9)):
+        assert client.post("/v1/collections", json={"name": name, "dimension": dim, "metric": "l2"}).status_code == 201
+        lines = "".join(json.dumps({"id": f"i{i}", "vector": v.tolist()}) + "\n" for i, v in enumerate(vecs))
+        r = client.post(f"/v1/collections/{name}/import", content=lines, headers={"content-type": "application/x-ndjson"})
+        assert r.status_code == 202, r.text
+    try:
+        browser.get(server.url + "/")
+
+        def row(name):
+            cells = browser.find_elements(By.CSS_SELECTOR, f"#tiers tr[data-collection='{name}'] td")
+            return [c.text for c in cells]
+
+        wait = WebDriverWait(browser, 60)
+        wait.until(lambda d: (r := row("page-import")) and r[-1] == "ready" and r[1] == "40")
+        wait.until(lambda d: (r := row("page-badimport")) and r[-1].startswith("import failed: documents line 1"))
+    finally:
+        for name in ("page-import", "page-badimport"):
+            client.delete(f"/v1/collections/{name}")
 
 
 def test_openapi_page_renders_the_operations_in_a_browser(server, browser):

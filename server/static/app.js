@@ -108,6 +108,19 @@ async function search(event) {
   refreshFigures();
 }
 
+function buildState(b) {
+  // What a collection is doing: an import or a merge with its step, or how its last import ended.
+  const imp = b.import || {};
+  const p = b.progress;
+  if (p) {
+    const pct = p.total ? ` ${Math.floor((100 * p.done) / p.total)}%` : "";
+    return `${imp.state === "running" ? "importing" : "merging"}: ${p.step}${pct}`;
+  }
+  if (imp.state === "running") return "importing";
+  if (imp.state === "failed") return `import failed: ${imp.reason}`;
+  return b.merging ? "merging" : "ready";
+}
+
 function setStatus(text, cls) {
   const s = $("status");
   s.textContent = text;
@@ -145,7 +158,7 @@ async function refreshFigures() {
       tr.dataset.collection = name;
       const pq = bytes(t.pq_bytes) + (t.pq_tier ? ` (${t.pq_tier})` : "");
       const cells = [name, info.count, bytes(t.host_index_bytes), pq, bytes(t.page_buffer_bytes), bytes(t.ssd_bytes),
-        bytes(t.fresh_bytes)];
+        bytes(t.fresh_bytes), buildState(info.build_state || {})];
       for (const v of cells) {
         tr.insertCell().textContent = v;
       }

@@ -116,6 +116,57 @@ def _cmd_info(args) -> int:
     return 0
 
 
+def _cmd_snapshot(args) -> int:
+    from fusionrag.retriever.collection import Catalog
+
+    catalog = Catalog(args.data_dir)
+    try:
+        print(json.dumps(catalog.get(args.collection).snapshot(args.out)))
+    finally:
+        catalog.close()
+    return 0
+
+
+def _cmd_restore(args) -> int:
+    from fusionrag.retriever.collection import Catalog
+
+    catalog = Catalog(args.data_dir)
+    try:
+        with open(args.archive, "rb") as f:
+            print(json.dumps(catalog.restore(args.collection, f).info()))
+    finally:
+        catalog.close()
+    return 0
+
+
+def _cmd_import(args) -> int:
+    from fusionrag.retriever.collection import Catalog
+    from fusionrag.retriever.errors import InputError
+
+    catalog = Catalog(args.data_dir)
+    try:
+        if args.collection in catalog.names():
+            col = catalog.get(args.collection)
+        else:  # made for the import: its dimension from the vector file, the model, or --dimension
+            dim = args.dimension
+            if dim is None and args.vectors:
+                from fusionrag.retriever.vectors import open_vectors
+
+                dim = open_vectors(args.vectors).dim
+            if dim is None and args.embedding:
+                from fusionrag.retriever.embedding import get_embedder
+
+                dim = get_embedder(args.embedding).dim
+            if dim is None:
+                raise InputError(f"collection {args.collection!r} does not exist: give --vectors, --embedding or "
+                                 "--dimension to make it")
+            col = catalog.create(args.collection, dim, args.metric, args.embedding)
+        print(json.dumps(col.import_files(args.documents, args.vectors, progress=False if args.quiet else None)))
+    finally:
+        catalog.close()
+    return 0
+
+
 def _cmd_serve(args) -> int:
     from fusionrag.server.config import flags_of, load_config
 
@@ -157,6 +208,33 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--no-verify", action="store_true", help="skip the checksum pass")
     i.add_argument("--filter-tier", default=None, help=_HELP["filter_tier"])
     i.set_defaults(run=_cmd_info)
+
+    offline = "Works on a data directory no service has open (a running service has the same over HTTP)."
+    sn = sub.add_parser("snapshot", help="write a snapshot of a collection to one archive", description=offline)
+    sn.add_argument("data_dir", help="the service's data directory")
+    sn.add_argument("collection")
+    sn.add_argument("out", help="the archive to write (.tar)")
+    sn.set_defaults(run=_cmd_snapshot)
+
+    rs = sub.add_parser("restore", help="a new collection from a snapshot archive", description=offline)
+    rs.add_argument("data_dir", help="the service's data directory")
+    rs.add_argument("archive")
+    rs.add_argument("--collection", required=True, help="the name of the collection to make")
+    rs.set_defaults(run=_cmd_restore)
+
+    im = sub.add_parser("import", help="bulk-import documents into a new or empty collection", description=offline +
+                        " Documents: JSON lines of {id, text, metadata, vector} (a line without a vector is embedded by "
+                        "the collection's model), or a vector file with those lines (without vectors) as a sidecar.")
+    im.add_argument("data_dir", help="the service's data directory")
+    im.add_argument("--collection", required=True)
+    im.add_argument("--documents", help="JSON-lines file of documents")
+    im.add_argument("--vectors", help="vector file: .fvecs .bvecs .fbin .u8bin .i8bin .npy (row i: line i of --documents)")
+    im.add_argument("--dimension", type=int, help="for a collection made by the import (default: from the vectors "
+                                                  "or the model)")
+    im.add_argument("--metric", default="cosine", choices=["l2", "ip", "cosine"], help="for a collection made by the import")
+    im.add_argument("--embedding", help="embedding model, for a collection made by the import")
+    im.add_argument("--quiet", action="store_true", help="no progress bars (they are drawn when stderr is a terminal)")
+    im.set_defaults(run=_cmd_import)
 
     v = sub.add_parser("serve", help="run the retrieval service (HTTP), with a demo collection on a first start",
                        description="Settings come from flags, then FUSIONRAG_* environment variables, then the "

@@ -1,0 +1,203 @@
+"""Bulk import into an empty collection: documents from files, indexed by one build, not through the
+fresh tier (which would hold every vector in RAM until a merge).
+
+Sources: a JSON-lines file of documents ({"id", "text", "metadata", "vector"}: a line without a vector
+has its text embedded by the collection's model), or a vector file (.fvecs .fbin .npy ... as
+`fusionrag build` reads) with an optional JSON-lines sidecar describing row i on line i (id, text,
+metadata; ids default to the row number). Nothing is held whole: the files are read in chunks,
+three times (check and stage the vectors in a memory-mapped float32 file, build the index from it,
+store the documents).
+
+The import is one write: its documents are stored in one SQLite transaction, made durable, and then
+published with the index as a new generation, so a failure before that leaves the collection as it
+was, and a crash after the store's commit leaves the documents stored (the next open takes them into
+the fresh tier and a merge indexes them). Writes made to the collection meanwhile stay, after it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from fusionrag.retriever.build import build_index
+from fusionrag.retriever.errors import ConflictError, InputError
+from fusionrag.retriever.manifest import fsync_path
+from fusionrag.retriever.progress import Progress
+from fusionrag.retriever.vectors import open_vectors, vector_problems
+
+if TYPE_CHECKING:
+    from fusionrag.retriever.collection import Collection
+
+CHUNK = 4096  # documents read, checked, embedded and stored at a time
+_KEYS = {"id", "text", "metadata", "vector"}
+
+
+def _lines(path: Path) -> Iterator[tuple[int, dict]]:
+    """(line number, document) of each non-blank line, checked for shape."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                doc = json.loads(raw)
+            except ValueError as e:
+                raise InputError(f"documents line {number}: not JSON ({e})") from e
+            if not isinstance(doc, dict) or not set(doc) <= _KEYS:
+                raise InputError(f"documents line {number}: a document is an object with keys among "
+                                 f"{sorted(_KEYS)}, got {str(doc)[:80]}")
+            yield number, doc
+
+
+def _chunks(it, n: int = CHUNK):
+    chunk = []
+    for item in it:
+        chunk.append(item)
+        if len(chunk) == n:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _check_doc(number: int, doc: dict) -> tuple[str | None, str | None, str]:
+    doc_id, text, meta = doc.get("id"), doc.get("text"), doc.get("metadata", {})
+    if doc_id is not None and (not isinstance(doc_id, str) or not doc_id or len(doc_id) > 512):
+        raise InputError(f"documents line {number}: id must be a non-empty string of at most 512 characters")
+    if text is not None and not isinstance(text, str):
+        raise InputError(f"documents line {number}: text must be a string")
+    if not isinstance(meta, dict):
+        raise InputError(f"documents line {number}: metadata must be an object")
+    try:
+        meta_json = json.dumps(meta, separators=(",", ":"), allow_nan=False)
+    except ValueError as e:
+        raise InputError(f"documents line {number}: metadata is not JSON-serialisable ({e})") from e
+    return doc_id, text, meta_json
+
+
+def import_files(col: Collection, documents: Path | None, vectors: Path | None, progress: bool | None,
+                 embedder=None) -> dict:
+    """Import into `col` (see the module); the caller holds col's merge lock. embedder: the collection's
+    model, needed when documents carry texts without vectors."""
+    t0 = time.perf_counter()
+    if documents is None and vectors is None:
+        raise InputError("an import needs documents (JSON lines), vectors (a vector file), or both")
+    steps = Progress(progress, col._merge_step)
+    staging = col.path / f".import-{uuid.uuid4().hex}"
+    staging.mkdir()
+    try:
+        n, source = _stage(col, documents, vectors, staging, steps, embedder)
+        index_dir = staging / "index"
+        indexed = n >= col.config.min_index_count
+        if indexed:
+            build_index(str(source), index_dir, col._build_config, progress, on_progress=col._merge_step)
+        stored = col._publish_import(n, source, lambda: _documents(documents, n, vectors is not None),
+                                     index_dir if indexed else None, steps)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return {"documents": n, "stored": stored, "indexed": indexed, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def _documents(documents: Path | None, n: int, sidecar: bool) -> Iterator[list[tuple[str, str | None, str]]]:
+    """(id, text, metadata JSON) of the n documents, in chunks: from the JSON lines, else ids by row number."""
+    if documents is None:
+        for s in range(0, n, CHUNK):
+            yield [(str(i), None, "{}") for i in range(s, min(n, s + CHUNK))]
+        return
+    row = 0
+    for chunk in _chunks(_lines(documents)):
+        out = []
+        for number, doc in chunk:
+            doc_id, text, meta = _check_doc(number, doc)
+            out.append((doc_id or (str(row) if sidecar else uuid.uuid4().hex), text, meta))
+            row += 1
+        yield out
+
+
+def _stage(col: Collection, documents: Path | None, vectors: Path | None, staging: Path, steps: Progress,
+           embedder) -> tuple[int, Path]:
+    """Check every document and write their vectors, as the collection stores them (float32, as given),
+    to a memory-mapped staging/vectors.npy; returns their count and that file."""
+    count = 0
+    if documents is not None:
+        with steps.step("reading documents", os.path.getsize(documents), "B") as update:
+            with open(documents, "rb") as f:
+                for raw in f:
+                    count += bool(raw.strip())
+                    update(len(raw))
+    src = None
+    if vectors is not None:
+        src = open_vectors(vectors)
+        if src.dim != col.dim:
+            raise InputError(f"vectors: dimension {src.dim}, collection {col.name!r} has dimension {col.dim}")
+        if documents is not None and count != src.count:
+            raise InputError(f"the documents file has {count} lines, the vector file {src.count} vectors: "
+                             "line i describes vector i")
+        count = src.count
+    if not count:
+        raise InputError("nothing to import: no documents")
+    path = staging / "vectors.npy"
+    out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(count, col.dim))
+    with steps.step("checking vectors" if src is not None else "staging vectors", count) as update:
+        if src is not None:
+            for s in range(0, count, CHUNK):
+                block = np.asarray(src[s:s + CHUNK], dtype=np.float32)
+                _check_block(block, col.metric, s, "vectors: row")
+                out[s:s + len(block)] = block
+                update(len(block))
+            for number, doc in _lines(documents) if documents is not None else ():
+                _check_doc(number, doc)
+                if "vector" in doc:
+                    raise InputError(f"documents line {number}: with a vector file, vectors come from it, not from "
+                                     "the documents")
+        else:
+            row = 0
+            for chunk in _chunks(_lines(documents)):
+                to_embed = []
+                for j, (number, doc) in enumerate(chunk):
+                    _, text, _ = _check_doc(number, doc)
+                    vec = doc.get("vector")
+                    if vec is None:
+                        if text is None:
+                            raise InputError(f"documents line {number}: a document needs a text, a vector, or both")
+                        to_embed.append((j, text))
+                        continue
+                    v = np.asarray(vec, dtype=np.float32) if isinstance(vec, list) else None
+                    if v is None or v.shape != (col.dim,):
+                        raise InputError(f"documents line {number}: vector must be {col.dim} numbers")
+                    out[row + j] = v
+                if to_embed:
+                    if embedder is None:
+                        raise InputError(f"collection {col.name!r} has no embedding model, so every document needs a "
+                                         f"vector (line {chunk[to_embed[0][0]][0]} has none)")
+                    emb = embedder.embed([t for _, t in to_embed])
+                    for (j, _), v in zip(to_embed, emb):
+                        out[row + j] = v
+                _check_block(np.asarray(out[row:row + len(chunk)]), col.metric, 0,
+                             "documents line", [number for number, _ in chunk])
+                row += len(chunk)
+                update(len(chunk))
+    out.flush()
+    del out
+    fsync_path(path)
+    return count, path
+
+
+def _check_block(block: np.ndarray, metric: str, offset: int, what: str, numbers: list[int] | None = None) -> None:
+    bad, why = vector_problems(block, metric)
+    if bad.size:
+        at = numbers[bad[0]] if numbers is not None else offset + int(bad[0])
+        raise InputError(f"{what} {at}: vector {why[0]}")
+
+
+def check_empty(col: Collection) -> None:
+    if col.store.count() or len(col._main.rows) or col._fresh.n:
+        raise ConflictError(f"collection {col.name!r} already holds documents: import into a new, empty collection "
+                            "(or write through the documents API)")

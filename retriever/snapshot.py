@@ -1,0 +1,175 @@
+"""Snapshots of a collection: one tar archive of its state at one point, written while writes go on, and
+restored (under any name, on any data directory) as a collection that answers the same searches.
+
+An archive holds collection.json, the published generation (CURRENT and gen-NNNNNN/: rows.npy and the
+index), a consistent copy of the doc store made by SQLite's online backup, and last snapshot.json: the
+format, what the collection is, and the size and SHA-256 of every other member. The generation's files
+never change once published, and merges wait while they are read; the doc store's copy holds every
+write acknowledged before it was taken, so the log is not needed. A restore accepts only those members,
+as regular files, each matching snapshot.json, and opens the result (every check a collection's open
+makes) before it is renamed into place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import sqlite3
+import tarfile
+import time
+from pathlib import Path
+from typing import IO, TYPE_CHECKING
+
+from fusionrag.retriever.errors import IndexFormatError, InputError
+from fusionrag.retriever.manifest import fsync_path
+
+if TYPE_CHECKING:
+    from fusionrag.retriever.collection import Collection
+
+FORMAT = "fusionrag-snapshot"
+FORMAT_VERSION = 1
+MANIFEST = "snapshot.json"
+_MEMBER = re.compile(r"(collection\.json|CURRENT|docs\.sqlite|gen-\d{6}/rows\.npy|gen-\d{6}/index/[A-Za-z0-9_-][A-Za-z0-9_.-]*)")
+_CHUNK = 1 << 20
+
+
+class _Hashing(io.RawIOBase):
+    """A file read through: what tarfile copies is hashed on the way."""
+
+    def __init__(self, f: IO[bytes]):
+        self.f, self.sha, self.bytes = f, hashlib.sha256(), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        n = self.f.readinto(buf)
+        self.sha.update(memoryview(buf)[:n])
+        self.bytes += n
+        return n
+
+
+def _add(tar: tarfile.TarFile, path: Path, name: str, files: dict) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = path.stat().st_size, int(time.time()), 0o644
+    with open(path, "rb") as f:
+        hashing = _Hashing(f)
+        tar.addfile(info, io.BufferedReader(hashing, _CHUNK))
+    files[name] = {"bytes": hashing.bytes, "sha256": hashing.sha.hexdigest()}
+
+
+def write(col: Collection, current: dict | None, dest: Path) -> dict:
+    """Write col's snapshot to dest (atomically: a temporary name, fsynced, renamed). The caller holds
+    col's merge lock, so `current` (CURRENT's contents, None before a first merge) stays published."""
+    dest = Path(dest)
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    store_copy = dest.with_name(f".{dest.name}.docs.sqlite")
+    files: dict[str, dict] = {}
+    try:
+        # SQLite's online backup: a consistent copy while writers go on (they wait only page by page).
+        src = sqlite3.connect(col.store.path)
+        try:
+            dst = sqlite3.connect(store_copy)
+            try:
+                src.backup(dst)
+                count = dst.execute("SELECT COUNT(*) FROM docs").fetchone()[0]
+            finally:
+                dst.close()
+        finally:
+            src.close()
+        with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
+            _add(tar, col.path / "collection.json", "collection.json", files)
+            if current is not None:
+                _add(tar, col.path / "CURRENT", "CURRENT", files)
+                gen = f"gen-{current['generation']:06d}"
+                for p in sorted((col.path / gen).rglob("*")):
+                    if p.is_file():
+                        _add(tar, p, p.relative_to(col.path).as_posix(), files)
+            _add(tar, store_copy, "docs.sqlite", files)
+            manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "collection": col.name,
+                        "dimension": col.dim, "metric": col.metric, "embedding": col.embedding, "documents": count,
+                        "generation": current["generation"] if current else 0,
+                        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "files": files}
+            data = json.dumps(manifest, indent=1).encode()
+            info = tarfile.TarInfo(MANIFEST)
+            info.size, info.mtime, info.mode = len(data), int(time.time()), 0o644
+            tar.addfile(info, io.BytesIO(data))
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, dest)
+        fsync_path(dest.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        store_copy.unlink(missing_ok=True)
+    return {k: v for k, v in manifest.items() if k != "files"} | {"bytes": dest.stat().st_size}
+
+
+def extract(archive: IO[bytes], into: Path) -> dict:
+    """Unpack a snapshot into the empty directory `into`, checking every member against snapshot.json;
+    returns the manifest. Raises InputError for an archive that is not a whole, valid snapshot."""
+    seen: dict[str, dict] = {}
+    manifest = None
+    try:
+        with tarfile.open(fileobj=archive, mode="r|") as tar:  # a stream: members in order, nothing held
+            for member in tar:
+                name = member.name
+                if name == MANIFEST and member.isfile() and member.size < (16 << 20):
+                    try:
+                        manifest = json.loads(tar.extractfile(member).read())
+                    except ValueError as e:
+                        raise InputError(f"snapshot: {MANIFEST} is not JSON ({e})") from e
+                    continue
+                if not (member.isfile() and _MEMBER.fullmatch(name)) or name in seen:
+                    raise InputError(f"snapshot: unexpected member {name!r} (not a fusionrag snapshot, or altered)")
+                path = into / name
+                path.parent.mkdir(parents=True, exist_ok=True)
+                sha, size = hashlib.sha256(), 0
+                src = tar.extractfile(member)
+                with open(path, "wb") as out:
+                    while chunk := src.read(_CHUNK):
+                        sha.update(chunk)
+                        size += len(chunk)
+                        out.write(chunk)
+                    out.flush()
+                    os.fsync(out.fileno())
+                seen[name] = {"bytes": size, "sha256": sha.hexdigest()}
+    except tarfile.TarError as e:
+        raise InputError(f"snapshot: not a readable tar archive ({e})") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise InputError(f"snapshot: no {MANIFEST} (not a fusionrag snapshot, or cut short)")
+    if not isinstance(manifest.get("format_version"), int) or manifest["format_version"] > FORMAT_VERSION:
+        raise InputError(f"snapshot: format version {manifest.get('format_version')!r} is newer than this "
+                         f"fusionrag reads ({FORMAT_VERSION}); upgrade fusionrag to restore it")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or files != seen:
+        missing = sorted(set(files or {}) - set(seen))
+        wrong = sorted(n for n in seen if (files or {}).get(n) != seen[n])
+        raise InputError(f"snapshot: members do not match {MANIFEST} (missing {missing}, altered {wrong})")
+    for p in sorted({p for p in into.rglob("*") if p.is_dir()}, key=lambda p: -len(p.parts)) + [into]:
+        fsync_path(p)
+    return manifest
+
+
+def rename_collection(into: Path, name: str) -> None:
+    """The restored collection takes the name it is restored under."""
+    path = into / "collection.json"
+    try:
+        desc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise IndexFormatError(f"snapshot: collection.json is unreadable ({e})") from e
+    desc["name"] = name
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(desc))
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def remove(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)

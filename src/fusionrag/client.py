@@ -1,0 +1,396 @@
+"""A typed client of the fusionrag service: `Client` (sync) and `AsyncClient` (async), one implementation.
+
+Each call of the API is written once, as an operation (the `Ops` below): a generator that yields the requests it
+needs and receives each answer's JSON, or the error the answer's status maps to, thrown in at the `yield`; what it
+returns is the call's result. `Client` runs operations over an `httpx.Client`, `AsyncClient` over an
+`httpx.AsyncClient`; they differ only in how they send a request and wait. Operations compose with `yield from`,
+and `run(op)` runs one of your own the same way in both.
+
+Results are the engine's own types (`Document`, `Hit`) or dataclasses of this module, and errors are the engine's
+classes (retriever/errors.py), so code catches the same errors in embedded and remote mode: 400, 413 and 422 raise
+`InputError`, 404 `NotFoundError`, 409 `ConflictError`, 503 `UnavailableError`, 507 `StorageError` (each with the
+status as `.status`); 401 and 403 `AuthError`, any other `RemoteError`. Network failures are httpx's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import time
+from collections.abc import Callable, Coroutine, Generator, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Generic, ParamSpec, TypeVar, overload
+from urllib.parse import quote
+
+import httpx
+import numpy as np
+
+from fusionrag import __version__
+from fusionrag.retriever.collection import DEFAULT_TEXT_WEIGHT, Document, Hit
+from fusionrag.retriever.config import SearchParams
+from fusionrag.retriever.errors import (ConflictError, FusionRAGError, InputError, NotFoundError, StorageError,
+                                       UnavailableError)
+
+T = TypeVar("T")
+P = ParamSpec("P")
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+class RemoteError(FusionRAGError):
+    """An answer of the service that the engine's error classes do not cover (401, 403, 500, ...)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+class AuthError(RemoteError):
+    """401: no valid API key; 403: the key does not cover this collection."""
+
+
+_ERRORS: dict[int, type[FusionRAGError]] = {400: InputError, 413: InputError, 422: InputError, 404: NotFoundError,
+                                            409: ConflictError, 503: UnavailableError, 507: StorageError}
+
+
+def error_for(status: int, message: str) -> FusionRAGError:
+    """The exception an error answer maps to, with its status as `.status`."""
+    cls = _ERRORS.get(status)
+    if cls is None:
+        return (AuthError if status in (401, 403) else RemoteError)(status, message)
+    error: Any = cls(message)
+    error.status = status
+    return error
+
+
+# -- results -------------------------------------------------------------------------------------
+
+@dataclass
+class CollectionInfo:
+    name: str
+    state: str = "ready"  # or "failed": it did not open, `reason` says why
+    dimension: int | None = None
+    metric: str | None = None
+    embedding: str | None = None
+    count: int | None = None
+    reason: str | None = None
+    tiers: dict | None = None  # memory per tier (not in `collections()`)
+    build_state: dict | None = None  # indexed, fresh, deleted, merging, progress, ... (not in `collections()`)
+
+    @classmethod
+    def from_json(cls, d: dict) -> CollectionInfo:
+        return cls(**{f.name: d[f.name] for f in fields(cls) if d.get(f.name) is not None})
+
+
+@dataclass
+class SearchResult:
+    hits: list[list[Hit]]  # per query, best first
+    stats: list[dict] | None = None  # per query, when asked
+    warnings: list[str] = field(default_factory=list)  # parts of the filter no stored value can match
+
+
+@dataclass
+class Page:
+    documents: list[Document]
+    next_cursor: str | None  # give it as `cursor` for the next page; None after the last
+    warnings: list[str] = field(default_factory=list)
+
+
+# -- operations -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Request:
+    method: str
+    path: str
+    json: Any = None
+    params: dict | None = None
+    safe: bool = False  # a read: may be sent again after a 503 with Retry-After
+
+
+Op = Generator[Request, Any, T]
+
+
+def _path(collection: str, suffix: str = "") -> str:
+    return f"/v1/collections/{quote(collection, safe='')}{suffix}"
+
+
+def _document_json(d: Document) -> dict:
+    out: dict[str, Any] = {"text": d.text, "metadata": d.metadata}
+    if d.id is not None:
+        out["id"] = d.id
+    if d.vector is not None:
+        out["vector"] = np.asarray(d.vector, dtype=np.float32).tolist()
+    return out
+
+
+def _document(d: dict) -> Document:
+    vec = d.get("vector")
+    return Document(id=d["id"], text=d.get("text"), metadata=d.get("metadata") or {},
+                    vector=None if vec is None else np.asarray(vec, dtype=np.float32))
+
+
+def _hit(d: dict) -> Hit:
+    vec = d.get("vector")
+    return Hit(id=d["id"], distance=float(d["distance"]), score=float(d["score"]), text=d.get("text"),
+               metadata=d.get("metadata") or {}, vector=None if vec is None else np.asarray(vec, dtype=np.float32))
+
+
+class Ops:
+    """The API's calls as operations; `Client` and `AsyncClient` have each as a method of the same name."""
+
+    @staticmethod
+    def collections() -> Op[list[CollectionInfo]]:
+        """Every collection the key may use; those that failed to open with state "failed" and the reason."""
+        data = yield Request("GET", "/v1/collections", safe=True)
+        return [CollectionInfo.from_json(c) for c in data["collections"]]
+
+    @staticmethod
+    def create_collection(name: str, dimension: int | None = None, *, metric: str = "cosine",
+                          embedding: str | None = None) -> Op[CollectionInfo]:
+        """An empty collection; `embedding` (a model the service knows) gives the dimension and embeds texts."""
+        body: dict[str, Any] = {"name": name, "metric": metric}
+        if dimension is not None:
+            body["dimension"] = dimension
+        if embedding is not None:
+            body["embedding"] = embedding
+        return CollectionInfo.from_json((yield Request("POST", "/v1/collections", body)))
+
+    @staticmethod
+    def info(collection: str) -> Op[CollectionInfo]:
+        """Size, memory per tier and build state; the reason when it failed to open."""
+        return CollectionInfo.from_json((yield Request("GET", _path(collection), safe=True)))
+
+    @staticmethod
+    def drop_collection(collection: str) -> Op[None]:
+        yield Request("DELETE", _path(collection))
+
+    @staticmethod
+    def upsert(collection: str, documents: Sequence[Document]) -> Op[list[str]]:
+        """Add or replace (same id) documents, in one request (at most the service's max_documents); a
+        document without a vector has its text embedded by the collection's model. Their ids, in order."""
+        body = {"documents": [_document_json(d) for d in documents]}
+        return (yield Request("POST", _path(collection, "/documents"), body))["ids"]
+
+    @staticmethod
+    def get(collection: str, ids: Sequence[str], *, with_vectors: bool = False) -> Op[list[Document]]:
+        """The documents with these ids, in that order; ids not found are left out."""
+        body = {"ids": list(ids), "with_vectors": with_vectors}
+        data = yield Request("POST", _path(collection, "/documents/get"), body, safe=True)
+        return [_document(d) for d in data["documents"]]
+
+    @staticmethod
+    def scroll(collection: str, *, limit: int | None = None, cursor: str | None = None, filter: dict | None = None,
+               with_vectors: bool = False) -> Op[Page]:
+        """One page of the documents (those the filter passes) in a stable order; `cursor`: the page before's
+        `next_cursor`. A document present throughout is seen once, however the collection changes meanwhile."""
+        params: dict[str, Any] = {"with_vectors": "true"} if with_vectors else {}
+        if limit is not None:
+            params["limit"] = limit
+        if cursor is not None:
+            params["cursor"] = cursor
+        if filter is not None:
+            params["filter"] = json.dumps(filter, separators=(",", ":"))
+        data = yield Request("GET", _path(collection, "/documents"), params=params, safe=True)
+        return Page([_document(d) for d in data["documents"]], data["next_cursor"], data.get("warnings", []))
+
+    @staticmethod
+    def delete(collection: str, ids: Sequence[str] | None = None, *, filter: dict | None = None) -> Op[int]:
+        """Delete by id (unknown ids are ignored) or every document a filter passes (one write); how many."""
+        if (ids is None) == (filter is None):
+            raise InputError("give exactly one of ids and filter")
+        body: dict[str, Any] = {"ids": list(ids)} if ids is not None else {"filter": filter}
+        return (yield Request("POST", _path(collection, "/documents/delete"), body))["deleted"]
+
+    @staticmethod
+    def search(collection: str, vectors=None, *, texts: Sequence[str] | None = None, k: int = 10,
+               filter: dict | None = None, params: SearchParams | dict | None = None, mode: str = "vector",
+               text_weight: float = DEFAULT_TEXT_WEIGHT, with_vectors: bool = False,
+               stats: bool = False) -> Op[SearchResult]:
+        """Top-k of each query: `vectors` (one, or a (q, dim) array) or `texts` (embedded by the collection's
+        model), or both in mode "hybrid"; mode "text" ranks by BM25 over the texts. See the README."""
+        body: dict[str, Any] = {"k": k, "mode": mode}
+        if vectors is not None:
+            v = np.asarray(vectors, dtype=np.float32)
+            body["vectors"] = (v[None, :] if v.ndim == 1 else v).tolist()
+        if texts is not None:
+            body["texts"] = [texts] if isinstance(texts, str) else list(texts)
+        if mode == "hybrid":
+            body["text_weight"] = text_weight
+        if filter is not None:
+            body["filter"] = filter
+        if params:
+            body["params"] = params.to_dict() if isinstance(params, SearchParams) else params
+        if with_vectors:
+            body["with_vectors"] = True
+        if stats:
+            body["stats"] = True
+        data = yield Request("POST", _path(collection, "/search"), body, safe=True)
+        return SearchResult([[_hit(h) for h in q] for q in data["results"]], data.get("stats"),
+                            data.get("warnings", []))
+
+
+# -- running operations ---------------------------------------------------------------------------
+
+def _answer(resp: httpx.Response) -> Any:
+    """An answer's JSON, or the exception its error status maps to (thrown into the operation)."""
+    if resp.status_code < 400:
+        return resp.json() if resp.content else None
+    try:
+        body = resp.json()
+    except ValueError:
+        body = resp.text
+    msg = (body.get("detail") or body.get("error") or body) if isinstance(body, dict) else body
+    if isinstance(msg, dict):  # vLLM's error shape, when the API is served by the vLLM plugin
+        msg = msg.get("message", msg)
+    return error_for(resp.status_code, msg if isinstance(msg, str) else str(msg))
+
+
+def _step(op: Op[T], answer: Any) -> Request:
+    return op.throw(answer) if isinstance(answer, BaseException) else op.send(answer)
+
+
+@dataclass(frozen=True)
+class _Retries:
+    times: int
+    max_wait: float
+
+    def wait(self, req: Request, resp: httpx.Response, attempt: int) -> float | None:
+        """Seconds to wait before sending `req` again, or None to take this answer: only reads are sent again,
+        only after a 503 whose Retry-After (seconds) is within max_wait."""
+        if not req.safe or resp.status_code != 503 or attempt >= self.times:
+            return None
+        try:
+            seconds = float(resp.headers.get("retry-after", ""))
+        except ValueError:
+            return None
+        return seconds if 0 <= seconds <= self.max_wait else None
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    out = {"User-Agent": f"fusionrag-client/{__version__}"}
+    if api_key:
+        out["Authorization"] = f"Bearer {api_key}"
+    return out
+
+
+class _Operation(Generic[P, T]):
+    """An operation as a method: run by the client it is called on (so awaitable on an AsyncClient)."""
+
+    def __init__(self, op: Callable[P, Op[T]]):
+        self.op = op
+        self.__doc__ = op.__doc__
+
+    @overload
+    def __get__(self, client: None, owner: type) -> _Operation[P, T]: ...
+
+    @overload
+    def __get__(self, client: AsyncClient, owner: type) -> Callable[P, Coroutine[Any, Any, T]]: ...
+
+    @overload
+    def __get__(self, client: Client, owner: type) -> Callable[P, T]: ...
+
+    def __get__(self, client, owner=None):
+        if client is None:
+            return self
+        op = self.op
+
+        @functools.wraps(op)
+        def call(*args, **kwargs):
+            return client.run(op(*args, **kwargs))
+        return call
+
+
+class _Api:
+    collections = _Operation(Ops.collections)
+    create_collection = _Operation(Ops.create_collection)
+    info = _Operation(Ops.info)
+    drop_collection = _Operation(Ops.drop_collection)
+    upsert = _Operation(Ops.upsert)
+    get = _Operation(Ops.get)
+    scroll = _Operation(Ops.scroll)
+    delete = _Operation(Ops.delete)
+    search = _Operation(Ops.search)
+
+
+class Client(_Api):
+    """The service at `url`, with an API key when it has keys. `timeout`: seconds (or an httpx.Timeout).
+    Reads answered 503 with a Retry-After of at most `max_retry_wait` seconds are sent again, `retries` times;
+    writes never are (they may have been applied). `transport`: an httpx transport (tests, proxies)."""
+
+    def __init__(self, url: str = DEFAULT_URL, api_key: str | None = None, *, timeout: float | httpx.Timeout = 60.0,
+                 retries: int = 2, max_retry_wait: float = 30.0, transport: httpx.BaseTransport | None = None):
+        self.url = url.rstrip("/")
+        self._retries = _Retries(retries, max_retry_wait)
+        self._http = httpx.Client(base_url=self.url, headers=_headers(api_key), timeout=timeout, transport=transport)
+
+    def run(self, op: Op[T]) -> T:
+        """Run an operation (see Ops), sending its requests one after the other."""
+        answer = None
+        try:
+            while True:
+                answer = _answer(self._send(_step(op, answer)))
+        except StopIteration as done:
+            return done.value
+
+    def _send(self, req: Request) -> httpx.Response:
+        attempt = 0
+        while True:
+            resp = self._http.request(req.method, req.path, json=req.json, params=req.params)
+            wait = self._retries.wait(req, resp, attempt)
+            if wait is None:
+                return resp
+            attempt += 1
+            time.sleep(wait)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient(_Api):
+    """As `Client`, each method a coroutine. Its connections belong to the event loop that first uses it."""
+
+    def __init__(self, url: str = DEFAULT_URL, api_key: str | None = None, *, timeout: float | httpx.Timeout = 60.0,
+                 retries: int = 2, max_retry_wait: float = 30.0, transport: httpx.AsyncBaseTransport | None = None):
+        self.url = url.rstrip("/")
+        self._retries = _Retries(retries, max_retry_wait)
+        self._http = httpx.AsyncClient(base_url=self.url, headers=_headers(api_key), timeout=timeout,
+                                       transport=transport)
+
+    async def run(self, op: Op[T]) -> T:
+        """Run an operation (see Ops), sending its requests one after the other."""
+        answer = None
+        try:
+            while True:
+                answer = _answer(await self._send(_step(op, answer)))
+        except StopIteration as done:
+            return done.value
+
+    async def _send(self, req: Request) -> httpx.Response:
+        attempt = 0
+        while True:
+            resp = await self._http.request(req.method, req.path, json=req.json, params=req.params)
+            wait = self._retries.wait(req, resp, attempt)
+            if wait is None:
+                return resp
+            attempt += 1
+            await asyncio.sleep(wait)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+
+__all__ = ["AsyncClient", "AuthError", "Client", "CollectionInfo", "Document", "Hit", "Ops", "Page", "RemoteError",
+           "Request", "SearchResult", "error_for"]

@@ -1,0 +1,269 @@
+"""Batch reads, scrolling and delete-by-filter, over HTTP against the real service, and the engine's
+delete_where replayed from the log: documents come back in the order asked, a scroll sees each document
+present throughout exactly once while writes go on, a delete by filter is one durable write, search hits
+carry their vectors when asked, keys scoped elsewhere get 403, and the OpenAPI document says all of it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zlib
+
+import numpy as np
+import pytest
+from server_util import ServerProcess
+
+from fusionrag.retriever.collection import Catalog
+
+MAX_DOCS = 16
+ADMIN = "admin-key-0123456789"
+TEAM = "team-key-0123456789"
+
+
+def _vec(i: int) -> list[float]:
+    return np.random.default_rng(i).standard_normal(4).astype(np.float32).tolist()
+
+
+def _docs(ids, **meta) -> list[dict]:
+    return [{"id": d, "text": f"text of {d}", "vector": _vec(zlib.crc32(d.encode())), "metadata": {"name": d, **meta}}
+            for d in ids]
+
+
+def _write(c, name: str, docs: list[dict]) -> None:
+    for i in range(0, len(docs), MAX_DOCS):
+        r = c.post(f"/v1/collections/{name}/documents", json={"documents": docs[i:i + MAX_DOCS]})
+        assert r.status_code == 200, r.text
+
+
+def _create(c, name: str) -> None:
+    r = c.post("/v1/collections", json={"name": name, "dimension": 4, "metric": "l2"})
+    assert r.status_code == 201, r.text
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    """A service with two keys (every collection; team-* only) and max_documents 16."""
+    root = tmp_path_factory.mktemp("documents-api")
+    (root / "keys").write_text(f"{ADMIN}\n{TEAM} team-*\n")
+    srv = ServerProcess(root / "data", root / "server.log", "--no-demo", "--max-documents", str(MAX_DOCS),
+                        "--api-keys-file", str(root / "keys"))
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def admin(service):
+    with service.client(headers={"Authorization": f"Bearer {ADMIN}"}) as c:
+        yield c
+
+
+def test_batch_get_returns_documents_in_the_order_asked(admin):
+    _create(admin, "team-get")
+    docs = _docs([f"d{i}" for i in range(20)])
+    _write(admin, "team-get", docs)
+    r = admin.post("/v1/collections/team-get/documents/get", json={"ids": ["d5", "missing", "d1", "d5"]})
+    assert r.status_code == 200, r.text
+    got = r.json()["documents"]
+    assert [d["id"] for d in got] == ["d5", "d1", "d5"]  # missing ids left out, the rest as asked
+    assert got[0] == {"id": "d5", "text": "text of d5", "metadata": {"name": "d5"}}  # no vector unless asked
+    r = admin.post("/v1/collections/team-get/documents/get", json={"ids": ["d7", "d3"], "with_vectors": True})
+    by_id = {d["id"]: d for d in docs}
+    for d in r.json()["documents"]:
+        assert np.array_equal(np.float32(d["vector"]), np.float32(by_id[d["id"]]["vector"]))
+    r = admin.post("/v1/collections/team-get/documents/get", json={"ids": [f"d{i}" for i in range(MAX_DOCS + 1)]})
+    assert r.status_code == 422 and f"at most {MAX_DOCS} allowed (max_documents)" in r.json()["detail"]
+    for body in ({"ids": []}, {"ids": [""]}, {"ids": ["a"], "extra": 1}, {"ids": ["a"], "with_vectors": "yes"}):
+        assert admin.post("/v1/collections/team-get/documents/get", json=body).status_code == 422, body
+    assert admin.post("/v1/collections/team-nope/documents/get", json={"ids": ["a"]}).status_code == 404
+    # The verbs' paths are theirs (OpenAPI matches concrete paths first): documents named so are read by POST.
+    _write(admin, "team-get", _docs(["get", "delete", "get\n"]))
+    r = admin.get("/v1/collections/team-get/documents/get")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert admin.get("/v1/collections/team-get/documents/get%0A").json()["id"] == "get\n"
+    r = admin.post("/v1/collections/team-get/documents/get", json={"ids": ["delete", "get"]})
+    assert [d["id"] for d in r.json()["documents"]] == ["delete", "get"]
+
+
+def _scroll(c, name: str, between=None, **params) -> tuple[list[str], list[int]]:
+    """Every id a scroll returns, in order, and each page's size; between(page_number) runs after each page."""
+    ids, sizes, cursor, page = [], [], None, 0
+    while True:
+        q = {**params, **({"cursor": cursor} if cursor else {})}
+        r = c.get(f"/v1/collections/{name}/documents", params=q)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        ids += [d["id"] for d in body["documents"]]
+        sizes.append(len(body["documents"]))
+        cursor = body["next_cursor"]
+        if cursor is None:
+            return ids, sizes
+        page += 1
+        if between:
+            between(page)
+
+
+def test_scroll_sees_each_document_present_throughout_once_while_writes_go_on(admin):
+    _create(admin, "team-scroll")
+    _write(admin, "team-scroll", _docs([f"d{i:02d}" for i in range(40)], even=False))
+
+    def writes(page: int) -> None:
+        if page == 1:  # d00..d06 seen: replace one seen and one not, delete one not seen, add new ones
+            _write(admin, "team-scroll", _docs(["d02", "d25", "new0", "new1"], even=False))
+            assert admin.post("/v1/collections/team-scroll/documents/delete", json={"ids": ["d30"]}).json() == \
+                {"deleted": 1}
+
+    ids, sizes = _scroll(admin, "team-scroll", writes, limit=7)
+    assert max(sizes) == 7 and sizes[-1] > 0  # no empty last page: next_cursor is null on the last one
+    untouched = {f"d{i:02d}" for i in range(40)} - {"d02", "d25", "d30"}
+    assert all(ids.count(d) == 1 for d in untouched), ids
+    assert "d30" not in ids and ids.count("d25") == 1 and ids.count("new0") == ids.count("new1") == 1
+    assert ids.count("d02") == 2 and ids[-4:] == ["d02", "d25", "new0", "new1"]  # a replaced one moves to the end
+    # Default page: min(100, max_documents); a filter given as JSON.
+    assert _scroll(admin, "team-scroll")[1][0] == MAX_DOCS
+    _write(admin, "team-scroll", _docs(["e1", "e2", "e3"], even=True))
+    flt = json.dumps({"even": True})
+    assert _scroll(admin, "team-scroll", filter=flt, limit=2) == (["e1", "e2", "e3"], [2, 1])
+    got = admin.get("/v1/collections/team-scroll/documents", params={"filter": flt, "with_vectors": "true"}).json()
+    assert np.array_equal(np.float32(got["documents"][0]["vector"]), np.float32(_docs(["e1"])[0]["vector"]))
+    r = admin.get("/v1/collections/team-scroll/documents", params={"filter": json.dumps({"even": "true"})})
+    assert r.json()["documents"] == [] and "hold it as bools only" in r.json()["warnings"][0]
+
+
+@pytest.mark.parametrize("params, status, words", [
+    ({"limit": MAX_DOCS + 1}, 422, f"at most {MAX_DOCS} allowed (max_documents)"),
+    ({"limit": 0}, 422, "limit"),
+    ({"cursor": "abc"}, 422, "cursor"),
+    ({"filter": "{"}, 400, "the filter query parameter: malformed JSON"),
+    ({"filter": "[1]"}, 422, "must be a JSON object"),
+    ({"filter": '{"a": {"$near": 1}}'}, 422, "unknown operator '$near'"),
+    ({"filter": '{"a": ' + "[" * 200 + "]" * 200 + "}"}, 422, "more than 100 deep"),
+])
+def test_scroll_refuses_bad_input_with_a_clear_4xx(admin, params, status, words):
+    if admin.get("/v1/collections/team-bad").status_code == 404:
+        _create(admin, "team-bad")
+    r = admin.get("/v1/collections/team-bad/documents", params=params)
+    assert r.status_code == status and words in r.json()["detail"], r.text
+
+
+def test_delete_by_filter_is_one_write_that_survives_a_restart(tmp_path):
+    srv = ServerProcess(tmp_path / "data", tmp_path / "a.log", "--no-demo")
+    try:
+        srv.wait_ready()
+        with srv.client() as c:
+            _create(c, "years")
+            docs = [{"id": f"y{y}", "vector": _vec(y), "metadata": {"year": y, "tags": ["old"] if y < 2015 else []}}
+                    for y in range(2000, 2025)]
+            _write(c, "years", docs)
+            r = c.post("/v1/collections/years/documents/delete", json={"filter": {"year": {"$lt": 2010}}})
+            assert r.json() == {"deleted": 10}
+            r = c.request("DELETE", "/v1/collections/years/documents", json={"filter": {"tags": {"$contains": "old"}}})
+            assert r.json() == {"deleted": 5}  # 2010..2014
+            r = c.request("DELETE", "/v1/collections/years/documents", json={"ids": ["y2015", "y1999"]})
+            assert r.json() == {"deleted": 1}  # the ids contract as before: unknown ids ignored
+            for body, words in (({}, "exactly one of 'ids' and 'filter'"),
+                                ({"ids": ["y2016"], "filter": {"year": 2016}}, "exactly one of 'ids' and 'filter'"),
+                                ({"filter": {}}, "non-empty"), ({"filter": None}, "filter"),
+                                ({"filter": {"year": {"$lt": "x", "$foo": 1}}}, "unknown operator")):
+                r = c.post("/v1/collections/years/documents/delete", json=body)
+                assert r.status_code == 422 and words in r.json()["detail"], (body, r.text)
+            assert c.get("/v1/collections/years").json()["count"] == 9
+        assert srv.stop() == 0
+        srv = ServerProcess(tmp_path / "data", tmp_path / "b.log", "--no-demo")
+        srv.wait_ready()
+        with srv.client() as c:
+            ids, _ = _scroll(c, "years")
+            assert ids == [f"y{y}" for y in range(2016, 2025)]
+            hits = c.post("/v1/collections/years/search", json={"vectors": [_vec(2003)], "k": 25}).json()["results"][0]
+            assert sorted(h["id"] for h in hits) == ids
+    finally:
+        srv.stop()
+
+
+def test_search_hits_carry_their_vectors_when_asked(admin):
+    _create(admin, "team-search")
+    docs = _docs([f"s{i}" for i in range(12)])
+    _write(admin, "team-search", docs)
+    by_id = {d["id"]: np.float32(d["vector"]) for d in docs}
+    body = {"vectors": [docs[3]["vector"], docs[8]["vector"]], "k": 5}
+    plain = admin.post("/v1/collections/team-search/search", json=body).json()["results"]
+    assert all("vector" not in h for q in plain for h in q)
+    with_vectors = admin.post("/v1/collections/team-search/search", json={**body, "with_vectors": True}).json()
+    for q, p in zip(with_vectors["results"], plain):
+        assert [h["id"] for h in q] == [h["id"] for h in p]
+        for h in q:
+            assert np.array_equal(np.float32(h["vector"]), by_id[h["id"]]), h["id"]
+    text = admin.post("/v1/collections/team-search/search",
+                      json={"texts": ["text of s4"], "mode": "text", "k": 2, "with_vectors": True}).json()
+    assert all(np.array_equal(np.float32(h["vector"]), by_id[h["id"]]) for h in text["results"][0])
+
+
+def test_keys_scoped_to_other_collections_get_403(service, admin):
+    _create(admin, "other")
+    calls = [("POST", "/v1/collections/{}/documents/get", {"json": {"ids": ["a"]}}),
+             ("GET", "/v1/collections/{}/documents", {}),
+             ("POST", "/v1/collections/{}/documents/delete", {"json": {"filter": {"a": 1}}}),
+             ("DELETE", "/v1/collections/{}/documents", {"json": {"filter": {"a": 1}}})]
+    with service.client(headers={"Authorization": f"Bearer {TEAM}"}) as team, service.client() as anonymous:
+        for method, path, kw in calls:
+            assert team.request(method, path.format("other"), **kw).status_code == 403, path
+            assert anonymous.request(method, path.format("team-x"), **kw).status_code == 401, path
+            assert admin.request(method, path.format("other"), **kw).status_code == 200, path
+
+
+def test_openapi_document_declares_the_new_routes(service):
+    with service.client() as c:
+        doc = c.get("/openapi.json").json()
+    paths, schemas = doc["paths"], doc["components"]["schemas"]
+
+    def ref(op, status="200"):
+        return op["responses"][status]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
+
+    get = paths["/v1/collections/{name}/documents/get"]["post"]
+    assert get["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/GetRequest")
+    assert schemas["GetRequest"]["properties"]["ids"]["maxItems"] == MAX_DOCS
+    assert ref(get) == "Documents" and {"403", "404", "413", "422"} <= set(get["responses"])
+    scroll = paths["/v1/collections/{name}/documents"]["get"]
+    params = {p["name"]: p for p in scroll["parameters"]}
+    assert params["limit"]["schema"]["maximum"] == MAX_DOCS and params["limit"]["schema"]["default"] == MAX_DOCS
+    assert params["cursor"]["schema"]["pattern"] == "^[0-9]{1,18}$"
+    assert params["filter"]["content"]["application/json"]["schema"] == {"type": "object"}
+    assert ref(scroll) == "DocumentsPage" and set(schemas["DocumentsPage"]["required"]) == {"documents", "next_cursor"}
+    for op in (paths["/v1/collections/{name}/documents/delete"]["post"],
+               paths["/v1/collections/{name}/documents"]["delete"]):
+        assert ref(op) == "Deleted" and "507" in op["responses"]
+    assert [b["required"] for b in schemas["DeleteRequest"]["oneOf"]] == [["ids"], ["filter"]]
+    assert schemas["DeleteRequest"]["properties"]["ids"]["maxItems"] == MAX_DOCS
+    assert schemas["SearchRequest"]["properties"]["with_vectors"]["type"] == "boolean"
+
+
+CRASH_CHILD = """
+import os, sys
+from fusionrag.retriever.collection import Catalog, Collection, Document
+col = Catalog(sys.argv[1]).create("c", 2, "l2")
+col.upsert([Document(f"old{i}", None, [i, 0], {"kind": "draft" if i % 2 else "final"}) for i in range(6)])
+Collection._apply_pending = lambda self: None  # logged and fsynced, never applied: as if killed just after
+col.upsert([Document("a", None, [9, 9], {"kind": "draft"})])
+col.delete_where({"kind": "draft"})
+col.upsert([Document("b", None, [8, 8], {"kind": "draft"})])
+os._exit(0)
+"""
+
+
+def test_delete_where_is_replayed_at_its_place_in_the_log(tmp_path):
+    """A delete by filter logged (and fsynced) but not applied before the process died is applied on the next
+    open, between the writes logged around it: it removes what matched then, not what was written after."""
+    run = subprocess.run([sys.executable, "-c", CRASH_CHILD, str(tmp_path)], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    cat = Catalog(tmp_path)
+    try:
+        col = cat.get("c")
+        docs, after = col.scroll(100)
+        assert [d.id for d in docs] == ["old0", "old2", "old4", "b"] and after is None
+        assert col.delete_where({"kind": "final"}) == 3 and len(col) == 1
+    finally:
+        cat.close()
