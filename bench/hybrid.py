@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from fusionrag.retriever.collection import DEFAULT_TEXT_WEIGHT, HYBRID_DEPTH, Catalog, Document
-from fusionrag.retriever import collection as collection_module
+from fusionrag.retriever.collection import api as collection_module  # where searches read HYBRID_DEPTH
 from fusionrag.retriever.embedding import get_embedder
 
 ROOT = Path(__file__).resolve().parent

@@ -37,3 +37,22 @@ class StorageError(FusionRAGError, OSError):
 class UnavailableError(FusionRAGError):
     """The collection cannot serve now: it is closing (the service stops) or it failed to open (the
     message says why); other collections are not affected."""
+
+
+# The one table of errors and HTTP statuses, read both ways: the service answers an error with the status of
+# the first class here it is an instance of (anything else: 500), and the client (fusionrag.client) raises for
+# a status the class of its first row, so code catches the same classes in-process and remotely. 400 and 413
+# are the service's own refusals of a body, raised back as InputError too.
+HTTP_STATUSES: tuple[tuple[type[FusionRAGError], int], ...] = (
+    (NotFoundError, 404), (ConflictError, 409), (InputError, 422), (ConfigError, 422), (StorageError, 507),
+    (UnavailableError, 503), (InputError, 400), (InputError, 413))
+
+
+def http_status(error: BaseException) -> int | None:
+    """The status the service answers this error with; None for one it does not expect (a 500)."""
+    return next((status for cls, status in HTTP_STATUSES if isinstance(error, cls)), None)
+
+
+def error_class(status: int) -> type[FusionRAGError] | None:
+    """The class the client raises for an error status; None where the table has no row (401, 403, 500 ...)."""
+    return next((cls for cls, s in HTTP_STATUSES if s == status), None)

@@ -500,7 +500,7 @@ def test_create_on_a_full_disk_raises_storage_error_and_leaves_nothing(tmp_path,
     import errno
     import sqlite3
 
-    from fusionrag.retriever import collection as collection_module
+    from fusionrag.retriever.collection import api, catalog
     from fusionrag.retriever.errors import StorageError
 
     def full(*_a, **_k):  # what the OS and SQLite say when the disk is full
@@ -509,9 +509,10 @@ def test_create_on_a_full_disk_raises_storage_error_and_leaves_nothing(tmp_path,
         raise OSError(errno.ENOSPC, "No space left on device")
 
     cat = Catalog(tmp_path)
-    target = {"collection.json": "_write_json_atomic", "docs.sqlite": "DocStore", "open": "WriteAheadLog"}[where]
+    module, target = {"collection.json": (catalog, "write_json_atomic"), "docs.sqlite": (catalog, "DocStore"),
+                      "open": (api, "WriteAheadLog")}[where]
     with monkeypatch.context() as m:
-        m.setattr(collection_module, target, full)
+        m.setattr(module, target, full)
         with pytest.raises(StorageError, match="cannot create collection 'c'"):
             cat.create("c", DIM, "l2")
     assert cat.names() == [] and list((tmp_path / "collections").iterdir()) == []

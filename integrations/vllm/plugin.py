@@ -31,7 +31,6 @@ import contextlib
 import json
 import logging
 import os
-import threading
 import time
 from argparse import Namespace
 from collections.abc import AsyncGenerator
@@ -45,7 +44,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from fusionrag.integrations.vllm.memory import plan_plugin_split
 from fusionrag.integrations.vllm.prompt import augment, question_of
 from fusionrag.retriever.errors import ConfigError, FusionRAGError, InputError, NotFoundError, UnavailableError
-from fusionrag.server.app import State, authenticate, engine_error, v1
+from fusionrag.server.deps import authenticate
+from fusionrag.server.errors import engine_error
+from fusionrag.server.life import Service, State
+from fusionrag.server.routes import v1
 from fusionrag.server.auth import Key
 from fusionrag.server.config import ServerConfig, load_config
 
@@ -205,8 +207,11 @@ class FusionRAGEndpointPlugin:
     required_tasks = ("generate",)
 
     def __init__(self) -> None:
-        self.state: State | None = None
-        self._loader: threading.Thread | None = None
+        self.service: Service | None = None
+
+    @property
+    def state(self) -> State | None:
+        return None if self.service is None else self.service.state
 
     def attach_router(self, app: FastAPI) -> None:
         app.include_router(v1)
@@ -229,17 +234,11 @@ class FusionRAGEndpointPlugin:
     async def init_state(self, engine_client, state, args: Namespace) -> None:
         # vLLM calls this once its engine is up: weights loaded, memory profiled, KV cache allocated.
         log.info("fusionrag: vLLM's engine is up; opening the collections")
-        self.state = State(budget_beside_vllm(load_config(), args))
-        await self.state.batcher.start()
-        self._loader = threading.Thread(target=self.state.load, name="fusionrag-load", daemon=True)
-        self._loader.start()
-        state.fusionrag = self.state
+        self.service = Service(budget_beside_vllm(load_config(), args))
+        await self.service.start()
+        state.fusionrag = self.service.state
 
     async def close(self) -> None:
-        if self.state is None:
-            return
-        await self.state.batcher.stop()
-        if self._loader is not None:
-            self._loader.join()
-        self.state.catalog.close()
-        self.state = None
+        if self.service is not None:
+            service, self.service = self.service, None
+            await service.stop()

@@ -29,8 +29,7 @@ import numpy as np
 from fusionrag import __version__
 from fusionrag.retriever.collection import DEFAULT_TEXT_WEIGHT, Document, Hit
 from fusionrag.retriever.config import SearchParams
-from fusionrag.retriever.errors import (ConflictError, FusionRAGError, InputError, NotFoundError, StorageError,
-                                       UnavailableError)
+from fusionrag.retriever.errors import FusionRAGError, InputError, error_class
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -50,13 +49,9 @@ class AuthError(RemoteError):
     """401: no valid API key; 403: the key does not cover this collection."""
 
 
-_ERRORS: dict[int, type[FusionRAGError]] = {400: InputError, 413: InputError, 422: InputError, 404: NotFoundError,
-                                            409: ConflictError, 503: UnavailableError, 507: StorageError}
-
-
 def error_for(status: int, message: str) -> FusionRAGError:
     """The exception an error answer maps to, with its status as `.status`."""
-    cls = _ERRORS.get(status)
+    cls = error_class(status)
     if cls is None:
         return (AuthError if status in (401, 403) else RemoteError)(status, message)
     error: Any = cls(message)

@@ -1,5 +1,5 @@
 """Mutable collections: documents added, replaced and deleted without a rebuild, durable when a
-write returns (see /work/wt/CONTRACT.md for the interface).
+write returns (docs/collections.md describes the interface; docs/design.md, where a write goes).
 
 A collection directory holds:
 - collection.json: name, dimension, metric, embedding (written once, at create);
@@ -17,177 +17,41 @@ swapping one reference, so a search sees either the old or the new state.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
-import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import sqlite3
-import struct
 import threading
 import time
-import uuid
-import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
-from fusionrag.retriever.build import build_index
-from fusionrag.retriever.config import METRICS, BuildConfig, EngineConfig, SearchParams, _check, _Config
+from fusionrag.retriever.config import EngineConfig, SearchParams
 from fusionrag.retriever.docstore import DocStore
-from fusionrag.retriever.errors import (ConflictError, FusionRAGError, IndexFormatError, InputError, NotFoundError,
-                                       StorageError, UnavailableError)
+from fusionrag.retriever.errors import (ConflictError, FusionRAGError, IndexFormatError, InputError, StorageError,
+                                       UnavailableError)
 from fusionrag.retriever.filters import compile_filter, filter_warnings
 from fusionrag.retriever.fresh import FreshTier, FreshView, distances
 from fusionrag.retriever.index import STAT_KEYS, Index
-from fusionrag.retriever.manifest import fsync_path
-from fusionrag.retriever.merge import can_store, merge_index
 from fusionrag.retriever import importer, snapshot
-from fusionrag.retriever.vectors import normalize, vector_problems
+from fusionrag.retriever.vectors import vector_problems
 from fusionrag.retriever.wal import WriteAheadLog
+from fusionrag.retriever.collection import compaction
+from fusionrag.retriever.collection.config import (CURRENT_FORMAT, DEFAULT_TEXT_WEIGHT, HYBRID_DEPTH,
+                                                   MERGE_RETRY_S, RRF_K, SEARCH_MODES, CollectionConfig)
+from fusionrag.retriever.collection.generations import (Generation, ReadView, load_published, rows_digest,
+                                                        write_json_atomic, write_rows)
+from fusionrag.retriever.collection.records import (CollectionSearch, Document, Hit, Write, check_vectors,
+                                                    engine_form, upsert_record)
 
 log = logging.getLogger(__name__)
 
-NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-MAX_ID_CHARS = 512
-_COLLECTION_FORMAT = 1
-_CURRENT_FORMAT = 2  # 2: CURRENT holds the digest of its generation's rows.npy
-_MERGE_RETRY_S = 30  # a failed background merge (a full disk, say) waits this long to retry
-SEARCH_MODES = ("vector", "text", "hybrid")
-# Hybrid search: each ranking is taken this deep (or k) before fusion, and fused by reciprocal rank
-# with the usual constant (Cormack et al., 2009); the text ranking's weight by default. Chosen on half of
-# a labelled question set of the Python docs (bench/hybrid.py).
-HYBRID_DEPTH = 20
-RRF_K = 60
-DEFAULT_TEXT_WEIGHT = 0.5
-
-
-@dataclass(frozen=True)
-class CollectionConfig(_Config):
-    """How collections fold writes into their main index and answer filtered searches."""
-
-    # A merge starts in the background once the fresh tier holds this many vectors or bytes.
-    merge_fresh_count: int = 20000
-    merge_fresh_bytes: int = 256 << 20
-    background_merge: bool = True
-    # Fewer live documents than this are not worth an index: they stay in the (exact) fresh tier.
-    min_index_count: int = 1000
-    # A filter that at most this many documents pass is answered by exact search over them.
-    filter_exact_max: int = 20000
-    # Merges fold writes into the current index (merge.py) rather than rebuilding it, until the
-    # index has grown this many times over its last full build (its clusters and PQ codebooks
-    # were trained on that) or until less than this fraction of its SSD slots hold live vectors.
-    incremental_merge: bool = True
-    rebuild_growth: float = 4.0
-    rebuild_live_fraction: float = 0.5
-    build: BuildConfig = field(default_factory=BuildConfig)
-
-    def __post_init__(self):
-        _check(self.merge_fresh_count >= 1, f"merge_fresh_count must be >= 1, got {self.merge_fresh_count}")
-        _check(self.merge_fresh_bytes >= 1, f"merge_fresh_bytes must be >= 1, got {self.merge_fresh_bytes}")
-        _check(self.min_index_count >= 1, f"min_index_count must be >= 1, got {self.min_index_count}")
-        _check(self.filter_exact_max >= 0, f"filter_exact_max must be >= 0, got {self.filter_exact_max}")
-        _check(self.rebuild_growth >= 1, f"rebuild_growth must be >= 1, got {self.rebuild_growth}")
-        _check(0 <= self.rebuild_live_fraction < 1,
-               f"rebuild_live_fraction must be in [0, 1), got {self.rebuild_live_fraction}")
-
-
-@dataclass
-class Document:
-    id: str | None = None
-    text: str | None = None
-    vector: np.ndarray | list[float] | None = None
-    metadata: dict = field(default_factory=dict)
-
-
-@dataclass
-class Hit:
-    id: str
-    distance: float
-    score: float
-    text: str | None
-    metadata: dict
-    vector: np.ndarray | None = None
-
-
-@dataclass
-class CollectionSearch:
-    hits: list[list[Hit]]
-    stats: list[dict]
-
-
-def _write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
-
-
-# -- writes as log records ---------------------------------------------------------------------
-
-@dataclass
-class _Write:
-    op: str  # "upsert" | "delete" | "delete_where" | "clear"
-    ids: list[str] = field(default_factory=list)
-    texts: list = field(default_factory=list)
-    metas: list[str] = field(default_factory=list)  # JSON text
-    vectors: np.ndarray | None = None  # float32 (n, dim), as given
-    rows: np.ndarray | None = None  # int64 (n,), assigned when logged
-    lsn: int = 0
-    offset: int = 0
-    applied: bool = False
-    error: BaseException | None = None
-    result: int = 0
-    filter: str | None = None  # JSON text, op "delete_where": evaluated when applied, at its place in the log
-
-    def payload(self) -> bytes:
-        head = {"op": self.op, "ids": self.ids, "texts": self.texts, "metas": self.metas,
-                "rows": [] if self.rows is None else self.rows.tolist()}
-        if self.filter is not None:
-            head["filter"] = self.filter
-        h = json.dumps(head, separators=(",", ":")).encode()
-        vec = b"" if self.vectors is None else np.ascontiguousarray(self.vectors, np.float32).tobytes()
-        return struct.pack("<I", len(h)) + h + vec
-
-    @classmethod
-    def decode(cls, lsn: int, payload: bytes, dim: int) -> "_Write":
-        (n,) = struct.unpack_from("<I", payload)
-        head = json.loads(payload[4:4 + n])
-        w = cls(head["op"], head["ids"], head["texts"], head["metas"], lsn=lsn, filter=head.get("filter"))
-        w.rows = np.asarray(head["rows"], dtype=np.int64)
-        if w.op == "upsert":
-            w.vectors = np.frombuffer(payload[4 + n:], dtype=np.float32).reshape(len(w.ids), dim)
-        return w
-
-
-@dataclass(eq=False)
-class _Main:
-    """A published generation: the engine index over the rows live when it was built."""
-    generation: int
-    index: Index | None
-    rows: np.ndarray  # int64, sorted: vector id -> row
-    max_row: int  # rows above this were written after the build
-    # Searches reading it now. Once replaced (a merge) or closed it is retired, and its index is
-    # closed by whoever leaves it last unread, giving its GPU memory back to the shared budget.
-    readers: int = 0
-    retired: bool = False
-    unsearchable: int | None = None  # live rows a rebuild left out (see Collection._usable)
-
-
-@dataclass
-class _Snapshot:
-    main: _Main
-    tomb: np.ndarray  # uint8 bitmap over main vector ids, a copy
-    tomb_count: int
-    fresh: FreshView
+log = logging.getLogger(__name__)
 
 
 def _in_use(method):
@@ -201,10 +65,6 @@ def _in_use(method):
         finally:
             self._leave()
     return call
-
-
-def _rows_digest(rows: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(rows, np.int64).tobytes()).hexdigest()
 
 
 class Collection:
@@ -229,7 +89,7 @@ class Collection:
         self._merging = False
         self._merge_removed: list[int] = []
         self._merge_retry_at = 0.0
-        self._pending: list[_Write] = []
+        self._pending: list[Write] = []
         self._users = 0  # calls in progress, and a background merge
         self._users_cv = threading.Condition()
         self._closed: tuple[type, str] | None = None  # once closing began: what a later call raises
@@ -238,7 +98,7 @@ class Collection:
         self._import: dict | None = None  # the last bulk import: its state, and what it did or why it failed
 
         self._wal = WriteAheadLog(self.path / "wal.log")
-        self._main = _Main(0, None, np.empty(0, np.int64), -1)
+        self._main = Generation(0, None, np.empty(0, np.int64), -1)
         self.store = None
         try:
             records = self._wal.open()
@@ -246,7 +106,7 @@ class Collection:
             # remade from it; after one, the doc store holds what the log no longer does.
             whole_log = not (self.path / "CURRENT").exists() and (not records or records[0][0] == 1)
             self.store = DocStore(self.path / "docs.sqlite", self.dim, create=whole_log)
-            self._main = self._load_main()
+            self._main = load_published(self.path, self.engine_config, self.name)
             next_row = self.store.meta("next_row", 0)
             if next_row <= self._main.max_row:
                 raise IndexFormatError(
@@ -257,7 +117,7 @@ class Collection:
                 raise IndexFormatError(f"docs.sqlite has applied writes up to {applied}, but wal.log starts at "
                                        f"write {records[0][0]}: the doc store is older than the log (restored?)")
             self._next_row = self._applied_next_row = next_row
-            replay = [_Write.decode(lsn, p, self.dim) for lsn, p in records if lsn > applied]
+            replay = [Write.decode(lsn, p, self.dim) for lsn, p in records if lsn > applied]
             if replay:
                 self._apply_to_store(replay)
             self._next_lsn = max([applied] + [lsn for lsn, _ in records]) + 1
@@ -272,49 +132,6 @@ class Collection:
             raise
 
     # -- opening -------------------------------------------------------------------------------
-    def _load_main(self) -> _Main:
-        cur = self.path / "CURRENT"
-        keep = None
-        main = _Main(0, None, np.empty(0, np.int64), -1)
-        if cur.exists():
-            try:
-                c = json.loads(cur.read_text())
-                generation, indexed, max_row = int(c["generation"]), bool(c["indexed"]), int(c["max_row"])
-            except (OSError, ValueError, TypeError, KeyError) as e:
-                raise IndexFormatError(f"CURRENT is unreadable ({e!r})") from e
-            keep = f"gen-{generation:06d}"
-            rows = self._load_rows(keep, c) if indexed else np.empty(0, np.int64)
-            index = Index.open(self.path / keep / "index", self.engine_config) if indexed else None
-            if index is not None and len(rows) != index.count:
-                index.close()
-                raise IndexFormatError(f"{keep}/rows.npy maps {len(rows)} vectors, {keep}/index has {index.count}")
-            main = _Main(generation, index, rows, max_row)
-        for p in self.path.glob("gen-*"):  # generations a crash or a merge left behind
-            if p.name != keep:
-                shutil.rmtree(p, ignore_errors=True)
-        return main
-
-    def _load_rows(self, gen: str, current: dict) -> np.ndarray:
-        """A generation's vector id -> row map, checked against the digest CURRENT holds for it: a
-        flipped byte or a permutation would make answers wrong with no error."""
-        name = f"{gen}/rows.npy"
-        legacy = current.get("format", 1) < _CURRENT_FORMAT
-        if not legacy and "rows_sha256" not in current:
-            raise IndexFormatError(f"CURRENT holds no checksum of {name}")
-        try:
-            rows = np.load(self.path / name, allow_pickle=False)
-        except (OSError, ValueError) as e:
-            raise IndexFormatError(f"{name} is missing or unreadable ({e})") from e
-        if rows.dtype != np.int64 or rows.ndim != 1:
-            raise IndexFormatError(f"{name} is not a 1-D int64 array: the file is corrupt")
-        if legacy:  # written before CURRENT held the digest: record it from now on
-            log.warning("collection %r: CURRENT had no checksum of %s; recording one", self.name, name)
-            _write_json_atomic(self.path / "CURRENT", current | {"format": _CURRENT_FORMAT,
-                                                                 "rows_sha256": _rows_digest(rows)})
-        elif _rows_digest(rows) != current["rows_sha256"]:
-            raise IndexFormatError(f"{name} does not match its checksum in CURRENT: the file is corrupt")
-        return rows
-
     def _load_memory(self) -> None:
         live = self.store.live_rows()
         dead = ~np.isin(self._main.rows, live, assume_unique=True)
@@ -326,7 +143,7 @@ class Collection:
         self._unsearchable = bad + len(np.setdiff1d(live[live <= main.max_row], main.rows, assume_unique=True))
         self._fresh = FreshTier(self.dim)
         if len(rows):
-            self._fresh.add(rows, self._engine_form(vecs))
+            self._fresh.add(rows, engine_form(vecs, self.metric))
 
     def _usable(self, rows: np.ndarray, vecs: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
         """The stored vectors the engine can use, and how many it cannot. Writes refuse those, but a
@@ -342,9 +159,6 @@ class Collection:
         keep[bad] = False
         return rows[keep], vecs[keep], len(bad)
 
-    def _engine_form(self, vecs: np.ndarray) -> np.ndarray:
-        return normalize(vecs) if self.metric == "cosine" else vecs
-
     # -- input checks --------------------------------------------------------------------------
     def _enter(self) -> None:
         with self._users_cv:
@@ -359,68 +173,11 @@ class Collection:
             if not self._users:
                 self._users_cv.notify_all()
 
-    def _vectors(self, vectors, what: str) -> np.ndarray:
-        try:
-            v = np.asarray(vectors, dtype=np.float32)
-        except (TypeError, ValueError) as e:
-            raise InputError(f"{what}: not numeric ({e})") from e
-        if v.ndim == 1:
-            v = v[None, :]
-        if v.ndim != 2 or v.shape[1] != self.dim:
-            raise InputError(f"{what}: expected dimension {self.dim}, got shape {tuple(np.shape(vectors))}")
-        bad, why = vector_problems(v, self.metric)
-        if bad.size:
-            raise InputError(f"{what}: row {int(bad[0])} {why[0]}")
-        return np.ascontiguousarray(v)
-
-    def _upsert_write(self, docs: Sequence[Document]) -> tuple[_Write, list[str]]:
-        if isinstance(docs, (Document, str, bytes)) or not isinstance(docs, Sequence):
-            raise InputError("upsert takes a sequence of Document")
-        ids, texts, metas, vecs = [], [], [], []
-        for i, d in enumerate(docs):
-            if not isinstance(d, Document):
-                raise InputError(f"document {i}: expected a Document, got {type(d).__name__}")
-            doc_id = uuid.uuid4().hex if d.id is None else d.id
-            if not isinstance(doc_id, str) or not doc_id or len(doc_id) > MAX_ID_CHARS:
-                raise InputError(f"document {i}: id must be a non-empty string of at most {MAX_ID_CHARS} "
-                                 f"characters, got {d.id!r:.80}")
-            if d.text is not None and not isinstance(d.text, str):
-                raise InputError(f"document {doc_id!r}: text must be a string or None")
-            if d.vector is None:
-                raise InputError(f"document {doc_id!r}: a vector is required")
-            if not isinstance(d.metadata, dict) or not all(isinstance(k, str) for k in d.metadata):
-                raise InputError(f"document {doc_id!r}: metadata must be a dict with string keys")
-            try:
-                meta = json.dumps(d.metadata, separators=(",", ":"), allow_nan=False)
-            except (TypeError, ValueError) as e:
-                raise InputError(f"document {doc_id!r}: metadata is not JSON-serialisable ({e})") from e
-            try:
-                v = None if isinstance(d.vector, (str, bytes)) else np.asarray(d.vector, dtype=np.float32)
-            except (TypeError, ValueError):
-                v = None
-            if v is None or v.shape != (self.dim,):
-                raise InputError(f"document {doc_id!r}: vector must be {self.dim} numbers, "
-                                 f"got {getattr(v, 'shape', type(d.vector).__name__)}")
-            _, why = vector_problems(v[None, :], self.metric)
-            if why:
-                raise InputError(f"document {doc_id!r}: vector {why[0]}")
-            ids.append(doc_id)
-            texts.append(d.text)
-            metas.append(meta)
-            vecs.append(v)
-        out = list(ids)
-        # An id given twice in one call: the last one wins, as if written one after the other.
-        last = {doc_id: j for j, doc_id in enumerate(ids)}
-        keep = sorted(last.values())
-        vectors = np.stack([vecs[j] for j in keep]) if keep else np.empty((0, self.dim), np.float32)
-        return _Write("upsert", [ids[j] for j in keep], [texts[j] for j in keep], [metas[j] for j in keep],
-                      vectors), out
-
     # -- the write path ------------------------------------------------------------------------
     @_in_use
     def upsert(self, docs: Sequence[Document]) -> list[str]:
         """Insert or replace documents; durable when it returns. Ids in input order."""
-        w, ids = self._upsert_write(docs)
+        w, ids = upsert_record(docs, self.dim, self.metric)
         if w.ids:
             self._commit(w)
         return ids
@@ -432,20 +189,20 @@ class Collection:
         if isinstance(ids, str) or not all(isinstance(i, str) for i in ids):
             raise InputError("delete takes a sequence of string ids")
         ids = list(dict.fromkeys(ids))
-        return self._commit(_Write("delete", ids)) if ids else 0
+        return self._commit(Write("delete", ids)) if ids else 0
 
     @_in_use
     def delete_where(self, filter: dict) -> int:
         """Delete every document the filter passes, as one write: the filter is logged and evaluated when the
         write is applied, in the same transaction, so it sees every write logged before it and none after."""
         compile_filter(filter)  # a bad filter is refused before it is logged
-        return self._commit(_Write("delete_where", filter=json.dumps(filter, separators=(",", ":"), allow_nan=False)))
+        return self._commit(Write("delete_where", filter=json.dumps(filter, separators=(",", ":"), allow_nan=False)))
 
     @_in_use
     def clear(self) -> None:
-        self._commit(_Write("clear"))
+        self._commit(Write("clear"))
 
-    def _commit(self, w: _Write) -> int:
+    def _commit(self, w: Write) -> int:
         with self._lock:
             if self._import is not None and self._import["state"] == "running":
                 raise ConflictError(f"collection {self.name!r} is importing documents: write once the import is "
@@ -510,7 +267,7 @@ class Collection:
                 self._apply_to_memory(p, gone)
                 p.applied = True
 
-    def _apply_to_store(self, batch: list[_Write]) -> list[list[int]]:
+    def _apply_to_store(self, batch: list[Write]) -> list[list[int]]:
         """One SQLite transaction for the batch, with the last lsn it applied; rows removed per write."""
         removed = []
         self.store.begin()
@@ -534,10 +291,10 @@ class Collection:
             raise
         return removed
 
-    def _apply_to_memory(self, w: _Write, gone: list[int]) -> None:
+    def _apply_to_memory(self, w: Write, gone: list[int]) -> None:
         self._remove_rows(gone)
         if w.op == "upsert":
-            self._fresh.add(w.rows, self._engine_form(w.vectors))
+            self._fresh.add(w.rows, engine_form(w.vectors, self.metric))
 
     def _remove_rows(self, rows: list[int]) -> None:
         if not rows:
@@ -590,7 +347,7 @@ class Collection:
     def _reading(self):
         """A snapshot whose main index stays open until the block ends."""
         with self._mem_lock:
-            snap = _Snapshot(self._main, self._tomb.copy(), self._tomb_count, self._fresh.view())
+            snap = ReadView(self._main, self._tomb.copy(), self._tomb_count, self._fresh.view())
             snap.main.readers += 1
         try:
             yield snap
@@ -601,17 +358,17 @@ class Collection:
             if done:
                 snap.main.index.close()
 
-    def _retire(self, main: _Main) -> bool:
+    def _retire(self, main: Generation) -> bool:
         """Mark a generation no longer published (caller holds _mem_lock); True when no search reads
         it, and the caller closes its index."""
         main.retired = True
         return main.index is not None and not main.readers
 
     def _queries(self, vectors) -> np.ndarray:
-        q = self._vectors(vectors, "queries")
+        q = check_vectors(vectors, self.dim, self.metric, "queries")
         if len(q) == 0:
             raise InputError("queries: no query vectors given")
-        return self._engine_form(q)
+        return engine_form(q, self.metric)
 
     @_in_use
     def filter_warnings(self, filter: dict) -> list[str]:
@@ -687,13 +444,13 @@ class Collection:
             if not live:
                 hits.append([])
                 continue
-            x = self._engine_form(np.stack([docs[r][3] for r, _ in live]))
+            x = engine_form(np.stack([docs[r][3] for r, _ in live]), self.metric)
             d = distances(q[i:i + 1], x, (x * x).sum(1), self.metric)[0]
             hits.append([Hit(docs[r][0], float(dist), sc, docs[r][1], docs[r][2], docs[r][3] if with_vectors else None)
                          for (r, sc), dist in zip(live, d.tolist())])
         return CollectionSearch(hits, stats)
 
-    def _search(self, snap: _Snapshot, q, k, where, params):
+    def _search(self, snap: ReadView, q, k, where, params):
         """Rows and exact distances of each query's k nearest (unsorted, padded with -1), and statistics."""
         nq = len(q)
         stats = [{key: 0 for key in STAT_KEYS} | {"fresh_candidates": 0, "filtered_exact": False}
@@ -722,7 +479,7 @@ class Collection:
         parts_d.append(d)
         return np.concatenate(parts_rows, axis=1), np.concatenate(parts_d, axis=1), stats
 
-    def _search_main(self, q, k, params, snap: _Snapshot, allowed, stats):
+    def _search_main(self, q, k, params, snap: ReadView, allowed, stats):
         main = snap.main
         n = len(main.rows)
         if allowed is None:
@@ -754,7 +511,7 @@ class Collection:
         rows, vecs = self.store.vectors_where(*where)
         if len(rows) == 0:
             return np.full((len(q), 0), -1, np.int64), np.empty((len(q), 0), np.float32)
-        view = FreshView(x := self._engine_form(vecs), (x * x).sum(1), rows, np.ones(len(rows), bool))
+        view = FreshView(x := engine_form(vecs, self.metric), (x * x).sum(1), rows, np.ones(len(rows), bool))
         return view.search(q, k, self.metric)
 
     def _hits(self, rows: np.ndarray, dists: np.ndarray, stats, k: int, with_vectors: bool,
@@ -808,9 +565,9 @@ class Collection:
             if self._closed is not None:
                 log.info("collection %r: merge given up, the collection is closing", self.name)
                 return
-            self._merge_retry_at = time.monotonic() + _MERGE_RETRY_S
+            self._merge_retry_at = time.monotonic() + MERGE_RETRY_S
             log.exception("collection %r: background merge failed (retried in %d s); the fresh tier keeps the writes",
-                          self.name, _MERGE_RETRY_S)
+                          self.name, MERGE_RETRY_S)
         finally:
             self._leave()
 
@@ -866,11 +623,7 @@ class Collection:
                 shutil.rmtree(gdir, ignore_errors=True)
                 gdir.mkdir()
                 os.rename(index_dir, gdir / "index")
-                with open(gdir / "rows.npy", "wb") as f:
-                    np.save(f, rows)
-                    f.flush()
-                    os.fsync(f.fileno())
-                fsync_path(gdir)
+                write_rows(gdir, rows)
             self.store.begin()
             try:
                 at = 0
@@ -894,12 +647,12 @@ class Collection:
             index = None
             if index_dir is not None:
                 index = Index.open(gdir / "index", self.engine_config)
-                _write_json_atomic(self.path / "CURRENT", {"format": _CURRENT_FORMAT, "generation": gen, "indexed": True,
-                                                           "max_row": base + n - 1, "rows_sha256": _rows_digest(rows)})
+                write_json_atomic(self.path / "CURRENT", {"format": CURRENT_FORMAT, "generation": gen, "indexed": True,
+                                                           "max_row": base + n - 1, "rows_sha256": rows_digest(rows)})
             with self._mem_lock:
                 unread = False
                 if index is not None:
-                    self._main = _Main(gen, index, rows, base + n - 1)
+                    self._main = Generation(gen, index, rows, base + n - 1)
                     unread = self._retire(old)
                 self._load_memory()
             stored = self.store.count()
@@ -937,46 +690,27 @@ class Collection:
                 fresh_rows, fresh_vecs = self._fresh.live_items()
                 max_row = self._applied_next_row - 1
                 live = len(old.rows) - self._tomb_count + len(fresh_rows)
-                incremental = self._incremental(old, live, fresh_vecs)
+                incremental = compaction.can_grow(self.config, old, live, fresh_vecs)
                 # A rebuild reads the stored vectors as of this point.
                 snap_con = None if incremental else self.store.snapshot()
                 self._merging, self._merge_removed = True, []
-        gen = old.generation + 1
-        gdir = self.path / f"gen-{gen:06d}"
+
+        def read_all():  # a rebuild reads the stored vectors as of the snapshot taken above
+            try:
+                return self._usable(*self.store.rows_and_vectors(-1, snap_con))
+            finally:
+                snap_con.close()
+
         try:
-            shutil.rmtree(gdir, ignore_errors=True)
-            gdir.mkdir()
-            if incremental:
-                merge_index(old.index, dead, fresh_vecs, gdir / "index", self._build_config, progress, self._merge_step)
-                rows = np.concatenate([old.rows[~dead], fresh_rows])
-            else:
-                try:
-                    rows, vecs, unsearchable = self._usable(*self.store.rows_and_vectors(-1, snap_con))
-                finally:
-                    snap_con.close()
-                if len(rows) >= self.config.min_index_count:
-                    build_index(vecs, gdir / "index", self._build_config, progress, on_progress=self._merge_step)
-                else:
-                    rows, max_row = np.empty(0, np.int64), -1
-            index = None
-            current = {"format": _CURRENT_FORMAT, "generation": gen, "indexed": bool(len(rows)), "max_row": max_row}
-            if len(rows):
-                rows = np.ascontiguousarray(rows, np.int64)
-                with open(gdir / "rows.npy", "wb") as f:
-                    np.save(f, rows)
-                    f.flush()
-                    os.fsync(f.fileno())
-                fsync_path(gdir)
-                current["rows_sha256"] = _rows_digest(rows)
-                index = Index.open(gdir / "index", self.engine_config)
-            new = _Main(gen, index, rows, max_row)
-            if not incremental:
-                new.unsearchable = unsearchable
+            new, current = compaction.next_generation(
+                self.path, old, dead, fresh_rows, fresh_vecs, max_row, read_all if not incremental else None,
+                self._build_config, self.engine_config, self.config.min_index_count, progress, self._merge_step)
+            index = new.index
             unread_old = False
             try:
                 self._stop_if_closing()
                 with self._lock:
-                    _write_json_atomic(self.path / "CURRENT", current)
+                    write_json_atomic(self.path / "CURRENT", current)
                     with self._mem_lock:
                         self._publish(new)
                         unread_old = self._retire(old)
@@ -993,24 +727,14 @@ class Collection:
                 self._merging, self._merge_removed, self._progress = False, [], None
         shutil.rmtree(self.path / f"gen-{old.generation:06d}", ignore_errors=True)
 
-    def _incremental(self, old: _Main, live: int, fresh_vecs: np.ndarray) -> bool:
-        """Whether the next generation can grow out of the current one (see CollectionConfig)."""
-        if not self.config.incremental_merge or old.index is None or live < self.config.min_index_count:
-            return False
-        m = old.index.manifest
-        layout = m["pages"]
-        slots = layout["num_blocks"] * layout["records_per_block"]
-        return (live <= self.config.rebuild_growth * int(m.get("full_build_count", m["count"]))
-                and live >= self.config.rebuild_live_fraction * slots and can_store(old.index, fresh_vecs))
-
-    def _publish(self, new: _Main) -> None:
+    def _publish(self, new: Generation) -> None:
         """Swap in the new generation (caller holds _lock and _mem_lock)."""
         dead = np.isin(new.rows, np.asarray(self._merge_removed, np.int64))
         fresh = FreshTier(self.dim)
         rows, vecs = self._fresh.live_items()
         if new.index is None:  # nothing indexed: every live row is fresh
             rows, vecs, new.unsearchable = self._usable(*self.store.rows_and_vectors(-1))
-            vecs = self._engine_form(vecs)
+            vecs = engine_form(vecs, self.metric)
         if new.unsearchable is not None:  # counted again by a rebuild; an incremental merge keeps the count
             self._unsearchable = new.unsearchable
         keep = rows > new.max_row
@@ -1068,224 +792,7 @@ class Collection:
         self._wal.close()
         self.store.close()
         with self._mem_lock:
-            old, self._main = self._main, _Main(0, None, np.empty(0, np.int64), -1)
+            old, self._main = self._main, Generation(0, None, np.empty(0, np.int64), -1)
             unread = self._retire(old)
         if unread:
             old.index.close()
-
-
-class Catalog:
-    """All collections under one data directory (root/collections/<name>/). Thread-safe.
-
-    A collection that fails to open is set aside with the reason (its calls get UnavailableError,
-    `failed()` lists it) while the others serve; dropping it removes it.
-
-    One catalog at a time holds a data directory (an exclusive lock on root/catalog.lock, released by
-    close or the process's end): two would append to the same logs and rebuild the same indexes."""
-
-    def __init__(self, root: str | os.PathLike, engine_config: EngineConfig | None = None,
-                 collection_config: CollectionConfig | None = None):
-        self.root = Path(root)
-        self.dir = self.root / "collections"
-        self.dir.mkdir(parents=True, exist_ok=True)
-        # Released by close, or when the catalog is collected without one.
-        self._release = weakref.finalize(self, os.close, _hold(self.root / "catalog.lock"))
-        self.engine_config = engine_config or EngineConfig()
-        self.collection_config = collection_config or CollectionConfig()
-        self._lock = threading.Lock()
-        self._open: dict[str, Collection] = {}
-        self._failed: dict[str, str] = {}  # name -> why it would not open
-        self._dropping: set[str] = set()  # dropped, waiting for their calls in progress to end
-        self._restoring: set[str] = set()  # names a restore is unpacking a snapshot for
-        self._closed = False
-        for p in self.dir.glob(".*"):  # creates and drops a crash interrupted
-            shutil.rmtree(p, ignore_errors=True)
-
-    @staticmethod
-    def _check_name(name) -> str:
-        if not isinstance(name, str) or not NAME_RE.fullmatch(name):
-            raise InputError(f"collection name {name!r:.80} must be 1-64 letters, digits, '_', '.' or '-', "
-                             "starting with a letter or digit")
-        return name
-
-    def names(self) -> list[str]:
-        """Every collection, those that failed to open included (each a directory named like one)."""
-        with self._lock:
-            dropping = set(self._dropping)
-        return sorted(p.name for p in self.dir.iterdir()
-                      if NAME_RE.fullmatch(p.name) and p.name not in dropping and p.is_dir())
-
-    def failed(self) -> dict[str, str]:
-        """The collections that failed to open, and why (no server paths in the reasons)."""
-        with self._lock:
-            return dict(self._failed)
-
-    def open_all(self) -> dict[str, str]:
-        """Open every collection; returns those that failed (see failed())."""
-        for name in self.names():
-            with contextlib.suppress(NotFoundError, UnavailableError):
-                self.get(name)
-        return self.failed()
-
-    def _reason(self, e: BaseException, path: Path) -> str:
-        text = f"{type(e).__name__}: {e}" if not isinstance(e, FusionRAGError) else str(e)
-        return text.replace(f"{path}{os.sep}", "").replace(str(path), ".").replace(str(self.root), "<data-dir>")
-
-    def _unavailable(self, name: str) -> UnavailableError:
-        return UnavailableError(f"collection {name!r} failed to open: {self._failed[name]}; fix or restore its files "
-                                "and restart the service, or delete the collection")
-
-    def create(self, name: str, dim: int, metric: str = "cosine", embedding: str | None = None) -> Collection:
-        self._check_name(name)
-        if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or not 1 <= dim <= 65536:
-            raise InputError(f"dim must be an integer in [1, 65536], got {dim!r}")
-        if metric not in METRICS:
-            raise InputError(f"metric must be one of {METRICS}, got {metric!r}")
-        if embedding is not None and not isinstance(embedding, str):
-            raise InputError(f"embedding must be a model name or None, got {embedding!r}")
-        with self._lock:
-            final = self.dir / name
-            self._check_free(name)
-            tmp = self.dir / f".create-{name}-{uuid.uuid4().hex}"
-            published = False
-            try:
-                # Made whole under a hidden name, then renamed into place: a crash or a full disk never
-                # leaves half a collection behind.
-                tmp.mkdir()
-                _write_json_atomic(tmp / "collection.json", {"format": _COLLECTION_FORMAT, "name": name,
-                                                             "dim": int(dim), "metric": metric, "embedding": embedding})
-                DocStore(tmp / "docs.sqlite", int(dim), create=True).close()
-                os.rename(tmp, final)
-                published = True
-                fsync_path(self.dir)
-                col = self._open[name] = Collection(final, self.engine_config, self.collection_config)
-                return col
-            except (OSError, sqlite3.Error) as e:
-                with contextlib.suppress(OSError):
-                    if published:
-                        os.rename(final, tmp)
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise StorageError(f"cannot create collection {name!r}: {self._reason(e, tmp)}") from e
-
-    def check_free(self, name: str) -> None:
-        """ConflictError unless a collection `name` could be made now."""
-        self._check_name(name)
-        with self._lock:
-            self._check_free(name)
-
-    def _check_free(self, name: str) -> None:
-        """ConflictError unless `name` can be taken now (caller holds _lock)."""
-        if name in self._dropping:
-            raise ConflictError(f"collection {name!r} is being deleted; create it again once that is done")
-        if name in self._restoring:
-            raise ConflictError(f"collection {name!r} is being restored from a snapshot")
-        if (self.dir / name).exists():
-            raise ConflictError(f"collection {name!r} already exists")
-
-    def restore(self, name: str, archive) -> Collection:
-        """A new collection `name` from a snapshot archive (a binary file object, read as a stream; see
-        Collection.snapshot). InputError for an archive that is not a whole, valid snapshot."""
-        self._check_name(name)
-        with self._lock:
-            self._check_free(name)
-            self._restoring.add(name)
-        tmp = self.dir / f".restore-{name}-{uuid.uuid4().hex}"
-        final = self.dir / name
-        try:
-            tmp.mkdir()
-            snapshot.extract(archive, tmp)
-            snapshot.rename_collection(tmp, name)
-            with self._lock:
-                os.rename(tmp, final)
-                try:
-                    self._open[name] = col = Collection(final, self.engine_config, self.collection_config)
-                except BaseException as e:
-                    os.rename(final, tmp)
-                    if isinstance(e, FusionRAGError) and not isinstance(e, StorageError):
-                        raise InputError(f"snapshot: the restored collection does not open: "
-                                         f"{self._reason(e, final)}") from e
-                    raise
-                fsync_path(self.dir)
-            return col
-        except OSError as e:
-            raise StorageError(f"cannot restore collection {name!r}: {self._reason(e, tmp)}") from e
-        finally:
-            snapshot.remove(tmp)
-            with self._lock:
-                self._restoring.discard(name)
-
-    def get(self, name: str) -> Collection:
-        self._check_name(name)
-        with self._lock:
-            col = self._open.get(name)
-            if col is not None:
-                return col
-            if self._closed:
-                raise UnavailableError("the service is stopping")
-            if name in self._failed:
-                raise self._unavailable(name)
-            path = self.dir / name
-            if name in self._dropping or not path.is_dir():
-                raise NotFoundError(f"collection {name!r} does not exist")
-            try:
-                col = self._open[name] = Collection(path, self.engine_config, self.collection_config)
-            except Exception as e:  # noqa: BLE001 - whatever it was, this collection alone is set aside
-                self._failed[name] = self._reason(e, path)
-                log.error("collection %r failed to open: %s", name, self._failed[name], exc_info=e)
-                raise self._unavailable(name) from e
-            return col
-
-    def drop(self, name: str) -> None:
-        """Delete a collection: calls in progress on it finish first, later ones get NotFoundError."""
-        self._check_name(name)
-        with self._lock:
-            path = self.dir / name
-            if name in self._dropping or not path.is_dir():
-                raise NotFoundError(f"collection {name!r} does not exist")
-            self._dropping.add(name)
-            self._failed.pop(name, None)
-            col = self._open.pop(name, None)
-        trash = self.dir / f".drop-{name}-{uuid.uuid4().hex}"
-        try:
-            if col is not None:
-                col.close(NotFoundError(f"collection {name!r} was deleted"))
-        finally:
-            with self._lock:
-                try:
-                    os.rename(path, trash)
-                    fsync_path(self.dir)
-                except OSError as e:
-                    raise StorageError(f"cannot delete collection {name!r}: {self._reason(e, path)}") from e
-                finally:
-                    self._dropping.discard(name)
-        shutil.rmtree(trash, ignore_errors=True)
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            cols = list(self._open.values())
-            self._open.clear()
-        for col in cols:
-            col.close()
-        self._release()  # after the collections: nothing of this catalog writes any more
-
-
-def _hold(path: Path) -> int:
-    """An exclusive lock on `path` for as long as the descriptor returned stays open; ConflictError,
-    naming the holder, when another process (or catalog) holds it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise ConflictError(f"data directory {path.parent} is in use by another catalog (process {holder}): "
-                            "stop the service using it, or go through its HTTP API") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    return fd
-
-
-__all__ = ["Catalog", "Collection", "CollectionConfig", "CollectionSearch", "Document", "Hit"]

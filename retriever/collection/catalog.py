@@ -1,0 +1,244 @@
+"""All collections under one data directory: create, open, restore, drop, with one catalog per directory."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import shutil
+import sqlite3
+import threading
+import uuid
+import weakref
+from pathlib import Path
+
+import numpy as np
+
+from fusionrag.retriever.config import METRICS, EngineConfig
+from fusionrag.retriever.docstore import DocStore
+from fusionrag.retriever.errors import (ConflictError, FusionRAGError, InputError, NotFoundError, StorageError,
+                                       UnavailableError)
+from fusionrag.retriever.manifest import fsync_path
+from fusionrag.retriever import snapshot
+from fusionrag.retriever.collection.api import Collection
+from fusionrag.retriever.collection.config import COLLECTION_FORMAT, NAME_RE, CollectionConfig
+from fusionrag.retriever.collection.generations import write_json_atomic
+
+log = logging.getLogger(__name__)
+
+log = logging.getLogger(__name__)
+
+
+class Catalog:
+    """All collections under one data directory (root/collections/<name>/). Thread-safe.
+
+    A collection that fails to open is set aside with the reason (its calls get UnavailableError,
+    `failed()` lists it) while the others serve; dropping it removes it.
+
+    One catalog at a time holds a data directory (an exclusive lock on root/catalog.lock, released by
+    close or the process's end): two would append to the same logs and rebuild the same indexes."""
+
+    def __init__(self, root: str | os.PathLike, engine_config: EngineConfig | None = None,
+                 collection_config: CollectionConfig | None = None):
+        self.root = Path(root)
+        self.dir = self.root / "collections"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        # Released by close, or when the catalog is collected without one.
+        self._release = weakref.finalize(self, os.close, _hold(self.root / "catalog.lock"))
+        self.engine_config = engine_config or EngineConfig()
+        self.collection_config = collection_config or CollectionConfig()
+        self._lock = threading.Lock()
+        self._open: dict[str, Collection] = {}
+        self._failed: dict[str, str] = {}  # name -> why it would not open
+        self._dropping: set[str] = set()  # dropped, waiting for their calls in progress to end
+        self._restoring: set[str] = set()  # names a restore is unpacking a snapshot for
+        self._closed = False
+        for p in self.dir.glob(".*"):  # creates and drops a crash interrupted
+            shutil.rmtree(p, ignore_errors=True)
+
+    @staticmethod
+    def _check_name(name) -> str:
+        if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+            raise InputError(f"collection name {name!r:.80} must be 1-64 letters, digits, '_', '.' or '-', "
+                             "starting with a letter or digit")
+        return name
+
+    def names(self) -> list[str]:
+        """Every collection, those that failed to open included (each a directory named like one)."""
+        with self._lock:
+            dropping = set(self._dropping)
+        return sorted(p.name for p in self.dir.iterdir()
+                      if NAME_RE.fullmatch(p.name) and p.name not in dropping and p.is_dir())
+
+    def failed(self) -> dict[str, str]:
+        """The collections that failed to open, and why (no server paths in the reasons)."""
+        with self._lock:
+            return dict(self._failed)
+
+    def open_all(self) -> dict[str, str]:
+        """Open every collection; returns those that failed (see failed())."""
+        for name in self.names():
+            with contextlib.suppress(NotFoundError, UnavailableError):
+                self.get(name)
+        return self.failed()
+
+    def _reason(self, e: BaseException, path: Path) -> str:
+        text = f"{type(e).__name__}: {e}" if not isinstance(e, FusionRAGError) else str(e)
+        return text.replace(f"{path}{os.sep}", "").replace(str(path), ".").replace(str(self.root), "<data-dir>")
+
+    def _unavailable(self, name: str) -> UnavailableError:
+        return UnavailableError(f"collection {name!r} failed to open: {self._failed[name]}; fix or restore its files "
+                                "and restart the service, or delete the collection")
+
+    def create(self, name: str, dim: int, metric: str = "cosine", embedding: str | None = None) -> Collection:
+        self._check_name(name)
+        if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or not 1 <= dim <= 65536:
+            raise InputError(f"dim must be an integer in [1, 65536], got {dim!r}")
+        if metric not in METRICS:
+            raise InputError(f"metric must be one of {METRICS}, got {metric!r}")
+        if embedding is not None and not isinstance(embedding, str):
+            raise InputError(f"embedding must be a model name or None, got {embedding!r}")
+        with self._lock:
+            final = self.dir / name
+            self._check_free(name)
+            tmp = self.dir / f".create-{name}-{uuid.uuid4().hex}"
+            published = False
+            try:
+                # Made whole under a hidden name, then renamed into place: a crash or a full disk never
+                # leaves half a collection behind.
+                tmp.mkdir()
+                write_json_atomic(tmp / "collection.json", {"format": COLLECTION_FORMAT, "name": name,
+                                                             "dim": int(dim), "metric": metric, "embedding": embedding})
+                DocStore(tmp / "docs.sqlite", int(dim), create=True).close()
+                os.rename(tmp, final)
+                published = True
+                fsync_path(self.dir)
+                col = self._open[name] = Collection(final, self.engine_config, self.collection_config)
+                return col
+            except (OSError, sqlite3.Error) as e:
+                with contextlib.suppress(OSError):
+                    if published:
+                        os.rename(final, tmp)
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise StorageError(f"cannot create collection {name!r}: {self._reason(e, tmp)}") from e
+
+    def check_free(self, name: str) -> None:
+        """ConflictError unless a collection `name` could be made now."""
+        self._check_name(name)
+        with self._lock:
+            self._check_free(name)
+
+    def _check_free(self, name: str) -> None:
+        """ConflictError unless `name` can be taken now (caller holds _lock)."""
+        if name in self._dropping:
+            raise ConflictError(f"collection {name!r} is being deleted; create it again once that is done")
+        if name in self._restoring:
+            raise ConflictError(f"collection {name!r} is being restored from a snapshot")
+        if (self.dir / name).exists():
+            raise ConflictError(f"collection {name!r} already exists")
+
+    def restore(self, name: str, archive) -> Collection:
+        """A new collection `name` from a snapshot archive (a binary file object, read as a stream; see
+        Collection.snapshot). InputError for an archive that is not a whole, valid snapshot."""
+        self._check_name(name)
+        with self._lock:
+            self._check_free(name)
+            self._restoring.add(name)
+        tmp = self.dir / f".restore-{name}-{uuid.uuid4().hex}"
+        final = self.dir / name
+        try:
+            tmp.mkdir()
+            snapshot.extract(archive, tmp)
+            snapshot.rename_collection(tmp, name)
+            with self._lock:
+                os.rename(tmp, final)
+                try:
+                    self._open[name] = col = Collection(final, self.engine_config, self.collection_config)
+                except BaseException as e:
+                    os.rename(final, tmp)
+                    if isinstance(e, FusionRAGError) and not isinstance(e, StorageError):
+                        raise InputError(f"snapshot: the restored collection does not open: "
+                                         f"{self._reason(e, final)}") from e
+                    raise
+                fsync_path(self.dir)
+            return col
+        except OSError as e:
+            raise StorageError(f"cannot restore collection {name!r}: {self._reason(e, tmp)}") from e
+        finally:
+            snapshot.remove(tmp)
+            with self._lock:
+                self._restoring.discard(name)
+
+    def get(self, name: str) -> Collection:
+        self._check_name(name)
+        with self._lock:
+            col = self._open.get(name)
+            if col is not None:
+                return col
+            if self._closed:
+                raise UnavailableError("the service is stopping")
+            if name in self._failed:
+                raise self._unavailable(name)
+            path = self.dir / name
+            if name in self._dropping or not path.is_dir():
+                raise NotFoundError(f"collection {name!r} does not exist")
+            try:
+                col = self._open[name] = Collection(path, self.engine_config, self.collection_config)
+            except Exception as e:  # noqa: BLE001 - whatever it was, this collection alone is set aside
+                self._failed[name] = self._reason(e, path)
+                log.error("collection %r failed to open: %s", name, self._failed[name], exc_info=e)
+                raise self._unavailable(name) from e
+            return col
+
+    def drop(self, name: str) -> None:
+        """Delete a collection: calls in progress on it finish first, later ones get NotFoundError."""
+        self._check_name(name)
+        with self._lock:
+            path = self.dir / name
+            if name in self._dropping or not path.is_dir():
+                raise NotFoundError(f"collection {name!r} does not exist")
+            self._dropping.add(name)
+            self._failed.pop(name, None)
+            col = self._open.pop(name, None)
+        trash = self.dir / f".drop-{name}-{uuid.uuid4().hex}"
+        try:
+            if col is not None:
+                col.close(NotFoundError(f"collection {name!r} was deleted"))
+        finally:
+            with self._lock:
+                try:
+                    os.rename(path, trash)
+                    fsync_path(self.dir)
+                except OSError as e:
+                    raise StorageError(f"cannot delete collection {name!r}: {self._reason(e, path)}") from e
+                finally:
+                    self._dropping.discard(name)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            cols = list(self._open.values())
+            self._open.clear()
+        for col in cols:
+            col.close()
+        self._release()  # after the collections: nothing of this catalog writes any more
+
+
+def _hold(path: Path) -> int:
+    """An exclusive lock on `path` for as long as the descriptor returned stays open; ConflictError,
+    naming the holder, when another process (or catalog) holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise ConflictError(f"data directory {path.parent} is in use by another catalog (process {holder}): "
+                            "stop the service using it, or go through its HTTP API") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd

@@ -1,0 +1,63 @@
+"""The merge's disk work: the next generation of a collection's index, grown out of the current one (merge.py)
+or rebuilt from every stored vector, written under gen-NNNNNN/ beside it. When a merge runs, and how its result
+is published, is the collection's (api.py): this module only writes files and opens the index it wrote."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from fusionrag.retriever.build import build_index
+from fusionrag.retriever.collection.config import CURRENT_FORMAT, CollectionConfig
+from fusionrag.retriever.collection.generations import Generation, rows_digest, write_rows
+from fusionrag.retriever.config import BuildConfig, EngineConfig
+from fusionrag.retriever.index import Index
+from fusionrag.retriever.merge import can_store, merge_index
+
+
+def can_grow(config: CollectionConfig, old: Generation, live: int, fresh_vecs: np.ndarray) -> bool:
+    """Whether the next generation can grow out of the current one (see CollectionConfig)."""
+    if not config.incremental_merge or old.index is None or live < config.min_index_count:
+        return False
+    m = old.index.manifest
+    layout = m["pages"]
+    slots = layout["num_blocks"] * layout["records_per_block"]
+    return (live <= config.rebuild_growth * int(m.get("full_build_count", m["count"]))
+            and live >= config.rebuild_live_fraction * slots and can_store(old.index, fresh_vecs))
+
+
+def next_generation(path: Path, old: Generation, dead: np.ndarray, fresh_rows: np.ndarray, fresh_vecs: np.ndarray,
+                    max_row: int, read_all: Callable[[], tuple[np.ndarray, np.ndarray, int]] | None,
+                    build_config: BuildConfig, engine_config: EngineConfig, min_index_count: int,
+                    progress: bool | None, on_step: Callable[[str, int, int], None]) -> tuple[Generation, dict]:
+    """Write generation old + 1 into path/gen-NNNNNN and open it: without `read_all`, grown from `old` (its
+    `dead` vector ids dropped, the fresh rows and vectors added); with it, rebuilt from what read_all() gives
+    (rows, vectors, how many stored vectors were unusable), or left unindexed below `min_index_count`.
+    Returns the generation, not yet published, and the record CURRENT is to hold for it."""
+    gen = old.generation + 1
+    gdir = path / f"gen-{gen:06d}"
+    shutil.rmtree(gdir, ignore_errors=True)
+    gdir.mkdir()
+    unsearchable = None
+    if read_all is None:
+        merge_index(old.index, dead, fresh_vecs, gdir / "index", build_config, progress, on_step)
+        rows = np.concatenate([old.rows[~dead], fresh_rows])
+    else:
+        rows, vecs, unsearchable = read_all()
+        if len(rows) >= min_index_count:
+            build_index(vecs, gdir / "index", build_config, progress, on_progress=on_step)
+        else:
+            rows, max_row = np.empty(0, np.int64), -1
+    index = None
+    current = {"format": CURRENT_FORMAT, "generation": gen, "indexed": bool(len(rows)), "max_row": max_row}
+    if len(rows):
+        rows = np.ascontiguousarray(rows, np.int64)
+        write_rows(gdir, rows)
+        current["rows_sha256"] = rows_digest(rows)
+        index = Index.open(gdir / "index", engine_config)
+    new = Generation(gen, index, rows, max_row)
+    new.unsearchable = unsearchable
+    return new, current

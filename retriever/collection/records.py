@@ -1,0 +1,146 @@
+"""Documents and the records of writes: what a collection holds and answers, the write-ahead log's records,
+and the checks a document or a query passes before it is logged or searched (cosine normalisation happens once,
+here, in `engine_form`)."""
+
+from __future__ import annotations
+
+import json
+import struct
+import uuid
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from fusionrag.retriever.errors import InputError
+from fusionrag.retriever.vectors import normalize, vector_problems
+from fusionrag.retriever.collection.config import MAX_ID_CHARS
+
+
+@dataclass
+class Document:
+    id: str | None = None
+    text: str | None = None
+    vector: np.ndarray | list[float] | None = None
+    metadata: dict = field(default_factory=dict)
+
+
+@dataclass
+class Hit:
+    id: str
+    distance: float
+    score: float
+    text: str | None
+    metadata: dict
+    vector: np.ndarray | None = None
+
+
+@dataclass
+class CollectionSearch:
+    hits: list[list[Hit]]
+    stats: list[dict]
+
+
+# -- writes as log records ---------------------------------------------------------------------
+
+@dataclass
+class Write:
+    op: str  # "upsert" | "delete" | "delete_where" | "clear"
+    ids: list[str] = field(default_factory=list)
+    texts: list = field(default_factory=list)
+    metas: list[str] = field(default_factory=list)  # JSON text
+    vectors: np.ndarray | None = None  # float32 (n, dim), as given
+    rows: np.ndarray | None = None  # int64 (n,), assigned when logged
+    lsn: int = 0
+    offset: int = 0
+    applied: bool = False
+    error: BaseException | None = None
+    result: int = 0
+    filter: str | None = None  # JSON text, op "delete_where": evaluated when applied, at its place in the log
+
+    def payload(self) -> bytes:
+        head = {"op": self.op, "ids": self.ids, "texts": self.texts, "metas": self.metas,
+                "rows": [] if self.rows is None else self.rows.tolist()}
+        if self.filter is not None:
+            head["filter"] = self.filter
+        h = json.dumps(head, separators=(",", ":")).encode()
+        vec = b"" if self.vectors is None else np.ascontiguousarray(self.vectors, np.float32).tobytes()
+        return struct.pack("<I", len(h)) + h + vec
+
+    @classmethod
+    def decode(cls, lsn: int, payload: bytes, dim: int) -> "Write":
+        (n,) = struct.unpack_from("<I", payload)
+        head = json.loads(payload[4:4 + n])
+        w = cls(head["op"], head["ids"], head["texts"], head["metas"], lsn=lsn, filter=head.get("filter"))
+        w.rows = np.asarray(head["rows"], dtype=np.int64)
+        if w.op == "upsert":
+            w.vectors = np.frombuffer(payload[4 + n:], dtype=np.float32).reshape(len(w.ids), dim)
+        return w
+
+
+def check_vectors(vectors, dim: int, metric: str, what: str) -> np.ndarray:
+    """`vectors` (one, or rows of one) as a contiguous float32 matrix; InputError naming the row that is not a
+    usable vector of `dim` numbers for `metric`."""
+    try:
+        v = np.asarray(vectors, dtype=np.float32)
+    except (TypeError, ValueError) as e:
+        raise InputError(f"{what}: not numeric ({e})") from e
+    if v.ndim == 1:
+        v = v[None, :]
+    if v.ndim != 2 or v.shape[1] != dim:
+        raise InputError(f"{what}: expected dimension {dim}, got shape {tuple(np.shape(vectors))}")
+    bad, why = vector_problems(v, metric)
+    if bad.size:
+        raise InputError(f"{what}: row {int(bad[0])} {why[0]}")
+    return np.ascontiguousarray(v)
+
+
+def upsert_record(docs: Sequence[Document], dim: int, metric: str) -> tuple[Write, list[str]]:
+    """The log record of an upsert, every document checked (an id given twice: the last one wins), and the ids
+    in input order (made up where a document has none)."""
+    if isinstance(docs, (Document, str, bytes)) or not isinstance(docs, Sequence):
+        raise InputError("upsert takes a sequence of Document")
+    ids, texts, metas, vecs = [], [], [], []
+    for i, d in enumerate(docs):
+        if not isinstance(d, Document):
+            raise InputError(f"document {i}: expected a Document, got {type(d).__name__}")
+        doc_id = uuid.uuid4().hex if d.id is None else d.id
+        if not isinstance(doc_id, str) or not doc_id or len(doc_id) > MAX_ID_CHARS:
+            raise InputError(f"document {i}: id must be a non-empty string of at most {MAX_ID_CHARS} "
+                             f"characters, got {d.id!r:.80}")
+        if d.text is not None and not isinstance(d.text, str):
+            raise InputError(f"document {doc_id!r}: text must be a string or None")
+        if d.vector is None:
+            raise InputError(f"document {doc_id!r}: a vector is required")
+        if not isinstance(d.metadata, dict) or not all(isinstance(k, str) for k in d.metadata):
+            raise InputError(f"document {doc_id!r}: metadata must be a dict with string keys")
+        try:
+            meta = json.dumps(d.metadata, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise InputError(f"document {doc_id!r}: metadata is not JSON-serialisable ({e})") from e
+        try:
+            v = None if isinstance(d.vector, (str, bytes)) else np.asarray(d.vector, dtype=np.float32)
+        except (TypeError, ValueError):
+            v = None
+        if v is None or v.shape != (dim,):
+            raise InputError(f"document {doc_id!r}: vector must be {dim} numbers, "
+                             f"got {getattr(v, 'shape', type(d.vector).__name__)}")
+        _, why = vector_problems(v[None, :], metric)
+        if why:
+            raise InputError(f"document {doc_id!r}: vector {why[0]}")
+        ids.append(doc_id)
+        texts.append(d.text)
+        metas.append(meta)
+        vecs.append(v)
+    out = list(ids)
+    # An id given twice in one call: the last one wins, as if written one after the other.
+    last = {doc_id: j for j, doc_id in enumerate(ids)}
+    keep = sorted(last.values())
+    vectors = np.stack([vecs[j] for j in keep]) if keep else np.empty((0, dim), np.float32)
+    return Write("upsert", [ids[j] for j in keep], [texts[j] for j in keep], [metas[j] for j in keep],
+                  vectors), out
+
+
+def engine_form(vecs: np.ndarray, metric: str) -> np.ndarray:
+    """Vectors as the engine indexes and searches them: normalised for cosine (the one place this happens)."""
+    return normalize(vecs) if metric == "cosine" else vecs

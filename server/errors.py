@@ -1,0 +1,93 @@
+"""Errors as HTTP answers: the statuses routes declare, and the handlers that turn an engine error, a refused
+body or anything unexpected into a JSON answer with its status (the table itself: retriever/errors.py)."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
+from fastapi.exceptions import HTTPException, RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+
+from fusionrag.retriever.errors import FusionRAGError, http_status
+
+log = logging.getLogger("fusionrag.server")
+
+
+def http_error(status: int, detail: str, headers: dict | None = None) -> HTTPException:
+    return HTTPException(status_code=status, detail=detail, headers=headers)
+
+
+_WHY = {400: "malformed JSON, or an invalid collection name", 401: "no valid API key (when the service has keys)",
+        403: "the API key does not cover this collection", 404: "no such collection or document",
+        405: "a verb's path (…/documents/get or …/delete) asked with another method",
+        409: "a collection of this name exists", 413: "body over max_body_bytes, or over its share of JSON values",
+        422: "a value or a limit refused; `errors` lists what the body's model found",
+        415: "the body's content type is not one the route takes",
+        503: "the collection is being built or failed to open, or the service is stopping",
+        507: "the disk refused a write"}
+
+
+def documented(*statuses: int) -> dict:
+    # Named by reference, not `model`, which would take the route's media type (text/plain for /metrics).
+    return {status: {"description": _WHY[status], "content": {
+        "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}} for status in statuses}
+
+
+def json_body(model) -> dict:
+    """The body of a route that reads it itself (server/bodies.py), declared as FastAPI would declare it."""
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def validation_response(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    bad_json = next((e for e in errors if e.get("type") == "json_invalid"), None)
+    if bad_json:
+        pos = bad_json["loc"][-1]
+        return JSONResponse({"detail": f"malformed JSON at character {pos}: {bad_json['ctx']['error']}"}, 400)
+    parts = []
+    for e in errors:
+        loc = ".".join(str(p) for p in e["loc"] if p != "body") or "body"
+        parts.append(f"{loc}: {e['msg']}")
+    more = f" (and {len(parts) - 10} more)" if len(parts) > 10 else ""
+    return JSONResponse({"detail": "; ".join(parts[:10]) + more,
+                         "errors": [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in errors[:50]]},
+                        422)
+
+
+def engine_error(request: Request, exc: FusionRAGError) -> JSONResponse:
+    # The service's own paths are none of a client's business.
+    detail = str(exc).replace(str(request.app.state.fusionrag.catalog.root), "<data-dir>")
+    status = http_status(exc)
+    if status is not None:
+        return JSONResponse({"detail": detail}, status, {"Retry-After": "5"} if status == 503 else None)
+    log.error("engine error", exc_info=exc)
+    return JSONResponse({"detail": f"{type(exc).__name__}: {detail}"}, 500)
+
+
+def unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.error("unhandled error", exc_info=exc, extra={"path": request.url.path})
+    # uvicorn closes the connection after an unhandled error: the client is told so, not left to find out.
+    return JSONResponse({"detail": "internal error; see the service's log"}, 500, {"Connection": "close"})
+
+
+async def http_error_handler(request: Request, exc: StarletteHTTPException) -> Response:
+    if exc.status_code == 405:  # Starlette's Allow names the methods of the path's first route only
+        routes = request.app.router.routes
+        methods = [m for m in ("DELETE", "GET", "HEAD", "PATCH", "POST", "PUT")
+                   if any(r.matches({**request.scope, "method": m})[0] == Match.FULL for r in routes)]
+        exc = StarletteHTTPException(405, exc.detail, {"Allow": ", ".join(methods)})
+    return await http_exception_handler(request, exc)
+
+
+def install_handlers(app: FastAPI) -> None:
+    """Every error answered as JSON with its status: engine errors by the table, refused bodies with what was
+    wrong, 405 with the methods the path takes, and anything unexpected as a 500 that closes the connection."""
+    app.add_exception_handler(RequestValidationError, validation_response)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    app.add_exception_handler(FusionRAGError, engine_error)
+    app.add_exception_handler(Exception, unexpected)

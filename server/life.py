@@ -1,0 +1,115 @@
+"""The service's life: its shared state (catalog, batcher, keys, metrics), loading, start and stop. Used by
+`fusionrag serve` (server/app.py) and by the vLLM plugin, which runs the same life inside vLLM's process."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import threading
+
+
+from fusionrag.retriever.collection import Catalog, CollectionConfig
+from fusionrag.retriever.config import EngineConfig
+from fusionrag.retriever.embedding import get_embedder, set_threads
+from fusionrag.retriever.errors import NotFoundError, UnavailableError
+from fusionrag.server.auth import KeyRing
+from fusionrag.server.batcher import MicroBatcher
+from fusionrag.server.config import ServerConfig, data_path
+from fusionrag.server.demo import ensure_demo
+from fusionrag.server.metrics import Metrics
+
+log = logging.getLogger("fusionrag.server")
+
+
+def open_catalog(config: ServerConfig) -> Catalog:
+    engine = EngineConfig(buffer_bytes=int(config.buffer_mb * (1 << 20)), filter_tier=config.filter_tier,
+                          gpu_budget_bytes=int(config.gpu_budget_mb * (1 << 20)),
+                          gpu_memory_utilization=config.gpu_memory_utilization,
+                          gpu_tiered_share=config.gpu_tiered_share)
+    return Catalog(data_path(config), engine, CollectionConfig(min_index_count=config.min_index_count))
+
+
+class State:
+    """What the routes share: the catalog, the batcher, the keys, and whether loading has finished."""
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        set_threads(config.embed_threads)
+        self.keys = KeyRing.from_config(config.api_keys, config.api_keys_file)
+        self.catalog = open_catalog(config)
+        shutil.rmtree(data_path(config) / "uploads", ignore_errors=True)  # what a crash cut short
+        self.metrics = Metrics(self.collections_info)
+        self.batcher = MicroBatcher(config.batch_wait_ms / 1000, config.batch_max_queries,
+                                    config.search_threads, self.metrics)
+        self.ready = threading.Event()
+        self.demo_error: str | None = None
+        self.building: set[str] = set()
+        self.lock = threading.Lock()
+
+    def load(self) -> None:
+        """Open every collection (building the demo on a first start) and warm the embedding models.
+        One that fails is set aside with the reason (/readyz and its info say it) while the others serve."""
+        if self.config.demo:
+            with self.lock:
+                self.building.add("demo")
+            try:
+                ensure_demo(self.catalog, self.config.embedding)
+            except UnavailableError:  # on disk but broken: reported like any other collection
+                pass
+            except Exception as e:  # noqa: BLE001 - reported by /readyz and the log; the rest still serves
+                self.demo_error = f"building the demo collection failed: {type(e).__name__}: {e}"
+                log.exception("building the demo collection failed")
+            finally:
+                with self.lock:
+                    self.building.discard("demo")
+        failed = self.catalog.open_all()
+        for name in self.catalog.names():
+            try:
+                coll = self.catalog.get(name)
+                if coll.embedding:
+                    get_embedder(coll.embedding).load()
+            except (NotFoundError, UnavailableError):  # dropped meanwhile, or failed to open
+                pass
+            except Exception:  # noqa: BLE001 - its text queries will fail with the reason; vectors still work
+                log.exception("loading the embedding model of collection %r failed", name)
+        self.ready.set()
+        log.info("ready", extra={"collections": self.catalog.names(), "failed": failed})
+
+    def collections_info(self) -> dict[str, dict]:
+        """Info of every collection that serves (those that failed to open are in failed_info)."""
+        if not self.ready.is_set():
+            return {}
+        out = {}
+        for name in self.catalog.names():
+            try:
+                out[name] = self.catalog.get(name).info()
+            except (NotFoundError, UnavailableError):  # dropped meanwhile, or failed to open
+                pass
+        return out
+
+    def failed_info(self, name: str) -> dict:
+        return {"name": name, "state": "failed", "reason": self.catalog.failed().get(name, "")}
+
+
+class Service:
+    """The service's life around its State: `start` (the batcher, then loading the collections in the background)
+    and `stop` (requests in flight answered, loading finished, collections closed). `fusionrag serve` runs it as
+    its app's lifespan; the vLLM plugin from vLLM's."""
+
+    def __init__(self, config: ServerConfig):
+        self.state = State(config)
+        self._loader: threading.Thread | None = None
+
+    async def start(self) -> None:
+        await self.state.batcher.start()
+        self._loader = threading.Thread(target=self.state.load, name="fusionrag-load", daemon=True)
+        self._loader.start()
+
+    async def stop(self) -> None:
+        # The server has let the requests in flight finish; what they queued is answered before we close.
+        await self.state.batcher.stop()
+        if self._loader is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._loader.join)
+        self.state.catalog.close()
+        log.info("stopped")

@@ -1,0 +1,80 @@
+"""ASGI middleware: body limits, and counting, timing and logging every request."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+
+from fastapi.exceptions import HTTPException
+from fastapi.responses import JSONResponse
+
+from fusionrag.server.metrics import Metrics
+
+log = logging.getLogger("fusionrag.server")
+
+
+# Routes whose body is a file, written to disk as it arrives: they take max_upload_bytes.
+_UPLOADS = re.compile(r"/v1/collections/[^/]+/(restore|import)")
+
+
+class BodyLimit:
+    """413, with a message, for a body over the limit: at once when its declared length says so, else as soon as
+    the bytes read pass it (raised from `receive`, so the route answers it like any HTTPException)."""
+
+    def __init__(self, app, limit: int, upload_limit: int):
+        self.app, self.limit, self.upload_limit = app, limit, upload_limit
+
+    @staticmethod
+    def _message(size: int, exact: bool, limit: int, setting: str) -> str:
+        return f"request body {'of' if exact else 'over'} {size} bytes is over the limit of {limit} bytes ({setting})"
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        upload = _UPLOADS.fullmatch(scope["path"]) is not None
+        limit, setting = (self.upload_limit, "max_upload_bytes") if upload else (self.limit, "max_body_bytes")
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > limit:
+            return await JSONResponse({"detail": self._message(int(declared), True, limit, setting)},
+                                      413)(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise HTTPException(413, self._message(seen, False, limit, setting))
+            return message
+
+        await self.app(scope, counted, send)
+
+
+class ObserveMiddleware:
+    """Counts and times every request by route, and logs it as one structured line."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), 500
+
+        async def send_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            seconds = time.perf_counter() - start
+            route = getattr(scope.get("route"), "path", "unmatched")
+            self.metrics.requests.labels(scope["method"], route, str(status)).inc()
+            self.metrics.request_seconds.labels(route).observe(seconds)
+            log.info("request", extra={"method": scope["method"], "path": scope["path"], "status": status,
+                                       "ms": round(seconds * 1000, 3),
+                                       "client": (scope.get("client") or ("",))[0]})

@@ -1,0 +1,61 @@
+"""Reading and checking what requests carry, beyond their body's model: search parameters, texts, vectors,
+the embedding model, and bodies read with their limits (server/bodies.py)."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Callable
+
+import numpy as np
+from fastapi import Request
+from fastapi.exceptions import HTTPException
+
+from fusionrag.retriever.collection import Collection
+from fusionrag.retriever.config import SearchParams
+from fusionrag.retriever.embedding import get_embedder
+from fusionrag.retriever.vectors import vector_problems
+from fusionrag.server.bodies import Body, read_body
+from fusionrag.server.errors import http_error
+
+
+def search_params(given: dict) -> SearchParams:
+    kinds = {f.name: type(f.default) for f in fields(SearchParams)}
+    for name, value in given.items():
+        kind = kinds.get(name)
+        ok = kind is None or (isinstance(value, kind) and not isinstance(value, bool)) or \
+            (kind is float and isinstance(value, int) and not isinstance(value, bool))
+        if not ok:
+            raise http_error(422, f"params.{name} must be a{'n' if kind is int else ''} {kind.__name__}, got {value!r}")
+    return SearchParams.from_dict(given)  # unknown names and ranges: ConfigError, a 422
+
+
+def check_texts(texts, limit: int, what: str) -> None:
+    for i, t in enumerate(texts):
+        if t is not None and len(t) > limit:
+            raise http_error(422, f"{what}[{i}] has {len(t)} characters, at most {limit} allowed (max_text_chars)")
+
+
+def check_vectors(vectors: np.ndarray, coll: Collection, what: str) -> None:
+    """What Collection.search would refuse, refused here: in a batch, one bad query would fail its neighbours."""
+    if vectors.ndim != 2 or vectors.shape[1] != coll.dim:
+        got = vectors.shape[1] if vectors.ndim == 2 else "ragged"
+        raise http_error(422, f"{what} have dimension {got}, collection {coll.name!r} has dimension {coll.dim}")
+    bad, why = vector_problems(vectors, coll.metric)
+    if bad.size:
+        raise http_error(422, f"{what}[{bad[0]}] {why[0]}")
+
+
+def embedder_of(coll: Collection, what: str):
+    if not coll.embedding:
+        raise http_error(422, f"collection {coll.name!r} has no embedding model, so {what} need vectors")
+    return get_embedder(coll.embedding)
+
+
+async def read_json(request: Request, readers: Callable[[Body], dict]) -> dict:
+    """The JSON object of the body, the members named by readers(body) read by theirs; its bytes go on return."""
+    body = Body(await read_body(request))
+    return body.document(readers(body))
+
+
+def over_limit(what: str, limit: int, setting: str) -> Callable[[], HTTPException]:
+    return lambda: http_error(422, f"more than {limit} {what} in one request, at most {limit} allowed ({setting})")

@@ -1,0 +1,88 @@
+"""Routes of the collections: list, create, info, drop, and the live figures of the web page."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from fastapi import APIRouter, Depends, Request
+
+from fusionrag.retriever.embedding import canonical_name, get_embedder
+from fusionrag.retriever.errors import NotFoundError, UnavailableError
+from fusionrag.server.auth import Key
+from fusionrag.server.schemas import CreateCollection
+from fusionrag.server.errors import documented, http_error
+from fusionrag.server.deps import allowed, authenticate, check_name, open_collection, state_of
+
+log = logging.getLogger("fusionrag.server")
+
+router = APIRouter(prefix="/v1")
+
+
+@router.get("/collections", summary="List the collections (those this key may use)", responses=documented(401))
+def list_collections(request: Request, key: Key | None = Depends(authenticate)):
+    state = state_of(request)
+    out = []
+    for name in state.catalog.names():
+        if key is None or key.allows(name):
+            try:
+                coll = state.catalog.get(name)
+                out.append({"name": name, "state": "ready", "dimension": coll.dim, "metric": coll.metric,
+                            "embedding": coll.embedding, "count": len(coll)})
+            except UnavailableError:
+                out.append(state.failed_info(name))
+            except NotFoundError:  # dropped meanwhile
+                pass
+    return {"collections": out}
+
+
+@router.post("/collections", status_code=201, summary="Create an empty collection",
+         responses=documented(400, 401, 403, 409, 413, 422, 507))
+def create_collection(body: CreateCollection, request: Request, key: Key | None = Depends(authenticate)):
+    check_name(body.name)
+    if key is not None and not key.allows(body.name):
+        raise http_error(403, f"this API key has no rights to collection {body.name!r}")
+    dim = body.dimension
+    embedding = canonical_name(body.embedding) if body.embedding else None
+    if embedding:
+        model_dim = get_embedder(embedding).dim
+        if dim is not None and dim != model_dim:
+            raise http_error(422, f"dimension {dim} does not fit embedding model {embedding} (dimension {model_dim})")
+        dim = model_dim
+    info = state_of(request).catalog.create(body.name, dim, body.metric, embedding).info()
+    if embedding:  # loaded now, in the background, rather than by the first write or search that needs it
+        threading.Thread(target=_preload, args=(embedding,), name="embedder-load", daemon=True).start()
+    return info
+
+
+def _preload(model: str) -> None:
+    try:
+        get_embedder(model).load()
+    except Exception:  # noqa: BLE001 - the first request that needs the model gets the error
+        log.exception("loading embedding model %r failed", model)
+
+
+@router.get("/collections/{name}", summary="Size, tiers, memory per tier and build state of a collection; the "
+                                      "reason when it failed to open",
+        responses=documented(400, 401, 403, 404, 422, 503))
+def collection_info(request: Request, name: str = Depends(allowed)):
+    state = state_of(request)
+    if name in state.catalog.failed():
+        return state.failed_info(name)
+    return open_collection(request, name).info()
+
+
+@router.delete("/collections/{name}", summary="Delete a collection and its files",
+           responses=documented(400, 401, 403, 404, 422, 503, 507))
+def drop_collection(request: Request, name: str = Depends(allowed)):
+    state_of(request).catalog.drop(name)
+    return {"deleted": name}
+
+
+@router.get("/stats", summary="Live figures for the web page: memory per tier, pages per query, latency",
+        responses=documented(401))
+def stats(request: Request, key: Key | None = Depends(authenticate)):
+    state = state_of(request)
+    infos = {n: i for n, i in state.collections_info().items() if key is None or key.allows(n)}
+    return {"ready": state.ready.is_set(), "collections": infos, "recent": state.metrics.recent.summary(),
+            "page_buffer_hit_ratio": {n: r for n, r in state.metrics.hit_ratios().items() if n in infos}}

@@ -1,0 +1,246 @@
+"""Routes that move files: snapshots (write, list, download, delete), restore, and bulk import."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import anyio
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import FileResponse, JSONResponse
+from python_multipart.exceptions import MultipartParseError
+from python_multipart.multipart import MultipartParser, parse_options_header
+from starlette.concurrency import run_in_threadpool
+
+from fusionrag.retriever.collection import Collection
+from fusionrag.retriever.errors import ConflictError, StorageError
+from fusionrag.retriever.vectors import EXTENSIONS as VECTOR_EXTENSIONS
+from fusionrag.server.config import data_path
+from fusionrag.server.errors import documented, http_error
+from fusionrag.server.deps import allowed, open_collection, state_of
+
+log = logging.getLogger("fusionrag.server")
+
+router = APIRouter(prefix="/v1")
+
+
+# -- snapshots ---------------------------------------------------------------------------------------
+
+SNAPSHOT_ID = re.compile(r"\d{8}T\d{6}Z-[0-9a-f]{8}")
+_TAR = {"application/x-tar": {"schema": {"type": "string", "format": "binary"}}}
+_BINARY = {"application/octet-stream": {"schema": {"type": "string", "format": "binary", "description": "the archive"}}}
+
+
+def _snapshots(request: Request, name: str) -> Path:
+    """Where a collection's snapshots are kept: beside the collections, so that they outlive a drop."""
+    return data_path(state_of(request).config) / "snapshots" / name
+
+
+def _snapshot_file(request: Request, name: str, snapshot_id: str) -> Path:
+    path = _snapshots(request, name) / f"{snapshot_id}.tar"
+    if not SNAPSHOT_ID.fullmatch(snapshot_id) or not path.is_file():
+        raise http_error(404, f"no snapshot {snapshot_id[:80]!r} of collection {name!r}")
+    return path
+
+
+@router.post("/collections/{name}/snapshots", status_code=201, responses=documented(400, 401, 403, 404, 422, 503, 507),
+         summary="Write a snapshot of a collection (its state now, while writes go on); returns its id")
+def create_snapshot(request: Request, coll: Collection = Depends(open_collection)):
+    folder = _snapshots(request, coll.name)
+    snapshot_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:8]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StorageError(f"cannot make the snapshot folder: {e}") from e
+    info = {"id": snapshot_id, **coll.snapshot(folder / f"{snapshot_id}.tar")}
+    try:
+        (folder / f"{snapshot_id}.json").write_text(json.dumps(info))
+    except OSError as e:
+        (folder / f"{snapshot_id}.tar").unlink(missing_ok=True)
+        raise StorageError(f"cannot write the snapshot's description: {e}") from e
+    return info
+
+
+@router.get("/collections/{name}/snapshots", summary="The snapshots of a collection, oldest first",
+        responses=documented(400, 401, 403, 422))
+def list_snapshots(request: Request, name: str = Depends(allowed)):
+    folder = _snapshots(request, name)
+    found = []
+    for desc in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        if SNAPSHOT_ID.fullmatch(desc.stem) and desc.with_suffix(".tar").is_file():
+            try:
+                found.append(json.loads(desc.read_text()))
+            except (OSError, ValueError):  # a description cut short by a crash: the archive is still listed
+                found.append({"id": desc.stem, "bytes": desc.with_suffix(".tar").stat().st_size})
+    return {"snapshots": found}
+
+
+@router.get("/collections/{name}/snapshots/{snapshot_id}", summary="Download a snapshot (a tar archive)",
+        responses={200: {"content": _TAR, "description": "the archive"}, **documented(400, 401, 403, 404, 422)},
+        response_class=FileResponse)
+def download_snapshot(request: Request, snapshot_id: str, name: str = Depends(allowed)):
+    return FileResponse(_snapshot_file(request, name, snapshot_id), media_type="application/x-tar",
+                        filename=f"{name}-{snapshot_id}.tar")
+
+
+@router.delete("/collections/{name}/snapshots/{snapshot_id}", summary="Delete a snapshot",
+           responses=documented(400, 401, 403, 404, 422))
+def delete_snapshot(request: Request, snapshot_id: str, name: str = Depends(allowed)):
+    path = _snapshot_file(request, name, snapshot_id)
+    path.with_suffix(".json").unlink(missing_ok=True)
+    path.unlink(missing_ok=True)
+    return {"deleted": snapshot_id}
+
+
+async def _spool(request: Request) -> Path:
+    """The request's body, written to a file of the data directory as it arrives (an upload may be far larger
+    than memory); the caller removes it."""
+    folder = data_path(state_of(request).config) / "uploads"
+    path = folder / f"{uuid.uuid4().hex}.part"
+    size = 0
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        async with await anyio.open_file(path, "wb") as f:
+            async for chunk in request.stream():
+                size += len(chunk)
+                await f.write(chunk)
+    except OSError as e:
+        path.unlink(missing_ok=True)
+        raise StorageError(f"cannot store the upload: {e}") from e
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    if not size:
+        path.unlink(missing_ok=True)
+        raise http_error(422, "the body is empty: send the file as the request's body")
+    return path
+
+
+# -- bulk import ------------------------------------------------------------------------------------
+
+_JSONL = ("application/x-ndjson", "application/jsonl")
+
+
+async def _spool_parts(request: Request, folder: Path) -> dict[str, Path]:
+    """The files of an import request, written into `folder` as they arrive: a JSON-lines body is the
+    documents; a multipart body has parts `documents` (JSON lines) and `vectors` (a vector file, its
+    format by its file name's extension)."""
+    ctype, params = parse_options_header(request.headers.get("content-type", ""))
+    ctype = ctype.decode("latin-1").lower()
+    if ctype in _JSONL:
+        path = folder / "documents.jsonl"
+        async with await anyio.open_file(path, "wb") as f:
+            async for chunk in request.stream():
+                await f.write(chunk)
+        return {"documents": path}
+    if ctype != "multipart/form-data" or not params.get(b"boundary"):
+        raise http_error(415, f"send the documents as {' or '.join(_JSONL)} (JSON lines), or multipart/form-data with "
+                          "parts 'documents' and 'vectors' (a .fvecs .fbin .npy ... file)")
+    files: dict[str, Path] = {}
+    part: dict = {}
+
+    def headers_finished() -> None:
+        _, disposition = parse_options_header(part["headers"].get(b"content-disposition", b""))
+        name = disposition.get(b"name", b"").decode("latin-1")
+        if name == "documents":
+            path = folder / "documents.jsonl"
+        elif name == "vectors":
+            ext = os.path.splitext(disposition.get(b"filename", b"").decode("latin-1"))[1].lower()
+            if ext not in VECTOR_EXTENSIONS:
+                raise http_error(422, f"the vectors part's file name must end in one of {', '.join(VECTOR_EXTENSIONS)}")
+            path = folder / f"vectors{ext}"
+        else:
+            raise http_error(422, f"unknown part {name[:40]!r}: an import takes 'documents' and 'vectors'")
+        if name in files:
+            raise http_error(422, f"part {name!r} given twice")
+        files[name] = path
+        part["file"] = open(path, "wb")
+
+    def header_end() -> None:
+        part["headers"][part["field"].lower()] = part["value"]
+        part["field"] = part["value"] = b""
+
+    callbacks = {
+        "on_part_begin": lambda: part.update(headers={}, field=b"", value=b"", file=None),
+        "on_header_field": lambda d, s, e: part.update(field=part["field"] + d[s:e]),
+        "on_header_value": lambda d, s, e: part.update(value=part["value"] + d[s:e]),
+        "on_header_end": header_end,
+        "on_headers_finished": headers_finished,
+        "on_part_data": lambda d, s, e: part["file"].write(d[s:e]),
+        "on_part_end": lambda: part["file"].close(),
+    }
+    parser = MultipartParser(params[b"boundary"], callbacks)
+    try:
+        async for chunk in request.stream():
+            await anyio.to_thread.run_sync(parser.write, chunk)
+        parser.finalize()
+    except MultipartParseError as e:
+        raise http_error(400, f"malformed multipart body: {e}") from e
+    finally:
+        if part.get("file") is not None:
+            part["file"].close()
+    if not files:
+        raise http_error(422, "the multipart body has neither a 'documents' nor a 'vectors' part")
+    return files
+
+
+def _run_import(coll: Collection, files: dict[str, Path], folder: Path) -> None:
+    try:
+        coll.import_files(files.get("documents"), files.get("vectors"), progress=False)
+    except Exception:  # noqa: BLE001 - the collection's info says why; the log has the rest
+        log.exception("import into collection %r failed", coll.name)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@router.post("/collections/{name}/import", status_code=202, summary="Bulk import into an empty collection: JSON lines "
+         "(or a vector file and JSON lines) streamed to disk, then indexed in the background; progress and outcome "
+         "in the collection's info", responses=documented(400, 401, 403, 404, 409, 413, 415, 422, 503, 507),
+         openapi_extra={"requestBody": {"required": True, "content": {
+             "application/x-ndjson": {"schema": {"type": "string", "format": "binary"}},
+             "multipart/form-data": {"schema": {"type": "object", "properties": {
+                 "documents": {"type": "string", "format": "binary"},
+                 "vectors": {"type": "string", "format": "binary"}}}}}}})
+async def import_documents(request: Request, coll: Collection = Depends(open_collection)):
+    state = state_of(request)
+    if len(coll):  # before the upload, not after it
+        raise ConflictError(f"collection {coll.name!r} already holds documents: import into a new, empty collection")
+    folder = data_path(state.config) / "uploads" / uuid.uuid4().hex
+    try:
+        folder.mkdir(parents=True)
+        files = await _spool_parts(request, folder)
+    except OSError as e:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise StorageError(f"cannot store the upload: {e}") from e
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    if not any(p.stat().st_size for p in files.values()):
+        shutil.rmtree(folder, ignore_errors=True)
+        raise http_error(422, "the upload is empty")
+    threading.Thread(target=_run_import, args=(coll, files, folder), name=f"import-{coll.name}", daemon=True).start()
+    return JSONResponse({"collection": coll.name, "import": "started",
+                         "files": {k: p.stat().st_size for k, p in files.items()}}, 202)
+
+
+@router.post("/collections/{name}/restore", status_code=201, summary="A new collection from a snapshot (the archive "
+         "as the body, up to max_upload_bytes)", openapi_extra={"requestBody": {"required": True, "content": _BINARY}},
+         responses=documented(400, 401, 403, 409, 413, 422, 503, 507))
+async def restore_collection(request: Request, name: str = Depends(allowed)):
+    catalog = state_of(request).catalog
+    catalog.check_free(name)  # before the upload, not after it
+    upload = await _spool(request)
+    try:
+        def restore() -> dict:
+            with open(upload, "rb") as f:
+                return catalog.restore(name, f).info()
+        return await run_in_threadpool(restore)
+    finally:
+        upload.unlink(missing_ok=True)

@@ -1,0 +1,54 @@
+"""Routes of the service itself, outside /v1: live, ready, Prometheus metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.exceptions import HTTPException
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from fusionrag.server.deps import authenticate, state_of
+from fusionrag.server.errors import documented, http_error
+from fusionrag.server.schemas import Readiness
+
+router = APIRouter()
+
+
+def _for_caller(request: Request, body: dict) -> dict:
+    """`body` with its collection names (its lists of names, its dicts by name) cut to those the caller's key
+    covers; with API keys, a caller without a valid key is told the status only."""
+    if not state_of(request).keys.enabled:
+        return body
+    try:
+        key = authenticate(request)
+    except HTTPException:
+        return {"status": body["status"]}
+    return {k: [n for n in v if key.allows(n)] if isinstance(v, list) else
+            {n: x for n, x in v.items() if key.allows(n)} if isinstance(v, dict) else v for k, v in body.items()}
+
+
+@router.get("/healthz", summary="Live: the process answers")
+def healthz():
+    return {"status": "ok"}
+
+
+@router.get("/readyz", summary="Ready: every collection is loaded",
+            responses={200: {"model": Readiness}, 503: {"model": Readiness}})
+def readyz(request: Request):
+    state = state_of(request)
+    if state.ready.is_set():
+        # Ready while any collection serves: one that failed to open is named here with the reason.
+        failed = state.catalog.failed()
+        if state.demo_error:
+            failed.setdefault("demo", state.demo_error)
+        return _for_caller(request, {"status": "ready", "collections": state.catalog.names(), "failed": failed})
+    return JSONResponse(_for_caller(request, {"status": "loading", "building": sorted(state.building)}), 503)
+
+
+@router.get("/metrics", summary="Prometheus metrics (with API keys and metrics_auth: for a key that covers "
+                                "every collection)", response_class=PlainTextResponse, responses=documented(401, 403))
+def metrics(request: Request):
+    state = state_of(request)
+    if state.config.metrics_auth and state.keys.enabled and not authenticate(request).unrestricted:
+        raise http_error(403, "/metrics names every collection: it needs a key that covers them all")
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,84 @@
+"""The search route."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from fastapi import APIRouter, Depends, Request
+from fastapi.exceptions import HTTPException
+from starlette.concurrency import run_in_threadpool
+
+from fusionrag.retriever.collection import Collection
+from fusionrag.retriever.filters import compile_filter
+from fusionrag.server.batcher import ServiceClosing
+from fusionrag.server.bodies import validate
+from fusionrag.server.schemas import SearchRequest
+from fusionrag.server.errors import documented, http_error, json_body
+from fusionrag.server.deps import open_collection, state_of
+from fusionrag.server.responses import VectorJSON, hit_json, plain
+from fusionrag.server.requests import (check_texts, check_vectors, embedder_of, read_json, search_params,
+                                       over_limit)
+
+
+router = APIRouter(prefix="/v1")
+
+
+@router.post("/collections/{name}/search", summary="Top-k documents of each query vector or text",
+         openapi_extra=json_body(SearchRequest), responses=documented(400, 401, 403, 404, 413, 422, 503))
+async def search(request: Request, coll: Collection = Depends(open_collection)):
+    state = state_of(request)
+    cfg = state.config
+    too_many = over_limit("queries", cfg.max_queries, "max_queries")
+
+    def wrong_dim(d: int) -> HTTPException:
+        return http_error(422, f"query vectors have dimension {d}, collection {coll.name!r} has dimension {coll.dim}")
+
+    data = await read_json(request, lambda b: {
+        "vectors": lambda i: b.array(i, 1, lambda n, j: b.vector(j, coll.dim, ("vectors", n), wrong_dim),
+                                     cfg.max_queries, too_many),
+        "texts": lambda i: b.array(i, 1, lambda _, j: b.value(j, 2), cfg.max_queries, too_many)})
+    rows = data.pop("vectors", None)
+    # Vectors that are not a list are the model's to refuse, with its message.
+    body = validate(SearchRequest, data if isinstance(rows, (list, type(None))) else {**data, "vectors": rows})
+    if body.mode == "vector" and (rows is None) == (body.texts is None):
+        raise http_error(422, "give exactly one of 'vectors' and 'texts'")
+    if body.mode != "vector" and body.texts is None:
+        raise http_error(422, f"mode {body.mode!r} needs 'texts'")
+    if body.mode == "text" and rows is not None:
+        raise http_error(422, "mode 'text' searches by 'texts' alone: give no 'vectors'")
+    if body.mode == "hybrid" and rows is not None and len(rows) != len(body.texts):
+        raise http_error(422, f"mode 'hybrid' needs one text per query vector, got {len(body.texts)} for {len(rows)}")
+    queries = rows if rows is not None else body.texts
+    if not queries:
+        raise http_error(422, "no queries: 'vectors' or 'texts' is empty")
+    if body.k > cfg.max_k:
+        raise http_error(422, f"k is {body.k}, at most {cfg.max_k} allowed (max_k)")
+    params = search_params(body.params) if body.params else None
+    if body.filter is not None:
+        compile_filter(body.filter)  # a bad filter fails its own request here, not the batch it would join
+    vectors = None
+    if rows is not None:
+        vectors = np.stack(rows)
+        check_vectors(vectors, coll, "query vectors")
+    if body.texts is not None:
+        check_texts(body.texts, cfg.max_text_chars, "texts")
+        if vectors is None and body.mode != "text":
+            embedder_of(coll, "queries")
+    t = time.perf_counter()
+    try:
+        res = await state.batcher.search(coll, body.k, filter=body.filter, params=params, vectors=vectors,
+                                         texts=body.texts, mode=body.mode, text_weight=body.text_weight,
+                                         with_vectors=body.with_vectors)
+    except ServiceClosing as e:
+        raise http_error(503, str(e)) from e
+    state.metrics.recent.add(time.perf_counter() - t, len(queries),
+                             sum(int(s.get("pages_read", 0)) for s in res.stats),
+                             sum(int(s.get("pages_buffered", 0)) for s in res.stats))
+    out = {"results": [[hit_json(h, body.with_vectors) for h in hits] for hits in res.hits]}
+    # A filter comparing a field with values of a type it is not held as matches nothing: said, not silent.
+    if body.filter is not None and (warnings := await run_in_threadpool(coll.filter_warnings, body.filter)):
+        out["warnings"] = warnings
+    if body.stats:
+        out["stats"] = [plain(s) for s in res.stats]
+    return VectorJSON(out)
