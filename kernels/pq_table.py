@@ -1,4 +1,4 @@
-"""PQ distance lookup tables for a batch of queries (step 2 of DESIGN.md).
+"""PQ distance lookup tables for a batch of queries (docs/design.md, step 6 of a query, first part).
 
 For query q and sub-space m the table holds the distance from q's m-th slice to each of the
 256 sub-centroids: squared L2 ('l2') or negative inner product ('ip'). One program computes

@@ -1,4 +1,4 @@
-"""Top-n per query over a ragged batch of rank keys (step 5 of DESIGN.md, last part).
+"""Top-n per query over a ragged batch of rank keys (docs/design.md, step 6 of a query, last part).
 
 A candidate travels as one int64 rank key: its PQ distance's bits in the high half, mapped so
 that signed integer order is float order, and its uint32 vector ID in the low half. Comparing

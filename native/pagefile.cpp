@@ -327,7 +327,22 @@ uint8_t* AlignedBuffer::get(size_t need) {
   return ptr.get();
 }
 
-PageBuffer::PageBuffer(size_t capacity, size_t block_bytes) : capacity_(capacity), block_bytes_(block_bytes) {
+BufferPolicy parse_buffer_policy(const std::string& name) {
+  if (name == "clock") return BufferPolicy::Clock;
+  if (name == "lfu") return BufferPolicy::Lfu;
+  throw std::invalid_argument("buffer_policy must be 'clock' or 'lfu', not '" + name + "'");
+}
+
+namespace {
+size_t pow2_at_least(size_t n) {
+  size_t p = 1;
+  while (p < n) p <<= 1;
+  return p;
+}
+}  // namespace
+
+PageBuffer::PageBuffer(size_t capacity, size_t block_bytes, BufferPolicy policy)
+    : capacity_(capacity), block_bytes_(block_bytes), policy_(policy) {
   if (!capacity) return;
   // Anonymous memory is page-aligned and committed only as frames fill.
   arena_bytes_ = capacity * block_bytes;
@@ -341,8 +356,11 @@ PageBuffer::PageBuffer(size_t capacity, size_t block_bytes) : capacity_(capacity
     Shard& s = shards_[i];
     s.frames = static_cast<uint8_t*>(arena_) + lo * block_bytes;
     s.block_of.assign(hi - lo, kEmpty);
-    s.referenced.assign(hi - lo, 0);
+    s.uses.assign(hi - lo, 0);
+    s.pinned.assign(hi - lo, 0);
     s.frame_of.reserve(hi - lo);
+    // Sixteen counters a frame: the sketch must tell apart blocks not in the buffer too.
+    if (policy == BufferPolicy::Lfu) s.sketch.assign(pow2_at_least(std::max<size_t>(64, 16 * (hi - lo))), 0);
   }
 }
 
@@ -350,56 +368,150 @@ PageBuffer::~PageBuffer() {
   if (arena_) munmap(arena_, arena_bytes_);
 }
 
-bool PageBuffer::lookup(uint32_t block, uint8_t* out) {
+namespace {
+// Two hashes of a block into the sketch, independent of the shard hash.
+inline size_t sketch_slot(uint32_t block, int row, size_t mask) {
+  uint64_t h = (uint64_t(block) + 1) * (row ? 0xC2B2AE3D27D4EB4Full : 0x9E3779B97F4A7C15ull);
+  return size_t(h >> 32) & mask;
+}
+}  // namespace
+
+uint32_t PageBuffer::estimate(const Shard& s, uint32_t block) const {
+  const size_t mask = s.sketch.size() - 1;
+  return std::min(s.sketch[sketch_slot(block, 0, mask)], s.sketch[sketch_slot(block, 1, mask)]);
+}
+
+void PageBuffer::count(Shard& s, uint32_t block, uint32_t weight) {
+  if (policy_ != BufferPolicy::Lfu) return;
+  const size_t mask = s.sketch.size() - 1;
+  // Conservative update: only the counters at the minimum grow.
+  const uint32_t now = estimate(s, block), to = std::min<uint32_t>(255, now + weight);
+  for (int row = 0; row < 2; ++row) {
+    uint8_t& c = s.sketch[sketch_slot(block, row, mask)];
+    if (c < to) c = uint8_t(to);
+  }
+  // Aging: halve every count once the shard has seen 10 requests a frame.
+  s.requests += weight;
+  if (s.requests >= 10 * s.block_of.size()) {
+    for (uint8_t& c : s.sketch) c >>= 1;
+    for (uint8_t& u : s.uses) u >>= 1;
+    s.requests /= 2;
+  }
+}
+
+// The frame to fill: a free one, or the victim of a sweep that passes pinned
+// frames and spends one use of every other frame it passes.
+size_t PageBuffer::victim(Shard& s) {
+  for (;;) {
+    size_t f = s.hand;
+    s.hand = (s.hand + 1) % s.block_of.size();
+    if (s.block_of[f] == kEmpty) return f;
+    if (s.pinned[f]) continue;
+    if (!s.uses[f]) return f;
+    --s.uses[f];
+  }
+}
+
+bool PageBuffer::lookup(uint32_t block, uint8_t* out, uint32_t weight) {
   if (!capacity_) return false;
   Shard& s = shard(block);
   std::lock_guard<std::mutex> lk(s.mutex);
+  count(s, block, weight);
   auto it = s.frame_of.find(block);
   if (it == s.frame_of.end()) return false;
-  s.referenced[it->second] = 1;
+  uint8_t& uses = s.uses[it->second];
+  uses = policy_ == BufferPolicy::Clock ? 1 : uint8_t(std::min<uint32_t>(kMaxUses, uses + weight));
   std::memcpy(out, s.frames + size_t(it->second) * block_bytes_, block_bytes_);
   return true;
 }
 
-void PageBuffer::insert(uint32_t block, const uint8_t* data) {
+void PageBuffer::insert(uint32_t block, const uint8_t* data, uint32_t weight) {
   if (!capacity_) return;
   Shard& s = shard(block);
   std::lock_guard<std::mutex> lk(s.mutex);
-  if (s.frame_of.count(block)) return;  // another query read it meanwhile
-  size_t f;
-  for (;;) {
-    f = s.hand;
-    s.hand = (s.hand + 1) % s.block_of.size();
-    if (s.block_of[f] == kEmpty) break;
-    if (!s.referenced[f]) {
-      s.frame_of.erase(s.block_of[f]);
-      evictions_.fetch_add(1, std::memory_order_relaxed);
-      break;
-    }
-    s.referenced[f] = 0;
+  const bool pin = !s.wanted.empty() && s.wanted.count(block) && s.num_pinned < pin_limit(s);
+  auto it = s.frame_of.find(block);
+  if (it != s.frame_of.end()) {  // another query read it meanwhile
+    if (pin && !s.pinned[it->second]) s.pinned[it->second] = 1, ++s.num_pinned;
+    return;
   }
-  // A new block earns its second chance only when it is hit again, so one scan
-  // of cold blocks cannot flush the hot ones.
+  const size_t f = victim(s);
+  if (s.block_of[f] != kEmpty) {
+    // TinyLFU admission: a block requested no more often than the victim would
+    // only push out something as likely to come back.
+    if (policy_ == BufferPolicy::Lfu && !pin && estimate(s, block) <= estimate(s, s.block_of[f])) return;
+    s.frame_of.erase(s.block_of[f]);
+    evictions_.fetch_add(1, std::memory_order_relaxed);
+  }
+  // Clock: a new block earns its second chance only when it is hit again, so
+  // one scan of cold blocks cannot flush the hot ones. Lfu: it was admitted for
+  // its requests, and starts with one use.
   s.block_of[f] = block;
-  s.referenced[f] = 0;
+  s.uses[f] = policy_ == BufferPolicy::Lfu ? uint8_t(std::min<uint32_t>(kMaxUses, weight)) : 0;
+  if (pin) s.pinned[f] = 1, ++s.num_pinned;
   s.frame_of[block] = uint32_t(f);
   std::memcpy(s.frames + f * block_bytes_, data, block_bytes_);
+}
+
+bool PageBuffer::resident(uint32_t block) {
+  if (!capacity_) return false;
+  Shard& s = shard(block);
+  std::lock_guard<std::mutex> lk(s.mutex);
+  return s.frame_of.count(block) != 0;
+}
+
+std::vector<uint32_t> PageBuffer::pin(const uint32_t* blocks, size_t n) {
+  std::vector<uint32_t> missing;
+  if (!capacity_) return missing;
+  std::vector<std::vector<uint32_t>> per_shard(shards_.size());
+  for (size_t i = 0; i < n; ++i) per_shard[shard_index(blocks[i])].push_back(blocks[i]);
+  for (size_t i = 0; i < shards_.size(); ++i) {
+    Shard& s = shards_[i];
+    std::lock_guard<std::mutex> lk(s.mutex);
+    std::fill(s.pinned.begin(), s.pinned.end(), 0);
+    s.num_pinned = 0;
+    s.wanted.clear();
+    for (uint32_t b : per_shard[i]) {
+      if (s.wanted.size() >= pin_limit(s)) break;
+      if (!s.wanted.insert(b).second) continue;
+      auto it = s.frame_of.find(b);
+      if (it == s.frame_of.end()) {
+        missing.push_back(b);
+      } else {
+        s.pinned[it->second] = 1, ++s.num_pinned;
+      }
+    }
+  }
+  return missing;
+}
+
+size_t PageBuffer::pinned() {
+  size_t total = 0;
+  for (Shard& s : shards_) {
+    std::lock_guard<std::mutex> lk(s.mutex);
+    total += s.num_pinned;
+  }
+  return total;
 }
 
 void PageBuffer::clear() {
   for (Shard& s : shards_) {
     std::lock_guard<std::mutex> lk(s.mutex);
     std::fill(s.block_of.begin(), s.block_of.end(), kEmpty);
-    std::fill(s.referenced.begin(), s.referenced.end(), 0);
+    std::fill(s.uses.begin(), s.uses.end(), 0);
+    std::fill(s.pinned.begin(), s.pinned.end(), 0);
+    std::fill(s.sketch.begin(), s.sketch.end(), 0);
     s.frame_of.clear();
-    s.hand = 0;
+    s.wanted.clear();
+    s.hand = s.num_pinned = 0;
+    s.requests = 0;
   }
 }
 
 PageStore::PageStore(const std::string& path, PageLayout layout, std::vector<uint32_t> block_crc,
                      size_t buffer_blocks, const std::string& io_backend, const std::string& direct_io,
-                     int io_threads)
-    : path_(path), layout_(layout), crc_(std::move(block_crc)), buffer_(buffer_blocks, layout.block_bytes()) {
+                     int io_threads, BufferPolicy policy)
+    : path_(path), layout_(layout), crc_(std::move(block_crc)), buffer_(buffer_blocks, layout.block_bytes(), policy) {
   if (io_backend != "auto" && io_backend != "io_uring" && io_backend != "pread")
     throw std::invalid_argument("io_backend must be 'auto', 'io_uring' or 'pread', not '" + io_backend + "'");
   if (direct_io != "auto" && direct_io != "on" && direct_io != "off")
@@ -449,15 +561,28 @@ PageStore::~PageStore() {
   ::close(fd_);
 }
 
-size_t PageStore::fetch(const uint32_t* blocks, size_t n, uint8_t* out, uint8_t* read_from_ssd) {
+void PageStore::check_crc(const BlockRead& r) const {
+  uint32_t got = crc32c(r.dst, layout_.block_bytes());
+  if (got != crc_[r.block]) {
+    char detail[64];
+    std::snprintf(detail, sizeof detail, " (crc32c 0x%08x, expected 0x%08x)", got, crc_[r.block]);
+    throw std::runtime_error(path_ + ": block " + std::to_string(r.block) + " fails its checksum" + detail +
+                             ": the index is corrupt");
+  }
+}
+
+size_t PageStore::fetch(const uint32_t* blocks, size_t n, uint8_t* out, uint8_t* read_from_ssd,
+                        const uint32_t* weights) {
   const size_t bb = layout_.block_bytes();
   std::vector<BlockRead> misses;
+  std::vector<uint32_t> miss_weights;
   for (size_t i = 0; i < n; ++i) {
     if (blocks[i] >= crc_.size())
       throw std::invalid_argument(path_ + ": block " + std::to_string(blocks[i]) + " is past the end (" +
                                   std::to_string(crc_.size()) + " blocks)");
-    bool hit = buffer_.lookup(blocks[i], out + i * bb);
-    if (!hit) misses.push_back({blocks[i], out + i * bb});
+    const uint32_t w = weights ? weights[i] : 1;
+    bool hit = buffer_.lookup(blocks[i], out + i * bb, w);
+    if (!hit) misses.push_back({blocks[i], out + i * bb}), miss_weights.push_back(w);
     if (read_from_ssd) read_from_ssd[i] = !hit;
   }
   blocks_from_buffer_.fetch_add(n - misses.size(), std::memory_order_relaxed);
@@ -465,21 +590,39 @@ size_t PageStore::fetch(const uint32_t* blocks, size_t n, uint8_t* out, uint8_t*
   read_calls_.fetch_add(1, std::memory_order_relaxed);
   blocks_read_.fetch_add(misses.size(), std::memory_order_relaxed);
   reader_->read(misses.data(), misses.size());
-  for (const BlockRead& r : misses) {
-    uint32_t got = crc32c(r.dst, bb);
-    if (got != crc_[r.block]) {
-      char detail[64];
-      std::snprintf(detail, sizeof detail, " (crc32c 0x%08x, expected 0x%08x)", got, crc_[r.block]);
-      throw std::runtime_error(path_ + ": block " + std::to_string(r.block) + " fails its checksum" + detail +
-                               ": the index is corrupt");
-    }
-  }
-  for (const BlockRead& r : misses) buffer_.insert(r.block, r.dst);
+  for (const BlockRead& r : misses) check_crc(r);
+  for (size_t i = 0; i < misses.size(); ++i) buffer_.insert(misses[i].block, misses[i].dst, miss_weights[i]);
   return misses.size();
 }
 
-PageStoreStats PageStore::stats() const {
-  return {blocks_read_.load(), blocks_from_buffer_.load(), read_calls_.load(), buffer_.evictions()};
+size_t PageStore::pin(const uint32_t* blocks, size_t n) {
+  for (size_t i = 0; i < n; ++i)
+    if (blocks[i] >= crc_.size())
+      throw std::invalid_argument(path_ + ": block " + std::to_string(blocks[i]) + " is past the end (" +
+                                  std::to_string(crc_.size()) + " blocks)");
+  std::lock_guard<std::mutex> lk(pin_mutex_);
+  std::vector<uint32_t> missing = buffer_.pin(blocks, n);
+  // Read in modest batches: the background thread should not hog the SSD queue.
+  constexpr size_t kBatch = 64;
+  const size_t bb = layout_.block_bytes();
+  AlignedBuffer buf;
+  std::vector<BlockRead> reads;
+  for (size_t first = 0; first < missing.size(); first += kBatch) {
+    const size_t count = std::min(kBatch, missing.size() - first);
+    uint8_t* data = buf.get(count * bb);
+    reads.clear();
+    for (size_t i = 0; i < count; ++i) reads.push_back({missing[first + i], data + i * bb});
+    reader_->read(reads.data(), reads.size());
+    for (const BlockRead& r : reads) check_crc(r);
+    for (const BlockRead& r : reads) buffer_.insert(r.block, r.dst);
+    pin_reads_.fetch_add(count, std::memory_order_relaxed);
+  }
+  return buffer_.pinned();
+}
+
+PageStoreStats PageStore::stats() {
+  return {blocks_read_.load(), blocks_from_buffer_.load(), read_calls_.load(), buffer_.evictions(),
+          pin_reads_.load(), buffer_.pinned()};
 }
 
 }  // namespace fusionrag
@@ -582,15 +725,16 @@ void bind_pagefile(nb::module_& m) {
           "__init__",
           [](PageStore* self, const std::string& path, int64_t record_bytes, int64_t records_per_block,
              int64_t pages_per_block, U32Vector block_crc, int64_t buffer_blocks, const std::string& io_backend,
-             const std::string& direct_io, int io_threads) {
+             const std::string& direct_io, int io_threads, const std::string& buffer_policy) {
             PageLayout layout = make_layout(record_bytes, records_per_block, pages_per_block);
             std::vector<uint32_t> crc(block_crc.data(), block_crc.data() + block_crc.shape(0));
             size_t capacity = non_negative(buffer_blocks, "buffer_blocks");
+            BufferPolicy policy = parse_buffer_policy(buffer_policy);
             nb::gil_scoped_release nogil;
-            new (self) PageStore(path, layout, std::move(crc), capacity, io_backend, direct_io, io_threads);
+            new (self) PageStore(path, layout, std::move(crc), capacity, io_backend, direct_io, io_threads, policy);
           },
           "path"_a, "record_bytes"_a, "records_per_block"_a, "pages_per_block"_a, "block_crc"_a, "buffer_blocks"_a,
-          "io_backend"_a = "auto", "direct_io"_a = "auto", "io_threads"_a = 8)
+          "io_backend"_a = "auto", "direct_io"_a = "auto", "io_threads"_a = 8, "buffer_policy"_a = "clock")
       .def_prop_ro("path", &PageStore::path)
       .def_prop_ro("backend", [](const PageStore& s) { return std::string(s.backend()); })
       .def_prop_ro("direct", &PageStore::direct)
@@ -602,6 +746,29 @@ void bind_pagefile(nb::module_& m) {
       .def_prop_ro("block_bytes", [](const PageStore& s) { return s.layout().block_bytes(); })
       .def_prop_ro("buffer_capacity", &PageStore::buffer_capacity)
       .def_prop_ro("buffer_bytes", [](const PageStore& s) { return s.buffer_capacity() * s.layout().block_bytes(); })
+      .def_prop_ro("buffer_policy",
+                   [](const PageStore& s) { return std::string(s.buffer_policy() == BufferPolicy::Lfu ? "lfu" : "clock"); })
+      .def(
+          "pin",
+          [](PageStore& s, U32Vector blocks) {
+            nb::gil_scoped_release nogil;
+            return s.pin(blocks.data(), blocks.shape(0));
+          },
+          "blocks"_a,
+          "Pins these blocks (most wanted first) in the page buffer in place of those pinned before, reading the ones "
+          "not there; at most 3/4 of each buffer shard is pinned. Returns how many blocks are pinned.")
+      .def(
+          "resident",
+          [](PageStore& s, U32Vector blocks) {
+            const size_t n = blocks.shape(0);
+            NumpyOut<uint8_t> out({n});
+            {
+              nb::gil_scoped_release nogil;
+              for (size_t i = 0; i < n; ++i) out.data()[i] = s.resident(blocks.data()[i]);
+            }
+            return out.release();
+          },
+          "blocks"_a, "uint8[n]: whether each block is in the page buffer now (reads nothing).")
       .def(
           "read_block",
           [](PageStore& s, int64_t block) {
@@ -633,15 +800,18 @@ void bind_pagefile(nb::module_& m) {
            "Empties the page buffer.")
       .def(
           "stats",
-          [](const PageStore& s) {
+          [](PageStore& s) {
             PageStoreStats st = s.stats();
             nb::dict d;
             d["blocks_read"] = st.blocks_read;
             d["blocks_from_buffer"] = st.blocks_from_buffer;
             d["read_calls"] = st.read_calls;
             d["evictions"] = st.evictions;
+            d["pin_reads"] = st.pin_reads;
+            d["pinned"] = st.pinned;
             return d;
           },
-          "Cumulative counters: blocks_read (from the SSD), blocks_from_buffer, read_calls (batched "
-          "submissions), evictions.");
+          "Cumulative counters: blocks_read (from the SSD, for fetches), blocks_from_buffer, read_calls (batched "
+          "submissions), evictions, pin_reads (blocks read from the SSD to pin them); and pinned, the blocks "
+          "pinned now.");
 }

@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace fusionrag {
@@ -40,33 +41,63 @@ struct AlignedBuffer {
   uint8_t* get(size_t need);  // grows, keeps alignment, drops old contents
 };
 
+// How the page buffer picks a victim. Clock: CLOCK, a block read once gets no
+// second chance until it is hit again. Lfu: cache by use, for skewed query
+// streams: a small count-min sketch per shard counts every request for a block
+// (hits and misses, weighted by how many queries asked), halved every
+// 10 x frames requests so that old hotness fades; a missed block is admitted
+// only if requested more often than the victim (TinyLFU), and victims are
+// swept by a generalised CLOCK whose per-frame counters count hits.
+enum class BufferPolicy { Clock, Lfu };
+BufferPolicy parse_buffer_policy(const std::string& name);
+
 // The DRAM page buffer: a fixed number of block frames shared by every query and
-// thread. CLOCK eviction; blocks hash onto shards with one lock each so that
-// concurrent queries rarely wait on one another. Lookups copy the block out under
-// the lock: a copy of 4 KiB is cheaper than pinning frames against eviction.
+// thread. Blocks hash onto shards with one lock each so that concurrent queries
+// rarely wait on one another. Lookups copy the block out under the lock: a copy
+// of 4 KiB is cheaper than pinning frames against eviction. Pinned blocks (the
+// pages of the hottest posting lists, chosen off the request path) are never
+// evicted; at most 3/4 of a shard's frames are pinned, so the rest still turn over.
 class PageBuffer {
  public:
-  PageBuffer(size_t capacity, size_t block_bytes);
+  PageBuffer(size_t capacity, size_t block_bytes, BufferPolicy policy = BufferPolicy::Clock);
   ~PageBuffer();
   size_t capacity() const { return capacity_; }
-  bool lookup(uint32_t block, uint8_t* out);
-  void insert(uint32_t block, const uint8_t* data);
+  BufferPolicy policy() const { return policy_; }
+  // weight: how many queries asked for the block (Lfu counts it; Clock ignores it).
+  bool lookup(uint32_t block, uint8_t* out, uint32_t weight = 1);
+  void insert(uint32_t block, const uint8_t* data, uint32_t weight = 1);
+  bool resident(uint32_t block);
+  // Replaces the pinned set by blocks (most wanted first); returns those of them
+  // not resident, which the caller reads and inserts: they are pinned as they come in.
+  std::vector<uint32_t> pin(const uint32_t* blocks, size_t n);
+  size_t pinned();
   void clear();
   uint64_t evictions() const { return evictions_.load(std::memory_order_relaxed); }
 
  private:
   static constexpr uint32_t kEmpty = UINT32_MAX;
+  static constexpr uint8_t kMaxUses = 15;  // bounds a sweep to 16 turns of the hand
   struct Shard {
     std::mutex mutex;
     uint8_t* frames = nullptr;
     std::vector<uint32_t> block_of;  // frame -> block, kEmpty when free
-    std::vector<uint8_t> referenced;
+    std::vector<uint8_t> uses;       // Clock: the referenced bit; Lfu: hits, aged by the sweep
+    std::vector<uint8_t> pinned;
     std::unordered_map<uint32_t, uint32_t> frame_of;
-    size_t hand = 0;
+    std::unordered_set<uint32_t> wanted;  // blocks to pin
+    size_t hand = 0, num_pinned = 0;
+    std::vector<uint8_t> sketch;  // Lfu: count-min, two counters per block
+    uint64_t requests = 0;
   };
-  Shard& shard(uint32_t block) { return shards_[(block * 0x9E3779B1u >> 16) % shards_.size()]; }
+  size_t shard_index(uint32_t block) const { return (block * 0x9E3779B1u >> 16) % shards_.size(); }
+  Shard& shard(uint32_t block) { return shards_[shard_index(block)]; }
+  size_t pin_limit(const Shard& s) const { return s.block_of.size() * 3 / 4; }
+  void count(Shard& s, uint32_t block, uint32_t weight);
+  uint32_t estimate(const Shard& s, uint32_t block) const;
+  size_t victim(Shard& s);
 
   size_t capacity_, block_bytes_, arena_bytes_ = 0;
+  BufferPolicy policy_;
   void* arena_ = nullptr;
   std::vector<Shard> shards_;
   std::atomic<uint64_t> evictions_{0};
@@ -87,27 +118,36 @@ class BlockReader {
 };
 
 struct PageStoreStats {
-  uint64_t blocks_read, blocks_from_buffer, read_calls, evictions;
+  uint64_t blocks_read, blocks_from_buffer, read_calls, evictions, pin_reads, pinned;
 };
 
 class PageStore {
  public:
   PageStore(const std::string& path, PageLayout layout, std::vector<uint32_t> block_crc, size_t buffer_blocks,
-            const std::string& io_backend, const std::string& direct_io, int io_threads);
+            const std::string& io_backend, const std::string& direct_io, int io_threads,
+            BufferPolicy policy = BufferPolicy::Clock);
   ~PageStore();
 
   // Copies blocks[i] to out + i * block_bytes (out 4096-aligned): from the page
   // buffer when there; the others are read from the SSD together, checked
   // against their CRC and put in the buffer. Returns how many came from the SSD;
-  // when given, read_from_ssd[i] says whether blocks[i] did (1) or not (0).
-  size_t fetch(const uint32_t* blocks, size_t n, uint8_t* out, uint8_t* read_from_ssd = nullptr);
+  // when given, read_from_ssd[i] says whether blocks[i] did (1) or not (0), and
+  // weights[i] how many queries asked for blocks[i] (1 when not given).
+  size_t fetch(const uint32_t* blocks, size_t n, uint8_t* out, uint8_t* read_from_ssd = nullptr,
+               const uint32_t* weights = nullptr);
+  // Pins blocks (most wanted first) in the page buffer, in place of the pinned
+  // set before, reading those not there (counted as pin_reads, not blocks_read).
+  // Returns how many are pinned. Meant for a background thread.
+  size_t pin(const uint32_t* blocks, size_t n);
+  bool resident(uint32_t block) { return buffer_.resident(block); }
   void reset_buffer() { buffer_.clear(); }
-  PageStoreStats stats() const;
+  PageStoreStats stats();
 
   const std::string& path() const { return path_; }
   const PageLayout& layout() const { return layout_; }
   size_t num_blocks() const { return crc_.size(); }
   size_t buffer_capacity() const { return buffer_.capacity(); }
+  BufferPolicy buffer_policy() const { return buffer_.policy(); }
   const char* backend() const { return reader_->name(); }
   bool direct() const { return direct_; }
   int fd() const { return fd_; }
@@ -120,7 +160,10 @@ class PageStore {
   bool direct_ = false;
   PageBuffer buffer_;
   std::unique_ptr<BlockReader> reader_;
-  std::atomic<uint64_t> blocks_read_{0}, blocks_from_buffer_{0}, read_calls_{0};
+  std::mutex pin_mutex_;  // one re-pinning at a time
+  std::atomic<uint64_t> blocks_read_{0}, blocks_from_buffer_{0}, read_calls_{0}, pin_reads_{0};
+
+  void check_crc(const BlockRead& r) const;
 };
 
 }  // namespace fusionrag

@@ -128,12 +128,27 @@ struct Exact {
   }
 
   // Sorts and de-duplicates blocks, then reads them, one after another, into
-  // scratch, which it returns; read_from_ssd as for PageStore::fetch.
-  const uint8_t* fetch(std::vector<uint32_t>& blocks, AlignedBuffer& scratch, uint8_t* read_from_ssd = nullptr) const {
+  // scratch, which it returns; read_from_ssd as for PageStore::fetch. With
+  // weights, each block's weight is how often blocks held it (how many queries
+  // asked for it, when each query's blocks were distinct).
+  const uint8_t* fetch(std::vector<uint32_t>& blocks, AlignedBuffer& scratch, uint8_t* read_from_ssd = nullptr,
+                       std::vector<uint32_t>* weights = nullptr) const {
     std::sort(blocks.begin(), blocks.end());
-    blocks.erase(std::unique(blocks.begin(), blocks.end()), blocks.end());
+    if (weights) {
+      weights->clear();
+      size_t out = 0;
+      for (size_t i = 0; i < blocks.size(); ++out) {
+        size_t j = i;
+        while (j < blocks.size() && blocks[j] == blocks[i]) ++j;
+        blocks[out] = blocks[i], weights->push_back(uint32_t(j - i));
+        i = j;
+      }
+      blocks.resize(out);
+    } else {
+      blocks.erase(std::unique(blocks.begin(), blocks.end()), blocks.end());
+    }
     uint8_t* data = scratch.get(std::max<size_t>(1, blocks.size()) * store.layout().block_bytes());
-    store.fetch(blocks.data(), blocks.size(), data, read_from_ssd);
+    store.fetch(blocks.data(), blocks.size(), data, read_from_ssd, weights ? weights->data() : nullptr);
     return data;
   }
 
@@ -296,7 +311,7 @@ constexpr size_t kChunksPerWorker = 2;
 
 struct Scratch {
   std::vector<QueryState> slots;
-  std::vector<uint32_t> blocks, mine;
+  std::vector<uint32_t> blocks, mine, weights;
   std::vector<uint8_t> unclaimed;  // per block of the round: read from the SSD, not yet counted
   AlignedBuffer data;
   std::vector<float> dist;
@@ -330,10 +345,14 @@ void rerank_queries(const RerankJob& job, size_t first, size_t last, size_t infl
     for (QueryState& st : s.slots)
       if (st.live) {
         st.next_batch(job.row(st), p);
+        // Each query's blocks once: a block's weight in the page buffer is how many queries asked.
+        const size_t from = s.blocks.size();
         ex.add_blocks(st.batch.data(), st.batch.size(), s.blocks);
+        std::sort(s.blocks.begin() + from, s.blocks.end());
+        s.blocks.erase(std::unique(s.blocks.begin() + from, s.blocks.end()), s.blocks.end());
       }
     s.unclaimed.resize(s.blocks.size());  // sized before de-duplication: a flag per distinct block and more
-    const uint8_t* data = ex.fetch(s.blocks, s.data, s.unclaimed.data());
+    const uint8_t* data = ex.fetch(s.blocks, s.data, s.unclaimed.data(), &s.weights);
     for (QueryState& st : s.slots) {
       if (!st.live) continue;
       const int64_t* cand = st.batch.data();

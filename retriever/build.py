@@ -1,4 +1,4 @@
-"""The offline build: vectors in, an index directory out (see DESIGN.md, "Build").
+"""The offline build: vectors in, an index directory out (see docs/design.md, "Build").
 
 1. hierarchical balanced k-means into posting-list centroids (about count * centroid_ratio);
 2. the navigation graph over the centroids (native HNSW);
@@ -98,25 +98,10 @@ class _Rows:
         return self.stored(ids).astype(np.float32, copy=False)
 
 
-def build_index(source, out_dir, config: BuildConfig = BuildConfig(), progress: bool | None = None,
-                overwrite: bool = False, on_progress: OnProgress | None = None) -> dict:
-    """Build an index of `source` (a vector file path or a 2-D array) into the directory out_dir.
-
-    progress: a bar per step on stderr (None: when stderr is a terminal); on_progress(step, done, total)
-    is told the same as the steps advance."""
-    t_start = time.perf_counter()
-    src = as_source(source)
-    n, dim = src.count, src.dim
-    if n >= 2**32:
-        raise InputError(f"{src.path}: {n} vectors exceed the 2^32 vector ids an index holds")
-    metric, engine_metric = config.metric, internal_metric(config.metric)
-    threads = cpu_threads(config.threads)
-    rng = np.random.default_rng(config.seed)
-    rows = _Rows(src, metric)
-    integral = _IntegralCheck(src.dtype, metric)
-    timings = {}
-    steps = Progress(progress, on_progress)
-
+def train_index(rows, n: int, dim: int, config: BuildConfig, rng: np.random.Generator, threads: int,
+                steps: Progress, timings: dict):
+    """Steps 1-3: (centroids, navigation graph, l2 graph of the plain centroids for assigning, PQ)."""
+    metric = config.metric
     # 1. Posting-list centroids.
     t = time.perf_counter()
     target = 1.0 / config.centroid_ratio
@@ -148,57 +133,99 @@ def build_index(source, out_dir, config: BuildConfig = BuildConfig(), progress: 
     with steps.step("pq training", pq_m, "sub-space") as update:
         pq = ProductQuantizer.train(rows(sample), pq_m, config.kmeans_iters, rng, progress=update)
     timings["pq_train_s"] = time.perf_counter() - t
+    return centroids, graph, assign_graph, pq
+
+
+def assign_rows(assign_graph, pq: ProductQuantizer, ids: np.ndarray, x: np.ndarray, config: BuildConfig,
+                threads: int):
+    """Step 4 for rows x (ids): (nearest list, the (list, id) pairs of boundary replication, PQ codes)."""
+    reps = min(config.max_replicas, assign_graph.size)
+    near, sqd = assign_graph.search(x, reps, max(32, 2 * reps), threads)
+    dist = np.sqrt(np.maximum(sqd, 0))
+    keep = (dist <= (1 + config.replica_eps) * dist[:, :1]) & (near >= 0)
+    keep[:, 0] = True
+    return (near[:, 0].astype(np.int64), near[keep].astype(np.int64),
+            np.broadcast_to(ids[:, None], near.shape)[keep].astype(np.uint32), pq.encode(x))
+
+
+def postings(lists: np.ndarray, ids: np.ndarray, n_lists: int) -> tuple[np.ndarray, np.ndarray]:
+    """(list_offsets, list_ids) in CSR form from (list, id) pairs; ids stay in their order within a list."""
+    order = np.argsort(lists, kind="stable")
+    offsets = np.concatenate([[0], np.cumsum(np.bincount(lists, minlength=n_lists))]).astype(np.int64)
+    return offsets, ids[order]
+
+
+def write_pages(w, stored, n: int, dim: int, store_dtype: np.dtype, primary: np.ndarray, centroids: np.ndarray,
+                pq: ProductQuantizer, codes: np.ndarray, steps: Progress):
+    """Steps 5-6's page file, into the index being written (w): rows 0..n-1 (stored(ids), in store_dtype,
+    asked for in ascending order), each in the bucket of its list `primary`. Returns (layout, slots, block CRCs)."""
+    record_bytes = dim * store_dtype.itemsize
+    # Within a bucket, near vectors share pages; PQ reconstructions are near enough to order them.
+    with steps.step("ordering pages", n) as update:
+        order = chain_order(primary, len(centroids), centroids, lambda ids: pq.decode(codes[ids]), progress=update)
+    layout, slots = plan_layout(primary, len(centroids), record_bytes, order)
+    writer = PageWriter(str(w.path("vectors.pages")), record_bytes, layout.records_per_block,
+                        layout.pages_per_block)
+    by_slot = np.argsort(slots, kind="stable")
+    with steps.step("writing pages", n) as update:
+        for s in range(0, n, _CHUNK):
+            ids = by_slot[s:s + _CHUNK]
+            read_order = np.argsort(ids)  # read the source in file order, write in slot order
+            recs = np.empty((len(ids), dim), dtype=store_dtype)
+            recs[read_order] = stored(ids[read_order])
+            writer.write(slots[ids], recs.view(np.uint8).reshape(len(ids), record_bytes))
+            update(len(ids))
+    return layout, slots, writer.close()
+
+
+def build_index(source, out_dir, config: BuildConfig = BuildConfig(), progress: bool | None = None,
+                overwrite: bool = False, on_progress: OnProgress | None = None) -> dict:
+    """Build an index of `source` (a vector file path or a 2-D array) into the directory out_dir.
+
+    progress: a bar per step on stderr (None: when stderr is a terminal); on_progress(step, done, total)
+    is told the same as the steps advance."""
+    t_start = time.perf_counter()
+    src = as_source(source)
+    n, dim = src.count, src.dim
+    if n >= 2**32:
+        raise InputError(f"{src.path}: {n} vectors exceed the 2^32 vector ids an index holds")
+    metric, engine_metric = config.metric, internal_metric(config.metric)
+    threads = cpu_threads(config.threads)
+    rng = np.random.default_rng(config.seed)
+    rows = _Rows(src, metric)
+    integral = _IntegralCheck(src.dtype, metric)
+    timings = {}
+    steps = Progress(progress, on_progress)
+
+    # 1-3. Centroids, navigation graph, PQ codebooks.
+    centroids, graph, assign_graph, pq = train_index(rows, n, dim, config, rng, threads, steps, timings)
 
     # 4. One pass over all vectors: nearest centroids, replicas, PQ codes (and NaN checks).
     t = time.perf_counter()
     codes = np.empty((n, pq.m), dtype=np.uint8)
     primary = np.empty(n, dtype=np.int64)
     pair_lists, pair_ids = [], []
-    reps = min(config.max_replicas, len(centroids))
     with steps.step("assigning", n) as update:
         for s in range(0, n, _CHUNK):
             ids = np.arange(s, min(n, s + _CHUNK))
             x = rows(ids)
             integral.update(x)
-            near, sqd = assign_graph.search(x, reps, max(32, 2 * reps), threads)
-            primary[ids] = near[:, 0]
-            dist = np.sqrt(np.maximum(sqd, 0))
-            keep = (dist <= (1 + config.replica_eps) * dist[:, :1]) & (near >= 0)
-            keep[:, 0] = True
-            pair_lists.append(near[keep].astype(np.int64))
-            pair_ids.append(np.broadcast_to(ids[:, None], near.shape)[keep].astype(np.uint32))
-            codes[ids] = pq.encode(x)
+            primary[ids], lists, members, codes[ids] = assign_rows(assign_graph, pq, ids, x, config, threads)
+            pair_lists.append(lists)
+            pair_ids.append(members)
             update(len(ids))
     del assign_graph
-    lists = np.concatenate(pair_lists)
-    list_ids = np.concatenate(pair_ids)
-    order = np.argsort(lists, kind="stable")  # ids stay ascending within a list
-    list_ids = list_ids[order]
-    list_offsets = np.concatenate([[0], np.cumsum(np.bincount(lists, minlength=len(centroids)))]).astype(np.int64)
-    del lists, order, pair_lists, pair_ids
+    list_offsets, list_ids = postings(np.concatenate(pair_lists), np.concatenate(pair_ids), len(centroids))
+    del pair_lists, pair_ids
     timings["assign_s"] = time.perf_counter() - t
 
     # 5-6. SSD layout and page file, then everything else.
     t = time.perf_counter()
     rows.dtype = store_dtype = integral.dtype() or rows.dtype
-    record_bytes = dim * store_dtype.itemsize
-    # Within a bucket, near vectors share pages; PQ reconstructions are near enough to order them.
-    with steps.step("ordering pages", n) as update:
-        order = chain_order(primary, len(centroids), centroids, lambda ids: pq.decode(codes[ids]), progress=update)
-    layout, slots = plan_layout(primary, len(centroids), record_bytes, order)
     with writing_index(Path(out_dir), overwrite) as w:
-        writer = PageWriter(str(w.path("vectors.pages")), record_bytes, layout.records_per_block,
-                            layout.pages_per_block)
-        by_slot = np.argsort(slots, kind="stable")
-        with steps.step("writing pages", n) as update:
-            for s in range(0, n, _CHUNK):
-                ids = by_slot[s:s + _CHUNK]
-                read_order = np.argsort(ids)  # read the source in file order, write in slot order
-                recs = np.empty((len(ids), dim), dtype=store_dtype)
-                recs[read_order] = rows.stored(ids[read_order])
-                writer.write(slots[ids], recs.view(np.uint8).reshape(len(ids), record_bytes))
-                update(len(ids))
-        save_index_files(w, writer.close(), graph, list_offsets, list_ids, pq.codebooks, codes, slots)
+        layout, slots, block_crc = write_pages(w, rows.stored, n, dim, store_dtype, primary, centroids, pq, codes,
+                                               steps)
+        save_index_files(w, block_crc, graph, list_offsets, list_ids, pq.codebooks, codes, slots)
         timings["write_s"] = time.perf_counter() - t
         timings["total_s"] = time.perf_counter() - t_start
         manifest = {

@@ -11,6 +11,7 @@ METRICS = ("l2", "ip", "cosine")
 IO_BACKENDS = ("auto", "io_uring", "pread")
 DIRECT_IO = ("auto", "on", "off")
 FILTER_TIERS = ("auto", "cpu", "gpu")
+BUFFER_POLICIES = ("clock", "lfu")
 # Automatic EngineConfig.batch_size per filter tier.
 CPU_BATCH, GPU_BATCH = 64, 1024
 
@@ -136,6 +137,28 @@ class EngineConfig(_Config):
     # (its page-mates), and their own mini-batch later reads nothing for them: no read, and the build puts near
     # vectors on the same page (layout.chain_order), so the top-k settles after fewer pages. No memory.
     page_mates: bool = True
+    # Page buffer policy: 'clock' (CLOCK), or 'lfu', cache by use: requests counted per block (weighted by
+    # how many queries asked, halved every 10 requests a frame), a missed block admitted only if asked for
+    # more often than the block it would evict (TinyLFU). 'lfu' had the fewer SSD pages per query, averaged
+    # over uniform, skewed and drifting streams, at buffers of 1/64, 1/16 and 1/4 of the raw vectors on GloVe
+    # and MiniLM (bench/results/cache_policy.md); skewed at 1/16, hit ratio GloVe 0.22 -> 0.31, MiniLM
+    # 0.42 -> 0.55. It lost only on MiniLM's own queries at 1/64 (0.094 -> 0.060).
+    buffer_policy: str = "lfu"
+    # Fraction of the page buffer pinned to the pages of the posting lists visited most since start-up
+    # (0: none), re-chosen by the index manager thread every manager_interval_s seconds, never on the
+    # request path. Results never depend on it. Off: on top of 'lfu' it saved at most 2% of the SSD pages
+    # (GloVe 1/64) and cost up to 21% (MiniLM 1/4); over CLOCK alone it helps skewed streams a little.
+    pin_fraction: float = 0.0
+    # Seconds between the index manager thread's rounds: re-pinning hot pages and, on a GPU tier that
+    # holds only its hottest lists' codes, GpuFilterTier.rebalance(). 0: no thread (call
+    # Index.refresh_hotness() yourself).
+    manager_interval_s: float = 1.0
+    # On the CPU filter tier, a call of several batches runs them as a pipeline, as the GPU tier always does:
+    # batch b+1's graph search, batch b's PQ scan and batch b-1's re-rank at once, so one batch's SSD waits
+    # overlap another's computing. Results do not depend on it. Calls of 256 queries (4 batches), default
+    # search, busy 2-core VM: GloVe 353 -> 416 q/s (1 thread), 551 -> 601 (2); MiniLM 304 -> 579, 483 -> 528
+    # (bench/results/cpu_pipeline.md). A call of one batch (<= 64 queries) is the same either way.
+    pipeline: bool = True
     # PQ filtering on the GPU ('gpu', Triton) or the CPU ('cpu'); 'auto' takes the GPU when
     # torch sees CUDA.
     filter_tier: str = "auto"
@@ -157,6 +180,10 @@ class EngineConfig(_Config):
         _check(1 <= self.rerank_inflight <= 1024,
                f"rerank_inflight must be in [1, 1024] (1: one query at a time), got {self.rerank_inflight}")
         _check(0 <= self.batch_size <= 65536, f"batch_size must be in [0, 65536] (0 = automatic), got {self.batch_size}")
+        _check(self.buffer_policy in BUFFER_POLICIES,
+               f"buffer_policy must be one of {BUFFER_POLICIES}, got {self.buffer_policy!r}")
+        _check(0 <= self.pin_fraction <= 0.75, f"pin_fraction must be in [0, 0.75], got {self.pin_fraction}")
+        _check(self.manager_interval_s >= 0, f"manager_interval_s must be >= 0, got {self.manager_interval_s}")
         _check(self.filter_tier in FILTER_TIERS, f"filter_tier must be one of {FILTER_TIERS}, got {self.filter_tier!r}")
         _check(self.gpu_budget_bytes >= 0, f"gpu_budget_bytes must be >= 0 (0 = automatic), got {self.gpu_budget_bytes}")
         _check(0 <= self.gpu_memory_utilization < 1,

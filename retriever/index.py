@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +26,10 @@ from fusionrag.retriever.vectors import check_vectors, normalize
 # its per-block CRC table is, and each block is checked as it is read).
 REQUIRED_FILES = {"vectors.pages": False, "block_crc.npy": True, "graph.bin": True, "list_offsets.npy": True,
                   "list_ids.npy": True, "pq_codebooks.npy": True, "pq_codes.npy": True, "locations.npy": True}
+log = logging.getLogger(__name__)
+# A query's nearest posting lists are where its re-ranked candidates, and so its pages, come from:
+# only its first HOT_PROBES lists count as visited for choosing the pages to pin.
+HOT_PROBES = 8
 STAT_KEYS = ("centroids_probed", "candidates", "unique_candidates", "minibatches", "reranked",
              "page_mates", "pages_read", "pages_buffered", "graph_s", "lut_s", "scan_s", "rerank_s")
 
@@ -43,6 +50,19 @@ class Index:
         self.path, self.manifest = path, manifest
         self.nav, self.pq, self.filter, self.reranker = nav, pq, filter_tier, rerank
         self.config, self.params = config, params
+        # Per posting list: queries that had it among their HOT_PROBES nearest, since opening. Kept only when
+        # pages are pinned; racy under concurrent searches, and harmless: it only orders the pinning.
+        self.visits = np.zeros(len(filter_tier.list_offsets) - 1, np.int64) if config.pin_fraction > 0 else None
+        self._rebalanced_at = 0  # visits summed at the GPU tier's last rebalance
+        self._closing = threading.Event()
+        self._manager = None
+        if config.manager_interval_s > 0 and (self.visits is not None or getattr(filter_tier, "tiered", False)):
+            # The thread holds the index only weakly: one dropped without close() stops it too.
+            self._manager = threading.Thread(target=Index._manage, name=f"fusionrag-index-manager {path}",
+                                             args=(weakref.ref(self), self._closing, config.manager_interval_s),
+                                             daemon=True)
+            weakref.finalize(self, self._closing.set)
+            self._manager.start()
 
     @staticmethod
     def build(source, out_dir, config: BuildConfig | None = None, progress: bool | None = None,
@@ -95,7 +115,7 @@ class Index:
         try:
             store = native.PageStore(str(path / "vectors.pages"), layout.record_bytes, layout.records_per_block,
                                      layout.pages_per_block, block_crc, buffer_blocks, config.io_backend,
-                                     config.direct_io, config.io_threads)
+                                     config.direct_io, config.io_threads, config.buffer_policy)
         except (OSError, RuntimeError, ValueError) as e:
             raise IndexFormatError(f"{path}: cannot open the SSD tier: {e}") from e
         return cls(
@@ -123,7 +143,7 @@ class Index:
         return self.count
 
     def memory(self) -> dict:
-        """Bytes held per tier (DESIGN.md's table)."""
+        """Bytes held per tier (docs/design.md, "The three tiers")."""
         nav, rr, f = self.nav, self.reranker, self.filter
         host = (nav.memory_bytes() + f.list_offsets.nbytes + f.list_ids.nbytes + rr.locations.nbytes
                 + rr.store.num_blocks * 4)
@@ -170,27 +190,56 @@ class Index:
         def outputs(sl):
             return ids[sl], dists[sl], {key: v[sl] for key, v in stats.items()}
 
-        if self.filter.name == "gpu" and len(batches) > 1:
-            # The CPU searches the graph and re-ranks while the GPU filters the batch between.
+        if len(batches) > 1 and (self.filter.name == "gpu" or self.config.pipeline):
+            # The CPU searches the graph and re-ranks while the GPU filters the batch between; on the CPU
+            # tier (pipeline), one batch's re-rank waits on the SSD while the next is scanned.
             overlapped(batches,
                        lambda sl: (sl, self.nav.probe(q[sl], p)),
                        lambda job: (job[0], self._filter_stage(q[job[0]], k, p, exclude, *job[1])),
                        lambda job: self._rerank_stage(q[job[0]], k, p, *outputs(job[0]), *job[1]),
-                       middle_workers=self.filter.in_flight)
+                       middle_workers=getattr(self.filter, "in_flight", 1))
         else:
             for sl in batches:
                 self._search_batch(q[sl], k, p, exclude, *outputs(sl))
         if self.metric == "cosine":
             dists /= 2  # squared L2 between unit vectors is 2 - 2cos
         info = {**self.filter.describe(), "io_backend": self.reranker.store.backend,
-                "direct_io": bool(self.reranker.store.direct)}
+                "direct_io": bool(self.reranker.store.direct), "buffer_policy": self.reranker.store.buffer_policy}
         return SearchResult(ids, dists, stats, info)
+
+    def search_lists(self, queries, lists, k: int = 10, params: SearchParams | None = None,
+                     exclude: np.ndarray | None = None, **overrides) -> SearchResult:
+        """search() over the posting lists given per query (integer (q, m), -1 where none) instead of
+        the navigation graph's: a shard of a sharded index searches the lists its router sends it."""
+        if not isinstance(k, (int, np.integer)) or k < 1:
+            raise InputError(f"k must be a positive integer, got {k!r}")
+        p = (params or self.params).with_overrides(**overrides)
+        q = self.prepare_queries(queries)
+        lists = np.asarray(lists)
+        if lists.ndim != 2 or len(lists) != len(q) or lists.dtype.kind not in "iu":
+            raise InputError(f"lists must be an integer ({len(q)}, m) array, got {lists.dtype} {lists.shape}")
+        lists = np.ascontiguousarray(lists, dtype=np.int32)
+        ids = np.empty((len(q), k), dtype=np.int64)
+        dists = np.empty((len(q), k), dtype=np.float32)
+        stats = {key: np.zeros(len(q), dtype=np.float64 if key.endswith("_s") else np.int64) for key in STAT_KEYS}
+        bs = self.config.batch_for(self.filter.name)
+        for s in range(0, len(q), bs):
+            sl = slice(s, min(len(q), s + bs))
+            given = lists[sl]
+            self._rerank_stage(q[sl], k, p, ids[sl], dists[sl], {key: v[sl] for key, v in stats.items()},
+                               *self._filter_stage(q[sl], k, p, exclude, given, (given >= 0).sum(axis=1), 0.0))
+        if self.metric == "cosine":
+            dists /= 2
+        return SearchResult(ids, dists, stats, dict(self.filter.describe()))
 
     def _search_batch(self, q, k, p, exclude, ids_out, dists_out, st) -> None:
         self._rerank_stage(q, k, p, ids_out, dists_out, st,
                            *self._filter_stage(q, k, p, exclude, *self.nav.probe(q, p)))
 
     def _filter_stage(self, q, k, p, exclude, lists, probed, t_graph):
+        if self.visits is not None:
+            near = lists[:, :HOT_PROBES]
+            self.visits += np.bincount(near[near >= 0], minlength=len(self.visits))
         t = time.perf_counter()
         luts = self.filter.luts(self.pq, q, self.reranker.metric)
         t_lut = time.perf_counter() - t
@@ -211,8 +260,60 @@ class Index:
         st["scan_s"][:] = cand.seconds
         st["rerank_s"][:] = rsec
 
+    def hot_blocks(self, count: int) -> np.ndarray:
+        """The page-file blocks most visited through the posting lists (self.visits), hottest first, up to
+        count blocks (uint32): a block scores the visits of every list holding one of its vectors, so the
+        pages of the hottest lists come first, and among them the pages those lists share."""
+        f, rr = self.filter, self.reranker
+        if self.visits is None or count <= 0:
+            return np.empty(0, np.uint32)
+        lens = np.diff(f.list_offsets)
+        score = np.bincount(rr.locations[f.list_ids] // rr.store.records_per_block,
+                            weights=np.repeat(self.visits.astype(np.float64), lens), minlength=rr.store.num_blocks)
+        n = min(count, int(np.count_nonzero(score)))
+        if n == 0:
+            return np.empty(0, np.uint32)
+        top = np.argpartition(-score, n - 1)[:n]
+        return top[np.argsort(-score[top], kind="stable")].astype(np.uint32)
+
+    def refresh_hotness(self) -> dict:
+        """One round of the index manager: pin the pages of the hottest posting lists (pin_fraction of
+        the page buffer) and, when the GPU tier holds only its hottest lists' codes and queries came since
+        the last round, let it re-place them (GpuFilterTier.rebalance). Never called on the request path:
+        the manager thread calls it every manager_interval_s seconds."""
+        done = {}
+        store = self.reranker.store
+        if self.visits is not None and store is not None:
+            want = self.hot_blocks(int(self.config.pin_fraction * store.buffer_capacity))
+            done["pinned"] = int(store.pin(want)) if len(want) else 0
+        if getattr(self.filter, "tiered", False):
+            seen = int(self.filter.visits.sum())
+            if seen != self._rebalanced_at:
+                self.filter.rebalance()
+                self._rebalanced_at = seen
+                done["rebalanced"] = True
+        return done
+
+    @staticmethod
+    def _manage(ref, closing: threading.Event, interval: float) -> None:
+        while not closing.wait(interval):
+            index = ref()
+            if index is None:
+                return
+            try:
+                index.refresh_hotness()
+            except Exception:  # a failed round must not end the thread; the next may succeed
+                if not closing.is_set():
+                    log.exception("%s: index manager round failed", index.path)
+            del index
+
     def close(self) -> None:
         """Give back what the tiers hold (GPU memory to the process's budget); call it once no search
-        runs on this index, as Collection does when it retires a generation."""
+        runs on this index, as Collection does when it retires a generation. Stops the index manager
+        thread first."""
+        self._closing.set()
+        if self._manager is not None:
+            self._manager.join()
+            self._manager = None
         self.filter.close()
         self.reranker.store = None

@@ -1,5 +1,5 @@
 """Incremental merge: the next index generation from the current one, its tombstones and the
-fresh vectors, without re-clustering or re-training (DESIGN.md, "Build ... and later incremental").
+fresh vectors, without re-clustering or re-training (docs/design.md, "Build": a merge).
 
 - Tombstoned vectors leave their posting lists, their PQ codes and their SSD slots; survivors
   are renumbered densely (the collection maps the new numbers to rows).

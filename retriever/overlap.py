@@ -1,4 +1,4 @@
-"""Overlap of consecutive batches (DESIGN.md: the CPU walks the graph and re-ranks while the GPU
+"""Overlap of consecutive batches (docs/design.md, step 8: the CPU walks the graph and re-ranks while the GPU
 filters). Batch b+1's graph search, batch b's GPU filtering and batch b-1's re-ranking run at
 once: the CPU stages have one thread each, so they see the batches in order, and the native
 stages release the GIL. On CUDA two batches are on the GPU at once, each in its own working

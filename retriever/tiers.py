@@ -1,4 +1,4 @@
-"""The three tiers of an open index, each a part with one interface (DESIGN.md, "A query").
+"""The three tiers of an open index, each a part with one interface (docs/design.md, "A query").
 
 - NavigationTier (host RAM): graph search for the top-m posting lists of each query.
 - FilterTier (GPU memory, or host RAM here): PQ lookup tables; gather the lists' IDs,

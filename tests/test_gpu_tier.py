@@ -541,3 +541,29 @@ def compiled_counts(kernel_fns) -> list[int]:
     if not CUDA:
         return []
     return [len(k.device_caches[torch.cuda.current_device()][0]) for k in kernel_fns]
+
+
+def test_the_index_manager_rebalances_a_tiered_tier_in_the_background(l2_index):
+    _, queries, path = l2_index
+    index, cpu, _ = open_tiers(path, 32 << 20)
+    count, m = cpu.codes.shape
+    tables = 16 * m * 256 * 4 + 16 * 24 * 4
+    budget = index.pq.codebooks.nbytes + 4 * count + 2 * (tables + CHUNK + (1 << 20)) + count * m // 3
+    _, _, gpu = open_tiers(path, budget, work_bytes=1 << 20, tiered_share=1.0)
+    assert gpu.tiered
+    parts = (index.path, index.manifest, index.nav, index.pq, gpu, index.reranker)
+    Index(*parts, EngineConfig(filter_tier="gpu", manager_interval_s=0), index.params).search(queries[:8], k=10)
+    hottest = np.argsort(-gpu.visits, kind="stable")[:3]
+    members = np.concatenate([cpu.list_ids[cpu.list_offsets[c]:cpu.list_offsets[c + 1]] for c in hottest])
+    # Out of GPU memory: every list holding one of their vectors (boundary replicas) ranks coldest.
+    holds = np.isin(cpu.list_ids, members)
+    gpu.place(-np.add.reduceat(holds, cpu.list_offsets[:-1]) * (np.diff(cpu.list_offsets) > 0))
+    assert not np.all(gpu.slots.cpu().numpy()[members] >= 0)
+    managed = Index(*parts, EngineConfig(filter_tier="gpu", manager_interval_s=0.01), index.params)
+    deadline = time.monotonic() + 60
+    while not np.all(gpu.slots.cpu().numpy()[members] >= 0) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert np.all(gpu.slots.cpu().numpy()[members] >= 0)  # placed by the manager: nothing here rebalanced
+    thread = managed._manager
+    managed.close()
+    assert not thread.is_alive()

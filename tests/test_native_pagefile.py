@@ -206,6 +206,8 @@ def test_backends_read_the_file(page_file, backend):
         "blocks_from_buffer": 0,
         "read_calls": 3,
         "evictions": 0,
+        "pin_reads": 0,
+        "pinned": 0,
     }
 
 

@@ -32,6 +32,10 @@ _HELP = {
     "gpu_budget_bytes": "GPU memory the filter tiers of the process share (0: what the LLM server leaves)",
     "gpu_tiered_share": "an index whose PQ codes do not all fit takes at most this share of the budget left",
     "gpu_memory_utilization": "the LLM server's share of GPU memory, for the default budget",
+    "buffer_policy": "page buffer replacement: lfu (counts use, weighted by the queries asking, aged) or clock",
+    "pin_fraction": "share of the page buffer pinned to the pages of the most visited posting lists (0: none)",
+    "manager_interval_s": "how often the index manager thread re-chooses pinned pages and GPU-resident codes",
+    "pipeline": "overlap a call's batches: the graph search of batch b+1 runs while batch b is filtered",
 }
 
 
@@ -58,6 +62,8 @@ def _cmd_build(args) -> int:
     from fusionrag.retriever.build import build_index
 
     config = BuildConfig().with_overrides(**_picked(args, BuildConfig))
+    if args.shards:
+        return _build_sharded(args, config)
     m = build_index(args.source, args.index_dir, config, progress=False if args.quiet else None,
                     overwrite=args.overwrite)
     print(json.dumps({"index": args.index_dir, "count": m["count"], "dim": m["dim"], "metric": m["metric"],
@@ -65,6 +71,55 @@ def _cmd_build(args) -> int:
                       "blocks": m["pages"]["num_blocks"], "build_seconds": round(m["build_timings"]["total_s"], 3),
                       "timings": {k: round(v, 3) for k, v in m["build_timings"].items()}}))
     return 0
+
+
+def _connect_ray(address: str | None) -> None:
+    if address:
+        from fusionrag.retriever.sharded import _ray
+
+        ray = _ray()
+        if not ray.is_initialized():
+            ray.init(address=address, log_to_driver=False)
+
+
+def _build_sharded(args, config: BuildConfig) -> int:
+    from fusionrag.retriever.sharded import build_sharded
+    from fusionrag.retriever.vectors import open_vectors
+
+    _connect_ray(args.ray)
+    sample = open_vectors(args.sample_queries)[:] if args.sample_queries else None
+    m = build_sharded(args.source, args.index_dir, args.shards, config, args.placement, args.replicate, sample,
+                      use_ray=bool(args.ray), progress=False if args.quiet else None, overwrite=args.overwrite,
+                      probe_model=not args.no_probe_model)
+    print(json.dumps({"index": args.index_dir, "count": m["count"], "dim": m["dim"], "metric": m["metric"],
+                      "centroids": m["centroids"], "postings": m["postings"], "pq_m": m["pq"]["m"],
+                      "shards": m["shards"], "placement": m["placement"],
+                      "parts": {name: {"count": p["count"], "lists": p["lists"]} for name, p in m["parts"].items()},
+                      "build_seconds": round(m["build_timings"]["total_s"], 3),
+                      "timings": {k: round(v, 3) for k, v in m["build_timings"].items()}}))
+    return 0
+
+
+def _search_sharded(args, engine: dict, params: SearchParams, queries: np.ndarray) -> tuple[np.ndarray, dict]:
+    from fusionrag.retriever.sharded import ShardedIndex
+
+    _connect_ray(args.ray)
+    index = ShardedIndex.open(args.index_dir, EngineConfig().with_overrides(**engine), params, ray=bool(args.ray))
+    try:
+        t = time.perf_counter()
+        res = index.search(queries, args.k, probe=args.probe, probe_scale=args.probe_scale)
+        seconds = time.perf_counter() - t
+    finally:
+        index.close()
+    work = res.per_shard["work"]
+    return res.ids, {
+        "queries": len(queries), "k": args.k, "seconds": round(seconds, 6), "qps": round(len(queries) / seconds, 2),
+        "params": params.to_dict(), "probe": args.probe, "shards": index.n_shards,
+        "mode": "ray" if args.ray else "local",
+        "per_query": {key: round(float(v.mean()), 4) for key, v in res.stats.items()},
+        "per_shard": {key: v.tolist() for key, v in res.per_shard.items()},
+        "work_imbalance": round(float(work.max() / work.mean()), 4) if work.mean() > 0 else 1.0,
+    }
 
 
 def _read_ids(path: str) -> np.ndarray:
@@ -80,27 +135,38 @@ def _cmd_search(args) -> int:
     if args.buffer_mb is not None:
         engine["buffer_bytes"] = int(args.buffer_mb * (1 << 20))
     params = SearchParams().with_overrides(**_picked(args, SearchParams))
-    index = Index.open(args.index_dir, EngineConfig().with_overrides(**engine), params)
+    from fusionrag.retriever.sharded import is_sharded
+
+    sharded = is_sharded(args.index_dir)
+    if (args.ray or args.probe != "ratio") and not sharded:
+        raise FusionRAGError(f"{args.index_dir}: --ray and --probe learned search a sharded index (build it with "
+                             "--shards)")
+    if not sharded:
+        index = Index.open(args.index_dir, EngineConfig().with_overrides(**engine), params)
     queries = open_vectors(args.queries)[:]
     if args.limit:
         queries = queries[: args.limit]
-    t = time.perf_counter()
-    res = index.search(queries, args.k)
-    seconds = time.perf_counter() - t
-    np.save(args.out, res.ids)
-    stats = {key: (round(float(v.sum()), 6) if key.endswith("_s") else int(v.sum())) for key, v in res.stats.items()}
-    report = {
-        "queries": len(queries), "k": args.k, "seconds": round(seconds, 6), "qps": round(len(queries) / seconds, 2),
-        "params": params.to_dict(), "threads": index.nav.threads, **res.info,
-        "stats": stats,
-        "per_query": {key: round(v / len(queries), 4) for key, v in stats.items()},
-        "memory": index.memory(),
-    }
+    if sharded:
+        result_ids, report = _search_sharded(args, engine, params, queries)
+    else:
+        t = time.perf_counter()
+        res = index.search(queries, args.k)
+        seconds = time.perf_counter() - t
+        result_ids = res.ids
+        stats = {key: (round(float(v.sum()), 6) if key.endswith("_s") else int(v.sum())) for key, v in res.stats.items()}
+        report = {
+            "queries": len(queries), "k": args.k, "seconds": round(seconds, 6), "qps": round(len(queries) / seconds, 2),
+            "params": params.to_dict(), "threads": index.nav.threads, **res.info,
+            "stats": stats,
+            "per_query": {key: round(v / len(queries), 4) for key, v in stats.items()},
+            "memory": index.memory(),
+        }
+    np.save(args.out, result_ids)
     if args.groundtruth:
         gt = _read_ids(args.groundtruth)[: len(queries), : args.k]
         if gt.shape != (len(queries), args.k):
             raise FusionRAGError(f"{args.groundtruth}: ground truth has shape {gt.shape}, need ({len(queries)}, >= {args.k})")
-        hits = sum(len(np.intersect1d(a, b)) for a, b in zip(res.ids, gt))
+        hits = sum(len(np.intersect1d(a, b)) for a, b in zip(result_ids, gt))
         report[f"recall@{args.k}"] = round(hits / gt.size, 5)
     print(json.dumps(report))
     return 0
@@ -188,6 +254,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("index_dir")
     b.add_argument("--overwrite", action="store_true", help="replace an existing index (atomically)")
     b.add_argument("--quiet", action="store_true", help="no progress bars (they are drawn when stderr is a terminal)")
+    b.add_argument("--shards", type=int, default=0, help="build a sharded index of this many shard parts "
+                   "(README, Sharded mode)")
+    b.add_argument("--placement", default="hotness", choices=["hotness", "round-robin"],
+                   help="with --shards: lists placed by expected work (SmartANNS) or round-robin")
+    b.add_argument("--replicate", type=float, default=0.02,
+                   help="with --shards: fraction of lists, hottest first, given a replica on a second shard")
+    b.add_argument("--sample-queries", help="with --shards: a query file (a query log) to measure list hotness "
+                   "with (default: rows of the source)")
+    b.add_argument("--ray", metavar="ADDRESS", help="with --shards: run the build's tasks on this Ray cluster")
+    b.add_argument("--no-probe-model", action="store_true",
+                   help="with --shards: do not train learned pruning's model (search --probe learned)")
     _add_config_options(b, BuildConfig)
     b.set_defaults(run=_cmd_build)
 
@@ -199,6 +276,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--groundtruth", help="ground-truth ids (.ivecs, .ibin or .npy) to report recall@k")
     s.add_argument("--limit", type=int, default=0, help="use only the first N queries")
     s.add_argument("--buffer-mb", type=float, default=None, help="DRAM page buffer, MiB (default 64)")
+    s.add_argument("--ray", metavar="ADDRESS", help="a sharded index: its shards as actors on this Ray cluster "
+                   "(default: in this process)")
+    s.add_argument("--probe", default="ratio", choices=["ratio", "learned"],
+                   help="a sharded index: lists cut by the distance-ratio rule, or by learned pruning's model")
+    s.add_argument("--probe-scale", type=float, default=1.0,
+                   help="with --probe learned: probe this multiple of the predicted lists")
     _add_config_options(s, SearchParams)
     _add_config_options(s, EngineConfig, skip=("buffer_bytes",))
     s.set_defaults(run=_cmd_search)

@@ -203,7 +203,7 @@ class Ops:
                text_weight: float = DEFAULT_TEXT_WEIGHT, with_vectors: bool = False,
                stats: bool = False) -> Op[SearchResult]:
         """Top-k of each query: `vectors` (one, or a (q, dim) array) or `texts` (embedded by the collection's
-        model), or both in mode "hybrid"; mode "text" ranks by BM25 over the texts. See the README."""
+        model), or both in mode "hybrid"; mode "text" ranks by BM25 over the texts. See docs/collections.md."""
         body: dict[str, Any] = {"k": k, "mode": mode}
         if vectors is not None:
             v = np.asarray(vectors, dtype=np.float32)

@@ -1,0 +1,853 @@
+"""Sharded mode (docs/sharded.md, docs/design.md): one collection over S shards, on Ray or in one process.
+
+An index directory in sharded mode holds a router part and S shard parts:
+
+- the router (the directory's own files): the navigation graph over every posting-list centroid,
+  the shared PQ codebooks, and the list -> shard(s) map (`list_shards.npy`, `list_local.npy`:
+  up to two shards per list, and the list's number inside each);
+- `shard-000/` ...: each an ordinary fusionrag index directory (`Index.open` opens it) holding its
+  lists' IDs, PQ codes and SSD pages, with `global_ids.npy` (a shard vector's row in the source)
+  and `lists.npy` (a shard list's number in the router). A vector that boundary replication put in
+  lists of two shards is stored by both; its PQ code is the same in both (one codebook).
+
+Build: k-means, the graph and PQ are trained once at the driver (build.train_index, as a single
+index is); assigning and encoding (chunks of the source) and writing (one task per shard) run as Ray
+tasks in parallel when Ray is initialised, in this process otherwise; both give the same index.
+
+Placement after SmartANNS: a list's expected work is its size x how often sample queries (drawn from
+the data at build time, or a query log) probe it; lists go, heaviest first, to the shard with the
+least expected work so far (no shard holding more than 1.25x its share of postings), and the hottest
+lists get a replica on a second shard, each replica expecting half the work. `round-robin` (list i
+on shard i mod S, no replicas) is the baseline it is measured against.
+
+Query path: the router finds each query's lists (as Index does), sends each shard only the lists
+it owns, the queries of a batch grouped per shard (one call per shard per batch); a replicated list
+goes to the replica with the least outstanding work. Each shard filters and re-ranks exactly as
+Index does (Index.search_lists) and returns its top-k with exact distances; the router merges.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from fusionrag import __version__, native
+from fusionrag.retriever.build import (_CHUNK, _IntegralCheck, _Rows, assign_rows, internal_metric, mips_augment,
+                                       postings, save_index_files, train_index, write_pages)
+from fusionrag.retriever.config import BuildConfig, EngineConfig, SearchParams, cpu_threads
+from fusionrag.retriever.errors import ConfigError, IndexFormatError, InputError, UnavailableError
+from fusionrag.retriever.kmeans import sq_dists
+from fusionrag.retriever.learned_probe import ProbeModel, lists_needed, probe_features
+from fusionrag.retriever.manifest import MANIFEST, load_array, read_manifest, writing_index
+from fusionrag.retriever.pq import ProductQuantizer
+from fusionrag.retriever.progress import OnProgress, Progress
+from fusionrag.retriever.tiers import NavigationTier
+from fusionrag.retriever.vectors import STORAGE_DTYPES, as_source, check_vectors, normalize
+
+KIND = "sharded"
+PLACEMENTS = ("hotness", "round-robin")
+PROBES = ("ratio", "learned")
+ROUTER_FILES = {"graph.bin": True, "pq_codebooks.npy": True, "list_shards.npy": True, "list_local.npy": True,
+                "list_sizes.npy": True, "list_visits.npy": True}
+# A shard holds at most this multiple of its share of the postings, however its expected work falls.
+STORAGE_SLACK = 1.25
+
+
+def part_name(s: int) -> str:
+    return f"shard-{s:03d}"
+
+
+def is_sharded(path) -> bool:
+    """Whether the index directory at path is a sharded one (its manifest says so)."""
+    try:
+        return json.loads((Path(path) / MANIFEST).read_text()).get("kind") == KIND
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError as e:
+        raise ConfigError("sharded mode on Ray needs the ray extra (pip install 'fusionrag[ray]')") from e
+    return ray
+
+
+def _ray_active() -> bool:
+    try:
+        import ray
+    except ImportError:
+        return False
+    return ray.is_initialized()
+
+
+# ---------------------------------------------------------------------------------------------
+# Placement
+
+
+@dataclass
+class Placement:
+    shards: np.ndarray  # int32 (lists, 2): the list's shards, -1 where it has no second one
+    work: np.ndarray  # float64 (lists,): expected work of each list (size x visits)
+    kind: str
+
+    def shard_work(self, n_shards: int) -> np.ndarray:
+        """Expected work per shard, a replicated list's split evenly between its two shards."""
+        out = np.zeros(n_shards)
+        two = self.shards[:, 1] >= 0
+        np.add.at(out, self.shards[:, 0], np.where(two, self.work / 2, self.work))
+        np.add.at(out, self.shards[two, 1], self.work[two] / 2)
+        return out
+
+    def imbalance(self, n_shards: int) -> float:
+        w = self.shard_work(n_shards)
+        return float(w.max() / w.mean()) if w.mean() > 0 else 1.0
+
+
+def place_lists(sizes: np.ndarray, visits: np.ndarray, n_shards: int, kind: str = "hotness",
+                replicate: float = 0.02) -> Placement:
+    """Each list's shard(s). hotness: lists by expected work (size x (visits + 1)), heaviest first, each to the
+    shard with the least work so far among those under STORAGE_SLACK x their share of postings; the hottest
+    `replicate` fraction of lists get a second shard (the next least loaded), each copy expecting half.
+    round-robin: list i on shard i mod n_shards, no replicas."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    n_lists = len(sizes)
+    if kind not in PLACEMENTS:
+        raise ConfigError(f"placement must be one of {PLACEMENTS}, got {kind!r}")
+    if not 1 <= n_shards <= n_lists:
+        raise ConfigError(f"shards must be in [1, {n_lists}] (the posting lists), got {n_shards}")
+    if not 0 <= replicate <= 1:
+        raise ConfigError(f"replicate must be in [0, 1], got {replicate}")
+    work = sizes * (np.asarray(visits, dtype=np.float64) + 1.0)
+    shards = np.full((n_lists, 2), -1, dtype=np.int32)
+    if kind == "round-robin":
+        shards[:, 0] = np.arange(n_lists) % n_shards
+        return Placement(shards, work, kind)
+    n_rep = int(round(replicate * n_lists)) if n_shards > 1 else 0
+    load = np.zeros(n_shards)
+    stored = np.zeros(n_shards)
+    cap = STORAGE_SLACK * sizes.sum() / n_shards + sizes.max(initial=0)
+    # Every shard first gets one list, so none is left empty.
+    order = np.argsort(-work, kind="stable")
+    for rank, c in enumerate(order):
+        c = int(c)
+        copies = 2 if rank < n_rep else 1
+        if rank < n_shards:
+            pick = [rank] if copies == 1 else [rank, (rank + 1) % n_shards]
+        else:
+            room = stored + sizes[c] <= cap
+            key = np.where(room, load, np.inf + load)
+            if not room.any():
+                key = stored.astype(np.float64)
+            pick = list(np.argsort(key, kind="stable")[:copies])
+        for j, s in enumerate(pick):
+            shards[c, j] = s
+            load[s] += work[c] / copies
+            stored[s] += sizes[c]
+    return Placement(shards, work, kind)
+
+
+def sample_visits(nav: NavigationTier, queries: np.ndarray, n_lists: int, params: SearchParams) -> np.ndarray:
+    """How many of the queries probe each list (the router's own probing)."""
+    visits = np.zeros(n_lists, dtype=np.int64)
+    for s in range(0, len(queries), 1024):
+        lists, _, _ = nav.probe(queries[s:s + 1024], params)
+        lists = lists[lists >= 0]
+        visits += np.bincount(lists, minlength=n_lists)
+    return visits
+
+
+def probe_distances(nav: NavigationTier, queries: np.ndarray, p: SearchParams) -> tuple[np.ndarray, np.ndarray]:
+    """The nprobe nearest lists of each query and their squared distances, nearest first (no ratio rule)."""
+    q = np.hstack([queries, np.zeros((len(queries), 1), np.float32)]) if nav.augmented else queries
+    m = min(p.nprobe, nav.graph.size)
+    if m == nav.graph.size:
+        return nav._exhaustive(q, m)
+    return nav.graph.search(q, m, max(m, p.graph_ef), nav.threads)
+
+
+def exact_topk(rows, n: int, queries: np.ndarray, k: int, metric: str, exclude: np.ndarray | None = None) -> np.ndarray:
+    """Brute-force top-k rows of each query (the engine's metric: l2, or ip), a chunk of rows at a time;
+    exclude[i]: a row query i may not return (itself, when the queries are rows of the data)."""
+    best_d = np.full((len(queries), k), np.inf, dtype=np.float32)
+    best_i = np.full((len(queries), k), -1, dtype=np.int64)
+    step = 256  # queries at a time: a (256, _CHUNK) block of distances
+    for lo in range(0, n, _CHUNK):
+        ids = np.arange(lo, min(n, lo + _CHUNK))
+        x = rows(ids)
+        for a in range(0, len(queries), step):
+            q = queries[a:a + step]
+            d = -(q @ x.T) if metric == "ip" else sq_dists(q, x)
+            d = np.asarray(d, dtype=np.float32)
+            if exclude is not None:
+                e = exclude[a:a + step] - lo
+                inside = (e >= 0) & (e < len(ids))
+                d[np.flatnonzero(inside), e[inside]] = np.inf
+            d = np.concatenate([best_d[a:a + step], d], axis=1)
+            i = np.concatenate([best_i[a:a + step], np.broadcast_to(ids, (len(q), len(ids)))], axis=1)
+            order = np.argpartition(d, k - 1, axis=1)[:, :k] if d.shape[1] > k else np.arange(d.shape[1])[None].repeat(len(q), 0)
+            dd, ii = np.take_along_axis(d, order, 1), np.take_along_axis(i, order, 1)
+            o2 = np.argsort(dd, axis=1, kind="stable")
+            best_d[a:a + step], best_i[a:a + step] = np.take_along_axis(dd, o2, 1), np.take_along_axis(ii, o2, 1)
+    return np.where(np.isfinite(best_d), best_i, -1)
+
+
+def train_probe_model(nav: NavigationTier, rows, n: int, queries: np.ndarray, self_rows: np.ndarray | None,
+                      pair_lists: np.ndarray, pair_ids: np.ndarray, metric: str, params: SearchParams,
+                      quantile: float, k: int = 10, seed: int = 0) -> tuple[ProbeModel, dict]:
+    """Learned pruning's model from sample queries: their exact top-k, the lists (in probe order) that hold
+    them, a quantile regression of that count on features of the centroid distances."""
+    truth = exact_topk(rows, n, queries, k, internal_metric(metric), self_rows)
+    lists, sqd = probe_distances(nav, queries, params)
+
+    def vector_lists(v: int) -> np.ndarray:
+        return pair_lists[np.searchsorted(pair_ids, v, "left"):np.searchsorted(pair_ids, v, "right")]
+
+    needed = lists_needed(lists, truth, vector_lists)
+    model = ProbeModel.train(probe_features(sqd), needed, quantile, seed=seed)
+    return model, {"queries": int(len(queries)), "k": k, "nprobe": int(lists.shape[1]),
+                   "mean_needed": float(needed.mean()), "p90_needed": float(np.quantile(needed, 0.9))}
+
+
+# ---------------------------------------------------------------------------------------------
+# Build
+
+
+def _assign_range(source, metric: str, graph_path: str, codebooks: np.ndarray, dim: int, config: BuildConfig,
+                  lo: int, hi: int, threads: int):
+    """Step 4 of the build for rows lo..hi-1 (a Ray task, or called in this process)."""
+    rows = _Rows(as_source(source), metric)
+    graph = native.Graph.load(graph_path)
+    pq = ProductQuantizer(codebooks, dim)
+    integral = _IntegralCheck(rows.src.dtype, metric)
+    out = []
+    for s in range(lo, hi, _CHUNK):
+        ids = np.arange(s, min(hi, s + _CHUNK))
+        x = rows(ids)
+        integral.update(x)
+        out.append(assign_rows(graph, pq, ids, x, config, threads))
+    primary, lists, members, codes = (np.concatenate(parts) for parts in zip(*out))
+    return primary, lists, members, codes, (integral.possible, integral.lo, integral.hi)
+
+
+@dataclass
+class _ShardPlan:
+    """What one shard part holds, in its own numbering."""
+    index: int
+    lists: np.ndarray  # int32: the router's number of each of the shard's lists
+    global_ids: np.ndarray  # uint32, ascending: the source row of each of the shard's vectors
+    bucket: np.ndarray  # int64: the shard list each vector is stored with (its nearest the shard owns)
+    list_offsets: np.ndarray
+    list_ids: np.ndarray  # uint32: shard vector numbers
+
+
+def _plan_shard(s: int, owner: np.ndarray, pair_lists: np.ndarray, pair_ids: np.ndarray,
+                n_lists: int) -> _ShardPlan:
+    """pair_lists/pair_ids: every (list, vector) posting, vector after vector, each vector's lists
+    nearest first (as assign_rows gives them); owner: bool (lists,), the lists shard s holds."""
+    lists = np.flatnonzero(owner).astype(np.int32)
+    local_of = np.full(n_lists, -1, dtype=np.int64)
+    local_of[lists] = np.arange(len(lists))
+    mine = owner[pair_lists]
+    pl, pi = pair_lists[mine], pair_ids[mine]
+    global_ids, first = np.unique(pi, return_index=True)  # the first posting of a vector is its nearest list
+    local_vec = np.searchsorted(global_ids, pi).astype(np.uint32)
+    offsets, members = postings(local_of[pl], local_vec, len(lists))
+    return _ShardPlan(s, lists, global_ids.astype(np.uint32), local_of[pl[first]], offsets, members)
+
+
+def _write_shard(part_dir: str, plan: _ShardPlan, source, metric: str, store_dtype: str, centroids: np.ndarray,
+                 codebooks: np.ndarray, codes: np.ndarray, config: BuildConfig, threads: int, n_shards: int,
+                 ) -> dict:
+    """One shard part: an ordinary index directory of the shard's lists (a Ray task, or called here)."""
+    t = time.perf_counter()
+    src = as_source(source)
+    rows = _Rows(src, metric)
+    rows.dtype = dtype = np.dtype({v: k for k, v in STORAGE_DTYPES.items()}[store_dtype])
+    dim = src.dim
+    pq = ProductQuantizer(codebooks, dim)
+    mine = centroids[plan.lists]
+    graph = native.Graph(dim + (metric == "ip"), "l2", config.graph_m, config.graph_ef_construction, config.seed)
+    graph.add(mips_augment(mine) if metric == "ip" else np.ascontiguousarray(mine, dtype=np.float32), threads)
+    n = len(plan.global_ids)
+    with writing_index(Path(part_dir)) as w:
+        layout, slots, block_crc = write_pages(w, lambda ids: rows.stored(plan.global_ids[ids].astype(np.int64)), n,
+                                               dim, dtype, plan.bucket, mine, pq, codes, Progress(False))
+        save_index_files(w, block_crc, graph, plan.list_offsets, plan.list_ids, codebooks, codes, slots)
+        w.save_array("global_ids.npy", plan.global_ids)
+        w.save_array("lists.npy", plan.lists)
+        manifest = {
+            "fusionrag_version": __version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "count": n, "dim": dim, "metric": metric, "internal_metric": internal_metric(metric),
+            "navigation": "mips-augmented" if metric == "ip" else "l2",
+            "storage_dtype": store_dtype,
+            "source": {"path": str(src.path), "dtype": str(src.dtype)},
+            "centroids": len(plan.lists), "postings": int(len(plan.list_ids)),
+            "pq": {"m": pq.m, "dsub": pq.dsub}, "pages": layout.to_dict(),
+            "build_config": config.to_dict(),
+            "shard": {"index": plan.index, "of": n_shards},
+            "build_timings": {"total_s": time.perf_counter() - t},
+        }
+        w.publish(manifest)
+    return manifest
+
+
+def _ray_source(source):
+    """What Ray tasks read the vectors from: a file's path (every node reads it), else the array."""
+    src = as_source(source)
+    return src.path if isinstance(source, (str, Path)) else src.data
+
+
+def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfig(), placement: str = "hotness",
+                  replicate: float = 0.02, sample_queries=None, num_sample_queries: int = 2000,
+                  params: SearchParams = SearchParams(), use_ray: bool | None = None,
+                  progress: bool | None = None, overwrite: bool = False,
+                  on_progress: OnProgress | None = None, probe_model: bool = True, probe_quantile: float = 0.9,
+                  probe_queries: int = 1000) -> dict:
+    """Build a sharded index of `source` (a vector file path or a 2-D array) with `shards` shard parts.
+
+    placement: 'hotness' (SmartANNS) or 'round-robin'; replicate: the fraction of lists, hottest first, that
+    get a replica on a second shard (hotness only). sample_queries: queries (a query log) whose probing
+    measures how hot each list is; None draws num_sample_queries rows of the source. params: the search
+    settings the sample queries are probed with. probe_model: train learned pruning's model (learned_probe.py)
+    on up to probe_queries of the sample queries, fitted to probe_quantile. use_ray: run the assign and write steps as Ray tasks
+    (None: when Ray is initialised in this process); the index directory must then be on storage every
+    node sees. Returns the router's manifest."""
+    t_start = time.perf_counter()
+    if not isinstance(shards, (int, np.integer)) or shards < 1:
+        raise ConfigError(f"shards must be a positive integer, got {shards!r}")
+    if placement not in PLACEMENTS:
+        raise ConfigError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    if not 0 <= replicate <= 1:
+        raise ConfigError(f"replicate must be in [0, 1], got {replicate}")
+    if num_sample_queries < 1:
+        raise ConfigError(f"num_sample_queries must be >= 1, got {num_sample_queries}")
+    if probe_model and not (0 < probe_quantile < 1 and probe_queries >= 10):
+        raise ConfigError(f"probe_quantile must be in (0, 1) and probe_queries >= 10, got {probe_quantile}, "
+                          f"{probe_queries}")
+    use_ray = _ray_active() if use_ray is None else use_ray
+    ray = _ray() if use_ray else None
+    if use_ray and not ray.is_initialized():
+        raise ConfigError("use_ray: connect to a Ray cluster first (ray.init(address=...))")
+    src = as_source(source)
+    n, dim = src.count, src.dim
+    if n >= 2**32:
+        raise InputError(f"{src.path}: {n} vectors exceed the 2^32 vector ids an index holds")
+    metric = config.metric
+    threads = cpu_threads(config.threads)
+    rng = np.random.default_rng(config.seed)
+    rows = _Rows(src, metric)
+    timings: dict = {}
+    steps = Progress(progress, on_progress)
+
+    centroids, graph, assign_graph, pq = train_index(rows, n, dim, config, rng, threads, steps, timings)
+    n_lists = len(centroids)
+    if shards > n_lists:
+        raise ConfigError(f"shards ({shards}) exceed the {n_lists} posting lists of {n} vectors")
+
+    with writing_index(Path(out_dir), overwrite) as w:
+        # 4. Assign and encode, chunks of the source in parallel.
+        t = time.perf_counter()
+        integral = _IntegralCheck(src.dtype, metric)
+        graph_path = str(w.path("assign-graph.tmp"))
+        assign_graph.save(graph_path)
+        del assign_graph
+        bounds = list(range(0, n, _CHUNK)) + [n]
+        if use_ray:
+            per = max(1, -(-(len(bounds) - 1) // max(1, int(ray.cluster_resources().get("CPU", 1)))))
+            ranges = [(bounds[i], bounds[min(i + per, len(bounds) - 1)]) for i in range(0, len(bounds) - 1, per)]
+        else:
+            ranges = [(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+        results = {}
+        with steps.step("assigning", n) as update:
+            if use_ray:
+                task = ray.remote(_assign_range).options(num_cpus=1)
+                src_ref = ray.put(_ray_source(source))
+                cb_ref = ray.put(pq.codebooks)
+                pending = {task.remote(src_ref, metric, graph_path, cb_ref, dim, config, lo, hi, 1): (lo, hi)
+                           for lo, hi in ranges}
+                while pending:
+                    done, _ = ray.wait(list(pending), num_returns=1)
+                    lo, hi = pending.pop(done[0])
+                    results[lo] = ray.get(done[0])
+                    update(hi - lo)
+            else:
+                for lo, hi in ranges:
+                    results[lo] = _assign_range(source, metric, graph_path, pq.codebooks, dim, config, lo, hi,
+                                                threads)
+                    update(hi - lo)
+        Path(graph_path).unlink()
+        primary, pair_lists, pair_ids, codes = (np.concatenate(parts) for parts in
+                                                zip(*(results[lo][:4] for lo, _ in ranges)))
+        for possible, lo, hi in (results[lo][4] for lo, _ in ranges):
+            integral.possible &= possible
+            integral.lo, integral.hi = min(integral.lo, lo), max(integral.hi, hi)
+        del results
+        list_offsets, _ = postings(pair_lists, pair_ids, n_lists)
+        sizes = np.diff(list_offsets)
+        timings["assign_s"] = time.perf_counter() - t
+
+        # Placement from the expected work of each list.
+        t = time.perf_counter()
+        nav = NavigationTier(graph, metric == "ip", threads)
+        sample = None
+        if sample_queries is None:
+            sample = np.sort(np.random.default_rng(config.seed + 1).choice(n, min(n, num_sample_queries),
+                                                                           replace=False))
+            queries = rows(sample)
+        else:
+            queries = np.ascontiguousarray(np.asarray(sample_queries), dtype=np.float32)
+            if queries.ndim != 2 or queries.shape[1] != dim or not len(queries):
+                raise InputError(f"sample_queries must be a non-empty (count, {dim}) array, got {queries.shape}")
+            check_vectors(queries, metric, "sample_queries")
+            if metric == "cosine":
+                queries = normalize(queries)
+        visits = sample_visits(nav, queries, n_lists, params)
+        plan = place_lists(sizes, visits, shards, placement, replicate)
+        local = np.full((n_lists, 2), -1, dtype=np.int32)
+        shard_plans = []
+        for s in range(shards):
+            owner = (plan.shards == s).any(axis=1)
+            sp = _plan_shard(s, owner, pair_lists, pair_ids, n_lists)
+            if not len(sp.global_ids):
+                raise InputError(f"shard {s} would hold no vectors: fewer shards, please")
+            for j in (0, 1):
+                on = plan.shards[:, j] == s
+                local[on, j] = np.searchsorted(sp.lists, np.flatnonzero(on))
+            shard_plans.append(sp)
+        timings["placement_s"] = time.perf_counter() - t
+        probe_info = None
+        if probe_model:
+            t = time.perf_counter()
+            pick = np.random.default_rng(config.seed + 2).permutation(len(queries))[:probe_queries]
+            model, probe_info = train_probe_model(
+                nav, rows, n, queries[pick], None if sample is None else sample[pick], pair_lists, pair_ids, metric,
+                params, probe_quantile, seed=config.seed)
+            w.save_array("probe_model.npy", model.trees)
+            probe_info = {**model.meta(), **probe_info}
+            timings["probe_model_s"] = time.perf_counter() - t
+        del pair_lists, pair_ids
+
+        # 5-6. The shard parts, in parallel.
+        t = time.perf_counter()
+        store_dtype = STORAGE_DTYPES[integral.dtype() or rows.dtype]
+        shard_manifests = {}
+        with steps.step("writing shards", shards, "shard") as update:
+            args = (metric, store_dtype, centroids, pq.codebooks)
+            if use_ray:
+                task = ray.remote(_write_shard).options(num_cpus=1)
+                shared = [ray.put(a) for a in (_ray_source(source), centroids, pq.codebooks)]
+                pending = {task.remote(str(w.dir / part_name(sp.index)), sp, shared[0], metric, store_dtype,
+                                       shared[1], shared[2], codes[sp.global_ids], config, 1, shards): sp.index
+                           for sp in shard_plans}
+                while pending:
+                    done, _ = ray.wait(list(pending), num_returns=1)
+                    shard_manifests[pending.pop(done[0])] = ray.get(done[0])
+                    update(1)
+            else:
+                for sp in shard_plans:
+                    shard_manifests[sp.index] = _write_shard(str(w.dir / part_name(sp.index)), sp, source, *args,
+                                                             codes[sp.global_ids], config, threads, shards)
+                    update(1)
+        timings["write_s"] = time.perf_counter() - t
+
+        graph.save(str(w.path("graph.bin")))
+        w.add_file("graph.bin")
+        w.save_array("pq_codebooks.npy", pq.codebooks)
+        w.save_array("list_shards.npy", plan.shards)
+        w.save_array("list_local.npy", local)
+        w.save_array("list_sizes.npy", sizes)
+        w.save_array("list_visits.npy", visits)
+        timings["total_s"] = time.perf_counter() - t_start
+        expected = plan.shard_work(shards)
+        manifest = {
+            "kind": KIND,
+            "fusionrag_version": __version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "count": n, "dim": dim, "metric": metric, "internal_metric": internal_metric(metric),
+            "navigation": "mips-augmented" if metric == "ip" else "l2",
+            "storage_dtype": store_dtype,
+            "source": {"path": str(src.path), "dtype": str(src.dtype)},
+            "centroids": n_lists,
+            "postings": int(list_offsets[-1]),
+            "pq": {"m": pq.m, "dsub": pq.dsub},
+            "shards": shards,
+            "placement": {"kind": placement, "replicate": replicate if placement == "hotness" else 0.0,
+                          "replicated_lists": int((plan.shards[:, 1] >= 0).sum()),
+                          "sample_queries": int(len(queries)), "probe": params.to_dict(),
+                          "expected_work": [float(x) for x in expected],
+                          "expected_imbalance": float(expected.max() / expected.mean()),
+                          "built_with": "ray" if use_ray else "local"},
+            "parts": {part_name(s): {"manifest_sha256": hashlib.sha256(
+                (w.dir / part_name(s) / MANIFEST).read_bytes()).hexdigest(),
+                "count": shard_manifests[s]["count"], "lists": shard_manifests[s]["centroids"]}
+                for s in range(shards)},
+            "build_config": config.to_dict(),
+            "build_timings": timings,
+        }
+        if probe_info is not None:
+            manifest["probe_model"] = probe_info
+        w.publish(manifest)
+    return manifest
+
+
+# ---------------------------------------------------------------------------------------------
+# Query path
+
+
+class ShardServer:
+    """One shard part, opened: the lists it is sent, filtered and re-ranked by Index.search_lists, its
+    top-k as source rows with exact distances. A Ray actor in Ray mode, an object in this process else."""
+
+    def __init__(self, path: str, config: EngineConfig | None = None, params: SearchParams | None = None):
+        from fusionrag.retriever.index import Index
+
+        self.path = str(path)
+        self.index = Index.open(path, config, params)
+        self.global_ids = load_array(Path(path), "global_ids.npy", np.uint32, 1).astype(np.int64)
+        if len(self.global_ids) != self.index.count:
+            raise IndexFormatError(f"{path}: global_ids.npy does not hold one row per vector")
+
+    def search(self, queries: np.ndarray, lists: np.ndarray, k: int, params: SearchParams):
+        """(ids, distances, stats, seconds): ids are source rows, -1 where fewer than k."""
+        t = time.perf_counter()
+        res = self.index.search_lists(queries, lists, k, params)
+        ids = np.where(res.ids >= 0, self.global_ids[np.maximum(res.ids, 0)], -1)
+        return ids, res.distances, res.stats, time.perf_counter() - t
+
+    def where(self) -> dict:
+        import os
+
+        node = None
+        if _ray_active():
+            import ray
+
+            node = ray.get_runtime_context().get_node_id()
+        return {"pid": os.getpid(), "node_id": node, "count": self.index.count, "path": self.path}
+
+    def close(self) -> None:
+        self.index.close()
+
+
+class _Future:
+    """A result computed in this process, with the interface the router needs of a Ray ObjectRef."""
+
+    def __init__(self, fut):
+        self.fut = fut
+
+    def get(self):
+        return self.fut.result()
+
+
+@dataclass
+class ShardedResult:
+    ids: np.ndarray  # int64 (q, k), source rows, -1 where fewer than k
+    distances: np.ndarray  # float32 (q, k), ascending, in the metric Index.search reports
+    stats: dict[str, np.ndarray] = field(default_factory=dict)  # per query
+    per_shard: dict[str, np.ndarray] = field(default_factory=dict)  # per shard, summed over the queries
+
+
+def _merge(parts: list[tuple[np.ndarray, np.ndarray]], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The best k of each row over the parts' (ids, distances), a vector found by two shards once."""
+    ids = np.concatenate([p[0] for p in parts], axis=1)
+    d = np.concatenate([p[1] for p in parts], axis=1).astype(np.float32)
+    d = np.where(ids < 0, np.inf, d)
+    order = np.lexsort((d, ids), axis=-1)
+    sid = np.take_along_axis(ids, order, axis=1)
+    sd = np.take_along_axis(d, order, axis=1)
+    dup = np.zeros_like(sid, dtype=bool)
+    dup[:, 1:] = (sid[:, 1:] == sid[:, :-1]) & (sid[:, 1:] >= 0)
+    sd[dup] = np.inf
+    best = np.argsort(sd, axis=1, kind="stable")[:, :k]
+    out_ids = np.take_along_axis(sid, best, axis=1)
+    out_d = np.take_along_axis(sd, best, axis=1)
+    out_ids[~np.isfinite(out_d)] = -1
+    if out_ids.shape[1] < k:
+        pad = k - out_ids.shape[1]
+        out_ids = np.pad(out_ids, ((0, 0), (0, pad)), constant_values=-1)
+        out_d = np.pad(out_d, ((0, 0), (0, pad)), constant_values=np.inf)
+    return out_ids, out_d
+
+
+class ShardedIndex:
+    """A sharded index, opened: the router in this process, the shards as Ray actors (ray=True) or as
+    objects in this process (ray=False: the same code, threads for the shards). Thread-safe."""
+
+    def __init__(self, path: Path, manifest: dict, nav: NavigationTier, list_shards: np.ndarray,
+                 list_local: np.ndarray, list_sizes: np.ndarray, shards: list, use_ray: bool,
+                 params: SearchParams, batch_size: int):
+        self.path, self.manifest, self.nav = path, manifest, nav
+        self.list_shards, self.list_local, self.list_sizes = list_shards, list_local, list_sizes
+        self.shards, self.use_ray, self.params, self.batch_size = shards, use_ray, params, batch_size
+        self.n_shards = len(shards)
+        self._lock = threading.Lock()
+        self.outstanding = np.zeros(self.n_shards, dtype=np.int64)  # list-size units sent, not yet answered
+        self._pool = None if use_ray else ThreadPoolExecutor(max_workers=self.n_shards,
+                                                             thread_name_prefix="fusionrag-shard")
+        self.probe_model: ProbeModel | None = None
+
+    @classmethod
+    def open(cls, path, config: EngineConfig | None = None, params: SearchParams | None = None,
+             ray: bool = False, actor_options: dict | None = None, batch_size: int = 1024,
+             verify: bool = True) -> "ShardedIndex":
+        """ray: the shards as Ray actors (Ray must be initialised: ray.init(address=...)); actor_options:
+        passed to the actors' .options() (default: no CPU reserved, shard s on the s-th node). batch_size:
+        queries per batch, each batch one call per shard it needs."""
+        path = Path(path)
+        config = config or EngineConfig()
+        if not 1 <= batch_size <= 65536:
+            raise ConfigError(f"batch_size must be in [1, 65536], got {batch_size}")
+        if (path / MANIFEST).exists() and not is_sharded(path):
+            raise IndexFormatError(f"{path}: not a sharded index (open it with Index.open)")
+        m = read_manifest(path, verify and config.verify, ROUTER_FILES)
+        try:
+            n_shards, n_lists, dim, metric = int(m["shards"]), int(m["centroids"]), int(m["dim"]), m["metric"]
+            parts = m["parts"]
+            names = [part_name(s) for s in range(n_shards)]
+            hashes = [parts[name]["manifest_sha256"] for name in names]
+        except (KeyError, TypeError, ValueError) as e:
+            raise IndexFormatError(f"{path}: manifest lacks or garbles a field ({e!r})") from e
+        for name, want in zip(names, hashes):
+            mp = path / name / MANIFEST
+            if not (path / name).is_dir():
+                raise IndexFormatError(f"{path}: shard part {name} is missing")
+            if not mp.exists():
+                raise IndexFormatError(f"{path}: shard part {name} has no manifest (incomplete or damaged)")
+            if hashlib.sha256(mp.read_bytes()).hexdigest() != want:
+                raise IndexFormatError(f"{path}: shard part {name} was replaced or is corrupt (its manifest does "
+                                       "not match the router's)")
+        try:
+            graph = native.Graph.load(str(path / "graph.bin"), quantize=config.graph_sq8)
+        except ValueError as e:
+            raise IndexFormatError(f"{path}: {e}") from e
+        list_shards = load_array(path, "list_shards.npy", np.int32, 2)
+        list_local = load_array(path, "list_local.npy", np.int32, 2)
+        list_sizes = load_array(path, "list_sizes.npy", np.int64, 1)
+        problems = [
+            graph.size != n_lists and f"graph has {graph.size} nodes, manifest says {n_lists}",
+            graph.dim != dim + (metric == "ip") and f"graph dimension {graph.dim} does not fit dimension {dim}",
+            list_shards.shape != (n_lists, 2) and "list_shards.npy does not hold a row per list",
+            list_local.shape != (n_lists, 2) and "list_local.npy does not hold a row per list",
+            len(list_sizes) != n_lists and "list_sizes.npy does not hold a size per list",
+            (list_shards.shape == (n_lists, 2) and (list_shards.min(initial=0) < -1 or list_shards.max(initial=0)
+                                                     >= n_shards or (list_shards[:, 0] < 0).any()))
+            and "list_shards.npy names shards that do not exist",
+        ]
+        problems = [p for p in problems if p]
+        if problems:
+            raise IndexFormatError(f"{path}: inconsistent sharded index: " + "; ".join(problems))
+        params = params or SearchParams()
+        shard_paths = [str((path / name).resolve()) for name in names]
+        if ray:
+            rray = _ray()
+            if not rray.is_initialized():
+                raise ConfigError("ray=True: connect to a Ray cluster first (ray.init(address=...))")
+            options = {"num_cpus": 0, "max_restarts": 0, **(actor_options or {})}
+            placed = [dict(options) for _ in shard_paths]
+            if "scheduling_strategy" not in options:
+                # Shard s on the s-th alive node (mod their count), and only there.
+                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+                nodes = sorted(n["NodeID"] for n in rray.nodes() if n.get("Alive"))
+                for s, o in enumerate(placed):
+                    o["scheduling_strategy"] = NodeAffinitySchedulingStrategy(nodes[s % len(nodes)], soft=False)
+            shards = [rray.remote(ShardServer).options(**o).remote(p, config, params)
+                      for p, o in zip(shard_paths, placed)]
+            try:
+                where = rray.get([s.where.remote() for s in shards])
+            except rray.exceptions.RayActorError as e:
+                for s in shards:
+                    rray.kill(s)
+                cause = getattr(e, "cause", None) or e
+                raise IndexFormatError(f"{path}: a shard failed to open: {cause}") from e
+        else:
+            shards = [ShardServer(p, config, params) for p in shard_paths]
+            where = [s.where() for s in shards]
+        for s, (name, w) in enumerate(zip(names, where)):
+            if w["count"] != parts[name].get("count"):
+                raise IndexFormatError(f"{path}: shard part {name} holds {w['count']} vectors, the router expects "
+                                       f"{parts[name].get('count')}")
+        out = cls(path, m, NavigationTier(graph, metric == "ip", cpu_threads(config.threads)), list_shards,
+                  list_local, list_sizes, shards, bool(ray), params, batch_size)
+        out.where = where
+        if "probe_model" in m:
+            if "probe_model.npy" not in m.get("files", {}):
+                raise IndexFormatError(f"{path}: the manifest names a probe model but not probe_model.npy")
+            pm = m["probe_model"]
+            try:
+                out.probe_model = ProbeModel(load_array(path, "probe_model.npy", np.float64, 3), pm["init"],
+                                             pm["learning_rate"], pm["quantile"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise IndexFormatError(f"{path}: manifest garbles the probe model ({e!r})") from e
+        return out
+
+    @property
+    def count(self) -> int:
+        return int(self.manifest["count"])
+
+    @property
+    def dim(self) -> int:
+        return int(self.manifest["dim"])
+
+    @property
+    def metric(self) -> str:
+        return self.manifest["metric"]
+
+    def prepare_queries(self, queries) -> np.ndarray:
+        q = np.asarray(queries)
+        if q.ndim == 1:
+            q = q[None, :]
+        if q.ndim != 2 or q.shape[0] == 0:
+            raise InputError(f"queries must be a non-empty (count, {self.dim}) array, got shape {q.shape}")
+        if q.dtype.kind not in "fiu":
+            raise InputError(f"queries must be numeric, got {q.dtype}")
+        if q.shape[1] != self.dim:
+            raise InputError(f"queries have dimension {q.shape[1]}, the index has dimension {self.dim}")
+        q = np.ascontiguousarray(q, dtype=np.float32)
+        check_vectors(q, self.metric, "queries")
+        return normalize(q) if self.metric == "cosine" else q
+
+    def route(self, lists: np.ndarray, outstanding: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Which shard serves each probed list of each query: (shard int32 (q, m), -1 where no list; the work
+        planned per shard). A replicated list goes to the replica with the least outstanding work, counting
+        what this batch already sent each shard."""
+        lists = np.asarray(lists)
+        planned = np.zeros(self.n_shards, dtype=np.int64)
+        base = self.outstanding.copy() if outstanding is None else np.asarray(outstanding, dtype=np.int64).copy()
+        valid = lists >= 0
+        safe = np.where(valid, lists, 0)
+        first, second = self.list_shards[safe, 0], self.list_shards[safe, 1]
+        shard = np.where(valid, first, -1).astype(np.int32)
+        sizes = self.list_sizes[safe]
+        single = valid & (second < 0)
+        np.add.at(planned, shard[single], sizes[single])
+        # Replicated lists one by one, least loaded first at each step.
+        rq, rj = np.nonzero(valid & (second >= 0))
+        for i, j in zip(rq, rj):
+            a, b = first[i, j], second[i, j]
+            pick = a if base[a] + planned[a] <= base[b] + planned[b] else b
+            shard[i, j] = pick
+            planned[pick] += sizes[i, j]
+        return shard, planned
+
+    def _call(self, s: int, q: np.ndarray, local: np.ndarray, k: int, p: SearchParams):
+        if self.use_ray:
+            return self.shards[s].search.remote(q, local, k, p)
+        return _Future(self._pool.submit(self.shards[s].search, q, local, k, p))
+
+    def _get(self, handle):
+        if self.use_ray:
+            import ray
+
+            return ray.get(handle)
+        return handle.get()
+
+    def probe(self, q: np.ndarray, p: SearchParams, probe: str = "ratio", probe_scale: float = 1.0):
+        """(lists int32 (q, m), -1 where cut; their count per query). ratio: as Index does; learned: the nprobe
+        nearest, cut to the count the probe model predicts for each query (times probe_scale)."""
+        if probe == "ratio":
+            lists, probed, _ = self.nav.probe(q, p)
+            return lists, probed
+        if self.probe_model is None:
+            raise ConfigError(f"{self.path}: probe 'learned' needs an index built with a probe model")
+        lists, sqd = probe_distances(self.nav, q, p)
+        keep = self.probe_model.lists(probe_features(sqd), probe_scale, lists.shape[1])
+        lists = np.where(np.arange(lists.shape[1])[None, :] < keep[:, None], lists, -1).astype(np.int32)
+        return lists, (lists >= 0).sum(axis=1)
+
+    def search(self, queries, k: int = 10, params: SearchParams | None = None, probe: str = "ratio",
+               probe_scale: float = 1.0, **overrides) -> ShardedResult:
+        """Top-k of each query over every shard, with exact distances (as Index.search reports them).
+        probe: 'ratio' (the distance-ratio rule, as Index) or 'learned' (learned pruning; probe_scale x the
+        predicted lists).
+        stats per query: lists_probed, shards_probed, candidates (PQ-scanned postings), reranked;
+        per_shard: queries, lists, work (postings of the lists sent), candidates, seconds."""
+        if not isinstance(k, (int, np.integer)) or k < 1:
+            raise InputError(f"k must be a positive integer, got {k!r}")
+        p = (params or self.params).with_overrides(**overrides)
+        if probe not in PROBES:
+            raise ConfigError(f"probe must be one of {PROBES}, got {probe!r}")
+        if not 0 < probe_scale <= 1024:
+            raise ConfigError(f"probe_scale must be in (0, 1024], got {probe_scale}")
+        q = self.prepare_queries(queries)
+        nq, S = len(q), self.n_shards
+        stats = {key: np.zeros(nq, dtype=np.int64) for key in ("lists_probed", "shards_probed", "candidates",
+                                                                "reranked")}
+        per_shard = {key: np.zeros(S, dtype=np.float64 if key == "seconds" else np.int64)
+                     for key in ("queries", "lists", "work", "candidates", "seconds")}
+        jobs = []  # (batch slice, [(shard, query rows, handle, work)])
+        for lo in range(0, nq, self.batch_size):
+            sl = slice(lo, min(nq, lo + self.batch_size))
+            lists, probed = self.probe(q[sl], p, probe, probe_scale)
+            stats["lists_probed"][sl] = probed
+            with self._lock:
+                shard, planned = self.route(lists)
+                self.outstanding += planned
+            calls = []
+            for s in range(S):
+                on = shard == s
+                rows = np.flatnonzero(on.any(axis=1))
+                if not len(rows):
+                    continue
+                width = int(on[rows].sum(axis=1).max())
+                local = np.full((len(rows), width), -1, dtype=np.int32)
+                sub, sub_on = lists[rows], on[rows]
+                col = np.cumsum(sub_on, axis=1) - 1
+                r, c = np.nonzero(sub_on)
+                replica = (self.list_shards[sub[r, c], 1] == s).astype(np.int64)
+                local[r, col[r, c]] = self.list_local[sub[r, c], replica]
+                stats["shards_probed"][lo + rows] += 1
+                per_shard["queries"][s] += len(rows)
+                per_shard["lists"][s] += int(sub_on.sum())
+                per_shard["work"][s] += int(planned[s])
+                calls.append((s, lo + rows, self._call(s, q[lo + rows], local, k, p), int(planned[s])))
+            jobs.append((sl, calls))
+        ids = np.full((nq, k), -1, dtype=np.int64)
+        dists = np.full((nq, k), np.inf, dtype=np.float32)
+        errors = []
+        for sl, calls in jobs:
+            parts = []
+            n_b = sl.stop - sl.start
+            for s, rows, handle, work in calls:
+                try:
+                    sid, sd, sst, secs = self._get(handle)
+                except Exception as e:  # noqa: BLE001 - reported below, after every handle is collected
+                    errors.append((s, e))
+                    continue
+                finally:
+                    with self._lock:
+                        self.outstanding[s] -= work
+                full_ids = np.full((n_b, k), -1, dtype=np.int64)
+                full_d = np.full((n_b, k), np.inf, dtype=np.float32)
+                full_ids[rows - sl.start], full_d[rows - sl.start] = sid, sd
+                parts.append((full_ids, full_d))
+                stats["candidates"][rows] += sst["candidates"]
+                stats["reranked"][rows] += sst["reranked"]
+                per_shard["candidates"][s] += int(sst["candidates"].sum())
+                per_shard["seconds"][s] += secs
+            if parts:
+                ids[sl], dists[sl] = _merge(parts, k)
+        if errors:
+            s, e = errors[0]
+            raise UnavailableError(f"{self.path}: shard {part_name(s)} did not answer: {e}") from e
+        return ShardedResult(ids, dists, stats, per_shard)
+
+    def close(self) -> None:
+        if self.use_ray:
+            import ray
+
+            for s in self.shards:
+                ray.kill(s)
+        else:
+            self._pool.shutdown()
+            for s in self.shards:
+                s.close()
+        self.shards = []
