@@ -42,6 +42,24 @@ class SearchResult:
     info: dict = field(default_factory=dict)  # which tier implementations served the query
 
 
+
+def prepare_queries(queries, dim: int, metric: str) -> np.ndarray:
+    """Query vectors as an index searches them: a non-empty (count, dim) float32 matrix of usable vectors,
+    normalised for cosine; InputError saying what is wrong. Shared by Index and the sharded router."""
+    q = np.asarray(queries)
+    if q.ndim == 1:
+        q = q[None, :]
+    if q.ndim != 2 or q.shape[0] == 0:
+        raise InputError(f"queries must be a non-empty (count, {dim}) array, got shape {q.shape}")
+    if q.dtype.kind not in "fiu":
+        raise InputError(f"queries must be numeric, got {q.dtype}")
+    if q.shape[1] != dim:
+        raise InputError(f"queries have dimension {q.shape[1]}, the index has dimension {dim}")
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    check_vectors(q, metric, "queries")
+    return normalize(q) if metric == "cosine" else q
+
+
 class Index:
     """A built index, opened. Thread-safe for concurrent `search` calls."""
 
@@ -157,20 +175,7 @@ class Index:
         }
 
     def prepare_queries(self, queries) -> np.ndarray:
-        q = np.asarray(queries)
-        if q.ndim == 1:
-            q = q[None, :]
-        if q.ndim != 2 or q.shape[0] == 0:
-            raise InputError(f"queries must be a non-empty (count, {self.dim}) array, got shape {q.shape}")
-        if q.dtype.kind not in "fiu":
-            raise InputError(f"queries must be numeric, got {q.dtype}")
-        if q.shape[1] != self.dim:
-            raise InputError(f"queries have dimension {q.shape[1]}, the index has dimension {self.dim}")
-        q = np.ascontiguousarray(q, dtype=np.float32)
-        check_vectors(q, self.metric, "queries")
-        if self.metric == "cosine":
-            q = normalize(q)
-        return q
+        return prepare_queries(queries, self.dim, self.metric)
 
     def search(self, queries, k: int = 10, params: SearchParams | None = None, exclude: np.ndarray | None = None,
                **overrides) -> SearchResult:

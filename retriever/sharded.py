@@ -43,6 +43,7 @@ from fusionrag.retriever.build import (_CHUNK, _IntegralCheck, _Rows, assign_row
                                        postings, save_index_files, train_index, write_pages)
 from fusionrag.retriever.config import BuildConfig, EngineConfig, SearchParams, cpu_threads
 from fusionrag.retriever.errors import ConfigError, IndexFormatError, InputError, UnavailableError
+from fusionrag.retriever.index import prepare_queries
 from fusionrag.retriever.kmeans import sq_dists
 from fusionrag.retriever.learned_probe import ProbeModel, lists_needed, probe_features
 from fusionrag.retriever.manifest import MANIFEST, load_array, read_manifest, writing_index
@@ -702,18 +703,7 @@ class ShardedIndex:
         return self.manifest["metric"]
 
     def prepare_queries(self, queries) -> np.ndarray:
-        q = np.asarray(queries)
-        if q.ndim == 1:
-            q = q[None, :]
-        if q.ndim != 2 or q.shape[0] == 0:
-            raise InputError(f"queries must be a non-empty (count, {self.dim}) array, got shape {q.shape}")
-        if q.dtype.kind not in "fiu":
-            raise InputError(f"queries must be numeric, got {q.dtype}")
-        if q.shape[1] != self.dim:
-            raise InputError(f"queries have dimension {q.shape[1]}, the index has dimension {self.dim}")
-        q = np.ascontiguousarray(q, dtype=np.float32)
-        check_vectors(q, self.metric, "queries")
-        return normalize(q) if self.metric == "cosine" else q
+        return prepare_queries(queries, self.dim, self.metric)
 
     def route(self, lists: np.ndarray, outstanding: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Which shard serves each probed list of each query: (shard int32 (q, m), -1 where no list; the work
