@@ -47,7 +47,7 @@ bench:
 # `make gpu-wheels` puts the Python 3.12 wheels the GPU machine lacks (bench/gpu-wheels.txt) and the
 # data sets its tests read into .whl/ (git-ignored). There, with .whl/ carried:
 # `make gpu-accept OUT=dir [STEPS=install,a,b,c,d] [DEADLINE=seconds]`; anywhere without CUDA the same
-# command is a dry run at toy size (tests/test_gpu_accept.py).
+# command is a dry run at toy size (tests/bench/test_gpu_accept.py).
 .PHONY: gpu-wheels gpu-accept
 ACCEPT_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 STEPS ?= install,a,b,c,d

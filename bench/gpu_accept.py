@@ -15,7 +15,7 @@ copy of the repository that carries the wheels of `make gpu-wheels` (.whl/, git-
 
 Not covered here: the vLLM plugin on the GPU tier inside vLLM's own API-server process. The GPU machine
 has no vLLM (a CUDA vLLM is not among the wheels), so its order and refusal are tested on the CPU
-(tests/test_integration_vllm.py: vLLM calls the plugin only once its engine has profiled and allocated
+(tests/integrations/test_integration_vllm.py: vLLM calls the plugin only once its engine has profiled and allocated
 its KV cache; a budget plan_plugin_split finds too large stops vLLM with what to set). On a GPU with
 vLLM, the check to make is that nvidia-smi's figure for vLLM's API-server process stays within
 FUSIONRAG_GPU_BUDGET_MB (or the budget the plugin logs) while vLLM's engine holds what it was given.
@@ -25,7 +25,7 @@ does not stop the next. OUT gets three files, rewritten after every step: gpu_ac
 gpu_accept.md (the device as torch names it, every step's outcome and figures) and
 gpu_accept-files.tar.gz (every log and output). Without CUDA every step runs at toy size on the CPU,
 through Triton's interpreter (install is skipped where the package imports already): the dry run
-that tests/test_gpu_accept.py makes in CI, so that this script cannot rot.
+that tests/bench/test_gpu_accept.py makes in CI, so that this script cannot rot.
 
     python bench/gpu_accept.py --out DIR [--steps install,a,b,c,d] [--deadline SECONDS]
     python bench/gpu_accept.py --merge DIR1 DIR2 ... --out DIR    # one summary of runs made step by step
@@ -176,7 +176,7 @@ def step_install(run: Run) -> None:
 
 def step_a(run: Run) -> None:
     junit = run.files / "a.xml"
-    files = ["tests/test_kernels.py", "tests/test_gpu_tier.py", "tests/test_gpu_memory.py", "tests/test_gpu_service.py"]
+    files = ["tests/kernels/test_kernels.py", "tests/retriever/test_gpu_tier.py", "tests/kernels/test_gpu_memory.py", "tests/server/test_gpu_service.py"]
     # The dry run: one test of each file, enough to see the step run (make test runs them all).
     pick = [] if run.cuda else ["-k", "test_rank_keys_order or test_budget_too_small"]
     status, seconds = run.run("a", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, *pick,

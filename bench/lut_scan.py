@@ -38,7 +38,7 @@ def open_index(work: Path, name: str, threads: int, tables: str):
     index = Index.open(str(work / "idx" / name / "fusionrag"), threads=threads, filter_tier="cpu", batch_size=64,
                        buffer_bytes=buffer)
     if tables == "numpy":
-        index.filter.luts = lambda pq, q, metric: pq.luts(q, metric)
+        index.filter.tables = lambda q, pq=index.pq, metric=index.reranker.metric: pq.luts(q, metric)
     return index
 
 
@@ -64,7 +64,7 @@ def timing(work: Path, name: str, nq: int, threads: int, repeat: int) -> dict:
         lut = scan = 0.0
         t = time.perf_counter()
         for qb, lists in batches:
-            cand = cpu.topn(cpu.luts(pq, qb, metric), lists, n)
+            cand = cpu.topn(cpu.tables(qb), lists, n)
             lut, scan = lut + cand.lut_seconds.sum(), scan + cand.seconds.sum()
         total = time.perf_counter() - t
         if total < best["in-scan"]["total"]:

@@ -85,7 +85,7 @@ def pq_candidates(idx, queries: np.ndarray, nprobe: int = 32, n: int = 200):
     own graph and filter tier."""
     q = idx.prepare_queries(np.asarray(queries))
     lists, _, _ = idx.nav.probe(q, idx.params.with_overrides(nprobe=nprobe, rerank=n))
-    return q, idx.filter.topn(idx.filter.luts(idx.pq, q, "l2"), lists, n).ids
+    return q, idx.filter.topn(idx.filter.tables(q), lists, n).ids
 
 
 def main() -> None:

@@ -26,9 +26,6 @@ import json
 import os
 import platform
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +37,7 @@ import numpy as np
 from fusionrag.integrations.vllm.prompt import augment
 from fusionrag.loadtests.hf_llm import build_tiny_llm
 from fusionrag.loadtests.queryset import query_phrase
+from fusionrag.loadtests.runner import start_vllm_plugin, wait_vllm_plugin
 from fusionrag.retriever.collection import Hit
 
 KINDS = ("plain", "prompt", "rag")
@@ -62,43 +60,6 @@ def demo_collection(root: Path, name: str) -> list[str]:
     finally:
         catalog.close()
     return [query_phrase(d.text) for d in docs]
-
-
-def start_vllm(model: Path, data: Path, log, max_model_len: int) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "VLLM_PLUGINS": "fusionrag", "FUSIONRAG_DATA_DIR": str(data), "FUSIONRAG_DEMO": "false",
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(model),
-                             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
-                             "--max-num-seqs", "4", "--enforce-eager"], env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"vLLM exited with {proc.returncode}")
-        if time.monotonic() > deadline:
-            stop(proc)
-            raise SystemExit("vLLM was not ready in 600 s")
-        try:
-            if httpx.get(f"{url}/v1/stats", timeout=2).json().get("ready") is True:
-                return proc, url
-        except (httpx.TransportError, ValueError):
-            pass
-        time.sleep(0.5)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def timed_stream(create, **kw) -> dict:
@@ -148,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     import openai
 
     work = Path(tempfile.mkdtemp(prefix="rag-ttft-"))
-    proc, log = None, open(work / "vllm.log", "w+")
+    child = None
     try:
         data = work / "data"
         if args.data_dir:
@@ -161,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         asked = [questions[i] for i in rng.choice(len(questions), args.requests + 3,
                                                   replace=args.requests + 3 > len(questions))]
         model = build_tiny_llm(work / "llm", asked, vocab_size=2000)
-        proc, url = start_vllm(model, data, log, args.max_model_len)
+        child, url = start_vllm_plugin(model, data, work / "vllm.log", args.max_model_len)
+        wait_vllm_plugin(child, url, 600)
         http = httpx.Client(base_url=url, timeout=120)
         plain = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0).chat.completions.create
         rag = openai.OpenAI(base_url=f"{url}/v1/rag", api_key="none", max_retries=0).chat.completions.create
@@ -192,12 +154,10 @@ def main(argv: list[str] | None = None) -> int:
             "load_average_at_end": os.getloadavg(), "machine": machine(), "requests": rows,
         }
     finally:
-        if proc is not None:
-            stop(proc)
-        if sys.exc_info()[0] is not None:
-            log.seek(0)
-            print("end of vLLM's log:\n" + "".join(log.readlines()[-30:]), file=sys.stderr)
-        log.close()
+        if child is not None:
+            child.stop(60)
+            if sys.exc_info()[0] is not None:
+                print("end of vLLM's log:\n" + child.tail(30), file=sys.stderr)
         shutil.rmtree(work, ignore_errors=True)
     args.out.write_text(json.dumps(out, indent=1))
     t = out["ttft_ms"]

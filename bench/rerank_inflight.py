@@ -16,6 +16,7 @@ import time
 import numpy as np
 
 from fusionrag.retriever import Index
+from fusionrag.retriever.pipeline import cut
 from fusionrag.retriever.vectors import open_vectors
 
 
@@ -26,18 +27,15 @@ def read_bytes() -> int:
 
 def candidates(index: Index, queries: np.ndarray) -> list[np.ndarray]:
     """The PQ candidates of each engine batch, as the search hands them to the re-ranker."""
-    p, bs = index.params, index.config.batch_for(index.filter.name)
-    out = []
-    for lo in range(0, len(queries), bs):
-        q = index.prepare_queries(queries[lo:lo + bs])
-        out.append(index._filter_stage(q, 10, p, None, *index.nav.probe(q, p))[0].ids)
-    return out
+    q = index.prepare_queries(queries)
+    *_, batches = cut(q, 10, index.params, None, index.filter.batch_size)
+    return [index._filter_stage(index._graph_stage(b)).candidates.ids for b in batches]
 
 
 def rerank_only(index: Index, queries: np.ndarray, cands: list[np.ndarray]) -> float:
     """Seconds the re-rank stage alone takes for all queries, batch by batch as in a search."""
     index.reranker.store.reset_buffer()
-    bs = index.config.batch_for(index.filter.name)
+    bs = index.filter.batch_size
     t = time.perf_counter()
     for i, cand in enumerate(cands):
         index.reranker.rerank(index.prepare_queries(queries[i * bs:(i + 1) * bs]), cand, 10, index.params)

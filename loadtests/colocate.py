@@ -34,8 +34,10 @@ import threading
 import time
 from pathlib import Path
 
-from fusionrag.loadtests import llm as llm_mod
 from fusionrag.loadtests import runner
+from fusionrag.loadtests.chat_server import chat_load
+from fusionrag.loadtests.decode_loop import rate_between
+from fusionrag.loadtests.decoder import PRESETS
 from fusionrag.loadtests.plan import Plan, ShapeConfig
 from fusionrag.loadtests.report import plot_latency, read_request_log, summarize_metrics, summarize_requests
 from fusionrag.retriever.errors import FusionRAGError
@@ -129,7 +131,7 @@ class ServerLLM:
 
     def start(self, seconds: float, tag: str):
         box = {}
-        t = threading.Thread(target=lambda: box.update(llm_mod.chat_load(
+        t = threading.Thread(target=lambda: box.update(chat_load(
             self.url, self.model, self.args.concurrency, seconds, self.args.max_tokens)), daemon=True)
         t.start()
 
@@ -170,7 +172,7 @@ def llm_rate(result: dict, window: tuple[float, float] | None) -> float:
     if window is None:
         t0, t1 = tl[0][0], tl[-1][0]
         window = (t0 + 0.1 * (t1 - t0), t1)
-    return llm_mod.rate_between(tl, *window)
+    return rate_between(tl, *window)
 
 
 def _llm_side(result: dict, measured: float | None) -> dict:
@@ -234,7 +236,7 @@ def run(args) -> dict:
         "device": args.device, "passed": passed, "verdict": verdict,
         "llm": f"command: {args.llm_command}" if args.llm_command else "decode loop",
         "preset": None if args.llm_command else args.preset,
-        "llm_parameters": None if args.llm_command else llm_mod.PRESETS[args.preset].parameters(),
+        "llm_parameters": None if args.llm_command else PRESETS[args.preset].parameters(),
         "retrieval_alone": alone, "retrieval_beside_llm": beside,
         "llm_alone": _llm_side(llm_alone, tok_alone), "llm_beside_retrieval": _llm_side(llm_beside, tok_beside),
         "gpu_peak_bytes_by_process": by_process or None,
@@ -318,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-arg", action="append", default=[],
                    help="extra flag for `fusionrag serve` (GPU budget, batching), repeatable")
     p.add_argument("--device", default="cuda", help="device of the decode loop")
-    p.add_argument("--preset", default="1b", choices=sorted(llm_mod.PRESETS))
+    p.add_argument("--preset", default="1b", choices=sorted(PRESETS))
     p.add_argument("--batch", type=int, default=16, help="sequences decoded at once")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--memory-fraction", type=float, default=0.4, help="GPU share the decode loop holds (0: none)")

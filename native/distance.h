@@ -1,17 +1,23 @@
-// Float distances shared by the native parts. Smaller is always better:
-// "l2" is the squared Euclidean distance, "ip" the negative inner product.
+// Every distance the native core computes: the graph's (float and SQ8), the PQ
+// tables and ADC of the CPU scan, the re-rank's exact ones on stored records.
+// Smaller is always better: "l2" is the squared Euclidean distance, "ip" the
+// negative inner product. The vector kernels are in distance.cpp, each built twice.
 #pragma once
 #include <cstddef>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
 namespace fusionrag {
 
-// One AVX2 clone beside the baseline, picked at load time, so the wheel still
-// runs on any x86-64 and builds unchanged elsewhere.
-#if defined(__x86_64__)
-#define FUSIONRAG_SIMD_CLONES __attribute__((target_clones("avx2", "default")))
-#else
+// An x86-64-v3 (AVX2 + FMA) clone beside the baseline, picked at load time, so
+// the wheel still runs on any x86-64 and builds unchanged elsewhere.
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__has_attribute)
+#if __has_attribute(target_clones)
+#define FUSIONRAG_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#endif
+#endif
+#ifndef FUSIONRAG_SIMD_CLONES
 #define FUSIONRAG_SIMD_CLONES
 #endif
 
@@ -20,48 +26,63 @@ enum class Metric { L2, IP };
 inline Metric parse_metric(const std::string& name) {
   if (name == "l2") return Metric::L2;
   if (name == "ip") return Metric::IP;
-  throw std::invalid_argument("unknown metric '" + name + "' (expected 'l2' or 'ip')");
+  throw std::invalid_argument("metric must be 'l2' or 'ip', not '" + name + "'");
 }
 
 inline const char* metric_name(Metric m) { return m == Metric::L2 ? "l2" : "ip"; }
 
-// Pairwise, so the lanes fold in a few vector adds rather than a serial chain.
-static inline float reduce16(float* acc) {
-  for (size_t j = 0; j < 8; ++j) acc[j] += acc[j + 8];
-  for (size_t j = 0; j < 4; ++j) acc[j] += acc[j + 4];
-  return (acc[0] + acc[2]) + (acc[1] + acc[3]);
-}
-
-// Sixteen independent partial sums: without -ffast-math the compiler may not
-// reorder a single float sum, but it does vectorize these lanes.
-FUSIONRAG_SIMD_CLONES
-static inline float l2_sqr(const float* a, const float* b, size_t d) {
-  float acc[16] = {};
-  size_t i = 0;
-  for (; i + 16 <= d; i += 16)
-    for (size_t j = 0; j < 16; ++j) {
-      float t = a[i + j] - b[i + j];
-      acc[j] += t * t;
-    }
-  for (size_t j = 0; i < d; ++i, ++j) {
-    float t = a[i] - b[i];
-    acc[j] += t * t;
-  }
-  return reduce16(acc);
-}
-
-FUSIONRAG_SIMD_CLONES
-static inline float neg_ip(const float* a, const float* b, size_t d) {
-  float acc[16] = {};
-  size_t i = 0;
-  for (; i + 16 <= d; i += 16)
-    for (size_t j = 0; j < 16; ++j) acc[j] += a[i + j] * b[i + j];
-  for (size_t j = 0; i < d; ++i, ++j) acc[j] += a[i] * b[i];
-  return -reduce16(acc);
-}
+// A float query against d elements of a vector: float (the graph, f32 records),
+// uint8_t (u8 records, SQ8 codes) or int8_t (i8 records).
+float l2_sqr(const float* q, const float* x, size_t d);
+float l2_sqr(const float* q, const uint8_t* x, size_t d);
+float l2_sqr(const float* q, const int8_t* x, size_t d);
+float neg_ip(const float* q, const float* x, size_t d);
+float neg_ip(const float* q, const uint8_t* x, size_t d);
+float neg_ip(const float* q, const int8_t* x, size_t d);
 
 using DistanceFn = float (*)(const float*, const float*, size_t);
 
-inline DistanceFn distance_fn(Metric m) { return m == Metric::L2 ? l2_sqr : neg_ip; }
+inline DistanceFn distance_fn(Metric m) {
+  return m == Metric::L2 ? static_cast<DistanceFn>(l2_sqr) : static_cast<DistanceFn>(neg_ip);
+}
+
+// The distance from a float query to a stored record of elements T, as bytes.
+template <class T>
+float record_l2(const float* q, const uint8_t* record, size_t d) {
+  return l2_sqr(q, reinterpret_cast<const T*>(record), d);
+}
+template <class T>
+float record_neg_ip(const float* q, const uint8_t* record, size_t d) {
+  return neg_ip(q, reinterpret_cast<const T*>(record), d);
+}
+using RecordDistanceFn = float (*)(const float*, const uint8_t*, size_t);
+
+template <class T>
+RecordDistanceFn record_distance(Metric m) {
+  return m == Metric::L2 ? record_l2<T> : record_neg_ip<T>;
+}
+
+// SQ8 l2 with per-dimension scales: sum (s_i (qc_i - c_i))^2, the query qc in
+// code units. (SQ8 ip is neg_ip of the query scaled into code units.)
+float sq8_l2(const float* qc, const float* s, const uint8_t* c, size_t d);
+
+// Product quantization: 256 centroids per sub-space, one uint8 code.
+constexpr size_t kCodebook = 256;
+
+// One query's M x 256 table from its zero-padded sub-vectors (M x dsub) and the
+// codebooks transposed to M x dsub x 256: l2 (norms = ||c||^2, M x 256) or ip
+// (norms null).
+void pq_table(const float* padded, const float* columns, const float* norms, size_t M, size_t dsub, float* lut);
+
+// Asymmetric distance: the sum of a code's M table entries. Several partial sums
+// so that consecutive table lookups do not wait on one add chain.
+inline float adc(const float* lut, const uint8_t* code, size_t M) {
+  float s[4] = {0, 0, 0, 0};
+  size_t m = 0;
+  for (; m + 4 <= M; m += 4)
+    for (size_t j = 0; j < 4; ++j) s[j] += lut[(m + j) * kCodebook + code[m + j]];
+  for (; m < M; ++m) s[0] += lut[m * kCodebook + code[m]];
+  return (s[0] + s[1]) + (s[2] + s[3]);
+}
 
 }  // namespace fusionrag

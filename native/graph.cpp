@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "distance.h"
+#include "numpy_out.h"
 #include "threadpool.h"
 
 namespace nb = nanobind;
@@ -147,41 +148,7 @@ static_assert(sizeof(Header) == 64, "Header must have no padding");
 // SQ8: per dimension i, code c_i = round((x_i - lo_i) / s_i). A query is mapped
 // into code units once (q'_i = (q_i - lo_i) / s_i, or q_i * s_i for ip), so each
 // distance is one pass over a node's bytes, in the original units (approximately):
-// l2 sums (s_i (q'_i - c_i))^2, which overflows only where the distance does.
-// Partial sums vectorize without -ffast-math (see distance.h); 32 rather than 16,
-// because with 16 GCC widens the bytes 128 bits at a time, and 32 take whole AVX2
-// registers: half the time per distance at 384 and 784 dimensions.
-constexpr size_t kSq8Lanes = 32;
-
-FUSIONRAG_SIMD_CLONES
-static float sq8_l2(const float* qc, const float* s, const uint8_t* c, size_t d) {
-  float acc[kSq8Lanes] = {};
-  size_t i = 0;
-  for (; i + kSq8Lanes <= d; i += kSq8Lanes)
-    for (size_t j = 0; j < kSq8Lanes; ++j) {
-      float t = s[i + j] * (qc[i + j] - float(c[i + j]));
-      acc[j] += t * t;
-    }
-  for (size_t j = 0; i < d; ++i, ++j) {
-    float t = s[i] * (qc[i] - float(c[i]));
-    acc[j] += t * t;
-  }
-  for (size_t j = 0; j < 16; ++j) acc[j] += acc[j + 16];
-  return reduce16(acc);
-}
-
-FUSIONRAG_SIMD_CLONES
-static float sq8_neg_dot(const float* qs, const float*, const uint8_t* c, size_t d) {
-  float acc[kSq8Lanes] = {};
-  size_t i = 0;
-  for (; i + kSq8Lanes <= d; i += kSq8Lanes)
-    for (size_t j = 0; j < kSq8Lanes; ++j) acc[j] += qs[i + j] * float(c[i + j]);
-  for (size_t j = 0; i < d; ++i, ++j) acc[j] += qs[i] * float(c[i]);
-  for (size_t j = 0; j < 16; ++j) acc[j] += acc[j + 16];
-  return -reduce16(acc);
-}
-
-using Sq8Fn = float (*)(const float*, const float*, const uint8_t*, size_t);
+// l2 is sq8_l2, ip is q.lo + neg_ip of the mapped query.
 
 // The distance from one point (a query, or a node being inserted) to node i:
 // the traversal is written once against these.
@@ -195,13 +162,15 @@ struct FloatDist {
 };
 
 struct Sq8Dist {
-  Sq8Fn fn;
   const float* q;  // in code units
-  const float* s;  // s_i (l2)
+  const float* s;  // s_i (l2), null for ip
   float offset;    // -q.lo (ip)
   const uint8_t* codes;
   size_t dim;
-  float operator()(uint32_t i) const { return offset + fn(q, s, codes + size_t(i) * dim, dim); }
+  float operator()(uint32_t i) const {
+    const uint8_t* c = codes + size_t(i) * dim;
+    return s ? sq8_l2(q, s, c, dim) : offset + neg_ip(q, c, dim);
+  }
   void prefetch(uint32_t i) const { __builtin_prefetch(codes + size_t(i) * dim); }
 };
 
@@ -405,14 +374,14 @@ class Graph {
     s.query.resize(dim_);
     if (metric_ == Metric::L2) {
       for (size_t i = 0; i < dim_; ++i) s.query[i] = (q[i] - lo_[i]) / scale_[i];
-      return {sq8_l2, s.query.data(), scale_.data(), 0.0f, codes_.data(), dim_};
+      return {s.query.data(), scale_.data(), 0.0f, codes_.data(), dim_};
     }
     double q_lo = 0;  // q.x = q.lo + sum (q_i s_i) c_i
     for (size_t i = 0; i < dim_; ++i) {
       s.query[i] = q[i] * scale_[i];
       q_lo += double(q[i]) * lo_[i];
     }
-    return {sq8_neg_dot, s.query.data(), nullptr, float(-q_lo), codes_.data(), dim_};
+    return {s.query.data(), nullptr, float(-q_lo), codes_.data(), dim_};
   }
 
   // Leaves the ef nearest of d's point in s.best (a max-heap).
@@ -604,25 +573,10 @@ class Graph {
 
 using FloatMatrix = nb::ndarray<const float, nb::c_contig, nb::device::cpu>;
 
-template <class T>
-nb::ndarray<nb::numpy, T> to_numpy(std::unique_ptr<T[]> data, std::initializer_list<size_t> shape) {
-  T* p = data.release();
-  nb::capsule owner(p, [](void* v) noexcept { delete[] static_cast<T*>(v); });
-  return nb::ndarray<nb::numpy, T>(p, shape, owner);
-}
-
-size_t pool_threads(int num_threads) {
-  if (num_threads < 0) throw std::invalid_argument("num_threads must be >= 0, got " + std::to_string(num_threads));
-  return num_threads ? size_t(num_threads) : ThreadPool::instance().size();
-}
-
 void check_rows(const FloatMatrix& a, size_t dim, const char* name) {
   if (a.ndim() == 2 && a.shape(1) == dim) return;
-  std::string shape;
-  for (size_t i = 0; i < a.ndim(); ++i) shape += (i ? ", " : "") + std::to_string(a.shape(i));
-  if (a.ndim() == 1) shape += ",";
-  throw std::invalid_argument(std::string(name) + " must have shape (n, " + std::to_string(dim) + "), got (" + shape +
-                              ")");
+  throw std::invalid_argument(std::string(name) + " must have shape (n, " + std::to_string(dim) + "), got " +
+                              shape_of(a));
 }
 
 }  // namespace

@@ -70,6 +70,42 @@ class IoUring {
     ++queued_;
   }
 
+  // Submits what is queued without waiting for it: reap() collects it later, so
+  // the caller may compute meanwhile. Returns 0 or the errno of io_uring_enter.
+  int submit() {
+    unsigned to_submit = queued_;
+    __atomic_store_n(sq_tail_, tail_, __ATOMIC_RELEASE);
+    queued_ = 0;
+    while (to_submit) {
+      long r = syscall(__NR_io_uring_enter, fd_, to_submit, 0, 0, nullptr, 0);
+      if (r < 0) {
+        if (errno == EINTR || errno == EAGAIN || errno == EBUSY) continue;
+        return errno;  // what did go out can still be reaped
+      }
+      to_submit -= static_cast<unsigned>(r);
+      submitted_ += static_cast<unsigned>(r);
+    }
+    return 0;
+  }
+
+  // Waits for everything submit() sent, calling on_done(user_data, res) for each.
+  // Returns 0 or the errno of io_uring_enter (then the ring must be thrown away).
+  template <class F>
+  int reap(F&& on_done) {
+    while (submitted_) {
+      unsigned head = *cq_head_, tail = __atomic_load_n(cq_tail_, __ATOMIC_ACQUIRE);
+      for (; head != tail && submitted_; ++head, --submitted_) {
+        const io_uring_cqe& c = cqes_[head & cq_mask_];
+        on_done(c.user_data, c.res);
+      }
+      __atomic_store_n(cq_head_, head, __ATOMIC_RELEASE);
+      if (!submitted_) break;
+      long r = syscall(__NR_io_uring_enter, fd_, 0, submitted_, IORING_ENTER_GETEVENTS, nullptr, 0);
+      if (r < 0 && errno != EINTR && errno != EAGAIN && errno != EBUSY) return errno;
+    }
+    return 0;
+  }
+
   // Submits what is queued and reaps exactly that many completions, calling
   // on_done(user_data, res) for each. Returns 0 or the errno of io_uring_enter;
   // on an error the ring may still own requests and must be thrown away.
@@ -117,7 +153,7 @@ class IoUring {
   io_uring_cqe* cqes_ = nullptr;
   size_t sq_bytes_ = 0, cq_bytes_ = 0, sqes_bytes_ = 0;
   unsigned *sq_tail_ = nullptr, *sq_array_ = nullptr, *cq_head_ = nullptr, *cq_tail_ = nullptr;
-  unsigned sq_mask_ = 0, cq_mask_ = 0, entries_ = 0, tail_ = 0, queued_ = 0;
+  unsigned sq_mask_ = 0, cq_mask_ = 0, entries_ = 0, tail_ = 0, queued_ = 0, submitted_ = 0;
 };
 
 }  // namespace fusionrag

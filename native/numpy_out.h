@@ -1,5 +1,5 @@
-// A result array filled without the GIL, then handed to Python as a numpy array
-// that owns its memory. Page-aligned, so O_DIRECT may read straight into it.
+// Arrays between numpy and the native parts: shapes for messages, and results
+// filled without the GIL, then handed to Python as numpy arrays that own their memory.
 #pragma once
 #include <nanobind/ndarray.h>
 #include <stdlib.h>
@@ -9,10 +9,28 @@
 #include <initializer_list>
 #include <memory>
 #include <new>
+#include <string>
 #include <vector>
 
 namespace fusionrag {
 
+// "(2, 5)", "(3,)": an array's shape as numpy prints it.
+template <class A>
+std::string shape_of(const A& a) {
+  std::string s = "(";
+  for (size_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
+  return s + (a.ndim() == 1 ? ",)" : ")");
+}
+
+// Hands a new[]-allocated result to Python.
+template <class T>
+nanobind::ndarray<nanobind::numpy, T> to_numpy(std::unique_ptr<T[]> data, std::initializer_list<size_t> shape) {
+  T* p = data.release();
+  nanobind::capsule owner(p, [](void* v) noexcept { delete[] static_cast<T*>(v); });
+  return nanobind::ndarray<nanobind::numpy, T>(p, shape, owner);
+}
+
+// A result allocated for its shape, page-aligned, so O_DIRECT may read straight into it.
 template <class T>
 class NumpyOut {
  public:

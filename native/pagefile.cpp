@@ -70,15 +70,15 @@ class PreadReader : public BlockReader {
 
   void read(const BlockRead* reads, size_t n) override {
     Batch batch;
-    batch.left = n;
-    {
-      std::lock_guard<std::mutex> lk(mutex_);
-      for (size_t i = 0; i < n; ++i) queue_.push_back({&reads[i], &batch});
-    }
-    cv_.notify_all();
-    std::unique_lock<std::mutex> lk(batch.mutex);
-    batch.done.wait(lk, [&] { return batch.left == 0; });
+    enqueue(reads, n, batch);
+    batch.wait();
     if (batch.err) throw_read_error(path_, batch.err_block, batch.err);
+  }
+
+  std::unique_ptr<PendingRead> start(const BlockRead* reads, size_t n) override {
+    auto pending = std::make_unique<Pending>(path_);
+    enqueue(reads, n, pending->batch);
+    return pending;
   }
 
  private:
@@ -88,11 +88,36 @@ class PreadReader : public BlockReader {
     size_t left = 0;
     int err = 0;
     uint32_t err_block = 0;
+
+    void wait() {
+      std::unique_lock<std::mutex> lk(mutex);
+      done.wait(lk, [&] { return left == 0; });
+    }
   };
   struct Task {
     const BlockRead* read;
     Batch* batch;
   };
+  struct Pending : PendingRead {
+    const std::string& path;
+    Batch batch;
+    explicit Pending(const std::string& path) : path(path) {}
+    ~Pending() override { batch.wait(); }
+    void wait() override {
+      batch.wait();
+      if (batch.err) throw_read_error(path, batch.err_block, batch.err);
+    }
+  };
+
+  void enqueue(const BlockRead* reads, size_t n, Batch& batch) {
+    batch.left = n;
+    if (!n) return;
+    {
+      std::lock_guard<std::mutex> lk(mutex_);
+      for (size_t i = 0; i < n; ++i) queue_.push_back({&reads[i], &batch});
+    }
+    cv_.notify_all();
+  }
 
   void loop() {
     for (;;) {
@@ -151,23 +176,62 @@ class UringReader : public BlockReader {
       size_t count = std::min<size_t>(ring->entries(), n - first);
       for (size_t i = first; i < first + count; ++i)
         ring->prep_read(fd_, reads[i].dst, unsigned(block_bytes_), offset(reads[i]), i);
-      int rc = ring->submit_and_reap([&](uint64_t i, int res) {
-        const BlockRead& r = reads[i];
-        // A short read is finished with pread; if that finds the end too, it is reported.
-        int e = res < 0 ? -res
-                        : size_t(res) == block_bytes_
-                              ? 0
-                              : pread_full(fd_, r.dst + res, block_bytes_ - res, offset(r) + uint64_t(res));
-        if (e && !err) err = e, err_block = r.block;
-      });
+      int rc = ring->submit_and_reap([&](uint64_t i, int res) { complete(reads[i], res, err, err_block); });
       if (rc) throw OsError(rc, path_ + ": io_uring_enter failed: " + errno_text(rc));  // drops the ring
     }
     release(std::move(ring));
     if (err) throw_read_error(path_, err_block, err);
   }
 
+  // Submits the first ring-full of reads; the wait reaps them and reads any
+  // rest as read() does.
+  std::unique_ptr<PendingRead> start(const BlockRead* reads, size_t n) override {
+    std::unique_ptr<IoUring> ring = acquire();
+    const size_t count = std::min<size_t>(ring->entries(), n);
+    for (size_t i = 0; i < count; ++i) ring->prep_read(fd_, reads[i].dst, unsigned(block_bytes_), offset(reads[i]), i);
+    if (int rc = ring->submit()) {
+      ring->reap([](uint64_t, int) {});  // whatever did go out
+      throw OsError(rc, path_ + ": io_uring_enter failed: " + errno_text(rc));
+    }
+    return std::make_unique<Pending>(*this, std::move(ring), reads, n, count);
+  }
+
  private:
+  struct Pending : PendingRead {
+    UringReader& reader;
+    std::unique_ptr<IoUring> ring;  // null once reaped
+    const BlockRead* reads;
+    size_t n, submitted;
+
+    Pending(UringReader& reader, std::unique_ptr<IoUring> ring, const BlockRead* reads, size_t n, size_t submitted)
+        : reader(reader), ring(std::move(ring)), reads(reads), n(n), submitted(submitted) {}
+    ~Pending() override {
+      if (ring && ring->reap([](uint64_t, int) {}) == 0) reader.release(std::move(ring));
+    }
+    void wait() override {
+      if (!ring) return;
+      int err = 0;
+      uint32_t err_block = 0;
+      int rc = ring->reap([&](uint64_t i, int res) { reader.complete(reads[i], res, err, err_block); });
+      if (rc) {
+        ring.reset();
+        throw OsError(rc, reader.path_ + ": io_uring_enter failed: " + errno_text(rc));
+      }
+      reader.release(std::move(ring));
+      if (err) throw_read_error(reader.path_, err_block, err);
+      if (submitted < n) reader.read(reads + submitted, n - submitted);
+    }
+  };
+
   uint64_t offset(const BlockRead& r) const { return uint64_t(r.block) * block_bytes_; }
+
+  // A short read is finished with pread; if that finds the end too, it is reported.
+  void complete(const BlockRead& r, int res, int& err, uint32_t& err_block) {
+    int e = res < 0                        ? -res
+            : size_t(res) == block_bytes_ ? 0
+                                          : pread_full(fd_, r.dst + res, block_bytes_ - res, offset(r) + uint64_t(res));
+    if (e && !err) err = e, err_block = r.block;
+  }
 
   std::unique_ptr<IoUring> acquire() {
     {
@@ -572,27 +636,88 @@ void PageStore::check_crc(const BlockRead& r) const {
 }
 
 size_t PageStore::fetch(const uint32_t* blocks, size_t n, uint8_t* out, uint8_t* read_from_ssd,
-                        const uint32_t* weights) {
+                        const uint32_t* weights, ReadAhead* ahead) {
   const size_t bb = layout_.block_bytes();
-  std::vector<BlockRead> misses;
-  std::vector<uint32_t> miss_weights;
+  std::vector<BlockRead> misses, fills;  // fills: every block from the SSD, read now or ahead
+  std::vector<uint32_t> fill_weights;
+  if (ahead && ahead->pending_) {
+    try {
+      ahead->pending_->wait();
+    } catch (const std::exception&) {
+      ahead->failed_ = true;  // every block is read again below, and fails there if it must
+    }
+    ahead->pending_.reset();
+  }
   for (size_t i = 0; i < n; ++i) {
     if (blocks[i] >= crc_.size())
       throw std::invalid_argument(path_ + ": block " + std::to_string(blocks[i]) + " is past the end (" +
                                   std::to_string(crc_.size()) + " blocks)");
     const uint32_t w = weights ? weights[i] : 1;
     bool hit = buffer_.lookup(blocks[i], out + i * bb, w);
-    if (!hit) misses.push_back({blocks[i], out + i * bb}), miss_weights.push_back(w);
+    if (!hit && ahead && !ahead->failed_) {
+      auto at = std::lower_bound(ahead->blocks_.begin(), ahead->blocks_.end(), blocks[i]);
+      const size_t j = size_t(at - ahead->blocks_.begin());
+      if (at != ahead->blocks_.end() && *at == blocks[i] && !ahead->taken_[j]) {
+        ahead->taken_[j] = 1;
+        check_crc(ahead->reads_[j]);
+        std::memcpy(out + i * bb, ahead->reads_[j].dst, bb);
+        // Into the buffer with the blocks read now, in the same order, as if read now.
+        fills.push_back({blocks[i], out + i * bb}), fill_weights.push_back(w);
+        if (read_from_ssd) read_from_ssd[i] = 1;
+        continue;
+      }
+    }
+    if (!hit) {
+      misses.push_back({blocks[i], out + i * bb});
+      fills.push_back(misses.back()), fill_weights.push_back(w);
+    }
     if (read_from_ssd) read_from_ssd[i] = !hit;
   }
-  blocks_from_buffer_.fetch_add(n - misses.size(), std::memory_order_relaxed);
-  if (misses.empty()) return 0;
+  blocks_from_buffer_.fetch_add(n - fills.size(), std::memory_order_relaxed);
+  if (!misses.empty()) {
+    read_calls_.fetch_add(1, std::memory_order_relaxed);
+    blocks_read_.fetch_add(misses.size(), std::memory_order_relaxed);
+    reader_->read(misses.data(), misses.size());
+    for (const BlockRead& r : misses) check_crc(r);
+  }
+  for (size_t i = 0; i < fills.size(); ++i) buffer_.insert(fills[i].block, fills[i].dst, fill_weights[i]);
+  return fills.size();
+}
+
+void PageStore::settle(ReadAhead& ahead) {
+  if (ahead.pending_) {
+    try {
+      ahead.pending_->wait();
+    } catch (const std::exception&) {
+    }
+    ahead.pending_.reset();
+  }
+  size_t unused = 0;
+  for (uint8_t t : ahead.taken_) unused += !t;
+  read_ahead_unused_.fetch_add(unused, std::memory_order_relaxed);
+  ahead.blocks_.clear(), ahead.taken_.clear(), ahead.reads_.clear();
+  ahead.failed_ = false;
+}
+
+void PageStore::read_ahead(ReadAhead& ahead, const uint32_t* blocks, size_t n) {
+  settle(ahead);
+  for (size_t i = 0; i < n; ++i)
+    if (blocks[i] < crc_.size() && !buffer_.resident(blocks[i])) ahead.blocks_.push_back(blocks[i]);
+  const size_t count = ahead.blocks_.size(), bb = layout_.block_bytes();
+  if (!count) return;
+  ahead.taken_.assign(count, 0);
+  uint8_t* data = ahead.data_.get(count * bb);
+  for (size_t i = 0; i < count; ++i) ahead.reads_.push_back({ahead.blocks_[i], data + i * bb});
+  try {
+    ahead.pending_ = reader_->start(ahead.reads_.data(), count);
+  } catch (const std::exception&) {
+    // Nothing went out: the fetch reads these blocks itself, and reports what fails.
+    ahead.blocks_.clear(), ahead.taken_.clear(), ahead.reads_.clear();
+    return;
+  }
   read_calls_.fetch_add(1, std::memory_order_relaxed);
-  blocks_read_.fetch_add(misses.size(), std::memory_order_relaxed);
-  reader_->read(misses.data(), misses.size());
-  for (const BlockRead& r : misses) check_crc(r);
-  for (size_t i = 0; i < misses.size(); ++i) buffer_.insert(misses[i].block, misses[i].dst, miss_weights[i]);
-  return misses.size();
+  blocks_read_.fetch_add(count, std::memory_order_relaxed);
+  read_ahead_.fetch_add(count, std::memory_order_relaxed);
 }
 
 size_t PageStore::pin(const uint32_t* blocks, size_t n) {
@@ -622,7 +747,7 @@ size_t PageStore::pin(const uint32_t* blocks, size_t n) {
 
 PageStoreStats PageStore::stats() {
   return {blocks_read_.load(), blocks_from_buffer_.load(), read_calls_.load(), buffer_.evictions(),
-          pin_reads_.load(), buffer_.pinned()};
+          pin_reads_.load(), buffer_.pinned(), read_ahead_.load(), read_ahead_unused_.load()};
 }
 
 }  // namespace fusionrag
@@ -809,9 +934,13 @@ void bind_pagefile(nb::module_& m) {
             d["evictions"] = st.evictions;
             d["pin_reads"] = st.pin_reads;
             d["pinned"] = st.pinned;
+            d["read_ahead"] = st.read_ahead;
+            d["read_ahead_unused"] = st.read_ahead_unused;
             return d;
           },
-          "Cumulative counters: blocks_read (from the SSD, for fetches), blocks_from_buffer, read_calls (batched "
-          "submissions), evictions, pin_reads (blocks read from the SSD to pin them); and pinned, the blocks "
-          "pinned now.");
+          "Cumulative counters: blocks_read (from the SSD, for fetches, read-ahead included), blocks_from_buffer, "
+          "read_calls (batched submissions), evictions, pin_reads (blocks read from the SSD to pin them), "
+          "read_ahead (blocks read for a re-rank's next mini-batches before it asked: rerank(prefetch=True)), "
+          "read_ahead_unused (of those, the ones no mini-batch took: early stops' wasted reads); and pinned, the "
+          "blocks pinned now.");
 }

@@ -109,16 +109,42 @@ struct BlockRead {
   uint8_t* dst;  // block_bytes, 4096-aligned
 };
 
+// Reads under way: wait() returns once all are in, or throws as BlockReader::read;
+// destroying one waits too, so its destination memory is never freed under a read.
+class PendingRead {
+ public:
+  virtual ~PendingRead() = default;
+  virtual void wait() = 0;
+};
+
 class BlockReader {
  public:
   virtual ~BlockReader() = default;
   virtual const char* name() const = 0;
   // Reads every block in full or throws naming the file, the block and the errno.
   virtual void read(const BlockRead* reads, size_t n) = 0;
+  // Starts reading and returns at once; reads must stay valid until the wait.
+  virtual std::unique_ptr<PendingRead> start(const BlockRead* reads, size_t n) = 0;
+};
+
+// Blocks read ahead of the fetch expected to want them (one caller's: a re-rank
+// worker's next round), so that the reads overlap the caller's computing.
+class ReadAhead {
+ public:
+  size_t size() const { return blocks_.size(); }
+
+ private:
+  friend class PageStore;
+  std::vector<uint32_t> blocks_;  // sorted
+  std::vector<uint8_t> taken_;    // by a fetch
+  std::vector<BlockRead> reads_;
+  AlignedBuffer data_;
+  std::unique_ptr<PendingRead> pending_;  // after data_: destroyed, so waited for, first
+  bool failed_ = false;
 };
 
 struct PageStoreStats {
-  uint64_t blocks_read, blocks_from_buffer, read_calls, evictions, pin_reads, pinned;
+  uint64_t blocks_read, blocks_from_buffer, read_calls, evictions, pin_reads, pinned, read_ahead, read_ahead_unused;
 };
 
 class PageStore {
@@ -133,8 +159,17 @@ class PageStore {
   // against their CRC and put in the buffer. Returns how many came from the SSD;
   // when given, read_from_ssd[i] says whether blocks[i] did (1) or not (0), and
   // weights[i] how many queries asked for blocks[i] (1 when not given).
+  // With ahead, a block read ahead into it is taken from there instead (and
+  // counts as read from the SSD: it was), after waiting for those reads.
   size_t fetch(const uint32_t* blocks, size_t n, uint8_t* out, uint8_t* read_from_ssd = nullptr,
-               const uint32_t* weights = nullptr);
+               const uint32_t* weights = nullptr, ReadAhead* ahead = nullptr);
+  // Settles ahead, then starts reading into it those of blocks (sorted, distinct)
+  // not in the page buffer now. They count as blocks_read at once, and as
+  // read_ahead_unused when no fetch takes them before the next settle.
+  void read_ahead(ReadAhead& ahead, const uint32_t* blocks, size_t n);
+  // Waits for ahead's reads and empties it. A failed read ahead is not reported
+  // here: a fetch that wants the block reads it again.
+  void settle(ReadAhead& ahead);
   // Pins blocks (most wanted first) in the page buffer, in place of the pinned
   // set before, reading those not there (counted as pin_reads, not blocks_read).
   // Returns how many are pinned. Meant for a background thread.
@@ -161,7 +196,8 @@ class PageStore {
   PageBuffer buffer_;
   std::unique_ptr<BlockReader> reader_;
   std::mutex pin_mutex_;  // one re-pinning at a time
-  std::atomic<uint64_t> blocks_read_{0}, blocks_from_buffer_{0}, read_calls_{0}, pin_reads_{0};
+  std::atomic<uint64_t> blocks_read_{0}, blocks_from_buffer_{0}, read_calls_{0}, pin_reads_{0}, read_ahead_{0},
+      read_ahead_unused_{0};
 
   void check_crc(const BlockRead& r) const;
 };

@@ -3,7 +3,8 @@
 // beta mini-batches in a row. With page-mates on, a block read for a mini-batch
 // also scores the query's later candidates stored in it: they cost no read, the
 // build puts near vectors on the same page, and their own mini-batch later has
-// nothing to read for them.
+// nothing to read for them. With prefetch on, the reads of the next mini-batches
+// are in flight while this one is scored.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
@@ -15,6 +16,7 @@
 #include <string>
 #include <utility>
 
+#include "distance.h"
 #include "numpy_out.h"
 #include "pagefile.h"
 #include "threadpool.h"
@@ -25,59 +27,15 @@ using namespace nb::literals;
 namespace fusionrag {
 namespace {
 
-// Several partial sums so the compiler vectorizes without -ffast-math.
-constexpr size_t kLanes = 16;
-
-template <class T>
-float l2(const float* q, const uint8_t* record, size_t dim) {
-  auto x = reinterpret_cast<const T*>(record);
-  float acc[kLanes] = {};
-  size_t i = 0;
-  for (; i + kLanes <= dim; i += kLanes)
-    for (size_t j = 0; j < kLanes; ++j) {
-      float t = q[i + j] - float(x[i + j]);
-      acc[j] += t * t;
-    }
-  float s = 0;
-  for (; i < dim; ++i) {
-    float t = q[i] - float(x[i]);
-    s += t * t;
-  }
-  for (float a : acc) s += a;
-  return s;
-}
-
-template <class T>
-float neg_ip(const float* q, const uint8_t* record, size_t dim) {
-  auto x = reinterpret_cast<const T*>(record);
-  float acc[kLanes] = {};
-  size_t i = 0;
-  for (; i + kLanes <= dim; i += kLanes)
-    for (size_t j = 0; j < kLanes; ++j) acc[j] += q[i + j] * float(x[i + j]);
-  float s = 0;
-  for (; i < dim; ++i) s += q[i] * float(x[i]);
-  for (float a : acc) s += a;
-  return -s;
-}
-
-using DistanceFn = float (*)(const float*, const uint8_t*, size_t);
-
-template <class T>
-DistanceFn pick_metric(const std::string& metric) {
-  if (metric == "l2") return l2<T>;
-  if (metric == "ip") return neg_ip<T>;
-  throw std::invalid_argument("metric must be 'l2' or 'ip', not '" + metric + "'");
-}
-
 struct Distance {
-  DistanceFn fn;
+  RecordDistanceFn fn;
   size_t elem_bytes;
 };
 
 Distance pick_distance(const std::string& dtype, const std::string& metric) {
-  if (dtype == "f32") return {pick_metric<float>(metric), 4};
-  if (dtype == "u8") return {pick_metric<uint8_t>(metric), 1};
-  if (dtype == "i8") return {pick_metric<int8_t>(metric), 1};
+  if (dtype == "f32") return {record_distance<float>(parse_metric(metric)), 4};
+  if (dtype == "u8") return {record_distance<uint8_t>(parse_metric(metric)), 1};
+  if (dtype == "i8") return {record_distance<int8_t>(parse_metric(metric)), 1};
   throw std::invalid_argument("dtype must be 'f32', 'u8' or 'i8', not '" + dtype + "'");
 }
 
@@ -90,7 +48,7 @@ struct Exact {
   PageStore& store;
   const uint32_t* locations;
   size_t num_ids, dim;
-  DistanceFn distance;
+  RecordDistanceFn distance;
 
   Exact(PageStore& store, const Queries& queries, const Locations& locations, const std::string& dtype,
         const std::string& metric)
@@ -132,7 +90,7 @@ struct Exact {
   // weights, each block's weight is how often blocks held it (how many queries
   // asked for it, when each query's blocks were distinct).
   const uint8_t* fetch(std::vector<uint32_t>& blocks, AlignedBuffer& scratch, uint8_t* read_from_ssd = nullptr,
-                       std::vector<uint32_t>* weights = nullptr) const {
+                       std::vector<uint32_t>* weights = nullptr, ReadAhead* ahead = nullptr) const {
     std::sort(blocks.begin(), blocks.end());
     if (weights) {
       weights->clear();
@@ -148,7 +106,7 @@ struct Exact {
       blocks.erase(std::unique(blocks.begin(), blocks.end()), blocks.end());
     }
     uint8_t* data = scratch.get(std::max<size_t>(1, blocks.size()) * store.layout().block_bytes());
-    store.fetch(blocks.data(), blocks.size(), data, read_from_ssd, weights ? weights->data() : nullptr);
+    store.fetch(blocks.data(), blocks.size(), data, read_from_ssd, weights ? weights->data() : nullptr, ahead);
     return data;
   }
 
@@ -176,7 +134,7 @@ struct RerankParams {
   size_t k, minibatch;
   float eps;
   int64_t beta;
-  bool page_mates;
+  bool page_mates, prefetch;
 };
 
 // One query's progress through Algorithm 1. It advances one mini-batch at a
@@ -311,12 +269,44 @@ constexpr size_t kChunksPerWorker = 2;
 
 struct Scratch {
   std::vector<QueryState> slots;
-  std::vector<uint32_t> blocks, mine, weights;
+  std::vector<uint32_t> blocks, mine, weights, next_blocks;
+  ReadAhead ahead;
   std::vector<uint8_t> unclaimed;  // per block of the round: read from the SSD, not yet counted
   AlignedBuffer data;
   std::vector<float> dist;
   std::vector<int64_t> ids;
 };
+
+// Prefetch: starts reading the blocks of each live query's next mini-batch, as it
+// will be if the query goes on (its next candidates, less those scored already or
+// about to be as page-mates of this round's blocks), so that the reads overlap this
+// round's scoring. A query one stable mini-batch from its stop is left out: its next
+// mini-batch is likely never read. With beta 1 every round may be a query's last, so
+// all are read ahead, and a query the stop ends leaves its blocks read for nothing
+// (the store counts them as read_ahead_unused).
+void read_next(const RerankJob& job, Scratch& s) {
+  const Exact& ex = job.ex;
+  const RerankParams& p = job.p;
+  s.next_blocks.clear();
+  for (QueryState& st : s.slots) {
+    if (!st.live || st.pos >= st.end || (p.beta > 1 && st.stable == p.beta - 1)) continue;
+    if (p.page_mates) {
+      s.mine.clear();
+      ex.add_blocks(st.batch.data(), st.batch.size(), s.mine);
+      std::sort(s.mine.begin(), s.mine.end());
+    }
+    const int64_t* cand = job.row(st);
+    for (size_t j = st.pos, stop = std::min(st.end, st.pos + p.minibatch); j < stop; ++j) {
+      if (cand[j] < 0 || (p.page_mates && st.scored[j])) continue;
+      const uint32_t b = uint32_t(ex.block_of(cand[j]));
+      if (p.page_mates && std::binary_search(s.mine.begin(), s.mine.end(), b)) continue;
+      s.next_blocks.push_back(b);
+    }
+  }
+  std::sort(s.next_blocks.begin(), s.next_blocks.end());
+  s.next_blocks.erase(std::unique(s.next_blocks.begin(), s.next_blocks.end()), s.next_blocks.end());
+  ex.store.read_ahead(s.ahead, s.next_blocks.data(), s.next_blocks.size());
+}
 
 // Re-ranks queries [first, last) with up to `inflight` in flight, in rounds:
 // every live query's next mini-batch is read by one fetch, so the SSD sees all
@@ -338,7 +328,10 @@ void rerank_queries(const RerankJob& job, size_t first, size_t last, size_t infl
       }
       live += st.live;
     }
-    if (!live) return;
+    if (!live) {
+      ex.store.settle(s.ahead);
+      return;
+    }
 
     auto t0 = std::chrono::steady_clock::now();
     s.blocks.clear();
@@ -352,7 +345,8 @@ void rerank_queries(const RerankJob& job, size_t first, size_t last, size_t infl
         s.blocks.erase(std::unique(s.blocks.begin() + from, s.blocks.end()), s.blocks.end());
       }
     s.unclaimed.resize(s.blocks.size());  // sized before de-duplication: a flag per distinct block and more
-    const uint8_t* data = ex.fetch(s.blocks, s.data, s.unclaimed.data(), &s.weights);
+    const uint8_t* data = ex.fetch(s.blocks, s.data, s.unclaimed.data(), &s.weights, p.prefetch ? &s.ahead : nullptr);
+    if (p.prefetch) read_next(job, s);
     for (QueryState& st : s.slots) {
       if (!st.live) continue;
       const int64_t* cand = st.batch.data();
@@ -389,11 +383,6 @@ void rerank_queries(const RerankJob& job, size_t first, size_t last, size_t infl
   }
 }
 
-size_t threads_for(int num_threads) {
-  if (num_threads < 0) throw std::invalid_argument("num_threads must not be negative (0 = all cores)");
-  return num_threads ? size_t(num_threads) : ThreadPool::instance().size();
-}
-
 void check_rows(const Queries& queries, const IdMatrix& ids, const char* name) {
   if (ids.shape(0) != queries.shape(0))
     throw std::invalid_argument(std::string(name) + " has " + std::to_string(ids.shape(0)) + " rows but there are " +
@@ -410,17 +399,18 @@ void bind_rerank(nb::module_& m) {
       "rerank",
       [](PageStore& store, Queries queries, IdMatrix candidates, Locations locations, const std::string& dtype,
          const std::string& metric, int64_t k, int64_t minibatch, float eps, int64_t beta, int num_threads,
-         int64_t inflight, bool page_mates) {
+         int64_t inflight, bool page_mates, bool prefetch) {
         Exact ex(store, queries, locations, dtype, metric);
         check_rows(queries, candidates, "candidates");
         if (k <= 0) throw std::invalid_argument("k must be positive");
         if (minibatch <= 0) throw std::invalid_argument("minibatch must be positive");
         if (inflight <= 0) throw std::invalid_argument("inflight (queries in flight per worker) must be positive");
-        const size_t nq = queries.shape(0), n = candidates.shape(1), threads = threads_for(num_threads);
+        const size_t nq = queries.shape(0), n = candidates.shape(1), threads = pool_threads(num_threads);
         NumpyOut<int64_t> ids({nq, size_t(k)}), stats({nq, kStats});
         NumpyOut<float> dists({nq, size_t(k)});
         NumpyOut<double> seconds({nq});
-        const RerankJob job{ex, {size_t(k), size_t(minibatch), eps, beta, page_mates}, queries.data(), candidates.data(), n,
+        const RerankParams params{size_t(k), size_t(minibatch), eps, beta, page_mates, prefetch};
+        const RerankJob job{ex, params, queries.data(), candidates.data(), n,
                             ids.data(), stats.data(), dists.data(), seconds.data()};
         {
           nb::gil_scoped_release nogil;
@@ -441,11 +431,14 @@ void bind_rerank(nb::module_& m) {
         return nb::make_tuple(ids.release(), dists.release(), stats.release(), seconds.release());
       },
       "store"_a, "queries"_a, "candidates"_a, "locations"_a, "dtype"_a, "metric"_a, "k"_a, "minibatch"_a, "eps"_a,
-      "beta"_a, "num_threads"_a = 0, "inflight"_a = 16, "page_mates"_a = false,
+      "beta"_a, "num_threads"_a = 0, "inflight"_a = 16, "page_mates"_a = false, "prefetch"_a = false,
       "Exact top-k of each query's PQ-ranked candidates (best first, -1 padded), read from the page file in "
       "mini-batches with early stop; each worker thread keeps up to `inflight` queries in flight and reads their "
       "mini-batches' blocks together. With page_mates, a block read also scores the query's later candidates "
-      "stored in it; their own mini-batch then reads nothing for them. Returns (ids int64[q,k], dists float32[q,k], stats "
+      "stored in it; their own mini-batch then reads nothing for them. With prefetch, the reads of each query's next "
+      "mini-batch start before this one is scored, so they overlap the scoring (not for a query one stable "
+      "mini-batch from its stop, unless beta is 1); those an early stop leaves unused show in "
+      "store.stats()['read_ahead_unused']. Returns (ids int64[q,k], dists float32[q,k], stats "
       "int64[q,5] = [minibatches, candidates re-ranked, blocks from SSD, blocks from buffer, of those re-ranked "
       "the page-mates], seconds float64[q] = the query's share of its worker's time). A block read once for "
       "several queries counts as from SSD for one of them.");
@@ -456,7 +449,7 @@ void bind_rerank(nb::module_& m) {
          const std::string& metric, int num_threads) {
         Exact ex(store, queries, locations, dtype, metric);
         check_rows(queries, ids, "ids");
-        const size_t nq = queries.shape(0), n = ids.shape(1), threads = threads_for(num_threads);
+        const size_t nq = queries.shape(0), n = ids.shape(1), threads = pool_threads(num_threads);
         NumpyOut<float> out({nq, n});
         {
           nb::gil_scoped_release nogil;

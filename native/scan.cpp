@@ -22,6 +22,8 @@
 #include <tuple>
 #include <vector>
 
+#include "distance.h"
+#include "numpy_out.h"
 #include "threadpool.h"
 
 namespace nb = nanobind;
@@ -30,35 +32,14 @@ using namespace nb::literals;
 namespace fusionrag {
 namespace {
 
-constexpr size_t kCodebook = 256;  // centroids per PQ sub-space: one uint8 code
-
 template <class T>
 using Array = nb::ndarray<const T, nb::c_contig, nb::device::cpu>;
-
-template <class A>
-std::string shape_of(const A& a) {
-  std::string s = "(";
-  for (size_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
-  return s + (a.ndim() == 1 ? ",)" : ")");
-}
 
 template <class T>
 void check_ndim(const Array<T>& a, size_t ndim, const char* name) {
   if (a.ndim() != ndim)
     throw std::invalid_argument(std::string(name) + " must be " + std::to_string(ndim) + "-D, got shape " +
                                 shape_of(a));
-}
-
-template <class T>
-nb::ndarray<nb::numpy, T> to_numpy(std::unique_ptr<T[]> data, std::initializer_list<size_t> shape) {
-  T* p = data.release();
-  nb::capsule owner(p, [](void* v) noexcept { delete[] static_cast<T*>(v); });
-  return nb::ndarray<nb::numpy, T>(p, shape, owner);
-}
-
-size_t pool_threads(int num_threads) {
-  if (num_threads < 0) throw std::invalid_argument("num_threads must be >= 0, got " + std::to_string(num_threads));
-  return num_threads ? size_t(num_threads) : ThreadPool::instance().size();
 }
 
 // Posting lists in CSR form. Offsets are checked only for the lists a query
@@ -117,16 +98,7 @@ struct Codes {
     N = code_array.shape(0);
   }
 
-  // Several partial sums so consecutive table lookups do not wait on one add chain.
-  float adc(const float* lut, size_t id) const {
-    const uint8_t* c = codes + id * M;
-    float s[4] = {0, 0, 0, 0};
-    size_t m = 0;
-    for (; m + 4 <= M; m += 4)
-      for (size_t j = 0; j < 4; ++j) s[j] += lut[(m + j) * kCodebook + c[m + j]];
-    for (; m < M; ++m) s[0] += lut[m * kCodebook + c[m]];
-    return (s[0] + s[1]) + (s[2] + s[3]);
-  }
+  float adc(const float* lut, size_t id) const { return fusionrag::adc(lut, codes + id * M, M); }
 };
 
 // Per-query PQ tables given as one array, q x M x 256.
@@ -168,63 +140,6 @@ const float* float32_array(const AnyArray& a, size_t ndim, const char* name) {
   }
   return static_cast<const float*>(a.data());
 }
-
-// Eight floats: one AVX register, or two SSE ones; GCC/Clang vector extensions,
-// so that the table's inner loop is vector code without -ffast-math.
-using Lanes = float __attribute__((vector_size(32)));
-constexpr size_t kWidth = sizeof(Lanes) / sizeof(float);
-constexpr size_t kBlock = 4 * kWidth;  // centroids whose sums stay in registers across a sub-space
-static_assert(kCodebook % kBlock == 0);
-
-// Unaligned loads and stores. GCC notes that Lanes by value has another ABI with AVX than
-// without (up to the end of fill_table); these are always inlined, into both builds of
-// fill_table, so no call crosses.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wpsabi"
-__attribute__((always_inline)) inline Lanes load(const float* p) {
-  Lanes v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-__attribute__((always_inline)) inline void store(float* p, Lanes v) { std::memcpy(p, &v, sizeof v); }
-
-// numpy's tables come from OpenBLAS kernels picked at run time (AVX2, AVX-512); this
-// one is built for AVX2 + FMA too where the CPU has them, the library being for baseline x86-64.
-#if defined(__x86_64__) && defined(__GNUC__) && defined(__has_attribute)
-#if __has_attribute(target_clones)
-#define FUSIONRAG_X86_64_V3 __attribute__((target_clones("arch=x86-64-v3", "default")))
-#endif
-#endif
-#ifndef FUSIONRAG_X86_64_V3
-#define FUSIONRAG_X86_64_V3
-#endif
-
-// One query's M x 256 table from its zero-padded sub-vectors (M x dsub) and the codebooks
-// transposed to M x dsub x 256: l2 (norms = ||c||^2, M x 256) or ip (norms null).
-FUSIONRAG_X86_64_V3
-void fill_table(const float* padded, const float* columns, const float* norms, size_t M, size_t dsub, float* lut) {
-  for (size_t m = 0; m < M; ++m) {
-    const float* qm = padded + m * dsub;
-    const float* cols = columns + m * dsub * kCodebook;
-    float* row = lut + m * kCodebook;
-    float qn = 0;
-    for (size_t d = 0; d < dsub; ++d) qn += qm[d] * qm[d];
-    for (size_t k = 0; k < kCodebook; k += kBlock) {
-      Lanes acc[4] = {};
-      for (size_t d = 0; d < dsub; ++d) {
-        Lanes x = Lanes{} + qm[d];
-        for (size_t j = 0; j < 4; ++j) acc[j] += x * load(cols + d * kCodebook + k + j * kWidth);
-      }
-      for (size_t j = 0; j < 4; ++j) {
-        size_t at = k + j * kWidth;
-        // As numpy: (-2 q.c + ||q||^2) + ||c||^2, so candidate orders match up to rounding.
-        store(row + at, norms ? (acc[j] * -2.0f + qn) + load(norms + m * kCodebook + at) : -acc[j]);
-      }
-    }
-  }
-}
-#pragma GCC diagnostic pop
 
 using Clock = std::chrono::steady_clock;
 
@@ -292,9 +207,7 @@ class LutBuilder {
 
   LutBuilder(const AnyArray& query_array, const PqCodebooks& cb, const std::string& metric)
       : M(cb.M), dsub(cb.dsub), cb_(cb) {
-    if (metric != "l2" && metric != "ip")
-      throw std::invalid_argument("metric must be 'l2' or 'ip', not '" + metric + "'");
-    ip_ = metric == "ip";
+    ip_ = parse_metric(metric) == Metric::IP;
     queries_ = float32_array(query_array, 2, "queries");
     q = query_array.shape(0);
     dim = query_array.shape(1);
@@ -310,7 +223,7 @@ class LutBuilder {
     const float* x = queries_ + i * dim;
     std::copy(x, x + dim, padded);
     std::fill(padded + dim, padded + M * dsub, 0.0f);
-    fill_table(padded, cb_.columns.data(), ip_ ? nullptr : cb_.norms.data(), M, dsub, lut);
+    pq_table(padded, cb_.columns.data(), ip_ ? nullptr : cb_.norms.data(), M, dsub, lut);
   }
 
  private:

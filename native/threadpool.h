@@ -8,6 +8,8 @@
 #include <exception>
 #include <functional>
 #include <mutex>
+#include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -114,5 +116,11 @@ class ThreadPool {
   size_t generation_ = 0, helpers_wanted_ = 0, helpers_running_ = 0;
   bool stop_ = false;
 };
+
+// An entry point's num_threads: 0 means every worker of the pool.
+inline size_t pool_threads(int num_threads) {
+  if (num_threads < 0) throw std::invalid_argument("num_threads must be >= 0, got " + std::to_string(num_threads));
+  return num_threads ? size_t(num_threads) : ThreadPool::instance().size();
+}
 
 }  // namespace fusionrag

@@ -178,6 +178,32 @@ def write_pages(w, stored, n: int, dim: int, store_dtype: np.dtype, primary: np.
     return layout, slots, writer.close()
 
 
+def index_manifest(count: int, dim: int, metric: str, storage_dtype: str, src, centroids: int, postings: int,
+                   pq: ProductQuantizer, config: BuildConfig, timings: dict, pages=None, **extra) -> dict:
+    """The manifest fields every index directory holds (a single index, a shard part, a sharded router);
+    pages: the SSD layout where the directory has one; extra: fields of its own kind, added at the end."""
+    manifest = {
+        "fusionrag_version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "count": int(count),
+        "dim": int(dim),
+        "metric": metric,
+        "internal_metric": internal_metric(metric),
+        "navigation": "mips-augmented" if metric == "ip" else "l2",
+        "storage_dtype": storage_dtype,
+        "source": {"path": str(src.path), "dtype": str(src.dtype)},
+        "centroids": int(centroids),
+        "postings": int(postings),
+        "pq": {"m": pq.m, "dsub": pq.dsub},
+    }
+    if pages is not None:
+        manifest["pages"] = pages.to_dict()
+    manifest.update(extra)
+    manifest["build_config"] = config.to_dict()
+    manifest["build_timings"] = timings
+    return manifest
+
+
 def build_index(source, out_dir, config: BuildConfig = BuildConfig(), progress: bool | None = None,
                 overwrite: bool = False, on_progress: OnProgress | None = None) -> dict:
     """Build an index of `source` (a vector file path or a 2-D array) into the directory out_dir.
@@ -189,7 +215,7 @@ def build_index(source, out_dir, config: BuildConfig = BuildConfig(), progress: 
     n, dim = src.count, src.dim
     if n >= 2**32:
         raise InputError(f"{src.path}: {n} vectors exceed the 2^32 vector ids an index holds")
-    metric, engine_metric = config.metric, internal_metric(config.metric)
+    metric = config.metric
     threads = cpu_threads(config.threads)
     rng = np.random.default_rng(config.seed)
     rows = _Rows(src, metric)
@@ -228,22 +254,7 @@ def build_index(source, out_dir, config: BuildConfig = BuildConfig(), progress: 
         save_index_files(w, block_crc, graph, list_offsets, list_ids, pq.codebooks, codes, slots)
         timings["write_s"] = time.perf_counter() - t
         timings["total_s"] = time.perf_counter() - t_start
-        manifest = {
-            "fusionrag_version": __version__,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "count": n,
-            "dim": dim,
-            "metric": metric,
-            "internal_metric": engine_metric,
-            "navigation": "mips-augmented" if metric == "ip" else "l2",
-            "storage_dtype": STORAGE_DTYPES[store_dtype],
-            "source": {"path": str(src.path), "dtype": str(src.dtype)},
-            "centroids": len(centroids),
-            "postings": int(len(list_ids)),
-            "pq": {"m": pq.m, "dsub": pq.dsub},
-            "pages": layout.to_dict(),
-            "build_config": config.to_dict(),
-            "build_timings": timings,
-        }
+        manifest = index_manifest(n, dim, metric, STORAGE_DTYPES[store_dtype], src, len(centroids), len(list_ids),
+                                  pq, config, timings, pages=layout)
         w.publish(manifest)
     return manifest

@@ -1,24 +1,169 @@
-"""Typed configuration, validated at the edge (CLI, HTTP, Python callers) so the engine can trust it."""
+"""Typed configuration, validated at the edge (CLI, HTTP, Python callers) so the engine can trust it.
+
+Every knob is declared once, as a field of a frozen dataclass: its type (a `Literal` for a choice), its
+default, and in `knob(...)` its help and its bounds. Everything else comes from that declaration:
+validation (pydantic) with a `ConfigError` naming the knob and what it allows, the CLI flags
+(`add_flags`, `flags_of`), and for the service the environment variables and the TOML file
+(server/config.py). The configs stay dataclasses: `dataclasses.fields`, `asdict` and `replace` work.
+"""
 
 from __future__ import annotations
 
+import argparse
+import functools
 import os
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass
+from typing import Annotated, Any, Literal, get_args, get_origin
+
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic.dataclasses import dataclass as _pydantic_dataclass
 
 from fusionrag.retriever.errors import ConfigError
 
-METRICS = ("l2", "ip", "cosine")
-IO_BACKENDS = ("auto", "io_uring", "pread")
-DIRECT_IO = ("auto", "on", "off")
-FILTER_TIERS = ("auto", "cpu", "gpu")
-BUFFER_POLICIES = ("clock", "lfu")
+Metric = Literal["l2", "ip", "cosine"]
+IoBackend = Literal["auto", "io_uring", "pread"]
+DirectIO = Literal["auto", "on", "off"]
+FilterTier = Literal["auto", "cpu", "gpu"]
+BufferPolicy = Literal["clock", "lfu"]
+METRICS = get_args(Metric)
+IO_BACKENDS = get_args(IoBackend)
+DIRECT_IO = get_args(DirectIO)
+FILTER_TIERS = get_args(FilterTier)
+BUFFER_POLICIES = get_args(BufferPolicy)
 # Automatic EngineConfig.batch_size per filter tier.
 CPU_BATCH, GPU_BATCH = 64, 1024
 
 
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
+# --- the declarations' machinery -------------------------------------------------------------------------
+
+def knob(help: str, *, ge=None, gt=None, le=None, lt=None, min_length=None, note: str | None = None,
+         flag: bool = True):
+    """A knob's declaration, for `Annotated[type, knob(...)] = default`: its help (the CLI's and the
+    docs'), its bounds, a note on special values that error messages carry ("0 = automatic"), and
+    whether it has a flag (secrets do not: every user of the machine can read a command line)."""
+    extra = {"note": note, "flag": flag}
+    return Field(ge=ge, gt=gt, le=le, lt=lt, min_length=min_length, description=help, json_schema_extra=extra)
+
+
+@dataclass(frozen=True)
+class Knob:
+    """What one declaration says, in the form the flags, the sources and the messages use."""
+
+    name: str
+    type: type  # int, float, bool or str (a choice's values are str)
+    default: Any
+    help: str
+    choices: tuple | None
+    bounds: str  # "in [1, 1024]", ">= 0", "" (none); a choice: "one of ('a', 'b')"
+    note: str | None
+    flag: bool
+
+    @property
+    def allowed(self) -> str:
+        return self.bounds + (f" ({self.note})" if self.note else "")
+
+
+def _bounds(metadata) -> str:
+    lo = hi = None
+    for m in metadata:
+        if getattr(m, "min_length", None):
+            return "non-empty" if m.min_length == 1 else f"at least {m.min_length} long"
+        for attr, bracket in (("ge", "["), ("gt", "(")):
+            if getattr(m, attr, None) is not None:
+                lo = (getattr(m, attr), bracket)
+        for attr, bracket in (("le", "]"), ("lt", ")")):
+            if getattr(m, attr, None) is not None:
+                hi = (getattr(m, attr), bracket)
+    if lo and hi:
+        return f"in {lo[1]}{lo[0]}, {hi[0]}{hi[1]}"
+    if lo:
+        return f"{'>=' if lo[1] == '[' else '>'} {lo[0]}"
+    if hi:
+        return f"{'<=' if hi[1] == ']' else '<'} {hi[0]}"
+    return ""
+
+
+def _knob_of(name: str, info) -> Knob:
+    kind, choices = info.annotation, None
+    if get_origin(kind) is Literal:
+        choices = get_args(kind)
+        kind = type(choices[0])
+    extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+    bounds = f"one of {choices}" if choices else _bounds(info.metadata)
+    return Knob(name, kind, info.default, info.description or "", choices, bounds, extra.get("note"),
+                extra.get("flag", True))
+
+
+def knobs(cls) -> dict[str, Knob]:
+    """The knobs a config class declares, by name, in declaration order."""
+    return cls.__knobs__
+
+
+_TYPE_ERRORS = ("_type", "_parsing", "int_from_float", "finite_number")
+
+
+def _problem(cls, err: dict) -> tuple[str | None, str]:
+    """(the knob, what is wrong with it) of one of pydantic's errors."""
+    ctx = err.get("ctx") or {}
+    if isinstance(ctx.get("error"), ConfigError):  # one of our own checks, run by pydantic
+        return (err["loc"][-1] if err["loc"] else None), str(ctx["error"])
+    loc, value = err["loc"], err.get("input")
+    owner = cls
+    for part in loc[:-1]:  # a nested config (CollectionConfig.build)
+        nested = getattr(owner, "__knobs__", {}).get(part)
+        owner = nested.type if nested is not None and hasattr(nested.type, "__knobs__") else owner
+    k = getattr(owner, "__knobs__", {}).get(loc[-1]) if loc else None
+    name = ".".join(map(str, loc)) or cls.__name__
+    if k is None:
+        return None, f"{name}: {err['msg']}"
+    if k.choices is None and err["type"].endswith(_TYPE_ERRORS):
+        return k.name, f"{name} must be a {k.type.__name__}, got {value!r}"
+    if k.allowed:
+        if isinstance(value, str) and k.type in (int, float):  # from text (the environment): the number it read
+            try:
+                value = k.type(value)
+            except ValueError:
+                pass
+        return k.name, f"{name} must be {k.allowed}, got {value!r}"
+    return k.name, f"{name}: {err['msg']}, got {value!r}"
+
+
+def problems(cls, e: ValidationError) -> list[tuple[str | None, str]]:
+    """(knob, message) per problem of a ValidationError from config class `cls`."""
+    unknown = sorted(str(err["loc"][-1]) for err in e.errors() if err["type"] == "unexpected_keyword_argument")
+    out = [(None, f"unknown {cls.__name__} option(s): {', '.join(unknown)}")] if unknown else []
+    return out + [_problem(cls, err) for err in e.errors() if err["type"] != "unexpected_keyword_argument"]
+
+
+def config_error(cls, e: ValidationError) -> ConfigError:
+    return ConfigError("; ".join(msg for _, msg in problems(cls, e)))
+
+
+def config_class(cls):
+    """Make `cls` a frozen, validated config dataclass whose errors are ConfigErrors."""
+    cls = _pydantic_dataclass(frozen=True, config=ConfigDict(extra="forbid"))(cls)
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kw):
+        try:
+            init(self, *args, **kw)
+        except ValidationError as e:
+            raise config_error(type(self), e) from None
+
+    cls.__init__ = __init__
+    cls.__knobs__ = {name: _knob_of(name, info) for name, info in cls.__pydantic_fields__.items()}
+    cls.__field_validators__ = {}
+    return cls
+
+
+def _field_validator(cls, name: str) -> TypeAdapter:
+    adapter = cls.__field_validators__.get(name)
+    if adapter is None:
+        info = cls.__pydantic_fields__[name]
+        adapter = TypeAdapter(Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation)
+        cls.__field_validators__[name] = adapter
+    return adapter
 
 
 class _Config:
@@ -27,168 +172,177 @@ class _Config:
 
     @classmethod
     def from_dict(cls, d: dict):
-        names = {f.name for f in fields(cls)}
-        unknown = set(d) - names
-        _check(not unknown, f"unknown {cls.__name__} option(s): {', '.join(sorted(unknown))}")
+        unknown = set(d) - set(cls.__knobs__)
+        if unknown:
+            raise ConfigError(f"unknown {cls.__name__} option(s): {', '.join(sorted(unknown))}")
         return cls(**d)
 
     def with_overrides(self, **kw):
-        """A copy with the non-None keyword arguments applied (and validated)."""
-        return replace(self, **{k: v for k, v in kw.items() if v is not None})
+        """A copy with the non-None keyword arguments applied (and validated).
+
+        On the query path (Index.search), so only the overridden fields are validated: the others were
+        when `self` was made."""
+        kw = {k: v for k, v in kw.items() if v is not None}
+        if not kw:
+            return self  # frozen: as good as a copy
+        cls = type(self)
+        new = object.__new__(cls)
+        state = new.__dict__
+        state.update(self.__dict__)
+        errors = []
+        for name, value in kw.items():
+            if name not in cls.__knobs__:
+                raise ConfigError(f"unknown {cls.__name__} option(s): "
+                                  f"{', '.join(sorted(set(kw) - set(cls.__knobs__)))}")
+            try:
+                state[name] = _field_validator(cls, name).validate_python(value)
+            except ValidationError as e:
+                errors += [_problem(cls, {**err, "loc": (name, *err["loc"])})[1] for err in e.errors()]
+        if errors:
+            raise ConfigError("; ".join(errors))
+        post = getattr(new, "__post_init__", None)
+        if post is not None:
+            post()
+        return new
 
 
-@dataclass(frozen=True)
+def add_flags(parser: argparse.ArgumentParser, cls, skip=(), env_prefix: str | None = None) -> None:
+    """One --flag per knob of `cls` (help, type and choices from its declaration), defaulting to None so
+    that a flag not given leaves the knob to lower sources (`flags_of`). Values are checked by the
+    config class, not argparse, so a bad one gets the same ConfigError from every source."""
+    for k in knobs(cls).values():
+        if not k.flag or k.name in skip:
+            continue
+        opt = "--" + k.name.replace("_", "-")
+        env = f"env {env_prefix}{k.name.upper()}; " if env_prefix else ""
+        helptext = k.help.replace("%", "%%")
+        if k.type is bool:
+            parser.add_argument(opt, action=argparse.BooleanOptionalAction, default=None,
+                                help=f"{helptext} ({env}default {'on' if k.default else 'off'})")
+        else:
+            bounds = "" if k.choices or not k.bounds else f"{k.bounds}; "
+            metavar = "{" + ",".join(k.choices) + "}" if k.choices else k.name.upper()
+            default = f"{k.default!r}".replace("%", "%%")
+            parser.add_argument(opt, type=k.type, default=None, metavar=metavar,
+                                help=f"{helptext} ({bounds.replace('%', '%%')}{env}default {default})")
+
+
+def flags_of(args: argparse.Namespace, cls, skip=()) -> dict:
+    """The knobs of `cls` given as flags (those added by add_flags), by name."""
+    return {name: getattr(args, name) for name, k in knobs(cls).items()
+            if k.flag and name not in skip and getattr(args, name, None) is not None}
+
+
+# --- the engine's configs --------------------------------------------------------------------------------
+
+@config_class
 class BuildConfig(_Config):
     """How an index is built. Defaults are meant to be good on real data without tuning."""
 
-    metric: str = "l2"
-    # Posting lists: about count * centroid_ratio centroids, so lists of ~1/ratio vectors.
-    centroid_ratio: float = 0.1
-    # A list is split again while larger than this multiple of its target size.
-    max_list_factor: float = 2.0
-    kmeans_branching: int = 16
-    kmeans_iters: int = 12
-    # Boundary replication: v joins list i if dist(v, c_i) <= (1 + eps) * dist(v, c_1).
-    replica_eps: float = 0.1
-    max_replicas: int = 8
-    # PQ code bytes per vector; 0 picks one byte per 2 dimensions (at most 64).
-    pq_m: int = 0
-    pq_train_size: int = 32768
-    graph_m: int = 16
-    graph_ef_construction: int = 200
-    threads: int = 0
-    seed: int = 0
+    metric: Annotated[Metric, knob("distance: l2, ip (inner product) or cosine")] = "l2"
+    centroid_ratio: Annotated[float, knob("posting-list centroids per vector (lists of about 1/ratio vectors)",
+                                          gt=0, le=0.5)] = 0.1
+    max_list_factor: Annotated[float, knob("a list is split again while larger than this multiple of its "
+                                           "target size", ge=1)] = 2.0
+    kmeans_branching: Annotated[int, knob("hierarchical k-means: clusters per split", ge=2, le=256)] = 16
+    kmeans_iters: Annotated[int, knob("k-means iterations per split", ge=1, le=100)] = 12
+    replica_eps: Annotated[float, knob("boundary replication: join list i if dist <= (1+eps) * nearest dist",
+                                       ge=0)] = 0.1
+    max_replicas: Annotated[int, knob("posting lists a vector joins at most", ge=1, le=8)] = 8
+    pq_m: Annotated[int, knob("PQ bytes per vector (0: dim/2, at most 64)", ge=0, le=256,
+                              note="0 = automatic")] = 0
+    pq_train_size: Annotated[int, knob("vectors PQ is trained on", ge=256)] = 32768
+    graph_m: Annotated[int, knob("navigation graph: links per centroid", ge=4, le=64)] = 16
+    graph_ef_construction: Annotated[int, knob("navigation graph: build beam (at least graph_m)")] = 200
+    threads: Annotated[int, knob("build threads (0: all cores)", ge=0)] = 0
+    seed: Annotated[int, knob("random seed of the build (k-means, the graph, samples)")] = 0
 
     def __post_init__(self):
-        _check(self.metric in METRICS, f"metric must be one of {METRICS}, got {self.metric!r}")
-        _check(0 < self.centroid_ratio <= 0.5, f"centroid_ratio must be in (0, 0.5], got {self.centroid_ratio}")
-        _check(self.max_list_factor >= 1.0, f"max_list_factor must be >= 1, got {self.max_list_factor}")
-        _check(2 <= self.kmeans_branching <= 256, f"kmeans_branching must be in [2, 256], got {self.kmeans_branching}")
-        _check(1 <= self.kmeans_iters <= 100, f"kmeans_iters must be in [1, 100], got {self.kmeans_iters}")
-        _check(self.replica_eps >= 0, f"replica_eps must be >= 0, got {self.replica_eps}")
-        _check(1 <= self.max_replicas <= 8, f"max_replicas must be in [1, 8], got {self.max_replicas}")
-        _check(0 <= self.pq_m <= 256, f"pq_m must be in [0, 256] (0 = automatic), got {self.pq_m}")
-        _check(self.pq_train_size >= 256, f"pq_train_size must be >= 256, got {self.pq_train_size}")
-        _check(4 <= self.graph_m <= 64, f"graph_m must be in [4, 64], got {self.graph_m}")
-        _check(self.graph_ef_construction >= self.graph_m, "graph_ef_construction must be >= graph_m")
-        _check(self.threads >= 0, f"threads must be >= 0, got {self.threads}")
+        if self.graph_ef_construction < self.graph_m:
+            raise ConfigError("graph_ef_construction must be >= graph_m")
 
 
-@dataclass(frozen=True)
+@config_class
 class SearchParams(_Config):
     """Per-request knobs of the query path (steps 3-6 of the design)."""
 
-    # m: posting lists probed at most; the distance-ratio rule may probe fewer per query. 256 lists of
-    # ~10 vectors: GloVe 390k (all 10k queries) needs it for recall@10 >= 0.95 (128 gave 0.922).
-    nprobe: int = 256
-    # Keep list i only if dist(q, c_i) <= (1 + probe_ratio) * dist(q, c_1); 0 disables the rule.
-    probe_ratio: float = 1.0
-    # Navigation graph beam; at least nprobe.
-    graph_ef: int = 0
-    # n: PQ candidates handed to the re-ranker.
-    rerank: int = 200
+    # m: the distance-ratio rule may probe fewer per query. How the default was chosen: docs/tuning.md.
+    nprobe: Annotated[int, knob("posting lists probed at most (m)", ge=1, le=1 << 20)] = 256
+    probe_ratio: Annotated[float, knob("probe list i only if dist(q, c_i) <= (1+ratio) * dist(q, c_1); "
+                                       "0 disables", ge=0)] = 1.0
+    graph_ef: Annotated[int, knob("navigation graph beam (at least nprobe)", ge=0)] = 0
+    rerank: Annotated[int, knob("PQ candidates re-ranked exactly (n)", ge=1, le=1_000_000)] = 200
     # Algorithm 1 of FusionANNS: mini-batch size, and stop after beta batches with delta <= eps.
-    minibatch: int = 8
-    eps: float = 0.0
-    beta: int = 2
-
-    def __post_init__(self):
-        _check(1 <= self.nprobe <= 1 << 20, f"nprobe must be in [1, 1048576], got {self.nprobe}")
-        _check(self.probe_ratio >= 0, f"probe_ratio must be >= 0, got {self.probe_ratio}")
-        _check(self.graph_ef >= 0, f"graph_ef must be >= 0, got {self.graph_ef}")
-        _check(1 <= self.rerank <= 1_000_000, f"rerank must be in [1, 1000000], got {self.rerank}")
-        _check(self.minibatch >= 1, f"minibatch must be >= 1, got {self.minibatch}")
-        _check(0 <= self.eps <= 1, f"eps must be in [0, 1], got {self.eps}")
-        _check(self.beta >= 0, f"beta must be >= 0 (0 disables early stop), got {self.beta}")
+    minibatch: Annotated[int, knob("re-rank mini-batch size", ge=1)] = 8
+    eps: Annotated[float, knob("early stop: top-k change ratio counted as stable", ge=0, le=1)] = 0.0
+    beta: Annotated[int, knob("early stop after this many stable mini-batches (0 disables)", ge=0,
+                              note="0 disables early stop")] = 2
 
 
-@dataclass(frozen=True)
+@config_class
 class EngineConfig(_Config):
-    """How an opened index uses the machine."""
+    """How an opened index uses the machine. What each knob was measured to do: docs/tuning.md,
+    docs/engine.md and bench/results/."""
 
-    # DRAM page buffer shared by all queries.
-    buffer_bytes: int = 64 << 20
-    io_backend: str = "auto"
-    direct_io: str = "auto"
-    io_threads: int = 8
-    threads: int = 0
-    # Queries each re-rank thread keeps in flight: their mini-batches' SSD reads go out together,
-    # so I/O latency overlaps instead of being waited out one mini-batch at a time; 1 is one
-    # query at a time. Results do not depend on it. 16: with a page buffer of raw/16 and io_uring
-    # it took the re-rank stage from 4491 to 7069 queries/s (synthetic 100k) and from 1282 to 2226
-    # (Fashion-MNIST) on one thread; 32 gained little more, and the pread pool mostly peaks at 4-8.
-    # Memory: 16 x minibatch blocks per thread (bench/results/rerank_inflight.md).
-    rerank_inflight: int = 16
-    # Queries per internal batch; 0 picks by filter tier (batch_for). On the CPU a batch's float32
-    # PQ tables (M KiB per query) were most of a search's working memory (since built one per thread,
-    # in the scan: bench/results/lut_scan.md), and small batches cost no
-    # speed: Fashion-MNIST 60k (M=64), 2 threads, 64 queries per batch took the process's peak
-    # from 86 to ~44 MiB at the same QPS (256: 523-545 q/s, 64: 653-696). The GPU wants big ones.
-    batch_size: int = 0
-    # Check every file against the manifest's checksums when opening.
-    verify: bool = True
-    # Hold the navigation graph's centroids as 8-bit codes per dimension (SQ8): they are most of the graph,
-    # the largest part of the host-RAM tier, and it only has to pick the top-m lists. float32 -> SQ8:
-    # GloVe 390k (40.6k x 50-d) 14.7 -> 8.6 MB, Fashion-MNIST (6k x 784-d) 19.6 -> 5.6 MB, MiniLM
-    # (3.6k x 384-d) 6.0 -> 1.9 MB; the top-256 lists agree with float32's for 98.9-99.9% (bench sets,
-    # 1000 queries). Coded while read, in chunks: opening never holds the float matrix.
-    graph_sq8: bool = True
-    # A block the re-ranker reads for a mini-batch also scores the query's later candidates stored in it
-    # (its page-mates), and their own mini-batch later reads nothing for them: no read, and the build puts near
-    # vectors on the same page (layout.chain_order), so the top-k settles after fewer pages. No memory.
-    page_mates: bool = True
-    # Page buffer policy: 'clock' (CLOCK), or 'lfu', cache by use: requests counted per block (weighted by
-    # how many queries asked, halved every 10 requests a frame), a missed block admitted only if asked for
-    # more often than the block it would evict (TinyLFU). 'lfu' had the fewer SSD pages per query, averaged
-    # over uniform, skewed and drifting streams, at buffers of 1/64, 1/16 and 1/4 of the raw vectors on GloVe
-    # and MiniLM (bench/results/cache_policy.md); skewed at 1/16, hit ratio GloVe 0.22 -> 0.31, MiniLM
-    # 0.42 -> 0.55. It lost only on MiniLM's own queries at 1/64 (0.094 -> 0.060).
-    buffer_policy: str = "lfu"
-    # Fraction of the page buffer pinned to the pages of the posting lists visited most since start-up
-    # (0: none), re-chosen by the index manager thread every manager_interval_s seconds, never on the
-    # request path. Results never depend on it. Off: on top of 'lfu' it saved at most 2% of the SSD pages
-    # (GloVe 1/64) and cost up to 21% (MiniLM 1/4); over CLOCK alone it helps skewed streams a little.
-    pin_fraction: float = 0.0
-    # Seconds between the index manager thread's rounds: re-pinning hot pages and, on a GPU tier that
-    # holds only its hottest lists' codes, GpuFilterTier.rebalance(). 0: no thread (call
-    # Index.refresh_hotness() yourself).
-    manager_interval_s: float = 1.0
-    # On the CPU filter tier, a call of several batches runs them as a pipeline, as the GPU tier always does:
-    # batch b+1's graph search, batch b's PQ scan and batch b-1's re-rank at once, so one batch's SSD waits
-    # overlap another's computing. Results do not depend on it. Calls of 256 queries (4 batches), default
-    # search, busy 2-core VM: GloVe 353 -> 416 q/s (1 thread), 551 -> 601 (2); MiniLM 304 -> 579, 483 -> 528
-    # (bench/results/cpu_pipeline.md). A call of one batch (<= 64 queries) is the same either way.
-    pipeline: bool = True
-    # PQ filtering on the GPU ('gpu', Triton) or the CPU ('cpu'); 'auto' takes the GPU when
-    # torch sees CUDA.
-    filter_tier: str = "auto"
-    # GPU memory the filter tiers of all the process's indexes share (codes, codebooks, working blocks);
-    # 0: what an LLM server on the same GPU leaves, (1 - gpu_memory_utilization) of the device, at most what is free.
-    gpu_budget_bytes: int = 0
-    # The LLM server's share of GPU memory (vLLM's --gpu-memory-utilization).
-    gpu_memory_utilization: float = 0.9
-    # Every index of a process shares one GPU budget: one whose codes do not all fit keeps its hottest
-    # lists' codes in at most this fraction of what is left, so later indexes still start (1: all).
-    gpu_tiered_share: float = 0.5
-
-    def __post_init__(self):
-        _check(self.buffer_bytes >= 0, f"buffer_bytes must be >= 0, got {self.buffer_bytes}")
-        _check(self.io_backend in IO_BACKENDS, f"io_backend must be one of {IO_BACKENDS}, got {self.io_backend!r}")
-        _check(self.direct_io in DIRECT_IO, f"direct_io must be one of {DIRECT_IO}, got {self.direct_io!r}")
-        _check(1 <= self.io_threads <= 256, f"io_threads must be in [1, 256], got {self.io_threads}")
-        _check(self.threads >= 0, f"threads must be >= 0, got {self.threads}")
-        _check(1 <= self.rerank_inflight <= 1024,
-               f"rerank_inflight must be in [1, 1024] (1: one query at a time), got {self.rerank_inflight}")
-        _check(0 <= self.batch_size <= 65536, f"batch_size must be in [0, 65536] (0 = automatic), got {self.batch_size}")
-        _check(self.buffer_policy in BUFFER_POLICIES,
-               f"buffer_policy must be one of {BUFFER_POLICIES}, got {self.buffer_policy!r}")
-        _check(0 <= self.pin_fraction <= 0.75, f"pin_fraction must be in [0, 0.75], got {self.pin_fraction}")
-        _check(self.manager_interval_s >= 0, f"manager_interval_s must be >= 0, got {self.manager_interval_s}")
-        _check(self.filter_tier in FILTER_TIERS, f"filter_tier must be one of {FILTER_TIERS}, got {self.filter_tier!r}")
-        _check(self.gpu_budget_bytes >= 0, f"gpu_budget_bytes must be >= 0 (0 = automatic), got {self.gpu_budget_bytes}")
-        _check(0 <= self.gpu_memory_utilization < 1,
-               f"gpu_memory_utilization must be in [0, 1), got {self.gpu_memory_utilization}")
-        _check(0 < self.gpu_tiered_share <= 1, f"gpu_tiered_share must be in (0, 1], got {self.gpu_tiered_share}")
+    buffer_bytes: Annotated[int, knob("DRAM page buffer shared by all queries, bytes", ge=0)] = 64 << 20
+    io_backend: Annotated[IoBackend, knob("SSD reads: auto, io_uring or pread (a pool of threads)")] = "auto"
+    direct_io: Annotated[DirectIO, knob("O_DIRECT reads: auto, on or off")] = "auto"
+    io_threads: Annotated[int, knob("threads of the pread pool", ge=1, le=256)] = 8
+    threads: Annotated[int, knob("worker threads (0: all cores)", ge=0)] = 0
+    # Queries each re-rank thread keeps in flight: their mini-batches' SSD reads go out together, so I/O
+    # latency overlaps instead of being waited out one mini-batch at a time. Results do not depend on it.
+    # Memory: rerank_inflight x minibatch blocks per thread (bench/results/rerank_inflight.md).
+    rerank_inflight: Annotated[int, knob("queries each re-rank thread keeps in flight, their SSD reads overlapped "
+                                         "(1: one at a time)", ge=1, le=1024,
+                                         note="1: one query at a time")] = 16
+    # 0 picks by filter tier (batch_for): small on the CPU, where a batch's PQ tables are most of a search's
+    # working memory and small batches cost no speed (bench/results/lut_scan.md); the GPU wants big ones.
+    batch_size: Annotated[int, knob("queries per internal batch (0: 64 on the CPU filter tier, 1024 on the GPU)",
+                                    ge=0, le=65536, note="0 = automatic")] = 0
+    verify: Annotated[bool, knob("check every file against the manifest's checksums when opening")] = True
+    # The centroids are most of the graph, the largest part of the host-RAM tier, and it only has to pick the
+    # top-m lists; coded while read, in chunks, so opening never holds the float matrix.
+    graph_sq8: Annotated[bool, knob("hold the navigation graph's centroids as 8-bit codes (a quarter of their "
+                                    "memory)")] = True
+    # No read and no memory: the build puts near vectors on the same page (layout.chain_order), so the top-k
+    # settles after fewer pages.
+    page_mates: Annotated[bool, knob("a block read for a mini-batch also scores the query's later candidates "
+                                     "stored in it")] = True
+    # While a round's blocks are scored, the next mini-batch's are already being read (io_uring, or the pread
+    # fallback's helper threads); a query one stable mini-batch from stopping is not read ahead, so at beta >= 2
+    # nothing is read that the search would not read. Off by default: no gain measured where 16 queries in flight
+    # per thread already send their reads together (bench/results/rerank_prefetch.md).
+    rerank_prefetch: Annotated[bool, knob("read each query's next mini-batch of pages while the current one is "
+                                          "scored")] = False
+    # 'clock' (CLOCK), or 'lfu', cache by use: requests counted per block (weighted by how many queries asked,
+    # halved every 10 requests a frame), a missed block admitted only if asked for more often than the block it
+    # would evict (TinyLFU). Measured: bench/results/cache_policy.md.
+    buffer_policy: Annotated[BufferPolicy, knob("page buffer replacement: lfu (counts use, weighted by the queries "
+                                                "asking, aged) or clock")] = "lfu"
+    # Re-chosen by the index manager thread every manager_interval_s seconds, never on the request path;
+    # results never depend on it. Off by default: bench/results/cache_policy.md.
+    pin_fraction: Annotated[float, knob("share of the page buffer pinned to the pages of the most visited "
+                                        "posting lists (0: none)", ge=0, le=0.75)] = 0.0
+    # The manager re-pins hot pages and, on a GPU tier that holds only its hottest lists' codes, calls
+    # GpuFilterTier.rebalance(). 0: no thread (call Index.refresh_hotness() yourself).
+    manager_interval_s: Annotated[float, knob("how often the index manager thread re-chooses pinned pages and "
+                                              "GPU-resident codes, seconds (0: no thread)", ge=0)] = 1.0
+    # On the CPU filter tier, batch b+1's graph search, batch b's PQ scan and batch b-1's re-rank at once, as the
+    # GPU tier always does. Results do not depend on it; measured: bench/results/cpu_pipeline.md.
+    pipeline: Annotated[bool, knob("overlap a call's batches: the graph search of batch b+1 runs while batch b "
+                                   "is filtered")] = True
+    filter_tier: Annotated[FilterTier, knob("PQ filter tier: auto (GPU when CUDA is there), cpu or gpu")] = "auto"
+    # Codes, codebooks and working blocks; 0: what an LLM server on the same GPU leaves,
+    # (1 - gpu_memory_utilization) of the device, at most what is free.
+    gpu_budget_bytes: Annotated[int, knob("GPU memory the filter tiers of the process share (0: what the LLM "
+                                          "server leaves)", ge=0, note="0 = automatic")] = 0
+    gpu_memory_utilization: Annotated[float, knob("the LLM server's share of GPU memory (vLLM's "
+                                                  "--gpu-memory-utilization), for the default budget",
+                                                  ge=0, lt=1)] = 0.9
+    # Every index of a process shares one GPU budget: one whose codes do not all fit keeps its hottest lists'
+    # codes in at most this fraction of what is left, so later indexes still start (1: all).
+    gpu_tiered_share: Annotated[float, knob("an index whose PQ codes do not all fit takes at most this share of "
+                                            "the budget left", gt=0, le=1)] = 0.5
 
     def batch_for(self, filter_tier: str) -> int:
         """Queries per internal batch with this filter tier ('cpu' or 'gpu')."""

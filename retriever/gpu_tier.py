@@ -40,7 +40,7 @@ from fusionrag.kernels.pq_table import KSUB, pq_tables
 from fusionrag.kernels.topn import topn as select_topn
 from fusionrag.kernels.variants import Variant
 from fusionrag.retriever.errors import ConfigError, InputError
-from fusionrag.retriever.tiers import Candidates
+from fusionrag.retriever.filtering import Candidates
 
 # Working memory per block beyond the batch's tables: a few MiB hold a batch of typical queries
 # (~50 bytes per gathered ID); more only lets a huge batch go in fewer passes.
@@ -109,13 +109,17 @@ def shared_account(device: torch.device, budget_bytes: int, llm_utilization: flo
 
 
 class GpuFilterTier:
+    """The filter tier on a GPU; see the module's docstring. Its batches always overlap the CPU's graph
+    search and re-rank of others."""
+
     name = "gpu"
+    overlaps = True
 
     def __init__(self, list_offsets: np.ndarray, list_ids: np.ndarray, codes: np.ndarray, codebooks: np.ndarray,
                  *, account: BudgetAccount, metric: str, batch_size: int, threads: int, blocks: int = 2,
                  work_bytes: int = 0, hotness: np.ndarray | None = None, tiered_share: float = 0.5):
         """metric: the tables' ('l2' or 'ip'), which decides the table kernel compiled here."""
-        self.list_offsets, self.list_ids, self.threads = list_offsets, list_ids, threads
+        self.list_offsets, self.list_ids, self.threads, self.batch_size = list_offsets, list_ids, threads, batch_size
         self.host_codes_all = codes  # the index's codes (memory-mapped or in RAM); placement reads them
         self.account, self.device = account, account.device
         # A tier dropped without close() still gives its bytes back when collected.
@@ -284,7 +288,8 @@ class GpuFilterTier:
         a kernel runs: there, one batch at a time in the whole process."""
         return torch.cuda.stream(block.stream) if block.stream is not None else _INTERPRETER
 
-    def luts(self, pq, queries: np.ndarray, metric: str) -> DeviceLuts:
+    def tables(self, queries: np.ndarray) -> DeviceLuts:
+        """The queries' tables for the tier's metric, built in a working block that topn then uses."""
         pool = self._pool()
         block = pool.take()
         try:
@@ -292,15 +297,15 @@ class GpuFilterTier:
             with self._on(block):
                 q = block.device(queries.shape, torch.float32)
                 q.copy_(_host(queries))
-                out = block.device((len(queries), pq.m, KSUB), torch.float32)
-                tables = pq_tables(q, self.codebooks, metric, out=out)
+                out = block.device((len(queries), self.m, KSUB), torch.float32)
+                tables = pq_tables(q, self.codebooks, self.metric, out=out)
             return DeviceLuts(tables, block, pool)
         except BaseException:
             pool.give(block)
             raise
 
     def topn(self, luts, probe_lists: np.ndarray, n: int, exclude: np.ndarray | None = None) -> Candidates:
-        """As CpuFilterTier.topn; luts from self.luts (already on the device) or a host array."""
+        """As CpuFilterTier.topn; luts from self.tables (already on the device) or a host array."""
         start = time.perf_counter()
         if isinstance(luts, DeviceLuts):
             block, tables, pool = luts.block, luts.tables, luts.pool

@@ -18,9 +18,10 @@ from fusionrag.retriever.errors import IndexFormatError, InputError
 from fusionrag.retriever.layout import PageLayout
 from fusionrag.retriever.manifest import load_array, read_manifest
 from fusionrag.retriever.overlap import overlapped
+from fusionrag.retriever.pipeline import STAT_KEYS, QueryBatch, cut, open_filter_tier
 from fusionrag.retriever.pq import ProductQuantizer
-from fusionrag.retriever.tiers import NavigationTier, RerankTier, open_filter_tier
-from fusionrag.retriever.vectors import check_vectors, normalize
+from fusionrag.retriever.queries import prepare_queries as prepared
+from fusionrag.retriever.tiers import NavigationTier, RerankTier
 
 # The files an index is read from, and whether each is checksummed whole (the page file is too large:
 # its per-block CRC table is, and each block is checked as it is read).
@@ -30,8 +31,6 @@ log = logging.getLogger(__name__)
 # A query's nearest posting lists are where its re-ranked candidates, and so its pages, come from:
 # only its first HOT_PROBES lists count as visited for choosing the pages to pin.
 HOT_PROBES = 8
-STAT_KEYS = ("centroids_probed", "candidates", "unique_candidates", "minibatches", "reranked",
-             "page_mates", "pages_read", "pages_buffered", "graph_s", "lut_s", "scan_s", "rerank_s")
 
 
 @dataclass
@@ -45,19 +44,9 @@ class SearchResult:
 
 def prepare_queries(queries, dim: int, metric: str) -> np.ndarray:
     """Query vectors as an index searches them: a non-empty (count, dim) float32 matrix of usable vectors,
-    normalised for cosine; InputError saying what is wrong. Shared by Index and the sharded router."""
-    q = np.asarray(queries)
-    if q.ndim == 1:
-        q = q[None, :]
-    if q.ndim != 2 or q.shape[0] == 0:
-        raise InputError(f"queries must be a non-empty (count, {dim}) array, got shape {q.shape}")
-    if q.dtype.kind not in "fiu":
-        raise InputError(f"queries must be numeric, got {q.dtype}")
-    if q.shape[1] != dim:
-        raise InputError(f"queries have dimension {q.shape[1]}, the index has dimension {dim}")
-    q = np.ascontiguousarray(q, dtype=np.float32)
-    check_vectors(q, metric, "queries")
-    return normalize(q) if metric == "cosine" else q
+    normalised for cosine; InputError saying what is wrong (queries.check_queries, in the index's words).
+    PreparedQueries of this dimension and metric are taken as they are. Shared by Index and the sharded router."""
+    return prepared(queries, dim, metric).vectors
 
 
 class Index:
@@ -74,7 +63,7 @@ class Index:
         self._rebalanced_at = 0  # visits summed at the GPU tier's last rebalance
         self._closing = threading.Event()
         self._manager = None
-        if config.manager_interval_s > 0 and (self.visits is not None or getattr(filter_tier, "tiered", False)):
+        if config.manager_interval_s > 0 and (self.visits is not None or filter_tier.tiered):
             # The thread holds the index only weakly: one dropped without close() stops it too.
             self._manager = threading.Thread(target=Index._manage, name=f"fusionrag-index-manager {path}",
                                              args=(weakref.ref(self), self._closing, config.manager_interval_s),
@@ -141,7 +130,8 @@ class Index:
             NavigationTier(graph, metric == "ip", threads),
             ProductQuantizer(codebooks, dim),
             open_filter_tier(config, offsets, list_ids, codes, codebooks, threads, str(path), engine_metric),
-            RerankTier(store, locations, dtype, engine_metric, threads, config.rerank_inflight, config.page_mates),
+            RerankTier(store, locations, dtype, engine_metric, threads, config.rerank_inflight, config.page_mates,
+                       config.rerank_prefetch),
             config, params or SearchParams(),
         )
 
@@ -180,37 +170,23 @@ class Index:
     def search(self, queries, k: int = 10, params: SearchParams | None = None, exclude: np.ndarray | None = None,
                **overrides) -> SearchResult:
         """Top-k of each query with exact distances; see SearchParams for the knobs. exclude: a
-        bitmap (uint8[ceil(count/8)], bit i little-endian) of vectors never to return."""
+        bitmap (uint8[ceil(count/8)], bit i little-endian) of vectors never to return. queries:
+        PreparedQueries (a collection's) are searched as they are; anything else is checked first."""
         if not isinstance(k, (int, np.integer)) or k < 1:
             raise InputError(f"k must be a positive integer, got {k!r}")
         p = (params or self.params).with_overrides(**overrides)
-        q = self.prepare_queries(queries)
-        nq = len(q)
-        ids = np.empty((nq, k), dtype=np.int64)
-        dists = np.empty((nq, k), dtype=np.float32)
-        stats = {key: np.zeros(nq, dtype=np.float64 if key.endswith("_s") else np.int64) for key in STAT_KEYS}
-        bs = self.config.batch_for(self.filter.name)
-        batches = [slice(s, min(nq, s + bs)) for s in range(0, nq, bs)]
-
-        def outputs(sl):
-            return ids[sl], dists[sl], {key: v[sl] for key, v in stats.items()}
-
-        if len(batches) > 1 and (self.filter.name == "gpu" or self.config.pipeline):
+        ids, dists, stats, batches = cut(self.prepare_queries(queries), k, p, exclude, self.filter.batch_size)
+        if len(batches) > 1 and self.filter.overlaps:
             # The CPU searches the graph and re-ranks while the GPU filters the batch between; on the CPU
             # tier (pipeline), one batch's re-rank waits on the SSD while the next is scanned.
-            overlapped(batches,
-                       lambda sl: (sl, self.nav.probe(q[sl], p)),
-                       lambda job: (job[0], self._filter_stage(q[job[0]], k, p, exclude, *job[1])),
-                       lambda job: self._rerank_stage(q[job[0]], k, p, *outputs(job[0]), *job[1]),
-                       middle_workers=getattr(self.filter, "in_flight", 1))
+            overlapped(batches, self._graph_stage, self._filter_stage, self._rerank_stage,
+                       middle_workers=self.filter.in_flight)
         else:
-            for sl in batches:
-                self._search_batch(q[sl], k, p, exclude, *outputs(sl))
-        if self.metric == "cosine":
-            dists /= 2  # squared L2 between unit vectors is 2 - 2cos
+            for b in batches:
+                self._rerank_stage(self._filter_stage(self._graph_stage(b)))
         info = {**self.filter.describe(), "io_backend": self.reranker.store.backend,
                 "direct_io": bool(self.reranker.store.direct), "buffer_policy": self.reranker.store.buffer_policy}
-        return SearchResult(ids, dists, stats, info)
+        return self._result(ids, dists, stats, info)
 
     def search_lists(self, queries, lists, k: int = 10, params: SearchParams | None = None,
                      exclude: np.ndarray | None = None, **overrides) -> SearchResult:
@@ -224,44 +200,46 @@ class Index:
         if lists.ndim != 2 or len(lists) != len(q) or lists.dtype.kind not in "iu":
             raise InputError(f"lists must be an integer ({len(q)}, m) array, got {lists.dtype} {lists.shape}")
         lists = np.ascontiguousarray(lists, dtype=np.int32)
-        ids = np.empty((len(q), k), dtype=np.int64)
-        dists = np.empty((len(q), k), dtype=np.float32)
-        stats = {key: np.zeros(len(q), dtype=np.float64 if key.endswith("_s") else np.int64) for key in STAT_KEYS}
-        bs = self.config.batch_for(self.filter.name)
-        for s in range(0, len(q), bs):
-            sl = slice(s, min(len(q), s + bs))
-            given = lists[sl]
-            self._rerank_stage(q[sl], k, p, ids[sl], dists[sl], {key: v[sl] for key, v in stats.items()},
-                               *self._filter_stage(q[sl], k, p, exclude, given, (given >= 0).sum(axis=1), 0.0))
+        ids, dists, stats, batches = cut(q, k, p, exclude, self.filter.batch_size, lists)
+        for b in batches:
+            self._rerank_stage(self._filter_stage(b))
+        return self._result(ids, dists, stats, dict(self.filter.describe()))
+
+    def _result(self, ids, dists, stats, info) -> SearchResult:
         if self.metric == "cosine":
-            dists /= 2
-        return SearchResult(ids, dists, stats, dict(self.filter.describe()))
+            dists /= 2  # squared L2 between unit vectors is 2 - 2cos
+        return SearchResult(ids, dists, stats, info)
 
-    def _search_batch(self, q, k, p, exclude, ids_out, dists_out, st) -> None:
-        self._rerank_stage(q, k, p, ids_out, dists_out, st,
-                           *self._filter_stage(q, k, p, exclude, *self.nav.probe(q, p)))
+    def _graph_stage(self, b: QueryBatch) -> QueryBatch:
+        """The coarse quantizer: each query's posting lists by the navigation graph."""
+        b.lists, b.probed, b.graph_s = self.nav.probe(b.queries, b.params)
+        return b
 
-    def _filter_stage(self, q, k, p, exclude, lists, probed, t_graph):
+    def _filter_stage(self, b: QueryBatch) -> QueryBatch:
+        """The codec: PQ tables, then each query's top-n candidates in its lists."""
         if self.visits is not None:
-            near = lists[:, :HOT_PROBES]
+            near = b.lists[:, :HOT_PROBES]
             self.visits += np.bincount(near[near >= 0], minlength=len(self.visits))
         t = time.perf_counter()
-        luts = self.filter.luts(self.pq, q, self.reranker.metric)
-        t_lut = time.perf_counter() - t
-        return self.filter.topn(luts, lists, max(p.rerank, k), exclude), probed, t_graph, t_lut
+        tables = self.filter.tables(b.queries)
+        b.lut_s = time.perf_counter() - t
+        b.candidates = self.filter.topn(tables, b.lists, b.n, b.exclude)
+        return b
 
-    def _rerank_stage(self, q, k, p, ids_out, dists_out, st, cand, probed, t_graph, t_lut) -> None:
-        ids, dists, rstats, rsec = self.reranker.rerank(q, cand.ids, k, p)
-        ids_out[:], dists_out[:] = ids, dists
-        st["centroids_probed"][:] = probed
+    def _rerank_stage(self, b: QueryBatch) -> None:
+        """The refinement: exact distances from the SSD, written into the batch's rows of the results."""
+        cand, st = b.candidates, b.stats
+        ids, dists, rstats, rsec = self.reranker.rerank(b.queries, cand.ids, b.k, b.params)
+        b.ids[:], b.distances[:] = ids, dists
+        st["centroids_probed"][:] = b.probed
         st["candidates"][:] = cand.gathered
         st["unique_candidates"][:] = cand.unique
         st["minibatches"][:], st["reranked"][:] = rstats[:, 0], rstats[:, 1]
         st["pages_read"][:], st["pages_buffered"][:], st["page_mates"][:] = rstats[:, 2], rstats[:, 3], rstats[:, 4]
         # Graph search and tables built before topn are timed per batch; their share is spread
         # evenly. Tables the filter tier builds inside topn (CPU) are timed per query.
-        st["graph_s"][:] = t_graph / len(q)
-        st["lut_s"][:] = t_lut / len(q) + cand.lut_seconds
+        st["graph_s"][:] = b.graph_s / len(b.queries)
+        st["lut_s"][:] = b.lut_s / len(b.queries) + cand.lut_seconds
         st["scan_s"][:] = cand.seconds
         st["rerank_s"][:] = rsec
 
@@ -291,7 +269,7 @@ class Index:
         if self.visits is not None and store is not None:
             want = self.hot_blocks(int(self.config.pin_fraction * store.buffer_capacity))
             done["pinned"] = int(store.pin(want)) if len(want) else 0
-        if getattr(self.filter, "tiered", False):
+        if self.filter.tiered:
             seen = int(self.filter.visits.sum())
             if seen != self._rebalanced_at:
                 self.filter.rebalance()

@@ -24,33 +24,45 @@ Query path: the router finds each query's lists (as Index does), sends each shar
 it owns, the queries of a batch grouped per shard (one call per shard per batch); a replicated list
 goes to the replica with the least outstanding work. Each shard filters and re-ranks exactly as
 Index does (Index.search_lists) and returns its top-k with exact distances; the router merges.
+
+Writes (sharded_writes.py): each shard owns a log and a fresh tier; an upsert goes to the live shards holding
+the vector's nearest list, a delete to every shard holding the id; a shard's answers merge its index's top-k
+with its fresh tier's exact top-k. Faults: a shard that does not answer is marked down and its lists go to
+their other replica; lists no live shard holds are reported per query (missing_lists), and restart_shard
+re-creates a shard from its directory, its log replayed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from fusionrag import __version__, native
-from fusionrag.retriever.build import (_CHUNK, _IntegralCheck, _Rows, assign_rows, internal_metric, mips_augment,
-                                       postings, save_index_files, train_index, write_pages)
+from fusionrag import native
+from fusionrag.retriever.build import (_CHUNK, _IntegralCheck, _Rows, assign_rows, index_manifest, internal_metric,
+                                       mips_augment, postings, save_index_files, train_index, write_pages)
 from fusionrag.retriever.config import BuildConfig, EngineConfig, SearchParams, cpu_threads
 from fusionrag.retriever.errors import ConfigError, IndexFormatError, InputError, UnavailableError
 from fusionrag.retriever.index import prepare_queries
+from fusionrag.retriever.queries import PreparedQueries
 from fusionrag.retriever.kmeans import sq_dists
 from fusionrag.retriever.learned_probe import ProbeModel, lists_needed, probe_features
 from fusionrag.retriever.manifest import MANIFEST, load_array, read_manifest, writing_index
 from fusionrag.retriever.pq import ProductQuantizer
 from fusionrag.retriever.progress import OnProgress, Progress
+from fusionrag.retriever.sharded_writes import DELETE, UPSERT, ShardWrites
 from fusionrag.retriever.tiers import NavigationTier
 from fusionrag.retriever.vectors import STORAGE_DTYPES, as_source, check_vectors, normalize
+
+log = logging.getLogger(__name__)
 
 KIND = "sharded"
 PLACEMENTS = ("hotness", "round-robin")
@@ -284,19 +296,9 @@ def _write_shard(part_dir: str, plan: _ShardPlan, source, metric: str, store_dty
         save_index_files(w, block_crc, graph, plan.list_offsets, plan.list_ids, codebooks, codes, slots)
         w.save_array("global_ids.npy", plan.global_ids)
         w.save_array("lists.npy", plan.lists)
-        manifest = {
-            "fusionrag_version": __version__,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "count": n, "dim": dim, "metric": metric, "internal_metric": internal_metric(metric),
-            "navigation": "mips-augmented" if metric == "ip" else "l2",
-            "storage_dtype": store_dtype,
-            "source": {"path": str(src.path), "dtype": str(src.dtype)},
-            "centroids": len(plan.lists), "postings": int(len(plan.list_ids)),
-            "pq": {"m": pq.m, "dsub": pq.dsub}, "pages": layout.to_dict(),
-            "build_config": config.to_dict(),
-            "shard": {"index": plan.index, "of": n_shards},
-            "build_timings": {"total_s": time.perf_counter() - t},
-        }
+        manifest = index_manifest(n, dim, metric, store_dtype, src, len(plan.lists), len(plan.list_ids), pq, config,
+                                  {"total_s": time.perf_counter() - t}, pages=layout,
+                                  shard={"index": plan.index, "of": n_shards})
         w.publish(manifest)
     return manifest
 
@@ -469,31 +471,18 @@ def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfi
         w.save_array("list_visits.npy", visits)
         timings["total_s"] = time.perf_counter() - t_start
         expected = plan.shard_work(shards)
-        manifest = {
-            "kind": KIND,
-            "fusionrag_version": __version__,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "count": n, "dim": dim, "metric": metric, "internal_metric": internal_metric(metric),
-            "navigation": "mips-augmented" if metric == "ip" else "l2",
-            "storage_dtype": store_dtype,
-            "source": {"path": str(src.path), "dtype": str(src.dtype)},
-            "centroids": n_lists,
-            "postings": int(list_offsets[-1]),
-            "pq": {"m": pq.m, "dsub": pq.dsub},
-            "shards": shards,
-            "placement": {"kind": placement, "replicate": replicate if placement == "hotness" else 0.0,
-                          "replicated_lists": int((plan.shards[:, 1] >= 0).sum()),
-                          "sample_queries": int(len(queries)), "probe": params.to_dict(),
-                          "expected_work": [float(x) for x in expected],
-                          "expected_imbalance": float(expected.max() / expected.mean()),
-                          "built_with": "ray" if use_ray else "local"},
-            "parts": {part_name(s): {"manifest_sha256": hashlib.sha256(
+        manifest = index_manifest(
+            n, dim, metric, store_dtype, src, n_lists, list_offsets[-1], pq, config, timings, kind=KIND, shards=shards,
+            placement={"kind": placement, "replicate": replicate if placement == "hotness" else 0.0,
+                       "replicated_lists": int((plan.shards[:, 1] >= 0).sum()),
+                       "sample_queries": int(len(queries)), "probe": params.to_dict(),
+                       "expected_work": [float(x) for x in expected],
+                       "expected_imbalance": float(expected.max() / expected.mean()),
+                       "built_with": "ray" if use_ray else "local"},
+            parts={part_name(s): {"manifest_sha256": hashlib.sha256(
                 (w.dir / part_name(s) / MANIFEST).read_bytes()).hexdigest(),
                 "count": shard_manifests[s]["count"], "lists": shard_manifests[s]["centroids"]}
-                for s in range(shards)},
-            "build_config": config.to_dict(),
-            "build_timings": timings,
-        }
+                for s in range(shards)})
         if probe_info is not None:
             manifest["probe_model"] = probe_info
         w.publish(manifest)
@@ -503,26 +492,74 @@ def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfi
 # ---------------------------------------------------------------------------------------------
 # Query path
 
+MISSING = -2  # route(): no live shard holds the list
+
+
+class ShardDown(UnavailableError):
+    """A shard that is not running (its actor died, or it was closed): the router fails over."""
+
 
 class ShardServer:
     """One shard part, opened: the lists it is sent, filtered and re-ranked by Index.search_lists, its
-    top-k as source rows with exact distances. A Ray actor in Ray mode, an object in this process else."""
+    top-k as source rows with exact distances, merged with its fresh tier's exact top-k; its writes logged
+    (sharded_writes.ShardWrites). A Ray actor in Ray mode, an object in this process else."""
 
     def __init__(self, path: str, config: EngineConfig | None = None, params: SearchParams | None = None):
         from fusionrag.retriever.index import Index
 
         self.path = str(path)
         self.index = Index.open(path, config, params)
-        self.global_ids = load_array(Path(path), "global_ids.npy", np.uint32, 1).astype(np.int64)
-        if len(self.global_ids) != self.index.count:
-            raise IndexFormatError(f"{path}: global_ids.npy does not hold one row per vector")
+        self.closed = False
+        try:
+            self.global_ids = load_array(Path(path), "global_ids.npy", np.uint32, 1).astype(np.int64)
+            if len(self.global_ids) != self.index.count:
+                raise IndexFormatError(f"{path}: global_ids.npy does not hold one row per vector")
+            self.writes = ShardWrites(path, self.global_ids, self.index.dim, self.index.metric)
+        except BaseException:
+            self.index.close()
+            raise
 
     def search(self, queries: np.ndarray, lists: np.ndarray, k: int, params: SearchParams):
-        """(ids, distances, stats, seconds): ids are source rows, -1 where fewer than k."""
+        """(ids, distances, stats, seconds): ids are global ids, -1 where fewer than k. A query whose lists
+        are all -1 is answered from the fresh tier alone. queries: as the router prepared them
+        (ShardedIndex.prepare_queries, which checked and normalised them), searched as they are."""
+        if self.closed:
+            raise ShardDown(f"{self.path}: shard closed")
         t = time.perf_counter()
-        res = self.index.search_lists(queries, lists, k, params)
-        ids = np.where(res.ids >= 0, self.global_ids[np.maximum(res.ids, 0)], -1)
-        return ids, res.distances, res.stats, time.perf_counter() - t
+        queries = PreparedQueries(np.ascontiguousarray(getattr(queries, "vectors", queries), dtype=np.float32),
+                                  self.index.metric)
+        exclude, fresh = self.writes.snapshot()
+        nq = len(queries)
+        ids = np.full((nq, k), -1, dtype=np.int64)
+        dists = np.full((nq, k), np.inf, dtype=np.float32)
+        stats = {"candidates": np.zeros(nq, np.int64), "reranked": np.zeros(nq, np.int64)}
+        rows = np.flatnonzero((np.asarray(lists) >= 0).any(axis=1))
+        if len(rows):
+            res = self.index.search_lists(queries.rows(rows), lists[rows], k, params, exclude)
+            ids[rows] = np.where(res.ids >= 0, self.global_ids[np.maximum(res.ids, 0)], -1)
+            dists[rows] = np.where(res.ids >= 0, res.distances, np.inf)
+            for key in stats:
+                stats[key][rows] = res.stats[key]
+        if fresh is not None:
+            fi, fd = fresh.search(queries.vectors, k, self.index.metric)
+            ids, dists = _merge([(ids, dists), (fi, fd)], k)
+        return ids, dists, stats, time.perf_counter() - t
+
+    def upsert(self, ids, vectors) -> int:
+        """Log and apply: these ids now hold these vectors (in the engine's form) in this shard's fresh tier,
+        any older version here tombstoned. Durable when it returns; how many ids had a version here."""
+        if self.closed:
+            raise ShardDown(f"{self.path}: shard closed")
+        return self.writes.write(UPSERT, ids, vectors)
+
+    def delete(self, ids) -> int:
+        if self.closed:
+            raise ShardDown(f"{self.path}: shard closed")
+        return self.writes.write(DELETE, ids)
+
+    def write_state(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids live in the fresh tier, base ids tombstoned): what the router's write maps are built from."""
+        return self.writes.fresh_ids(), self.writes.tombstoned_ids()
 
     def where(self) -> dict:
         import os
@@ -532,10 +569,37 @@ class ShardServer:
             import ray
 
             node = ray.get_runtime_context().get_node_id()
-        return {"pid": os.getpid(), "node_id": node, "count": self.index.count, "path": self.path}
+        return {"pid": os.getpid(), "node_id": node, "count": self.index.count, "path": self.path,
+                **self.writes.info()}
 
     def close(self) -> None:
+        self.closed = True
+        self.writes.close()
         self.index.close()
+
+
+def _is_down(e: BaseException) -> bool:
+    """Whether a shard call failed because the shard is not running (not because of what it was asked)."""
+    if isinstance(e, (ShardDown, FutureTimeout)):
+        return True
+    try:
+        from ray import exceptions as rx
+    except ImportError:
+        return False
+    return isinstance(e, (rx.RayActorError, rx.ActorUnavailableError, rx.GetTimeoutError))
+
+
+def _start_actor(path: str, config: EngineConfig, params: SearchParams, options: dict, s: int, soft: bool = False):
+    """Shard s as a Ray actor: by default on the s-th alive node (mod their count), and only there (soft: there
+    when that node is alive, elsewhere else)."""
+    ray = _ray()
+    options = dict(options)
+    if "scheduling_strategy" not in options:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(nodes[s % len(nodes)], soft=soft)
+    return ray.remote(ShardServer).options(**options).remote(path, config, params)
 
 
 class _Future:
@@ -544,8 +608,8 @@ class _Future:
     def __init__(self, fut):
         self.fut = fut
 
-    def get(self):
-        return self.fut.result()
+    def get(self, timeout: float | None = None):
+        return self.fut.result(timeout)
 
 
 @dataclass
@@ -554,6 +618,13 @@ class ShardedResult:
     distances: np.ndarray  # float32 (q, k), ascending, in the metric Index.search reports
     stats: dict[str, np.ndarray] = field(default_factory=dict)  # per query
     per_shard: dict[str, np.ndarray] = field(default_factory=dict)  # per shard, summed over the queries
+    # Per query: the router's numbers of the probed lists no live shard could search (empty: a full answer).
+    missing_lists: list[np.ndarray] = field(default_factory=list)
+    missing_shards: list[int] = field(default_factory=list)  # down shards whose fresh tier went unsearched
+
+    @property
+    def partial(self) -> bool:
+        return bool(self.missing_shards) or any(len(m) for m in self.missing_lists)
 
 
 def _merge(parts: list[tuple[np.ndarray, np.ndarray]], k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -594,14 +665,24 @@ class ShardedIndex:
         self._pool = None if use_ray else ThreadPoolExecutor(max_workers=self.n_shards,
                                                              thread_name_prefix="fusionrag-shard")
         self.probe_model: ProbeModel | None = None
+        self.alive = np.ones(self.n_shards, dtype=bool)
+        self._write_lock = threading.Lock()  # writes one at a time: the router's maps follow the shards' logs
+        self.fresh_owner: dict[int, tuple[int, ...]] = {}  # id -> the shards whose fresh tier holds it
+        self.base_gone: set[int] = set()  # built ids deleted or replaced (tombstoned on their shards)
+        self.fresh_count = np.zeros(self.n_shards, dtype=np.int64)
+        self.call_timeout_s: float | None = None
 
     @classmethod
     def open(cls, path, config: EngineConfig | None = None, params: SearchParams | None = None,
              ray: bool = False, actor_options: dict | None = None, batch_size: int = 1024,
-             verify: bool = True) -> "ShardedIndex":
+             verify: bool = True, call_timeout_s: float | None = None) -> "ShardedIndex":
         """ray: the shards as Ray actors (Ray must be initialised: ray.init(address=...)); actor_options:
         passed to the actors' .options() (default: no CPU reserved, shard s on the s-th node). batch_size:
-        queries per batch, each batch one call per shard it needs."""
+        queries per batch, each batch one call per shard it needs. call_timeout_s: a shard that has not answered a
+        call by then is taken for down (its lists go to their replicas; heal() restarts it); None: wait as long as
+        Ray takes to report a dead actor or node."""
+        if call_timeout_s is not None and not call_timeout_s > 0:
+            raise ConfigError(f"call_timeout_s must be positive, got {call_timeout_s}")
         path = Path(path)
         config = config or EngineConfig()
         if not 1 <= batch_size <= 65536:
@@ -647,21 +728,13 @@ class ShardedIndex:
             raise IndexFormatError(f"{path}: inconsistent sharded index: " + "; ".join(problems))
         params = params or SearchParams()
         shard_paths = [str((path / name).resolve()) for name in names]
+        options = None
         if ray:
             rray = _ray()
             if not rray.is_initialized():
                 raise ConfigError("ray=True: connect to a Ray cluster first (ray.init(address=...))")
             options = {"num_cpus": 0, "max_restarts": 0, **(actor_options or {})}
-            placed = [dict(options) for _ in shard_paths]
-            if "scheduling_strategy" not in options:
-                # Shard s on the s-th alive node (mod their count), and only there.
-                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-                nodes = sorted(n["NodeID"] for n in rray.nodes() if n.get("Alive"))
-                for s, o in enumerate(placed):
-                    o["scheduling_strategy"] = NodeAffinitySchedulingStrategy(nodes[s % len(nodes)], soft=False)
-            shards = [rray.remote(ShardServer).options(**o).remote(p, config, params)
-                      for p, o in zip(shard_paths, placed)]
+            shards = [_start_actor(p, config, params, options, s) for s, p in enumerate(shard_paths)]
             try:
                 where = rray.get([s.where.remote() for s in shards])
             except rray.exceptions.RayActorError as e:
@@ -678,7 +751,10 @@ class ShardedIndex:
                                        f"{parts[name].get('count')}")
         out = cls(path, m, NavigationTier(graph, metric == "ip", cpu_threads(config.threads)), list_shards,
                   list_local, list_sizes, shards, bool(ray), params, batch_size)
-        out.where = where
+        out.where, out.config, out.actor_options, out.shard_paths = where, config, options, shard_paths
+        out.call_timeout_s = call_timeout_s
+        out.base_ids = [load_array(Path(p), "global_ids.npy", np.uint32, 1).astype(np.int64) for p in shard_paths]
+        out._load_write_maps()
         if "probe_model" in m:
             if "probe_model.npy" not in m.get("files", {}):
                 raise IndexFormatError(f"{path}: the manifest names a probe model but not probe_model.npy")
@@ -706,21 +782,23 @@ class ShardedIndex:
         return prepare_queries(queries, self.dim, self.metric)
 
     def route(self, lists: np.ndarray, outstanding: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Which shard serves each probed list of each query: (shard int32 (q, m), -1 where no list; the work
-        planned per shard). A replicated list goes to the replica with the least outstanding work, counting
-        what this batch already sent each shard."""
+        """Which shard serves each probed list of each query: (shard int32 (q, m), -1 where no list, MISSING
+        where no shard holding the list is alive; the work planned per shard). A list with two live replicas
+        goes to the one with the least outstanding work, counting what this batch already sent each shard."""
         lists = np.asarray(lists)
         planned = np.zeros(self.n_shards, dtype=np.int64)
         base = self.outstanding.copy() if outstanding is None else np.asarray(outstanding, dtype=np.int64).copy()
         valid = lists >= 0
         safe = np.where(valid, lists, 0)
         first, second = self.list_shards[safe, 0], self.list_shards[safe, 1]
-        shard = np.where(valid, first, -1).astype(np.int32)
+        a_ok = self.alive[first]
+        b_ok = (second >= 0) & self.alive[np.maximum(second, 0)]
+        shard = np.where(valid, np.where(a_ok, first, np.where(b_ok, second, MISSING)), -1).astype(np.int32)
         sizes = self.list_sizes[safe]
-        single = valid & (second < 0)
+        single = valid & (a_ok ^ b_ok)
         np.add.at(planned, shard[single], sizes[single])
-        # Replicated lists one by one, least loaded first at each step.
-        rq, rj = np.nonzero(valid & (second >= 0))
+        # Lists with two live replicas one by one, least loaded first at each step.
+        rq, rj = np.nonzero(valid & a_ok & b_ok)
         for i, j in zip(rq, rj):
             a, b = first[i, j], second[i, j]
             pick = a if base[a] + planned[a] <= base[b] + planned[b] else b
@@ -728,17 +806,21 @@ class ShardedIndex:
             planned[pick] += sizes[i, j]
         return shard, planned
 
-    def _call(self, s: int, q: np.ndarray, local: np.ndarray, k: int, p: SearchParams):
+    def _call(self, s: int, method: str, *args):
         if self.use_ray:
-            return self.shards[s].search.remote(q, local, k, p)
-        return _Future(self._pool.submit(self.shards[s].search, q, local, k, p))
+            return getattr(self.shards[s], method).remote(*args)
+        return _Future(self._pool.submit(getattr(self.shards[s], method), *args))
 
     def _get(self, handle):
         if self.use_ray:
             import ray
 
-            return ray.get(handle)
-        return handle.get()
+            return ray.get(handle, timeout=self.call_timeout_s)
+        return handle.get(self.call_timeout_s)
+
+    def _mark_down(self, s: int) -> None:
+        with self._lock:
+            self.alive[s] = False
 
     def probe(self, q: np.ndarray, p: SearchParams, probe: str = "ratio", probe_scale: float = 1.0):
         """(lists int32 (q, m), -1 where cut; their count per query). ratio: as Index does; learned: the nprobe
@@ -753,12 +835,57 @@ class ShardedIndex:
         lists = np.where(np.arange(lists.shape[1])[None, :] < keep[:, None], lists, -1).astype(np.int32)
         return lists, (lists >= 0).sum(axis=1)
 
+    def _dispatch(self, q: np.ndarray, lo: int, lists: np.ndarray, k: int, p: SearchParams, fresh: bool,
+                  stats: dict, per_shard: dict, missing: list[set]) -> list:
+        """Send one batch's lists (the router's numbers, (b, m), -1 where none) to the live shards holding them,
+        one call per shard; with fresh, every query also to each live shard with a fresh tier. Returns the
+        calls: (shard, query rows, handle, work, which of the rows' lists it was sent)."""
+        with self._lock:
+            shard, planned = self.route(lists)
+            self.outstanding += planned
+        miss = shard == MISSING
+        for r in np.flatnonzero(miss.any(axis=1)):
+            missing[lo + r].update(lists[r][miss[r]].tolist())
+        calls = []
+        for s in range(self.n_shards):
+            on = shard == s
+            with_fresh = fresh and self.alive[s] and self.fresh_count[s] > 0
+            rows = np.arange(len(lists)) if with_fresh else np.flatnonzero(on.any(axis=1))
+            if not len(rows):
+                continue
+            width = max(1, int(on[rows].sum(axis=1).max()))
+            local = np.full((len(rows), width), -1, dtype=np.int32)
+            sub, sub_on = lists[rows], on[rows]
+            col = np.cumsum(sub_on, axis=1) - 1
+            r, c = np.nonzero(sub_on)
+            replica = (self.list_shards[sub[r, c], 1] == s).astype(np.int64)
+            local[r, col[r, c]] = self.list_local[sub[r, c], replica]
+            stats["shards_probed"][lo + rows] += 1
+            per_shard["queries"][s] += len(rows)
+            per_shard["lists"][s] += int(sub_on.sum())
+            per_shard["work"][s] += int(planned[s])
+            calls.append((s, lo + rows, self._call(s, "search", q[lo + rows], local, k, p), int(planned[s]), sub_on))
+        return calls
+
+    def _fresh_unreachable(self) -> list[int]:
+        """Down shards holding fresh rows no live shard also holds."""
+        if self.alive.all() or not self.fresh_owner:
+            return []
+        out = set()
+        for owners in self.fresh_owner.values():
+            if not any(self.alive[o] for o in owners):
+                out.update(owners)
+        return sorted(out)
+
     def search(self, queries, k: int = 10, params: SearchParams | None = None, probe: str = "ratio",
-               probe_scale: float = 1.0, **overrides) -> ShardedResult:
-        """Top-k of each query over every shard, with exact distances (as Index.search reports them).
-        probe: 'ratio' (the distance-ratio rule, as Index) or 'learned' (learned pruning; probe_scale x the
-        predicted lists).
-        stats per query: lists_probed, shards_probed, candidates (PQ-scanned postings), reranked;
+               probe_scale: float = 1.0, partial: bool = True, **overrides) -> ShardedResult:
+        """Top-k of each query over every shard's index and fresh tier, with exact distances (as Index.search
+        reports them). probe: 'ratio' (the distance-ratio rule, as Index) or 'learned' (learned pruning;
+        probe_scale x the predicted lists).
+        A shard that does not answer (its actor died) is marked down and its lists are sent to their other
+        replica; lists no live shard holds are reported per query (missing_lists) and, partial=False, raise
+        UnavailableError instead.
+        stats per query: lists_probed, shards_probed, candidates (PQ-scanned postings), reranked, missing_lists;
         per_shard: queries, lists, work (postings of the lists sent), candidates, seconds."""
         if not isinstance(k, (int, np.integer)) or k < 1:
             raise InputError(f"k must be a positive integer, got {k!r}")
@@ -770,65 +897,268 @@ class ShardedIndex:
         q = self.prepare_queries(queries)
         nq, S = len(q), self.n_shards
         stats = {key: np.zeros(nq, dtype=np.int64) for key in ("lists_probed", "shards_probed", "candidates",
-                                                                "reranked")}
+                                                                "reranked", "missing_lists")}
         per_shard = {key: np.zeros(S, dtype=np.float64 if key == "seconds" else np.int64)
                      for key in ("queries", "lists", "work", "candidates", "seconds")}
-        jobs = []  # (batch slice, [(shard, query rows, handle, work)])
+        missing: list[set] = [set() for _ in range(nq)]
+        missing_shards = set(self._fresh_unreachable())
+        jobs = []  # (batch slice, its lists, its calls)
         for lo in range(0, nq, self.batch_size):
             sl = slice(lo, min(nq, lo + self.batch_size))
             lists, probed = self.probe(q[sl], p, probe, probe_scale)
             stats["lists_probed"][sl] = probed
-            with self._lock:
-                shard, planned = self.route(lists)
-                self.outstanding += planned
-            calls = []
-            for s in range(S):
-                on = shard == s
-                rows = np.flatnonzero(on.any(axis=1))
-                if not len(rows):
-                    continue
-                width = int(on[rows].sum(axis=1).max())
-                local = np.full((len(rows), width), -1, dtype=np.int32)
-                sub, sub_on = lists[rows], on[rows]
-                col = np.cumsum(sub_on, axis=1) - 1
-                r, c = np.nonzero(sub_on)
-                replica = (self.list_shards[sub[r, c], 1] == s).astype(np.int64)
-                local[r, col[r, c]] = self.list_local[sub[r, c], replica]
-                stats["shards_probed"][lo + rows] += 1
-                per_shard["queries"][s] += len(rows)
-                per_shard["lists"][s] += int(sub_on.sum())
-                per_shard["work"][s] += int(planned[s])
-                calls.append((s, lo + rows, self._call(s, q[lo + rows], local, k, p), int(planned[s])))
-            jobs.append((sl, calls))
+            jobs.append((sl, lists, self._dispatch(q, lo, lists, k, p, True, stats, per_shard, missing)))
         ids = np.full((nq, k), -1, dtype=np.int64)
         dists = np.full((nq, k), np.inf, dtype=np.float32)
         errors = []
-        for sl, calls in jobs:
+        for sl, lists, calls in jobs:
             parts = []
             n_b = sl.stop - sl.start
-            for s, rows, handle, work in calls:
-                try:
-                    sid, sd, sst, secs = self._get(handle)
-                except Exception as e:  # noqa: BLE001 - reported below, after every handle is collected
-                    errors.append((s, e))
-                    continue
-                finally:
-                    with self._lock:
-                        self.outstanding[s] -= work
-                full_ids = np.full((n_b, k), -1, dtype=np.int64)
-                full_d = np.full((n_b, k), np.inf, dtype=np.float32)
-                full_ids[rows - sl.start], full_d[rows - sl.start] = sid, sd
-                parts.append((full_ids, full_d))
-                stats["candidates"][rows] += sst["candidates"]
-                stats["reranked"][rows] += sst["reranked"]
-                per_shard["candidates"][s] += int(sst["candidates"].sum())
-                per_shard["seconds"][s] += secs
+            while calls:
+                retry = np.full_like(lists, -1)
+                for s, rows, handle, work, sent in calls:
+                    try:
+                        sid, sd, sst, secs = self._get(handle)
+                    except Exception as e:  # noqa: BLE001 - a down shard fails over; others reported below
+                        if not _is_down(e):
+                            errors.append((s, e))
+                            continue
+                        self._mark_down(s)
+                        retry[rows - sl.start] = np.where(sent, lists[rows - sl.start], retry[rows - sl.start])
+                        missing_shards.update(self._fresh_unreachable())
+                        continue
+                    finally:
+                        with self._lock:
+                            self.outstanding[s] -= work
+                    full_ids = np.full((n_b, k), -1, dtype=np.int64)
+                    full_d = np.full((n_b, k), np.inf, dtype=np.float32)
+                    full_ids[rows - sl.start], full_d[rows - sl.start] = sid, sd
+                    parts.append((full_ids, full_d))
+                    stats["candidates"][rows] += sst["candidates"]
+                    stats["reranked"][rows] += sst["reranked"]
+                    per_shard["candidates"][s] += int(sst["candidates"].sum())
+                    per_shard["seconds"][s] += secs
+                # The lists of shards that went down, to their live replicas (fresh tiers were all asked once).
+                calls = (self._dispatch(q, sl.start, retry, k, p, False, stats, per_shard, missing)
+                         if (retry >= 0).any() else [])
             if parts:
                 ids[sl], dists[sl] = _merge(parts, k)
         if errors:
             s, e = errors[0]
             raise UnavailableError(f"{self.path}: shard {part_name(s)} did not answer: {e}") from e
-        return ShardedResult(ids, dists, stats, per_shard)
+        missing_lists = [np.array(sorted(m), dtype=np.int32) for m in missing]
+        stats["missing_lists"][:] = [len(m) for m in missing_lists]
+        res = ShardedResult(ids, dists, stats, per_shard, missing_lists, sorted(missing_shards))
+        if res.partial and not partial:
+            down = [part_name(s) for s in np.flatnonzero(~self.alive)]
+            why = [f"{int((stats['missing_lists'] > 0).sum())} queries need posting lists no live shard holds "
+                   f"({sum(map(len, missing_lists))} lists)"] if stats["missing_lists"].any() else []
+            why += [f"fresh rows only {', '.join(part_name(s) for s in sorted(missing_shards))} held"] \
+                if missing_shards else []
+            raise UnavailableError(f"{self.path}: {'; '.join(why)}; down: {', '.join(down) or 'none'}")
+        return res
+
+    # -- writes ------------------------------------------------------------------------------------
+
+    def _base_holders(self, ids: np.ndarray) -> list[list[int]]:
+        """For each id, the shards whose built index holds it (none once it was deleted or replaced)."""
+        out = [[] for _ in ids]
+        for s, base in enumerate(self.base_ids):
+            pos = np.minimum(np.searchsorted(base, ids), max(len(base) - 1, 0))
+            for i in np.flatnonzero(base[pos] == ids) if len(base) else []:
+                if int(ids[i]) not in self.base_gone:
+                    out[i].append(s)
+        return out
+
+    def _check_ids(self, ids) -> np.ndarray:
+        ids = np.asarray(ids)
+        if ids.ndim != 1 or (len(ids) and ids.dtype.kind not in "iu"):
+            raise InputError("ids must be a 1-D sequence of integers")
+        ids = ids.astype(np.int64)
+        if (ids < 0).any() or len(np.unique(ids)) != len(ids):
+            raise InputError("ids must be distinct non-negative integers")
+        return ids
+
+    def _write_round(self, sends: dict[int, tuple], what: str) -> dict[int, int]:
+        """One call per shard, in parallel: {shard: (method, args)}; a shard that fails is marked down and the
+        write refused (UnavailableError: not acknowledged; retrying it after the shard is back completes it)."""
+        handles = {s: self._call(s, method, *args) for s, (method, args) in sends.items()}
+        out, failed = {}, []
+        for s, h in handles.items():
+            try:
+                out[s] = self._get(h)
+            except Exception as e:  # noqa: BLE001
+                if _is_down(e):
+                    self._mark_down(s)
+                    failed.append((s, e))
+                else:
+                    raise
+        if failed:
+            raise UnavailableError(f"{self.path}: {what} not acknowledged: shard {part_name(failed[0][0])} is down")
+        return out
+
+    def _refuse_if_down(self, shards, what: str) -> None:
+        down = sorted(s for s in shards if not self.alive[s])
+        if down:
+            raise UnavailableError(f"{self.path}: {what} refused: it needs shard(s) "
+                                   f"{', '.join(part_name(s) for s in down)}, which are down")
+
+    def _set_fresh(self, i: int, owners: tuple[int, ...]) -> None:
+        for o in self.fresh_owner.pop(i, ()):
+            self.fresh_count[o] -= 1
+        if owners:
+            self.fresh_owner[i] = owners
+            for o in owners:
+                self.fresh_count[o] += 1
+
+    def upsert(self, ids, vectors) -> int:
+        """Insert or replace vectors by id (non-negative integers; the built vectors' ids are their source rows).
+        Each goes to the fresh tier of every live shard holding its nearest list (to the live shard with the
+        fewest fresh rows when none does), its older version deleted wherever it was. Durable on every shard
+        it went to when this returns; returns how many ids replaced a live version. UnavailableError (503)
+        when an older version sits on a down shard, or no shard is alive."""
+        ids = self._check_ids(ids)
+        v = self.prepare_queries(vectors)
+        if len(v) != len(ids):
+            raise InputError(f"{len(ids)} ids for {len(v)} vectors")
+        if not len(ids):
+            return 0
+        nearest = probe_distances(self.nav, v, self.params.with_overrides(nprobe=1))[0][:, 0]
+        with self._write_lock:
+            if not self.alive.any():
+                raise UnavailableError(f"{self.path}: upsert refused: every shard is down")
+            base = self._base_holders(ids)
+            holders = [set(b) | set(self.fresh_owner.get(int(i), ())) for i, b in zip(ids.tolist(), base)]
+            targets = []
+            for lst in nearest.tolist():
+                t = tuple(int(s) for s in self.list_shards[lst] if s >= 0 and self.alive[s])
+                targets.append(t or (int(np.flatnonzero(self.alive)[np.argmin(self.fresh_count[self.alive])]),))
+            old = [h - set(t) for h, t in zip(holders, targets)]
+            self._refuse_if_down(set().union(*old), "upsert")
+            ups: dict[int, list[int]] = {}
+            for i, t in enumerate(targets):
+                for s in t:
+                    ups.setdefault(s, []).append(i)
+            dels: dict[int, list[int]] = {}
+            for i, o in enumerate(old):
+                for s in o:
+                    dels.setdefault(s, []).append(i)
+            # New versions first: a write cut short leaves an id twice (the merge keeps its nearer version) rather
+            # than not at all, and its retry completes it.
+            self._write_round({s: ("upsert", (ids[r], v[r])) for s, r in ups.items()}, "upsert")
+            if dels:
+                self._write_round({s: ("delete", (ids[r],)) for s, r in dels.items()}, "upsert")
+            for i, (b, t) in enumerate(zip(base, targets)):
+                if b:
+                    self.base_gone.add(int(ids[i]))
+                self._set_fresh(int(ids[i]), t)
+            return sum(1 for h in holders if h)
+
+    def delete(self, ids) -> int:
+        """Delete by id from every shard holding a version (unknown ids are ignored); durable when it returns;
+        how many ids were live. UnavailableError (503) when a shard holding one of them is down."""
+        ids = self._check_ids(ids)
+        with self._write_lock:
+            base = self._base_holders(ids)
+            holders = [set(b) | set(self.fresh_owner.get(int(i), ())) for i, b in zip(ids.tolist(), base)]
+            self._refuse_if_down(set().union(*holders) if holders else set(), "delete")
+            dels: dict[int, list[int]] = {}
+            for i, h in enumerate(holders):
+                for s in h:
+                    dels.setdefault(s, []).append(i)
+            if dels:
+                self._write_round({s: ("delete", (ids[r],)) for s, r in dels.items()}, "delete")
+            for i, b in enumerate(base):
+                if b:
+                    self.base_gone.add(int(ids[i]))
+                self._set_fresh(int(ids[i]), ())
+            return sum(1 for h in holders if h)
+
+    def _load_write_maps(self) -> None:
+        """The router's maps (which shards' fresh tiers hold an id, which built ids are gone) from the shards'
+        replayed logs."""
+        states = [self._get(self._call(s, "write_state")) for s in range(self.n_shards)]
+        owners: dict[int, list[int]] = {}
+        for s, (fresh, _) in enumerate(states):
+            for i in fresh.tolist():
+                owners.setdefault(i, []).append(s)
+        self.fresh_owner, self.fresh_count[:] = {}, 0
+        for i, o in owners.items():
+            self._set_fresh(i, tuple(o))
+        tomb = np.concatenate([t for _, t in states]) if states else np.empty(0, np.int64)
+        self.base_gone = set()
+        if len(tomb):
+            uniq, times = np.unique(tomb, return_counts=True)
+            held = np.array([len(h) for h in self._base_holders(uniq)])
+            self.base_gone = set(uniq[times >= held].tolist())
+
+    # -- faults ------------------------------------------------------------------------------------
+
+    def kill_shard(self, s: int) -> None:
+        """Stop shard s as a crash would (tests, drills): its actor killed, or its object closed. Its directory,
+        log included, stays; restart_shard brings it back."""
+        if self.use_ray:
+            import ray
+
+            ray.kill(self.shards[s], no_restart=True)
+        else:
+            self.shards[s].close()
+
+    def check_shards(self) -> np.ndarray:
+        """Ask every shard whether it runs; marks those that do not down. Returns the alive mask."""
+        for s in range(self.n_shards):
+            try:
+                self._get(self._call(s, "where"))
+            except Exception as e:  # noqa: BLE001
+                if not _is_down(e):
+                    raise
+                self._mark_down(s)
+        return self.alive.copy()
+
+    def heal(self) -> list[int]:
+        """Restart every shard marked down (restart_shard); returns those that came back. One that cannot be
+        restarted now stays down, and is tried again at the next call."""
+        back = []
+        for s in np.flatnonzero(~self.alive).tolist():
+            try:
+                self.restart_shard(s)
+            except Exception:  # noqa: BLE001 - its node may be gone for now; logged, retried at the next heal
+                log.warning("sharded index %s: cannot restart %s yet", self.path, part_name(s), exc_info=True)
+                continue
+            back.append(s)
+        return back
+
+    def restart_shard(self, s: int) -> dict:
+        """Re-create shard s from its directory (its index, and its log replayed), on its node when that node is
+        alive, and route to it again. Returns where it runs."""
+        path = self.shard_paths[s]
+        if self.use_ray:
+            import ray
+
+            try:
+                ray.kill(self.shards[s], no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+            shard = _start_actor(path, self.config, self.params, self.actor_options, s, soft=True)
+            where = ray.get(shard.where.remote())
+        else:
+            try:
+                self.shards[s].close()
+            except Exception:  # noqa: BLE001
+                pass
+            shard = ShardServer(path, self.config, self.params)
+            where = shard.where()
+        if where["count"] != self.manifest["parts"][part_name(s)]["count"]:
+            raise IndexFormatError(f"{path}: the restarted shard holds {where['count']} vectors, the router expects "
+                                   f"{self.manifest['parts'][part_name(s)]['count']}")
+        with self._write_lock:
+            self.shards[s] = shard
+            self.where[s] = where
+            with self._lock:
+                self.outstanding[s] = 0
+                self.alive[s] = True
+            self._load_write_maps()
+        return where
 
     def close(self) -> None:
         if self.use_ray:
@@ -839,5 +1169,6 @@ class ShardedIndex:
         else:
             self._pool.shutdown()
             for s in self.shards:
-                s.close()
+                if not s.closed:
+                    s.close()
         self.shards = []

@@ -1,10 +1,10 @@
 """The three tiers of an open index, each a part with one interface (docs/design.md, "A query").
 
-- NavigationTier (host RAM): graph search for the top-m posting lists of each query.
-- FilterTier (GPU memory, or host RAM here): PQ lookup tables; gather the lists' IDs,
-  de-duplicate, PQ distance, top-n. CpuFilterTier is the native fallback; GpuFilterTier
-  (gpu_tier.py, Triton) implements the same interface; `open_filter_tier` picks one.
-- RerankTier (SSD + DRAM page buffer): exact distances of the top-n, Algorithm 1 early stop.
+- NavigationTier (host RAM): graph search for the top-m posting lists of each query (the coarse quantizer).
+- FilterTier (GPU memory, or host RAM here; filtering.py): PQ lookup tables; gather the lists' IDs,
+  de-duplicate, PQ distance, top-n (the codec). CpuFilterTier is the native one; GpuFilterTier
+  (gpu_tier.py, Triton) implements the same interface; pipeline.open_filter_tier picks one.
+- RerankTier (SSD + DRAM page buffer): exact distances of the top-n, Algorithm 1 early stop (the refinement).
 """
 
 from __future__ import annotations
@@ -14,25 +14,13 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
 from fusionrag import native
 from fusionrag.retriever.config import EngineConfig, SearchParams
+from fusionrag.retriever.filtering import Candidates
 from fusionrag.retriever.kmeans import sq_dists
-
-
-@dataclass
-class Candidates:
-    ids: np.ndarray  # int64 (q, n), best PQ distance first, -1 padding
-    pq_dists: np.ndarray  # float32 (q, n)
-    gathered: np.ndarray  # int64 (q,): IDs gathered, duplicates included
-    unique: np.ndarray  # int64 (q,): after de-duplication
-    seconds: np.ndarray  # float64 (q,)
-    # float64 (q,): building PQ tables inside topn (the CPU tier's BatchTables); 0 where
-    # the tables came built (timed by whoever built them).
-    lut_seconds: np.ndarray | float = 0.0
 
 
 @dataclass(frozen=True)
@@ -43,25 +31,6 @@ class BatchTables:
     queries: np.ndarray  # float32 (q, dim)
     codebooks: object  # native.PqCodebooks (laid out once per index), or float32 (M, 256, dsub)
     metric: str  # 'l2' or 'ip'
-
-
-class FilterTier(Protocol):
-    name: str
-
-    def memory_bytes(self) -> int: ...
-
-    def describe(self) -> dict: ...
-
-    def close(self) -> None:
-        """Give back what the tier holds (GPU memory); no search may run meanwhile or after."""
-
-    def luts(self, pq, queries: np.ndarray, metric: str):
-        """The queries' PQ tables in the form topn takes best: BatchTables on the CPU (built
-        during topn), tables in device memory on the GPU."""
-
-    def topn(self, luts, probe_lists: np.ndarray, n: int, exclude: np.ndarray | None = None) -> Candidates:
-        """luts: from self.luts, or float32 (q, M, 256) host tables as ProductQuantizer.luts gives.
-        exclude: bitmap of vector ids never to return (a collection's tombstones and filter)."""
 
 
 class NavigationTier:
@@ -100,11 +69,18 @@ class NavigationTier:
 
 
 class CpuFilterTier:
+    """The filter tier in host RAM (native/scan.cpp). metric: the tables' ('l2' or 'ip'); pipeline: whether
+    a call's batches overlap (EngineConfig.pipeline)."""
+
     name = "cpu"
+    in_flight = 1
+    tiered = False
 
     def __init__(self, list_offsets: np.ndarray, list_ids: np.ndarray, codes: np.ndarray, codebooks: np.ndarray,
-                 threads: int):
+                 threads: int, *, metric: str = "l2", batch_size: int = 0, pipeline: bool = EngineConfig.pipeline):
         self.list_offsets, self.list_ids, self.codes, self.threads = list_offsets, list_ids, codes, threads
+        self.metric, self.overlaps = metric, pipeline
+        self.batch_size = batch_size or EngineConfig().batch_for(self.name)
         # Laid out for building tables once, not per call: ~0.1 ms a one-query request would pay every time.
         self.codebooks = native.PqCodebooks(codebooks)
 
@@ -117,17 +93,17 @@ class CpuFilterTier:
     def close(self) -> None:
         """Nothing to give back: the codes are the index's own arrays."""
 
-    def luts(self, pq, queries: np.ndarray, metric: str) -> BatchTables:
-        return BatchTables(queries, self.codebooks, metric)
+    def tables(self, queries: np.ndarray) -> BatchTables:
+        return BatchTables(queries, self.codebooks, self.metric)
 
-    def topn(self, luts: BatchTables | np.ndarray, probe_lists: np.ndarray, n: int,
+    def topn(self, tables: BatchTables | np.ndarray, probe_lists: np.ndarray, n: int,
              exclude: np.ndarray | None = None) -> Candidates:
         index = (self.list_offsets, self.list_ids, self.codes, n, self.threads, exclude)
-        if isinstance(luts, BatchTables):
+        if isinstance(tables, BatchTables):
             ids, dists, counts, seconds, lut_seconds = native.scan_topn_pq(
-                luts.queries, luts.codebooks, luts.metric, probe_lists, *index)
+                tables.queries, tables.codebooks, tables.metric, probe_lists, *index)
             return Candidates(ids, dists, counts[:, 0], counts[:, 1], seconds, lut_seconds)
-        ids, dists, counts, seconds = native.scan_topn(luts, probe_lists, *index)
+        ids, dists, counts, seconds = native.scan_topn(tables, probe_lists, *index)
         return Candidates(ids, dists, counts[:, 0], counts[:, 1], seconds)
 
 
@@ -149,34 +125,19 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def open_filter_tier(config: EngineConfig, list_offsets: np.ndarray, list_ids: np.ndarray, codes: np.ndarray,
-                     codebooks: np.ndarray, threads: int, owner: str, metric: str) -> FilterTier:
-    """config.filter_tier: 'gpu' when CUDA is there (and torch and triton installed) under 'auto'.
-    A GPU tier holds an account, named by owner, in the process's one budget on its device, and
-    compiles its kernels for the tables' metric ('l2' or 'ip')."""
-    kind = config.filter_tier
-    if kind == "auto":
-        kind = "gpu" if _cuda_available() else "cpu"
-    if kind == "cpu":
-        return CpuFilterTier(list_offsets, list_ids, codes, codebooks, threads)
-    from fusionrag.retriever.gpu_tier import GpuFilterTier, gpu_device, shared_account
-
-    account = shared_account(gpu_device(), config.gpu_budget_bytes, config.gpu_memory_utilization, owner)
-    return GpuFilterTier(list_offsets, list_ids, codes, codebooks, account=account, metric=metric,
-                         batch_size=config.batch_for("gpu"), threads=threads, tiered_share=config.gpu_tiered_share)
-
-
 class RerankTier:
     """The exact re-ranker over the page file. With page_mates, a block read for a mini-batch also
-    scores the query's later candidates stored in it (EngineConfig.page_mates)."""
+    scores the query's later candidates stored in it (EngineConfig.page_mates); with prefetch, the next
+    mini-batch's blocks are read while the current one's are scored (EngineConfig.rerank_prefetch)."""
 
     def __init__(self, store, locations: np.ndarray, dtype: str, metric: str, threads: int,
-                 inflight: int = EngineConfig.rerank_inflight, page_mates: bool = EngineConfig.page_mates):
+                 inflight: int = EngineConfig.rerank_inflight, page_mates: bool = EngineConfig.page_mates,
+                 prefetch: bool = EngineConfig.rerank_prefetch):
         self.store, self.locations, self.dtype, self.metric = store, locations, dtype, metric
-        self.threads, self.inflight, self.page_mates = threads, inflight, page_mates
+        self.threads, self.inflight, self.page_mates, self.prefetch = threads, inflight, page_mates, prefetch
 
     def rerank(self, queries: np.ndarray, cand: np.ndarray, k: int, p: SearchParams):
         """(ids, exact distances, stats int64 (q, 5), seconds): see native.rerank."""
         return native.rerank(self.store, queries, cand, self.locations, self.dtype, self.metric, k,
                              p.minibatch, p.eps, p.beta, self.threads, inflight=self.inflight,
-                             page_mates=self.page_mates)
+                             page_mates=self.page_mates, prefetch=self.prefetch)

@@ -22,13 +22,24 @@ import numpy as np
 from fusionrag.retriever.collection import DEFAULT_TEXT_WEIGHT, Collection, CollectionSearch
 from fusionrag.retriever.config import SearchParams
 from fusionrag.retriever.embedding import get_embedder
+from fusionrag.retriever.queries import PreparedQueries
 from fusionrag.server.metrics import Metrics
+
+
+def _joined(parts: list) -> PreparedQueries | np.ndarray:
+    """A group's query vectors in one matrix, still prepared when every request's was (the route checked
+    them), so the collection takes them as they are; otherwise an array it checks."""
+    if all(isinstance(p, PreparedQueries) for p in parts) and len({p.metric for p in parts}) == 1:
+        return PreparedQueries(np.concatenate([p.vectors for p in parts]), parts[0].metric)
+    return np.concatenate([getattr(p, "vectors", p) for p in parts])
 
 
 @dataclass(eq=False)
 class _Request:
     collection: Collection
-    vectors: np.ndarray | None  # (q, dim) float32; None until `texts` are embedded, and in text mode
+    # (q, dim) float32: PreparedQueries as the route checked them, an array once `texts` are embedded;
+    # None until then, and in text mode
+    vectors: PreparedQueries | np.ndarray | None
     texts: list[str] | None
     k: int
     filter: dict | None
@@ -176,7 +187,7 @@ class MicroBatcher:
 
     def _search_group(self, reqs: list[_Request]) -> dict:
         first = reqs[0]
-        vectors = None if first.mode == "text" else np.concatenate([req.vectors for req in reqs])
+        vectors = None if first.mode == "text" else _joined([req.vectors for req in reqs])
         texts = None if first.mode == "vector" else [t for req in reqs for t in req.texts]
         t = time.perf_counter()
         res = first.collection.search(vectors, first.k, first.filter, first.params, texts=texts, mode=first.mode,

@@ -13,7 +13,8 @@ from fastapi.exceptions import HTTPException
 from fusionrag.retriever.collection import Collection
 from fusionrag.retriever.config import SearchParams
 from fusionrag.retriever.embedding import get_embedder
-from fusionrag.retriever.vectors import vector_problems
+from fusionrag.retriever.errors import InputError
+from fusionrag.retriever.queries import PreparedQueries, QueryWords, prepare_queries
 from fusionrag.server.bodies import Body, read_body
 from fusionrag.server.errors import http_error
 
@@ -35,14 +36,26 @@ def check_texts(texts, limit: int, what: str) -> None:
             raise http_error(422, f"{what}[{i}] has {len(t)} characters, at most {limit} allowed (max_text_chars)")
 
 
-def check_vectors(vectors: np.ndarray, coll: Collection, what: str) -> None:
-    """What Collection.search would refuse, refused here: in a batch, one bad query would fail its neighbours."""
-    if vectors.ndim != 2 or vectors.shape[1] != coll.dim:
-        got = vectors.shape[1] if vectors.ndim == 2 else "ragged"
-        raise http_error(422, f"{what} have dimension {got}, collection {coll.name!r} has dimension {coll.dim}")
-    bad, why = vector_problems(vectors, coll.metric)
-    if bad.size:
-        raise http_error(422, f"{what}[{bad[0]}] {why[0]}")
+def query_words(coll: Collection, what: str) -> QueryWords:
+    """The API's words for query vectors that `coll` cannot search."""
+    name = repr(coll.name).replace("{", "{{").replace("}", "}}")
+    return QueryWords(
+        numeric=f"{what} must be numbers, got {{detail}}",
+        shape=f"{what} have dimension ragged, collection {name} has dimension {{dim}}",
+        dimension=f"{what} have dimension {{got}}, collection {name} has dimension {{dim}}",
+        empty=f"no {what} given",
+        row=f"{what}[{{row}}] {{why}}",
+    )
+
+
+def check_vectors(vectors: np.ndarray, coll: Collection, what: str) -> PreparedQueries:
+    """What Collection.search would refuse, refused here (queries.prepare_queries, in the API's words): in a
+    batch, one bad query would fail its neighbours. The queries come back prepared (unit rows under cosine),
+    so that neither the collection nor its index checks or normalises them again."""
+    try:
+        return prepare_queries(vectors, coll.dim, coll.metric, query_words(coll, what))
+    except InputError as e:
+        raise http_error(422, str(e)) from None
 
 
 def embedder_of(coll: Collection, what: str):

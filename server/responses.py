@@ -20,8 +20,8 @@ def hit_json(h, with_vector: bool = False) -> dict:
 
 class VectorJSON(JSONResponse):
     """JSON by orjson, vectors given as float32 arrays: the floats' text is most of what an answer with vectors
-    costs (20 hits of 384 numbers: 5 ms by json.dumps, 0.14 ms by orjson, which also writes float32's shortest
-    digits, half the bytes, that read back to the same float32)."""
+    costs, and orjson writes them far faster than json.dumps (bench/remote_reads.py measures the answer's
+    cost), in float32's shortest digits: half the bytes, read back to the same float32."""
 
     def render(self, content) -> bytes:
         try:

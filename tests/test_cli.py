@@ -61,3 +61,35 @@ def test_errors_are_messages_not_tracebacks(tmp_path):
     assert p.returncode == 2 and "already exists" in p.stderr
     p = run("build", tmp_path / "base.fbin", tmp_path / "idx2", "--centroid-ratio", "7", check=False)
     assert p.returncode == 2 and "centroid_ratio" in p.stderr
+
+
+def test_serve_refuses_a_bad_setting_from_any_source_before_starting(tmp_path):
+    """flags > FUSIONRAG_* > the TOML file: the one that gave the bad value is named, with the setting's range."""
+    import os
+
+    (tmp_path / "bad.toml").write_text("max_k = 0\n")
+    cases = [(["--max-k", "0"], {}, "--max-k: max_k must be in [1, 100000], got 0"),
+             ([], {"FUSIONRAG_MAX_K": "0"}, "FUSIONRAG_MAX_K: max_k must be in [1, 100000], got 0"),
+             (["--config", tmp_path / "bad.toml"], {}, f"config file {tmp_path / 'bad.toml'}: max_k must be in"),
+             (["--config", tmp_path / "bad.toml", "--max-k", "5"], {"FUSIONRAG_SEARCH_THREADS": "99"},
+              "FUSIONRAG_SEARCH_THREADS: search_threads must be in [1, 64], got 99")]
+    for argv, env, message in cases:
+        p = subprocess.run([sys.executable, "-m", "fusionrag", "serve", "--data-dir", str(tmp_path / "data"),
+                            *map(str, argv)], capture_output=True, text=True, env={**os.environ, **env}, timeout=120)
+        assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert not (tmp_path / "data").exists()
+
+
+def test_serve_ray_needs_a_sharded_index_and_says_so(tmp_path):
+    """`serve --ray` serves a sharded index: without --index, with an index that is not sharded, or with --index
+    but no --ray, the command stops with a message, before any Ray connection or service starts."""
+    base = clustered(300, 8, 4)
+    write_bin(tmp_path / "base.fbin", base)
+    run("build", tmp_path / "base.fbin", tmp_path / "idx", "--quiet")
+    cases = [(["--ray", "127.0.0.1:1"], "serve --ray needs --index"),
+             (["--ray", "127.0.0.1:1", "--index", tmp_path / "idx"], "not a sharded index (build it with --shards)"),
+             (["--index", tmp_path / "idx"], "--index and --name go with --ray")]
+    for argv, message in cases:
+        p = run("serve", "--data-dir", tmp_path / "data", *argv, check=False)
+        assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert not (tmp_path / "data").exists()

@@ -38,6 +38,7 @@ from fusionrag.retriever.errors import (ConflictError, FusionRAGError, IndexForm
 from fusionrag.retriever.filters import compile_filter, filter_warnings
 from fusionrag.retriever.fresh import FreshTier, FreshView, distances
 from fusionrag.retriever.index import STAT_KEYS, Index
+from fusionrag.retriever.queries import PreparedQueries, prepare_queries
 from fusionrag.retriever import importer, snapshot
 from fusionrag.retriever.vectors import vector_problems
 from fusionrag.retriever.wal import WriteAheadLog
@@ -46,7 +47,7 @@ from fusionrag.retriever.collection.config import (CURRENT_FORMAT, DEFAULT_TEXT_
                                                    MERGE_RETRY_S, RRF_K, SEARCH_MODES, CollectionConfig)
 from fusionrag.retriever.collection.generations import (Generation, ReadView, load_published, rows_digest,
                                                         write_json_atomic, write_rows)
-from fusionrag.retriever.collection.records import (CollectionSearch, Document, Hit, Write, check_vectors,
+from fusionrag.retriever.collection.records import (QUERY_WORDS, CollectionSearch, Document, Hit, Write,
                                                     engine_form, upsert_record)
 
 log = logging.getLogger(__name__)
@@ -364,11 +365,9 @@ class Collection:
         main.retired = True
         return main.index is not None and not main.readers
 
-    def _queries(self, vectors) -> np.ndarray:
-        q = check_vectors(vectors, self.dim, self.metric, "queries")
-        if len(q) == 0:
-            raise InputError("queries: no query vectors given")
-        return engine_form(q, self.metric)
+    def _queries(self, vectors) -> PreparedQueries:
+        """The one check of query vectors on this path, and their one normalisation: the index takes them as they are."""
+        return prepare_queries(vectors, self.dim, self.metric, QUERY_WORDS)
 
     @_in_use
     def filter_warnings(self, filter: dict) -> list[str]:
@@ -411,7 +410,7 @@ class Collection:
                 return self._hits(*self._search(snap, q, k, where, params), k, with_vectors)
             depth = max(k, HYBRID_DEPTH)
             rows, _, stats = self._search(snap, q, depth, where, params)
-        return self._fused_hits(q, rows, texts, depth, k, float(text_weight), where, stats, with_vectors)
+        return self._fused_hits(q.vectors, rows, texts, depth, k, float(text_weight), where, stats, with_vectors)
 
     def _text_hits(self, texts, k, where, with_vectors) -> CollectionSearch:
         found = [self.store.text_search(t, k, where) for t in texts]
@@ -450,7 +449,7 @@ class Collection:
                          for (r, sc), dist in zip(live, d.tolist())])
         return CollectionSearch(hits, stats)
 
-    def _search(self, snap: ReadView, q, k, where, params):
+    def _search(self, snap: ReadView, q: PreparedQueries, k, where, params):
         """Rows and exact distances of each query's k nearest (unsorted, padded with -1), and statistics."""
         nq = len(q)
         stats = [{key: 0 for key in STAT_KEYS} | {"fresh_candidates": 0, "filtered_exact": False}
@@ -459,7 +458,7 @@ class Collection:
         if where is not None:
             allowed = self.store.rows_where(*where)
             if len(allowed) <= self.config.filter_exact_max:
-                rows, dists = self._exact(q, k, where)
+                rows, dists = self._exact(q.vectors, k, where)
                 for s in stats:
                     s["filtered_exact"] = True
                 return rows, dists, stats
@@ -471,7 +470,7 @@ class Collection:
             parts_d.append(d)
         fr = snap.fresh
         fmask = None if allowed is None else np.isin(fr.rows, allowed)
-        r, d = fr.search(q, k, self.metric, fmask)
+        r, d = fr.search(q.vectors, k, self.metric, fmask)
         n_fresh = int((fr.live if fmask is None else fr.live & fmask).sum())
         for s in stats:
             s["fresh_candidates"] = n_fresh
@@ -479,7 +478,7 @@ class Collection:
         parts_d.append(d)
         return np.concatenate(parts_rows, axis=1), np.concatenate(parts_d, axis=1), stats
 
-    def _search_main(self, q, k, params, snap: ReadView, allowed, stats):
+    def _search_main(self, q: PreparedQueries, k, params, snap: ReadView, allowed, stats):
         main = snap.main
         n = len(main.rows)
         if allowed is None:
@@ -497,7 +496,7 @@ class Collection:
         short = np.flatnonzero((ids >= 0).sum(1) < min(k, live))
         if short.size:
             p = (params or main.index.params).with_overrides(nprobe=main.index.nav.graph.size)
-            again = main.index.search(q[short], k, p, exclude=exclude)
+            again = main.index.search(q.rows(short), k, p, exclude=exclude)
             ids[short], dists[short] = again.ids, again.distances
         for i, s in enumerate(stats):
             for key in STAT_KEYS:

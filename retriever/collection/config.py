@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import field
+from typing import Annotated
 
-
-from fusionrag.retriever.config import BuildConfig, _check, _Config
+from fusionrag.retriever.config import BuildConfig, _Config, config_class, knob
 
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -23,31 +23,28 @@ RRF_K = 60
 DEFAULT_TEXT_WEIGHT = 0.5
 
 
-@dataclass(frozen=True)
+@config_class
 class CollectionConfig(_Config):
     """How collections fold writes into their main index and answer filtered searches."""
 
     # A merge starts in the background once the fresh tier holds this many vectors or bytes.
-    merge_fresh_count: int = 20000
-    merge_fresh_bytes: int = 256 << 20
-    background_merge: bool = True
-    # Fewer live documents than this are not worth an index: they stay in the (exact) fresh tier.
-    min_index_count: int = 1000
-    # A filter that at most this many documents pass is answered by exact search over them.
-    filter_exact_max: int = 20000
+    merge_fresh_count: Annotated[int, knob("a merge starts once the fresh tier holds this many vectors",
+                                           ge=1)] = 20000
+    merge_fresh_bytes: Annotated[int, knob("a merge starts once the fresh tier (vectors, tombstones or log) "
+                                           "holds this many bytes", ge=1)] = 256 << 20
+    background_merge: Annotated[bool, knob("merge in a background thread")] = True
+    min_index_count: Annotated[int, knob("fewer live documents than this stay in the (exact) fresh tier, "
+                                         "without an index", ge=1)] = 1000
+    filter_exact_max: Annotated[int, knob("a filter that at most this many documents pass is answered by exact "
+                                          "search over them", ge=0)] = 20000
     # Merges fold writes into the current index (merge.py) rather than rebuilding it, until the
     # index has grown this many times over its last full build (its clusters and PQ codebooks
     # were trained on that) or until less than this fraction of its SSD slots hold live vectors.
-    incremental_merge: bool = True
-    rebuild_growth: float = 4.0
-    rebuild_live_fraction: float = 0.5
-    build: BuildConfig = field(default_factory=BuildConfig)
-
-    def __post_init__(self):
-        _check(self.merge_fresh_count >= 1, f"merge_fresh_count must be >= 1, got {self.merge_fresh_count}")
-        _check(self.merge_fresh_bytes >= 1, f"merge_fresh_bytes must be >= 1, got {self.merge_fresh_bytes}")
-        _check(self.min_index_count >= 1, f"min_index_count must be >= 1, got {self.min_index_count}")
-        _check(self.filter_exact_max >= 0, f"filter_exact_max must be >= 0, got {self.filter_exact_max}")
-        _check(self.rebuild_growth >= 1, f"rebuild_growth must be >= 1, got {self.rebuild_growth}")
-        _check(0 <= self.rebuild_live_fraction < 1,
-               f"rebuild_live_fraction must be in [0, 1), got {self.rebuild_live_fraction}")
+    incremental_merge: Annotated[bool, knob("merges fold writes into the current index rather than rebuild "
+                                            "it")] = True
+    rebuild_growth: Annotated[float, knob("rebuild once the index has grown this many times past its last full "
+                                          "build", ge=1)] = 4.0
+    rebuild_live_fraction: Annotated[float, knob("rebuild once less than this fraction of the SSD slots hold live "
+                                                 "vectors", ge=0, lt=1)] = 0.5
+    build: Annotated[BuildConfig, knob("how the collection's index is built", flag=False)] = \
+        field(default_factory=BuildConfig)

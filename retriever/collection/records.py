@@ -1,6 +1,6 @@
 """Documents and the records of writes: what a collection holds and answers, the write-ahead log's records,
-and the checks a document or a query passes before it is logged or searched (cosine normalisation happens once,
-here, in `engine_form`)."""
+and the checks a document passes before it is logged (cosine normalisation of stored vectors happens once, here,
+in `engine_form`; of queries in queries.prepare_queries, in the words QUERY_WORDS)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from fusionrag.retriever.errors import InputError
+from fusionrag.retriever.queries import QueryWords
 from fusionrag.retriever.vectors import normalize, vector_problems
 from fusionrag.retriever.collection.config import MAX_ID_CHARS
 
@@ -78,21 +79,13 @@ class Write:
         return w
 
 
-def check_vectors(vectors, dim: int, metric: str, what: str) -> np.ndarray:
-    """`vectors` (one, or rows of one) as a contiguous float32 matrix; InputError naming the row that is not a
-    usable vector of `dim` numbers for `metric`."""
-    try:
-        v = np.asarray(vectors, dtype=np.float32)
-    except (TypeError, ValueError) as e:
-        raise InputError(f"{what}: not numeric ({e})") from e
-    if v.ndim == 1:
-        v = v[None, :]
-    if v.ndim != 2 or v.shape[1] != dim:
-        raise InputError(f"{what}: expected dimension {dim}, got shape {tuple(np.shape(vectors))}")
-    bad, why = vector_problems(v, metric)
-    if bad.size:
-        raise InputError(f"{what}: row {int(bad[0])} {why[0]}")
-    return np.ascontiguousarray(v)
+# Collection.search's words for queries it refuses (queries.check_queries does the checking).
+QUERY_WORDS = QueryWords(
+    numeric="queries: not numeric ({detail})",
+    shape="queries: expected dimension {dim}, got shape {shape}",
+    dimension="queries: expected dimension {dim}, got shape {shape}",
+    empty="queries: no query vectors given",
+)
 
 
 def upsert_record(docs: Sequence[Document], dim: int, metric: str) -> tuple[Write, list[str]]:

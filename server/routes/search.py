@@ -17,8 +17,8 @@ from fusionrag.server.schemas import SearchRequest
 from fusionrag.server.errors import documented, http_error, json_body
 from fusionrag.server.deps import open_collection, state_of
 from fusionrag.server.responses import VectorJSON, hit_json, plain
-from fusionrag.server.requests import (check_texts, check_vectors, embedder_of, read_json, search_params,
-                                       over_limit)
+from fusionrag.server.requests import (check_texts, check_vectors, embedder_of, over_limit, query_words, read_json,
+                                       search_params)
 
 
 router = APIRouter(prefix="/v1")
@@ -31,8 +31,10 @@ async def search(request: Request, coll: Collection = Depends(open_collection)):
     cfg = state.config
     too_many = over_limit("queries", cfg.max_queries, "max_queries")
 
-    def wrong_dim(d: int) -> HTTPException:
-        return http_error(422, f"query vectors have dimension {d}, collection {coll.name!r} has dimension {coll.dim}")
+    words = query_words(coll, "query vectors")
+
+    def wrong_dim(d: int) -> HTTPException:  # a row's length, refused while the body is read
+        return http_error(422, words.dimension.format(got=d, dim=coll.dim))
 
     data = await read_json(request, lambda b: {
         "vectors": lambda i: b.array(i, 1, lambda n, j: b.vector(j, coll.dim, ("vectors", n), wrong_dim),
@@ -59,8 +61,7 @@ async def search(request: Request, coll: Collection = Depends(open_collection)):
         compile_filter(body.filter)  # a bad filter fails its own request here, not the batch it would join
     vectors = None
     if rows is not None:
-        vectors = np.stack(rows)
-        check_vectors(vectors, coll, "query vectors")
+        vectors = check_vectors(np.stack(rows), coll, "query vectors")
     if body.texts is not None:
         check_texts(body.texts, cfg.max_text_chars, "texts")
         if vectors is None and body.mode != "text":

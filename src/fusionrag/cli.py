@@ -6,62 +6,16 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import fields
 
 import numpy as np
 
-from fusionrag.retriever.config import BuildConfig, EngineConfig, SearchParams
-from fusionrag.retriever.errors import FusionRAGError
-
-_HELP = {
-    "centroid_ratio": "posting-list centroids per vector (lists of about 1/ratio vectors)",
-    "replica_eps": "boundary replication: join list i if dist <= (1+eps) * nearest dist",
-    "max_replicas": "posting lists a vector joins at most",
-    "pq_m": "PQ bytes per vector (0: dim/2, at most 64)",
-    "nprobe": "posting lists probed at most (m)",
-    "probe_ratio": "probe list i only if dist(q, c_i) <= (1+ratio) * dist(q, c_1); 0 disables",
-    "rerank": "PQ candidates re-ranked exactly (n)",
-    "minibatch": "re-rank mini-batch size",
-    "eps": "early stop: top-k change ratio counted as stable",
-    "beta": "early stop after this many stable mini-batches (0 disables)",
-    "graph_ef": "navigation graph beam (at least nprobe)",
-    "graph_sq8": "hold the navigation graph's centroids as 8-bit codes (a quarter of their memory)",
-    "page_mates": "a block read for a mini-batch also scores the query's later candidates stored in it",
-    "rerank_inflight": "queries each re-rank thread keeps in flight, their SSD reads overlapped (1: one at a time)",
-    "filter_tier": "PQ filter tier: auto (GPU when CUDA is there), cpu or gpu",
-    "gpu_budget_bytes": "GPU memory the filter tiers of the process share (0: what the LLM server leaves)",
-    "gpu_tiered_share": "an index whose PQ codes do not all fit takes at most this share of the budget left",
-    "gpu_memory_utilization": "the LLM server's share of GPU memory, for the default budget",
-    "buffer_policy": "page buffer replacement: lfu (counts use, weighted by the queries asking, aged) or clock",
-    "pin_fraction": "share of the page buffer pinned to the pages of the most visited posting lists (0: none)",
-    "manager_interval_s": "how often the index manager thread re-chooses pinned pages and GPU-resident codes",
-    "pipeline": "overlap a call's batches: the graph search of batch b+1 runs while batch b is filtered",
-}
-
-
-def _add_config_options(parser: argparse.ArgumentParser, cls, skip=()) -> None:
-    """One --option per dataclass field, typed by its default, defaulting to None (= config default)."""
-    for f in fields(cls):
-        if f.name in skip:
-            continue
-        kind = type(f.default)
-        opt = "--" + f.name.replace("_", "-")
-        if kind is bool:
-            parser.add_argument(opt, action=argparse.BooleanOptionalAction, default=None, help=_HELP.get(f.name))
-        else:
-            parser.add_argument(opt, type=kind, default=None, metavar=f.name.upper(),
-                                help=f"{_HELP.get(f.name, '')} (default {f.default})".strip())
-
-
-def _picked(args: argparse.Namespace, cls, skip=()) -> dict:
-    return {f.name: getattr(args, f.name) for f in fields(cls)
-            if f.name not in skip and getattr(args, f.name, None) is not None}
-
+from fusionrag.retriever.config import METRICS, BuildConfig, EngineConfig, SearchParams, add_flags, flags_of, knobs
+from fusionrag.retriever.errors import ConfigError, FusionRAGError
 
 def _cmd_build(args) -> int:
     from fusionrag.retriever.build import build_index
 
-    config = BuildConfig().with_overrides(**_picked(args, BuildConfig))
+    config = BuildConfig().with_overrides(**flags_of(args, BuildConfig))
     if args.shards:
         return _build_sharded(args, config)
     m = build_index(args.source, args.index_dir, config, progress=False if args.quiet else None,
@@ -131,10 +85,10 @@ def _read_ids(path: str) -> np.ndarray:
 def _cmd_search(args) -> int:
     from fusionrag.retriever import Index, open_vectors
 
-    engine = _picked(args, EngineConfig, skip=("buffer_bytes",))
+    engine = flags_of(args, EngineConfig, skip=("buffer_bytes",))
     if args.buffer_mb is not None:
         engine["buffer_bytes"] = int(args.buffer_mb * (1 << 20))
-    params = SearchParams().with_overrides(**_picked(args, SearchParams))
+    params = SearchParams().with_overrides(**flags_of(args, SearchParams))
     from fusionrag.retriever.sharded import is_sharded
 
     sharded = is_sharded(args.index_dir)
@@ -237,6 +191,19 @@ def _cmd_serve(args) -> int:
     from fusionrag.server.config import flags_of, load_config
 
     config = load_config(args.config, flags_of(args))
+    if args.ray:
+        if not args.index:
+            raise ConfigError("serve --ray needs --index, the sharded index directory every node sees")
+        try:
+            from fusionrag.server.ray_serve import serve as serve_on_ray
+        except ImportError as e:
+            raise FusionRAGError(f"serve --ray needs the ray and server extras (pip install "
+                                 f"'fusionrag[ray,server]'): {e}") from e
+        serve_on_ray(args.ray, args.index, host=config.host, port=config.port, name=args.name)
+        return 0
+    if args.index or args.name:
+        raise ConfigError("--index and --name go with --ray (serving a sharded index); the service serves the "
+                          "collections of --data-dir")
     try:
         from fusionrag.server.main import serve
     except ImportError as e:
@@ -265,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--ray", metavar="ADDRESS", help="with --shards: run the build's tasks on this Ray cluster")
     b.add_argument("--no-probe-model", action="store_true",
                    help="with --shards: do not train learned pruning's model (search --probe learned)")
-    _add_config_options(b, BuildConfig)
+    add_flags(b, BuildConfig)
     b.set_defaults(run=_cmd_build)
 
     s = sub.add_parser("search", help="search an index with a query file; prints one JSON line")
@@ -282,14 +249,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a sharded index: lists cut by the distance-ratio rule, or by learned pruning's model")
     s.add_argument("--probe-scale", type=float, default=1.0,
                    help="with --probe learned: probe this multiple of the predicted lists")
-    _add_config_options(s, SearchParams)
-    _add_config_options(s, EngineConfig, skip=("buffer_bytes",))
+    add_flags(s, SearchParams)
+    add_flags(s, EngineConfig, skip=("buffer_bytes",))
     s.set_defaults(run=_cmd_search)
 
     i = sub.add_parser("info", help="print an index's manifest and memory per tier")
     i.add_argument("index_dir")
     i.add_argument("--no-verify", action="store_true", help="skip the checksum pass")
-    i.add_argument("--filter-tier", default=None, help=_HELP["filter_tier"])
+    tier = knobs(EngineConfig)["filter_tier"]
+    i.add_argument("--filter-tier", default=None, metavar="{" + ",".join(tier.choices) + "}", help=tier.help)
     i.set_defaults(run=_cmd_info)
 
     offline = "Works on a data directory no service has open (a running service has the same over HTTP)."
@@ -314,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("--vectors", help="vector file: .fvecs .bvecs .fbin .u8bin .i8bin .npy (row i: line i of --documents)")
     im.add_argument("--dimension", type=int, help="for a collection made by the import (default: from the vectors "
                                                   "or the model)")
-    im.add_argument("--metric", default="cosine", choices=["l2", "ip", "cosine"], help="for a collection made by the import")
+    im.add_argument("--metric", default="cosine", choices=METRICS, help="for a collection made by the import")
     im.add_argument("--embedding", help="embedding model, for a collection made by the import")
     im.add_argument("--quiet", action="store_true", help="no progress bars (they are drawn when stderr is a terminal)")
     im.set_defaults(run=_cmd_import)
@@ -325,6 +293,12 @@ def build_parser() -> argparse.ArgumentParser:
     from fusionrag.server.config import add_arguments
 
     add_arguments(v)
+    ray = v.add_argument_group("sharded mode (docs/sharded.md)")
+    ray.add_argument("--ray", metavar="ADDRESS", help="serve a sharded index from the Ray cluster at ADDRESS "
+                     "(host:port of its head): the router as a Ray Serve deployment, the shards as Ray actors")
+    ray.add_argument("--index", metavar="DIR", help="with --ray: the sharded index directory, on storage every "
+                     "node sees")
+    ray.add_argument("--name", help="with --ray: the collection's name (default: the directory's)")
     v.set_defaults(run=_cmd_serve)
 
     from fusionrag.loadtests.runner import add_arguments as add_loadtest_arguments

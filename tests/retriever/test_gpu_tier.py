@@ -137,7 +137,7 @@ def test_codes_beyond_the_budget_are_read_from_host_memory(l2_index):
     luts = index.pq.luts(q, "l2")
     n = 50
     want = cpu.topn(luts, lists, n)
-    for tables in (luts, gpu.luts(index.pq, q, "l2")):  # host tables, and tables built on the device
+    for tables in (luts, gpu.tables(q)):  # host tables, and tables built on the device
         same_candidates(gpu.topn(tables, lists, n), want)
     # Hotness follows the visits: after a rebalance, the lists just probed are resident.
     gpu.rebalance()
@@ -523,7 +523,7 @@ def test_the_kernels_a_tier_compiles_are_those_its_searches_launch(l2_index, mon
         passes = count_passes(gpu, monkeypatch)
         cached = compiled_counts(kernel_fns)
         launches.clear()
-        tables = gpu.luts(index.pq, q, "l2")
+        tables = gpu.tables(q)
         gpu.topn(tables, one, 1)
         for lists, n in ((one, 100), (every, 1), (every, 200), (every, 600), (one, 5000), (every, 5000)):
             same_candidates(gpu.topn(luts, lists, n, exclude), cpu.topn(luts, lists, n, exclude))

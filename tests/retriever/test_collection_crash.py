@@ -14,7 +14,7 @@ from collection_crash_child import THREADS, ops
 from fusionrag.retriever.collection import Catalog, CollectionConfig, Document
 from fusionrag.retriever.errors import StorageError
 
-CHILD = Path(__file__).with_name("collection_crash_child.py")
+CHILD = Path(__file__).parents[1] / "collection_crash_child.py"
 
 
 def apply_op(state: dict, op: str, ids, docs) -> None:

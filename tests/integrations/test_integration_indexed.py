@@ -41,6 +41,25 @@ def _engine_of(backend, name: str):
     return backend._catalog.get(name)
 
 
+def _engine_probes(mode: str, backend, url: str, name: str, data: Corpus, to_filter=lambda flt: flt):
+    """(info, engine) of the collection behind a store: its info, and the engine's own answer (ids, stats) to
+    the test's queries under a filter, asked of the embedded collection or of the service."""
+    if mode == "embedded":
+        coll = _engine_of(backend, name)
+
+        def engine(flt):
+            res = coll.search(data.queries, k=K, filter=to_filter(flt))
+            return [[h.id for h in hits] for hits in res.hits], res.stats
+        return coll.info, engine
+
+    def info():
+        return remote_info(url, API_KEY, name)
+
+    def engine(flt):
+        return remote_search(url, API_KEY, name, data.queries, to_filter(flt))
+    return info, engine
+
+
 def _pages_touched(url: str, name: str) -> float:
     """Pages the service's re-ranker asked for on this collection so far, from its Prometheus metrics."""
     samples = parse_prometheus(httpx.get(f"{url}/metrics", headers=HEADERS).text)
@@ -65,19 +84,7 @@ def test_langchain_store_searches_reach_the_index(mode, data, tmp_path, service)
     store = LangChainStore(embedding=Lookup(data), collection="big", metric="l2", **where)
     try:
         store.add_texts(data.texts[:N_BEFORE], data.metadata[:N_BEFORE], ids=data.ids[:N_BEFORE])
-        if mode == "embedded":
-            coll = _engine_of(store._backend, "big")
-            info = coll.info
-
-            def engine(flt):
-                res = coll.search(data.queries, k=K, filter=flt)
-                return [[h.id for h in hits] for hits in res.hits], res.stats
-        else:
-            def info():
-                return remote_info(service, API_KEY, "big")
-
-            def engine(flt):
-                return remote_search(service, API_KEY, "big", data.queries, flt)
+        info, engine = _engine_probes(mode, store._backend, service, "big", data)
         wait_merged(info)
         store.add_texts(data.texts[N_BEFORE:], data.metadata[N_BEFORE:], ids=data.ids[N_BEFORE:])
         assert store.delete([f"d{i}" for i in DELETED])
@@ -111,19 +118,8 @@ def test_llamaindex_store_queries_reach_the_index(mode, data, tmp_path, service)
              for i, t, v, m in zip(data.ids, data.texts, data.vectors.tolist(), data.metadata)]
     try:
         store.add(nodes[:N_BEFORE])
-        if mode == "embedded":
-            coll = _engine_of(store.client, "big-li")
-            info = coll.info
-
-            def engine(flt):
-                res = coll.search(data.queries, k=K, filter=to_collection_filter(_li_filters(flt)))
-                return [[h.id for h in hits] for hits in res.hits], res.stats
-        else:
-            def info():
-                return remote_info(service, API_KEY, "big-li")
-
-            def engine(flt):
-                return remote_search(service, API_KEY, "big-li", data.queries, to_collection_filter(_li_filters(flt)))
+        info, engine = _engine_probes(mode, store.client, service, "big-li", data,
+                                      lambda flt: to_collection_filter(_li_filters(flt)))
         wait_merged(info)
         store.add(nodes[N_BEFORE:])
         store.delete_nodes(node_ids=[f"d{i}" for i in DELETED])

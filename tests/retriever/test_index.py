@@ -131,6 +131,37 @@ def test_queries_in_flight_match_one_at_a_time(small):
         Index.open(path, rerank_inflight=0)
 
 
+def _read_bytes() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+
+
+@pytest.mark.parametrize("backend", ["io_uring", "pread"])
+def test_rerank_prefetch_reads_ahead_and_changes_no_answer(small, backend):
+    """rerank_prefetch: the next mini-batch's blocks are read while the current one's are scored. The
+    answers and per-query statistics are those without it; what it reads that the search never used is
+    counted (read_ahead_unused), and the disk saw exactly the blocks counted."""
+    _, queries, path = small
+    for beta, wasted in ((1, True), (2, False)):  # beta 2: a query one stable batch from stopping is not read ahead
+        runs = {}
+        for prefetch in (False, True):
+            index = Index.open(path, buffer_bytes=0, direct_io="on", io_backend=backend, rerank_prefetch=prefetch)
+            store = index.reranker.store
+            before = _read_bytes()
+            res = index.search(queries, k=10, beta=beta)
+            runs[prefetch] = res, store.stats(), _read_bytes() - before, store.block_bytes
+        (off, s_off, _, _), (on, s_on, disk_on, block) = runs[False], runs[True]
+        np.testing.assert_array_equal(on.ids, off.ids)
+        np.testing.assert_array_equal(on.distances, off.distances)
+        for key in ("minibatches", "reranked", "pages_read"):
+            np.testing.assert_array_equal(on.stats[key], off.stats[key])
+        assert s_off["read_ahead"] == 0 and s_on["read_ahead"] > 0
+        assert s_on["blocks_read"] == s_off["blocks_read"] + s_on["read_ahead_unused"]
+        assert (s_on["read_ahead_unused"] > 0) == wasted
+        if backend == "pread":  # read by this process's threads: the kernel's count of bytes read from the disk
+            assert disk_on == s_on["blocks_read"] * block
+
+
 def test_single_query_and_batching(small):
     base, queries, path = small
     index = Index.open(path, batch_size=7)

@@ -92,11 +92,11 @@ def test_candidates_equal_numpy_table_path(real):
     q = index.prepare_queries(queries)
     lists, _, _ = index.nav.probe(q, index.params)
     n = 200
-    tables = cpu.luts(index.pq, q, metric)
+    tables = cpu.tables(q)
     assert isinstance(tables, BatchTables)  # nothing built yet: the batch's queries, the index's codebooks
     assert tables.queries is q and tables.metric == metric
     assert isinstance(tables.codebooks, PqCodebooks) and tables.codebooks.M == index.pq.m
-    assert cpu.luts(index.pq, q[:1], metric).codebooks is tables.codebooks  # laid out once per index
+    assert cpu.tables(q[:1]).codebooks is tables.codebooks  # laid out once per index
     drop = np.zeros(len(cpu.codes), dtype=bool)
     drop[::7] = True  # the exclude bitmap goes the same way
     exclude = np.packbits(drop, bitorder="little")
@@ -132,8 +132,10 @@ def test_search_end_to_end_with_tables_in_the_scan(sift, monkeypatch):
     assert recall(res.ids, truth) >= 0.95
     assert res.stats["lut_s"].shape == (len(queries),) and np.all(res.stats["lut_s"] > 0)
     assert np.all(res.stats["scan_s"] > 0)
-    monkeypatch.setattr(index.filter, "luts", lambda pq, q, metric: pq.luts(q, metric))
+    built = []
+    monkeypatch.setattr(index.filter, "tables", lambda q: built.append(len(q)) or index.pq.luts(q, index.filter.metric))
     numpy_tables = index.search(queries, k=10)
+    assert sum(built) == len(queries)  # the search took the numpy tables
     assert np.mean(res.ids == numpy_tables.ids) >= 0.99
     assert np.all(numpy_tables.stats["lut_s"] > 0)
 
@@ -204,11 +206,11 @@ def test_bad_input_through_the_tier():
     a = _valid()
     tier = CpuFilterTier(a["list_offsets"], a["list_ids"], a["codes"], a["codebooks"], threads=1)
     pq = ProductQuantizer(a["codebooks"], 10)
-    ok = tier.topn(tier.luts(pq, a["queries"], "l2"), a["probe_lists"], 4)
+    ok = tier.topn(tier.tables(a["queries"]), a["probe_lists"], 4)
     assert ok.ids.shape == (2, 4) and ok.lut_seconds.shape == (2,)
     want = tier.topn(pq.luts(a["queries"], "l2"), a["probe_lists"], 4)
     np.testing.assert_array_equal(ok.unique, want.unique)
     with pytest.raises(ValueError, match="metric must be 'l2' or 'ip'"):
-        tier.topn(tier.luts(pq, a["queries"], "cosine"), a["probe_lists"], 4)
+        tier.topn(BatchTables(a["queries"], tier.codebooks, "cosine"), a["probe_lists"], 4)
     with pytest.raises(ValueError, match="queries have dimension 13"):
-        tier.topn(tier.luts(pq, np.zeros((2, 13), np.float32), "l2"), a["probe_lists"], 4)
+        tier.topn(tier.tables(np.zeros((2, 13), np.float32)), a["probe_lists"], 4)

@@ -83,7 +83,7 @@ def test_colocation_phases_run_and_report_every_figure(tmp_path):
         assert r["requests"] > 0 and r["failures"] == 0 and r["recall"] >= 0.9 and r["locust_exit_status"] == 0
         assert r["latency_ms"]["p99"] >= r["latency_ms"]["p50"] > 0
         assert r["service_metrics"]["queries"] >= r["requests"]
-    assert report["llm_parameters"] == colocate.llm_mod.PRESETS["tiny"].parameters()
+    assert report["llm_parameters"] == colocate.PRESETS["tiny"].parameters()
     md = (tmp_path / "colocate.md").read_text()
     assert "| retrieval p99 (ms) |" in md and "| LLM tokens/s |" in md
     assert (tmp_path / "retrieval-beside-llm" / "latency.png").read_bytes()[:4] == b"\x89PNG"

@@ -178,10 +178,9 @@ def _force_index(store_backend) -> None:
     assert col.info()["build_state"]["indexed"] >= 1000
 
 
-def test_langchain_hybrid_search_and_retriever(tmp_path, many_texts):
+def _lc_words():
+    """WordEmbeddings as LangChain's Embeddings."""
     from langchain_core.embeddings import Embeddings
-
-    from fusionrag.integrations.langchain import FusionRAGVectorStore
 
     words = WordEmbeddings()
 
@@ -192,7 +191,13 @@ def test_langchain_hybrid_search_and_retriever(tmp_path, many_texts):
         def embed_query(self, text):
             return words(text)
 
-    store = FusionRAGVectorStore(embedding=LCWords(), path=tmp_path, collection="lc", metric="l2")
+    return LCWords()
+
+
+def test_langchain_hybrid_search_and_retriever(tmp_path, many_texts):
+    from fusionrag.integrations.langchain import FusionRAGVectorStore
+
+    store = FusionRAGVectorStore(embedding=_lc_words(), path=tmp_path, collection="lc", metric="l2")
     try:
         store.add_texts(many_texts, ids=[f"d{i}" for i in range(len(many_texts))])
         _force_index(store._backend)
@@ -211,22 +216,11 @@ def test_langchain_hybrid_search_and_retriever(tmp_path, many_texts):
 
 
 async def test_langchain_hybrid_async_remote(tmp_path, many_texts):
-    from langchain_core.embeddings import Embeddings
-
     from fusionrag.integrations.langchain import FusionRAGVectorStore
     from integration_helpers import API_KEY, running_service
 
-    words = WordEmbeddings()
-
-    class LCWords(Embeddings):
-        def embed_documents(self, texts):
-            return [words(t) for t in texts]
-
-        def embed_query(self, text):
-            return words(text)
-
     with running_service(tmp_path, min_index_count=500) as url:
-        store = FusionRAGVectorStore(embedding=LCWords(), url=url, api_key=API_KEY, collection="lc", metric="l2")
+        store = FusionRAGVectorStore(embedding=_lc_words(), url=url, api_key=API_KEY, collection="lc", metric="l2")
         try:
             await store.aadd_texts(many_texts[:600], ids=[f"d{i}" for i in range(600)])
             query, target = "unknown zebra333", "d333"

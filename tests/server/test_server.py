@@ -531,7 +531,8 @@ def browser():
         driver.quit()
 
 
-def test_web_page_searches_and_shows_live_figures(server, browser):
+def _open_page(server, browser):
+    """The web page, loaded, the service ready and the demo collection chosen; its 30 s WebDriverWait."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as EC
     from selenium.webdriver.support.ui import Select, WebDriverWait
@@ -541,6 +542,14 @@ def test_web_page_searches_and_shows_live_figures(server, browser):
     wait.until(EC.text_to_be_present_in_element((By.ID, "status"), "ready"))
     wait.until(lambda d: Select(d.find_element(By.ID, "collection")).first_selected_option.get_attribute("value")
                == "demo")
+    return wait
+
+
+def test_web_page_searches_and_shows_live_figures(server, browser):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as EC
+
+    wait = _open_page(server, browser)
     query = browser.find_element(By.ID, "query")
     query.send_keys("how are deleted documents kept out of results?")
     browser.find_element(By.ID, "search").click()
@@ -570,13 +579,9 @@ def test_web_page_text_and_hybrid_modes(server, browser):
     """The page's mode selector reaches the service: text mode by words alone, hybrid by both."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as EC
-    from selenium.webdriver.support.ui import Select, WebDriverWait
+    from selenium.webdriver.support.ui import Select
 
-    wait = WebDriverWait(browser, 30)
-    browser.get(server.url + "/")
-    wait.until(EC.text_to_be_present_in_element((By.ID, "status"), "ready"))
-    wait.until(lambda d: Select(d.find_element(By.ID, "collection")).first_selected_option.get_attribute("value")
-               == "demo")
+    wait = _open_page(server, browser)
     for mode, words in (("text", "matched by words"), ("hybrid", "lists probed")):
         Select(browser.find_element(By.ID, "mode")).select_by_value(mode)
         query = browser.find_element(By.ID, "query")

@@ -294,3 +294,23 @@ expected-statuses = ["2xx", "401", "403", "404", "409", "422"]
     assert p.returncode == 0, p.stdout[-20000:] + p.stderr[-3000:]
     operations = sum(len(methods) for methods in doc["paths"].values())
     assert f"Tested: {operations}" in summary and "failures" not in summary.lower(), summary
+
+
+def test_a_search_checks_and_normalises_its_queries_once(app_client, monkeypatch):
+    """The route checks the vectors (a bad query fails its own request, not its batch) and hands them on
+    prepared: neither the collection nor its index checks or normalises them again."""
+    from fusionrag.retriever import queries as queries_mod
+
+    with app_client() as c:
+        assert c.app.state.fusionrag.ready.wait(30)
+        assert c.post("/v1/collections", json={"name": "cos", "dimension": 3, "metric": "cosine"}).status_code == 201
+        docs = [{"id": f"d{i}", "vector": [1.0, float(i), 0.5]} for i in range(5)]
+        assert c.post("/v1/collections/cos/documents", json={"documents": docs}).status_code == 200
+        checks, norms = [], []
+        real_check, real_normalize = queries_mod.check_queries, queries_mod.normalize
+        monkeypatch.setattr(queries_mod, "check_queries", lambda *a, **kw: checks.append(1) or real_check(*a, **kw))
+        monkeypatch.setattr(queries_mod, "normalize", lambda q: norms.append(len(q)) or real_normalize(q))
+        r = c.post("/v1/collections/cos/search", json={"vectors": [[2.0, 6.0, 1.0]], "k": 2})
+        assert r.status_code == 200, r.text
+        assert [h["id"] for h in r.json()["results"][0]][0] == "d3"  # (2, 6, 1) points as (1, 3, 0.5)
+        assert (len(checks), norms) == (1, [1])

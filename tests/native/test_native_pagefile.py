@@ -208,6 +208,8 @@ def test_backends_read_the_file(page_file, backend):
         "evictions": 0,
         "pin_reads": 0,
         "pinned": 0,
+        "read_ahead": 0,
+        "read_ahead_unused": 0,
     }
 
 

@@ -4,13 +4,12 @@ cluster on 127.0.0.1, in a network namespace of the test's own."""
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import clustered, exact_knn, recall
+from ray_namespace import LOOPBACK, in_namespace, netns_works
 
 from fusionrag.cli import main as cli_main
 from fusionrag.retriever.build import build_index
@@ -312,20 +311,12 @@ def test_the_probe_model_is_sklearns_trees_as_arrays():
         ProbeModel(np.zeros((2, 3)), 0, 0.1, 0.9)
 
 
-def _netns_works() -> bool:
-    try:
-        return subprocess.run(["unshare", "--net", "sh", "-c", "ip link set lo up"], capture_output=True,
-                              timeout=30).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
 def test_ray_cluster_of_two_nodes_on_loopback(built, tmp_path):
     """Two Ray nodes (`ray start`) on 127.0.0.1 in a network namespace and PID namespace of the test's own: the
     build's tasks and the shards' actors run on them, and the results equal the in-process mode's. When the
     namespace's first process ends, the kernel ends every other process in it."""
     pytest.importorskip("ray")
-    if not _netns_works():
+    if not netns_works():
         pytest.skip("needs `unshare --net` (root, or user namespaces)")
     np.save(tmp_path / "base.npy", built["base"])
     np.save(tmp_path / "queries.npy", built["queries"])
@@ -337,16 +328,11 @@ def test_ray_cluster_of_two_nodes_on_loopback(built, tmp_path):
     finally:
         index.close()
     np.savez(tmp_path / "local.npz", ids=res.ids, distances=res.distances)
-    cmd = ["unshare", "--net", "--pid", "--fork", "--mount-proc", "--kill-child", "sh", "-c",
-           'ip link set lo up && exec "$0" "$1" "$2"', sys.executable, str(CHILD), str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = in_namespace(CHILD, tmp_path, 400)
     assert report["nodes"] == 2, report
     assert report["built_with"] == "ray" and report["same_as_local_build"], report
     assert report["actor_nodes"] == 2, report  # the two shards' actors on different nodes
     assert report["ids_equal"] and report["dists_close"], report
     assert all(n > 0 for n in report["queries_per_shard"])
     # Every Ray server listened on loopback only.
-    assert report["listening"] and all(a in ("127.0.0.1", "[::ffff:127.0.0.1]", "[::1]")
-                                       for a in report["listening"]), report["listening"]
+    assert report["listening"] and all(a in LOOPBACK for a in report["listening"]), report["listening"]

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from fusionrag.loadtests.checks import read_chat_stream
-from fusionrag.loadtests.llm import (PRESETS, ChatModel, DecoderConfig, KVCache, chat_load, decode_loop, generate,
-                                     make_handler, make_model, rate_between)
+from fusionrag.loadtests.chat_server import ChatModel, chat_load, make_handler
+from fusionrag.loadtests.decode_loop import decode_loop, rate_between
+from fusionrag.loadtests.decoder import PRESETS, DecoderConfig, KVCache, generate, make_model
 from fusionrag.retriever.errors import ConfigError
 
 CFG = DecoderConfig(vocab=300, dim=32, layers=2, heads=4, ffn=64, max_seq=64)

@@ -1,0 +1,81 @@
+"""The query pipeline's parts above the tiers: the record of one internal batch passed from stage to
+stage (QueryBatch: Index._graph_stage, then _filter_stage, then _rerank_stage), and the choice of filter
+tier when an index opens (open_filter_tier, the one module that knows both tiers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fusionrag.retriever.config import EngineConfig, SearchParams
+from fusionrag.retriever.filtering import Candidates, FilterTier
+from fusionrag.retriever.tiers import CpuFilterTier, _cuda_available
+
+STAT_KEYS = ("centroids_probed", "candidates", "unique_candidates", "minibatches", "reranked",
+             "page_mates", "pages_read", "pages_buffered", "graph_s", "lut_s", "scan_s", "rerank_s")
+
+
+@dataclass(eq=False)
+class QueryBatch:
+    """One internal batch of a search call on its way through the stages. The call's request and the
+    batch's rows of its results come in; each stage fills its part: the graph stage (or the caller,
+    given lists) lists, probed and graph_s; the filter stage lut_s and candidates; the re-rank stage
+    writes ids, distances and stats, which are views of the call's result arrays."""
+
+    queries: np.ndarray  # float32 (q, dim), prepared (unit rows under cosine)
+    k: int
+    params: SearchParams
+    exclude: np.ndarray | None  # uint8 bitmap of vector ids never to return
+    ids: np.ndarray  # int64 (q, k), a view of the call's result
+    distances: np.ndarray  # float32 (q, k), a view of the call's result
+    stats: dict[str, np.ndarray]  # STAT_KEYS, each a (q,) view of the call's
+    lists: np.ndarray | None = None  # int32 (q, m) posting lists to probe, -1 where none
+    probed: np.ndarray | None = None  # int64 (q,): lists probed
+    graph_s: float = 0.0  # the batch's graph search
+    lut_s: float = 0.0  # the batch's PQ tables built before topn
+    candidates: Candidates | None = None
+
+    @property
+    def n(self) -> int:
+        """Candidates the filter tier hands the re-ranker per query."""
+        return max(self.params.rerank, self.k)
+
+
+def cut(queries: np.ndarray, k: int, params: SearchParams, exclude: np.ndarray | None, size: int,
+        lists: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray], list[QueryBatch]]:
+    """A call's result arrays (ids, distances, stats) and its batches of at most `size` queries, each
+    writing its rows of them; lists (q, m), when given, are cut alongside (the graph stage is skipped)."""
+    nq = len(queries)
+    ids = np.empty((nq, k), dtype=np.int64)
+    dists = np.empty((nq, k), dtype=np.float32)
+    stats = {key: np.zeros(nq, dtype=np.float64 if key.endswith("_s") else np.int64) for key in STAT_KEYS}
+    batches = []
+    for s in range(0, nq, size):
+        sl = slice(s, min(nq, s + size))
+        b = QueryBatch(queries[sl], k, params, exclude, ids[sl], dists[sl], {key: v[sl] for key, v in stats.items()})
+        if lists is not None:
+            b.lists = lists[sl]
+            b.probed = (b.lists >= 0).sum(axis=1)
+        batches.append(b)
+    return ids, dists, stats, batches
+
+
+def open_filter_tier(config: EngineConfig, list_offsets: np.ndarray, list_ids: np.ndarray, codes: np.ndarray,
+                     codebooks: np.ndarray, threads: int, owner: str, metric: str) -> FilterTier:
+    """config.filter_tier: 'gpu' when CUDA is there (and torch and triton installed) under 'auto'.
+    Either tier builds its tables for `metric` ('l2' or 'ip'). A GPU tier holds an account, named by
+    owner, in the process's one budget on its device, and compiles its kernels for that metric."""
+    kind = config.filter_tier
+    if kind == "auto":
+        kind = "gpu" if _cuda_available() else "cpu"
+    if kind == "cpu":
+        return CpuFilterTier(list_offsets, list_ids, codes, codebooks, threads, metric=metric,
+                             batch_size=config.batch_for("cpu"), pipeline=config.pipeline)
+    # Imported here, not above: the GPU tier imports torch, which a CPU-only process never needs.
+    from fusionrag.retriever.gpu_tier import GpuFilterTier, gpu_device, shared_account
+
+    account = shared_account(gpu_device(), config.gpu_budget_bytes, config.gpu_memory_utilization, owner)
+    return GpuFilterTier(list_offsets, list_ids, codes, codebooks, account=account, metric=metric,
+                         batch_size=config.batch_for("gpu"), threads=threads, tiered_share=config.gpu_tiered_share)

@@ -1,0 +1,96 @@
+"""Query vectors checked once, at the edge where they come in (the service, a collection, an index), and
+handed inward in the engine's form, which the inner layers take as it is.
+
+`check_queries` is the one check (shape, numbers, dimension, finite rows of a usable norm, no zero
+vector under cosine); `prepare_queries` adds the engine's form (unit rows under cosine) and wraps the
+result as PreparedQueries. Each public edge keeps its own words for what is wrong (QueryWords).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fusionrag.retriever.errors import InputError
+from fusionrag.retriever.vectors import normalize, vector_problems
+
+
+@dataclass(frozen=True)
+class QueryWords:
+    """An edge's messages. Fields are format strings over: numeric {detail} (the dtype, or why the
+    input is no array); shape {dim} {shape}; dimension {got} {dim} {shape}; empty {dim} {shape};
+    row {row} {why}. shape: input of other than one or two axes; dimension: rows of another length."""
+    numeric: str
+    shape: str
+    dimension: str
+    empty: str
+    row: str = "queries: row {row} {why}"
+
+
+# Index.search's and the sharded router's words.
+INDEX_WORDS = QueryWords(
+    numeric="queries must be numeric, got {detail}",
+    shape="queries must be a non-empty (count, {dim}) array, got shape {shape}",
+    dimension="queries have dimension {got}, the index has dimension {dim}",
+    empty="queries must be a non-empty (count, {dim}) array, got shape {shape}",
+)
+
+
+@dataclass(frozen=True, eq=False)
+class PreparedQueries:
+    """Queries that passed check_queries, in the engine's form: a non-empty C-contiguous float32 (count, dim)
+    matrix, unit rows under cosine. An index (or router) of the same dimension and metric searches
+    `vectors` as they are: neither checked nor normalised again."""
+    vectors: np.ndarray
+    metric: str
+
+    @property
+    def dim(self) -> int:
+        return self.vectors.shape[1]
+
+    def __len__(self) -> int:
+        return len(self.vectors)
+
+    def fits(self, dim: int, metric: str) -> bool:
+        return self.dim == dim and self.metric == metric
+
+    def rows(self, which) -> "PreparedQueries":
+        """Some of the queries (an index array or slice), still prepared."""
+        return PreparedQueries(np.ascontiguousarray(self.vectors[which]), self.metric)
+
+
+def check_queries(queries, dim: int, metric: str, words: QueryWords = INDEX_WORDS) -> np.ndarray:
+    """`queries` (one vector, or rows of them) as a C-contiguous float32 (count, dim) matrix of vectors the
+    engine can search under `metric`, not normalised; InputError in `words` saying what is wrong."""
+    if isinstance(queries, PreparedQueries):
+        queries = queries.vectors
+    try:
+        q = np.asarray(queries)
+    except (TypeError, ValueError) as e:  # ragged rows
+        raise InputError(words.numeric.format(detail=e)) from e
+    shape = q.shape
+    if q.ndim == 1:
+        q = q[None, :]
+    if q.ndim != 2:
+        raise InputError(words.shape.format(dim=dim, shape=shape))
+    if q.dtype.kind not in "fiu":
+        raise InputError(words.numeric.format(detail=q.dtype))
+    if q.shape[1] != dim:
+        raise InputError(words.dimension.format(got=q.shape[1], dim=dim, shape=shape))
+    if q.shape[0] == 0:
+        raise InputError(words.empty.format(dim=dim, shape=shape))
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    bad, why = vector_problems(q, metric)
+    if bad.size:
+        raise InputError(words.row.format(row=int(bad[0]), why=why[0]))
+    return q
+
+
+def prepare_queries(queries, dim: int, metric: str, words: QueryWords = INDEX_WORDS) -> PreparedQueries:
+    """check_queries, then the engine's form (cosine: unit rows). Queries already prepared for this
+    dimension and metric come back as they are."""
+    if isinstance(queries, PreparedQueries) and queries.fits(dim, metric):
+        return queries
+    q = check_queries(queries, dim, metric, words)
+    return PreparedQueries(normalize(q) if metric == "cosine" else q, metric)

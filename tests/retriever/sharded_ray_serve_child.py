@@ -1,0 +1,111 @@
+"""Run inside a network and PID namespace of its own (tests/retriever/test_sharded_ray.py): a two-node Ray cluster on
+127.0.0.1, the sharded index served by fusionrag.server.ray_serve (the router a Ray Serve deployment, the shards Ray
+actors), asked over real HTTP. Prints one JSON line of what it saw; stops every Ray process it started.
+
+usage: sharded_ray_serve_child.py WORKDIR   (WORKDIR holds queries.npy, idx/ and expect.npz, the in-process answers)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from ray_namespace import PORT, listening, ray_cluster  # noqa: E402
+
+HTTP_PORT = 8391
+
+
+def call(method: str, path: str, body=None) -> tuple[int, dict]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{HTTP_PORT}{path}", data, method=method,
+                                 headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def shard_actor_pids() -> list[int]:
+    out = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if (proc / "cmdline").read_bytes().startswith(b"ray::ShardServer"):
+                out.append(int(proc.name))
+        except (OSError, ValueError):
+            continue
+    return sorted(out)
+
+
+def main() -> None:
+    work = Path(sys.argv[1])
+    report: dict = {}
+    t0 = time.perf_counter()
+    with ray_cluster(2):
+        import ray
+        from ray import serve as rserve
+
+        from fusionrag.server.ray_serve import serve
+
+        report["nodes"] = sum(1 for n in ray.nodes() if n["Alive"])
+        t = time.perf_counter()
+        url = serve(f"127.0.0.1:{PORT}", work / "idx", "127.0.0.1", HTTP_PORT, name="docs", block=False)
+        report["url"] = url
+        report["serve_start_s"] = time.perf_counter() - t
+        report["ready"] = call("GET", "/readyz")
+        queries = np.load(work / "queries.npy")
+        expect = np.load(work / "expect.npz")
+        status, body = call("POST", "/v1/collections/docs/search", {"vectors": queries.tolist(), "k": 10})
+        report["search_status"] = status
+        ids = np.array([[int(h["id"]) for h in hits] + [-1] * (10 - len(hits)) for hits in body["results"]])
+        dists = np.array([[h["distance"] for h in hits] + [np.inf] * (10 - len(hits)) for hits in body["results"]])
+        report["ids_equal"] = bool(np.array_equal(ids, expect["ids"]))
+        report["dists_close"] = bool(np.allclose(dists, expect["distances"], rtol=1e-5, atol=1e-5))
+        t = time.perf_counter()
+        for _ in range(20):
+            call("POST", "/v1/collections/docs/search", {"vectors": queries[:1].tolist(), "k": 10})
+        report["one_query_ms"] = (time.perf_counter() - t) / 20 * 1000
+        v = (queries[0] + 0.001).tolist()
+        report["upsert"] = call("POST", "/v1/collections/docs/documents", {"documents": [{"id": "900000", "vector": v}]})
+        s, b = call("POST", "/v1/collections/docs/search", {"vectors": [v], "k": 1})
+        report["upserted_found"] = s == 200 and b["results"][0][0]["id"] == "900000"
+        report["delete"] = call("POST", "/v1/collections/docs/documents/delete", {"ids": ["900000"]})
+        # A shard actor killed: answers go on (partial where lists are missing), the router restarts it.
+        victim = shard_actor_pids()[0]
+        os.kill(victim, signal.SIGKILL)
+        t, statuses = time.perf_counter(), []
+        while time.perf_counter() - t < 90:
+            s, b = call("POST", "/v1/collections/docs/search", {"vectors": queries.tolist(), "k": 10})
+            statuses.append((s, b.get("partial")))
+            if call("GET", "/readyz")[0] == 200 and call("GET", "/readyz")[1]["status"] == "ready" and \
+                    victim not in shard_actor_pids():
+                break
+            time.sleep(0.5)
+        report["healed_s"] = round(time.perf_counter() - t, 2)
+        report["statuses_while_down"] = sorted({f"{s} partial={p}" for s, p in statuses})
+        s, b = call("POST", "/v1/collections/docs/search", {"vectors": queries.tolist(), "k": 10, "partial": False})
+        report["after_heal"] = s
+        report["after_heal_equal"] = s == 200 and [[int(h["id"]) for h in hits] for hits in b["results"]] == \
+            [[int(i) for i in row if i >= 0] for row in expect["ids"]]
+        report["bad"] = call("POST", "/v1/collections/docs/search", {"texts": ["hi"]})[0]
+        report["unknown"] = call("POST", "/v1/collections/nope/search", {"vectors": [v]})[0]
+        report["listening"] = listening()
+        report["listeners"] = [line for line in subprocess.run(["ss", "-Htlnp"], capture_output=True, text=True)
+                               .stdout.splitlines() if "127.0.0.1" not in line]
+        rserve.shutdown()
+    report["total_s"] = time.perf_counter() - t0
+    print(json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Sharded mode's faults and serving on a real Ray cluster, on 127.0.0.1 in a network and PID namespace of the
+test's own (as test_sharded.py's two-node test). Three nodes (`ray start` three times): under load of searches and
+writes, one shard's actor process is killed and its shard restarted from its directory: no search fails, each says
+which lists it could not reach, and no acknowledged write is lost. (A whole worker node killed is the child's `node`
+mode; it is not a test yet: on this 2-core VM the head's GCS stalled in about a third of the runs, docs/sharded.md.) Two nodes: the index
+served over HTTP by Ray Serve."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import clustered
+from ray_namespace import LOOPBACK, in_namespace, netns_works
+
+from fusionrag.retriever.config import BuildConfig
+from fusionrag.retriever.sharded import build_sharded
+
+FAULTS_CHILD = Path(__file__).with_name("sharded_ray_faults_child.py")
+SERVE_CHILD = Path(__file__).with_name("sharded_ray_serve_child.py")
+@pytest.fixture
+def ray_namespace():
+    pytest.importorskip("ray")
+    if not netns_works():
+        pytest.skip("needs `unshare --net` (root, or user namespaces)")
+
+
+def three_shards(work: Path) -> None:
+    base = clustered(3000, 16, 20, seed=5, spread=0.6)
+    np.save(work / "base.npy", base)
+    np.save(work / "queries.npy", clustered(100, 16, 20, seed=6, spread=0.6))
+    build_sharded(base, work / "idx", 3, BuildConfig(threads=1, centroid_ratio=0.05), replicate=0.3, progress=False)
+
+
+def test_a_shard_killed_under_load_on_three_nodes(ray_namespace, tmp_path):
+    three_shards(tmp_path)
+    r = in_namespace(FAULTS_CHILD, tmp_path, 500, "actor")
+    print(r)
+    assert r["nodes"] == 3 and r["actor_nodes"] == 3, r
+    assert not r["healthy_partial"]
+    # No search failed: lists of the dead shard with a live replica were answered, the others reported.
+    assert not r["search_errors"] and not r["write_errors"], r
+    assert r["searches_before_restart"] > r["killed_at_searches"] and r["partial_before_restart"] > 0, r
+    assert r["missing"] > 0 and r["missing_outside_sole_lists"] == [], r
+    assert r["alive_after_kill"][1] is False
+    # Restarted from its directory: full answers again, every acknowledged write found, also after a reopen.
+    assert r["searches_after_restart"] > 0 and r["full_after_restart"], r
+    assert r["acknowledged_writes"] > 0 and r["acknowledged_found"] and r["acknowledged_found_after_reopen"], r
+    assert r["listening"] and all(a in LOOPBACK for a in r["listening"]), r["listening"]
+
+
+def test_served_over_http_with_the_router_a_ray_serve_deployment(ray_namespace, tmp_path):
+    from fusionrag.retriever.sharded import ShardedIndex
+
+    base = clustered(3000, 16, 20, seed=5, spread=0.6)
+    queries = clustered(30, 16, 20, seed=6, spread=0.6)
+    np.save(tmp_path / "queries.npy", queries)
+    build_sharded(base, tmp_path / "idx", 2, BuildConfig(threads=1, centroid_ratio=0.05), progress=False)
+    index = ShardedIndex.open(tmp_path / "idx")
+    try:
+        res = index.search(queries, 10)
+    finally:
+        index.close()
+    np.savez(tmp_path / "expect.npz", ids=res.ids, distances=res.distances)
+    r = in_namespace(SERVE_CHILD, tmp_path, 500)
+    print(r)
+    assert r["nodes"] == 2
+    assert r["ready"] == [200, {"status": "ready", "shards_alive": [True, True]}], r
+    assert r["search_status"] == 200 and r["ids_equal"] and r["dists_close"], r
+    assert r["upsert"] == [200, {"ids": ["900000"]}] and r["upserted_found"], r
+    assert r["delete"] == [200, {"deleted": 1}], r
+    assert r["bad"] == 422 and r["unknown"] == 404, r
+    # A shard actor killed: every answer meanwhile a 200 (partial or whole), the router restarted it by itself.
+    assert all(x.startswith("200 ") for x in r["statuses_while_down"]), r
+    assert r["healed_s"] < 90 and r["after_heal"] == 200 and r["after_heal_equal"], r
+    assert r["listening"] and all(a in LOOPBACK for a in r["listening"]), r["listening"]

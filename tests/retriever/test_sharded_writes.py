@@ -1,0 +1,219 @@
+"""Writes to a sharded index (retriever/sharded.py, sharded_writes.py) and its faults, shards in this process: each
+shard's own log and fresh tier, failover to replicas, missing lists reported, a shard restarted from its directory.
+The same on a Ray cluster: test_sharded_ray.py."""
+
+import numpy as np
+import pytest
+from conftest import clustered
+
+from fusionrag.retriever.build import build_index
+from fusionrag.retriever.config import BuildConfig, SearchParams
+from fusionrag.retriever.errors import InputError, UnavailableError
+from fusionrag.retriever.fresh import distances
+from fusionrag.retriever.index import Index
+from fusionrag.retriever.sharded import ShardedIndex, _merge, build_sharded
+
+N, DIM, K = 3000, 16, 10
+CONFIG = BuildConfig(threads=1, centroid_ratio=0.05)
+EXHAUSTIVE = SearchParams(rerank=N, beta=0)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sharded-writes")
+    base = clustered(N, DIM, 20, seed=5, spread=0.6)
+    build_index(base, root / "single", CONFIG, progress=False)
+    return {"root": root, "base": base, "queries": clustered(60, DIM, 20, seed=5, spread=0.6)[::-1] + 0.03}
+
+
+def fresh_copy(data, name, **kw):
+    path = data["root"] / name
+    build_sharded(data["base"], path, 3, CONFIG, progress=False, **kw)
+    return path
+
+
+class Reference:
+    """The single-machine answer a collection gives: the built index with replaced and deleted rows excluded,
+    merged with an exact search over the vectors written since."""
+
+    def __init__(self, index: Index):
+        self.index, self.tomb, self.fresh = index, np.zeros(N, bool), {}
+
+    def upsert(self, ids, vectors):
+        for i, v in zip(ids.tolist(), vectors):
+            if i < N:
+                self.tomb[i] = True
+            self.fresh[i] = v
+
+    def delete(self, ids):
+        for i in ids.tolist():
+            if i < N:
+                self.tomb[i] = True
+            self.fresh.pop(i, None)
+
+    def search(self, q, k=K):
+        exclude = np.packbits(self.tomb, bitorder="little")
+        res = self.index.search(q, k, EXHAUSTIVE, exclude=exclude)
+        parts = [(res.ids, res.distances)]
+        if self.fresh:
+            ids = np.array(list(self.fresh), dtype=np.int64)
+            x = np.array(list(self.fresh.values()), dtype=np.float32)
+            d = distances(q, x, (x * x).sum(1), "l2").astype(np.float32)
+            order = np.argsort(d, axis=1, kind="stable")[:, :k]
+            parts.append((ids[order], np.take_along_axis(d, order, 1)))
+        return _merge(parts, k)
+
+
+def assert_same(res, ref_ids, ref_d):
+    assert np.array_equal(res.ids, ref_ids)
+    assert np.allclose(res.distances, ref_d, rtol=1e-5, atol=1e-5)
+
+
+def test_writes_before_and_after_a_shard_restart_are_all_searchable(data):
+    path = fresh_copy(data, "w1", replicate=0.05)
+    rng = np.random.default_rng(1)
+    single = Index.open(data["root"] / "single")
+    ref = Reference(single)
+    q = data["queries"]
+    index = ShardedIndex.open(path)
+    try:
+        new_ids = np.arange(N, N + 150)
+        new_vecs = data["base"][rng.choice(N, 150)] + 0.05 * rng.standard_normal((150, DIM)).astype(np.float32)
+        assert index.upsert(new_ids, new_vecs) == 0
+        ref.upsert(new_ids, new_vecs)
+        replaced = np.arange(0, 60)
+        moved = data["base"][rng.choice(N, 60)] + 0.05
+        assert index.upsert(replaced, moved) == 60
+        ref.upsert(replaced, moved)
+        gone = np.concatenate([np.arange(100, 140), new_ids[:20]])
+        assert index.delete(gone) == 60
+        assert index.delete(gone) == 0  # unknown ids are ignored
+        ref.delete(gone)
+        assert_same(index.search(q, K, EXHAUSTIVE), *ref.search(q))
+        # Every live written vector is found by itself; deleted ones never are.
+        top = index.search(np.concatenate([new_vecs[20:], moved]), 1, EXHAUSTIVE)
+        assert np.array_equal(top.ids[:, 0], np.concatenate([new_ids[20:], replaced]))
+        assert not np.isin(index.search(data["base"][100:140], K).ids, gone).any()
+
+        # A shard stops as a crash would; its log brings every write back.
+        s = int(np.argmax(index.fresh_count))
+        assert index.fresh_count[s] > 0
+        index.kill_shard(s)
+        down = index.search(q, K, EXHAUSTIVE)
+        assert down.partial and s in down.missing_shards
+        with pytest.raises(UnavailableError, match="down"):
+            index.search(q, K, EXHAUSTIVE, partial=False)
+        where = index.restart_shard(s)
+        assert where["replayed"] >= 1 and where["fresh"] == index.fresh_count[s]
+        full = index.search(q, K, EXHAUSTIVE)
+        assert not full.partial
+        assert_same(full, *ref.search(q))
+
+        # Writes after the restart, then the whole index reopened from its directory.
+        more_ids = np.arange(N + 150, N + 200)
+        more = data["base"][rng.choice(N, 50)] - 0.04
+        index.upsert(more_ids, more)
+        ref.upsert(more_ids, more)
+        index.upsert(new_ids[30:40], more[:10])  # replace fresh rows
+        ref.upsert(new_ids[30:40], more[:10])
+        index.delete(np.arange(200, 210))
+        ref.delete(np.arange(200, 210))
+        assert_same(index.search(q, K, EXHAUSTIVE), *ref.search(q))
+    finally:
+        index.close()
+    index = ShardedIndex.open(path)
+    try:
+        assert_same(index.search(q, K, EXHAUSTIVE), *ref.search(q))
+        assert index.fresh_count.sum() >= len(ref.fresh)
+        with pytest.raises(InputError):
+            index.upsert([1, 1], data["base"][:2])
+        with pytest.raises(InputError):
+            index.upsert([-1], data["base"][:1])
+    finally:
+        index.close()
+        single.close()
+
+
+def test_a_dead_shard_fails_over_to_replicas_and_reports_what_it_could_not_reach(data):
+    path = fresh_copy(data, "w2", replicate=0.3)
+    q = data["queries"]
+    index = ShardedIndex.open(path)
+    try:
+        healthy = index.search(q, K, EXHAUSTIVE)
+        s = 1
+        sole = set(np.flatnonzero((index.list_shards[:, 0] == s) & (index.list_shards[:, 1] < 0)).tolist())
+        index.kill_shard(s)  # the router learns it from the failed call
+        res = index.search(q, K, EXHAUSTIVE)
+        assert not index.alive[s]
+        lists = index.nav.probe(index.prepare_queries(q), EXHAUSTIVE)[0]
+        for i in range(len(q)):
+            # Exactly the probed lists only the dead shard held are missing; the replicated ones were answered.
+            want = sorted(set(lists[i][lists[i] >= 0].tolist()) & sole)
+            assert res.missing_lists[i].tolist() == want
+            if not want:
+                assert np.array_equal(res.ids[i], healthy.ids[i])
+        assert res.stats["missing_lists"].sum() > 0 and res.partial
+        assert index.search(q, K, EXHAUSTIVE).per_shard["queries"][s] == 0  # no longer asked
+        # Writes go on: new vectors to live shards; a write needing the dead shard is refused, not half-done.
+        on_dead = index.base_ids[s][:3]
+        with pytest.raises(UnavailableError, match="shard-001"):
+            index.delete(on_dead)
+        v = data["base"][:40] + 0.01
+        index.upsert(np.arange(N, N + 40), v)
+        assert np.array_equal(index.search(v, 1, EXHAUSTIVE).ids[:, 0], np.arange(N, N + 40))
+        index.restart_shard(s)
+        full = index.search(q, K, EXHAUSTIVE)
+        assert not full.partial
+        index.delete(on_dead)
+        assert not np.isin(index.search(q, K, EXHAUSTIVE).ids, on_dead).any()
+    finally:
+        index.close()
+
+
+def test_with_every_list_replicated_a_dead_shard_loses_nothing(data):
+    path = fresh_copy(data, "w3", replicate=1.0)
+    q = data["queries"]
+    index = ShardedIndex.open(path)
+    try:
+        assert (index.list_shards[:, 1] >= 0).all()
+        v = data["base"][500:560] + 0.02
+        index.upsert(np.arange(N, N + 60), v)  # each to both replicas of its nearest list
+        healthy = index.search(q, K, EXHAUSTIVE)
+        index.kill_shard(0)
+        res = index.search(q, K, EXHAUSTIVE, partial=False)
+        assert np.array_equal(res.ids, healthy.ids)
+        assert np.array_equal(index.search(v, 1, EXHAUSTIVE, partial=False).ids[:, 0], np.arange(N, N + 60))
+    finally:
+        index.close()
+
+
+def test_a_shard_that_does_not_answer_in_time_is_taken_for_down_and_healed(data, monkeypatch):
+    import time
+
+    from fusionrag.retriever.sharded import ShardServer, part_name
+
+    path = fresh_copy(data, "w4", replicate=0.3)
+    q = data["queries"]
+    index = ShardedIndex.open(path, call_timeout_s=0.5)
+    slow = {str((path / part_name(2)).resolve())}
+    real = ShardServer.search
+
+    def stalled(self, *args):
+        if self.path in slow:
+            time.sleep(2)
+        return real(self, *args)
+
+    try:
+        healthy = index.search(q, K, EXHAUSTIVE)
+        monkeypatch.setattr(ShardServer, "search", stalled)
+        res = index.search(q, K, EXHAUSTIVE)  # does not wait the 2 s out: shard 2 is taken for down
+        assert not index.alive[2] and res.partial
+        full = ~np.array([len(m) > 0 for m in res.missing_lists])
+        assert full.any() and np.array_equal(res.ids[full], healthy.ids[full])
+        slow.clear()
+        assert index.heal() == [2] and index.alive.all()
+        assert np.array_equal(index.search(q, K, EXHAUSTIVE, partial=False).ids, healthy.ids)
+    finally:
+        index.close()
+    with pytest.raises(Exception, match="call_timeout_s"):
+        ShardedIndex.open(path, call_timeout_s=0)
