@@ -374,11 +374,140 @@ auto scan_topn(Array<float> luts, Array<int32_t> probe_lists, Array<int64_t> lis
   return out.release();
 }
 
+// The batch plan (Aether's S2): a group of queries that share posting lists is scanned
+// list by list, not query by query. Each distinct list of the group is read once; each
+// of its codes is loaded once and scored against the table of every query of the group
+// that probes the list. What each query gets is what scan_query gives it: the same
+// gathered and unique counts, the same keys, so the same top-n. De-duplication stays per
+// query: a mask of a bit per query of the group, per vector, says which queries already hold it
+// (N bytes per scanning thread, kept between calls). Off by default: not faster on the CPU
+// (bench/results/batch_plan.md).
+using PlanMask = uint8_t;                             // a bit per query of a group (8: half the
+constexpr size_t kPlanGroup = 8 * sizeof(PlanMask);  // mask memory of 16)
+constexpr size_t kPlanTableBytes = 1 << 20;          // the group's tables held at once, at most
+
+struct PlanScratch {
+  std::vector<PlanMask> mask;  // per vector: the group's queries that hold it; all zero between groups
+  std::vector<uint32_t> touched;
+  std::vector<std::pair<int32_t, uint32_t>> pairs;  // (list, query of the group)
+  std::vector<std::pair<uint64_t, PlanMask>> runs;   // (order key, queries asking) per distinct list
+  std::vector<std::pair<uint32_t, PlanMask>> entries;  // (id, queries of the group that score it)
+  std::vector<uint64_t> keys[kPlanGroup];
+  std::vector<float> luts, padded;
+
+  __attribute__((noinline)) static PlanScratch& local(size_t n_codes) {
+    thread_local PlanScratch s;
+    if (s.mask.size() < n_codes) s.mask.resize(n_codes, 0);
+    return s;
+  }
+};
+
+// Scans queries order[0..g) (g <= kPlanGroup) as one group; their tables are built here.
+void scan_group(const uint32_t* order, size_t g, const Lists& lists, const Codes& pq, const LutBuilder& builder,
+                const uint8_t* exclude, double shared, ScanOut& out, double* lut_seconds) {
+  auto t0 = Clock::now();
+  PlanScratch& s = PlanScratch::local(pq.N);
+  size_t table = builder.M * kCodebook;
+  s.luts.resize(g * table);
+  s.padded.resize(builder.M * builder.dsub);
+  for (size_t k = 0; k < g; ++k) builder.build(order[k], s.luts.data() + k * table, s.padded.data());
+  auto t1 = Clock::now();
+
+  s.touched.clear();
+  struct Unmark {  // also when a bad id throws
+    PlanScratch& s;
+    ~Unmark() {
+      for (uint32_t id : s.touched) s.mask[id] = 0;
+    }
+  } unmark{s};
+  s.pairs.clear();
+  int64_t gathered[kPlanGroup] = {};
+  for (size_t k = 0; k < g; ++k) {
+    s.keys[k].clear();
+    size_t i = order[k];
+    // Validates the query's probes as scan_query does.
+    lists.for_each_list(i, [&](const uint32_t* begin, const uint32_t* end) { gathered[k] += end - begin; });
+    for (size_t j = 0; j < lists.m; ++j) {
+      int32_t c = lists.probes[i * lists.m + j];
+      if (c >= 0) s.pairs.emplace_back(c, uint32_t(k));
+    }
+  }
+  std::sort(s.pairs.begin(), s.pairs.end());
+  // The group's distinct lists, each with the queries asking for it: the shared ones first, in list order;
+  // then the lists only one query asks for, query by query, so that its table stays in cache.
+  s.runs.clear();
+  for (size_t a = 0; a < s.pairs.size();) {
+    int32_t c = s.pairs[a].first;
+    PlanMask asking = 0;
+    for (; a < s.pairs.size() && s.pairs[a].first == c; ++a) asking |= PlanMask(1u << s.pairs[a].second);
+    bool shared = asking & (asking - 1);
+    uint64_t key = shared ? uint64_t(c) : (uint64_t(1) << 63) | (uint64_t(__builtin_ctz(asking)) << 32) | uint32_t(c);
+    s.runs.emplace_back(key, asking);
+  }
+  std::sort(s.runs.begin(), s.runs.end());
+  // First the ids, de-duplicated per query (lists are short and scattered: prefetch a few runs ahead),
+  // then the codes, each loaded once for all its asking queries (prefetched ahead, as scan_query does).
+  s.entries.clear();
+  constexpr size_t kRunsAhead = 4, kAhead = 16;
+  for (size_t r = 0; r < s.runs.size(); ++r) {
+    if (r + kRunsAhead < s.runs.size())
+      __builtin_prefetch(lists.ids + lists.offsets[uint32_t(s.runs[r + kRunsAhead].first)]);
+    auto [key, asking] = s.runs[r];
+    int32_t c = int32_t(uint32_t(key));
+    const uint32_t* begin = lists.ids + lists.offsets[c];
+    const uint32_t* end = lists.ids + lists.offsets[c + 1];
+    for (const uint32_t* p = begin; p != end; ++p) {
+      uint32_t id = *p;
+      if (id >= pq.N)
+        throw std::invalid_argument("list_ids[" + std::to_string(p - lists.ids) + "] = " + std::to_string(id) +
+                                    " is out of range for " + std::to_string(pq.N) + " codes");
+      if (exclude && (exclude[id >> 3] >> (id & 7) & 1)) continue;
+      PlanMask held = s.mask[id];
+      PlanMask want = asking & PlanMask(~held);
+      if (!want) continue;
+      if (!held) s.touched.push_back(id);
+      s.mask[id] = held | want;
+      s.entries.emplace_back(id, want);
+    }
+  }
+  size_t e = s.entries.size();
+  for (size_t j = 0; j < e; ++j) {
+    if (j + kAhead < e) __builtin_prefetch(pq.codes + size_t(s.entries[j + kAhead].first) * pq.M);
+    auto [id, want] = s.entries[j];
+    const uint8_t* code = pq.codes + size_t(id) * pq.M;
+    for (unsigned w = want; w; w &= w - 1) {
+      unsigned k = unsigned(__builtin_ctz(w));
+      s.keys[k].push_back(rank_key(fusionrag::adc(s.luts.data() + k * table, code, pq.M), id));
+    }
+  }
+
+  size_t n = out.n;
+  for (size_t k = 0; k < g; ++k) {
+    size_t i = order[k];
+    std::vector<uint64_t>& keys = s.keys[k];
+    size_t u = keys.size(), keep = std::min(n, u);
+    std::nth_element(keys.begin(), keys.begin() + keep, keys.end());
+    std::sort(keys.begin(), keys.begin() + keep);
+    for (size_t j = 0; j < n; ++j) {
+      out.ids[i * n + j] = j < keep ? int64_t(uint32_t(keys[j])) : -1;
+      out.dists[i * n + j] = j < keep ? key_distance(keys[j]) : std::numeric_limits<float>::infinity();
+    }
+    out.counts[2 * i] = gathered[k];
+    out.counts[2 * i + 1] = int64_t(u);
+  }
+  // A group's time is shared evenly by its queries.
+  double build = std::chrono::duration<double>(t1 - t0).count() / double(g), scan = seconds_since(t1) / double(g);
+  for (size_t k = 0; k < g; ++k) {
+    lut_seconds[order[k]] = build + shared;
+    out.seconds[order[k]] = scan;
+  }
+}
+
 // As scan_topn, but each query's table is built by the thread that scans it, right
 // before the scan: threads x one table in memory instead of a whole batch of them.
 auto scan_topn_pq(AnyArray queries, nb::handle codebooks, const std::string& metric, Array<int32_t> probe_lists,
                   Array<int64_t> list_offsets, Array<uint32_t> list_ids, Array<uint8_t> codes, int64_t n,
-                  int num_threads, std::optional<Array<uint8_t>> exclude) {
+                  int num_threads, std::optional<Array<uint8_t>> exclude, bool batch_plan) {
   CodebooksArg cb(codebooks);
   LutBuilder builder(queries, *cb.cb, metric);
   Lists lists(probe_lists, list_offsets, list_ids);
@@ -393,6 +522,25 @@ auto scan_topn_pq(AnyArray queries, nb::handle codebooks, const std::string& met
   {
     nb::gil_scoped_release unlocked;
     double shared = lists.q ? cb.setup_seconds / double(lists.q) : 0.0;  // spread over the batch
+    // Groups of at most kPlanGroup queries (and kPlanTableBytes of tables), at least one per thread;
+    // queries ordered by their nearest list, so that a group's queries share lists.
+    size_t group = std::min(kPlanGroup, std::max<size_t>(1, kPlanTableBytes / (builder.M * kCodebook * sizeof(float))));
+    group = std::min(group, (lists.q + threads - 1) / std::max<size_t>(threads, 1));
+    if (batch_plan && group > 1) {
+      std::vector<uint32_t> order(lists.q);
+      for (size_t i = 0; i < lists.q; ++i) order[i] = uint32_t(i);
+      auto first = [&](uint32_t i) {
+        for (size_t j = 0; j < lists.m; ++j)
+          if (lists.probes[i * lists.m + j] >= 0) return lists.probes[i * lists.m + j];
+        return int32_t(-1);
+      };
+      std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return first(a) < first(b); });
+      size_t groups = (lists.q + group - 1) / group;
+      ThreadPool::instance().parallel_for(groups, threads, [&](size_t b, size_t) {
+        size_t lo = b * group, g = std::min(group, lists.q - lo);
+        scan_group(order.data() + lo, g, lists, pq, builder, excluded, shared, out, lut_seconds.get());
+      });
+    } else
     ThreadPool::instance().parallel_for(lists.q, threads, [&](size_t i, size_t) {
       auto t0 = Clock::now();
       ScanScratch& s = ScanScratch::local(pq.N);
@@ -489,12 +637,14 @@ void bind_scan(nb::module_& m) {
       .def_ro("dsub", &PqCodebooks::dsub)
       .def_prop_ro("nbytes", &PqCodebooks::nbytes, "Bytes held.");
   m.def("scan_topn_pq", &scan_topn_pq, "queries"_a, "codebooks"_a, "metric"_a, "probe_lists"_a, "list_offsets"_a,
-        "list_ids"_a, "codes"_a, "n"_a, "num_threads"_a = 0, "exclude"_a = nb::none(),
+        "list_ids"_a, "codes"_a, "n"_a, "num_threads"_a = 0, "exclude"_a = nb::none(), "batch_plan"_a = false,
         "As scan_topn, the PQ tables built inside: each query's (as ProductQuantizer.luts: float32 queries\n"
         "(q, dim) zero-padded to M * dsub, codebooks float32 (M, 256, dsub), metric 'l2' or 'ip') by the thread\n"
         "that scans it; codebooks may also be a PqCodebooks made once. Returns (ids, dists, counts, seconds,\n"
         "lut_seconds float64[q]): seconds of the scan alone, lut_seconds of building the query's table (with\n"
-        "its share of laying out raw codebooks).");
+        "its share of laying out raw codebooks). batch_plan: scan groups of queries that share lists list by\n"
+        "list, each code loaded once and scored against every asking query's table (the same results; a\n"
+        "group's seconds shared evenly by its queries).");
   m.def("pq_luts", &pq_luts, "queries"_a, "codebooks"_a, "metric"_a, "num_threads"_a = 0,
         "float32 (q, M, 256): the tables scan_topn_pq builds, all at once (to check them).");
   m.def("gather", &gather, "probe_lists"_a, "list_offsets"_a, "list_ids"_a, "num_threads"_a = 0,

@@ -331,6 +331,11 @@ class EngineConfig(_Config):
     # GPU tier always does. Results do not depend on it; measured: bench/results/cpu_pipeline.md.
     pipeline: Annotated[bool, knob("overlap a call's batches: the graph search of batch b+1 runs while batch b "
                                    "is filtered")] = True
+    # On the CPU filter tier, a batch's queries that probe the same posting lists are scanned together (Aether's
+    # batch plan): each list read once per group of queries, each code scored against every asking query's table.
+    # Results do not depend on it; measured: bench/results/batch_plan.md.
+    batch_plan: Annotated[bool, knob("CPU filter tier: scan posting lists shared by a batch's queries once per "
+                                     "group of queries, not once per query")] = False
     filter_tier: Annotated[FilterTier, knob("PQ filter tier: auto (GPU when CUDA is there), cpu or gpu")] = "auto"
     # Codes, codebooks and working blocks; 0: what an LLM server on the same GPU leaves,
     # (1 - gpu_memory_utilization) of the device, at most what is free.

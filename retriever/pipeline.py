@@ -72,7 +72,8 @@ def open_filter_tier(config: EngineConfig, list_offsets: np.ndarray, list_ids: n
         kind = "gpu" if _cuda_available() else "cpu"
     if kind == "cpu":
         return CpuFilterTier(list_offsets, list_ids, codes, codebooks, threads, metric=metric,
-                             batch_size=config.batch_for("cpu"), pipeline=config.pipeline)
+                             batch_size=config.batch_for("cpu"), pipeline=config.pipeline,
+                             batch_plan=config.batch_plan)
     # Imported here, not above: the GPU tier imports torch, which a CPU-only process never needs.
     from fusionrag.retriever.gpu_tier import GpuFilterTier, gpu_device, shared_account
 

@@ -18,7 +18,8 @@ Placement after SmartANNS: a list's expected work is its size x how often sample
 the data at build time, or a query log) probe it; lists go, heaviest first, to the shard with the
 least expected work so far (no shard holding more than 1.25x its share of postings), and the hottest
 lists get a replica on a second shard, each replica expecting half the work. `round-robin` (list i
-on shard i mod S, no replicas) is the baseline it is measured against.
+on shard i mod S, no replicas) is the baseline it is measured against. `locality` puts regions of centroid
+space (recursive bisection, work balanced) on shards, so a query's lists sit on fewer of them.
 
 Query path: the router finds each query's lists (as Index does), sends each shard only the lists
 it owns, the queries of a batch grouped per shard (one call per shard per batch); a replicated list
@@ -52,12 +53,12 @@ from fusionrag.retriever.build import (_CHUNK, _IntegralCheck, _Rows, assign_row
 from fusionrag.retriever.config import BuildConfig, EngineConfig, SearchParams, cpu_threads
 from fusionrag.retriever.errors import ConfigError, IndexFormatError, InputError, UnavailableError
 from fusionrag.retriever.index import prepare_queries
-from fusionrag.retriever.queries import PreparedQueries
 from fusionrag.retriever.kmeans import sq_dists
 from fusionrag.retriever.learned_probe import ProbeModel, lists_needed, probe_features
 from fusionrag.retriever.manifest import MANIFEST, load_array, read_manifest, writing_index
 from fusionrag.retriever.pq import ProductQuantizer
 from fusionrag.retriever.progress import OnProgress, Progress
+from fusionrag.retriever.queries import PreparedQueries
 from fusionrag.retriever.sharded_writes import DELETE, UPSERT, ShardWrites
 from fusionrag.retriever.tiers import NavigationTier
 from fusionrag.retriever.vectors import STORAGE_DTYPES, as_source, check_vectors, normalize
@@ -65,12 +66,14 @@ from fusionrag.retriever.vectors import STORAGE_DTYPES, as_source, check_vectors
 log = logging.getLogger(__name__)
 
 KIND = "sharded"
-PLACEMENTS = ("hotness", "round-robin")
+PLACEMENTS = ("hotness", "round-robin", "locality")
 PROBES = ("ratio", "learned")
 ROUTER_FILES = {"graph.bin": True, "pq_codebooks.npy": True, "list_shards.npy": True, "list_local.npy": True,
                 "list_sizes.npy": True, "list_visits.npy": True}
 # A shard holds at most this multiple of its share of the postings, however its expected work falls.
 STORAGE_SLACK = 1.25
+# Locality placement moves boundary lists between regions until no shard expects more than this x the mean.
+LOCALITY_TOLERANCE = 1.05
 
 
 def part_name(s: int) -> str:
@@ -124,16 +127,88 @@ class Placement:
         return float(w.max() / w.mean()) if w.mean() > 0 else 1.0
 
 
+def _regions(points: np.ndarray, work: np.ndarray, n_parts: int, seed: int = 0, iters: int = 8) -> np.ndarray:
+    """Recursive bisection of `points` (list centroids) into n_parts regions of balanced `work`: each split
+    runs a few rounds of weighted 2-means, orders the points by (distance to one centre - distance to the
+    other) and cuts where the work reaches the part's share (n_parts // 2 of n_parts), so each region is
+    a compact piece of centroid space and its work is its share to within one list's."""
+    part = np.zeros(len(points), dtype=np.int32)
+    rng = np.random.default_rng(seed)
+
+    def split(idx: np.ndarray, first: int, parts: int) -> None:
+        if parts == 1 or len(idx) == 0:
+            part[idx] = first
+            return
+        x, w = points[idx].astype(np.float64), work[idx]
+        left = parts // 2
+        if len(idx) <= parts:
+            for j, i in enumerate(idx):
+                part[i] = first + min(j, parts - 1)
+            return
+        a, b = x[rng.choice(len(idx), 2, replace=False)]
+        for _ in range(iters):
+            key = ((x - a) ** 2).sum(1) - ((x - b) ** 2).sum(1)
+            near_a = key <= np.median(key)
+            if near_a.all() or not near_a.any():
+                break
+            a = np.average(x[near_a], axis=0, weights=w[near_a] + 1e-12)
+            b = np.average(x[~near_a], axis=0, weights=w[~near_a] + 1e-12)
+        key = ((x - a) ** 2).sum(1) - ((x - b) ** 2).sum(1)
+        order = np.argsort(key, kind="stable")
+        cum = np.cumsum(w[order])
+        cut = int(np.searchsorted(cum, cum[-1] * left / parts))
+        cut = min(max(cut, left), len(idx) - (parts - left))  # every region keeps a list
+        split(idx[order[:cut]], first, left)
+        split(idx[order[cut:]], first + left, parts - left)
+
+    split(np.arange(len(points)), 0, n_parts)
+    return part
+
+
+def _rebalance(plan: Placement, x: np.ndarray, n_shards: int, tolerance: float = LOCALITY_TOLERANCE) -> None:
+    """Replicas (and lists heavier than a region's slack) can leave a region over its share: while the
+    heaviest shard is over `tolerance` x the mean, move one of its unreplicated lists to a shard under the
+    mean, the list nearest that shard's region (its centroid's distance to the region's centre, less its
+    distance to its own), so regions give up their boundary lists first. In place."""
+    own = plan.shards[:, 0]
+    centre = np.stack([x[own == s].mean(axis=0) if (own == s).any() else x.mean(axis=0) for s in range(n_shards)])
+    d = sq_dists(x.astype(np.float32), centre.astype(np.float32)).astype(np.float64)
+    single = plan.shards[:, 1] < 0
+    for _ in range(len(own)):
+        load = plan.shard_work(n_shards)
+        mean = load.mean()
+        s = int(np.argmax(load))
+        if mean <= 0 or load[s] <= tolerance * mean:
+            return
+        mine = np.flatnonzero(single & (own == s))
+        under = np.flatnonzero(load < mean)
+        if not len(mine) or not len(under):
+            return
+        # Moving list c from s to t helps while its work is under the gap between them.
+        cost = d[mine][:, under] - d[mine, s][:, None]
+        cost[plan.work[mine][:, None] >= (load[s] - load[under])[None, :]] = np.inf
+        i, j = np.unravel_index(np.argmin(cost), cost.shape)
+        if not np.isfinite(cost[i, j]):
+            return
+        own[mine[i]] = under[j]
+
+
 def place_lists(sizes: np.ndarray, visits: np.ndarray, n_shards: int, kind: str = "hotness",
-                replicate: float = 0.02) -> Placement:
+                replicate: float = 0.02, centroids: np.ndarray | None = None) -> Placement:
     """Each list's shard(s). hotness: lists by expected work (size x (visits + 1)), heaviest first, each to the
     shard with the least work so far among those under STORAGE_SLACK x their share of postings; the hottest
     `replicate` fraction of lists get a second shard (the next least loaded), each copy expecting half.
-    round-robin: list i on shard i mod n_shards, no replicas."""
+    round-robin: list i on shard i mod n_shards, no replicas.
+    locality: shard s holds region s of centroid space (`centroids`, one row per list; _regions: recursive
+    bisection balancing the expected work), so lists probed together sit together; the hottest `replicate`
+    fraction get a second shard, the nearest other region's (by the distance from the list's centroid to the
+    work-weighted centre of each region), each copy expecting half. No storage cap: it balances work."""
     sizes = np.asarray(sizes, dtype=np.int64)
     n_lists = len(sizes)
     if kind not in PLACEMENTS:
         raise ConfigError(f"placement must be one of {PLACEMENTS}, got {kind!r}")
+    if kind == "locality" and (centroids is None or len(centroids) != n_lists):
+        raise ConfigError("placement 'locality' needs the lists' centroids (one row per list)")
     if not 1 <= n_shards <= n_lists:
         raise ConfigError(f"shards must be in [1, {n_lists}] (the posting lists), got {n_shards}")
     if not 0 <= replicate <= 1:
@@ -144,6 +219,18 @@ def place_lists(sizes: np.ndarray, visits: np.ndarray, n_shards: int, kind: str 
         shards[:, 0] = np.arange(n_lists) % n_shards
         return Placement(shards, work, kind)
     n_rep = int(round(replicate * n_lists)) if n_shards > 1 else 0
+    if kind == "locality":
+        x = np.asarray(centroids, dtype=np.float64)
+        shards[:, 0] = _regions(x, work, n_shards)
+        if n_rep:
+            centre = np.stack([np.average(x[shards[:, 0] == s], axis=0, weights=work[shards[:, 0] == s] + 1e-12)
+                               for s in range(n_shards)])
+            hot = np.argsort(-work, kind="stable")[:n_rep]
+            d = sq_dists(x[hot].astype(np.float32), centre.astype(np.float32)).astype(np.float64)
+            d[np.arange(n_rep), shards[hot, 0]] = np.inf
+            shards[hot, 1] = np.argmin(d, axis=1)
+        _rebalance(Placement(shards, work, kind), x, n_shards)
+        return Placement(shards, work, kind)
     load = np.zeros(n_shards)
     stored = np.zeros(n_shards)
     cap = STORAGE_SLACK * sizes.sum() / n_shards + sizes.max(initial=0)
@@ -317,8 +404,9 @@ def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfi
                   probe_queries: int = 1000) -> dict:
     """Build a sharded index of `source` (a vector file path or a 2-D array) with `shards` shard parts.
 
-    placement: 'hotness' (SmartANNS) or 'round-robin'; replicate: the fraction of lists, hottest first, that
-    get a replica on a second shard (hotness only). sample_queries: queries (a query log) whose probing
+    placement: 'hotness' (SmartANNS), 'locality' (regions of centroid space, work balanced) or 'round-robin';
+    replicate: the fraction of lists, hottest first, that get a replica on a second shard (not round-robin).
+    sample_queries: queries (a query log) whose probing
     measures how hot each list is; None draws num_sample_queries rows of the source. params: the search
     settings the sample queries are probed with. probe_model: train learned pruning's model (learned_probe.py)
     on up to probe_queries of the sample queries, fitted to probe_quantile. use_ray: run the assign and write steps as Ray tasks
@@ -414,7 +502,7 @@ def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfi
             if metric == "cosine":
                 queries = normalize(queries)
         visits = sample_visits(nav, queries, n_lists, params)
-        plan = place_lists(sizes, visits, shards, placement, replicate)
+        plan = place_lists(sizes, visits, shards, placement, replicate, centroids=centroids)
         local = np.full((n_lists, 2), -1, dtype=np.int32)
         shard_plans = []
         for s in range(shards):
@@ -473,7 +561,7 @@ def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfi
         expected = plan.shard_work(shards)
         manifest = index_manifest(
             n, dim, metric, store_dtype, src, n_lists, list_offsets[-1], pq, config, timings, kind=KIND, shards=shards,
-            placement={"kind": placement, "replicate": replicate if placement == "hotness" else 0.0,
+            placement={"kind": placement, "replicate": replicate if placement != "round-robin" else 0.0,
                        "replicated_lists": int((plan.shards[:, 1] >= 0).sum()),
                        "sample_queries": int(len(queries)), "probe": params.to_dict(),
                        "expected_work": [float(x) for x in expected],

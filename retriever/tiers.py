@@ -70,16 +70,18 @@ class NavigationTier:
 
 class CpuFilterTier:
     """The filter tier in host RAM (native/scan.cpp). metric: the tables' ('l2' or 'ip'); pipeline: whether
-    a call's batches overlap (EngineConfig.pipeline)."""
+    a call's batches overlap (EngineConfig.pipeline); batch_plan: whether queries that share posting lists
+    are scanned list by list (EngineConfig.batch_plan; same results)."""
 
     name = "cpu"
     in_flight = 1
     tiered = False
 
     def __init__(self, list_offsets: np.ndarray, list_ids: np.ndarray, codes: np.ndarray, codebooks: np.ndarray,
-                 threads: int, *, metric: str = "l2", batch_size: int = 0, pipeline: bool = EngineConfig.pipeline):
+                 threads: int, *, metric: str = "l2", batch_size: int = 0, pipeline: bool = EngineConfig.pipeline,
+                 batch_plan: bool = EngineConfig.batch_plan):
         self.list_offsets, self.list_ids, self.codes, self.threads = list_offsets, list_ids, codes, threads
-        self.metric, self.overlaps = metric, pipeline
+        self.metric, self.overlaps, self.batch_plan = metric, pipeline, batch_plan
         self.batch_size = batch_size or EngineConfig().batch_for(self.name)
         # Laid out for building tables once, not per call: ~0.1 ms a one-query request would pay every time.
         self.codebooks = native.PqCodebooks(codebooks)
@@ -101,7 +103,7 @@ class CpuFilterTier:
         index = (self.list_offsets, self.list_ids, self.codes, n, self.threads, exclude)
         if isinstance(tables, BatchTables):
             ids, dists, counts, seconds, lut_seconds = native.scan_topn_pq(
-                tables.queries, tables.codebooks, tables.metric, probe_lists, *index)
+                tables.queries, tables.codebooks, tables.metric, probe_lists, *index, batch_plan=self.batch_plan)
             return Candidates(ids, dists, counts[:, 0], counts[:, 1], seconds, lut_seconds)
         ids, dists, counts, seconds = native.scan_topn(tables, probe_lists, *index)
         return Candidates(ids, dists, counts[:, 0], counts[:, 1], seconds)

@@ -11,6 +11,7 @@ import numpy as np
 
 from fusionrag.retriever.config import METRICS, BuildConfig, EngineConfig, SearchParams, add_flags, flags_of, knobs
 from fusionrag.retriever.errors import ConfigError, FusionRAGError
+from fusionrag.retriever.sharded import PLACEMENTS
 
 def _cmd_build(args) -> int:
     from fusionrag.retriever.build import build_index
@@ -223,8 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quiet", action="store_true", help="no progress bars (they are drawn when stderr is a terminal)")
     b.add_argument("--shards", type=int, default=0, help="build a sharded index of this many shard parts "
                    "(README, Sharded mode)")
-    b.add_argument("--placement", default="hotness", choices=["hotness", "round-robin"],
-                   help="with --shards: lists placed by expected work (SmartANNS) or round-robin")
+    b.add_argument("--placement", default="hotness", choices=list(PLACEMENTS),
+                   help="with --shards: lists placed by expected work (hotness, SmartANNS), by region of "
+                   "centroid space with work balanced (locality), or round-robin")
     b.add_argument("--replicate", type=float, default=0.02,
                    help="with --shards: fraction of lists, hottest first, given a replica on a second shard")
     b.add_argument("--sample-queries", help="with --shards: a query file (a query log) to measure list hotness "

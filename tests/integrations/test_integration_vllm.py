@@ -214,10 +214,11 @@ def test_streaming_rag_chat_with_the_openai_client(vllm_server, tiny_llm, kb):
     assert first.retrieval["scores"] == pytest.approx([h["score"] for h in found], abs=1e-5)
     assert first.retrieval["citations"] == [{"n": n, "id": h["id"], "text": h["text"]}
                                             for n, h in enumerate(found, 1)]
-    # Then vLLM's own chunks, one per token, under the same id; usage last.
+    # Then vLLM's own chunks under the same id, usage last: one token each, or several when the stream's reader
+    # lags behind the engine (vLLM then sends what it has in one chunk, as it did under CI's load).
     assert {ch.id for ch in chunks} == {first.id}
     tokens = [ch for ch in chunks[1:] if ch.choices and getattr(ch.choices[0], "token_ids", None)]
-    assert sum(len(ch.choices[0].token_ids) for ch in tokens) == 8 == len(tokens)
+    assert sum(len(ch.choices[0].token_ids) for ch in tokens) == 8 and 1 <= len(tokens) <= 8
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
     last = chunks[-1]
     assert last.choices == [] and last.usage.completion_tokens == 8

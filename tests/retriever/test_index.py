@@ -400,3 +400,30 @@ def test_killed_build_leaves_no_index(tmp_path):
     # The next build of the same target clears what the killed ones left behind.
     Index.build(clustered(200, 8, 4), tmp_path / "idx0.5", progress=False, overwrite=True)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".idx0.5.tmp-")]
+
+
+def test_batch_plan_changes_no_answer(small):
+    """EngineConfig.batch_plan: the CPU filter tier scans shared lists once per group of queries; the
+    candidates, answers and per-query counts are those of the per-query scan, with and without exclusions."""
+    from fusionrag.retriever.config import EngineConfig
+
+    assert EngineConfig().batch_plan is False and "batch_plan" in EngineConfig.__dataclass_fields__
+    _, queries, path = small
+    indexes = {plan: Index.open(path, buffer_bytes=0, filter_tier="cpu", threads=2, batch_plan=plan)
+               for plan in (False, True)}
+    assert [indexes[p].filter.batch_plan for p in (False, True)] == [False, True]  # Index.open reaches the tier
+    repeated = np.concatenate([queries, queries[::-1], queries[:7]])  # lists shared within each batch
+    exclude = np.packbits(np.random.default_rng(0).random(3000) < 0.2, bitorder="little")
+    for qs in (queries[:1], queries[:16], repeated):
+        for ex in (None, exclude):
+            runs = {}
+            for plan in (False, True):
+                runs[plan] = indexes[plan].search(qs, k=10, nprobe=8, exclude=ex)
+            off, on = runs[False], runs[True]
+            np.testing.assert_array_equal(on.ids, off.ids)
+            np.testing.assert_array_equal(on.distances, off.distances)
+            for key in ("centroids_probed", "candidates", "unique_candidates", "minibatches", "reranked"):
+                np.testing.assert_array_equal(on.stats[key], off.stats[key])
+            assert off.stats["unique_candidates"].sum() > 0
+    for index in indexes.values():
+        index.close()

@@ -46,6 +46,8 @@ def built(tmp_path_factory):
     build_sharded(base, root / "sharded", 3, CONFIG, progress=False)
     build_sharded(base, root / "hot", 3, CONFIG, sample_queries=log, replicate=0.05, progress=False)
     build_sharded(base, root / "rr", 3, CONFIG, placement="round-robin", sample_queries=log, progress=False)
+    build_sharded(base, root / "loc", 3, CONFIG, placement="locality", progress=False)
+    build_sharded(base, root / "loc0", 3, CONFIG, placement="locality", replicate=0.0, progress=False)
     return {"root": root, "base": base, "queries": queries, "log": log}
 
 
@@ -240,6 +242,60 @@ def test_placement_by_expected_work():
     # Storage stays near even however the work falls.
     stored = np.array([sizes[(hot.shards == s).any(axis=1)].sum() for s in range(4)])
     assert stored.max() <= 1.25 * sizes.sum() / 4 + sizes.max()
+
+
+def test_locality_placement_balances_work_in_regions_of_centroid_space():
+    """Locality: every list on a shard, expected work within 1.1x the mean, the hottest lists replicated on
+    another shard, and each shard a region: a list's nearest other centroids mostly share its shard."""
+    rng = np.random.default_rng(0)
+    centroids = clustered(400, 16, 12, seed=5, spread=0.5)
+    sizes = rng.integers(5, 15, 400)
+    visits = (1000 / np.arange(1, 401) ** 1.1).astype(int)[rng.permutation(400)]
+    for S in (2, 3, 4):
+        loc = place_lists(sizes, visits, S, "locality", 0.02, centroids=centroids)
+        rr = place_lists(sizes, visits, S, "round-robin")
+        assert loc.kind == "locality" and (loc.shards[:, 0] >= 0).all()
+        assert set(loc.shards[:, 0]) == set(range(S))
+        assert loc.imbalance(S) <= 1.1, (S, loc.imbalance(S))
+        two = loc.shards[:, 1] >= 0
+        assert two.sum() == 8 and (loc.shards[two, 0] != loc.shards[two, 1]).all()
+        w = sizes * (visits + 1.0)
+        assert set(np.flatnonzero(two)) == set(np.argsort(-w)[:8])
+        d = ((centroids[:, None, :] - centroids[None, :, :]) ** 2).sum(-1)
+        np.fill_diagonal(d, np.inf)
+        nn = np.argsort(d, axis=1)[:, :10]
+        same = lambda p: float((p.shards[nn, 0] == p.shards[:, :1]).mean())  # noqa: E731
+        assert same(loc) > 0.7 > 0.55 > same(rr), (same(loc), same(rr))
+    with pytest.raises(ConfigError, match="centroids"):
+        place_lists(sizes, visits, 2, "locality")
+
+
+def test_locality_placement_equals_the_single_index_and_reaches_fewer_shards(built):
+    """Every candidate re-ranked: the same top-10 as the single index. On the clustered set a query reaches
+    fewer shards than with round-robin, counted from the lists it probes and the list -> shard map on disk."""
+    root, q = built["root"], built["queries"]
+    single = Index.open(root / "single")
+    lists, _, _ = single.nav.probe(q, SearchParams())
+    reached = {}
+    for name in ("loc", "loc0", "rr"):
+        index = ShardedIndex.open(root / name)
+        try:
+            assert index.manifest["placement"]["kind"] == ("round-robin" if name == "rr" else "locality")
+            res = index.search(q, 10, EXHAUSTIVE)
+            a = single.search(q, 10, EXHAUSTIVE)
+            assert np.array_equal(a.ids, res.ids)
+            assert np.allclose(a.distances, res.distances, rtol=1e-6, atol=1e-6)
+            res = index.search(q, 10)
+            list_shards = np.load(root / name / "list_shards.npy")
+            assert ((list_shards >= 0).sum(axis=1) >= 1).all()  # every list on at least one shard
+            if name != "loc":  # no replicas: a query's shards are its probed lists' shards
+                want = np.array([len(set(list_shards[row[row >= 0], 0])) for row in lists])
+                assert np.array_equal(res.stats["shards_probed"], want)
+            reached[name] = float(res.stats["shards_probed"].mean())
+        finally:
+            index.close()
+    assert reached["loc0"] < 0.8 * reached["rr"], reached
+    assert reached["loc"] < reached["rr"], reached
 
 
 def test_cli_builds_and_searches_a_sharded_index(built, tmp_path, capsys):
