@@ -41,3 +41,6 @@ class Progress:
             if self.on_progress is not None:
                 self.on_progress(name, 0, total)
             yield update
+            # The step's last state drawn before the bar is cleared (leave=False): tqdm draws at most every
+            # 0.1 s, so a step whose last update came sooner after the previous draw would never show its end.
+            bar.refresh()
