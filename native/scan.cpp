@@ -66,6 +66,15 @@ struct Lists {
     total = list_ids.shape(0);
   }
 
+  // The vector id stored at p (a place in ids), checked against the n codes it must index.
+  uint32_t id_at(const uint32_t* p, size_t n) const {
+    uint32_t id = *p;
+    if (id >= n)
+      throw std::invalid_argument("list_ids[" + std::to_string(p - ids) + "] = " + std::to_string(id) +
+                                  " is out of range for " + std::to_string(n) + " codes");
+    return id;
+  }
+
   // Calls fn(begin, end) for each list query i probes.
   template <class Fn>
   void for_each_list(size_t i, Fn&& fn) const {
@@ -323,10 +332,7 @@ void scan_query(size_t i, const Lists& lists, const Codes& pq, const float* lut,
   });
   for (auto [begin, end] : s.ranges) {
     for (const uint32_t* p = begin; p != end; ++p) {
-      uint32_t id = *p;
-      if (id >= pq.N)
-        throw std::invalid_argument("list_ids[" + std::to_string(p - lists.ids) + "] = " + std::to_string(id) +
-                                    " is out of range for " + std::to_string(pq.N) + " codes");
+      uint32_t id = lists.id_at(p, pq.N);
       if (exclude && (exclude[id >> 3] >> (id & 7) & 1)) continue;
       uint64_t& word = s.seen[id >> 6];
       uint64_t bit = uint64_t(1) << (id & 63);
@@ -457,10 +463,7 @@ void scan_group(const uint32_t* order, size_t g, const Lists& lists, const Codes
     const uint32_t* begin = lists.ids + lists.offsets[c];
     const uint32_t* end = lists.ids + lists.offsets[c + 1];
     for (const uint32_t* p = begin; p != end; ++p) {
-      uint32_t id = *p;
-      if (id >= pq.N)
-        throw std::invalid_argument("list_ids[" + std::to_string(p - lists.ids) + "] = " + std::to_string(id) +
-                                    " is out of range for " + std::to_string(pq.N) + " codes");
+      uint32_t id = lists.id_at(p, pq.N);
       if (exclude && (exclude[id >> 3] >> (id & 7) & 1)) continue;
       PlanMask held = s.mask[id];
       PlanMask want = asking & PlanMask(~held);

@@ -204,6 +204,15 @@ def index_manifest(count: int, dim: int, metric: str, storage_dtype: str, src, c
     return manifest
 
 
+def open_source(source):
+    """The vectors a build reads (a file path or a 2-D array, vectors.as_source), refused when there are more
+    than the 2^32 vector ids an index holds. Shared by build_index and sharded.build_sharded."""
+    src = as_source(source)
+    if src.count >= 2**32:
+        raise InputError(f"{src.path}: {src.count} vectors exceed the 2^32 vector ids an index holds")
+    return src
+
+
 def build_index(source, out_dir, config: BuildConfig = BuildConfig(), progress: bool | None = None,
                 overwrite: bool = False, on_progress: OnProgress | None = None) -> dict:
     """Build an index of `source` (a vector file path or a 2-D array) into the directory out_dir.
@@ -211,10 +220,8 @@ def build_index(source, out_dir, config: BuildConfig = BuildConfig(), progress: 
     progress: a bar per step on stderr (None: when stderr is a terminal); on_progress(step, done, total)
     is told the same as the steps advance."""
     t_start = time.perf_counter()
-    src = as_source(source)
+    src = open_source(source)
     n, dim = src.count, src.dim
-    if n >= 2**32:
-        raise InputError(f"{src.path}: {n} vectors exceed the 2^32 vector ids an index holds")
     metric = config.metric
     threads = cpu_threads(config.threads)
     rng = np.random.default_rng(config.seed)

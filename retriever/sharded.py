@@ -49,7 +49,8 @@ import numpy as np
 
 from fusionrag import native
 from fusionrag.retriever.build import (_CHUNK, _IntegralCheck, _Rows, assign_rows, index_manifest, internal_metric,
-                                       mips_augment, postings, save_index_files, train_index, write_pages)
+                                       mips_augment, open_source, postings, save_index_files, train_index,
+                                       write_pages)
 from fusionrag.retriever.config import BuildConfig, EngineConfig, SearchParams, cpu_threads
 from fusionrag.retriever.errors import ConfigError, IndexFormatError, InputError, UnavailableError
 from fusionrag.retriever.index import prepare_queries
@@ -428,10 +429,8 @@ def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfi
     ray = _ray() if use_ray else None
     if use_ray and not ray.is_initialized():
         raise ConfigError("use_ray: connect to a Ray cluster first (ray.init(address=...))")
-    src = as_source(source)
+    src = open_source(source)
     n, dim = src.count, src.dim
-    if n >= 2**32:
-        raise InputError(f"{src.path}: {n} vectors exceed the 2^32 vector ids an index holds")
     metric = config.metric
     threads = cpu_threads(config.threads)
     rng = np.random.default_rng(config.seed)
