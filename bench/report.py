@@ -52,9 +52,10 @@ def fmt(x, nd=0):
     return f"{x:,.{nd}f}"
 
 
-def targets(summ: dict) -> list[str]:
+def targets(summ: dict, goal: float = 2.0) -> list[str]:
     """The issue's three targets, from numbers measured in the same run: fusionrag at its defaults,
-    and for "no more memory" whichever fusionrag configuration fits in DiskANN's net memory."""
+    and for "no more memory" whichever fusionrag configuration fits in DiskANN's net memory.
+    `goal`: the QPS ratio to DiskANN asked for (issue #2: 2; issue #17, skewed stream: 3, 2.5 at 384-d)."""
     f, h, d = summ.get("fusionrag"), summ.get("hnswlib"), summ.get("diskann")
     lines = []
     if f and h and f["net_peak_rss"] and h["net_peak_rss"]:
@@ -70,15 +71,15 @@ def targets(summ: dict) -> list[str]:
         if not (fb and db):
             continue
         mem = f["net_peak_rss"] / d["net_peak_rss"] if d["net_peak_rss"] else float("nan")
-        lines.append(f"QPS@0.90 vs DiskANN, {th} thread(s) (target ≥ 2), defaults: {fb['qps'] / db['qps']:.2f} "
-                     f"(memory fusionrag/DiskANN net {mem:.2f}) → {'met' if fb['qps'] >= 2 * db['qps'] else 'missed'}")
+        lines.append(f"QPS@0.90 vs DiskANN, {th} thread(s) (target ≥ {goal:g}), defaults: {fb['qps'] / db['qps']:.2f} "
+                     f"(memory fusionrag/DiskANN net {mem:.2f}) → {'met' if fb['qps'] >= goal * db['qps'] else 'missed'}")
         fits = {s: v["best"][f"{th}t@0.90"] for s, v in variants.items()
                 if v["net_peak_rss"] <= d["net_peak_rss"] and v["best"].get(f"{th}t@0.90")}
         if fits:
             s, b = max(fits.items(), key=lambda kv: kv[1]["qps"])
             m = variants[s]["net_peak_rss"] / d["net_peak_rss"]
             lines.append(f"… with no more memory than DiskANN, {th} thread(s): {s} {b['qps'] / db['qps']:.2f}× "
-                         f"(net memory {m:.2f} of DiskANN's) → {'met' if b['qps'] >= 2 * db['qps'] else 'missed'}")
+                         f"(net memory {m:.2f} of DiskANN's) → {'met' if b['qps'] >= goal * db['qps'] else 'missed'}")
         else:
             lines.append(f"… with no more memory than DiskANN, {th} thread(s): no fusionrag configuration fits "
                          f"(smallest net {min(v['net_peak_rss'] for v in variants.values()) / d['net_peak_rss']:.2f} "
@@ -103,6 +104,8 @@ def write_report(path: Path) -> None:
         summary[name] = summ
         md += [f"## {name}: {meta['count']:,} × {meta['dim']} ({meta['metric']}), {meta['origin']}", "",
                *([f"Measured by run {ds['from_run']}.", ""] if ds.get("from_run") else []),
+               *([f"Query stream: {ds['stream']}, drawn from the report half of the set's queries "
+                  "(bench/run.py --streams).", ""] if ds.get("stream") else []),
                f"fusionrag page buffer {params['buffer_bytes'] / MIB:.1f} MiB = raw vectors "
                f"({params['raw_bytes'] / MIB:.0f} MiB) / {round(params['raw_bytes'] / params['buffer_bytes'])} "
                f"(fusionrag-lean: a quarter of it, lists of ~40 vectors, at most 3 replicas); "
@@ -126,7 +129,9 @@ def write_report(path: Path) -> None:
             f"{s}: " + ", ".join(f"{t:.2f}→{json.dumps(v['best'][f'1t@{t:.2f}']['knob'])}"
                                  for t in TARGETS if v["best"].get(f"1t@{t:.2f}"))
             for s, v in summ.items()), ""]
-        md += ["Targets:", ""] + [f"- {line}" for line in targets(summ)] + [""]
+        # Issue #17 asks more on the skewed stream: 3x DiskANN on low-dimensional sets, 2.5x at 384-d and up.
+        goal = (3.0 if meta["dim"] < 384 else 2.5) if ds.get("stream") == "skewed" else 2.0
+        md += ["Targets:", ""] + [f"- {line}" for line in targets(summ, goal)] + [""]
         for fname, f in ds["systems"].items():
             if not fname.startswith("fusionrag"):
                 continue

@@ -3,7 +3,14 @@ in one run on the same data: QPS at recall@10 >= 0.90 / 0.95 with 1 and 2 thread
 resident memory, SSD pages read per query, and a QPS-vs-recall plot.
 
     python bench/run.py [--datasets glove fashion minilm synth300k] [--scaling 100k 300k 1m]
-                        [--queries 2000] [--quick]
+                        [--queries 2000] [--streams uniform skewed]
+
+With --streams, every system searches each named stream of the data set's report half (its second
+half of queries; the first half is where defaults and sweep points are chosen), results under
+"<set>:<stream>": `uniform` is those queries in order; `skewed` draws them Zipf(1.0) over k-means
+clusters of the queries, with repeats, as users ask (bench/cache_policy.py's streams), its first
+WARMUP queries as warm-up and the next QUERIES measured. Without it, the set's first QUERIES
+queries as before.
 
 Every build and every search runs in a process of its own (bench/worker.py; DiskANN under
 bench/work/diskann-venv because diskannpy pins numpy 1.25). Searches run in rounds by thread
@@ -27,6 +34,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from datasets import load, prepare  # noqa: E402
 from report import write_report  # noqa: E402
+
+STREAM_SEED = 2  # bench/cache_policy.py draws its report-half streams with the same seed
 
 SYSTEMS = ["fusionrag", "fusionrag-halfbuf", "fusionrag-lean", "fusionrag-lean-fullbuf", "faiss-ivfpq-refine",
            "faiss-hnsw", "hnswlib", "diskann"]
@@ -118,7 +127,29 @@ def worker(spec: dict, log) -> dict:
     return out
 
 
+def stream_rows(work: Path, name: str, stream: str, queries: int, warmup: int) -> Path:
+    """Rows into the set's queries, for the warm-up and the measured queries of one stream of its
+    report half, written once to WORK/streams so that every system's worker reads the same."""
+    import numpy as np
+    from cache_policy import streams
+
+    path = work / "streams" / f"{name}-{stream}-{queries}-{warmup}.npz"
+    if path.exists():
+        return path
+    _, q, _, _ = load(work, name)
+    half = len(q) // 2
+    if stream == "uniform":  # the report half in order, warmed up as the default run is
+        warm, rows = None, half + np.arange(min(queries, len(q) - half))
+    else:
+        drawn = half + streams(q[half:], warmup + queries, STREAM_SEED)[stream]
+        warm, rows = drawn[:warmup], drawn[warmup:]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, rows=rows, **({} if warm is None else {"warm": warm}))
+    return path
+
+
 def run_dataset(name, args, log) -> dict:
+    """{key: result}: one key per stream searched ("<set>:<stream>"), or the set's name without --streams."""
     work = args.work
     prepare(work, name)
     _, _, _, meta = load(work, name)
@@ -143,20 +174,28 @@ def run_dataset(name, args, log) -> dict:
         res["systems"][s] = {"build": build, "search": []}
     res["systems"] = {s: res["systems"][s] for s in args.systems}
     if args.build_only:
-        return res
-    for i, threads in enumerate(args.threads):
-        order = args.systems[i % len(args.systems):] + args.systems[:i % len(args.systems)]
-        for s in order:
-            if "error" in res["systems"][s]["build"]:
-                continue
-            spec = {**base_spec, "phase": "search", "system": s,
-                    "index_dir": str(args.index_dir / name / BUILT_BY.get(s, s)),
-                    "threads": [threads], "queries": args.queries, "warmup": args.warmup, "sweep": SWEEPS[s]}
-            res["systems"][s]["search"].append(worker(spec, log))
+        return {name: res}
+    out = {}
+    for stream in args.streams or [None]:
+        sres = {**res, "systems": {s: {"build": v["build"], "search": []} for s, v in res["systems"].items()}}
+        extra = {}
+        if stream:
+            sres["stream"] = stream
+            extra = {"stream": stream, "stream_rows": str(stream_rows(work, name, stream, args.queries, args.warmup))}
+        for i, threads in enumerate(args.threads):
+            order = args.systems[i % len(args.systems):] + args.systems[:i % len(args.systems)]
+            for s in order:
+                if "error" in res["systems"][s]["build"]:
+                    continue
+                spec = {**base_spec, "phase": "search", "system": s,
+                        "index_dir": str(args.index_dir / name / BUILT_BY.get(s, s)), "threads": [threads],
+                        "queries": args.queries, "warmup": args.warmup, "sweep": SWEEPS[s], **extra}
+                sres["systems"][s]["search"].append(worker(spec, log))
+        out[f"{name}:{stream}" if stream else name] = sres
     for s in set(args.systems) - set(BUILT_BY):
         if not args.keep_indexes:
             subprocess.run(["rm", "-rf", str(args.index_dir / name / s), str(args.index_dir / name / f"{s}.build.json")])
-    return res
+    return out
 
 
 def scaling(args, log, rows: list, save) -> None:
@@ -187,6 +226,8 @@ def main():
     ap.add_argument("--scaling", nargs="*", default=[], help="synthetic sizes for the build-time curve, e.g. 100k 300k 1m")
     ap.add_argument("--threads", nargs="*", type=int, default=[1, 2])
     ap.add_argument("--queries", type=int, default=1000)
+    ap.add_argument("--streams", nargs="*", choices=["uniform", "skewed", "drifting"], default=[],
+                    help="query streams of each set's report half (module docstring); default: its first QUERIES")
     ap.add_argument("--warmup", type=int, default=300)
     ap.add_argument("--buffer-fraction", type=int, default=16,
                     help="fusionrag page buffer (and DiskANN node cache) = raw vector bytes / this")
@@ -217,7 +258,7 @@ def main():
         write_report(path)
 
     for name in args.datasets:
-        out["datasets"][name] = run_dataset(name, args, log)
+        out["datasets"].update(run_dataset(name, args, log))
         save()
     scaling(args, log, out["scaling"], save)
 

@@ -246,15 +246,19 @@ def return_freed_memory() -> None:
 def search(spec) -> dict:
     work = Path(spec["work"])
     base, queries, gt, meta = load(work, spec["dataset"])
-    nq = min(spec["queries"], len(queries))
-    q, gt = np.ascontiguousarray(queries[:nq]), gt[:nq]
-    # Warm-up queries: base rows with a little noise, never the measured queries themselves.
-    rng = np.random.default_rng(1)
-    rows = np.sort(rng.choice(len(base), min(spec["warmup"], len(base)), replace=False))
-    warm = np.asarray(base[rows]) + 0.01 * np.std(base[rows[:100]]) * rng.standard_normal((len(rows), meta["dim"]), dtype=np.float32)
-    warm = warm.astype(np.float32)
-    if meta["metric"] == "cosine":
-        warm /= np.linalg.norm(warm, axis=1, keepdims=True)
+    stream = np.load(spec["stream_rows"]) if spec.get("stream_rows") else {}  # run.py's stream_rows
+    measured = stream["rows"] if "rows" in stream else np.arange(min(spec["queries"], len(queries)))
+    nq = len(measured)
+    q, gt = np.ascontiguousarray(queries[measured]), gt[measured]
+    if "warm" in stream:  # a skewed stream's first queries: they warm the caches with the stream's own hot set
+        warm = np.ascontiguousarray(queries[stream["warm"]])
+    else:  # base rows with a little noise, never the measured queries themselves
+        rng = np.random.default_rng(1)
+        rows = np.sort(rng.choice(len(base), min(spec["warmup"], len(base)), replace=False))
+        warm = np.asarray(base[rows]) + 0.01 * np.std(base[rows[:100]]) * rng.standard_normal((len(rows), meta["dim"]), dtype=np.float32)
+        warm = warm.astype(np.float32)
+        if meta["metric"] == "cosine":
+            warm /= np.linalg.norm(warm, axis=1, keepdims=True)
     del base
     importlib.import_module(SYSTEMS[spec["system"]][2])
     return_freed_memory()

@@ -454,9 +454,9 @@ void PageBuffer::count(Shard& s, uint32_t block, uint32_t weight) {
     uint8_t& c = s.sketch[sketch_slot(block, row, mask)];
     if (c < to) c = uint8_t(to);
   }
-  // Aging: halve every count once the shard has seen 10 requests a frame.
+  // Aging: halve every count once the shard has seen kAgingRequests requests a frame.
   s.requests += weight;
-  if (s.requests >= 10 * s.block_of.size()) {
+  if (s.requests >= kAgingRequests * s.block_of.size()) {
     for (uint8_t& c : s.sketch) c >>= 1;
     for (uint8_t& u : s.uses) u >>= 1;
     s.requests /= 2;
@@ -648,6 +648,11 @@ size_t PageStore::fetch(const uint32_t* blocks, size_t n, uint8_t* out, uint8_t*
     }
     ahead->pending_.reset();
   }
+  if (tracing_.load(std::memory_order_relaxed)) {  // a call's header, then its requests
+    std::lock_guard<std::mutex> lk(trace_mutex_);
+    trace_.push_back(kTraceCall), trace_.push_back(uint32_t(n));
+    for (size_t i = 0; i < n; ++i) trace_.push_back(blocks[i]), trace_.push_back(weights ? weights[i] : 1);
+  }
   for (size_t i = 0; i < n; ++i) {
     if (blocks[i] >= crc_.size())
       throw std::invalid_argument(path_ + ": block " + std::to_string(blocks[i]) + " is past the end (" +
@@ -743,6 +748,18 @@ size_t PageStore::pin(const uint32_t* blocks, size_t n) {
     pin_reads_.fetch_add(count, std::memory_order_relaxed);
   }
   return buffer_.pinned();
+}
+
+void PageStore::set_trace(bool on) {
+  std::lock_guard<std::mutex> lk(trace_mutex_);
+  tracing_.store(on, std::memory_order_relaxed);
+}
+
+std::vector<uint32_t> PageStore::take_trace() {
+  std::lock_guard<std::mutex> lk(trace_mutex_);
+  std::vector<uint32_t> out;
+  out.swap(trace_);
+  return out;
 }
 
 PageStoreStats PageStore::stats() {
@@ -923,6 +940,19 @@ void bind_pagefile(nb::module_& m) {
           "blocks"_a, "Several blocks (uint8[n, block_bytes]), the misses read in one batch.")
       .def("reset_buffer", &PageStore::reset_buffer, nb::call_guard<nb::gil_scoped_release>(),
            "Empties the page buffer.")
+      .def("set_trace", &PageStore::set_trace, "on"_a,
+           "Record every block asked of the store, in order, with its weight (bench/cache_sim.py).")
+      .def(
+          "take_trace",
+          [](PageStore& s) {
+            std::vector<uint32_t> t = s.take_trace();
+            NumpyOut<uint32_t> out({t.size() / 2, size_t(2)});
+            std::memcpy(out.data(), t.data(), t.size() * sizeof(uint32_t));
+            return out.release();
+          },
+          "The recorded calls, oldest first, and clears them: uint32[rows, 2], each call a row (0xFFFFFFFF, n) and "
+          "its n requests (block, how many queries asked). A call looks all its blocks up in the page buffer, "
+          "then inserts those it read, in order.")
       .def(
           "stats",
           [](PageStore& s) {

@@ -45,7 +45,7 @@ struct AlignedBuffer {
 // second chance until it is hit again. Lfu: cache by use, for skewed query
 // streams: a small count-min sketch per shard counts every request for a block
 // (hits and misses, weighted by how many queries asked), halved every
-// 10 x frames requests so that old hotness fades; a missed block is admitted
+// kAgingRequests x frames requests so that old hotness fades; a missed block is admitted
 // only if requested more often than the victim (TinyLFU), and victims are
 // swept by a generalised CLOCK whose per-frame counters count hits.
 enum class BufferPolicy { Clock, Lfu };
@@ -77,6 +77,10 @@ class PageBuffer {
  private:
   static constexpr uint32_t kEmpty = UINT32_MAX;
   static constexpr uint8_t kMaxUses = 15;  // bounds a sweep to 16 turns of the hand
+  // Requests per frame between two halvings of the counts. 20, not TinyLFU's usual 10: chosen on
+  // the tuning halves of three sets' query streams by replaying their block traces
+  // (bench/cache_sim.py, bench/results/cache_sim.md); 10 forgot a skewed stream's hot pages too soon.
+  static constexpr size_t kAgingRequests = 20;
   struct Shard {
     std::mutex mutex;
     uint8_t* frames = nullptr;
@@ -176,6 +180,12 @@ class PageStore {
   size_t pin(const uint32_t* blocks, size_t n);
   bool resident(uint32_t block) { return buffer_.resident(block); }
   void reset_buffer() { buffer_.clear(); }
+  // Records every block fetch() is asked for, in order, with its weight (for offline
+  // replays of buffer policies: bench/cache_sim.py). Off: one relaxed load per fetch.
+  void set_trace(bool on);
+  // [kTraceCall, n, then n x (block, weight)] per fetch() call, oldest first; clears it.
+  std::vector<uint32_t> take_trace();
+  static constexpr uint32_t kTraceCall = 0xFFFFFFFFu;
   PageStoreStats stats();
 
   const std::string& path() const { return path_; }
@@ -196,6 +206,9 @@ class PageStore {
   PageBuffer buffer_;
   std::unique_ptr<BlockReader> reader_;
   std::mutex pin_mutex_;  // one re-pinning at a time
+  std::atomic<bool> tracing_{false};
+  std::mutex trace_mutex_;
+  std::vector<uint32_t> trace_;
   std::atomic<uint64_t> blocks_read_{0}, blocks_from_buffer_{0}, read_calls_{0}, pin_reads_{0}, read_ahead_{0},
       read_ahead_unused_{0};
 

@@ -315,7 +315,7 @@ class EngineConfig(_Config):
     rerank_prefetch: Annotated[bool, knob("read each query's next mini-batch of pages while the current one is "
                                           "scored")] = False
     # 'clock' (CLOCK), or 'lfu', cache by use: requests counted per block (weighted by how many queries asked,
-    # halved every 10 requests a frame), a missed block admitted only if asked for more often than the block it
+    # halved every 20 requests a frame), a missed block admitted only if asked for more often than the block it
     # would evict (TinyLFU). Measured: bench/results/cache_policy.md.
     buffer_policy: Annotated[BufferPolicy, knob("page buffer replacement: lfu (counts use, weighted by the queries "
                                                 "asking, aged) or clock")] = "lfu"

@@ -16,7 +16,7 @@ from fusionrag.retriever.build import build_index
 from fusionrag.retriever.config import BuildConfig, EngineConfig, SearchParams, cpu_threads
 from fusionrag.retriever.errors import IndexFormatError, InputError
 from fusionrag.retriever.layout import PageLayout
-from fusionrag.retriever.manifest import load_array, read_manifest
+from fusionrag.retriever.manifest import ManifestShape, load_array, read_manifest
 from fusionrag.retriever.overlap import overlapped
 from fusionrag.retriever.pipeline import STAT_KEYS, QueryBatch, cut, open_filter_tier
 from fusionrag.retriever.pq import ProductQuantizer
@@ -49,7 +49,7 @@ def prepare_queries(queries, dim: int, metric: str) -> np.ndarray:
     return prepared(queries, dim, metric).vectors
 
 
-class Index:
+class Index(ManifestShape):
     """A built index, opened. Thread-safe for concurrent `search` calls."""
 
     def __init__(self, path: Path, manifest: dict, nav: NavigationTier, pq: ProductQuantizer,
@@ -134,18 +134,6 @@ class Index:
                        config.rerank_prefetch),
             config, params or SearchParams(),
         )
-
-    @property
-    def count(self) -> int:
-        return int(self.manifest["count"])
-
-    @property
-    def dim(self) -> int:
-        return int(self.manifest["dim"])
-
-    @property
-    def metric(self) -> str:
-        return self.manifest["metric"]
 
     def __len__(self) -> int:
         return self.count

@@ -28,6 +28,24 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 
 
+class ManifestShape:
+    """count, dim and metric of an opened index, read from its manifest (`self.manifest`)."""
+
+    manifest: dict
+
+    @property
+    def count(self) -> int:
+        return int(self.manifest["count"])
+
+    @property
+    def dim(self) -> int:
+        return int(self.manifest["dim"])
+
+    @property
+    def metric(self) -> str:
+        return self.manifest["metric"]
+
+
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -56,7 +56,7 @@ from fusionrag.retriever.errors import ConfigError, IndexFormatError, InputError
 from fusionrag.retriever.index import prepare_queries
 from fusionrag.retriever.kmeans import sq_dists
 from fusionrag.retriever.learned_probe import ProbeModel, lists_needed, probe_features
-from fusionrag.retriever.manifest import MANIFEST, load_array, read_manifest, writing_index
+from fusionrag.retriever.manifest import MANIFEST, ManifestShape, load_array, read_manifest, writing_index
 from fusionrag.retriever.pq import ProductQuantizer
 from fusionrag.retriever.progress import OnProgress, Progress
 from fusionrag.retriever.queries import PreparedQueries
@@ -736,7 +736,7 @@ def _merge(parts: list[tuple[np.ndarray, np.ndarray]], k: int) -> tuple[np.ndarr
     return out_ids, out_d
 
 
-class ShardedIndex:
+class ShardedIndex(ManifestShape):
     """A sharded index, opened: the router in this process, the shards as Ray actors (ray=True) or as
     objects in this process (ray=False: the same code, threads for the shards). Thread-safe."""
 
@@ -852,18 +852,6 @@ class ShardedIndex:
             except (KeyError, TypeError, ValueError) as e:
                 raise IndexFormatError(f"{path}: manifest garbles the probe model ({e!r})") from e
         return out
-
-    @property
-    def count(self) -> int:
-        return int(self.manifest["count"])
-
-    @property
-    def dim(self) -> int:
-        return int(self.manifest["dim"])
-
-    @property
-    def metric(self) -> str:
-        return self.manifest["metric"]
 
     def prepare_queries(self, queries) -> np.ndarray:
         return prepare_queries(queries, self.dim, self.metric)

@@ -16,7 +16,7 @@ from typing import Annotated, Literal, get_args
 
 from pydantic import AfterValidator, TypeAdapter, ValidationError, create_model
 
-from fusionrag.retriever.config import FilterTier, _Config, add_flags, config_class, knob, knobs, problems
+from fusionrag.retriever.config import BufferPolicy, FilterTier, _Config, add_flags, config_class, knob, knobs, problems
 from fusionrag.retriever.config import flags_of as _flags_of
 from fusionrag.retriever.embedding import DEFAULT_MODEL, canonical_name
 from fusionrag.retriever.errors import ConfigError
@@ -56,6 +56,9 @@ class ServerConfig(_Config):
     batch_max_queries: Annotated[int, knob("queries per engine batch at most", ge=1)] = 256
     search_threads: Annotated[int, knob("engine batches running at once", ge=1, le=64)] = 2
     buffer_mb: Annotated[float, knob("DRAM page buffer per collection, MiB", ge=0)] = 64.0
+    buffer_policy: Annotated[BufferPolicy, knob("page buffer replacement: lfu (counts use, weighted by the queries "
+                                                "asking, aged) or clock")] = "lfu"
+    pipeline: Annotated[bool, knob("overlap an engine batch's stages with the next batch's graph search")] = True
     filter_tier: Annotated[FilterTier, knob("where PQ candidates are filtered: auto (the GPU when there is one), "
                                             "cpu or gpu")] = "auto"
     gpu_budget_mb: Annotated[float, knob("GPU memory the filter tiers of all collections share, MiB, the service's "

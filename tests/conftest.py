@@ -43,3 +43,10 @@ def exact_knn(base: np.ndarray, queries: np.ndarray, k: int, metric: str = "l2")
 def recall(found: np.ndarray, truth: np.ndarray) -> float:
     k = truth.shape[1]
     return sum(len(np.intersect1d(a[a >= 0], b)) for a, b in zip(found, truth)) / truth.size
+
+
+def tiny_lists() -> dict:
+    """Two queries' probes over three posting lists of a 10-vector, 4-byte-code index: the list arguments
+    the native scan and the fused LUT scan share (tests/native), for their argument checks."""
+    return dict(probe_lists=np.array([[0, 1], [1, -1]], np.int32), list_offsets=np.array([0, 2, 3], np.int64),
+                list_ids=np.array([0, 5, 9], np.uint32), codes=np.zeros((10, 4), np.uint8), n=4)

@@ -4,7 +4,7 @@ the search end to end, bad input."""
 
 import numpy as np
 import pytest
-from conftest import recall
+from conftest import recall, tiny_lists
 
 from fusionrag.native import PqCodebooks, pq_luts, scan_topn_pq
 from fusionrag.retriever import BuildConfig, Index
@@ -146,11 +146,7 @@ def _valid():
         queries=rng.standard_normal((2, 10)).astype(np.float32),
         codebooks=rng.standard_normal((4, 256, 3)).astype(np.float32),  # dims 9..12
         metric="l2",
-        probe_lists=np.array([[0, 1], [1, -1]], np.int32),
-        list_offsets=np.array([0, 2, 3], np.int64),
-        list_ids=np.array([0, 5, 9], np.uint32),
-        codes=np.zeros((10, 4), np.uint8),
-        n=4,
+        **tiny_lists(),
     )
 
 

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from conftest import tiny_lists
 
 from fusionrag.native import gather, pq_distances, scan_topn
 
@@ -171,11 +172,7 @@ def test_empty_query_batch():
 def _valid():
     return dict(
         luts=np.zeros((2, 4, 256), np.float32),
-        probe_lists=np.array([[0, 1], [1, -1]], np.int32),
-        list_offsets=np.array([0, 2, 3], np.int64),
-        list_ids=np.array([0, 5, 9], np.uint32),
-        codes=np.zeros((10, 4), np.uint8),
-        n=4,
+        **tiny_lists(),
     )
 
 

@@ -88,3 +88,32 @@ def test_embedder_matches_sentence_transformers():
     assert e.embed([]).shape == (0, 384)
     with pytest.raises(ConfigError, match="unknown embedding model"):
         get_embedder("word2vec")
+
+
+@pytest.mark.parametrize("policy,pipeline", [("clock", False), ("lfu", True)])
+def test_service_engine_settings_reach_the_index(tmp_path, monkeypatch, policy, pipeline):
+    """--buffer-policy and --pipeline open every collection's index with them: the policy as the native page
+    buffer reports it, and whether a call's batches overlapped as the engine's batch loop ran them."""
+    import fusionrag.retriever.index as index_module
+    from fusionrag.retriever.collection import Document
+    from fusionrag.server.life import open_catalog
+
+    overlaps = []
+    real = index_module.overlapped
+    monkeypatch.setattr(index_module, "overlapped", lambda items, *a, **kw: (overlaps.append(1), real(items, *a, **kw)))
+    config = load_config(flags={"data_dir": str(tmp_path), "demo": False, "buffer_policy": policy,
+                                "pipeline": pipeline, "filter_tier": "cpu"}, environ={})
+    catalog = open_catalog(config)
+    try:
+        coll = catalog.create("c", dim=8, metric="l2")
+        vectors = np.random.default_rng(0).standard_normal((600, 8)).astype(np.float32)
+        coll.upsert([Document(id=str(i), vector=v) for i, v in enumerate(vectors)])
+        coll.merge()
+        index = coll._main.index
+        assert index is not None, "the merge built no index"
+        res = index.search(vectors[:300], 5)  # five CPU batches of 64: the case the pipeline overlaps
+        assert res.info["buffer_policy"] == policy
+        assert (res.ids[:, 0] == np.arange(300)).mean() >= 0.95  # each query finds itself (rows in upsert order)
+        assert bool(overlaps) == pipeline
+    finally:
+        catalog.close()
