@@ -212,6 +212,7 @@ class Index(ManifestShape):
         tables = self.filter.tables(b.queries)
         b.lut_s = time.perf_counter() - t
         b.candidates = self.filter.topn(tables, b.lists, b.n, b.exclude)
+        b.lists = None  # a call's batches live until it returns: what a batch is done with goes now
         return b
 
     def _rerank_stage(self, b: QueryBatch) -> None:
@@ -230,6 +231,7 @@ class Index(ManifestShape):
         st["lut_s"][:] = b.lut_s / len(b.queries) + cand.lut_seconds
         st["scan_s"][:] = cand.seconds
         st["rerank_s"][:] = rsec
+        b.candidates = b.probed = None  # ~5 KB a query at rerank=400: a 1000-query call held them all before
 
     def hot_blocks(self, count: int) -> np.ndarray:
         """The page-file blocks most visited through the posting lists (self.visits), hottest first, up to

@@ -140,6 +140,12 @@ def storage_dtype(dtype: np.dtype) -> np.dtype:
 MAX_SQ_NORM = 1e30
 
 
+def _chunk_rows(x: np.ndarray) -> int:
+    """Rows of x whose float64 copy is 256 KiB: what the float64 checks and normalisation work on at a time
+    (whole-call copies were 4-5x a call's query bytes at the search's peak)."""
+    return max(1, (1 << 15) // max(1, x.shape[-1])) if x.ndim == 2 else max(1, len(x))
+
+
 def vector_problems(block: np.ndarray, metric: str) -> tuple[np.ndarray, list[str]]:
     """Rows (indices into block) the engine cannot use, and why: NaN or infinity, a squared norm over
     MAX_SQ_NORM, or a zero vector under cosine. Norms are taken in float64, so a tiny (even
@@ -149,9 +155,14 @@ def vector_problems(block: np.ndarray, metric: str) -> tuple[np.ndarray, list[st
             bad = np.flatnonzero(~block.any(axis=1))
             return bad, ["is a zero vector, which has no cosine direction"] * len(bad)
         return np.empty(0, np.int64), []
-    finite = np.isfinite(block).all(axis=1)
-    b = np.where(finite[:, None], block, 0).astype(np.float64)
-    sq = np.einsum("ij,ij->i", b, b)
+    finite = np.empty(len(block), dtype=bool)
+    sq = np.empty(len(block), dtype=np.float64)
+    step = _chunk_rows(block)
+    for lo in range(0, len(block), step):  # float64 copies of a chunk at a time, not of the whole block
+        part = block[lo:lo + step]
+        finite[lo:lo + step] = ok = np.isfinite(part).all(axis=1)
+        b = np.where(ok[:, None], part, 0).astype(np.float64)
+        sq[lo:lo + step] = np.einsum("ij,ij->i", b, b)
     bad = np.flatnonzero(~finite | (sq > MAX_SQ_NORM) | ((sq == 0) if metric == "cosine" else False))
     why = []
     for i in bad.tolist():
@@ -175,8 +186,13 @@ def check_vectors(block: np.ndarray, metric: str, where: str, row_ids: np.ndarra
 def normalize(x: np.ndarray) -> np.ndarray:
     """Unit-length float32 rows, the norm taken in float64 so that neither a huge nor a tiny vector
     overflows or underflows on the way (rows must have passed check_vectors under cosine)."""
-    x64 = np.asarray(x, dtype=np.float64)
-    return (x64 / np.linalg.norm(x64, axis=1, keepdims=True)).astype(np.float32)
+    x = np.asarray(x)
+    out = np.empty(x.shape, dtype=np.float32)
+    step = _chunk_rows(x)
+    for lo in range(0, len(x), step):
+        x64 = np.asarray(x[lo:lo + step], dtype=np.float64)
+        out[lo:lo + step] = x64 / np.linalg.norm(x64, axis=-1, keepdims=True)
+    return out
 
 
 def write_bin(path: str | os.PathLike, arr: np.ndarray) -> None:
