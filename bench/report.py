@@ -165,7 +165,10 @@ def write_report(path: Path) -> None:
                       + (f" (run {row['from_run']})" if row.get("from_run") else "") + " |")
         md.append("")
     md += ["## What is measured", "",
-           "- Each build and each search is a process of its own. Search processes load the index from disk.",
+           "- Each build and each search is a process of its own. Search processes load the index from disk; "
+           "with `--pin-cores` (the default since 2026-11-23) a search of N threads is held to N cores "
+           "(sched_setaffinity), every system alike, since fusionrag's pipeline runs its stages in threads of "
+           "their own besides its N search threads.",
            "- QPS: all measured queries (the first 1000 of the set's queries, fewer where the set has fewer) as one "
            "batch call, after a warm-up of 300 other queries (noisy base rows) that fills caches and page buffers.",
            "- Resident memory: VmHWM of the search process, reset (/proc/self/clear_refs 5) after imports and query "

@@ -189,7 +189,8 @@ def run_dataset(name, args, log) -> dict:
                     continue
                 spec = {**base_spec, "phase": "search", "system": s,
                         "index_dir": str(args.index_dir / name / BUILT_BY.get(s, s)), "threads": [threads],
-                        "queries": args.queries, "warmup": args.warmup, "sweep": SWEEPS[s], **extra}
+                        "queries": args.queries, "warmup": args.warmup, "sweep": SWEEPS[s],
+                        "pin_cores": args.pin_cores, **extra}
                 sres["systems"][s]["search"].append(worker(spec, log))
         out[f"{name}:{stream}" if stream else name] = sres
     for s in set(args.systems) - set(BUILT_BY):
@@ -231,6 +232,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=300)
     ap.add_argument("--buffer-fraction", type=int, default=16,
                     help="fusionrag page buffer (and DiskANN node cache) = raw vector bytes / this")
+    ap.add_argument("--pin-cores", action=argparse.BooleanOptionalAction, default=True,
+                    help="hold each search process to as many cores as it has threads (every system alike)")
     ap.add_argument("--work", type=Path, default=HERE / "work")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--index-dir", type=Path, help="where indexes are built (default WORK/idx); runs in parallel need their own")

@@ -9,7 +9,7 @@ where it is used.
 What is measured:
 - build: wall seconds, and the peak RSS of the build process (VmHWM).
 - search: the index is loaded from disk, then for each thread count and each knob setting the
-  queries are run as one batch: QPS, recall@10, process CPU seconds per query, and the bytes
+  queries are run as one batch (with pin_cores, the process is held to as many cores as threads): QPS, recall@10, process CPU seconds per query, and the bytes
   this process read from storage (/proc/self/io read_bytes: counted in submit_bio for buffered
   and O_DIRECT reads alike, so page-cache hits are not counted) divided by 4096 = pages/query.
   Memory: VmHWM is reset (/proc/self/clear_refs 5) after imports and query loading, so the
@@ -265,7 +265,12 @@ def search(spec) -> dict:
     results = []
     base_rss = status("VmRSS")
     reset_peak()
+    allowed = sorted(os.sched_getaffinity(0))
     for threads in spec["threads"]:
+        # N threads means N cores, for every system: fusionrag's pipeline runs its stages in threads of their
+        # own beside its N search threads, and would otherwise take a core the others are not given.
+        if spec.get("pin_cores"):
+            os.sched_setaffinity(0, allowed[:threads])
         t = time.perf_counter()
         run = SYSTEMS[spec["system"]][1](Path(spec["index_dir"]), meta, spec["params"], threads)
         load_s = time.perf_counter() - t
