@@ -6,7 +6,7 @@ settings of each row interleaved round by round so that a shared machine's load 
 Per row: queries/s, p50/p99 latency of a call, SSD pages read per second, recall@10 (defaults hold
 >= 0.9 on these sets). Results: bench/results/cpu_pipeline.{json,md}.
 
-    python bench/cpu_pipeline.py --datasets glove minilm
+    python bench/cpu_pipeline.py --datasets glove minilm [--pin-cores --tag cpu_pipeline_pinned]
 """
 
 from __future__ import annotations
@@ -48,7 +48,11 @@ def main() -> None:
     ap.add_argument("--buffer-fraction", type=int, default=16)
     ap.add_argument("--work", type=Path, default=HERE / "work")
     ap.add_argument("--out", type=Path, default=HERE / "results")
+    ap.add_argument("--pin-cores", action="store_true",
+                    help="hold the process to as many cores as threads (the pipeline's stages are threads of their own)")
+    ap.add_argument("--tag", default="cpu_pipeline")
     args = ap.parse_args()
+    allowed = sorted(os.sched_getaffinity(0))
 
     from fusionrag.retriever import EngineConfig, Index
 
@@ -61,6 +65,8 @@ def main() -> None:
         n = min(args.queries, len(queries))
         raw = (idx_path / "vectors.pages").stat().st_size
         for threads in args.threads:
+            if args.pin_cores:
+                os.sched_setaffinity(0, allowed[:threads])
             for call in args.calls:
                 indexes = {v: Index.open(idx_path, EngineConfig(buffer_bytes=raw // args.buffer_fraction, threads=threads,
                                                                 filter_tier="cpu", **o))
@@ -95,18 +101,18 @@ def main() -> None:
                     index.close()
     result["load_end"] = [round(x, 2) for x in os.getloadavg()]
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cpu_pipeline.json").write_text(json.dumps(result, indent=1))
+    (args.out / f"{args.tag}.json").write_text(json.dumps(result, indent=1))
     lines = [f"# CPU search path: pipeline and page-buffer policy ({result['date']})", "",
              f"Machine: {result['machine']}, shared: load average {result['load_start']} at start, "
              f"{result['load_end']} at end. Page buffer = raw vectors / {args.buffer_fraction}; default search "
              f"parameters; {args.queries} queries (or all a set has) x {args.rounds} rounds per row, variants interleaved "
-             "round by round.", "",
+             "round by round." + (" Held to as many cores as threads." if args.pin_cores else ""), "",
              "| set | threads | queries/call | variant | q/s | p50 ms | p99 ms | SSD pages/s | recall@10 |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         lines.append(f"| {r['set']} | {r['threads']} | {r['call']} | {r['variant']} | {r['qps']} | {r['p50_ms']} | "
                      f"{r['p99_ms']} | {r['ssd_pages_per_s']} | {r['recall10']} |")
-    (args.out / "cpu_pipeline.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"{args.tag}.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
