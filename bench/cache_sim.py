@@ -7,14 +7,13 @@ asked for, in order, with how many queries asked (its weight). The replays of 'c
 native/pagefile.cpp (shards of at least 256 frames, the same sketch hashes, aging and admission); the
 native buffer's own hit ratio, measured on the same stream, checks them. Also replayed:
 
-    lfu_agingA   lfu halving its counts every A requests a frame (--agings; native: AGING, 10 before the
-                 tuning halves' replays chose 20)
-
-    wlfu   W-TinyLFU (Einziger et al.): 1% of each shard's frames an LRU window that admits every missed
-           block; a block leaving the window enters the main part only if the sketch counts it more often
-           than the main part's victim (lfu's sweep)
-    opt    Belady with bypass over the whole buffer: on a miss, keep the blocks needed soonest (a block
-           needed later than every resident one is not kept): no policy reads fewer blocks
+    lfu_agingA  lfu halving its counts every A requests a frame (--agings; the engine's: AGING, 10 before
+                the tuning halves' replays chose 20)
+    wlfu        W-TinyLFU (Einziger et al.): 1% of each shard's frames an LRU window that admits every missed
+                block; a block leaving the window enters the main part only if the sketch counts it more
+                often than the main part's victim (lfu's sweep)
+    opt         Belady with bypass over the whole buffer: on a miss, keep the blocks needed soonest (a block
+                needed later than every resident one is not kept): no policy reads fewer blocks
 
 Streams and warm-up as bench/cache_policy.py (its streams, the first quarter not counted); a hit ratio is
 pages served by the buffer / pages the re-rank touched, a block read for several queries counting as read
@@ -323,7 +322,7 @@ def main() -> None:
                 rec = record(idx_path, q, rows[sname], args.batch, frac)
                 trace, start, frames = rec["trace"], rec["count_from"], rec["clock"]["frames"]
                 row = {"set": name, "stream": sname, "buffer": f"1/{frac}", "frames": frames,
-                       "requests": int(len(trace) - start)}
+                       "requests": int((trace[start:, 0] != CALL).sum())}
                 policies = [("clock", NativeReplay(frames, "clock"))]
                 policies += [(f"lfu_aging{a}", NativeReplay(frames, "lfu", a)) for a in args.agings]
                 for p, pol in policies + [("wlfu", WTinyLfu(frames))]:
