@@ -52,10 +52,10 @@ def prepare_queries(queries, dim: int, metric: str) -> np.ndarray:
 class Index(ManifestShape):
     """A built index, opened. Thread-safe for concurrent `search` calls."""
 
-    def __init__(self, path: Path, manifest: dict, nav: NavigationTier, pq: ProductQuantizer,
-                 filter_tier, rerank: RerankTier, config: EngineConfig, params: SearchParams):
+    def __init__(self, path: Path, manifest: dict, nav: NavigationTier, filter_tier, rerank: RerankTier,
+                 config: EngineConfig, params: SearchParams):
         self.path, self.manifest = path, manifest
-        self.nav, self.pq, self.filter, self.reranker = nav, pq, filter_tier, rerank
+        self.nav, self.filter, self.reranker = nav, filter_tier, rerank
         self.config, self.params = config, params
         # Per posting list: queries that had it among their HOT_PROBES nearest, since opening. Kept only when
         # pages are pinned; racy under concurrent searches, and harmless: it only orders the pinning.
@@ -128,7 +128,6 @@ class Index(ManifestShape):
         return cls(
             path, m,
             NavigationTier(graph, metric == "ip", threads),
-            ProductQuantizer(codebooks, dim),
             open_filter_tier(config, offsets, list_ids, codes, codebooks, threads, str(path), engine_metric),
             RerankTier(store, locations, dtype, engine_metric, threads, config.rerank_inflight, config.page_mates,
                        config.rerank_prefetch),
@@ -145,12 +144,19 @@ class Index(ManifestShape):
                 + rr.store.num_blocks * 4)
         return {
             "host_index_bytes": int(host),
-            "pq_bytes": int(f.memory_bytes() + self.pq.codebooks.nbytes),
+            "pq_bytes": int(f.memory_bytes()),
             "pq_tier": f.name,
             "filter": f.describe(),
             "page_buffer_bytes": int(rr.store.buffer_bytes),
             "ssd_bytes": int((self.path / "vectors.pages").stat().st_size),
         }
+
+    @property
+    def pq(self) -> ProductQuantizer:
+        """The index's product quantizer (a merge encodes new vectors with it), read from its file when asked:
+        searches use the filter tier's own laid-out codebooks, and a copy kept here was dim x 1 KiB of host
+        memory per opened index for nothing."""
+        return ProductQuantizer(load_array(self.path, "pq_codebooks.npy", np.float32, 3), self.dim)
 
     def prepare_queries(self, queries) -> np.ndarray:
         return prepare_queries(queries, self.dim, self.metric)

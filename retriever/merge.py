@@ -201,15 +201,16 @@ def merge_index(old: Index, dead: np.ndarray, new_vectors: np.ndarray, out_dir: 
         # From the index's own file, not the filter tier: on the GPU its codes are a device tensor, and
         # when tiered only the hot rows, in slot order.
         old_codes = np.load(old.path / "pq_codes.npy", mmap_mode="r")
-        new_codes = np.empty((n_new, old.pq.m), np.uint8)
+        pq = old.pq
+        new_codes = np.empty((n_new, pq.m), np.uint8)
         with steps.step("pq encoding", n_new) as update:
             for s in range(0, n_new, _CHUNK):
                 part = x[s:s + _CHUNK]
-                new_codes[s:s + len(part)] = old.pq.encode(part)
+                new_codes[s:s + len(part)] = pq.encode(part)
                 update(len(part))
         codes = np.concatenate([old_codes[alive], new_codes])
         offsets, list_ids = lists.csr(len(centroids))
-        save_index_files(w, block_crc, graph, offsets, list_ids, old.pq.codebooks, codes, locations)
+        save_index_files(w, block_crc, graph, offsets, list_ids, pq.codebooks, codes, locations)
         stats = MergeStats(int(dead.sum()), n_new, splits, reuse, extra_blocks)
         manifest = {k: v for k, v in m_old.items() if k not in ("format", "format_version", "files")}
         manifest.update({

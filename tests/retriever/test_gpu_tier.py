@@ -551,7 +551,7 @@ def test_the_index_manager_rebalances_a_tiered_tier_in_the_background(l2_index):
     budget = index.pq.codebooks.nbytes + 4 * count + 2 * (tables + CHUNK + (1 << 20)) + count * m // 3
     _, _, gpu = open_tiers(path, budget, work_bytes=1 << 20, tiered_share=1.0)
     assert gpu.tiered
-    parts = (index.path, index.manifest, index.nav, index.pq, gpu, index.reranker)
+    parts = (index.path, index.manifest, index.nav, gpu, index.reranker)
     Index(*parts, EngineConfig(filter_tier="gpu", manager_interval_s=0), index.params).search(queries[:8], k=10)
     hottest = np.argsort(-gpu.visits, kind="stable")[:3]
     members = np.concatenate([cpu.list_ids[cpu.list_offsets[c]:cpu.list_offsets[c + 1]] for c in hottest])
