@@ -114,6 +114,22 @@ def streams(queries: np.ndarray, length: int, seed: int) -> dict[str, np.ndarray
     }
 
 
+HALF_SEEDS = {"tune": 1, "report": 2}  # each half of a set's queries draws its streams with its own seed
+
+
+def half_bounds(n: int, half: str) -> tuple[int, int]:
+    """Rows [lo, hi) of a set's n queries that make its tuning half (defaults are chosen on it) or its
+    report half (results are reported on it)."""
+    return (0, n // 2) if half == "tune" else (n // 2, n)
+
+
+def half_streams(queries: np.ndarray, half: str, length: int) -> dict[str, np.ndarray]:
+    """Each stream of one half of the queries, as row numbers into all of them (streams(), drawn with the
+    half's seed)."""
+    lo, hi = half_bounds(len(queries), half)
+    return {k: lo + v for k, v in streams(queries[lo:hi], length, HALF_SEEDS[half]).items()}
+
+
 def run_stream(index, q: np.ndarray, order: np.ndarray, batch: int, pinned: bool) -> dict:
     """Feeds the stream in batches of `batch` queries; counts after the first quarter."""
     warm = len(order) // 4
@@ -230,11 +246,9 @@ def main() -> None:
         info = {"count": index.count, "blocks": int(index.reranker.store.num_blocks),
                 "block_bytes": int(index.reranker.store.block_bytes)}
         index.close()
-        half = len(q) // 2
-        tune_q, report_q = q[:half], q[half:]
-        tune = measure(idx_path, tune_q, streams(tune_q, args.length, 1), args.fractions, args.policies,
+        tune = measure(idx_path, q, half_streams(q, "tune", args.length), args.fractions, args.policies,
                        args.threads, args.batch)
-        report = measure(idx_path, report_q, streams(report_q, args.length, 2), args.fractions, args.policies,
+        report = measure(idx_path, q, half_streams(q, "report", args.length), args.fractions, args.policies,
                          args.threads, args.batch)
         result["sets"][name] = {**info, "fractions": args.fractions, "policies": args.policies, "tune": tune,
                                 "choice": choose(tune), "report": report}

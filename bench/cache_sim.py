@@ -40,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import datasets  # noqa: E402
-from cache_policy import FRACTIONS, STREAMS, build, streams  # noqa: E402
+from cache_policy import FRACTIONS, STREAMS, build, half_streams  # noqa: E402
 
 MAX_USES = 15
 CALL = 0xFFFFFFFF  # PageStore::kTraceCall: a fetch() call's header row
@@ -314,9 +314,7 @@ def main() -> None:
         index = Index.open(idx_path, filter_tier="cpu")
         q = index.prepare_queries(queries)
         index.close()
-        half = len(q) // 2
-        q = q[:half] if args.half == "tune" else q[half:]
-        rows = streams(q, args.length, 1 if args.half == "tune" else 2)
+        rows = half_streams(q, args.half, args.length)
         for sname in args.streams:
             for frac in args.fractions:
                 rec = record(idx_path, q, rows[sname], args.batch, frac)

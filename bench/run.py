@@ -35,8 +35,6 @@ sys.path.insert(0, str(HERE))
 from datasets import load, prepare  # noqa: E402
 from report import write_report  # noqa: E402
 
-STREAM_SEED = 2  # bench/cache_policy.py draws its report-half streams with the same seed
-
 SYSTEMS = ["fusionrag", "fusionrag-halfbuf", "fusionrag-lean", "fusionrag-lean-fullbuf", "faiss-ivfpq-refine",
            "faiss-hnsw", "hnswlib", "diskann"]
 # Variants that search another system's index with other engine settings (worker.py says which).
@@ -131,17 +129,17 @@ def stream_rows(work: Path, name: str, stream: str, queries: int, warmup: int) -
     """Rows into the set's queries, for the warm-up and the measured queries of one stream of its
     report half, written once to WORK/streams so that every system's worker reads the same."""
     import numpy as np
-    from cache_policy import streams
+    from cache_policy import half_bounds, half_streams
 
     path = work / "streams" / f"{name}-{stream}-{queries}-{warmup}.npz"
     if path.exists():
         return path
     _, q, _, _ = load(work, name)
-    half = len(q) // 2
     if stream == "uniform":  # the report half in order, warmed up as the default run is
-        warm, rows = None, half + np.arange(min(queries, len(q) - half))
-    else:
-        drawn = half + streams(q[half:], warmup + queries, STREAM_SEED)[stream]
+        lo, hi = half_bounds(len(q), "report")
+        warm, rows = None, np.arange(lo, min(hi, lo + queries))
+    else:  # bench/cache_policy.py's report-half stream
+        drawn = half_streams(q, "report", warmup + queries)[stream]
         warm, rows = drawn[:warmup], drawn[warmup:]
     path.parent.mkdir(parents=True, exist_ok=True)
     np.savez(path, rows=rows, **({} if warm is None else {"warm": warm}))
