@@ -183,6 +183,19 @@ class DocStore:
             rows += found
         return rows
 
+    def remove_rows(self, rows: list[int]) -> list[int]:
+        """Delete the documents at these rows; returns the rows that held one."""
+        gone = []
+        for part in _chunks([int(r) for r in rows]):
+            q = ",".join("?" * len(part))
+            found = [r for (r,) in self._writer.execute(f"SELECT row FROM docs WHERE row IN ({q})", part)]
+            if found:
+                f = ",".join("?" * len(found))
+                self._writer.execute(f"DELETE FROM docs WHERE row IN ({f})", found)
+                self._writer.execute(f"DELETE FROM fields WHERE row IN ({f})", found)
+            gone += found
+        return gone
+
     def remove_where(self, query: str, params: list) -> list[int]:
         """Delete the documents that pass a compiled filter (filters.compile_filter); returns their rows."""
         rows = [r for (r,) in self._writer.execute(f"SELECT DISTINCT row FROM ({query})", params)]
@@ -316,6 +329,12 @@ class DocStore:
                 blobs.append(v)
         vecs = np.frombuffer(b"".join(blobs), dtype=np.float32).reshape(len(rows), self.dim)
         return np.asarray(rows, dtype=np.int64), vecs
+
+    def names(self) -> tuple[np.ndarray, list[str]]:
+        """(rows, ids) of every live document, in row order."""
+        with self._reader() as con:
+            found = con.execute("SELECT row, id FROM docs ORDER BY row").fetchall()
+        return np.asarray([r for r, _ in found], np.int64), [i for _, i in found]
 
     def live_rows(self) -> np.ndarray:
         with self._reader() as con:

@@ -96,6 +96,11 @@ class FreshTier:
         n = self.n
         return FreshView(self._vecs[:n], self._sq[:n], self._rows[:n], self._live[:n].copy())
 
+    def vectors_of(self, rows) -> dict[int, np.ndarray]:
+        """row -> vector (a copy) of those of these rows that are live."""
+        slots = [(int(r), self._slot.get(int(r))) for r in rows]
+        return {r: self._vecs[s].copy() for r, s in slots if s is not None}
+
     def live_items(self) -> tuple[np.ndarray, np.ndarray]:
         idx = np.flatnonzero(self._live[:self.n])
         return self._rows[idx].copy(), self._vecs[idx].copy()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import weakref
@@ -22,6 +23,7 @@ from fusionrag.retriever.pipeline import STAT_KEYS, QueryBatch, cut, open_filter
 from fusionrag.retriever.pq import ProductQuantizer
 from fusionrag.retriever.queries import prepare_queries as prepared
 from fusionrag.retriever.tiers import NavigationTier, RerankTier
+from fusionrag.retriever.vectors import STORAGE_DTYPES
 
 # The files an index is read from, and whether each is checksummed whole (the page file is too large:
 # its per-block CRC table is, and each block is checked as it is read).
@@ -238,6 +240,21 @@ class Index(ManifestShape):
         st["scan_s"][:] = cand.seconds
         st["rerank_s"][:] = rsec
         b.candidates = b.probed = None  # ~5 KB a query at rerank=400: a 1000-query call held them all before
+
+    def read_vectors(self, ids) -> np.ndarray:
+        """The stored vectors of these vector ids (float32 (n, dim): as the index holds them, unit length under
+        cosine), read from the page file with plain reads: for answers that ask for vectors back, not for a
+        search's re-rank."""
+        layout = PageLayout(**self.manifest["pages"])
+        dtype = np.dtype({v: k for k, v in STORAGE_DTYPES.items()}[self.reranker.dtype])
+        slots = self.reranker.locations[np.asarray(ids, dtype=np.int64)].astype(np.int64)
+        out = np.empty((len(slots), self.dim), np.float32)
+        with open(self.path / "vectors.pages", "rb") as fh:
+            for n, s in enumerate(slots.tolist()):
+                at = (s // layout.records_per_block) * layout.block_bytes + (s % layout.records_per_block) * \
+                    layout.record_bytes
+                out[n] = np.frombuffer(os.pread(fh.fileno(), self.dim * dtype.itemsize, at), dtype)
+        return out
 
     def hot_blocks(self, count: int) -> np.ndarray:
         """The page-file blocks most visited through the posting lists (self.visits), hottest first, up to

@@ -60,7 +60,7 @@ from fusionrag.retriever.manifest import MANIFEST, ManifestShape, load_array, re
 from fusionrag.retriever.pq import ProductQuantizer
 from fusionrag.retriever.progress import OnProgress, Progress
 from fusionrag.retriever.queries import PreparedQueries
-from fusionrag.retriever.sharded_writes import DELETE, UPSERT, ShardWrites
+from fusionrag.retriever.sharded_writes import DELETE, UPSERT, UPSERT_DOCS, ShardWrites
 from fusionrag.retriever.tiers import NavigationTier
 from fusionrag.retriever.vectors import STORAGE_DTYPES, as_source, check_vectors, normalize
 
@@ -71,6 +71,9 @@ PLACEMENTS = ("hotness", "round-robin", "locality")
 PROBES = ("ratio", "learned")
 ROUTER_FILES = {"graph.bin": True, "pq_codebooks.npy": True, "list_shards.npy": True, "list_local.npy": True,
                 "list_sizes.npy": True, "list_visits.npy": True}
+# Ids from here up are those of documents named by a string that is not an id (sharded_docs.py); below, a name
+# that is an id's decimal digits names that id.
+NAMED_IDS = 1 << 62
 # A shard holds at most this multiple of its share of the postings, however its expected work falls.
 STORAGE_SLACK = 1.25
 # Locality placement moves boundary lists between regions until no shard expects more than this x the mean.
@@ -582,6 +585,15 @@ def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfi
 MISSING = -2  # route(): no live shard holds the list
 
 
+@dataclass(frozen=True)
+class ShardReads:
+    """What a shard's search is asked besides the top-k: a compiled metadata filter (filters.compile_filter) the
+    answers must pass, and whether to return the answers' documents (with their vectors)."""
+    where: tuple[str, list] | None = None
+    with_docs: bool = False
+    with_vectors: bool = False
+
+
 class ShardDown(UnavailableError):
     """A shard that is not running (its actor died, or it was closed): the router fails over."""
 
@@ -606,13 +618,17 @@ class ShardServer:
             self.index.close()
             raise
 
-    def search(self, queries: np.ndarray, lists: np.ndarray, k: int, params: SearchParams):
-        """(ids, distances, stats, seconds): ids are global ids, -1 where fewer than k. A query whose lists
-        are all -1 is answered from the fresh tier alone. queries: as the router prepared them
-        (ShardedIndex.prepare_queries, which checked and normalised them), searched as they are."""
+    def search(self, queries: np.ndarray, lists: np.ndarray, k: int, params: SearchParams,
+               reads: ShardReads | None = None):
+        """(ids, distances, stats, seconds, documents): ids are global ids, -1 where fewer than k. A query whose
+        lists are all -1 is answered from the fresh tier alone. queries: as the router prepared them
+        (ShardedIndex.prepare_queries, which checked and normalised them), searched as they are. reads: a
+        compiled metadata filter only the documents it passes may answer, and whether to return the found
+        ids' documents (id -> (name, text, metadata, vector or None); None when not asked)."""
         if self.closed:
             raise ShardDown(f"{self.path}: shard closed")
         t = time.perf_counter()
+        reads = reads or ShardReads()
         queries = PreparedQueries(np.ascontiguousarray(getattr(queries, "vectors", queries), dtype=np.float32),
                                   self.index.metric)
         exclude, fresh = self.writes.snapshot()
@@ -621,6 +637,19 @@ class ShardServer:
         dists = np.full((nq, k), np.inf, dtype=np.float32)
         stats = {"candidates": np.zeros(nq, np.int64), "reranked": np.zeros(nq, np.int64)}
         rows = np.flatnonzero((np.asarray(lists) >= 0).any(axis=1))
+        fresh_ok = None
+        if reads.where is not None:
+            allowed = self.matching(reads.where)
+            ok = np.zeros(self.index.count, bool)
+            pos = np.searchsorted(self.global_ids, allowed)
+            inside = pos < len(self.global_ids)
+            ok[pos[inside][self.global_ids[pos[inside]] == allowed[inside]]] = True
+            if exclude is not None:
+                ok &= ~np.unpackbits(exclude, count=self.index.count, bitorder="little").astype(bool)
+            exclude = np.packbits(~ok, bitorder="little")
+            if not ok.any():
+                rows = rows[:0]  # no built vector passes: the lists hold nothing to find
+            fresh_ok = None if fresh is None else np.isin(fresh.rows, allowed)
         if len(rows):
             res = self.index.search_lists(queries.rows(rows), lists[rows], k, params, exclude)
             ids[rows] = np.where(res.ids >= 0, self.global_ids[np.maximum(res.ids, 0)], -1)
@@ -628,25 +657,75 @@ class ShardServer:
             for key in stats:
                 stats[key][rows] = res.stats[key]
         if fresh is not None:
-            fi, fd = fresh.search(queries.vectors, k, self.index.metric)
+            fi, fd = fresh.search(queries.vectors, k, self.index.metric, fresh_ok)
             ids, dists = _merge([(ids, dists), (fi, fd)], k)
-        return ids, dists, stats, time.perf_counter() - t
+        docs = self.documents(np.unique(ids[ids >= 0]), reads.with_vectors) if reads.with_docs else None
+        return ids, dists, stats, time.perf_counter() - t, docs
 
-    def upsert(self, ids, vectors) -> int:
+    def upsert(self, ids, vectors, docs: list | None = None) -> int:
         """Log and apply: these ids now hold these vectors (in the engine's form) in this shard's fresh tier,
-        any older version here tombstoned. Durable when it returns; how many ids had a version here."""
+        any older version here tombstoned; docs: their (name, text, metadata JSON), kept in the shard's doc store.
+        Durable when it returns; how many ids had a version here."""
         if self.closed:
             raise ShardDown(f"{self.path}: shard closed")
-        return self.writes.write(UPSERT, ids, vectors)
+        return self.writes.write(UPSERT if docs is None else UPSERT_DOCS, ids, vectors, docs)
+
+    # -- documents (sharded_docs.py) ----------------------------------------------------------------
+
+    def documents(self, ids, with_vectors: bool = False) -> dict[int, tuple]:
+        """id -> (name, text, metadata, vector or None) of those of these ids live here. A vector written without
+        a document (built, or upserted by id alone) is named by its id, with no text and no metadata."""
+        if self.closed:
+            raise ShardDown(f"{self.path}: shard closed")
+        ids = np.asarray(ids, dtype=np.int64)
+        live = ids[self.writes.live(ids)] if len(ids) else ids
+        store = self.writes.store
+        out = store.by_rows(live.tolist(), with_vectors) if store is not None and len(live) else {}
+        rest = [i for i in live.tolist() if i not in out]
+        vectors = {}
+        if with_vectors and rest:
+            vectors = self.writes.fresh_vectors(rest)
+            built = [i for i in rest if i not in vectors]
+            if built:
+                vectors.update(zip(built, self.index.read_vectors(np.searchsorted(self.global_ids, built))))
+        for i in rest:
+            out[i] = (str(i), None, {}, vectors.get(i))
+        return out
+
+    def matching(self, where: tuple[str, list]) -> np.ndarray:
+        """Sorted ids of the documents here that pass a compiled filter (only documents written with their
+        metadata can)."""
+        if self.closed:
+            raise ShardDown(f"{self.path}: shard closed")
+        store = self.writes.store
+        return store.rows_where(*where) if store is not None else np.empty(0, np.int64)
+
+    def page(self, after: int, limit: int, where: tuple[str, list] | None, with_vectors: bool) -> list[tuple]:
+        """(id, name, text, metadata, vector or None) of the first `limit` documents here with id > after (those
+        a compiled filter passes), in id order."""
+        if self.closed:
+            raise ShardDown(f"{self.path}: shard closed")
+        if where is not None:
+            store = self.writes.store
+            found = store.page(after, limit, where, with_vectors) if store is not None else []
+            return [(r, i, t, m, v) for r, i, t, m, v in found]
+        ids = self.writes.live_ids(after)[:limit]
+        docs = self.documents(ids, with_vectors)
+        return [(i, *docs[i]) for i in ids.tolist() if i in docs]
+
+    def field_types(self, key: str) -> set[str]:
+        store = self.writes.store
+        return store.field_types(key) if store is not None else set()
 
     def delete(self, ids) -> int:
         if self.closed:
             raise ShardDown(f"{self.path}: shard closed")
         return self.writes.write(DELETE, ids)
 
-    def write_state(self) -> tuple[np.ndarray, np.ndarray]:
-        """(ids live in the fresh tier, base ids tombstoned): what the router's write maps are built from."""
-        return self.writes.fresh_ids(), self.writes.tombstoned_ids()
+    def write_state(self) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, list[str]]]:
+        """(ids live in the fresh tier, base ids tombstoned, (ids, names) of the documents here): what the router's
+        write maps are built from."""
+        return self.writes.fresh_ids(), self.writes.tombstoned_ids(), self.writes.named()
 
     def where(self) -> dict:
         import os
@@ -708,6 +787,7 @@ class ShardedResult:
     # Per query: the router's numbers of the probed lists no live shard could search (empty: a full answer).
     missing_lists: list[np.ndarray] = field(default_factory=list)
     missing_shards: list[int] = field(default_factory=list)  # down shards whose fresh tier went unsearched
+    docs: dict[int, tuple] = field(default_factory=dict)  # id -> (name, text, metadata, vector), when asked
 
     @property
     def partial(self) -> bool:
@@ -753,9 +833,11 @@ class ShardedIndex(ManifestShape):
                                                              thread_name_prefix="fusionrag-shard")
         self.probe_model: ProbeModel | None = None
         self.alive = np.ones(self.n_shards, dtype=bool)
-        self._write_lock = threading.Lock()  # writes one at a time: the router's maps follow the shards' logs
+        self._write_lock = threading.RLock()  # writes one at a time: the router's maps follow the shards' logs
         self.fresh_owner: dict[int, tuple[int, ...]] = {}  # id -> the shards whose fresh tier holds it
         self.base_gone: set[int] = set()  # built ids deleted or replaced (tombstoned on their shards)
+        self.named: dict[str, int] = {}  # a document's name -> its id, for names that are not an id (sharded_docs)
+        self.next_named = NAMED_IDS  # the id the next new such name gets
         self.fresh_count = np.zeros(self.n_shards, dtype=np.int64)
         self.call_timeout_s: float | None = None
 
@@ -911,7 +993,7 @@ class ShardedIndex(ManifestShape):
         return lists, (lists >= 0).sum(axis=1)
 
     def _dispatch(self, q: np.ndarray, lo: int, lists: np.ndarray, k: int, p: SearchParams, fresh: bool,
-                  stats: dict, per_shard: dict, missing: list[set]) -> list:
+                  stats: dict, per_shard: dict, missing: list[set], reads: ShardReads | None = None) -> list:
         """Send one batch's lists (the router's numbers, (b, m), -1 where none) to the live shards holding them,
         one call per shard; with fresh, every query also to each live shard with a fresh tier. Returns the
         calls: (shard, query rows, handle, work, which of the rows' lists it was sent)."""
@@ -939,7 +1021,9 @@ class ShardedIndex(ManifestShape):
             per_shard["queries"][s] += len(rows)
             per_shard["lists"][s] += int(sub_on.sum())
             per_shard["work"][s] += int(planned[s])
-            calls.append((s, lo + rows, self._call(s, "search", q[lo + rows], local, k, p), int(planned[s]), sub_on))
+            extra = () if reads is None else (reads,)
+            calls.append((s, lo + rows, self._call(s, "search", q[lo + rows], local, k, p, *extra), int(planned[s]),
+                          sub_on))
         return calls
 
     def _fresh_unreachable(self) -> list[int]:
@@ -953,7 +1037,8 @@ class ShardedIndex(ManifestShape):
         return sorted(out)
 
     def search(self, queries, k: int = 10, params: SearchParams | None = None, probe: str = "ratio",
-               probe_scale: float = 1.0, partial: bool = True, **overrides) -> ShardedResult:
+               probe_scale: float = 1.0, partial: bool = True, reads: ShardReads | None = None,
+               **overrides) -> ShardedResult:
         """Top-k of each query over every shard's index and fresh tier, with exact distances (as Index.search
         reports them). probe: 'ratio' (the distance-ratio rule, as Index) or 'learned' (learned pruning;
         probe_scale x the predicted lists).
@@ -961,7 +1046,8 @@ class ShardedIndex(ManifestShape):
         replica; lists no live shard holds are reported per query (missing_lists) and, partial=False, raise
         UnavailableError instead.
         stats per query: lists_probed, shards_probed, candidates (PQ-scanned postings), reranked, missing_lists;
-        per_shard: queries, lists, work (postings of the lists sent), candidates, seconds."""
+        per_shard: queries, lists, work (postings of the lists sent), candidates, seconds. reads: a metadata filter
+        the answers must pass, and whether the shards return the answers' documents (ShardedResult.docs)."""
         if not isinstance(k, (int, np.integer)) or k < 1:
             raise InputError(f"k must be a positive integer, got {k!r}")
         p = (params or self.params).with_overrides(**overrides)
@@ -982,10 +1068,11 @@ class ShardedIndex(ManifestShape):
             sl = slice(lo, min(nq, lo + self.batch_size))
             lists, probed = self.probe(q[sl], p, probe, probe_scale)
             stats["lists_probed"][sl] = probed
-            jobs.append((sl, lists, self._dispatch(q, lo, lists, k, p, True, stats, per_shard, missing)))
+            jobs.append((sl, lists, self._dispatch(q, lo, lists, k, p, True, stats, per_shard, missing, reads)))
         ids = np.full((nq, k), -1, dtype=np.int64)
         dists = np.full((nq, k), np.inf, dtype=np.float32)
         errors = []
+        docs: dict[int, tuple] = {}
         for sl, lists, calls in jobs:
             parts = []
             n_b = sl.stop - sl.start
@@ -993,7 +1080,7 @@ class ShardedIndex(ManifestShape):
                 retry = np.full_like(lists, -1)
                 for s, rows, handle, work, sent in calls:
                     try:
-                        sid, sd, sst, secs = self._get(handle)
+                        sid, sd, sst, secs, sdocs = self._get(handle)
                     except Exception as e:  # noqa: BLE001 - a down shard fails over; others reported below
                         if not _is_down(e):
                             errors.append((s, e))
@@ -1009,12 +1096,13 @@ class ShardedIndex(ManifestShape):
                     full_d = np.full((n_b, k), np.inf, dtype=np.float32)
                     full_ids[rows - sl.start], full_d[rows - sl.start] = sid, sd
                     parts.append((full_ids, full_d))
+                    docs.update(sdocs or {})
                     stats["candidates"][rows] += sst["candidates"]
                     stats["reranked"][rows] += sst["reranked"]
                     per_shard["candidates"][s] += int(sst["candidates"].sum())
                     per_shard["seconds"][s] += secs
                 # The lists of shards that went down, to their live replicas (fresh tiers were all asked once).
-                calls = (self._dispatch(q, sl.start, retry, k, p, False, stats, per_shard, missing)
+                calls = (self._dispatch(q, sl.start, retry, k, p, False, stats, per_shard, missing, reads)
                          if (retry >= 0).any() else [])
             if parts:
                 ids[sl], dists[sl] = _merge(parts, k)
@@ -1023,7 +1111,7 @@ class ShardedIndex(ManifestShape):
             raise UnavailableError(f"{self.path}: shard {part_name(s)} did not answer: {e}") from e
         missing_lists = [np.array(sorted(m), dtype=np.int32) for m in missing]
         stats["missing_lists"][:] = [len(m) for m in missing_lists]
-        res = ShardedResult(ids, dists, stats, per_shard, missing_lists, sorted(missing_shards))
+        res = ShardedResult(ids, dists, stats, per_shard, missing_lists, sorted(missing_shards), docs)
         if res.partial and not partial:
             down = [part_name(s) for s in np.flatnonzero(~self.alive)]
             why = [f"{int((stats['missing_lists'] > 0).sum())} queries need posting lists no live shard holds "
@@ -1045,18 +1133,25 @@ class ShardedIndex(ManifestShape):
                     out[i].append(s)
         return out
 
-    def _check_ids(self, ids) -> np.ndarray:
+    def _check_ids(self, ids, named: bool = True) -> np.ndarray:
+        """named: ids from NAMED_IDS up (those of documents named by a string, sharded_docs.py) allowed."""
         ids = np.asarray(ids)
         if ids.ndim != 1 or (len(ids) and ids.dtype.kind not in "iu"):
             raise InputError("ids must be a 1-D sequence of integers")
+        if len(ids) and ids.dtype.kind == "u" and int(ids.max()) > np.iinfo(np.int64).max:
+            raise InputError("ids must fit in 63 bits")
         ids = ids.astype(np.int64)
         if (ids < 0).any() or len(np.unique(ids)) != len(ids):
             raise InputError("ids must be distinct non-negative integers")
+        if not named and (ids >= NAMED_IDS).any():
+            raise InputError(f"ids from {NAMED_IDS} (2**62) up are those of documents named by a string: "
+                             "write those through ShardedCollection")
         return ids
 
-    def _write_round(self, sends: dict[int, tuple], what: str) -> dict[int, int]:
+    def _write_round(self, sends: dict[int, tuple], what: str, write: bool = True) -> dict:
         """One call per shard, in parallel: {shard: (method, args)}; a shard that fails is marked down and the
-        write refused (UnavailableError: not acknowledged; retrying it after the shard is back completes it)."""
+        write refused (UnavailableError: not acknowledged; retrying it after the shard is back completes it).
+        write=False: a read's round, failed the same way."""
         handles = {s: self._call(s, method, *args) for s, (method, args) in sends.items()}
         out, failed = {}, []
         for s, h in handles.items():
@@ -1069,7 +1164,8 @@ class ShardedIndex(ManifestShape):
                 else:
                     raise
         if failed:
-            raise UnavailableError(f"{self.path}: {what} not acknowledged: shard {part_name(failed[0][0])} is down")
+            raise UnavailableError(f"{self.path}: {what} {'not acknowledged' if write else 'failed'}: shard "
+                                   f"{part_name(failed[0][0])} is down")
         return out
 
     def _refuse_if_down(self, shards, what: str) -> None:
@@ -1086,16 +1182,19 @@ class ShardedIndex(ManifestShape):
             for o in owners:
                 self.fresh_count[o] += 1
 
-    def upsert(self, ids, vectors) -> int:
-        """Insert or replace vectors by id (non-negative integers; the built vectors' ids are their source rows).
+    def upsert(self, ids, vectors, docs: list | None = None) -> int:
+        """Insert or replace vectors by id (non-negative integers below 2**62; the built vectors' ids are their
+        source rows). docs (ShardedCollection's): one (name, text, metadata JSON) per id, kept with the vector.
         Each goes to the fresh tier of every live shard holding its nearest list (to the live shard with the
         fewest fresh rows when none does), its older version deleted wherever it was. Durable on every shard
         it went to when this returns; returns how many ids replaced a live version. UnavailableError (503)
         when an older version sits on a down shard, or no shard is alive."""
-        ids = self._check_ids(ids)
+        ids = self._check_ids(ids, named=docs is not None)
         v = self.prepare_queries(vectors)
         if len(v) != len(ids):
             raise InputError(f"{len(ids)} ids for {len(v)} vectors")
+        if docs is not None and len(docs) != len(ids):
+            raise InputError(f"{len(ids)} ids for {len(docs)} documents")
         if not len(ids):
             return 0
         nearest = probe_distances(self.nav, v, self.params.with_overrides(nprobe=1))[0][:, 0]
@@ -1120,7 +1219,8 @@ class ShardedIndex(ManifestShape):
                     dels.setdefault(s, []).append(i)
             # New versions first: a write cut short leaves an id twice (the merge keeps its nearer version) rather
             # than not at all, and its retry completes it.
-            self._write_round({s: ("upsert", (ids[r], v[r])) for s, r in ups.items()}, "upsert")
+            self._write_round({s: ("upsert", (ids[r], v[r]) + (() if docs is None else ([docs[i] for i in r],)))
+                               for s, r in ups.items()}, "upsert")
             if dels:
                 self._write_round({s: ("delete", (ids[r],)) for s, r in dels.items()}, "upsert")
             for i, (b, t) in enumerate(zip(base, targets)):
@@ -1154,18 +1254,73 @@ class ShardedIndex(ManifestShape):
         replayed logs."""
         states = [self._get(self._call(s, "write_state")) for s in range(self.n_shards)]
         owners: dict[int, list[int]] = {}
-        for s, (fresh, _) in enumerate(states):
+        self.named = {}
+        for s, (fresh, _, (named_ids, names)) in enumerate(states):
             for i in fresh.tolist():
                 owners.setdefault(i, []).append(s)
+            self.named.update((n, i) for i, n in zip(named_ids.tolist(), names) if i >= NAMED_IDS)
+        self.next_named = max(self.named.values(), default=NAMED_IDS - 1) + 1
         self.fresh_owner, self.fresh_count[:] = {}, 0
         for i, o in owners.items():
             self._set_fresh(i, tuple(o))
-        tomb = np.concatenate([t for _, t in states]) if states else np.empty(0, np.int64)
+        tomb = np.concatenate([t for _, t, _ in states]) if states else np.empty(0, np.int64)
         self.base_gone = set()
         if len(tomb):
             uniq, times = np.unique(tomb, return_counts=True)
             held = np.array([len(h) for h in self._base_holders(uniq)])
             self.base_gone = set(uniq[times >= held].tolist())
+
+    # -- documents (sharded_docs.py) ---------------------------------------------------------------
+
+    def documents(self, ids, with_vectors: bool = False) -> dict[int, tuple]:
+        """id -> (name, text, metadata, vector or None) of those of these ids that are live, each asked of one live
+        shard holding it. UnavailableError (503) when every shard holding one of them is down."""
+        ids = np.asarray(ids, dtype=np.int64)
+        with self._write_lock:
+            holders = [set(b) | set(self.fresh_owner.get(i, ())) for i, b in zip(ids.tolist(), self._base_holders(ids))]
+        asks: dict[int, list[int]] = {}
+        down: set[int] = set()
+        for i, h in zip(ids.tolist(), holders):
+            live = sorted(s for s in h if self.alive[s])
+            if live:
+                asks.setdefault(min(live, key=lambda s: self.outstanding[s]), []).append(i)
+            else:
+                down |= h
+        self._refuse_if_down(down, "reading documents")
+        out: dict[int, tuple] = {}
+        for got in self._write_round({s: ("documents", (np.asarray(a, np.int64), with_vectors))
+                                      for s, a in asks.items()}, "reading documents", False).values():
+            out.update(got)
+        return out
+
+    def _every_shard(self, method: str, args: tuple, what: str) -> list:
+        """One call to every shard; UnavailableError (503) when one is down (its documents cannot be left out)."""
+        self._refuse_if_down(range(self.n_shards), what)
+        got = self._write_round({s: (method, args) for s in range(self.n_shards)}, what, False)
+        return [got[s] for s in range(self.n_shards)]
+
+    def matching(self, where: tuple[str, list]) -> np.ndarray:
+        """Sorted ids of the documents a compiled metadata filter passes."""
+        found = self._every_shard("matching", (where,), "a metadata filter")
+        return np.unique(np.concatenate(found)).astype(np.int64) if found else np.empty(0, np.int64)
+
+    def page(self, after: int, limit: int, where: tuple[str, list] | None = None,
+             with_vectors: bool = False) -> tuple[list[tuple], int | None]:
+        """(id, name, text, metadata, vector or None) of the first `limit` documents with id > after (those a
+        compiled filter passes), in id order, and the id to continue after (None at the end)."""
+        merged: dict[int, tuple] = {}
+        for found in self._every_shard("page", (int(after), int(limit) + 1, where, with_vectors), "listing documents"):
+            for d in found:
+                merged.setdefault(int(d[0]), d)
+        order = sorted(merged)
+        page = [merged[i] for i in order[:limit]]
+        return page, (order[limit - 1] if len(order) > limit else None)
+
+    def field_types(self, key: str) -> set[str]:
+        """The types under which documents hold a metadata key, over the live shards."""
+        live = [s for s in range(self.n_shards) if self.alive[s]]
+        got = self._write_round({s: ("field_types", (key,)) for s in live}, "reading field types", False)
+        return set().union(*got.values()) if got else set()
 
     # -- faults ------------------------------------------------------------------------------------
 

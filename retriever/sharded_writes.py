@@ -7,47 +7,67 @@ again (after a crash, or when its actor is re-created from its directory). In me
 
 - the fresh tier (retriever/fresh.py): vectors upserted to this shard, searched exactly;
 - tombstones: the shard index's own vectors deleted or replaced since the build (a bitmap the filter
-  tier skips, as a collection's tombstones are).
+  tier skips, as a collection's tombstones are);
+- the documents' names, texts and metadata (`docs.sqlite`, a collection's doc store, retriever/docstore.py, its
+  rows the index's ids), for the documents written with them (sharded_docs.py): made at the first such write,
+  each write applied to it in the write's own transaction with the log sequence number it applied, so replay
+  after a crash applies exactly the records it lacks.
 
 Ids are the index's ids: source rows for the built vectors, any non-negative int64 for new ones.
 """
 
 from __future__ import annotations
 
+import json
 import struct
 import threading
 from pathlib import Path
 
 import numpy as np
 
+from fusionrag.retriever.docstore import DocStore
 from fusionrag.retriever.errors import IndexFormatError, InputError, StorageError
 from fusionrag.retriever.fresh import FreshTier, FreshView
 from fusionrag.retriever.wal import WriteAheadLog
 
 WAL = "wal.log"
-_HEAD = struct.Struct("<cII")  # op (b"u" upsert, b"d" delete), count, dim
-UPSERT, DELETE = b"u", b"d"
+DOCS = "docs.sqlite"
+_HEAD = struct.Struct("<cII")  # op (b"u" upsert, b"U" upsert with documents, b"d" delete), count, dim
+UPSERT, UPSERT_DOCS, DELETE = b"u", b"U", b"d"
+# A document as a write carries it: (name, text or None, metadata as JSON text).
+DocFields = tuple[str, "str | None", str]
 
 
-def encode(op: bytes, ids: np.ndarray, vectors: np.ndarray | None = None) -> bytes:
+def encode(op: bytes, ids: np.ndarray, vectors: np.ndarray | None = None, docs: list | None = None) -> bytes:
     ids = np.ascontiguousarray(ids, dtype="<i8")
     body = ids.tobytes()
     dim = 0
-    if op == UPSERT:
+    if op in (UPSERT, UPSERT_DOCS):
         vectors = np.ascontiguousarray(vectors, dtype="<f4")
         dim = vectors.shape[1]
         body += vectors.tobytes()
+    if op == UPSERT_DOCS:
+        body += json.dumps([list(d) for d in docs], ensure_ascii=False, separators=(",", ":")).encode()
     return _HEAD.pack(op, len(ids), dim) + body
 
 
-def decode(payload: bytes) -> tuple[bytes, np.ndarray, np.ndarray | None]:
+def decode(payload: bytes) -> tuple[bytes, np.ndarray, np.ndarray | None, list[DocFields] | None]:
     op, n, dim = _HEAD.unpack_from(payload)
     pos = _HEAD.size
-    if op not in (UPSERT, DELETE) or len(payload) != pos + n * 8 + n * dim * 4:
+    end = pos + n * 8 + n * dim * 4
+    if op not in (UPSERT, UPSERT_DOCS, DELETE) or len(payload) < end or (op != UPSERT_DOCS and len(payload) != end):
         raise IndexFormatError("a shard log record is garbled")
     ids = np.frombuffer(payload, "<i8", n, pos).astype(np.int64)
-    vectors = np.frombuffer(payload, "<f4", n * dim, pos + n * 8).reshape(n, dim).copy() if op == UPSERT else None
-    return op, ids, vectors
+    vectors = np.frombuffer(payload, "<f4", n * dim, pos + n * 8).reshape(n, dim).copy() if op != DELETE else None
+    docs = None
+    if op == UPSERT_DOCS:
+        try:
+            docs = [tuple(d) for d in json.loads(payload[end:])]
+        except ValueError:
+            raise IndexFormatError("a shard log record's documents are garbled") from None
+        if len(docs) != n or not all(len(d) == 3 for d in docs):
+            raise IndexFormatError("a shard log record's documents are garbled")
+    return op, ids, vectors, docs
 
 
 class ShardWrites:
@@ -64,21 +84,48 @@ class ShardWrites:
         self._wal: WriteAheadLog | None = None
         self._next_lsn = 1
         self.replayed = 0
-        if (self.path / WAL).exists():
-            self._open_log()
+        self.store: DocStore | None = DocStore(self.path / DOCS, dim) if (self.path / DOCS).exists() else None
+        try:
+            if (self.path / WAL).exists():
+                self._open_log()
+        except BaseException:
+            if self.store is not None:
+                self.store.close()
+            raise
 
     def _open_log(self) -> None:
         wal = WriteAheadLog(self.path / WAL)
         try:
             records = wal.open()
+            done = self.store.meta("applied_lsn") if self.store is not None else 0
             for lsn, payload in records:
-                self._apply(*decode(payload))
+                op, ids, vectors, docs = decode(payload)
+                if lsn > done and (self.store is not None or op == UPSERT_DOCS):
+                    self._apply_store(lsn, op, ids, vectors, docs)  # a write the store had not applied
+                self._apply(op, ids, vectors)
         except BaseException:
             wal.close()
             raise
         self._wal = wal
         self._next_lsn = (records[-1][0] + 1) if records else 1
         self.replayed = len(records)
+
+    def _apply_store(self, lsn: int, op: bytes, ids: np.ndarray, vectors, docs) -> None:
+        """One write to the doc store, in one transaction that records its lsn: the ids' documents removed, those
+        it carries inserted. The store is made at the first write that carries documents."""
+        if self.store is None:
+            self.store = DocStore(self.path / DOCS, self.dim, create=True)
+        s = self.store
+        try:
+            s.begin()
+            s.remove_rows(ids.tolist())
+            if op == UPSERT_DOCS:
+                names, texts, metas = zip(*docs)
+                s.insert(ids.tolist(), names, texts, metas, np.asarray(vectors, dtype=np.float32))
+            s.commit(lsn, 0)
+        except BaseException:
+            s.rollback()
+            raise
 
     def _base_positions(self, ids: np.ndarray) -> np.ndarray:
         pos = np.searchsorted(self.base_ids, ids)
@@ -94,28 +141,33 @@ class ShardWrites:
                 self.tomb[byte] |= bit
                 self.deleted += 1
         self.fresh.remove(ids.tolist())
-        if op == UPSERT:
+        if op != DELETE:
             self.fresh.add(ids, vectors)
 
-    def write(self, op: bytes, ids, vectors=None) -> int:
-        """Log (fsynced) then apply one write; returns how many of the ids were live here before."""
+    def write(self, op: bytes, ids, vectors=None, docs: list[DocFields] | None = None) -> int:
+        """Log (fsynced) then apply one write; returns how many of the ids were live here before. docs: with
+        op UPSERT_DOCS, one (name, text, metadata JSON) per id."""
         ids = np.asarray(ids, dtype=np.int64).ravel()
         if len(np.unique(ids)) != len(ids) or (ids < 0).any():
             raise InputError("a write's ids must be distinct non-negative integers")
-        if op == UPSERT:
+        if op in (UPSERT, UPSERT_DOCS):
             vectors = np.asarray(vectors, dtype=np.float32)
             if vectors.shape != (len(ids), self.dim):
                 raise InputError(f"upsert needs ({len(ids)}, {self.dim}) vectors, got {vectors.shape}")
+        if op == UPSERT_DOCS and (docs is None or len(docs) != len(ids)):
+            raise InputError("an upsert with documents needs one document per id")
         with self._lock:
             if self._wal is None:
                 self._open_log()
             lsn = self._next_lsn
             try:
-                offset = self._wal.append(lsn, encode(op, ids, vectors))
+                offset = self._wal.append(lsn, encode(op, ids, vectors, docs))
                 try:
                     self._wal.sync(lsn, lambda: lsn)
-                except OSError:
-                    self._wal.cut(offset)
+                    if self.store is not None or op == UPSERT_DOCS:
+                        self._apply_store(lsn, op, ids, vectors, docs)
+                except BaseException:
+                    self._wal.cut(offset)  # not acknowledged: not in the log either
                     raise
             except OSError as e:
                 raise StorageError(f"{self.path}: cannot write the shard's log: {e}") from e
@@ -150,11 +202,35 @@ class ShardWrites:
             bits = np.unpackbits(self.tomb, bitorder="little")[:len(self.base_ids)].astype(bool)
             return self.base_ids[bits]
 
+    def live_ids(self, after: int = -1) -> np.ndarray:
+        """Sorted ids live on this shard (base not tombstoned, and fresh) above `after`."""
+        with self._lock:
+            bits = np.unpackbits(self.tomb, bitorder="little")[:len(self.base_ids)].astype(bool)
+            fresh = self.fresh.live_items()[0]
+        base = self.base_ids[~bits]
+        out = np.union1d(base[base > after], fresh[fresh > after])
+        return out.astype(np.int64)
+
+    def fresh_vectors(self, ids: np.ndarray) -> dict[int, np.ndarray]:
+        """id -> vector for the ids held by the fresh tier."""
+        with self._lock:
+            return self.fresh.vectors_of(np.asarray(ids, dtype=np.int64).tolist())
+
+    def named(self) -> tuple[np.ndarray, list[str]]:
+        """(ids, names) of the documents in the doc store: what the router's name map is built from."""
+        if self.store is None:
+            return np.empty(0, np.int64), []
+        return self.store.names()
+
     def info(self) -> dict:
         return {"fresh": int(self.fresh.live_count), "tombstones": int(self.deleted),
-                "log_bytes": int(self._wal.bytes) if self._wal else 0, "replayed": self.replayed}
+                "log_bytes": int(self._wal.bytes) if self._wal else 0, "replayed": self.replayed,
+                "documents": self.store.count() if self.store is not None else 0}
 
     def close(self) -> None:
         if self._wal is not None:
             self._wal.close()
             self._wal = None
+        if self.store is not None:
+            self.store.close()
+            self.store = None

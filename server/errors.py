@@ -60,8 +60,12 @@ def validation_response(request: Request, exc: RequestValidationError) -> JSONRe
 
 
 def engine_error(request: Request, exc: FusionRAGError) -> JSONResponse:
-    # The service's own paths are none of a client's business.
-    detail = str(exc).replace(str(request.app.state.fusionrag.catalog.root), "<data-dir>")
+    # The service's own paths are none of a client's business: the data directory's (or, for the sharded service, the
+    # index directory's) is named by what it is.
+    state = request.app.state
+    root, word = (str(state.fusionrag.catalog.root), "<data-dir>") if hasattr(state, "fusionrag") else \
+        (str(state.index_dir), "<index-dir>")
+    detail = str(exc).replace(root, word)
     status = http_status(exc)
     if status is not None:
         return JSONResponse({"detail": detail}, status, {"Retry-After": "5"} if status == 503 else None)

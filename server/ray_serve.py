@@ -1,13 +1,14 @@
 """`fusionrag serve --ray ADDRESS` (docs/sharded.md, "Serving on Ray"): one sharded index served over HTTP with the
 router as a Ray Serve deployment and the shards as Ray actors.
 
-The routes are the service's vector routes under the same paths and bodies (docs/api.md), for one collection named
-after the index directory (or --name): search by vectors, upsert documents with vectors, delete by ids, list the
-collection, health. Document ids are the index's integer ids written as strings (the built vectors' ids are their
-rows in the source). Texts, metadata, filters and the text and hybrid modes need the doc store a collection has, and
-a sharded index has not yet: they are refused with 422. A search that could not reach every list it needed says
-which (`missing_lists` per query, `partial`); with `"partial": false` it is refused with 503 instead, as is a write
-that needs a shard that is down.
+The routes are the service's under the same paths and bodies (docs/api.md), for one collection named after the index
+directory (or --name), a ShardedCollection (retriever/sharded_docs.py): search by vectors under a metadata filter,
+upsert documents (any string id, text, metadata, and a vector: nothing is embedded), get, page through and delete them
+by id or filter, the collection's info, health. The built vectors are documents "0", "1", ... (their source rows),
+with no text or metadata. The text and hybrid modes are refused with 422, as are creating or dropping a collection.
+A search that could not reach every list it needed says which (`missing_lists` per query, `partial`); with
+`"partial": false` it is refused with 503 instead, as is a write, a get, a filter or a page that needs a shard that
+is down.
 
     python -m fusionrag.server.ray_serve --address 127.0.0.1:6379 --index IDX [--host 127.0.0.1] [--port 8000]
 """
@@ -22,71 +23,76 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from fusionrag.retriever.config import SearchParams
-from fusionrag.retriever.errors import FusionRAGError, InputError, UnavailableError
+from fusionrag.retriever.collection import Document
+from fusionrag.retriever.errors import InputError
+from fusionrag.retriever.sharded_docs import ShardedCollection
+from fusionrag.server.auth import KeyRing
+from fusionrag.server.config import ServerConfig
+from fusionrag.server.errors import http_error, install_handlers
+from fusionrag.server.requests import search_params
+from fusionrag.server.responses import VectorJSON, document_json, hit_json
+from fusionrag.server.routes.documents import page_answer, query_filter
+from fusionrag.server.schemas import CreateCollection, DeleteRequest, GetRequest, SearchRequest, UpsertRequest
 
 DEPLOYMENT = "fusionrag-router"
 log = logging.getLogger(__name__)
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class SearchBody(_Body):
-    vectors: list[list[float]] | None = Field(None, min_length=1)
-    texts: list[str] | None = None
-    mode: str = "vector"
-    k: int = Field(10, ge=1, le=1000)
-    filter: dict[str, Any] | None = None
-    params: dict[str, Any] | None = None
-    stats: bool = False
-    with_vectors: bool = False
+class ShardedSearchRequest(SearchRequest):
     partial: bool = Field(True, description="false: 503 rather than an answer that misses lists of a down shard")
 
 
-class DocumentBody(_Body):
-    id: str = Field(min_length=1, max_length=20)
-    vector: list[float]
-    text: str | None = None
-    metadata: dict[str, Any] = Field(default_factory=dict)
+MAX_QUERIES = ServerConfig().max_queries  # the single-machine service's limits, per request
+MAX_DOCUMENTS = ServerConfig().max_documents
+MAX_K = ServerConfig().max_k
+MAX_BODY_BYTES = ServerConfig().max_body_bytes
+DEFAULT_PAGE = 100
 
 
-class UpsertBody(_Body):
-    documents: list[DocumentBody] = Field(min_length=1)
-
-
-class DeleteBody(_Body):
-    ids: list[str] = Field(min_length=1)
-
-
-def _int_ids(ids: list[str]) -> np.ndarray:
-    try:
-        out = np.array([int(i) for i in ids], dtype=np.int64)
-    except (ValueError, OverflowError):
-        raise HTTPException(422, "a sharded index's document ids are non-negative integers (as strings)") from None
-    if (out < 0).any():
-        raise HTTPException(422, "a sharded index's document ids are non-negative integers (as strings)")
-    return out
-
-
-def create_app(index, name: str) -> FastAPI:
-    """The HTTP routes over an opened ShardedIndex (`index`), as collection `name`. Thread-safe as the index is."""
+def create_app(coll: ShardedCollection, keys: KeyRing | None = None) -> FastAPI:
+    """The HTTP routes over a sharded collection (ShardedCollection over an opened ShardedIndex). Thread-safe as
+    the index is. keys: API keys (server/auth.py) the /v1 routes require, as the single service's do; None or
+    none configured: open."""
     app = FastAPI(title="fusionrag (sharded, on Ray)")
+    index, name = coll.index, coll.name
+    app.state.index_dir = index.path
+    install_handlers(app)
 
-    @app.exception_handler(FusionRAGError)
-    async def engine_error(request: Request, exc: FusionRAGError):
-        status = 503 if isinstance(exc, UnavailableError) else 422 if isinstance(exc, InputError) else 400
-        return JSONResponse({"detail": str(exc)}, status_code=status)
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        """API keys first (401 without a valid one, 403 for a key not allowed this collection; a key's listing of
+        collections leaves out what it may not use), then the body's size (413)."""
+        request.state.listed = True
+        if keys is not None and keys.enabled and request.url.path.startswith("/v1/"):
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            challenge = {"WWW-Authenticate": "Bearer"}
+            if scheme.lower() != "bearer" or not token.strip():
+                return JSONResponse({"detail": "missing API key: send the header 'Authorization: Bearer <key>'"}, 401,
+                                    challenge)
+            key = keys.lookup(token.strip())
+            if key is None:
+                return JSONResponse({"detail": "invalid API key"}, 401, challenge)
+            if not key.allows(name):
+                if request.url.path.rstrip("/") != "/v1/collections" or request.method != "GET":
+                    return JSONResponse({"detail": f"this API key has no rights to collection {name!r}"}, 403)
+                request.state.listed = False
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+            return JSONResponse({"detail": f"request body of {size} bytes, at most {MAX_BODY_BYTES} accepted"}, 413)
+        return await call_next(request)
 
-    def collection(coll: str) -> None:
-        if coll != name:
-            raise HTTPException(404, f"no collection {coll!r} (this service serves {name!r})")
+    def collection(coll_name: str) -> None:
+        if coll_name != name:
+            raise http_error(404, f"no collection {coll_name!r} (this service serves {name!r})")
+
+    def at_most(n: int, limit: int, what: str) -> None:
+        if n > limit:
+            raise http_error(413, f"{n} {what}, at most {limit} per request")
 
     @app.get("/healthz")
     def healthz():
@@ -99,52 +105,100 @@ def create_app(index, name: str) -> FastAPI:
         return JSONResponse(body, status_code=200 if alive.any() else 503)
 
     @app.get("/v1/collections")
-    def collections():
-        return {"collections": [{"name": name, "dim": index.dim, "metric": index.metric, "sharded": True,
-                                 "shards": index.n_shards, "shards_alive": index.alive.tolist()}]}
+    def collections(request: Request):
+        if not request.state.listed:
+            return {"collections": []}
+        info = coll.info()
+        return {"collections": [{k: info[k] for k in ("name", "dimension", "metric", "embedding", "count", "state",
+                                                      "sharded", "shards", "shards_alive")}]}
 
-    @app.post("/v1/collections/{coll}/search")
-    async def search(coll: str, body: SearchBody):
-        collection(coll)
-        if body.mode != "vector" or body.texts is not None or body.filter is not None or body.with_vectors:
-            raise HTTPException(422, "a sharded index is searched by vectors alone (no texts, filter, mode or "
-                                     "with_vectors yet)")
+    @app.post("/v1/collections", status_code=201)
+    def create_collection(body: CreateCollection):
+        if body.name == name:
+            raise http_error(409, f"collection {name!r} exists (this service serves that sharded index)")
+        raise http_error(422, f"this service serves the sharded index {name!r} alone: collections are not created "
+                              "through it")
+
+    @app.get("/v1/collections/{coll_name}")
+    def collection_info(coll_name: str):
+        collection(coll_name)
+        return coll.info()
+
+    @app.delete("/v1/collections/{coll_name}")
+    def drop_collection(coll_name: str):
+        collection(coll_name)
+        raise http_error(405, "a sharded collection is not dropped through the service: delete its documents, or "
+                              "stop the service and remove the index directory")
+
+    @app.post("/v1/collections/{coll_name}/search")
+    async def search(coll_name: str, body: ShardedSearchRequest):
+        collection(coll_name)
+        if body.mode != "vector" or body.texts is not None:
+            raise http_error(422, "a sharded collection is searched by 'vectors' (mode 'vector'): text and hybrid "
+                                  "search need one text index over every shard")
         if body.vectors is None:
-            raise HTTPException(422, "give 'vectors'")
+            raise http_error(422, "give 'vectors'")
+        at_most(len(body.vectors), MAX_QUERIES, "queries")
+        if body.k > MAX_K:
+            raise http_error(422, f"k is {body.k}, at most {MAX_K} allowed")
         if any(len(v) != index.dim for v in body.vectors):
-            raise HTTPException(422, f"query vectors must have dimension {index.dim}")
-        try:
-            params = SearchParams().with_overrides(**(body.params or {}))
-        except TypeError as e:
-            raise HTTPException(422, f"unknown tuning parameter: {e}") from None
+            raise http_error(422, f"query vectors must have dimension {index.dim}")
+        params = search_params(body.params) if body.params else None
         q = np.asarray(body.vectors, dtype=np.float32)
-        res = await run_in_threadpool(index.search, q, body.k, params, partial=body.partial)
-        hits = [[{"id": str(int(i)), "score": -float(d), "distance": float(d), "text": None, "metadata": {}}
-                 for i, d in zip(ids, ds) if i >= 0] for ids, ds in zip(res.ids, res.distances)]
-        out: dict = {"results": hits, "partial": res.partial}
+        res = await run_in_threadpool(coll.search, q, body.k, body.filter, params, body.with_vectors,
+                                      partial=body.partial)
+        out: dict = {"results": [[hit_json(h, body.with_vectors) for h in hits] for hits in res.hits],
+                     "partial": res.partial}
         if res.partial:
-            out["missing_lists"] = [m.tolist() for m in res.missing_lists]
+            out["missing_lists"] = res.missing_lists
             out["missing_shards"] = res.missing_shards
+        if body.filter is not None and (warnings := await run_in_threadpool(coll.filter_warnings, body.filter)):
+            out["warnings"] = warnings
         if body.stats:
-            out["stats"] = [{key: int(v[i]) for key, v in res.stats.items()} for i in range(len(q))]
-        return out
+            out["stats"] = res.stats
+        return VectorJSON(out)
 
-    @app.post("/v1/collections/{coll}/documents")
-    async def upsert(coll: str, body: UpsertBody):
-        collection(coll)
-        if any(d.text is not None or d.metadata for d in body.documents):
-            raise HTTPException(422, "a sharded index stores vectors alone (no text or metadata yet)")
-        ids = _int_ids([d.id for d in body.documents])
-        if any(len(d.vector) != index.dim for d in body.documents):
-            raise HTTPException(422, f"vectors must have dimension {index.dim}")
-        vectors = np.asarray([d.vector for d in body.documents], dtype=np.float32)
-        await run_in_threadpool(index.upsert, ids, vectors)
-        return {"ids": [d.id for d in body.documents]}
+    @app.post("/v1/collections/{coll_name}/documents")
+    async def upsert(coll_name: str, body: UpsertRequest):
+        collection(coll_name)
+        at_most(len(body.documents), MAX_DOCUMENTS, "documents")
+        for i, d in enumerate(body.documents):
+            if d.vector is None:
+                raise http_error(422, f"documents[{i}]: a sharded collection embeds nothing: give the vector")
+        docs = [Document(d.id, d.text, np.asarray(d.vector, dtype=np.float32), d.metadata) for d in body.documents]
+        return {"ids": await run_in_threadpool(coll.upsert, docs)}
 
-    @app.post("/v1/collections/{coll}/documents/delete")
-    async def delete(coll: str, body: DeleteBody):
-        collection(coll)
-        return {"deleted": await run_in_threadpool(index.delete, _int_ids(body.ids))}
+    @app.get("/v1/collections/{coll_name}/documents/{doc_id}")
+    def get_document(coll_name: str, doc_id: str, vector: bool = False):
+        collection(coll_name)
+        found = coll.get([doc_id], with_vectors=vector)
+        if not found:
+            raise http_error(404, f"no document {doc_id!r} in collection {name!r}")
+        return VectorJSON(document_json(found[0], vector))
+
+    @app.post("/v1/collections/{coll_name}/documents/get")
+    async def get_documents(coll_name: str, body: GetRequest):
+        collection(coll_name)
+        at_most(len(body.ids), MAX_DOCUMENTS, "ids")
+        docs = await run_in_threadpool(coll.get, body.ids, body.with_vectors)
+        return VectorJSON({"documents": [document_json(d, body.with_vectors) for d in docs]})
+
+    @app.get("/v1/collections/{coll_name}/documents")
+    def list_documents(coll_name: str, request: Request, limit: int = Query(DEFAULT_PAGE, ge=1, le=MAX_DOCUMENTS),
+                       cursor: str | None = Query(None, pattern=r"^[0-9]{1,19}$"), with_vectors: bool = False):
+        collection(coll_name)
+        return page_answer(coll, limit, cursor, query_filter(request), with_vectors)
+
+    @app.post("/v1/collections/{coll_name}/documents/delete")
+    @app.delete("/v1/collections/{coll_name}/documents")
+    async def delete(coll_name: str, body: DeleteRequest):
+        collection(coll_name)
+        if (body.ids is None) == (body.filter is None):
+            raise http_error(422, "give exactly one of 'ids' and 'filter'")
+        if body.filter is not None:
+            return {"deleted": await run_in_threadpool(coll.delete_where, body.filter)}
+        at_most(len(body.ids), MAX_DOCUMENTS, "ids")
+        return {"deleted": await run_in_threadpool(coll.delete, body.ids)}
 
     return app
 
@@ -178,7 +232,7 @@ def _keep_healthy(index, every_s: float, stop: threading.Event) -> None:
 
 
 def _deployment(index_dir: str, name: str, actor_options: dict | None, loopback: bool, call_timeout_s: float | None,
-                heal_every_s: float):
+                heal_every_s: float, keys: KeyRing | None = None):
     """The router as a Ray Serve deployment: one replica (the router keeps the write maps) that opens the index,
     the shards as Ray actors of its own, and serves create_app's routes."""
     from ray import serve
@@ -199,7 +253,7 @@ def _deployment(index_dir: str, name: str, actor_options: dict | None, loopback:
                              name="fusionrag-heal").start()
 
         def __serve_build_asgi_app__(self):
-            return create_app(self.index, name)
+            return create_app(ShardedCollection(self.index, name), keys)
 
         def __del__(self):
             index = getattr(self, "index", None)
@@ -212,14 +266,16 @@ def _deployment(index_dir: str, name: str, actor_options: dict | None, loopback:
 
 def serve(address: str, index_dir, host: str = "127.0.0.1", port: int = 8000, name: str | None = None,
           actor_options: dict | None = None, proxy_location: str = "HeadOnly", call_timeout_s: float | None = 30.0,
-          heal_every_s: float = 5.0, block: bool = True) -> str:
+          heal_every_s: float = 5.0, block: bool = True, keys: KeyRing | None = None) -> str:
     """Serve the sharded index at index_dir over HTTP on host:port, from the Ray cluster at `address` (Ray Serve
     starts its controller and an HTTP proxy there; the proxy listens on host:port). name: the collection's name
     (default: the directory's). proxy_location: Serve's (HeadOnly: one HTTP proxy, on the head node; EveryNode
     where every node has its own address). call_timeout_s: a shard call not answered by then takes the shard for
     down (ShardedIndex.open). heal_every_s: how often the router checks its shards and restarts those that are down
-    from their directories. block: until SIGINT or SIGTERM, then the application is deleted and Serve shut
-    down; else returns the base URL and leaves it running (serve.shutdown() stops it)."""
+    from their directories. keys: the API keys the /v1 routes require (server/auth.py; None: open), as
+    `fusionrag serve` reads them (--api-keys-file, FUSIONRAG_API_KEYS). block: until SIGINT or SIGTERM, then the
+    application is deleted and Serve shut down; else returns the base URL and leaves it running (serve.shutdown()
+    stops it)."""
     import ray
     from ray import serve as rserve
 
@@ -234,7 +290,8 @@ def serve(address: str, index_dir, host: str = "127.0.0.1", port: int = 8000, na
                  **({"_node_ip_address": host} if host in ("127.0.0.1", "localhost") else {}))
     rserve.start(proxy_location=proxy_location, http_options={"host": host, "port": port})
     loopback = host in ("127.0.0.1", "localhost", "::1")
-    rserve.run(_deployment(index_dir, name, actor_options, loopback, call_timeout_s, heal_every_s), name="fusionrag",
+    rserve.run(_deployment(index_dir, name, actor_options, loopback, call_timeout_s, heal_every_s, keys),
+               name="fusionrag",
                route_prefix="/")
     url = f"http://{host}:{port}"
     if not block:

@@ -23,7 +23,14 @@ API_KEY = "integration-test-key"
 def running_service(data_dir: Path, **config) -> Iterator[str]:
     """The service's base URL while the block runs; it requires API_KEY and serves no demo."""
     cfg = ServerConfig(data_dir=str(data_dir), demo=False, api_keys=API_KEY, log_level="warning", **config)
-    server = uvicorn.Server(uvicorn.Config(create_app(cfg), log_level="warning", lifespan="on"))
+    with serving(create_app(cfg)) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def serving(app, lifespan: str = "on") -> Iterator[str]:
+    """An ASGI app served by uvicorn on a free loopback port, in a thread: its base URL while the block runs."""
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan=lifespan))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"

@@ -28,7 +28,8 @@ class RAGAnswer:
 def rag_chat(llm, collection: Collection, questions: Sequence[str], *, k: int = 4, filter: dict | None = None,
              sampling_params=None, embedder=None, template: str = RAG_TEMPLATE,
              passage_template: str = PASSAGE_TEMPLATE, system: str | None = None) -> list[RAGAnswer]:
-    """Answer each question from its top-k hits in `collection` with the `vllm.LLM` engine `llm`.
+    """Answer each question from its top-k hits in `collection` (a Collection, or a ShardedCollection:
+    retriever/sharded_docs.py) with the `vllm.LLM` engine `llm`.
 
     Questions are embedded by `embedder` (anything with `.embed(texts)`), by default the
     collection's own embedding model. `system` is an optional system message put before the passages.

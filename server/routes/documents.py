@@ -94,7 +94,7 @@ _FILTER_PARAMETER = {"name": "filter", "in": "query", "required": False,
                      "content": {"application/json": {"schema": {"type": "object"}}}}
 
 
-def _query_filter(request: Request) -> dict | None:
+def query_filter(request: Request) -> dict | None:
     """The `filter` query parameter, read at the bounded cost of a body (server/bodies.py)."""
     text = request.query_params.get("filter")
     if text is None:
@@ -117,7 +117,12 @@ def list_documents(request: Request, limit: PageLimit = DEFAULT_PAGE, cursor: Cu
         limit = min(limit, cfg.max_documents)
     elif limit > cfg.max_documents:
         raise http_error(422, f"limit is {limit}, at most {cfg.max_documents} allowed (max_documents)")
-    flt = _query_filter(request)
+    flt = query_filter(request)
+    return page_answer(coll, limit, cursor, flt, with_vectors)
+
+
+def page_answer(coll, limit: int, cursor: str | None, flt: dict | None, with_vectors: bool) -> VectorJSON:
+    """One page of a collection's documents (a Collection's or a ShardedCollection's) as the API answers it."""
     docs, after = coll.scroll(limit, int(cursor) if cursor else -1, flt, with_vectors)
     out = {"documents": [document_json(d, with_vectors) for d in docs],
            "next_cursor": None if after is None else str(after)}

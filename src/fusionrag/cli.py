@@ -200,7 +200,10 @@ def _cmd_serve(args) -> int:
         except ImportError as e:
             raise FusionRAGError(f"serve --ray needs the ray and server extras (pip install "
                                  f"'fusionrag[ray,server]'): {e}") from e
-        serve_on_ray(args.ray, args.index, host=config.host, port=config.port, name=args.name)
+        from fusionrag.server.auth import KeyRing
+
+        serve_on_ray(args.ray, args.index, host=config.host, port=config.port, name=args.name,
+                     keys=KeyRing.from_config(config.api_keys, config.api_keys_file))
         return 0
     if args.index or args.name:
         raise ConfigError("--index and --name go with --ray (serving a sharded index); the service serves the "

@@ -486,5 +486,35 @@ def test_offline_batch_rag(tiny_llm, tmp_path, monkeypatch):
             assert a.text  # three tokens of noise, decoded
         with pytest.raises(InputError, match="non-empty list"):
             rag_chat(llm, coll, [])
+        # The same over a sharded collection (3 shards of a built index of 3000 vectors, the documents written
+        # beside them), the questions embedded by the embedder given: the same passages, the same prompts.
+        sharded = _sharded_kb(tmp_path / "sharded", vectors)
+        try:
+            again = rag_chat(llm, sharded, questions, k=2, filter={"lang": "en"},
+                             sampling_params=SamplingParams(max_tokens=3, temperature=0),
+                             embedder=get_embedder("all-MiniLM-L6-v2"))
+            assert [a.ids for a in again] == [a.ids for a in answers]
+            assert [a.prompt for a in again] == [a.prompt for a in answers]
+            # Unfiltered, the built vectors compete too, and the passage still comes first.
+            assert [a.ids[0] for a in rag_chat(llm, sharded, questions[:1], k=2,
+                                               embedder=get_embedder("all-MiniLM-L6-v2"))] == ["bees"]
+        finally:
+            sharded.close()
     finally:
         catalog.close()
+
+
+def _sharded_kb(path: Path, vectors: np.ndarray):
+    """DOCS written to a sharded collection over a built index of 3000 unit vectors near theirs."""
+    from fusionrag.retriever.collection import Document
+    from fusionrag.retriever.config import BuildConfig
+    from fusionrag.retriever.sharded import ShardedIndex, build_sharded
+    from fusionrag.retriever.sharded_docs import ShardedCollection
+
+    rng = np.random.default_rng(0)
+    base = np.asarray(vectors, np.float32)[rng.integers(0, len(vectors), 3000)] + \
+        rng.normal(0, 0.08, (3000, 384)).astype(np.float32)
+    build_sharded(base, path, 3, BuildConfig(threads=1, centroid_ratio=0.05, metric="cosine"), progress=False)
+    coll = ShardedCollection(ShardedIndex.open(path), "kb")
+    coll.upsert([Document(d["id"], d["text"], v, d["metadata"]) for d, v in zip(DOCS, vectors)])
+    return coll

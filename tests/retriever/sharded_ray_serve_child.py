@@ -80,6 +80,19 @@ def main() -> None:
         s, b = call("POST", "/v1/collections/docs/search", {"vectors": [v], "k": 1})
         report["upserted_found"] = s == 200 and b["results"][0][0]["id"] == "900000"
         report["delete"] = call("POST", "/v1/collections/docs/documents/delete", {"ids": ["900000"]})
+        # The LangChain store, unchanged, against the Ray-served router: texts, metadata, a filter, ids of its own.
+        from langchain_core.embeddings import DeterministicFakeEmbedding
+
+        from fusionrag.integrations.langchain import FusionRAGVectorStore
+
+        store = FusionRAGVectorStore(DeterministicFakeEmbedding(size=16), collection="docs", url=url)
+        texts = [f"note {i}" for i in range(20)]
+        names = [f"n-{i}" for i in range(20)]
+        report["langchain_ids"] = store.add_texts(texts, [{"kind": "odd" if i % 2 else "even"} for i in range(20)],
+                                                  ids=names) == names
+        hits = store.similarity_search(texts[3], k=4, filter={"kind": "odd"})
+        report["langchain_first"] = [hits[0].id, hits[0].page_content] if hits else None
+        report["langchain_filtered"] = len(hits) == 4 and all(h.metadata["kind"] == "odd" for h in hits)
         # A shard actor killed: answers go on (partial where lists are missing), the router restarts it.
         victim = shard_actor_pids()[0]
         os.kill(victim, signal.SIGKILL)
@@ -93,6 +106,10 @@ def main() -> None:
             time.sleep(0.5)
         report["healed_s"] = round(time.perf_counter() - t, 2)
         report["statuses_while_down"] = sorted({f"{s} partial={p}" for s, p in statuses})
+        # The store's documents came back with the restarted shard (its log replayed); then they go.
+        report["langchain_after_heal"] = [d.page_content for d in store.get_by_ids(names)] == texts
+        report["langchain_deleted"] = store.delete(names) and store.get_by_ids(names) == []
+        store.close()
         s, b = call("POST", "/v1/collections/docs/search", {"vectors": queries.tolist(), "k": 10, "partial": False})
         report["after_heal"] = s
         report["after_heal_equal"] = s == 200 and [[int(h["id"]) for h in hits] for hits in b["results"]] == \

@@ -1,0 +1,201 @@
+"""Documents in sharded mode (docs/sharded.md, "Documents"): string ids, texts, metadata and metadata filters over a
+sharded index, with the interface of a Collection (retriever/collection) that the sharded service's routes, and
+through them the LangChain and LlamaIndex stores and the vLLM plugin, use.
+
+Names and ids. The index addresses vectors by int64 id; a document has a name (the string id users give). A name
+that is an id's decimal digits ("17", below 2**62) names that id, so the built vectors, whose ids are their source
+rows, are the documents "0", "1", ... (no text, no metadata). Any other name gets the next free id from 2**62 up,
+kept by the router (ShardedIndex.named) and rebuilt from the shards' doc stores whenever it loads its write maps.
+Each shard keeps the name, text and metadata of the documents it holds in a doc store of its own
+(sharded_writes.py), written from the same log record as the vector: a shard restarted from its directory has
+them all back.
+
+Filters are a collection's (retriever/filters.py), evaluated by each shard over its own doc store: a search under a
+filter is answered, on every shard, from the vectors whose documents pass it. Text and hybrid search need one BM25
+ranking over every shard's texts and are refused (InputError) in sharded mode; so are documents without a vector
+(a sharded index has no embedding model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fusionrag.retriever.collection import CollectionSearch, Document, Hit
+from fusionrag.retriever.collection.records import upsert_record
+from fusionrag.retriever.config import SearchParams
+from fusionrag.retriever.errors import InputError
+from fusionrag.retriever.filters import compile_filter, filter_warnings
+from fusionrag.retriever.sharded import NAMED_IDS, ShardedIndex, ShardReads
+
+
+def numeric_id(name: str) -> int | None:
+    """The id a name written as an id's decimal digits names (no sign, no leading zero, below 2**62), else None."""
+    if name.isascii() and name.isdigit() and (name == "0" or name[0] != "0") and len(name) <= 19:
+        n = int(name)
+        return n if n < NAMED_IDS else None
+    return None
+
+
+@dataclass
+class ShardedSearch(CollectionSearch):
+    """A collection's search answer, and what a sharded one adds: per query, the router's numbers of the probed
+    lists no live shard could search, and the down shards whose fresh documents went unsearched."""
+    missing_lists: list[list[int]] = field(default_factory=list)
+    missing_shards: list[int] = field(default_factory=list)
+
+    @property
+    def partial(self) -> bool:
+        return bool(self.missing_shards) or any(self.missing_lists)
+
+
+class ShardedCollection:
+    """A sharded index (opened: ShardedIndex.open) as a collection named `name`. Thread-safe as the index is;
+    writes are one at a time (the index's write lock, which also guards the name map)."""
+
+    embedding = None  # a sharded index embeds nothing: documents come with their vectors
+
+    def __init__(self, index: ShardedIndex, name: str):
+        self.index, self.name = index, name
+
+    @property
+    def dim(self) -> int:
+        return self.index.dim
+
+    @property
+    def metric(self) -> str:
+        return self.index.metric
+
+    # -- names ---------------------------------------------------------------------------------------
+
+    def _ids(self, names: Sequence[str], create: bool) -> np.ndarray:
+        """The ids these names name (-1 for an unknown name, unless create: then the next free id from 2**62 up).
+        Caller holds the index's write lock when create."""
+        out = np.empty(len(names), dtype=np.int64)
+        ix = self.index
+        for j, name in enumerate(names):
+            i = numeric_id(name)
+            if i is None:
+                i = ix.named.get(name)
+                if i is None and create:
+                    i = ix.named[name] = ix.next_named
+                    ix.next_named += 1
+            out[j] = -1 if i is None else i
+        return out
+
+    @staticmethod
+    def _check_names(ids, what: str) -> list[str]:
+        if isinstance(ids, str) or not isinstance(ids, Sequence) or not all(isinstance(i, str) for i in ids):
+            raise InputError(f"{what} takes a sequence of string ids")
+        return list(dict.fromkeys(ids))
+
+    # -- writes --------------------------------------------------------------------------------------
+
+    def upsert(self, docs: Sequence[Document]) -> list[str]:
+        """Insert or replace documents by id; durable on every shard they went to when it returns. Ids in input
+        order (made up where a document has none)."""
+        w, ids = upsert_record(docs, self.dim, self.metric)
+        if not w.ids:
+            return ids
+        with self.index._write_lock:
+            nums = self._ids(w.ids, create=True)
+            self.index.upsert(nums, w.vectors, list(zip(w.ids, w.texts, w.metas)))
+        return ids
+
+    add = upsert
+
+    def delete(self, ids: Sequence[str]) -> int:
+        """Delete by id (unknown ids are ignored); how many were live."""
+        names = self._check_names(ids, "delete")
+        with self.index._write_lock:
+            nums = self._ids(names, create=False)
+            return self.index.delete(nums[nums >= 0]) if (nums >= 0).any() else 0
+
+    def delete_where(self, filter: dict) -> int:
+        """Delete every document the filter passes, as of now (writes wait meanwhile); how many."""
+        where = compile_filter(filter)
+        with self.index._write_lock:
+            nums = self.index.matching(where)
+            return self.index.delete(nums) if len(nums) else 0
+
+    def clear(self) -> None:
+        raise InputError("a sharded collection is not cleared: delete its documents (by id or filter), or rebuild "
+                         "the index")
+
+    # -- reads ---------------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Live documents: the built vectors not deleted or replaced, and those written since (each once, however
+        many shards hold it)."""
+        ix = self.index
+        with ix._write_lock:
+            return int(ix.manifest["count"]) - len(ix.base_gone) + len(ix.fresh_owner)
+
+    def get(self, ids: Sequence[str], with_vectors: bool = False) -> list[Document]:
+        """The documents with these ids, in that order; ids not found are left out."""
+        names = self._check_names(ids, "get")
+        nums = self._ids(names, create=False)
+        found = self.index.documents(nums[nums >= 0], with_vectors)
+        by_name = {}
+        for name, i in zip(names, nums.tolist()):
+            d = found.get(i)
+            if d is not None and d[0] == name:
+                by_name[name] = Document(name, d[1], d[3], d[2])
+        return [by_name[i] for i in ids if i in by_name]
+
+    def scroll(self, limit: int, after: int = -1, filter: dict | None = None,
+               with_vectors: bool = False) -> tuple[list[Document], int | None]:
+        """Up to `limit` documents (those the filter passes) in id order past id `after`, and the id to continue
+        after (None at the end). A document live throughout a scroll is seen once."""
+        for what, v, low in (("limit", limit, 1), ("after", after, -1)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
+                raise InputError(f"{what} must be an integer >= {low}, got {v!r}")
+        where = compile_filter(filter) if filter is not None else None
+        found, nxt = self.index.page(int(after), int(limit), where, with_vectors)
+        return [Document(name, text, vec, meta) for _, name, text, meta, vec in found], nxt
+
+    def filter_warnings(self, filter: dict) -> list[str]:
+        return filter_warnings(filter, self.index.field_types)
+
+    def search(self, vectors=None, k: int = 10, filter: dict | None = None, params: SearchParams | None = None,
+               with_vectors: bool = False, *, texts: Sequence[str] | None = None, mode: str = "vector",
+               partial: bool = True, **_) -> ShardedSearch:
+        """Top-k documents of each query vector (those a filter passes), with exact distances. partial=False:
+        UnavailableError rather than an answer missing lists or documents of a down shard."""
+        if mode != "vector" or texts is not None:
+            raise InputError("a sharded collection is searched by vectors (mode 'vector'): text and hybrid search "
+                             "need one text index over every shard")
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+            raise InputError(f"k must be a positive integer, got {k!r}")
+        where = compile_filter(filter) if filter is not None else None
+        res = self.index.search(vectors, int(k), params, partial=partial,
+                                reads=ShardReads(where, with_docs=True, with_vectors=with_vectors))
+        hits = []
+        for ids, ds in zip(res.ids, res.distances):
+            row = []
+            for i, d in zip(ids.tolist(), ds.tolist()):
+                doc = res.docs.get(i)
+                if i < 0 or doc is None:  # padding, or gone since the shard answered
+                    continue
+                row.append(Hit(doc[0], d, self._score(d), doc[1], doc[2], doc[3] if with_vectors else None))
+            hits.append(row)
+        stats = [{key: int(v[j]) for key, v in res.stats.items()} for j in range(len(hits))]
+        return ShardedSearch(hits, stats, [m.tolist() for m in res.missing_lists], list(res.missing_shards))
+
+    def _score(self, d: float) -> float:
+        return 1.0 - d if self.metric == "cosine" else -d
+
+    def info(self) -> dict:
+        ix = self.index
+        with ix._write_lock:
+            fresh, gone = len(ix.fresh_owner), len(ix.base_gone)
+        return {"name": self.name, "dimension": self.dim, "metric": self.metric, "embedding": None, "state": "ready",
+                "count": int(ix.manifest["count"]) - gone + fresh, "sharded": True, "shards": ix.n_shards,
+                "shards_alive": ix.alive.tolist(),
+                "build_state": {"indexed": int(ix.manifest["count"]) - gone, "fresh": fresh, "deleted": gone}}
+
+    def close(self) -> None:
+        self.index.close()
+
