@@ -101,11 +101,16 @@ class _Lists:
 
 
 def merge_index(old: Index, dead: np.ndarray, new_vectors: np.ndarray, out_dir: Path,
-                config: BuildConfig, progress: bool | None = None, on_progress: OnProgress | None = None) -> MergeStats:
+                config: BuildConfig, progress: bool | None = None, on_progress: OnProgress | None = None,
+                order: np.ndarray | None = None, extra: Callable | None = None,
+                assign: np.ndarray | None = None) -> MergeStats:
     """Write the next generation of `old` to out_dir: vectors flagged in dead (bool per old id)
     removed, new_vectors (engine form: unit rows under cosine) appended after the survivors.
 
-    progress, on_progress: as for build_index."""
+    progress, on_progress: as for build_index. order: the vectors' order in the new generation (a
+    permutation of survivors-then-new: new id j is that order's j-th; a shard keeps its ids ascending by
+    its global ids). extra(w): writes more files into the generation before it is published. assign: the
+    list each new vector joins, alone (-1: its nearest lists, with the build's replication, as without)."""
     t0 = time.perf_counter()
     steps = Progress(progress, on_progress)
     m_old = old.manifest
@@ -137,6 +142,10 @@ def merge_index(old: Index, dead: np.ndarray, new_vectors: np.ndarray, out_dir: 
             dist = np.sqrt(np.maximum(sqd, 0))
             take = (dist <= (1 + config.replica_eps) * dist[:, :1]) & (near >= 0)
             take[:, 0] = True
+            if assign is not None:
+                given = assign[part] >= 0
+                near[given, 0] = assign[part][given]
+                take[given, 1:] = False
             lists.add(near[take], np.broadcast_to(new_ids[part, None], near.shape)[take])
             primary[part] = near[:, 0]
             update(len(near))
@@ -210,7 +219,19 @@ def merge_index(old: Index, dead: np.ndarray, new_vectors: np.ndarray, out_dir: 
                 update(len(part))
         codes = np.concatenate([old_codes[alive], new_codes])
         offsets, list_ids = lists.csr(len(centroids))
+        if order is not None:
+            order = np.asarray(order, dtype=np.int64)
+            if sorted(order.tolist()) != list(range(n_keep + n_new)):
+                raise ValueError("order must be a permutation of the new generation's vectors")
+            new_of = np.empty_like(order)
+            new_of[order] = np.arange(len(order))
+            of_list = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
+            moved = new_of[list_ids]
+            list_ids = moved[np.lexsort((moved, of_list))].astype(list_ids.dtype)  # ascending within a list again
+            codes, locations = codes[order], locations[order]
         save_index_files(w, block_crc, graph, offsets, list_ids, pq.codebooks, codes, locations)
+        if extra is not None:
+            extra(w)
         stats = MergeStats(int(dead.sum()), n_new, splits, reuse, extra_blocks)
         manifest = {k: v for k, v in m_old.items() if k not in ("format", "format_version", "files")}
         manifest.update({

@@ -35,9 +35,12 @@ re-creates a shard from its directory, its log replayed.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
+import shutil
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -51,8 +54,10 @@ from fusionrag import native
 from fusionrag.retriever.build import (_CHUNK, _IntegralCheck, _Rows, assign_rows, index_manifest, internal_metric,
                                        mips_augment, open_source, postings, save_index_files, train_index,
                                        write_pages)
+from fusionrag.retriever.collection.config import CollectionConfig
 from fusionrag.retriever.config import BuildConfig, EngineConfig, SearchParams, cpu_threads
 from fusionrag.retriever.errors import ConfigError, IndexFormatError, InputError, UnavailableError
+from fusionrag.retriever.fresh import FreshView
 from fusionrag.retriever.index import prepare_queries
 from fusionrag.retriever.kmeans import sq_dists
 from fusionrag.retriever.learned_probe import ProbeModel, lists_needed, probe_features
@@ -60,6 +65,8 @@ from fusionrag.retriever.manifest import MANIFEST, ManifestShape, load_array, re
 from fusionrag.retriever.pq import ProductQuantizer
 from fusionrag.retriever.progress import OnProgress, Progress
 from fusionrag.retriever.queries import PreparedQueries
+from fusionrag.retriever.sharded_merge import (NO_SPLIT_FACTOR, current_part, gen_dir_name, load_global_ids,
+                                               manifest_sha, publish)
 from fusionrag.retriever.sharded_writes import DELETE, UPSERT, UPSERT_DOCS, ShardWrites
 from fusionrag.retriever.tiers import NavigationTier
 from fusionrag.retriever.vectors import STORAGE_DTYPES, as_source, check_vectors, normalize
@@ -74,6 +81,11 @@ ROUTER_FILES = {"graph.bin": True, "pq_codebooks.npy": True, "list_shards.npy": 
 # Ids from here up are those of documents named by a string that is not an id (sharded_docs.py); below, a name
 # that is an id's decimal digits names that id.
 NAMED_IDS = 1 << 62
+# A shard answers a filter that at most this many of its documents pass exactly, over their vectors (as a
+# collection does).
+FILTER_EXACT_MAX = CollectionConfig().filter_exact_max
+# An upsert goes to the nearest of this many nearest lists that has a live shard.
+UPSERT_PROBE = 8
 # A shard holds at most this multiple of its share of the postings, however its expected work falls.
 STORAGE_SLACK = 1.25
 # Locality placement moves boundary lists between regions until no shard expects more than this x the mean.
@@ -598,25 +610,82 @@ class ShardDown(UnavailableError):
     """A shard that is not running (its actor died, or it was closed): the router fails over."""
 
 
+class _Generation:
+    """One index generation of a shard, opened, and the searches reading it."""
+
+    def __init__(self, number: int, path: Path, index, global_ids: np.ndarray):
+        self.number, self.path, self.index, self.global_ids = number, path, index, global_ids
+        self.readers = 0
+        self.retired = False
+
+
 class ShardServer:
     """One shard part, opened: the lists it is sent, filtered and re-ranked by Index.search_lists, its
     top-k as source rows with exact distances, merged with its fresh tier's exact top-k; its writes logged
-    (sharded_writes.ShardWrites). A Ray actor in Ray mode, an object in this process else."""
+    (sharded_writes.ShardWrites); its fresh tier folded into a new generation of its index by merge()
+    (sharded_merge.py). A Ray actor in Ray mode (calls in threads of its own), an object in this process else.
+    Thread-safe: searches run at once, writes and merges one at a time."""
 
     def __init__(self, path: str, config: EngineConfig | None = None, params: SearchParams | None = None):
+        self.path, self.config, self.params = str(path), config, params
+        self.closed = False
+        self._lock = threading.Lock()  # the current generation, its writes, the readers of each
+        self._write_lock = threading.RLock()  # writes, and a merge's switch to its generation
+        self._merge_lock = threading.Lock()
+        gen, rec = self._open_generation()
+        try:
+            self.writes = ShardWrites(path, gen.global_ids, gen.index.dim, gen.index.metric,
+                                      merged_lsn=int(rec["merged_lsn"]) if rec else 0)
+        except BaseException:
+            gen.index.close()
+            raise
+        self._gen = gen
+
+    def _open_generation(self, path: Path | None = None) -> tuple[_Generation, dict | None]:
         from fusionrag.retriever.index import Index
 
-        self.path = str(path)
-        self.index = Index.open(path, config, params)
-        self.closed = False
+        gen_dir, rec = current_part(self.path) if path is None else (path, None)
+        index = Index.open(gen_dir, self.config, self.params)
         try:
-            self.global_ids = load_array(Path(path), "global_ids.npy", np.uint32, 1).astype(np.int64)
-            if len(self.global_ids) != self.index.count:
-                raise IndexFormatError(f"{path}: global_ids.npy does not hold one row per vector")
-            self.writes = ShardWrites(path, self.global_ids, self.index.dim, self.index.metric)
+            ids = load_global_ids(gen_dir)
+            if len(ids) != index.count:
+                raise IndexFormatError(f"{gen_dir}: global_ids.npy does not hold one row per vector")
         except BaseException:
-            self.index.close()
+            index.close()
             raise
+        return _Generation(int(rec["generation"]) if rec else 0, gen_dir, index, ids), rec
+
+    @property
+    def index(self):
+        return self._gen.index
+
+    @property
+    def global_ids(self) -> np.ndarray:
+        return self._gen.global_ids
+
+    @contextlib.contextmanager
+    def _reading(self):
+        """(generation, its writes) for one call: the generation stays open until the call is done."""
+        if self.closed:
+            raise ShardDown(f"{self.path}: shard closed")
+        with self._lock:
+            g, w = self._gen, self.writes
+            g.readers += 1
+        try:
+            yield g, w
+        finally:
+            with self._lock:
+                g.readers -= 1
+                done = g.retired and not g.readers
+            if done:
+                self._drop(g)
+
+    @staticmethod
+    def _drop(g: _Generation) -> None:
+        """Close a generation no longer current and no longer read; a merged one's directory goes too."""
+        g.index.close()
+        if g.number > 0:
+            shutil.rmtree(g.path, ignore_errors=True)
 
     def search(self, queries: np.ndarray, lists: np.ndarray, k: int, params: SearchParams,
                reads: ShardReads | None = None):
@@ -625,69 +694,148 @@ class ShardServer:
         (ShardedIndex.prepare_queries, which checked and normalised them), searched as they are. reads: a
         compiled metadata filter only the documents it passes may answer, and whether to return the found
         ids' documents (id -> (name, text, metadata, vector or None); None when not asked)."""
-        if self.closed:
-            raise ShardDown(f"{self.path}: shard closed")
         t = time.perf_counter()
         reads = reads or ShardReads()
-        queries = PreparedQueries(np.ascontiguousarray(getattr(queries, "vectors", queries), dtype=np.float32),
-                                  self.index.metric)
-        exclude, fresh = self.writes.snapshot()
-        nq = len(queries)
-        ids = np.full((nq, k), -1, dtype=np.int64)
-        dists = np.full((nq, k), np.inf, dtype=np.float32)
-        stats = {"candidates": np.zeros(nq, np.int64), "reranked": np.zeros(nq, np.int64)}
-        rows = np.flatnonzero((np.asarray(lists) >= 0).any(axis=1))
-        fresh_ok = None
-        if reads.where is not None:
-            allowed = self.matching(reads.where)
-            ok = np.zeros(self.index.count, bool)
-            pos = np.searchsorted(self.global_ids, allowed)
-            inside = pos < len(self.global_ids)
-            ok[pos[inside][self.global_ids[pos[inside]] == allowed[inside]]] = True
-            if exclude is not None:
-                ok &= ~np.unpackbits(exclude, count=self.index.count, bitorder="little").astype(bool)
-            exclude = np.packbits(~ok, bitorder="little")
-            if not ok.any():
-                rows = rows[:0]  # no built vector passes: the lists hold nothing to find
-            fresh_ok = None if fresh is None else np.isin(fresh.rows, allowed)
-        if len(rows):
-            res = self.index.search_lists(queries.rows(rows), lists[rows], k, params, exclude)
-            ids[rows] = np.where(res.ids >= 0, self.global_ids[np.maximum(res.ids, 0)], -1)
-            dists[rows] = np.where(res.ids >= 0, res.distances, np.inf)
-            for key in stats:
-                stats[key][rows] = res.stats[key]
-        if fresh is not None:
-            fi, fd = fresh.search(queries.vectors, k, self.index.metric, fresh_ok)
-            ids, dists = _merge([(ids, dists), (fi, fd)], k)
-        docs = self.documents(np.unique(ids[ids >= 0]), reads.with_vectors) if reads.with_docs else None
+        with self._reading() as (g, w):
+            index, gids = g.index, g.global_ids
+            queries = PreparedQueries(np.ascontiguousarray(getattr(queries, "vectors", queries), dtype=np.float32),
+                                      index.metric)
+            exclude, fresh = w.snapshot()
+            nq = len(queries)
+            ids = np.full((nq, k), -1, dtype=np.int64)
+            dists = np.full((nq, k), np.inf, dtype=np.float32)
+            stats = {"candidates": np.zeros(nq, np.int64), "reranked": np.zeros(nq, np.int64)}
+            rows = np.flatnonzero((np.asarray(lists) >= 0).any(axis=1))
+            fresh_ok = None
+            if reads.where is not None:
+                allowed = w.store.rows_where(*reads.where) if w.store is not None else np.empty(0, np.int64)
+                if len(allowed) <= FILTER_EXACT_MAX:  # few pass: exact, over their vectors in the doc store
+                    if len(allowed):
+                        rows_, vecs = w.store.vectors_where(*reads.where)
+                        view = FreshView(vecs, (vecs * vecs).sum(1), rows_, np.ones(len(rows_), bool))
+                        ids, dists = _merge([view.search(queries.vectors, k, index.metric)], k)
+                    docs = self._documents(g, w, np.unique(ids[ids >= 0]), reads.with_vectors) \
+                        if reads.with_docs else None
+                    return ids, dists, stats, time.perf_counter() - t, docs
+                ok = np.zeros(index.count, bool)
+                pos = np.searchsorted(gids, allowed)
+                inside = pos < len(gids)
+                ok[pos[inside][gids[pos[inside]] == allowed[inside]]] = True
+                if exclude is not None:
+                    ok &= ~np.unpackbits(exclude, count=index.count, bitorder="little").astype(bool)
+                exclude = np.packbits(~ok, bitorder="little")
+                if not ok.any():
+                    rows = rows[:0]  # no vector of the index passes: its lists hold nothing to find
+                fresh_ok = None if fresh is None else np.isin(fresh.rows, allowed)
+            if len(rows):
+                res = index.search_lists(queries.rows(rows), lists[rows], k, params, exclude)
+                ids[rows] = np.where(res.ids >= 0, gids[np.maximum(res.ids, 0)], -1)
+                dists[rows] = np.where(res.ids >= 0, res.distances, np.inf)
+                for key in stats:
+                    stats[key][rows] = res.stats[key]
+            if fresh is not None:
+                fi, fd = fresh.search(queries.vectors, k, index.metric, fresh_ok)
+                ids, dists = _merge([(ids, dists), (fi, fd)], k)
+            docs = self._documents(g, w, np.unique(ids[ids >= 0]), reads.with_vectors) if reads.with_docs else None
         return ids, dists, stats, time.perf_counter() - t, docs
 
-    def upsert(self, ids, vectors, docs: list | None = None) -> int:
+    # -- writes --------------------------------------------------------------------------------------
+
+    def upsert(self, ids, vectors, docs: list | None = None, lists=None) -> int:
         """Log and apply: these ids now hold these vectors (in the engine's form) in this shard's fresh tier,
-        any older version here tombstoned; docs: their (name, text, metadata JSON), kept in the shard's doc store.
-        Durable when it returns; how many ids had a version here."""
+        any older version here tombstoned; docs: their (name, text, metadata JSON), kept in the shard's doc store;
+        lists: the router's list each was sent for (where a merge puts it). Durable when it returns; how many ids
+        had a version here."""
         if self.closed:
             raise ShardDown(f"{self.path}: shard closed")
-        return self.writes.write(UPSERT if docs is None else UPSERT_DOCS, ids, vectors, docs)
+        with self._write_lock:
+            return self.writes.write(UPSERT if docs is None else UPSERT_DOCS, ids, vectors, docs, lists)
+
+    def delete(self, ids) -> int:
+        if self.closed:
+            raise ShardDown(f"{self.path}: shard closed")
+        with self._write_lock:
+            return self.writes.write(DELETE, ids)
+
+    def merge(self, threads: int | None = None) -> dict:
+        """Fold the fresh tier and the tombstones into a new generation of this shard's index (sharded_merge.py)
+        and go on from it. Searches and writes go on meanwhile, on the generation before; writes logged during the
+        merge are replayed onto the new one when it takes over. Returns what was merged."""
+        from fusionrag.retriever.merge import merge_index
+
+        if self.closed:
+            raise ShardDown(f"{self.path}: shard closed")
+        t0 = time.perf_counter()
+        with self._merge_lock:
+            with self._reading() as (g, w):
+                lsn, tomb, fresh_ids, fresh_vectors, fresh_lists = w.state()
+                dead = np.unpackbits(tomb, count=g.index.count, bitorder="little").astype(bool)
+                if not len(fresh_ids) and not dead.any():
+                    return {"merged": False, "generation": g.number}
+                number = g.number + 1
+                out = Path(self.path) / gen_dir_name(number)
+                shutil.rmtree(out, ignore_errors=True)  # what a merge cut short left
+                ids = np.concatenate([g.global_ids[~dead], fresh_ids])
+                order = np.argsort(ids, kind="stable")
+                lists = np.load(g.path / "lists.npy") if (g.path / "lists.npy").exists() else None
+                # Each vector into the list the router sent it for, and only that one: every replica of a list
+                # then holds the same vectors. One sent for no list (none of its lists' shards was up) goes to
+                # its nearest list here.
+                local = {int(r): i for i, r in enumerate(lists)} if lists is not None else {}
+                assign = np.array([local.get(r, -1) for r in fresh_lists.tolist()], dtype=np.int64)
+                config = BuildConfig.from_dict(g.index.manifest.get("build_config", {})).with_overrides(
+                    max_list_factor=NO_SPLIT_FACTOR, threads=threads or 0)
+
+                def extra(wr):
+                    wr.save_array("global_ids.npy", ids[order])
+                    if lists is not None:
+                        wr.save_array("lists.npy", lists)
+
+                stats = merge_index(g.index, dead, fresh_vectors, out, config, progress=False, order=order,
+                                    extra=extra, assign=assign)
+            rec = {"generation": number, "dir": out.name, "manifest_sha256": manifest_sha(out),
+                   "count": len(ids), "merged_lsn": lsn}
+            new, _ = self._open_generation(out)
+            new.number = number
+            with self._write_lock:  # no write until the new generation's writes have replayed those since lsn
+                try:
+                    publish(Path(self.path), rec)
+                    old_w = self.writes
+                    old_w.close(keep_store=True)
+                    w = ShardWrites(self.path, new.global_ids, new.index.dim, new.index.metric, merged_lsn=lsn,
+                                    store=old_w.store)
+                except BaseException:
+                    new.index.close()
+                    raise
+                with self._lock:
+                    old, self._gen, self.writes = self._gen, new, w
+                    old.retired = True
+                    done = not old.readers
+            if done:
+                self._drop(old)
+        return {"merged": True, "generation": number, "count": len(ids), "merged_lsn": lsn,
+                "fresh_merged": len(fresh_ids), "removed": int(dead.sum()), "seconds": time.perf_counter() - t0,
+                "merge": stats.__dict__}
 
     # -- documents (sharded_docs.py) ----------------------------------------------------------------
 
     def documents(self, ids, with_vectors: bool = False) -> dict[int, tuple]:
         """id -> (name, text, metadata, vector or None) of those of these ids live here. A vector written without
         a document (built, or upserted by id alone) is named by its id, with no text and no metadata."""
-        if self.closed:
-            raise ShardDown(f"{self.path}: shard closed")
-        ids = np.asarray(ids, dtype=np.int64)
-        live = ids[self.writes.live(ids)] if len(ids) else ids
-        store = self.writes.store
-        out = store.by_rows(live.tolist(), with_vectors) if store is not None and len(live) else {}
+        with self._reading() as (g, w):
+            return self._documents(g, w, np.asarray(ids, dtype=np.int64), with_vectors)
+
+    @staticmethod
+    def _documents(g: _Generation, w: ShardWrites, ids: np.ndarray, with_vectors: bool) -> dict[int, tuple]:
+        live = ids[w.live(ids)] if len(ids) else ids
+        out = w.store.by_rows(live.tolist(), with_vectors) if w.store is not None and len(live) else {}
         rest = [i for i in live.tolist() if i not in out]
         vectors = {}
         if with_vectors and rest:
-            vectors = self.writes.fresh_vectors(rest)
+            vectors = w.fresh_vectors(rest)
             built = [i for i in rest if i not in vectors]
             if built:
-                vectors.update(zip(built, self.index.read_vectors(np.searchsorted(self.global_ids, built))))
+                vectors.update(zip(built, g.index.read_vectors(np.searchsorted(g.global_ids, built))))
         for i in rest:
             out[i] = (str(i), None, {}, vectors.get(i))
         return out
@@ -695,37 +843,28 @@ class ShardServer:
     def matching(self, where: tuple[str, list]) -> np.ndarray:
         """Sorted ids of the documents here that pass a compiled filter (only documents written with their
         metadata can)."""
-        if self.closed:
-            raise ShardDown(f"{self.path}: shard closed")
-        store = self.writes.store
-        return store.rows_where(*where) if store is not None else np.empty(0, np.int64)
+        with self._reading() as (_, w):
+            return w.store.rows_where(*where) if w.store is not None else np.empty(0, np.int64)
 
     def page(self, after: int, limit: int, where: tuple[str, list] | None, with_vectors: bool) -> list[tuple]:
         """(id, name, text, metadata, vector or None) of the first `limit` documents here with id > after (those
         a compiled filter passes), in id order."""
-        if self.closed:
-            raise ShardDown(f"{self.path}: shard closed")
-        if where is not None:
-            store = self.writes.store
-            found = store.page(after, limit, where, with_vectors) if store is not None else []
-            return [(r, i, t, m, v) for r, i, t, m, v in found]
-        ids = self.writes.live_ids(after)[:limit]
-        docs = self.documents(ids, with_vectors)
-        return [(i, *docs[i]) for i in ids.tolist() if i in docs]
+        with self._reading() as (g, w):
+            if where is not None:
+                return w.store.page(after, limit, where, with_vectors) if w.store is not None else []
+            ids = w.live_ids(after)[:limit]
+            docs = self._documents(g, w, ids, with_vectors)
+            return [(i, *docs[i]) for i in ids.tolist() if i in docs]
 
     def field_types(self, key: str) -> set[str]:
-        store = self.writes.store
-        return store.field_types(key) if store is not None else set()
+        with self._reading() as (_, w):
+            return w.store.field_types(key) if w.store is not None else set()
 
-    def delete(self, ids) -> int:
-        if self.closed:
-            raise ShardDown(f"{self.path}: shard closed")
-        return self.writes.write(DELETE, ids)
-
-    def write_state(self) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, list[str]]]:
-        """(ids live in the fresh tier, base ids tombstoned, (ids, names) of the documents here): what the router's
-        write maps are built from."""
-        return self.writes.fresh_ids(), self.writes.tombstoned_ids(), self.writes.named()
+    def write_state(self) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, list[str]], dict[int, int]]:
+        """(ids live in the fresh tier, base ids tombstoned, (ids, names) of the documents here, upserts logged per
+        router list): what the router's write maps are built from."""
+        with self._reading() as (_, w):
+            return w.fresh_ids(), w.tombstoned_ids(), w.named(), dict(w.list_writes)
 
     def where(self) -> dict:
         import os
@@ -735,13 +874,20 @@ class ShardServer:
             import ray
 
             node = ray.get_runtime_context().get_node_id()
-        return {"pid": os.getpid(), "node_id": node, "count": self.index.count, "path": self.path,
-                **self.writes.info()}
+        with self._reading() as (g, w):
+            return {"pid": os.getpid(), "node_id": node, "count": g.index.count, "path": self.path,
+                    "generation": g.number, **w.info()}
 
     def close(self) -> None:
         self.closed = True
-        self.writes.close()
-        self.index.close()
+        with self._write_lock, self._merge_lock:
+            self.writes.close()
+            with self._lock:
+                g = self._gen
+                g.retired = True
+                done = not g.readers
+        if done:
+            g.index.close()
 
 
 def _is_down(e: BaseException) -> bool:
@@ -837,7 +983,10 @@ class ShardedIndex(ManifestShape):
         self.fresh_owner: dict[int, tuple[int, ...]] = {}  # id -> the shards whose fresh tier holds it
         self.base_gone: set[int] = set()  # built ids deleted or replaced (tombstoned on their shards)
         self.named: dict[str, int] = {}  # a document's name -> its id, for names that are not an id (sharded_docs)
+        # Upserts each replica of each list logged (column j: list_shards[:, j]): the one with fewer missed some.
+        self.replica_writes = np.zeros((len(list_shards), 2), dtype=np.int64)
         self.next_named = NAMED_IDS  # the id the next new such name gets
+        self._base_count: int | None = None  # distinct ids in the shards' indexes (live_count)
         self.fresh_count = np.zeros(self.n_shards, dtype=np.int64)
         self.call_timeout_s: float | None = None
 
@@ -866,10 +1015,15 @@ class ShardedIndex(ManifestShape):
             hashes = [parts[name]["manifest_sha256"] for name in names]
         except (KeyError, TypeError, ValueError) as e:
             raise IndexFormatError(f"{path}: manifest lacks or garbles a field ({e!r})") from e
+        expected = {}  # part -> the vectors its current generation holds
         for name, want in zip(names, hashes):
             mp = path / name / MANIFEST
             if not (path / name).is_dir():
                 raise IndexFormatError(f"{path}: shard part {name} is missing")
+            _, rec = current_part(path / name)  # a merged generation: checked against the part's own CURRENT.json
+            expected[name] = rec["count"] if rec else parts[name].get("count")
+            if rec:
+                continue
             if not mp.exists():
                 raise IndexFormatError(f"{path}: shard part {name} has no manifest (incomplete or damaged)")
             if hashlib.sha256(mp.read_bytes()).hexdigest() != want:
@@ -902,7 +1056,8 @@ class ShardedIndex(ManifestShape):
             rray = _ray()
             if not rray.is_initialized():
                 raise ConfigError("ray=True: connect to a Ray cluster first (ray.init(address=...))")
-            options = {"num_cpus": 0, "max_restarts": 0, **(actor_options or {})}
+            # Threads of its own for a shard's calls: searches go on while it merges (ShardServer is thread-safe).
+            options = {"num_cpus": 0, "max_restarts": 0, "max_concurrency": 8, **(actor_options or {})}
             shards = [_start_actor(p, config, params, options, s) for s, p in enumerate(shard_paths)]
             try:
                 where = rray.get([s.where.remote() for s in shards])
@@ -915,14 +1070,14 @@ class ShardedIndex(ManifestShape):
             shards = [ShardServer(p, config, params) for p in shard_paths]
             where = [s.where() for s in shards]
         for s, (name, w) in enumerate(zip(names, where)):
-            if w["count"] != parts[name].get("count"):
+            if w["count"] != expected[name]:
                 raise IndexFormatError(f"{path}: shard part {name} holds {w['count']} vectors, the router expects "
-                                       f"{parts[name].get('count')}")
+                                       f"{expected[name]}")
         out = cls(path, m, NavigationTier(graph, metric == "ip", cpu_threads(config.threads)), list_shards,
                   list_local, list_sizes, shards, bool(ray), params, batch_size)
         out.where, out.config, out.actor_options, out.shard_paths = where, config, options, shard_paths
         out.call_timeout_s = call_timeout_s
-        out.base_ids = [load_array(Path(p), "global_ids.npy", np.uint32, 1).astype(np.int64) for p in shard_paths]
+        out.base_ids = [load_global_ids(current_part(p)[0]) for p in shard_paths]
         out._load_write_maps()
         if "probe_model" in m:
             if "probe_model.npy" not in m.get("files", {}):
@@ -950,6 +1105,10 @@ class ShardedIndex(ManifestShape):
         first, second = self.list_shards[safe, 0], self.list_shards[safe, 1]
         a_ok = self.alive[first]
         b_ok = (second >= 0) & self.alive[np.maximum(second, 0)]
+        # A replica that missed upserts to its list (it was down) is read only when its twin is down.
+        w = self.replica_writes[safe]
+        a_good, b_good = a_ok & (w[..., 0] >= w[..., 1]), b_ok & (w[..., 1] >= w[..., 0])
+        a_ok, b_ok = a_good | (a_ok & ~b_good), b_good | (b_ok & ~a_good)
         shard = np.where(valid, np.where(a_ok, first, np.where(b_ok, second, MISSING)), -1).astype(np.int32)
         sizes = self.list_sizes[safe]
         single = valid & (a_ok ^ b_ok)
@@ -1006,7 +1165,9 @@ class ShardedIndex(ManifestShape):
         calls = []
         for s in range(self.n_shards):
             on = shard == s
-            with_fresh = fresh and self.alive[s] and self.fresh_count[s] > 0
+            # A filter's documents may be on any shard: it asks every one.
+            with_fresh = fresh and self.alive[s] and (self.fresh_count[s] > 0 or
+                                                      (reads is not None and reads.where is not None))
             rows = np.arange(len(lists)) if with_fresh else np.flatnonzero(on.any(axis=1))
             if not len(rows):
                 continue
@@ -1164,9 +1325,20 @@ class ShardedIndex(ManifestShape):
                 else:
                     raise
         if failed:
-            raise UnavailableError(f"{self.path}: {what} {'not acknowledged' if write else 'failed'}: shard "
+            err = UnavailableError(f"{self.path}: {what} {'not acknowledged' if write else 'failed'}: shard "
                                    f"{part_name(failed[0][0])} is down")
+            err.acked = set(out)  # the shards that did take it
+            raise err
         return out
+
+    def _count_upserts(self, to_list: np.ndarray, targets: list[tuple[int, ...]], acked: set[int]) -> None:
+        """Count an upsert round's vectors for the replicas of their lists that took them (replica_writes)."""
+        for lst, t in zip(to_list.tolist(), targets):
+            if lst < 0:
+                continue
+            for s in t:
+                if s in acked:
+                    self.replica_writes[lst, 0 if self.list_shards[lst, 0] == s else 1] += 1
 
     def _refuse_if_down(self, shards, what: str) -> None:
         down = sorted(s for s in shards if not self.alive[s])
@@ -1197,15 +1369,23 @@ class ShardedIndex(ManifestShape):
             raise InputError(f"{len(ids)} ids for {len(docs)} documents")
         if not len(ids):
             return 0
-        nearest = probe_distances(self.nav, v, self.params.with_overrides(nprobe=1))[0][:, 0]
+        near = probe_distances(self.nav, v, self.params.with_overrides(nprobe=min(UPSERT_PROBE, len(self.list_shards)),
+                                                                        probe_ratio=0))[0]
         with self._write_lock:
             if not self.alive.any():
                 raise UnavailableError(f"{self.path}: upsert refused: every shard is down")
             base = self._base_holders(ids)
             holders = [set(b) | set(self.fresh_owner.get(int(i), ())) for i, b in zip(ids.tolist(), base)]
-            targets = []
-            for lst in nearest.tolist():
-                t = tuple(int(s) for s in self.list_shards[lst] if s >= 0 and self.alive[s])
+            # Each vector to every live shard holding its nearest list with a live shard (its list: where a merge
+            # puts it); none among the UPSERT_PROBE nearest: the live shard with the fewest fresh rows, no list.
+            targets, to_list = [], np.full(len(ids), -1, np.int64)
+            for i, row in enumerate(near.tolist()):
+                t = ()
+                for lst in row:
+                    t = tuple(int(s) for s in self.list_shards[lst] if s >= 0 and self.alive[s]) if lst >= 0 else ()
+                    if t:
+                        to_list[i] = lst
+                        break
                 targets.append(t or (int(np.flatnonzero(self.alive)[np.argmin(self.fresh_count[self.alive])]),))
             old = [h - set(t) for h, t in zip(holders, targets)]
             self._refuse_if_down(set().union(*old), "upsert")
@@ -1219,8 +1399,11 @@ class ShardedIndex(ManifestShape):
                     dels.setdefault(s, []).append(i)
             # New versions first: a write cut short leaves an id twice (the merge keeps its nearer version) rather
             # than not at all, and its retry completes it.
-            self._write_round({s: ("upsert", (ids[r], v[r]) + (() if docs is None else ([docs[i] for i in r],)))
-                               for s, r in ups.items()}, "upsert")
+            try:
+                self._write_round({s: ("upsert", (ids[r], v[r], None if docs is None else [docs[i] for i in r],
+                                                  to_list[r])) for s, r in ups.items()}, "upsert")
+            finally:  # the shards that took the write counted it for their lists, failed round or not
+                self._count_upserts(to_list, targets, getattr(sys.exc_info()[1], "acked", set(ups)))
             if dels:
                 self._write_round({s: ("delete", (ids[r],)) for s, r in dels.items()}, "upsert")
             for i, (b, t) in enumerate(zip(base, targets)):
@@ -1249,21 +1432,34 @@ class ShardedIndex(ManifestShape):
                 self._set_fresh(int(ids[i]), ())
             return sum(1 for h in holders if h)
 
+    def live_count(self) -> int:
+        """Live vectors, each counted once however many shards hold it: those in the shards' indexes not deleted
+        or replaced since, and those in their fresh tiers."""
+        with self._write_lock:
+            if self._base_count is None:
+                self._base_count = len(np.unique(np.concatenate(self.base_ids))) if self.base_ids else 0
+            return self._base_count - len(self.base_gone) + len(self.fresh_owner)
+
     def _load_write_maps(self) -> None:
         """The router's maps (which shards' fresh tiers hold an id, which built ids are gone) from the shards'
         replayed logs."""
+        self._base_count = None  # the shards' indexes may have changed (a merge, a restart)
         states = [self._get(self._call(s, "write_state")) for s in range(self.n_shards)]
         owners: dict[int, list[int]] = {}
         self.named = {}
-        for s, (fresh, _, (named_ids, names)) in enumerate(states):
+        self.replica_writes[:] = 0
+        for s, (fresh, _, (named_ids, names), list_writes) in enumerate(states):
             for i in fresh.tolist():
                 owners.setdefault(i, []).append(s)
+            for lst, n in list_writes.items():
+                if 0 <= lst < len(self.list_shards) and s in self.list_shards[lst]:
+                    self.replica_writes[lst, 0 if self.list_shards[lst, 0] == s else 1] = n
             self.named.update((n, i) for i, n in zip(named_ids.tolist(), names) if i >= NAMED_IDS)
         self.next_named = max(self.named.values(), default=NAMED_IDS - 1) + 1
         self.fresh_owner, self.fresh_count[:] = {}, 0
         for i, o in owners.items():
             self._set_fresh(i, tuple(o))
-        tomb = np.concatenate([t for _, t, _ in states]) if states else np.empty(0, np.int64)
+        tomb = np.concatenate([t for _, t, _, _ in states]) if states else np.empty(0, np.int64)
         self.base_gone = set()
         if len(tomb):
             uniq, times = np.unique(tomb, return_counts=True)
@@ -1322,6 +1518,51 @@ class ShardedIndex(ManifestShape):
         got = self._write_round({s: ("field_types", (key,)) for s in live}, "reading field types", False)
         return set().union(*got.values()) if got else set()
 
+    # -- merges ------------------------------------------------------------------------------------
+
+    def merge_shards(self, min_fresh: int = 1, shards=None) -> dict[int, dict]:
+        """Fold the fresh tier and tombstones of each live shard holding at least min_fresh fresh rows and
+        tombstones (or of each of `shards`) into a new generation of its index (ShardServer.merge, sharded_merge.py), in parallel;
+        searches and writes go on meanwhile. The router's maps then follow (what was fresh is in the shards'
+        indexes now). Returns each shard's report; one that goes down meanwhile is marked down and left out."""
+        if shards is None:
+            live = [s for s in range(self.n_shards) if self.alive[s]]
+            state = self._write_round({s: ("where", ()) for s in live}, "asking what to merge", False)
+            todo = [s for s, w in state.items() if w["fresh"] + w["tombstones"] >= min_fresh]
+        else:
+            todo = [s for s in shards if self.alive[s]]
+        # In this process merges get threads of their own: the pool's stay free for searches and writes.
+        pool = None if self.use_ray else ThreadPoolExecutor(max_workers=max(1, len(todo)),
+                                                             thread_name_prefix="fusionrag-merge")
+        handles = {s: self._call(s, "merge") if pool is None else _Future(pool.submit(self.shards[s].merge))
+                   for s in todo}
+        if pool is not None:
+            pool.shutdown(wait=False)
+        out = {}
+        for s, h in handles.items():
+            try:  # no call timeout: a merge takes as long as its shard's fresh tier asks
+                if self.use_ray:
+                    import ray
+
+                    out[s] = ray.get(h)
+                else:
+                    out[s] = h.get()
+            except Exception as e:  # noqa: BLE001
+                if not _is_down(e):
+                    raise
+                self._mark_down(s)
+        merged = [s for s, r in out.items() if r.get("merged")]
+        if merged:
+            with self._write_lock:
+                for s in merged:
+                    self.base_ids[s] = load_global_ids(current_part(self.shard_paths[s])[0])
+                if self.alive.all():
+                    self._load_write_maps()
+                else:  # the maps are rebuilt when the down shard is back; the merged ones hold no fresh rows now
+                    self.fresh_count[merged] = 0
+                    self._base_count = None
+        return out
+
     # -- faults ------------------------------------------------------------------------------------
 
     def kill_shard(self, s: int) -> None:
@@ -1378,12 +1619,15 @@ class ShardedIndex(ManifestShape):
                 pass
             shard = ShardServer(path, self.config, self.params)
             where = shard.where()
-        if where["count"] != self.manifest["parts"][part_name(s)]["count"]:
+        gen_dir, rec = current_part(path)
+        want = rec["count"] if rec else self.manifest["parts"][part_name(s)]["count"]
+        if where["count"] != want:
             raise IndexFormatError(f"{path}: the restarted shard holds {where['count']} vectors, the router expects "
-                                   f"{self.manifest['parts'][part_name(s)]['count']}")
+                                   f"{want}")
         with self._write_lock:
             self.shards[s] = shard
             self.where[s] = where
+            self.base_ids[s] = load_global_ids(gen_dir)
             with self._lock:
                 self.outstanding[s] = 0
                 self.alive[s] = True

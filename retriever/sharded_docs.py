@@ -127,11 +127,9 @@ class ShardedCollection:
     # -- reads ---------------------------------------------------------------------------------------
 
     def __len__(self) -> int:
-        """Live documents: the built vectors not deleted or replaced, and those written since (each once, however
-        many shards hold it)."""
-        ix = self.index
-        with ix._write_lock:
-            return int(ix.manifest["count"]) - len(ix.base_gone) + len(ix.fresh_owner)
+        """Live documents: the built and merged vectors not deleted or replaced since, and those written since the
+        last merge (each once, however many shards hold it)."""
+        return self.index.live_count()
 
     def get(self, ids: Sequence[str], with_vectors: bool = False) -> list[Document]:
         """The documents with these ids, in that order; ids not found are left out."""
@@ -190,11 +188,10 @@ class ShardedCollection:
     def info(self) -> dict:
         ix = self.index
         with ix._write_lock:
-            fresh, gone = len(ix.fresh_owner), len(ix.base_gone)
+            count, fresh = ix.live_count(), len(ix.fresh_owner)
         return {"name": self.name, "dimension": self.dim, "metric": self.metric, "embedding": None, "state": "ready",
-                "count": int(ix.manifest["count"]) - gone + fresh, "sharded": True, "shards": ix.n_shards,
-                "shards_alive": ix.alive.tolist(),
-                "build_state": {"indexed": int(ix.manifest["count"]) - gone, "fresh": fresh, "deleted": gone}}
+                "count": count, "sharded": True, "shards": ix.n_shards, "shards_alive": ix.alive.tolist(),
+                "build_state": {"indexed": count - fresh, "fresh": fresh}}
 
     def close(self) -> None:
         self.index.close()

@@ -32,33 +32,47 @@ from fusionrag.retriever.wal import WriteAheadLog
 
 WAL = "wal.log"
 DOCS = "docs.sqlite"
-_HEAD = struct.Struct("<cII")  # op (b"u" upsert, b"U" upsert with documents, b"d" delete), count, dim
+_HEAD = struct.Struct("<cII")  # op, count, dim
+# Ops as callers name them. In the log: b"l" an upsert (ids, vectors, the router's list of each), b"U" one with
+# documents (the same, then the documents as JSON), b"d" a delete (ids); b"u", an upsert without lists, is read
+# as logs from before lists were recorded hold it.
 UPSERT, UPSERT_DOCS, DELETE = b"u", b"U", b"d"
+_LISTED = b"l"
 # A document as a write carries it: (name, text or None, metadata as JSON text).
 DocFields = tuple[str, "str | None", str]
 
 
-def encode(op: bytes, ids: np.ndarray, vectors: np.ndarray | None = None, docs: list | None = None) -> bytes:
+def encode(op: bytes, ids: np.ndarray, vectors: np.ndarray | None = None, docs: list | None = None,
+           lists: np.ndarray | None = None) -> bytes:
+    """lists: for an upsert, the router's list each vector went to (-1: none known)."""
     ids = np.ascontiguousarray(ids, dtype="<i8")
     body = ids.tobytes()
     dim = 0
     if op in (UPSERT, UPSERT_DOCS):
         vectors = np.ascontiguousarray(vectors, dtype="<f4")
         dim = vectors.shape[1]
-        body += vectors.tobytes()
+        lists = np.full(len(ids), -1) if lists is None else lists
+        body += vectors.tobytes() + np.ascontiguousarray(lists, dtype="<i4").tobytes()
+        op = _LISTED if op == UPSERT else op
     if op == UPSERT_DOCS:
         body += json.dumps([list(d) for d in docs], ensure_ascii=False, separators=(",", ":")).encode()
     return _HEAD.pack(op, len(ids), dim) + body
 
 
-def decode(payload: bytes) -> tuple[bytes, np.ndarray, np.ndarray | None, list[DocFields] | None]:
+def decode(payload: bytes) -> tuple[bytes, np.ndarray, np.ndarray | None, list[DocFields] | None, np.ndarray | None]:
+    """(op as callers name it, ids, vectors, documents, lists: -1 where the record has none)."""
     op, n, dim = _HEAD.unpack_from(payload)
     pos = _HEAD.size
-    end = pos + n * 8 + n * dim * 4
-    if op not in (UPSERT, UPSERT_DOCS, DELETE) or len(payload) < end or (op != UPSERT_DOCS and len(payload) != end):
+    end = pos + n * 8 + n * dim * 4 + (n * 4 if op in (_LISTED, UPSERT_DOCS) else 0)
+    if op not in (UPSERT, _LISTED, UPSERT_DOCS, DELETE) or len(payload) < end or \
+            (op != UPSERT_DOCS and len(payload) != end):
         raise IndexFormatError("a shard log record is garbled")
     ids = np.frombuffer(payload, "<i8", n, pos).astype(np.int64)
     vectors = np.frombuffer(payload, "<f4", n * dim, pos + n * 8).reshape(n, dim).copy() if op != DELETE else None
+    lists = None
+    if op != DELETE:
+        lists = np.frombuffer(payload, "<i4", n, pos + n * 8 + n * dim * 4).astype(np.int64) \
+            if op in (_LISTED, UPSERT_DOCS) else np.full(n, -1, np.int64)
     docs = None
     if op == UPSERT_DOCS:
         try:
@@ -67,14 +81,18 @@ def decode(payload: bytes) -> tuple[bytes, np.ndarray, np.ndarray | None, list[D
             raise IndexFormatError("a shard log record's documents are garbled") from None
         if len(docs) != n or not all(len(d) == 3 for d in docs):
             raise IndexFormatError("a shard log record's documents are garbled")
-    return op, ids, vectors, docs
+    return UPSERT if op == _LISTED else op, ids, vectors, docs, lists
 
 
 class ShardWrites:
     """The log, fresh tier and tombstones of one shard part. base_ids: the global id of each vector of the
-    shard's index (ascending, as global_ids.npy holds them); metric: the index's (fresh distances)."""
+    shard's index (ascending, as global_ids.npy holds them); metric: the index's (fresh distances).
+    merged_lsn: the log's records up to it are in the index generation already (a merge folded them in):
+    replayed into the doc store where it lacks them, not into the fresh tier or the tombstones. store: the
+    part's doc store, already open (a new generation takes over its predecessor's)."""
 
-    def __init__(self, path, base_ids: np.ndarray, dim: int, metric: str):
+    def __init__(self, path, base_ids: np.ndarray, dim: int, metric: str, merged_lsn: int = 0,
+                 store: DocStore | None = None):
         self.path = Path(path)
         self.base_ids, self.dim, self.metric = np.asarray(base_ids, dtype=np.int64), dim, metric
         self.fresh = FreshTier(dim)
@@ -84,7 +102,11 @@ class ShardWrites:
         self._wal: WriteAheadLog | None = None
         self._next_lsn = 1
         self.replayed = 0
-        self.store: DocStore | None = DocStore(self.path / DOCS, dim) if (self.path / DOCS).exists() else None
+        self.merged_lsn = merged_lsn
+        self.fresh_list: dict[int, int] = {}  # fresh id -> the router's list it was written to (-1: none known)
+        self.list_writes: dict[int, int] = {}  # router list -> upserts to it this shard logged
+        self.store: DocStore | None = store if store is not None else \
+            DocStore(self.path / DOCS, dim) if (self.path / DOCS).exists() else None
         try:
             if (self.path / WAL).exists():
                 self._open_log()
@@ -99,16 +121,18 @@ class ShardWrites:
             records = wal.open()
             done = self.store.meta("applied_lsn") if self.store is not None else 0
             for lsn, payload in records:
-                op, ids, vectors, docs = decode(payload)
+                op, ids, vectors, docs, lists = decode(payload)
                 if lsn > done and (self.store is not None or op == UPSERT_DOCS):
                     self._apply_store(lsn, op, ids, vectors, docs)  # a write the store had not applied
-                self._apply(op, ids, vectors)
+                self._count_lists(lists)
+                if lsn > self.merged_lsn:
+                    self._apply(op, ids, vectors, lists)
         except BaseException:
             wal.close()
             raise
         self._wal = wal
-        self._next_lsn = (records[-1][0] + 1) if records else 1
-        self.replayed = len(records)
+        self._next_lsn = max(records[-1][0] + 1 if records else 1, self.merged_lsn + 1)
+        self.replayed = sum(1 for lsn, _ in records if lsn > self.merged_lsn)
 
     def _apply_store(self, lsn: int, op: bytes, ids: np.ndarray, vectors, docs) -> None:
         """One write to the doc store, in one transaction that records its lsn: the ids' documents removed, those
@@ -134,19 +158,30 @@ class ShardWrites:
         hit[inside] = self.base_ids[pos[inside]] == ids[inside]
         return pos[hit]
 
-    def _apply(self, op: bytes, ids: np.ndarray, vectors: np.ndarray | None) -> None:
+    def _apply(self, op: bytes, ids: np.ndarray, vectors: np.ndarray | None, lists: np.ndarray | None) -> None:
         for p in self._base_positions(ids).tolist():
             byte, bit = p >> 3, 1 << (p & 7)
             if not self.tomb[byte] & bit:
                 self.tomb[byte] |= bit
                 self.deleted += 1
         self.fresh.remove(ids.tolist())
+        for i in ids.tolist():
+            self.fresh_list.pop(i, None)
         if op != DELETE:
             self.fresh.add(ids, vectors)
+            self.fresh_list.update(zip(ids.tolist(), lists.tolist()))
 
-    def write(self, op: bytes, ids, vectors=None, docs: list[DocFields] | None = None) -> int:
+    def _count_lists(self, lists: np.ndarray | None) -> None:
+        """Upserts per router list, since the build (every record, merged or not): a replica of a list that
+        missed writes counts fewer than its twin (the router then reads the list from the twin)."""
+        if lists is not None:
+            for lst, n in zip(*np.unique(lists[lists >= 0], return_counts=True)):
+                self.list_writes[int(lst)] = self.list_writes.get(int(lst), 0) + int(n)
+
+    def write(self, op: bytes, ids, vectors=None, docs: list[DocFields] | None = None, lists=None) -> int:
         """Log (fsynced) then apply one write; returns how many of the ids were live here before. docs: with
-        op UPSERT_DOCS, one (name, text, metadata JSON) per id."""
+        op UPSERT_DOCS, one (name, text, metadata JSON) per id. lists: with an upsert, the router's list each
+        vector was sent for (-1: none; a merge then puts it in its nearest list here)."""
         ids = np.asarray(ids, dtype=np.int64).ravel()
         if len(np.unique(ids)) != len(ids) or (ids < 0).any():
             raise InputError("a write's ids must be distinct non-negative integers")
@@ -156,12 +191,16 @@ class ShardWrites:
                 raise InputError(f"upsert needs ({len(ids)}, {self.dim}) vectors, got {vectors.shape}")
         if op == UPSERT_DOCS and (docs is None or len(docs) != len(ids)):
             raise InputError("an upsert with documents needs one document per id")
+        if op != DELETE:
+            lists = np.full(len(ids), -1, np.int64) if lists is None else np.asarray(lists, np.int64).ravel()
+            if lists.shape != ids.shape:
+                raise InputError("an upsert needs one list per id")
         with self._lock:
             if self._wal is None:
                 self._open_log()
             lsn = self._next_lsn
             try:
-                offset = self._wal.append(lsn, encode(op, ids, vectors, docs))
+                offset = self._wal.append(lsn, encode(op, ids, vectors, docs, lists))
                 try:
                     self._wal.sync(lsn, lambda: lsn)
                     if self.store is not None or op == UPSERT_DOCS:
@@ -173,7 +212,8 @@ class ShardWrites:
                 raise StorageError(f"{self.path}: cannot write the shard's log: {e}") from e
             self._next_lsn += 1
             live = self.live(ids)
-            self._apply(op, ids, vectors)
+            self._count_lists(lists if op != DELETE else None)
+            self._apply(op, ids, vectors, lists if op != DELETE else None)
             return int(live.sum())
 
     def live(self, ids: np.ndarray) -> np.ndarray:
@@ -227,10 +267,23 @@ class ShardWrites:
                 "log_bytes": int(self._wal.bytes) if self._wal else 0, "replayed": self.replayed,
                 "documents": self.store.count() if self.store is not None else 0}
 
-    def close(self) -> None:
+    @property
+    def last_lsn(self) -> int:
+        return self._next_lsn - 1
+
+    def state(self) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(last lsn, tombstone bitmap, fresh ids, their vectors, their router lists) as of now, taken together:
+        what a merge folds in."""
+        with self._lock:
+            ids, vectors = self.fresh.live_items()
+            lists = np.array([self.fresh_list.get(i, -1) for i in ids.tolist()], dtype=np.int64)
+            return self._next_lsn - 1, self.tomb.copy(), ids, vectors, lists
+
+    def close(self, keep_store: bool = False) -> None:
+        """keep_store: the doc store stays open (handed on to the next generation's ShardWrites)."""
         if self._wal is not None:
             self._wal.close()
             self._wal = None
-        if self.store is not None:
+        if self.store is not None and not keep_store:
             self.store.close()
             self.store = None

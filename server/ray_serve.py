@@ -20,7 +20,6 @@ import logging
 import signal
 import threading
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from fastapi import FastAPI, Query, Request
@@ -28,7 +27,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
-from fusionrag.retriever.collection import Document
+from fusionrag.retriever.collection import CollectionConfig, Document
 from fusionrag.retriever.errors import InputError
 from fusionrag.retriever.sharded_docs import ShardedCollection
 from fusionrag.server.auth import KeyRing
@@ -52,6 +51,7 @@ MAX_DOCUMENTS = ServerConfig().max_documents
 MAX_K = ServerConfig().max_k
 MAX_BODY_BYTES = ServerConfig().max_body_bytes
 DEFAULT_PAGE = 100
+MERGE_FRESH_COUNT = CollectionConfig().merge_fresh_count  # a shard merges at a collection's threshold
 
 
 def create_app(coll: ShardedCollection, keys: KeyRing | None = None) -> FastAPI:
@@ -221,14 +221,16 @@ def _keep_replica_on_loopback() -> None:
     replica.add_port_to_grpc_server = on_loopback
 
 
-def _keep_healthy(index, every_s: float, stop: threading.Event) -> None:
-    """Every every_s: ask each shard whether it runs, and restart those that do not from their directories."""
+def _keep_healthy(index, every_s: float, stop: threading.Event, merge_fresh_count: int = MERGE_FRESH_COUNT) -> None:
+    """Every every_s: ask each shard whether it runs, restart those that do not from their directories, and merge
+    those whose fresh tier and tombstones hold merge_fresh_count rows or more (searches and writes go on)."""
     while not stop.wait(every_s):
         try:
             index.check_shards()
             index.heal()
+            index.merge_shards(min_fresh=merge_fresh_count)
         except Exception:  # noqa: BLE001 - the next round tries again
-            log.warning("fusionrag: checking the shards failed", exc_info=True)
+            log.warning("fusionrag: checking or merging the shards failed", exc_info=True)
 
 
 def _deployment(index_dir: str, name: str, actor_options: dict | None, loopback: bool, call_timeout_s: float | None,

@@ -50,3 +50,14 @@ def tiny_lists() -> dict:
     the native scan and the fused LUT scan share (tests/native), for their argument checks."""
     return dict(probe_lists=np.array([[0, 1], [1, -1]], np.int32), list_offsets=np.array([0, 2, 3], np.int64),
                 list_ids=np.array([0, 5, 9], np.uint32), codes=np.zeros((10, 4), np.uint8), n=4)
+
+
+def sharded_copy(built: Path, dest: Path):
+    """A ShardedCollection over a copy of a built sharded index (writes leave the original as built)."""
+    import shutil
+
+    from fusionrag.retriever.sharded import ShardedIndex
+    from fusionrag.retriever.sharded_docs import ShardedCollection
+
+    shutil.copytree(built, dest)
+    return ShardedCollection(ShardedIndex.open(dest), "docs")

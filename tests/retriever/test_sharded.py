@@ -390,5 +390,9 @@ def test_ray_cluster_of_two_nodes_on_loopback(built, tmp_path):
     assert report["actor_nodes"] == 2, report  # the two shards' actors on different nodes
     assert report["ids_equal"] and report["dists_close"], report
     assert all(n > 0 for n in report["queries_per_shard"])
+    # Each shard merged on its actor while searches went on, every answer the same as before the merge.
+    assert report["merged_generations"] == [1, 1] and report["merge_same_answers"], report
+    assert report["searches_during_merge"][0] > 0 and report["searches_during_merge"][1], report
+    assert report["fresh_after_merge"] == [0, 0], report
     # Every Ray server listened on loopback only.
     assert report["listening"] and all(a in LOOPBACK for a in report["listening"]), report["listening"]

@@ -7,7 +7,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import clustered
+from conftest import clustered, sharded_copy
 
 from fusionrag.retriever.collection import Document
 from fusionrag.retriever.config import BuildConfig, SearchParams
@@ -35,10 +35,9 @@ def built(tmp_path_factory, base):
 
 @pytest.fixture
 def coll(built, tmp_path):
-    shutil.copytree(built, tmp_path / "idx")
-    index = ShardedIndex.open(tmp_path / "idx")
-    yield ShardedCollection(index, "docs")
-    index.close()
+    c = sharded_copy(built, tmp_path / "idx")
+    yield c
+    c.close()
 
 
 def written(base, n=60, rng_seed=1):

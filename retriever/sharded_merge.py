@@ -1,0 +1,86 @@
+"""A shard's index generations (docs/sharded.md, "Merging a shard"): its fresh tier and tombstones folded into a
+new generation of its index part, as a collection's merge does (retriever/merge.py), while it goes on serving.
+
+A shard part's directory holds generation 0, the build's files, itself. A merge writes generation g to
+`gen-00000g/` (merge.merge_index with no list split, so the router's list numbers stay the shard's: the same
+lists, the same centroids, the graph unchanged), its vectors in ascending global-id order with `global_ids.npy`
+(int64: documents named by a string have ids from 2**62 up) and `lists.npy` beside them, then names it in
+`CURRENT.json` (written to a temporary file, fsynced and renamed: a crash leaves the old name or the new one):
+`{"generation", "dir", "manifest_sha256", "count", "merged_lsn"}`. merged_lsn is the last log record the
+generation holds: opened again, the shard replays into its fresh tier and tombstones only the records after it
+(its doc store, kept across generations, gets what it lacks as always). The previous generation's directory goes
+once no search reads it; generation 0's files stay.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from fusionrag.retriever.errors import IndexFormatError
+from fusionrag.retriever.manifest import MANIFEST, fsync_path, load_array
+
+CURRENT = "CURRENT.json"
+# No posting list of a shard is split by its merge: the router holds the list structure (its graph, the list ->
+# shard map), which one shard's merge must not change. A list grown this many times over its build size is still
+# searched (its postings scanned by PQ); the sharded index is rebuilt before lists grow that far.
+NO_SPLIT_FACTOR = 1e9
+
+
+def gen_dir_name(generation: int) -> str:
+    return f"gen-{generation:06d}"
+
+
+def current_part(path) -> tuple[Path, dict | None]:
+    """The directory of a shard part's current index generation (the part's own until a merge) and the record
+    naming it (None for generation 0). IndexFormatError when the record is garbled or names a generation that is
+    not there as it was written."""
+    path = Path(path)
+    f = path / CURRENT
+    if not f.exists():
+        return path, None
+    try:
+        rec = json.loads(f.read_text())
+        d = path / rec["dir"]
+        int(rec["generation"]), int(rec["count"]), int(rec["merged_lsn"]), str(rec["manifest_sha256"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise IndexFormatError(f"{f}: unreadable ({e!r})") from e
+    try:
+        sha = hashlib.sha256((d / MANIFEST).read_bytes()).hexdigest()
+    except OSError as e:
+        raise IndexFormatError(f"{path}: generation {rec['generation']} ({rec['dir']}) is missing: {e}") from e
+    if sha != rec["manifest_sha256"]:
+        raise IndexFormatError(f"{path}: generation {rec['generation']} ({rec['dir']}) was replaced or is corrupt "
+                               "(its manifest does not match CURRENT.json)")
+    return d, rec
+
+
+def load_global_ids(gen_dir: Path) -> np.ndarray:
+    """A generation's global ids (int64, ascending): uint32 as the build writes them, int64 after a merge."""
+    try:
+        ids = load_array(gen_dir, "global_ids.npy", np.uint32, 1)
+    except IndexFormatError:
+        ids = load_array(gen_dir, "global_ids.npy", np.int64, 1)
+    ids = ids.astype(np.int64)
+    if len(ids) > 1 and not (ids[1:] > ids[:-1]).all():
+        raise IndexFormatError(f"{gen_dir}: global_ids.npy is not strictly ascending")
+    return ids
+
+
+def publish(path: Path, rec: dict) -> None:
+    """Name a generation in CURRENT.json, atomically and durably."""
+    tmp = path / (CURRENT + ".tmp")
+    with open(tmp, "w") as fh:
+        json.dump(rec, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path / CURRENT)
+    fsync_path(path)
+
+
+def manifest_sha(gen_dir: Path) -> str:
+    return hashlib.sha256((gen_dir / MANIFEST).read_bytes()).hexdigest()
