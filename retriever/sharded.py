@@ -65,8 +65,8 @@ from fusionrag.retriever.manifest import MANIFEST, ManifestShape, load_array, re
 from fusionrag.retriever.pq import ProductQuantizer
 from fusionrag.retriever.progress import OnProgress, Progress
 from fusionrag.retriever.queries import PreparedQueries
-from fusionrag.retriever.sharded_merge import (NO_SPLIT_FACTOR, current_part, gen_dir_name, load_global_ids,
-                                               manifest_sha, publish)
+from fusionrag.retriever.sharded_merge import (LIST_WRITES, NO_SPLIT_FACTOR, current_part, gen_dir_name,
+                                               load_global_ids, manifest_sha, publish)
 from fusionrag.retriever.sharded_writes import DELETE, UPSERT, UPSERT_DOCS, ShardWrites
 from fusionrag.retriever.tiers import NavigationTier
 from fusionrag.retriever.vectors import STORAGE_DTYPES, as_source, check_vectors, normalize
@@ -617,6 +617,7 @@ class _Generation:
         self.number, self.path, self.index, self.global_ids = number, path, index, global_ids
         self.readers = 0
         self.retired = False
+        self.list_writes: dict[int, int] = {}  # upserts per router list that a merged generation holds
 
 
 class ShardServer:
@@ -635,7 +636,7 @@ class ShardServer:
         gen, rec = self._open_generation()
         try:
             self.writes = ShardWrites(path, gen.global_ids, gen.index.dim, gen.index.metric,
-                                      merged_lsn=int(rec["merged_lsn"]) if rec else 0)
+                                      merged_lsn=int(rec["merged_lsn"]) if rec else 0, list_writes=gen.list_writes)
         except BaseException:
             gen.index.close()
             raise
@@ -653,7 +654,10 @@ class ShardServer:
         except BaseException:
             index.close()
             raise
-        return _Generation(int(rec["generation"]) if rec else 0, gen_dir, index, ids), rec
+        gen = _Generation(int(rec["generation"]) if rec else 0, gen_dir, index, ids)
+        if (gen_dir / LIST_WRITES).exists():
+            gen.list_writes = {int(a): int(b) for a, b in np.load(gen_dir / LIST_WRITES).tolist()}
+        return gen, rec
 
     @property
     def index(self):
@@ -768,7 +772,7 @@ class ShardServer:
         t0 = time.perf_counter()
         with self._merge_lock:
             with self._reading() as (g, w):
-                lsn, tomb, fresh_ids, fresh_vectors, fresh_lists = w.state()
+                lsn, tomb, fresh_ids, fresh_vectors, fresh_lists, list_writes = w.state()
                 dead = np.unpackbits(tomb, count=g.index.count, bitorder="little").astype(bool)
                 if not len(fresh_ids) and not dead.any():
                     return {"merged": False, "generation": g.number}
@@ -790,6 +794,7 @@ class ShardServer:
                     wr.save_array("global_ids.npy", ids[order])
                     if lists is not None:
                         wr.save_array("lists.npy", lists)
+                    wr.save_array(LIST_WRITES, np.array(sorted(list_writes.items()), dtype=np.int64).reshape(-1, 2))
 
                 stats = merge_index(g.index, dead, fresh_vectors, out, config, progress=False, order=order,
                                     extra=extra, assign=assign)
@@ -803,7 +808,7 @@ class ShardServer:
                     old_w = self.writes
                     old_w.close(keep_store=True)
                     w = ShardWrites(self.path, new.global_ids, new.index.dim, new.index.metric, merged_lsn=lsn,
-                                    store=old_w.store)
+                                    store=old_w.store, list_writes=new.list_writes)
                 except BaseException:
                     new.index.close()
                     raise
@@ -813,7 +818,8 @@ class ShardServer:
                     done = not old.readers
             if done:
                 self._drop(old)
-        return {"merged": True, "generation": number, "count": len(ids), "merged_lsn": lsn,
+            dropped = w.compact()  # the log's records the generation holds go (writes wait meanwhile)
+        return {"merged": True, "log_bytes_dropped": dropped, "generation": number, "count": len(ids), "merged_lsn": lsn,
                 "fresh_merged": len(fresh_ids), "removed": int(dead.sum()), "seconds": time.perf_counter() - t0,
                 "merge": stats.__dict__}
 

@@ -4,12 +4,14 @@ new generation of its index part, as a collection's merge does (retriever/merge.
 A shard part's directory holds generation 0, the build's files, itself. A merge writes generation g to
 `gen-00000g/` (merge.merge_index with no list split, so the router's list numbers stay the shard's: the same
 lists, the same centroids, the graph unchanged), its vectors in ascending global-id order with `global_ids.npy`
-(int64: documents named by a string have ids from 2**62 up) and `lists.npy` beside them, then names it in
+(int64: documents named by a string have ids from 2**62 up), `lists.npy` and `list_writes.npy` (the upserts per
+router list up to it, which the router compares across a list's replicas) beside them, then names it in
 `CURRENT.json` (written to a temporary file, fsynced and renamed: a crash leaves the old name or the new one):
 `{"generation", "dir", "manifest_sha256", "count", "merged_lsn"}`. merged_lsn is the last log record the
 generation holds: opened again, the shard replays into its fresh tier and tombstones only the records after it
-(its doc store, kept across generations, gets what it lacks as always). The previous generation's directory goes
-once no search reads it; generation 0's files stay.
+(its doc store, kept across generations, gets what it lacks as always). The records up to merged_lsn are then
+cut from the log (the doc store made durable first). The previous generation's directory goes once no search
+reads it; generation 0's files stay.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from fusionrag.retriever.errors import IndexFormatError
 from fusionrag.retriever.manifest import MANIFEST, fsync_path, load_array
 
 CURRENT = "CURRENT.json"
+LIST_WRITES = "list_writes.npy"  # (n, 2) int64: router list, upserts to it the generation holds
 # No posting list of a shard is split by its merge: the router holds the list structure (its graph, the list ->
 # shard map), which one shard's merge must not change. A list grown this many times over its build size is still
 # searched (its postings scanned by PQ); the sharded index is rebuilt before lists grow that far.

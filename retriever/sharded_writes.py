@@ -88,11 +88,12 @@ class ShardWrites:
     """The log, fresh tier and tombstones of one shard part. base_ids: the global id of each vector of the
     shard's index (ascending, as global_ids.npy holds them); metric: the index's (fresh distances).
     merged_lsn: the log's records up to it are in the index generation already (a merge folded them in):
-    replayed into the doc store where it lacks them, not into the fresh tier or the tombstones. store: the
-    part's doc store, already open (a new generation takes over its predecessor's)."""
+    replayed into the doc store where it lacks them, not into the fresh tier or the tombstones (and compact()
+    drops them). store: the part's doc store, already open (a new generation takes over its predecessor's).
+    list_writes: the upserts per router list up to merged_lsn (what the generation recorded)."""
 
     def __init__(self, path, base_ids: np.ndarray, dim: int, metric: str, merged_lsn: int = 0,
-                 store: DocStore | None = None):
+                 store: DocStore | None = None, list_writes: dict[int, int] | None = None):
         self.path = Path(path)
         self.base_ids, self.dim, self.metric = np.asarray(base_ids, dtype=np.int64), dim, metric
         self.fresh = FreshTier(dim)
@@ -104,7 +105,7 @@ class ShardWrites:
         self.replayed = 0
         self.merged_lsn = merged_lsn
         self.fresh_list: dict[int, int] = {}  # fresh id -> the router's list it was written to (-1: none known)
-        self.list_writes: dict[int, int] = {}  # router list -> upserts to it this shard logged
+        self.list_writes: dict[int, int] = dict(list_writes or {})  # router list -> upserts to it this shard logged
         self.store: DocStore | None = store if store is not None else \
             DocStore(self.path / DOCS, dim) if (self.path / DOCS).exists() else None
         try:
@@ -124,8 +125,8 @@ class ShardWrites:
                 op, ids, vectors, docs, lists = decode(payload)
                 if lsn > done and (self.store is not None or op == UPSERT_DOCS):
                     self._apply_store(lsn, op, ids, vectors, docs)  # a write the store had not applied
-                self._count_lists(lists)
                 if lsn > self.merged_lsn:
+                    self._count_lists(lists)
                     self._apply(op, ids, vectors, lists)
         except BaseException:
             wal.close()
@@ -271,13 +272,24 @@ class ShardWrites:
     def last_lsn(self) -> int:
         return self._next_lsn - 1
 
-    def state(self) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(last lsn, tombstone bitmap, fresh ids, their vectors, their router lists) as of now, taken together:
-        what a merge folds in."""
+    def state(self) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[int, int]]:
+        """(last lsn, tombstone bitmap, fresh ids, their vectors, their router lists, upserts per router list) as
+        of now, taken together: what a merge folds in."""
         with self._lock:
             ids, vectors = self.fresh.live_items()
             lists = np.array([self.fresh_list.get(i, -1) for i in ids.tolist()], dtype=np.int64)
-            return self._next_lsn - 1, self.tomb.copy(), ids, vectors, lists
+            return self._next_lsn - 1, self.tomb.copy(), ids, vectors, lists, dict(self.list_writes)
+
+    def compact(self) -> int:
+        """Drop the log's records up to merged_lsn, which the index generation holds: the doc store is made
+        durable first (its commits are not fsynced: the log was what made them durable). Returns the bytes
+        dropped."""
+        with self._lock:
+            if self._wal is None or not self.merged_lsn:
+                return 0
+            if self.store is not None:
+                self.store.make_durable()
+            return self._wal.rewrite(lambda lsn: lsn > self.merged_lsn)
 
     def close(self, keep_store: bool = False) -> None:
         """keep_store: the doc store stays open (handed on to the next generation's ShardWrites)."""

@@ -29,6 +29,23 @@ def _crc(lsn: int, payload: bytes) -> int:
     return zlib.crc32(payload, zlib.crc32(struct.pack("<Q", lsn)))
 
 
+def _parse(data: bytes) -> tuple[list[tuple[int, bytes]], int]:
+    """The whole records at the start of a log's bytes, (lsn, payload) each, and where they end: a torn or
+    corrupt record, or one whose lsn does not grow, ends them."""
+    records, pos, last = [], 0, 0
+    while pos + _HEADER.size <= len(data):
+        size, crc, lsn = _HEADER.unpack_from(data, pos)
+        end = pos + _HEADER.size + size
+        if size > _MAX_PAYLOAD or end > len(data) or lsn <= last:
+            break
+        payload = data[pos + _HEADER.size:end]
+        if _crc(lsn, payload) != crc:
+            break
+        records.append((lsn, payload))
+        pos, last = end, lsn
+    return records, pos
+
+
 class WriteAheadLog:
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -45,17 +62,8 @@ class WriteAheadLog:
             fsync_path(self.path.parent)
         with open(self.path, "rb") as f:
             data = f.read()
-        records, pos, last = [], 0, 0
-        while pos + _HEADER.size <= len(data):
-            size, crc, lsn = _HEADER.unpack_from(data, pos)
-            end = pos + _HEADER.size + size
-            if size > _MAX_PAYLOAD or end > len(data) or lsn <= last:
-                break
-            payload = data[pos + _HEADER.size:end]
-            if _crc(lsn, payload) != crc:
-                break
-            records.append((lsn, payload))
-            pos, last = end, lsn
+        records, pos = _parse(data)
+        last = records[-1][0] if records else 0
         if pos != len(data):  # a torn or corrupt tail: never half-applied, never appended after
             os.ftruncate(self._fd, pos)
             os.fsync(self._fd)
@@ -96,6 +104,27 @@ class WriteAheadLog:
 
     def durable(self, lsn: int) -> bool:
         return self._durable_lsn >= lsn
+
+    def rewrite(self, keep) -> int:
+        """Rewrite the log with only the records keep(lsn) is true of (the others are durable elsewhere): they
+        are written to a temporary file, fsynced, and renamed over the log, so a crash leaves one log or the
+        other, whole. Returns the bytes dropped. No append may run meanwhile."""
+        with self._sync_lock:
+            with open(self.path, "rb") as f:
+                records, _ = _parse(f.read())
+            tmp = self.path.with_name(self.path.name + ".rewrite")
+            with open(tmp, "wb") as f:
+                for lsn, payload in records:
+                    if keep(lsn):
+                        f.write(_HEADER.pack(len(payload), _crc(lsn, payload), lsn) + payload)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+            fsync_path(self.path.parent)
+            os.close(self._fd)
+            self._fd = os.open(self.path, os.O_RDWR)
+            before, self.end = self.end, os.path.getsize(self.path)
+            return before - self.end
 
     def reset(self) -> None:
         """Empty the log (everything in it is durable elsewhere)."""

@@ -167,6 +167,22 @@ def test_wal_torn_tail_is_dropped(tmp_path):
     assert [lsn for lsn, p in WriteAheadLog(tmp_path / "wal.log").open()] == [1, 2, 3, 4]
 
 
+def test_wal_rewrite_keeps_the_records_asked_and_appends_after_them(tmp_path):
+    wal = WriteAheadLog(tmp_path / "wal.log")
+    wal.open()
+    for lsn in range(1, 8):
+        wal.append(lsn, bytes([lsn]) * 100)
+    wal.sync(7, lambda: 7)
+    size = wal.end
+    assert wal.rewrite(lambda lsn: lsn > 4) == size - 3 * (size // 7)
+    wal.append(8, b"after")  # at the new end, through the reopened file
+    wal.sync(8, lambda: 8)
+    wal.close()
+    assert [(lsn, p[:1]) for lsn, p in WriteAheadLog(tmp_path / "wal.log").open()] == \
+        [(5, b"\x05"), (6, b"\x06"), (7, b"\x07"), (8, b"a")]
+    assert not (tmp_path / "wal.log.rewrite").exists()
+
+
 def test_merge_keeps_results_and_tombstones(catalog):
     col = catalog.create("c", DIM, "l2")
     x = clustered(2000, DIM, 40, seed=3)

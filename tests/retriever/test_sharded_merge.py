@@ -66,6 +66,8 @@ def test_a_merge_changes_no_answer_and_empties_the_fresh_tiers(coll, base, tmp_p
     q = clustered(40, DIM, 20, seed=6, spread=0.6)
     ids, d = answers(coll, q)
     n, filtered = len(coll), coll.search(q, K, filter={"year": 2002}).hits
+    replica_writes = coll.index.replica_writes.copy()
+    assert replica_writes.sum() >= len(docs) + 40
     report = coll.index.merge_shards()
     assert sorted(report) == [0, 1, 2] and all(r["merged"] and r["generation"] == 1 for r in report.values())
     assert sum(r["fresh_merged"] for r in report.values()) >= len(docs) + 40  # replicas merge a vector twice
@@ -75,6 +77,10 @@ def test_a_merge_changes_no_answer_and_empties_the_fresh_tiers(coll, base, tmp_p
         assert rec["generation"] == 1 and gen_dir.name == "gen-000001"
         gids = load_global_ids(gen_dir)
         assert len(gids) == rec["count"] and (gids >= NAMED_IDS).any()
+        # The log keeps none of the records the generation holds: it was cut, not left to grow.
+        assert report[s]["log_bytes_dropped"] > 0
+        assert (tmp_path / "idx" / f"shard-{s:03d}" / "wal.log").stat().st_size == 0
+    np.testing.assert_array_equal(coll.index.replica_writes, replica_writes)  # counts kept with the generation
     ids2, d2 = answers(coll, q)
     np.testing.assert_array_equal(ids2, ids)
     np.testing.assert_allclose(d2, d, rtol=1e-5, atol=1e-5)
@@ -94,6 +100,7 @@ def test_a_merge_changes_no_answer_and_empties_the_fresh_tiers(coll, base, tmp_p
     try:
         assert [w["generation"] for w in again.index.where] == [1, 1, 1]
         np.testing.assert_array_equal(answers(again, q)[0], ids)
+        np.testing.assert_array_equal(again.index.replica_writes, replica_writes)
         assert len(again) == n
         # A second merge goes on from the first; the first's directory goes once the second takes over.
         write_some(again, base, 30, seed=2)
