@@ -3,8 +3,8 @@
 actors, searches and writes under load while one shard's actor process (or a whole worker node) is killed (SIGKILL) and
 its shard restarted from its directory. Prints one JSON line of what it saw; stops every Ray process it started.
 
-usage: sharded_ray_faults_child.py WORKDIR [actor|node]   (WORKDIR holds base.npy, queries.npy and idx/, a 3-shard
-index; node: a whole worker node is killed instead of one actor)
+usage: sharded_ray_faults_child.py WORKDIR [actor|node|node-term]   (WORKDIR holds base.npy, queries.npy and idx/, a
+3-shard index; node: a whole worker node is killed instead of one actor; node-term: removed, its raylet sent SIGTERM)
 """
 
 from __future__ import annotations
@@ -87,9 +87,10 @@ def raylet_pid(node_id: str) -> int:
     raise RuntimeError(f"no raylet of node {node_id}")
 
 
-def kill_a_node(index, base, queries, written, all_found) -> dict:
-    """A whole worker node killed under load (its raylet, SIGKILL; its workers follow): the shard on it is
-    restarted from its directory on a live node."""
+def kill_a_node(index, base, queries, written, all_found, sig: int = signal.SIGKILL) -> dict:
+    """A whole worker node killed under load (its raylet, SIGKILL; its workers follow), or removed (SIGTERM: the
+    raylet leaves the cluster as `ray stop` makes it): the shard on it is restarted from its directory on a live
+    node."""
     import ray
 
     # Neither the head node (the GCS) nor the node whose raylet this driver is connected to.
@@ -102,7 +103,7 @@ def kill_a_node(index, base, queries, written, all_found) -> dict:
     stop, lock = threading.Event(), threading.Lock()
     threads = load(index, base, queries, stop, report, lock, written)
     time.sleep(2)
-    os.kill(raylet_pid(node), signal.SIGKILL)
+    os.kill(raylet_pid(node), sig)
     t = time.perf_counter()
     while index.alive[victim] and time.perf_counter() - t < 60:
         time.sleep(0.2)
@@ -188,7 +189,8 @@ def main() -> None:
         if mode == "actor":
             kill_an_actor(index, base, queries, written, all_found, report)
         else:
-            report["node_kill"] = kill_a_node(index, base, queries, written, all_found)
+            report["node_kill"] = kill_a_node(index, base, queries, written, all_found,
+                                              signal.SIGTERM if mode == "node-term" else signal.SIGKILL)
         report["listening"] = listening()
         index.close()
         # Every shard again from its directory: its log replayed, the router's maps rebuilt.

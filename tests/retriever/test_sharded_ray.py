@@ -1,9 +1,9 @@
 """Sharded mode's faults and serving on a real Ray cluster, on 127.0.0.1 in a network and PID namespace of the
 test's own (as test_sharded.py's two-node test). Three nodes (`ray start` three times): under load of searches and
 writes, one shard's actor process is killed and its shard restarted from its directory: no search fails, each says
-which lists it could not reach, and no acknowledged write is lost. (A whole worker node killed is the child's `node`
-mode; it is not a test yet: on this 2-core VM the head's GCS stalled in about a third of the runs, docs/sharded.md.) Two nodes: the index
-served over HTTP by Ray Serve."""
+which lists it could not reach, and no acknowledged write is lost; the same when a whole worker node leaves (its
+raylet sent SIGTERM). (A node's raylet killed with SIGKILL is the child's `node` mode, run by hand: on this 2-core VM
+the head's GCS stalled in some runs, docs/sharded.md.) Two nodes: the index served over HTTP by Ray Serve."""
 
 from pathlib import Path
 
@@ -45,6 +45,21 @@ def test_a_shard_killed_under_load_on_three_nodes(ray_namespace, tmp_path):
     # Restarted from its directory: full answers again, every acknowledged write found, also after a reopen.
     assert r["searches_after_restart"] > 0 and r["full_after_restart"], r
     assert r["acknowledged_writes"] > 0 and r["acknowledged_found"] and r["acknowledged_found_after_reopen"], r
+    assert r["listening"] and all(a in LOOPBACK for a in r["listening"]), r["listening"]
+
+
+def test_a_worker_node_removed_under_load_on_three_nodes(ray_namespace, tmp_path):
+    """A whole worker node leaves the cluster under load (its raylet sent SIGTERM, as `ray stop` on that machine
+    does; its workers, the shard's actor among them, go with it): the router notices, the shard is restarted from
+    its directory on a live node; no search fails, no acknowledged write is lost."""
+    three_shards(tmp_path)
+    r = in_namespace(FAULTS_CHILD, tmp_path, 500, "node-term")
+    print(r)
+    k = r["node_kill"]
+    assert r["nodes"] == 3 and r["actor_nodes"] == 3 and k["nodes_alive"] == 2, r
+    assert not k["search_errors"] and not k["write_errors"] and k["searches"] > 0, r
+    assert k["moved_to_another_node"] and k["full_after_restart"], r
+    assert k["acknowledged_found"] and r["acknowledged_found_after_reopen"], r
     assert r["listening"] and all(a in LOOPBACK for a in r["listening"]), r["listening"]
 
 
