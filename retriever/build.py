@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -19,8 +20,9 @@ import numpy as np
 from fusionrag import __version__
 from fusionrag.native import Graph, PageWriter
 from fusionrag.retriever.config import BuildConfig, cpu_threads
-from fusionrag.retriever.errors import InputError
+from fusionrag.retriever.errors import ConfigError, InputError
 from fusionrag.retriever.kmeans import hierarchical_balanced_kmeans
+from fusionrag.retriever.learned_probe import csr_lists_of, save_probe_model, train_probe_model
 from fusionrag.retriever.layout import chain_order, plan_layout
 from fusionrag.retriever.manifest import writing_index
 from fusionrag.retriever.pq import ProductQuantizer, auto_m
@@ -204,6 +206,34 @@ def index_manifest(count: int, dim: int, metric: str, storage_dtype: str, src, c
     return manifest
 
 
+def sample_query_matrix(sample_queries, dim: int, metric: str) -> np.ndarray:
+    """A build's sample queries (a query log) as the engine searches them: float32 (count, dim), unit rows
+    under cosine; InputError naming what is wrong."""
+    queries = np.ascontiguousarray(np.asarray(sample_queries), dtype=np.float32)
+    if queries.ndim != 2 or queries.shape[1] != dim or not len(queries):
+        raise InputError(f"sample_queries must be a non-empty (count, {dim}) array, got {queries.shape}")
+    check_vectors(queries, metric, "sample_queries")
+    return normalize(queries) if metric == "cosine" else queries
+
+
+def train_single_probe(graph, rows, n: int, list_offsets: np.ndarray, list_ids: np.ndarray, config: BuildConfig,
+                       threads: int, sample_queries: np.ndarray | None = None):
+    """(model, manifest entry) of learned pruning for a single index: up to config.probe_queries of the sample
+    queries (a query log, in the engine's form), else of the data's rows, probed as SearchParams() probes."""
+    from fusionrag.retriever.config import SearchParams
+    from fusionrag.retriever.tiers import NavigationTier
+
+    nav = NavigationTier(graph, config.metric == "ip", threads)
+    rng = np.random.default_rng(config.seed + 2)
+    if sample_queries is None:
+        picked = np.sort(rng.choice(n, min(n, config.probe_queries), replace=False))
+        queries = rows(picked)
+    else:
+        picked, queries = None, sample_queries[rng.permutation(len(sample_queries))[:config.probe_queries]]
+    return train_probe_model(nav, rows, n, queries, picked, partial(csr_lists_of, list_offsets, list_ids),
+                             internal_metric(config.metric), SearchParams(), config.probe_quantile, seed=config.seed)
+
+
 def open_source(source):
     """The vectors a build reads (a file path or a 2-D array, vectors.as_source), refused when there are more
     than the 2^32 vector ids an index holds. Shared by build_index and sharded.build_sharded."""
@@ -214,15 +244,20 @@ def open_source(source):
 
 
 def build_index(source, out_dir, config: BuildConfig = BuildConfig(), progress: bool | None = None,
-                overwrite: bool = False, on_progress: OnProgress | None = None) -> dict:
+                overwrite: bool = False, on_progress: OnProgress | None = None, sample_queries=None) -> dict:
     """Build an index of `source` (a vector file path or a 2-D array) into the directory out_dir.
 
     progress: a bar per step on stderr (None: when stderr is a terminal); on_progress(step, done, total)
-    is told the same as the steps advance."""
+    is told the same as the steps advance. sample_queries: queries like those the index will serve (a query
+    log) that config.probe_model's model is trained on, instead of rows of the data."""
     t_start = time.perf_counter()
     src = open_source(source)
     n, dim = src.count, src.dim
     metric = config.metric
+    if sample_queries is not None:
+        if not config.probe_model:
+            raise ConfigError("sample_queries train the probe model: build with probe_model (--probe-model)")
+        sample_queries = sample_query_matrix(sample_queries, dim, metric)
     threads = cpu_threads(config.threads)
     rng = np.random.default_rng(config.seed)
     rows = _Rows(src, metric)
@@ -252,6 +287,15 @@ def build_index(source, out_dir, config: BuildConfig = BuildConfig(), progress: 
     del pair_lists, pair_ids
     timings["assign_s"] = time.perf_counter() - t
 
+    # Learned pruning's model, on rows of the data as queries (each not its own neighbour).
+    probe_model = None
+    if config.probe_model:
+        t = time.perf_counter()
+        with steps.step("probe model", 1, "model") as update:
+            probe_model = train_single_probe(graph, rows, n, list_offsets, list_ids, config, threads, sample_queries)
+            update(1)
+        timings["probe_model_s"] = time.perf_counter() - t
+
     # 5-6. SSD layout and page file, then everything else.
     t = time.perf_counter()
     rows.dtype = store_dtype = integral.dtype() or rows.dtype
@@ -259,9 +303,12 @@ def build_index(source, out_dir, config: BuildConfig = BuildConfig(), progress: 
         layout, slots, block_crc = write_pages(w, rows.stored, n, dim, store_dtype, primary, centroids, pq, codes,
                                                steps)
         save_index_files(w, block_crc, graph, list_offsets, list_ids, pq.codebooks, codes, slots)
+        extra = {}
+        if probe_model is not None:
+            extra["probe_model"] = save_probe_model(w, *probe_model)
         timings["write_s"] = time.perf_counter() - t
         timings["total_s"] = time.perf_counter() - t_start
         manifest = index_manifest(n, dim, metric, STORAGE_DTYPES[store_dtype], src, len(centroids), len(list_ids),
-                                  pq, config, timings, pages=layout)
+                                  pq, config, timings, pages=layout, **extra)
         w.publish(manifest)
     return manifest

@@ -25,11 +25,13 @@ IoBackend = Literal["auto", "io_uring", "pread"]
 DirectIO = Literal["auto", "on", "off"]
 FilterTier = Literal["auto", "cpu", "gpu"]
 BufferPolicy = Literal["clock", "lfu"]
+Probe = Literal["ratio", "learned"]
 METRICS = get_args(Metric)
 IO_BACKENDS = get_args(IoBackend)
 DIRECT_IO = get_args(DirectIO)
 FILTER_TIERS = get_args(FilterTier)
 BUFFER_POLICIES = get_args(BufferPolicy)
+PROBES = get_args(Probe)
 # Automatic EngineConfig.batch_size per filter tier.
 CPU_BATCH, GPU_BATCH = 64, 1024
 
@@ -256,6 +258,14 @@ class BuildConfig(_Config):
     graph_ef_construction: Annotated[int, knob("navigation graph: build beam (at least graph_m)")] = 200
     threads: Annotated[int, knob("build threads (0: all cores)", ge=0)] = 0
     seed: Annotated[int, knob("random seed of the build (k-means, the graph, samples)")] = 0
+    # Learned pruning (retriever/learned_probe.py): a quantile regression of how many lists, in probe order, hold
+    # a query's true top-10, fitted on rows of the data as queries (search with probe='learned'). Needs
+    # scikit-learn at build time only. Measured against the ratio rule: docs/tuning.md.
+    probe_model: Annotated[bool, knob("train learned pruning's model (search --probe learned; needs scikit-learn "
+                                      "to build, sharded builds train it unless --no-probe-model)")] = False
+    probe_queries: Annotated[int, knob("rows of the data the probe model is trained on", ge=10, le=100_000)] = 1000
+    probe_quantile: Annotated[float, knob("the probe model predicts the lists enough for this share of queries",
+                                          gt=0, lt=1)] = 0.9
 
     def __post_init__(self):
         if self.graph_ef_construction < self.graph_m:
@@ -272,6 +282,12 @@ class SearchParams(_Config):
                                        "0 disables", ge=0)] = 1.0
     graph_ef: Annotated[int, knob("navigation graph beam (at least nprobe)", ge=0)] = 0
     rerank: Annotated[int, knob("PQ candidates re-ranked exactly (n)", ge=1, le=1_000_000)] = 200
+    # 'learned': the nprobe nearest lists cut to the count the index's probe model predicts for each query
+    # (BuildConfig.probe_model), times probe_scale, instead of the ratio rule. Measured: docs/tuning.md.
+    probe: Annotated[Probe, knob("which lists of the nprobe nearest are probed: ratio (probe_ratio) or learned "
+                                 "(the index's probe model)")] = "ratio"
+    probe_scale: Annotated[float, knob("with probe learned: probe this multiple of the predicted lists", gt=0,
+                                       le=1024)] = 1.0
     # Algorithm 1 of FusionANNS: mini-batch size, and stop after beta batches with delta <= eps.
     minibatch: Annotated[int, knob("re-rank mini-batch size", ge=1)] = 8
     eps: Annotated[float, knob("early stop: top-k change ratio counted as stable", ge=0, le=1)] = 0.0

@@ -17,6 +17,7 @@ from fusionrag.retriever.build import build_index
 from fusionrag.retriever.config import BuildConfig, EngineConfig, SearchParams, cpu_threads
 from fusionrag.retriever.errors import IndexFormatError, InputError
 from fusionrag.retriever.layout import PageLayout
+from fusionrag.retriever.learned_probe import load_probe_model
 from fusionrag.retriever.manifest import ManifestShape, load_array, read_manifest
 from fusionrag.retriever.overlap import overlapped
 from fusionrag.retriever.pipeline import STAT_KEYS, QueryBatch, cut, open_filter_tier
@@ -75,8 +76,9 @@ class Index(ManifestShape):
 
     @staticmethod
     def build(source, out_dir, config: BuildConfig | None = None, progress: bool | None = None,
-              overwrite: bool = False) -> dict:
-        return build_index(source, out_dir, config or BuildConfig(), progress, overwrite)
+              overwrite: bool = False, sample_queries=None) -> dict:
+        return build_index(source, out_dir, config or BuildConfig(), progress, overwrite,
+                           sample_queries=sample_queries)
 
     @classmethod
     def open(cls, path, config: EngineConfig | None = None, params: SearchParams | None = None,
@@ -129,7 +131,7 @@ class Index(ManifestShape):
             raise IndexFormatError(f"{path}: cannot open the SSD tier: {e}") from e
         return cls(
             path, m,
-            NavigationTier(graph, metric == "ip", threads),
+            NavigationTier(graph, metric == "ip", threads, load_probe_model(path, m)),
             open_filter_tier(config, offsets, list_ids, codes, codebooks, threads, str(path), engine_metric),
             RerankTier(store, locations, dtype, engine_metric, threads, config.rerank_inflight, config.page_mates,
                        config.rerank_prefetch),

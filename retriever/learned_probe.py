@@ -7,7 +7,8 @@ that suffices for 90% of queries like it), in log2 space. The router then probes
 most nprobe, instead of cutting them by the distance-ratio rule.
 
 The fitted trees are stored as plain arrays (probe_model.npy), not pickled, and predicted with NumPy:
-opening an index runs no code from it, and needs no scikit-learn.
+opening an index runs no code from it, and needs no scikit-learn. A single index (BuildConfig.probe_model)
+and a sharded router keep one the same way; NavigationTier.probe applies it (SearchParams.probe 'learned').
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ from __future__ import annotations
 import numpy as np
 
 from fusionrag.retriever.errors import ConfigError, IndexFormatError
+from fusionrag.retriever.kmeans import sq_dists
+from fusionrag.retriever.manifest import load_array
+
+MODEL_FILE = "probe_model.npy"
+_ROWS = 65536  # data rows at a time in exact_topk
 
 FEATURE_RANKS = (2, 4, 8, 16, 32, 64, 128, 256)
 RATIOS = (1.1, 1.25, 1.5, 2.0)
@@ -66,8 +72,9 @@ class ProbeModel:
         self.threshold = trees[:, :, 1]
         self.left, self.right = trees[:, :, 2].astype(np.int64), trees[:, :, 3].astype(np.int64)
         self.value = trees[:, :, 4]
-        if (self.feature >= N_FEATURES).any() or (self.left >= trees.shape[1]).any() or \
-                (self.right >= trees.shape[1]).any():
+        nodes = trees.shape[1]
+        if (self.feature >= N_FEATURES).any() or (self.left >= nodes).any() or (self.right >= nodes).any() or \
+                (self.left < 0).any() or (self.right < 0).any() or not np.isfinite(self.value).all():
             raise IndexFormatError("probe model: a tree points outside itself")
 
     @classmethod
@@ -99,24 +106,110 @@ class ProbeModel:
         return model
 
     def predict_log2(self, x: np.ndarray) -> np.ndarray:
+        """log2 of the lists each row of features x needs: every tree walked at once, a level per step (on
+        the query path: a few NumPy calls per batch, not one per tree)."""
         x = np.asarray(x, dtype=np.float32)
-        out = np.full(len(x), self.init)
-        rows = np.arange(len(x))
-        for t in range(len(self.trees)):
-            node = np.zeros(len(x), dtype=np.int64)
-            while True:
-                f = self.feature[t, node]
-                inner = f >= 0
-                if not inner.any():
-                    break
-                go_left = x[rows, np.maximum(f, 0)] <= self.threshold[t, node]
-                node = np.where(inner, np.where(go_left, self.left[t, node], self.right[t, node]), node)
-            out += self.rate * self.value[t, node]
-        return out
+        n_trees = len(self.trees)
+        tree = np.arange(n_trees)[None, :]
+        rows = np.arange(len(x))[:, None]
+        node = np.zeros((len(x), n_trees), dtype=np.int64)
+        for _ in range(self.trees.shape[1]):  # a tree's depth at most; a damaged one may loop
+            f = self.feature[tree, node]
+            inner = f >= 0
+            if not inner.any():
+                break
+            go_left = x[rows, np.maximum(f, 0)] <= self.threshold[tree, node]
+            node = np.where(inner, np.where(go_left, self.left[tree, node], self.right[tree, node]), node)
+        return self.init + self.rate * self.value[tree, node].sum(axis=1)
 
     def lists(self, features: np.ndarray, scale: float = 1.0, cap: int = 1 << 20) -> np.ndarray:
         """Lists to probe per query: scale x the predicted count, in [1, cap]."""
-        return np.clip(np.ceil(scale * np.exp2(self.predict_log2(features))), 1, cap).astype(np.int64)
+        predicted = np.nan_to_num(np.exp2(self.predict_log2(features)), nan=cap, posinf=cap)
+        return np.clip(np.ceil(scale * predicted), 1, cap).astype(np.int64)
 
     def meta(self) -> dict:
         return {"init": self.init, "learning_rate": self.rate, "quantile": self.quantile, "trees": len(self.trees)}
+
+
+def exact_topk(rows, n: int, queries: np.ndarray, k: int, metric: str, exclude: np.ndarray | None = None) -> np.ndarray:
+    """Brute-force top-k rows of each query (the engine's metric: l2, or ip), a chunk of rows at a time;
+    exclude[i]: a row query i may not return (itself, when the queries are rows of the data)."""
+    best_d = np.full((len(queries), k), np.inf, dtype=np.float32)
+    best_i = np.full((len(queries), k), -1, dtype=np.int64)
+    step = 256  # queries at a time: a (256, _ROWS) block of distances
+    for lo in range(0, n, _ROWS):
+        ids = np.arange(lo, min(n, lo + _ROWS))
+        x = rows(ids)
+        for a in range(0, len(queries), step):
+            q = queries[a:a + step]
+            d = -(q @ x.T) if metric == "ip" else sq_dists(q, x)
+            d = np.asarray(d, dtype=np.float32)
+            if exclude is not None:
+                e = exclude[a:a + step] - lo
+                inside = (e >= 0) & (e < len(ids))
+                d[np.flatnonzero(inside), e[inside]] = np.inf
+            d = np.concatenate([best_d[a:a + step], d], axis=1)
+            i = np.concatenate([best_i[a:a + step], np.broadcast_to(ids, (len(q), len(ids)))], axis=1)
+            order = np.argpartition(d, k - 1, axis=1)[:, :k] if d.shape[1] > k else np.arange(d.shape[1])[None].repeat(len(q), 0)
+            dd, ii = np.take_along_axis(d, order, 1), np.take_along_axis(i, order, 1)
+            o2 = np.argsort(dd, axis=1, kind="stable")
+            best_d[a:a + step], best_i[a:a + step] = np.take_along_axis(dd, o2, 1), np.take_along_axis(ii, o2, 1)
+    return np.where(np.isfinite(best_d), best_i, -1)
+
+
+def train_probe_model(nav, rows, n: int, queries: np.ndarray, self_rows: np.ndarray | None, lists_of,
+                      engine_metric: str, params, quantile: float, k: int = 10,
+                      seed: int = 0) -> tuple[ProbeModel, dict]:
+    """Learned pruning's model from sample queries: their exact top-k (rows(ids) gives the data, in the
+    engine's metric; self_rows[i]: the row query i is, never its own neighbour), the lists in probe order
+    (nav.nearest under params) that hold them (lists_of(neighbours) gives vector_lists: v -> the lists v is
+    in), a quantile regression of that count on features of the centroid distances. Returns the model and
+    its manifest entry (what it saw)."""
+    truth = exact_topk(rows, n, queries, k, engine_metric, self_rows)
+    lists, sqd = nav.nearest(queries, params)
+    needed = lists_needed(lists, truth, lists_of(truth))
+    model = ProbeModel.train(probe_features(sqd), needed, quantile, seed=seed)
+    return model, {**model.meta(), "queries": int(len(queries)), "k": k, "nprobe": int(lists.shape[1]),
+                   "mean_needed": float(needed.mean()), "p90_needed": float(np.quantile(needed, 0.9))}
+
+
+def csr_lists_of(offsets: np.ndarray, list_ids: np.ndarray, wanted: np.ndarray):
+    """vector_lists (v -> the lists v is in) from an index's postings (CSR), for the wanted vectors only."""
+    keep = np.isin(list_ids, np.unique(wanted[wanted >= 0]))
+    of_list = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))[keep]
+    ids = list_ids[keep].astype(np.int64)
+    order = np.argsort(ids, kind="stable")
+    ids, of_list = ids[order], of_list[order]
+
+    def vector_lists(v: int) -> np.ndarray:
+        return of_list[np.searchsorted(ids, v, "left"):np.searchsorted(ids, v, "right")]
+
+    return vector_lists
+
+
+def lists_of_pairs(pair_lists: np.ndarray, pair_ids: np.ndarray):
+    """lists_of for train_probe_model from (list, vector) postings sorted by vector."""
+    def vector_lists(v: int) -> np.ndarray:
+        return pair_lists[np.searchsorted(pair_ids, v, "left"):np.searchsorted(pair_ids, v, "right")]
+
+    return lambda neighbours: vector_lists
+
+
+def save_probe_model(w, model: ProbeModel, info: dict) -> dict:
+    """Write the model into the index being written (w); returns its manifest entry ("probe_model")."""
+    w.save_array(MODEL_FILE, model.trees)
+    return info
+
+
+def load_probe_model(path, manifest: dict) -> ProbeModel | None:
+    """The probe model an index directory holds (its manifest's "probe_model" entry), None if it has none."""
+    if "probe_model" not in manifest:
+        return None
+    if MODEL_FILE not in manifest.get("files", {}):
+        raise IndexFormatError(f"{path}: the manifest names a probe model but not {MODEL_FILE}")
+    pm = manifest["probe_model"]
+    try:
+        return ProbeModel(load_array(path, MODEL_FILE, np.float64, 3), pm["init"], pm["learning_rate"],
+                          pm["quantile"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise IndexFormatError(f"{path}: manifest garbles the probe model ({e!r})") from e

@@ -32,6 +32,7 @@ from fusionrag.retriever.config import BuildConfig, cpu_threads
 from fusionrag.retriever.index import Index
 from fusionrag.retriever.kmeans import kmeans, sq_dists
 from fusionrag.retriever.layout import PageLayout
+from fusionrag.retriever.learned_probe import MODEL_FILE
 from fusionrag.retriever.manifest import load_array, writing_index
 from fusionrag.retriever.progress import OnProgress, Progress
 from fusionrag.retriever.vectors import STORAGE_DTYPES
@@ -230,6 +231,9 @@ def merge_index(old: Index, dead: np.ndarray, new_vectors: np.ndarray, out_dir: 
             list_ids = moved[np.lexsort((moved, of_list))].astype(list_ids.dtype)  # ascending within a list again
             codes, locations = codes[order], locations[order]
         save_index_files(w, block_crc, graph, offsets, list_ids, pq.codebooks, codes, locations)
+        if old.nav.model is not None:
+            # Its features are distances to the nearest centroids, which a split only refines: kept.
+            w.save_array(MODEL_FILE, old.nav.model.trees)
         if extra is not None:
             extra(w)
         stats = MergeStats(int(dead.sum()), n_new, splits, reuse, extra_blocks)

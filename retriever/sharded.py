@@ -52,15 +52,16 @@ import numpy as np
 
 from fusionrag import native
 from fusionrag.retriever.build import (_CHUNK, _IntegralCheck, _Rows, assign_rows, index_manifest, internal_metric,
-                                       mips_augment, open_source, postings, save_index_files, train_index,
-                                       write_pages)
+                                       mips_augment, open_source, postings, sample_query_matrix, save_index_files,
+                                       train_index, write_pages)
 from fusionrag.retriever.collection.config import CollectionConfig
 from fusionrag.retriever.config import BuildConfig, EngineConfig, SearchParams, cpu_threads
 from fusionrag.retriever.errors import ConfigError, IndexFormatError, InputError, UnavailableError
 from fusionrag.retriever.fresh import FreshView
 from fusionrag.retriever.index import prepare_queries
 from fusionrag.retriever.kmeans import sq_dists
-from fusionrag.retriever.learned_probe import ProbeModel, lists_needed, probe_features
+from fusionrag.retriever.learned_probe import (lists_of_pairs, load_probe_model, save_probe_model,
+                                               train_probe_model)
 from fusionrag.retriever.manifest import MANIFEST, ManifestShape, load_array, read_manifest, writing_index
 from fusionrag.retriever.pq import ProductQuantizer
 from fusionrag.retriever.progress import OnProgress, Progress
@@ -69,13 +70,12 @@ from fusionrag.retriever.sharded_merge import (LIST_WRITES, NO_SPLIT_FACTOR, cur
                                                load_global_ids, manifest_sha, publish)
 from fusionrag.retriever.sharded_writes import DELETE, UPSERT, UPSERT_DOCS, ShardWrites
 from fusionrag.retriever.tiers import NavigationTier
-from fusionrag.retriever.vectors import STORAGE_DTYPES, as_source, check_vectors, normalize
+from fusionrag.retriever.vectors import STORAGE_DTYPES, as_source
 
 log = logging.getLogger(__name__)
 
 KIND = "sharded"
 PLACEMENTS = ("hotness", "round-robin", "locality")
-PROBES = ("ratio", "learned")
 ROUTER_FILES = {"graph.bin": True, "pq_codebooks.npy": True, "list_shards.npy": True, "list_local.npy": True,
                 "list_sizes.npy": True, "list_visits.npy": True}
 # Ids from here up are those of documents named by a string that is not an id (sharded_docs.py); below, a name
@@ -280,58 +280,6 @@ def sample_visits(nav: NavigationTier, queries: np.ndarray, n_lists: int, params
     return visits
 
 
-def probe_distances(nav: NavigationTier, queries: np.ndarray, p: SearchParams) -> tuple[np.ndarray, np.ndarray]:
-    """The nprobe nearest lists of each query and their squared distances, nearest first (no ratio rule)."""
-    q = np.hstack([queries, np.zeros((len(queries), 1), np.float32)]) if nav.augmented else queries
-    m = min(p.nprobe, nav.graph.size)
-    if m == nav.graph.size:
-        return nav._exhaustive(q, m)
-    return nav.graph.search(q, m, max(m, p.graph_ef), nav.threads)
-
-
-def exact_topk(rows, n: int, queries: np.ndarray, k: int, metric: str, exclude: np.ndarray | None = None) -> np.ndarray:
-    """Brute-force top-k rows of each query (the engine's metric: l2, or ip), a chunk of rows at a time;
-    exclude[i]: a row query i may not return (itself, when the queries are rows of the data)."""
-    best_d = np.full((len(queries), k), np.inf, dtype=np.float32)
-    best_i = np.full((len(queries), k), -1, dtype=np.int64)
-    step = 256  # queries at a time: a (256, _CHUNK) block of distances
-    for lo in range(0, n, _CHUNK):
-        ids = np.arange(lo, min(n, lo + _CHUNK))
-        x = rows(ids)
-        for a in range(0, len(queries), step):
-            q = queries[a:a + step]
-            d = -(q @ x.T) if metric == "ip" else sq_dists(q, x)
-            d = np.asarray(d, dtype=np.float32)
-            if exclude is not None:
-                e = exclude[a:a + step] - lo
-                inside = (e >= 0) & (e < len(ids))
-                d[np.flatnonzero(inside), e[inside]] = np.inf
-            d = np.concatenate([best_d[a:a + step], d], axis=1)
-            i = np.concatenate([best_i[a:a + step], np.broadcast_to(ids, (len(q), len(ids)))], axis=1)
-            order = np.argpartition(d, k - 1, axis=1)[:, :k] if d.shape[1] > k else np.arange(d.shape[1])[None].repeat(len(q), 0)
-            dd, ii = np.take_along_axis(d, order, 1), np.take_along_axis(i, order, 1)
-            o2 = np.argsort(dd, axis=1, kind="stable")
-            best_d[a:a + step], best_i[a:a + step] = np.take_along_axis(dd, o2, 1), np.take_along_axis(ii, o2, 1)
-    return np.where(np.isfinite(best_d), best_i, -1)
-
-
-def train_probe_model(nav: NavigationTier, rows, n: int, queries: np.ndarray, self_rows: np.ndarray | None,
-                      pair_lists: np.ndarray, pair_ids: np.ndarray, metric: str, params: SearchParams,
-                      quantile: float, k: int = 10, seed: int = 0) -> tuple[ProbeModel, dict]:
-    """Learned pruning's model from sample queries: their exact top-k, the lists (in probe order) that hold
-    them, a quantile regression of that count on features of the centroid distances."""
-    truth = exact_topk(rows, n, queries, k, internal_metric(metric), self_rows)
-    lists, sqd = probe_distances(nav, queries, params)
-
-    def vector_lists(v: int) -> np.ndarray:
-        return pair_lists[np.searchsorted(pair_ids, v, "left"):np.searchsorted(pair_ids, v, "right")]
-
-    needed = lists_needed(lists, truth, vector_lists)
-    model = ProbeModel.train(probe_features(sqd), needed, quantile, seed=seed)
-    return model, {"queries": int(len(queries)), "k": k, "nprobe": int(lists.shape[1]),
-                   "mean_needed": float(needed.mean()), "p90_needed": float(np.quantile(needed, 0.9))}
-
-
 # ---------------------------------------------------------------------------------------------
 # Build
 
@@ -416,8 +364,7 @@ def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfi
                   replicate: float = 0.02, sample_queries=None, num_sample_queries: int = 2000,
                   params: SearchParams = SearchParams(), use_ray: bool | None = None,
                   progress: bool | None = None, overwrite: bool = False,
-                  on_progress: OnProgress | None = None, probe_model: bool = True, probe_quantile: float = 0.9,
-                  probe_queries: int = 1000) -> dict:
+                  on_progress: OnProgress | None = None, probe_model: bool = True) -> dict:
     """Build a sharded index of `source` (a vector file path or a 2-D array) with `shards` shard parts.
 
     placement: 'hotness' (SmartANNS), 'locality' (regions of centroid space, work balanced) or 'round-robin';
@@ -425,7 +372,8 @@ def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfi
     sample_queries: queries (a query log) whose probing
     measures how hot each list is; None draws num_sample_queries rows of the source. params: the search
     settings the sample queries are probed with. probe_model: train learned pruning's model (learned_probe.py)
-    on up to probe_queries of the sample queries, fitted to probe_quantile. use_ray: run the assign and write steps as Ray tasks
+    on up to config.probe_queries of the sample queries, fitted to config.probe_quantile (a router has one
+    unless told not to; config.probe_model is a single index's). use_ray: run the assign and write steps as Ray tasks
     (None: when Ray is initialised in this process); the index directory must then be on storage every
     node sees. Returns the router's manifest."""
     t_start = time.perf_counter()
@@ -437,9 +385,6 @@ def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfi
         raise ConfigError(f"replicate must be in [0, 1], got {replicate}")
     if num_sample_queries < 1:
         raise ConfigError(f"num_sample_queries must be >= 1, got {num_sample_queries}")
-    if probe_model and not (0 < probe_quantile < 1 and probe_queries >= 10):
-        raise ConfigError(f"probe_quantile must be in (0, 1) and probe_queries >= 10, got {probe_quantile}, "
-                          f"{probe_queries}")
     use_ray = _ray_active() if use_ray is None else use_ray
     ray = _ray() if use_ray else None
     if use_ray and not ray.is_initialized():
@@ -509,12 +454,7 @@ def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfi
                                                                            replace=False))
             queries = rows(sample)
         else:
-            queries = np.ascontiguousarray(np.asarray(sample_queries), dtype=np.float32)
-            if queries.ndim != 2 or queries.shape[1] != dim or not len(queries):
-                raise InputError(f"sample_queries must be a non-empty (count, {dim}) array, got {queries.shape}")
-            check_vectors(queries, metric, "sample_queries")
-            if metric == "cosine":
-                queries = normalize(queries)
+            queries = sample_query_matrix(sample_queries, dim, metric)
         visits = sample_visits(nav, queries, n_lists, params)
         plan = place_lists(sizes, visits, shards, placement, replicate, centroids=centroids)
         local = np.full((n_lists, 2), -1, dtype=np.int32)
@@ -532,12 +472,12 @@ def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfi
         probe_info = None
         if probe_model:
             t = time.perf_counter()
-            pick = np.random.default_rng(config.seed + 2).permutation(len(queries))[:probe_queries]
+            pick = np.random.default_rng(config.seed + 2).permutation(len(queries))[:config.probe_queries]
             model, probe_info = train_probe_model(
-                nav, rows, n, queries[pick], None if sample is None else sample[pick], pair_lists, pair_ids, metric,
-                params, probe_quantile, seed=config.seed)
-            w.save_array("probe_model.npy", model.trees)
-            probe_info = {**model.meta(), **probe_info}
+                nav, rows, n, queries[pick], None if sample is None else sample[pick],
+                lists_of_pairs(pair_lists, pair_ids),
+                internal_metric(metric), params, config.probe_quantile, seed=config.seed)
+            save_probe_model(w, model, probe_info)
             timings["probe_model_s"] = time.perf_counter() - t
         del pair_lists, pair_ids
 
@@ -983,7 +923,6 @@ class ShardedIndex(ManifestShape):
         self.outstanding = np.zeros(self.n_shards, dtype=np.int64)  # list-size units sent, not yet answered
         self._pool = None if use_ray else ThreadPoolExecutor(max_workers=self.n_shards,
                                                              thread_name_prefix="fusionrag-shard")
-        self.probe_model: ProbeModel | None = None
         self.alive = np.ones(self.n_shards, dtype=bool)
         self._write_lock = threading.RLock()  # writes one at a time: the router's maps follow the shards' logs
         self.fresh_owner: dict[int, tuple[int, ...]] = {}  # id -> the shards whose fresh tier holds it
@@ -1085,15 +1024,7 @@ class ShardedIndex(ManifestShape):
         out.call_timeout_s = call_timeout_s
         out.base_ids = [load_global_ids(current_part(p)[0]) for p in shard_paths]
         out._load_write_maps()
-        if "probe_model" in m:
-            if "probe_model.npy" not in m.get("files", {}):
-                raise IndexFormatError(f"{path}: the manifest names a probe model but not probe_model.npy")
-            pm = m["probe_model"]
-            try:
-                out.probe_model = ProbeModel(load_array(path, "probe_model.npy", np.float64, 3), pm["init"],
-                                             pm["learning_rate"], pm["quantile"])
-            except (KeyError, TypeError, ValueError) as e:
-                raise IndexFormatError(f"{path}: manifest garbles the probe model ({e!r})") from e
+        out.nav.model = load_probe_model(path, m)
         return out
 
     def prepare_queries(self, queries) -> np.ndarray:
@@ -1144,18 +1075,11 @@ class ShardedIndex(ManifestShape):
         with self._lock:
             self.alive[s] = False
 
-    def probe(self, q: np.ndarray, p: SearchParams, probe: str = "ratio", probe_scale: float = 1.0):
-        """(lists int32 (q, m), -1 where cut; their count per query). ratio: as Index does; learned: the nprobe
-        nearest, cut to the count the probe model predicts for each query (times probe_scale)."""
-        if probe == "ratio":
-            lists, probed, _ = self.nav.probe(q, p)
-            return lists, probed
-        if self.probe_model is None:
-            raise ConfigError(f"{self.path}: probe 'learned' needs an index built with a probe model")
-        lists, sqd = probe_distances(self.nav, q, p)
-        keep = self.probe_model.lists(probe_features(sqd), probe_scale, lists.shape[1])
-        lists = np.where(np.arange(lists.shape[1])[None, :] < keep[:, None], lists, -1).astype(np.int32)
-        return lists, (lists >= 0).sum(axis=1)
+    def probe(self, q: np.ndarray, p: SearchParams):
+        """(lists int32 (q, m), -1 where cut; their count per query): as Index probes (p.probe 'ratio', the
+        distance-ratio rule, or 'learned', the router's probe model)."""
+        lists, probed, _ = self.nav.probe(q, p)
+        return lists, probed
 
     def _dispatch(self, q: np.ndarray, lo: int, lists: np.ndarray, k: int, p: SearchParams, fresh: bool,
                   stats: dict, per_shard: dict, missing: list[set], reads: ShardReads | None = None) -> list:
@@ -1203,12 +1127,12 @@ class ShardedIndex(ManifestShape):
                 out.update(owners)
         return sorted(out)
 
-    def search(self, queries, k: int = 10, params: SearchParams | None = None, probe: str = "ratio",
-               probe_scale: float = 1.0, partial: bool = True, reads: ShardReads | None = None,
+    def search(self, queries, k: int = 10, params: SearchParams | None = None, probe: str | None = None,
+               probe_scale: float | None = None, partial: bool = True, reads: ShardReads | None = None,
                **overrides) -> ShardedResult:
         """Top-k of each query over every shard's index and fresh tier, with exact distances (as Index.search
-        reports them). probe: 'ratio' (the distance-ratio rule, as Index) or 'learned' (learned pruning;
-        probe_scale x the predicted lists).
+        reports them). probe, probe_scale: SearchParams' (as overrides): 'ratio' (the distance-ratio rule, as
+        Index) or 'learned' (learned pruning; probe_scale x the predicted lists).
         A shard that does not answer (its actor died) is marked down and its lists are sent to their other
         replica; lists no live shard holds are reported per query (missing_lists) and, partial=False, raise
         UnavailableError instead.
@@ -1217,11 +1141,7 @@ class ShardedIndex(ManifestShape):
         the answers must pass, and whether the shards return the answers' documents (ShardedResult.docs)."""
         if not isinstance(k, (int, np.integer)) or k < 1:
             raise InputError(f"k must be a positive integer, got {k!r}")
-        p = (params or self.params).with_overrides(**overrides)
-        if probe not in PROBES:
-            raise ConfigError(f"probe must be one of {PROBES}, got {probe!r}")
-        if not 0 < probe_scale <= 1024:
-            raise ConfigError(f"probe_scale must be in (0, 1024], got {probe_scale}")
+        p = (params or self.params).with_overrides(probe=probe, probe_scale=probe_scale, **overrides)
         q = self.prepare_queries(queries)
         nq, S = len(q), self.n_shards
         stats = {key: np.zeros(nq, dtype=np.int64) for key in ("lists_probed", "shards_probed", "candidates",
@@ -1233,7 +1153,7 @@ class ShardedIndex(ManifestShape):
         jobs = []  # (batch slice, its lists, its calls)
         for lo in range(0, nq, self.batch_size):
             sl = slice(lo, min(nq, lo + self.batch_size))
-            lists, probed = self.probe(q[sl], p, probe, probe_scale)
+            lists, probed = self.probe(q[sl], p)
             stats["lists_probed"][sl] = probed
             jobs.append((sl, lists, self._dispatch(q, lo, lists, k, p, True, stats, per_shard, missing, reads)))
         ids = np.full((nq, k), -1, dtype=np.int64)
@@ -1375,8 +1295,7 @@ class ShardedIndex(ManifestShape):
             raise InputError(f"{len(ids)} ids for {len(docs)} documents")
         if not len(ids):
             return 0
-        near = probe_distances(self.nav, v, self.params.with_overrides(nprobe=min(UPSERT_PROBE, len(self.list_shards)),
-                                                                        probe_ratio=0))[0]
+        near = self.nav.nearest(v, self.params.with_overrides(nprobe=min(UPSERT_PROBE, len(self.list_shards))))[0]
         with self._write_lock:
             if not self.alive.any():
                 raise UnavailableError(f"{self.path}: upsert refused: every shard is down")

@@ -19,8 +19,10 @@ import numpy as np
 
 from fusionrag import native
 from fusionrag.retriever.config import EngineConfig, SearchParams
+from fusionrag.retriever.errors import ConfigError
 from fusionrag.retriever.filtering import Candidates
 from fusionrag.retriever.kmeans import sq_dists
+from fusionrag.retriever.learned_probe import ProbeModel, probe_features
 
 
 @dataclass(frozen=True)
@@ -37,8 +39,9 @@ class NavigationTier:
     """The l2 graph over the centroids; for an ip index the centroids carry one extra
     coordinate (see build.mips_augment) and queries get a zero there."""
 
-    def __init__(self, graph, augmented: bool, threads: int):
+    def __init__(self, graph, augmented: bool, threads: int, model: ProbeModel | None = None):
         self.graph, self.augmented, self.threads = graph, augmented, threads
+        self.model = model  # learned pruning's, where the index has one (SearchParams.probe 'learned')
         self._all = None
 
     def memory_bytes(self) -> int:
@@ -52,16 +55,26 @@ class NavigationTier:
         order = np.argsort(d, axis=1, kind="stable")[:, :m]
         return order.astype(np.int32), np.take_along_axis(d, order, axis=1)
 
-    def probe(self, queries: np.ndarray, p: SearchParams) -> tuple[np.ndarray, np.ndarray, float]:
-        """Posting lists to probe per query (-1 where the ratio rule cuts), their count, seconds."""
-        t = time.perf_counter()
+    def nearest(self, queries: np.ndarray, p: SearchParams) -> tuple[np.ndarray, np.ndarray]:
+        """The nprobe nearest lists of each query and their squared distances, nearest first (no cut)."""
         q = np.hstack([queries, np.zeros((len(queries), 1), np.float32)]) if self.augmented else queries
         m = min(p.nprobe, self.graph.size)
         if m == self.graph.size:
-            lists, dists = self._exhaustive(q, m)
-        else:
-            lists, dists = self.graph.search(q, m, max(m, p.graph_ef), self.threads)
-        if p.probe_ratio > 0 and not self.augmented and m > 1:
+            return self._exhaustive(q, m)
+        return self.graph.search(q, m, max(m, p.graph_ef), self.threads)
+
+    def probe(self, queries: np.ndarray, p: SearchParams) -> tuple[np.ndarray, np.ndarray, float]:
+        """Posting lists to probe per query (-1 where p.probe's rule cuts), their count, seconds."""
+        t = time.perf_counter()
+        if p.probe == "learned" and self.model is None:
+            raise ConfigError("probe 'learned' needs an index built with a probe model (build with --probe-model, "
+                              "BuildConfig(probe_model=True))")
+        lists, dists = self.nearest(queries, p)
+        m = lists.shape[1]
+        if p.probe == "learned":
+            keep = self.model.lists(probe_features(dists), p.probe_scale, m)
+            lists[np.arange(m)[None, :] >= keep[:, None]] = -1
+        elif p.probe_ratio > 0 and not self.augmented and m > 1:
             # Lists much farther than the nearest one rarely hold a top-k neighbour.
             d = np.sqrt(np.maximum(dists, 0))
             lists[d > (1 + p.probe_ratio) * d[:, :1]] = -1

@@ -71,6 +71,8 @@ class ServerConfig(_Config):
                                             "share of what is left", gt=0, le=1)] = 0.5
     min_index_count: Annotated[int, knob("a merge builds the main index only for collections at least this large "
                                          "(smaller: exact search)", ge=1)] = 1
+    probe_model: Annotated[bool, knob("each collection's index builds train learned pruning's model, so that "
+                                      "searches may ask for params probe 'learned' (docs/tuning.md)")] = False
     embedding: Annotated[str, knob("embedding model of the demo collection and the default for new text "
                                    "collections"), AfterValidator(canonical_name)] = DEFAULT_MODEL
     embed_threads: Annotated[int, knob("CPU threads that embed texts (0: every core; more than one pays only on an "

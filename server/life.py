@@ -10,7 +10,7 @@ import threading
 
 
 from fusionrag.retriever.collection import Catalog, CollectionConfig
-from fusionrag.retriever.config import EngineConfig
+from fusionrag.retriever.config import BuildConfig, EngineConfig
 from fusionrag.retriever.embedding import get_embedder, set_threads
 from fusionrag.retriever.errors import NotFoundError, UnavailableError
 from fusionrag.server.auth import KeyRing
@@ -28,7 +28,8 @@ def open_catalog(config: ServerConfig) -> Catalog:
                           gpu_budget_bytes=int(config.gpu_budget_mb * (1 << 20)),
                           gpu_memory_utilization=config.gpu_memory_utilization,
                           gpu_tiered_share=config.gpu_tiered_share)
-    return Catalog(data_path(config), engine, CollectionConfig(min_index_count=config.min_index_count))
+    return Catalog(data_path(config), engine, CollectionConfig(min_index_count=config.min_index_count,
+                                                               build=BuildConfig(probe_model=config.probe_model)))
 
 
 class State:

@@ -495,7 +495,7 @@ class Collection:
         # Excluded vectors can empty the probed lists: probe them all for queries left short.
         short = np.flatnonzero((ids >= 0).sum(1) < min(k, live))
         if short.size:
-            p = (params or main.index.params).with_overrides(nprobe=main.index.nav.graph.size)
+            p = (params or main.index.params).with_overrides(nprobe=main.index.nav.graph.size, probe="ratio")
             again = main.index.search(q.rows(short), k, p, exclude=exclude)
             ids[short], dists[short] = again.ids, again.distances
         for i, s in enumerate(stats):

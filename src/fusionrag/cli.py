@@ -19,8 +19,11 @@ def _cmd_build(args) -> int:
     config = BuildConfig().with_overrides(**flags_of(args, BuildConfig))
     if args.shards:
         return _build_sharded(args, config)
+    from fusionrag.retriever.vectors import open_vectors
+
+    sample = open_vectors(args.sample_queries)[:] if args.sample_queries else None
     m = build_index(args.source, args.index_dir, config, progress=False if args.quiet else None,
-                    overwrite=args.overwrite)
+                    overwrite=args.overwrite, sample_queries=sample)
     print(json.dumps({"index": args.index_dir, "count": m["count"], "dim": m["dim"], "metric": m["metric"],
                       "centroids": m["centroids"], "postings": m["postings"], "pq_m": m["pq"]["m"],
                       "blocks": m["pages"]["num_blocks"], "build_seconds": round(m["build_timings"]["total_s"], 3),
@@ -45,7 +48,7 @@ def _build_sharded(args, config: BuildConfig) -> int:
     sample = open_vectors(args.sample_queries)[:] if args.sample_queries else None
     m = build_sharded(args.source, args.index_dir, args.shards, config, args.placement, args.replicate, sample,
                       use_ray=bool(args.ray), progress=False if args.quiet else None, overwrite=args.overwrite,
-                      probe_model=not args.no_probe_model)
+                      probe_model=args.probe_model is not False)
     print(json.dumps({"index": args.index_dir, "count": m["count"], "dim": m["dim"], "metric": m["metric"],
                       "centroids": m["centroids"], "postings": m["postings"], "pq_m": m["pq"]["m"],
                       "shards": m["shards"], "placement": m["placement"],
@@ -62,14 +65,14 @@ def _search_sharded(args, engine: dict, params: SearchParams, queries: np.ndarra
     index = ShardedIndex.open(args.index_dir, EngineConfig().with_overrides(**engine), params, ray=bool(args.ray))
     try:
         t = time.perf_counter()
-        res = index.search(queries, args.k, probe=args.probe, probe_scale=args.probe_scale)
+        res = index.search(queries, args.k)
         seconds = time.perf_counter() - t
     finally:
         index.close()
     work = res.per_shard["work"]
     return res.ids, {
         "queries": len(queries), "k": args.k, "seconds": round(seconds, 6), "qps": round(len(queries) / seconds, 2),
-        "params": params.to_dict(), "probe": args.probe, "shards": index.n_shards,
+        "params": params.to_dict(), "shards": index.n_shards,
         "mode": "ray" if args.ray else "local",
         "per_query": {key: round(float(v.mean()), 4) for key, v in res.stats.items()},
         "per_shard": {key: v.tolist() for key, v in res.per_shard.items()},
@@ -93,9 +96,8 @@ def _cmd_search(args) -> int:
     from fusionrag.retriever.sharded import is_sharded
 
     sharded = is_sharded(args.index_dir)
-    if (args.ray or args.probe != "ratio") and not sharded:
-        raise FusionRAGError(f"{args.index_dir}: --ray and --probe learned search a sharded index (build it with "
-                             "--shards)")
+    if args.ray and not sharded:
+        raise FusionRAGError(f"{args.index_dir}: --ray searches a sharded index (build it with --shards)")
     if not sharded:
         index = Index.open(args.index_dir, EngineConfig().with_overrides(**engine), params)
     queries = open_vectors(args.queries)[:]
@@ -232,11 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "centroid space with work balanced (locality), or round-robin")
     b.add_argument("--replicate", type=float, default=0.02,
                    help="with --shards: fraction of lists, hottest first, given a replica on a second shard")
-    b.add_argument("--sample-queries", help="with --shards: a query file (a query log) to measure list hotness "
-                   "with (default: rows of the source)")
+    b.add_argument("--sample-queries", help="a query file (a query log): the probe model is trained on it, and "
+                   "with --shards list hotness is measured with it (default: rows of the source)")
     b.add_argument("--ray", metavar="ADDRESS", help="with --shards: run the build's tasks on this Ray cluster")
-    b.add_argument("--no-probe-model", action="store_true",
-                   help="with --shards: do not train learned pruning's model (search --probe learned)")
     add_flags(b, BuildConfig)
     b.set_defaults(run=_cmd_build)
 
@@ -250,10 +250,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--buffer-mb", type=float, default=None, help="DRAM page buffer, MiB (default 64)")
     s.add_argument("--ray", metavar="ADDRESS", help="a sharded index: its shards as actors on this Ray cluster "
                    "(default: in this process)")
-    s.add_argument("--probe", default="ratio", choices=["ratio", "learned"],
-                   help="a sharded index: lists cut by the distance-ratio rule, or by learned pruning's model")
-    s.add_argument("--probe-scale", type=float, default=1.0,
-                   help="with --probe learned: probe this multiple of the predicted lists")
     add_flags(s, SearchParams)
     add_flags(s, EngineConfig, skip=("buffer_bytes",))
     s.set_defaults(run=_cmd_search)

@@ -317,7 +317,7 @@ def test_cli_builds_and_searches_a_sharded_index(built, tmp_path, capsys):
     assert cli_main(["search", str(tmp_path / "idx"), str(tmp_path / "q.npy"), "--out", str(tmp_path / "ids.npy"),
                      "--groundtruth", str(tmp_path / "gt.npy"), "--probe", "learned"]) == 0
     learned = json.loads(capsys.readouterr().out)
-    assert learned["probe"] == "learned" and learned["recall@10"] > 0.9
+    assert learned["params"]["probe"] == "learned" and learned["recall@10"] > 0.9
     assert learned["per_query"]["lists_probed"] < report["per_query"]["lists_probed"]
     assert cli_main(["build", str(tmp_path / "base.npy"), str(tmp_path / "idx2"), "--shards", "-1", "--quiet"]) == 2
     assert "shards must be a positive integer" in capsys.readouterr().err
@@ -328,13 +328,13 @@ def test_learned_pruning_probes_fewer_lists_at_the_same_recall(built):
     queries, recall measured against brute force."""
     index = ShardedIndex.open(built["root"] / "sharded")
     try:
-        assert index.probe_model is not None and index.manifest["probe_model"]["queries"] == 1000
+        assert index.nav.model is not None and index.manifest["probe_model"]["queries"] == 1000
         q = built["queries"]
         truth = exact_knn(built["base"], q, 10)
         ratio = index.search(q, 10)
         learned = index.search(q, 10, probe="learned")
         wider = index.search(q, 10, probe="learned", probe_scale=2)
-        with pytest.raises(ConfigError, match="probe must be one of"):
+        with pytest.raises(ConfigError, match="probe"):
             index.search(q[:2], 10, probe="oracle")
     finally:
         index.close()
