@@ -792,6 +792,19 @@ class ShardServer:
         with self._reading() as (_, w):
             return w.store.rows_where(*where) if w.store is not None else np.empty(0, np.int64)
 
+    def text_search(self, texts: list[str], limit: int, where: tuple[str, list] | None) -> list[tuple]:
+        """Per text, (ids, bm25 scores) of the `limit` live documents here whose texts match it best, best first
+        (lower is better): the shard's own full-text index, so its own term statistics."""
+        with self._reading() as (_, w):
+            if w.store is None:
+                return [(np.empty(0, np.int64), np.empty(0, np.float64)) for _ in texts]
+            out = []
+            for t in texts:
+                ids, scores = w.store.text_search(t, limit, where)
+                live = w.live(ids) if len(ids) else np.zeros(0, bool)
+                out.append((ids[live], scores[live]))
+            return out
+
     def page(self, after: int, limit: int, where: tuple[str, list] | None, with_vectors: bool) -> list[tuple]:
         """(id, name, text, metadata, vector or None) of the first `limit` documents here with id > after (those
         a compiled filter passes), in id order."""
@@ -1424,6 +1437,35 @@ class ShardedIndex(ManifestShape):
         """Sorted ids of the documents a compiled metadata filter passes."""
         found = self._every_shard("matching", (where,), "a metadata filter")
         return np.unique(np.concatenate(found)).astype(np.int64) if found else np.empty(0, np.int64)
+
+    def text_search(self, texts: list[str], limit: int, where: tuple[str, list] | None = None) -> tuple[list, list[int]]:
+        """Per text, the ids of the `limit` documents whose texts match it best by BM25, best first, with their
+        scores (lower is better), and the shards that could not be asked (down: their documents are missing
+        from the answers). Each live shard ranks its own documents with its own term statistics (as a search
+        engine's shards do unless asked for global ones); a document two shards hold keeps its better score."""
+        live = [s for s in range(self.n_shards) if self.alive[s]]
+        if not live:
+            raise UnavailableError(f"{self.path}: text search refused: every shard is down")
+        handles = {s: self._call(s, "text_search", list(texts), int(limit), where) for s in live}
+        got = {}
+        for s, h in handles.items():
+            try:
+                got[s] = self._get(h)
+            except Exception as e:  # noqa: BLE001
+                if not _is_down(e):
+                    raise
+                self._mark_down(s)  # its documents are missing from this answer, and said so
+        missing = sorted(set(range(self.n_shards)) - set(got))
+        out = []
+        for i in range(len(texts)):
+            best: dict[int, float] = {}
+            for found in got.values():
+                for d, sc in zip(found[i][0].tolist(), found[i][1].tolist()):
+                    if d not in best or sc < best[d]:
+                        best[d] = sc
+            order = sorted(best.items(), key=lambda item: (item[1], item[0]))[:limit]
+            out.append((np.asarray([d for d, _ in order], np.int64), np.asarray([sc for _, sc in order], np.float64)))
+        return out, missing
 
     def page(self, after: int, limit: int, where: tuple[str, list] | None = None,
              with_vectors: bool = False) -> tuple[list[tuple], int | None]:

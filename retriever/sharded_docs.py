@@ -11,8 +11,10 @@ Each shard keeps the name, text and metadata of the documents it holds in a doc 
 them all back.
 
 Filters are a collection's (retriever/filters.py), evaluated by each shard over its own doc store: a search under a
-filter is answered, on every shard, from the vectors whose documents pass it. Text and hybrid search need one BM25
-ranking over every shard's texts and are refused (InputError) in sharded mode; so are documents without a vector
+filter is answered, on every shard, from the vectors whose documents pass it. Text search asks every live shard for
+its best BM25 matches (each shard's full-text index, with its own term statistics, as a search engine's shards rank
+unless asked for global ones) and keeps the best; hybrid search fuses that ranking with the vector one by reciprocal
+rank, as a collection does, and needs the query vectors beside the texts. Documents without a vector are refused
 (a sharded index has no embedding model).
 """
 
@@ -24,11 +26,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fusionrag.retriever.collection import CollectionSearch, Document, Hit
-from fusionrag.retriever.collection.records import upsert_record
+from fusionrag.retriever.collection.api import fuse_ranks
+from fusionrag.retriever.collection.config import DEFAULT_TEXT_WEIGHT, HYBRID_DEPTH, SEARCH_MODES
+from fusionrag.retriever.collection.records import engine_form, upsert_record
 from fusionrag.retriever.config import SearchParams
-from fusionrag.retriever.errors import InputError
+from fusionrag.retriever.errors import InputError, UnavailableError
 from fusionrag.retriever.filters import compile_filter, filter_warnings
-from fusionrag.retriever.sharded import NAMED_IDS, ShardedIndex, ShardReads
+from fusionrag.retriever.fresh import distances
+from fusionrag.retriever.sharded import NAMED_IDS, ShardedIndex, ShardReads, part_name
 
 
 def numeric_id(name: str) -> int | None:
@@ -159,28 +164,87 @@ class ShardedCollection:
 
     def search(self, vectors=None, k: int = 10, filter: dict | None = None, params: SearchParams | None = None,
                with_vectors: bool = False, *, texts: Sequence[str] | None = None, mode: str = "vector",
-               partial: bool = True, **_) -> ShardedSearch:
-        """Top-k documents of each query vector (those a filter passes), with exact distances. partial=False:
-        UnavailableError rather than an answer missing lists or documents of a down shard."""
-        if mode != "vector" or texts is not None:
-            raise InputError("a sharded collection is searched by vectors (mode 'vector'): text and hybrid search "
-                             "need one text index over every shard")
+               text_weight: float = DEFAULT_TEXT_WEIGHT, partial: bool = True, **_) -> ShardedSearch:
+        """Top-k documents of each query (those a filter passes), as Collection.search answers them: mode "vector"
+        by the query vectors, with exact distances; "text" by BM25 over the documents' texts (distance: the bm25
+        score, lower is better); "hybrid" both rankings, each HYBRID_DEPTH deep (or k), fused by reciprocal rank
+        (the vectors must be given: nothing is embedded). partial=False: UnavailableError rather than an answer
+        missing lists or documents of a down shard."""
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
             raise InputError(f"k must be a positive integer, got {k!r}")
+        k = int(k)
+        if mode not in SEARCH_MODES:
+            raise InputError(f"mode must be one of {SEARCH_MODES}, got {mode!r}")
+        if mode == "vector" and texts is not None:
+            raise InputError("mode 'vector' searches by vectors: texts are searched with mode 'text' or 'hybrid'")
+        if mode != "vector":
+            if isinstance(texts, str) or not isinstance(texts, Sequence) or not texts \
+                    or not all(isinstance(t, str) for t in texts):
+                raise InputError(f"mode {mode!r} needs texts: a non-empty list of strings")
+            if mode == "text" and vectors is not None:
+                raise InputError("mode 'text' searches by texts alone: give no query vectors")
+            if mode == "hybrid" and vectors is None:
+                raise InputError("mode 'hybrid' over a sharded collection needs the query vectors beside the texts "
+                                 "(it embeds nothing)")
+            if isinstance(text_weight, bool) or not isinstance(text_weight, (int, float)) or not 0 <= text_weight <= 1:
+                raise InputError(f"text_weight must be a number in [0, 1], got {text_weight!r}")
         where = compile_filter(filter) if filter is not None else None
-        res = self.index.search(vectors, int(k), params, partial=partial,
+        if mode == "text":
+            return self._text_hits(list(texts), k, where, with_vectors, partial)
+        q = self.index.prepare_queries(vectors)
+        if mode == "hybrid" and len(texts) != len(q):
+            raise InputError(f"mode 'hybrid' needs one text per query vector, got {len(texts)} for {len(q)}")
+        depth = k if mode == "vector" else max(k, HYBRID_DEPTH)
+        res = self.index.search(q, depth, params, partial=partial,
                                 reads=ShardReads(where, with_docs=True, with_vectors=with_vectors))
+        stats = [{key: int(v[j]) for key, v in res.stats.items()} for j in range(len(q))]
+        missing_lists, missing_shards = [m.tolist() for m in res.missing_lists], list(res.missing_shards)
+        if mode == "vector":
+            hits = []
+            for ids, ds in zip(res.ids, res.distances):
+                row = []
+                for i, d in zip(ids.tolist(), ds.tolist()):
+                    doc = res.docs.get(i)
+                    if i < 0 or doc is None:  # padding, or gone since the shard answered
+                        continue
+                    row.append(Hit(doc[0], d, self._score(d), doc[1], doc[2], doc[3] if with_vectors else None))
+                hits.append(row)
+            return ShardedSearch(hits, stats, missing_lists, missing_shards)
+        found, down = self._text_ranking(list(texts), depth, where, partial)
         hits = []
-        for ids, ds in zip(res.ids, res.distances):
-            row = []
-            for i, d in zip(ids.tolist(), ds.tolist()):
-                doc = res.docs.get(i)
-                if i < 0 or doc is None:  # padding, or gone since the shard answered
-                    continue
-                row.append(Hit(doc[0], d, self._score(d), doc[1], doc[2], doc[3] if with_vectors else None))
-            hits.append(row)
-        stats = [{key: int(v[j]) for key, v in res.stats.items()} for j in range(len(hits))]
-        return ShardedSearch(hits, stats, [m.tolist() for m in res.missing_lists], list(res.missing_shards))
+        for i in range(len(q)):
+            ranked = [d for d in res.ids[i].tolist() if d >= 0]
+            known = {d: float(x) for d, x in zip(res.ids[i].tolist(), res.distances[i].tolist()) if d >= 0}
+            fused = fuse_ranks(ranked, found[i][0].tolist(), float(text_weight))
+            stats[i]["text_candidates"] = len(found[i][0])
+            top = [d for d, _ in fused[:k]]
+            docs = {d: res.docs[d] for d in top if d in res.docs and (not with_vectors or res.docs[d][3] is not None)}
+            rest = [d for d in top if d not in docs]
+            if rest:
+                docs.update(self.index.documents(rest, True))
+            need = [d for d in top if d in docs and d not in known]
+            if need:
+                x = engine_form(np.stack([docs[d][3] for d in need]), self.metric)
+                known.update(zip(need, distances(q[i:i + 1], x, (x * x).sum(1), self.metric)[0].tolist()))
+            hits.append([Hit(docs[d][0], known[d], sc, docs[d][1], docs[d][2], docs[d][3] if with_vectors else None)
+                         for d, sc in fused[:k] if d in docs])  # a document deleted since is left out
+        return ShardedSearch(hits, stats, missing_lists, sorted(set(missing_shards) | set(down)))
+
+    def _text_ranking(self, texts: list[str], limit: int, where, partial: bool) -> tuple[list, list[int]]:
+        found, down = self.index.text_search(texts, limit, where)
+        if down and not partial:
+            raise UnavailableError(f"{self.index.path}: a text search needs every shard's documents; shard(s) "
+                                   f"{', '.join(part_name(s) for s in down)} are down")
+        return found, down
+
+    def _text_hits(self, texts: list[str], k: int, where, with_vectors: bool, partial: bool) -> ShardedSearch:
+        found, down = self._text_ranking(texts, k, where, partial)
+        wanted = sorted({d for ids, _ in found for d in ids.tolist()})
+        docs = self.index.documents(wanted, with_vectors) if wanted else {}
+        hits = [[Hit(docs[d][0], sc, -sc, docs[d][1], docs[d][2], docs[d][3] if with_vectors else None)
+                 for d, sc in zip(ids.tolist(), scores.tolist()) if d in docs] for ids, scores in found]
+        stats = [{"text_candidates": len(ids)} for ids, _ in found]
+        return ShardedSearch(hits, stats, [[] for _ in texts], down)
 
     def _score(self, d: float) -> float:
         return 1.0 - d if self.metric == "cosine" else -d

@@ -5,7 +5,8 @@ The routes are the service's under the same paths and bodies (docs/api.md), for 
 directory (or --name), a ShardedCollection (retriever/sharded_docs.py): search by vectors under a metadata filter,
 upsert documents (any string id, text, metadata, and a vector: nothing is embedded), get, page through and delete them
 by id or filter, the collection's info, health. The built vectors are documents "0", "1", ... (their source rows),
-with no text or metadata. The text and hybrid modes are refused with 422, as are creating or dropping a collection.
+with no text or metadata. Text search (mode "text") ranks the documents' texts by BM25 on every shard; hybrid search
+needs the query vectors beside the texts (nothing is embedded); creating or dropping a collection is refused.
 A search that could not reach every list it needed says which (`missing_lists` per query, `partial`); with
 `"partial": false` it is refused with 503 instead, as is a write, a get, a filter or a page that needs a shard that
 is down.
@@ -33,7 +34,7 @@ from fusionrag.retriever.sharded_docs import ShardedCollection
 from fusionrag.server.auth import KeyRing
 from fusionrag.server.config import ServerConfig
 from fusionrag.server.errors import http_error, install_handlers
-from fusionrag.server.requests import search_params
+from fusionrag.server.requests import check_texts, search_params
 from fusionrag.server.responses import VectorJSON, document_json, hit_json
 from fusionrag.server.routes.documents import page_answer, query_filter
 from fusionrag.server.schemas import CreateCollection, DeleteRequest, GetRequest, SearchRequest, UpsertRequest
@@ -49,6 +50,7 @@ class ShardedSearchRequest(SearchRequest):
 MAX_QUERIES = ServerConfig().max_queries  # the single-machine service's limits, per request
 MAX_DOCUMENTS = ServerConfig().max_documents
 MAX_K = ServerConfig().max_k
+MAX_TEXT_CHARS = ServerConfig().max_text_chars
 MAX_BODY_BYTES = ServerConfig().max_body_bytes
 DEFAULT_PAGE = 100
 MERGE_FRESH_COUNT = CollectionConfig().merge_fresh_count  # a shard merges at a collection's threshold
@@ -133,19 +135,32 @@ def create_app(coll: ShardedCollection, keys: KeyRing | None = None) -> FastAPI:
     @app.post("/v1/collections/{coll_name}/search")
     async def search(coll_name: str, body: ShardedSearchRequest):
         collection(coll_name)
-        if body.mode != "vector" or body.texts is not None:
-            raise http_error(422, "a sharded collection is searched by 'vectors' (mode 'vector'): text and hybrid "
-                                  "search need one text index over every shard")
-        if body.vectors is None:
-            raise http_error(422, "give 'vectors'")
-        at_most(len(body.vectors), MAX_QUERIES, "queries")
+        if body.mode == "vector" and body.vectors is None:
+            raise http_error(422, "give 'vectors' (a sharded collection embeds nothing: texts are searched with mode "
+                                  "'text', or 'hybrid' beside their vectors)")
+        if body.mode == "vector" and body.texts is not None:
+            raise http_error(422, "give exactly one of 'vectors' and 'texts' (mode 'vector' searches by vectors)")
+        if body.mode != "vector" and body.texts is None:
+            raise http_error(422, f"mode {body.mode!r} needs 'texts'")
+        if body.mode == "hybrid" and body.vectors is None:
+            raise http_error(422, "mode 'hybrid' over a sharded collection needs 'vectors' beside the 'texts' "
+                                  "(nothing is embedded)")
+        queries = body.texts if body.vectors is None else body.vectors
+        if not queries:
+            raise http_error(422, "no queries: 'vectors' or 'texts' is empty")
+        at_most(len(queries), MAX_QUERIES, "queries")
         if body.k > MAX_K:
             raise http_error(422, f"k is {body.k}, at most {MAX_K} allowed")
-        if any(len(v) != index.dim for v in body.vectors):
-            raise http_error(422, f"query vectors must have dimension {index.dim}")
+        q = None
+        if body.vectors is not None:
+            if any(len(v) != index.dim for v in body.vectors):
+                raise http_error(422, f"query vectors must have dimension {index.dim}")
+            q = np.asarray(body.vectors, dtype=np.float32)
+        if body.texts is not None:
+            check_texts(body.texts, MAX_TEXT_CHARS, "texts")
         params = search_params(body.params) if body.params else None
-        q = np.asarray(body.vectors, dtype=np.float32)
         res = await run_in_threadpool(coll.search, q, body.k, body.filter, params, body.with_vectors,
+                                      texts=body.texts, mode=body.mode, text_weight=body.text_weight,
                                       partial=body.partial)
         out: dict = {"results": [[hit_json(h, body.with_vectors) for h in hits] for hits in res.hits],
                      "partial": res.partial}

@@ -68,6 +68,18 @@ def _in_use(method):
     return call
 
 
+def fuse_ranks(vector_ranked: list, text_ranked: list, w: float) -> list[tuple]:
+    """Reciprocal rank fusion of two rankings (best first): each key scores (1 - w) / (RRF_K + its vector rank)
+    plus w / (RRF_K + its text rank), ranks from 1, a ranking it is not in adding nothing; (key, score), best
+    first. Shared by Collection and the sharded collection's hybrid search."""
+    score: dict = {}
+    for rank, r in enumerate(vector_ranked, 1):
+        score[r] = (1 - w) / (RRF_K + rank)
+    for rank, r in enumerate(text_ranked, 1):
+        score[r] = score.get(r, 0.0) + w / (RRF_K + rank)
+    return sorted(score.items(), key=lambda item: -item[1])
+
+
 class Collection:
     """One collection, opened. Thread-safe: searches run concurrently with writes and a merge."""
 
@@ -427,15 +439,9 @@ class Collection:
         w / (RRF_K + its text rank), ranks from 1, a ranking it is not in adding nothing."""
         fused = []
         for i, text in enumerate(texts):
-            score: dict[int, float] = {}
-            ranked = vec_rows[i][vec_rows[i] >= 0]
-            for rank, r in enumerate(ranked.tolist(), 1):
-                score[r] = (1 - w) / (RRF_K + rank)
             text_rows, _ = self.store.text_search(text, depth, where)
-            for rank, r in enumerate(text_rows.tolist(), 1):
-                score[r] = score.get(r, 0.0) + w / (RRF_K + rank)
             stats[i]["text_candidates"] = len(text_rows)
-            fused.append(sorted(score.items(), key=lambda item: -item[1]))
+            fused.append(fuse_ranks(vec_rows[i][vec_rows[i] >= 0].tolist(), text_rows.tolist(), w))
         docs = self.store.by_rows(sorted({r for f in fused for r, _ in f}), True)
         hits = []
         for i, f in enumerate(fused):

@@ -14,7 +14,8 @@ from conftest import clustered
 from integration_helpers import serving
 from langchain_core.embeddings import DeterministicFakeEmbedding
 from llama_index.core.schema import NodeRelationship, RelatedNodeInfo, TextNode
-from llama_index.core.vector_stores.types import MetadataFilter, MetadataFilters, VectorStoreQuery
+from llama_index.core.vector_stores.types import (MetadataFilter, MetadataFilters, VectorStoreQuery,
+                                                  VectorStoreQueryMode)
 
 from fusionrag.integrations.langchain import FusionRAGVectorStore as LangChainStore
 from fusionrag.integrations.llamaindex import FusionRAGVectorStore as LlamaIndexStore
@@ -76,6 +77,9 @@ def test_langchain_store_writes_filters_and_finds_through_the_index(service, bas
         stats = httpx.post(f"{url}/v1/collections/{NAME}/search",
                            json={"vectors": [base[123].tolist()], "k": 3, "stats": True}).json()["stats"][0]
         assert stats["candidates"] > 0 and stats["shards_probed"] >= 1
+        # Hybrid search (the store embeds the query, the shards rank texts by BM25): the passage itself first.
+        hybrid = store.hybrid_search(texts[9], k=4)
+        assert hybrid[0].id == "lc-9" and hybrid[0].page_content == texts[9]
         assert [d.id for d in store.get_by_ids(["lc-7", "nope", "lc-8"])] == ["lc-7", "lc-8"]
         assert store.delete(["lc-7", "lc-8"])
         assert store.get_by_ids(["lc-7", "lc-8"]) == []
@@ -99,6 +103,10 @@ def test_llamaindex_store_adds_queries_and_deletes_by_document(service, base):
         want = [f"li-{i}" for i in range(12) if i % 2 == 0]
         assert res.ids == nearest(vecs[0::2], want, vecs[2], 3)
         assert [n.get_content() for n in res.nodes][0] == "chunk 2"
+        # Text search, over every shard's texts: the node holding the words, first.
+        text = store.query(VectorStoreQuery(query_str="chunk 7", mode=VectorStoreQueryMode.TEXT_SEARCH,
+                                            similarity_top_k=12))
+        assert text.ids[0] == "li-7" and set(text.ids) == {n.node_id for n in nodes}
         store.delete("src-1")  # by the source document: its chunks 1, 4, 7, 10
         left = {n.node_id for n in store.get_nodes([n.node_id for n in nodes])}
         assert left == {f"li-{i}" for i in range(12) if i % 3 != 1}
@@ -112,7 +120,9 @@ def test_the_routes_refuse_what_a_sharded_collection_cannot_do(service, base):
     url, coll = service
     v = base[0].tolist()
     post = lambda path, body: httpx.post(f"{url}/v1/collections/{NAME}{path}", json=body)  # noqa: E731
-    assert post("/search", {"texts": ["hello"], "mode": "text"}).status_code == 422
+    assert post("/search", {"texts": ["hello"], "mode": "hybrid"}).status_code == 422  # it embeds nothing
+    assert post("/search", {"texts": ["hello"]}).status_code == 422
+    assert post("/search", {"texts": ["hello"], "vectors": [v], "mode": "text"}).status_code == 422
     assert post("/search", {"vectors": [v[:-1]]}).status_code == 422
     assert post("/search", {"vectors": [v], "filter": {"$nope": 1}}).status_code == 422
     assert post("/search", {"vectors": [v], "k": 10**6}).status_code == 422

@@ -204,8 +204,16 @@ def test_bad_input_is_refused_and_changes_nothing(coll, base):
                       ([Document("", "t", base[0], {})], "id must be")]:
         with pytest.raises(InputError, match=why):
             coll.upsert(docs)
-    with pytest.raises(InputError, match="text and hybrid"):
+    with pytest.raises(InputError, match="embeds nothing"):
+        coll.search(None, K, texts=["hello"], mode="hybrid")
+    with pytest.raises(InputError, match="texts alone"):
         coll.search(base[:1], K, texts=["hello"], mode="text")
+    with pytest.raises(InputError, match="mode must be one of"):
+        coll.search(base[:1], K, mode="fuzzy")
+    with pytest.raises(InputError, match="one text per query vector"):
+        coll.search(base[:2], K, texts=["hello"], mode="hybrid")
+    with pytest.raises(InputError, match="text_weight"):
+        coll.search(base[:1], K, texts=["hello"], mode="hybrid", text_weight=2)
     with pytest.raises(InputError, match="string ids"):
         coll.get([1, 2])
     with pytest.raises(InputError):
@@ -216,3 +224,76 @@ def test_bad_input_is_refused_and_changes_nothing(coll, base):
         coll.clear()
     assert len(coll) == before and not coll.index.named
 
+
+TOPICS = ("ships", "trains", "planes")
+
+
+def texts_written(base, n=90):
+    """Documents with texts: a topic word, a word of their own (tok<i>) and filler; metadata year and topic."""
+    rng = np.random.default_rng(4)
+    return [Document(f"t-{i}", f"about {TOPICS[i % 3]} tok{i} " + " ".join(["filler"] * int(rng.integers(1, 6))),
+                     base[i * 11 % N] + rng.normal(0, 0.05, DIM).astype(np.float32),
+                     {"year": 2000 + i % 4, "topic": TOPICS[i % 3]}) for i in range(n)]
+
+
+def test_text_search_finds_every_matching_document_on_every_shard(coll, base):
+    docs = texts_written(base)
+    coll.upsert(docs)
+    coll.delete(["t-3"])  # a ships document
+    by_name = {d.id: d for d in docs if d.id != "t-3"}
+    holders = {ix for d in by_name for ix in coll.index.fresh_owner[coll.index.named[d]]}
+    assert len(holders) == coll.index.n_shards  # the documents are spread over every shard
+    # A word of one document's own finds it first.
+    res = coll.search(None, 5, texts=["tok17", "tok44 nothing-matches-this"], mode="text")
+    assert res.hits[0][0].id == "t-17" and res.hits[1][0].id == "t-44" and not res.partial
+    assert len(res.hits[0]) == 1 and res.hits[0][0].text == docs[17].text and res.hits[0][0].metadata == docs[17].metadata
+    # A topic word: exactly the live documents holding it (checked on their texts here), each once, best first.
+    hits = coll.search(None, 50, texts=["ships"], mode="text").hits[0]
+    want = {n for n, d in by_name.items() if "ships" in d.text.split()}
+    assert {h.id for h in hits} == want and len(hits) == len(want)
+    assert [h.distance for h in hits] == sorted(h.distance for h in hits) and all(h.score == -h.distance for h in hits)
+    # Under a filter, only those it passes (the predicate evaluated here).
+    hits = coll.search(None, 50, filter={"year": {"$gte": 2002}}, texts=["ships trains"], mode="text").hits[0]
+    assert {h.id for h in hits} == {n for n, d in by_name.items()
+                                    if d.metadata["year"] >= 2002 and d.metadata["topic"] in ("ships", "trains")}
+    # Vectors come back when asked for.
+    got = coll.search(None, 1, texts=["tok20"], mode="text", with_vectors=True).hits[0][0]
+    assert np.allclose(got.vector, docs[20].vector)
+
+
+def test_hybrid_search_fuses_both_rankings_with_exact_distances(coll, base):
+    docs = texts_written(base)
+    coll.upsert(docs)
+    # The vector of one document with the own word of another: both come first, by reciprocal rank fusion.
+    q = docs[10].vector[None]
+    res = coll.search(q, 5, texts=["tok61"], mode="hybrid")
+    top = [h.id for h in res.hits[0]]
+    assert set(top[:2]) == {"t-10", "t-61"} and res.stats[0]["text_candidates"] == 1
+    assert [h.score for h in res.hits[0]] == sorted((h.score for h in res.hits[0]), reverse=True)
+    # Each hit's distance is its exact L2 distance to the query vector, also for one found by its text alone.
+    vectors = {d.id: d.vector for d in docs} | {str(i): base[i] for i in range(N)}
+    for h in res.hits[0]:
+        assert h.distance == pytest.approx(float(((vectors[h.id] - q[0]) ** 2).sum()), rel=1e-4, abs=1e-5)
+    # text_weight 0 is the vector ranking alone; 1 puts the text match first.
+    only_vec = coll.search(q, 5, texts=["tok61"], mode="hybrid", text_weight=0).hits[0]
+    assert [h.id for h in only_vec] == [h.id for h in coll.search(q, 5).hits[0]]
+    assert coll.search(q, 5, texts=["tok61"], mode="hybrid", text_weight=1).hits[0][0].id == "t-61"
+
+
+def test_text_search_with_a_shard_down_says_what_it_missed(coll, base):
+    docs = texts_written(base)
+    coll.upsert(docs)
+    ix = coll.index
+    down = 1
+    ix.kill_shard(down)
+    res = coll.search(None, 100, texts=["ships"], mode="text")
+    assert res.partial and down in res.missing_shards
+    found = {h.id for h in res.hits[0]}
+    want = {d.id for d in docs if "ships" in d.text.split()}
+    # Those a live shard also holds are found; those only the down shard holds are not.
+    reachable = {n for n in want if any(s != down for s in ix.fresh_owner[ix.named[n]])}
+    assert found == reachable and reachable != want
+    with pytest.raises(UnavailableError):
+        coll.search(None, 10, texts=["ships"], mode="text", partial=False)
+    ix.restart_shard(down)
+    assert {h.id for h in coll.search(None, 100, texts=["ships"], mode="text").hits[0]} == want
