@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 import sqlite3
 import threading
@@ -59,6 +60,9 @@ STOP_WORDS = frozenset("a an and are as at be but by for if in into is it no not
 # Read connections a store keeps at most: each holds a descriptor or three and its own page cache,
 # and a connection per thread grew without bound under bursts of clients (then: "Too many open files").
 MAX_READERS = 8
+# SQLite FTS5's bm25(): its constants and tokenizer, for scoring with statistics of several stores (global_bm25).
+BM25_K1, BM25_B = 1.2, 0.75
+_TOKENIZE = "porter unicode61"  # docs_fts's, in _SCHEMA
 
 
 def _unreadable(path: Path, e: sqlite3.DatabaseError) -> Exception:
@@ -68,6 +72,57 @@ def _unreadable(path: Path, e: sqlite3.DatabaseError) -> Exception:
             "disk is full" in str(e) or "disk I/O error" in str(e):
         return StorageError(f"{path.name}: the disk refused a write ({e})")
     return IndexFormatError(f"{path.name} is not a readable SQLite database ({e})")
+
+
+def query_words(text: str) -> list[str]:
+    """The words of a text query that count: lower-cased, each once, stop words dropped (unless it has no other
+    word), at most MAX_TEXT_TERMS. Each is one phrase of the FTS5 query (quoted: never read as query syntax)."""
+    words = list(dict.fromkeys(_TERM.findall(text.lower())))
+    return ([w for w in words if w not in STOP_WORDS] or words)[:MAX_TEXT_TERMS]
+
+
+def _phrase(word: str) -> str:
+    return '"' + word.replace('"', '""') + '"'
+
+
+def _varints(blob: bytes) -> list[int]:
+    """The SQLite varints of an FTS5 record (big-endian, 7 bits a byte, a ninth byte of 8)."""
+    out, i = [], 0
+    while i < len(blob):
+        v = 0
+        for j in range(9):
+            c = blob[i]
+            i += 1
+            if j == 8:
+                v = (v << 8) | c
+                break
+            v = (v << 7) | (c & 0x7F)
+            if c < 0x80:
+                break
+        out.append(v)
+    return out
+
+
+def _tokens(words: list[str]) -> list[tuple[str, ...]]:
+    """The index's tokens of each word (stemmed, diacritics removed; "foo_bar" is two), by the index's own
+    tokenizer in a scratch in-memory table."""
+    con = sqlite3.connect(":memory:")
+    try:
+        con.execute(f"CREATE VIRTUAL TABLE q USING fts5(text, tokenize='{_TOKENIZE}')")
+        con.executemany("INSERT INTO q (rowid, text) VALUES (?, ?)", list(enumerate(words)))
+        con.execute("CREATE VIRTUAL TABLE temp.qv USING fts5vocab(main, q, instance)")
+        out: list[list[str]] = [[] for _ in words]
+        for doc, term in con.execute("SELECT doc, term FROM temp.qv ORDER BY doc, offset"):
+            out[doc].append(term)
+        return [tuple(t) for t in out]
+    finally:
+        con.close()
+
+
+def bm25_idf(docs: int, hits: int) -> float:
+    """FTS5's idf of a phrase that `hits` of `docs` documents match (never below 1e-6, as bm25() clamps it)."""
+    idf = math.log((docs - hits + 0.5) / (hits + 0.5)) if docs else 0.0
+    return idf if idf > 0 else 1e-6
 
 
 def _chunks(seq, n=_CHUNK):
@@ -139,6 +194,8 @@ class DocStore:
                 con = self._idle.pop() if self._idle else None
             if con is None:
                 con = self._connect()
+                # The full-text index's token instances (term, doc, offset), for global_bm25's term counts.
+                con.execute("CREATE VIRTUAL TABLE temp.docs_vocab USING fts5vocab(main, docs_fts, instance)")
                 con.execute("PRAGMA query_only=1")
                 with self._readers_lock:
                     self._all.append(con)
@@ -293,11 +350,10 @@ class DocStore:
         """The `limit` documents whose text best matches the words of `text` by BM25, best first:
         (rows, bm25 scores; lower is better, as SQLite's bm25() gives them). Any one word matches
         (each quoted, so no word is read as query syntax); `where` is a compiled filter."""
-        words = list(dict.fromkeys(_TERM.findall(text.lower())))
-        terms = ([w for w in words if w not in STOP_WORDS] or words)[:MAX_TEXT_TERMS]
+        terms = query_words(text)
         if not terms:
             return np.empty(0, np.int64), np.empty(0, np.float64)
-        match = " OR ".join('"' + t.replace('"', '""') + '"' for t in terms)
+        match = " OR ".join(_phrase(t) for t in terms)
         sql = "SELECT rowid, bm25(docs_fts) AS s FROM docs_fts WHERE docs_fts MATCH ?"
         params: list = [match]
         if where is not None:
@@ -306,6 +362,86 @@ class DocStore:
         with self._reader() as con:
             found = con.execute(sql + " ORDER BY s LIMIT ?", params + [int(limit)]).fetchall()
         return np.asarray([r for r, _ in found], np.int64), np.asarray([s for _, s in found], np.float64)
+
+    def text_stats(self, texts: list[str]) -> tuple[int, int, list[list[int]]]:
+        """What BM25 counts over this store, to be summed with other stores' (a sharded collection's global
+        statistics): (documents with a text, their tokens, per text the documents each of its query words
+        matches), as SQLite's bm25() counts them."""
+        with self._reader() as con:
+            row = con.execute("SELECT block FROM docs_fts_data WHERE id = 1").fetchone()  # FTS5's totals record
+            totals = _varints(row[0]) if row is not None else [0, 0]
+            hits = [[con.execute("SELECT count(*) FROM docs_fts WHERE docs_fts MATCH ?", (_phrase(w),)).fetchone()[0]
+                     for w in query_words(t)] for t in texts]
+        return totals[0], sum(totals[1:]), hits
+
+    def global_bm25(self, text: str, limit: int, where: tuple[str, list] | None, docs: int, tokens: int,
+                    hits: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """text_search's answer scored with statistics given, not this store's own: `docs` documents holding
+        `tokens` tokens, and `hits[i]` of them matching query word i (text_stats summed over a sharded
+        collection's stores). bm25() as SQLite computes it (its idf, k1, b), from each matching document's
+        term counts and length read from the full-text index; with this store's own statistics it gives
+        text_search's scores."""
+        words = query_words(text)
+        if len(hits) != len(words):
+            raise ValueError(f"{len(hits)} word counts for the {len(words)} query words of {text!r}")
+        if not words:
+            return np.empty(0, np.int64), np.empty(0, np.float64)
+        avgdl = tokens / docs if docs else 1.0
+        with self._reader() as con:
+            counts = [self._phrase_counts(con, toks) for toks in _tokens(words)]  # per word: (docs, occurrences)
+        rows = np.unique(np.concatenate([d for d, _ in counts]))
+        tf = np.zeros((len(rows), len(words)))
+        for w, (d, n) in enumerate(counts):
+            tf[np.searchsorted(rows, d), w] = n
+        if where is not None and len(rows):
+            keep = np.isin(rows, self.rows_where(*where))
+            rows, tf = rows[keep], tf[keep]
+        if not len(rows):
+            return np.empty(0, np.int64), np.empty(0, np.float64)
+        with self._reader() as con:
+            dl = self._doc_lengths(con, rows)
+        idf = np.asarray([bm25_idf(docs, h) for h in hits])
+        norm = BM25_K1 * (1 - BM25_B + BM25_B * dl / avgdl)
+        score = -(idf * tf * (BM25_K1 + 1) / (tf + norm[:, None])).sum(1)
+        order = np.lexsort((rows, score))[:int(limit)]
+        return rows[order], score[order]
+
+    @staticmethod
+    def _phrase_counts(con: sqlite3.Connection, tokens: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """(docs, sorted; how often the phrase of these tokens, one after the other, occurs in each one's text)."""
+        sql = "SELECT doc, offset FROM temp.docs_vocab WHERE term = ?"
+        if len(tokens) == 1:
+            got = con.execute("SELECT doc, count(*) FROM temp.docs_vocab WHERE term = ? GROUP BY doc ORDER BY doc",
+                              tokens).fetchall()
+            return np.asarray([d for d, _ in got], np.int64), np.asarray([n for _, n in got], np.int64)
+        found: dict[int, int] = {}
+        if tokens:
+            at = [set(con.execute(sql, (t,)).fetchall()) for t in tokens]
+            for doc, off in at[0]:
+                if all((doc, off + j) in at[j] for j in range(1, len(tokens))):
+                    found[doc] = found.get(doc, 0) + 1
+        docs = np.asarray(sorted(found), np.int64)
+        return docs, np.asarray([found[d] for d in docs.tolist()], np.int64)
+
+    @staticmethod
+    def _doc_lengths(con: sqlite3.Connection, rows: np.ndarray) -> np.ndarray:
+        """Tokens in the text of each of these rows (sorted), from the full-text index's sizes (a varint each)."""
+        got = con.execute("SELECT id, sz FROM docs_fts_docsize WHERE id IN (SELECT value FROM json_each(?)) "
+                          "ORDER BY id", (json.dumps(rows.tolist()),)).fetchall()
+        ids = np.fromiter((i for i, _ in got), np.int64, len(got))
+        blobs = [b for _, b in got]
+        size = np.fromiter(map(len, blobs), np.int64, len(blobs))
+        raw = np.frombuffer(b"".join(blobs), np.uint8).astype(np.int64)
+        at = np.concatenate([[0], np.cumsum(size)[:-1]]).astype(np.int64) if len(size) else size
+        length = np.zeros(len(blobs), np.float64)
+        one, two = size == 1, size == 2  # under 128 tokens; under 16384
+        length[one] = raw[at[one]]
+        length[two] = ((raw[at[two]] & 0x7F) << 7) | raw[at[two] + 1]
+        for j in np.flatnonzero(~(one | two)).tolist():
+            length[j] = sum(_varints(blobs[j]))
+        out = np.zeros(len(rows), np.float64)
+        out[np.searchsorted(rows, ids)] = length
+        return out
 
     def vectors_where(self, query: str, params: list) -> tuple[np.ndarray, np.ndarray]:
         """(rows, vectors) of the live documents that pass a compiled filter, in row order."""

@@ -56,6 +56,7 @@ from fusionrag.retriever.build import (_CHUNK, _IntegralCheck, _Rows, assign_row
                                        train_index, write_pages)
 from fusionrag.retriever.collection.config import CollectionConfig
 from fusionrag.retriever.config import BuildConfig, EngineConfig, SearchParams, cpu_threads
+from fusionrag.retriever.docstore import query_words
 from fusionrag.retriever.errors import ConfigError, IndexFormatError, InputError, UnavailableError
 from fusionrag.retriever.fresh import FreshView
 from fusionrag.retriever.index import prepare_queries
@@ -792,15 +793,23 @@ class ShardServer:
         with self._reading() as (_, w):
             return w.store.rows_where(*where) if w.store is not None else np.empty(0, np.int64)
 
-    def text_search(self, texts: list[str], limit: int, where: tuple[str, list] | None) -> list[tuple]:
+    def text_stats(self, texts: list[str]) -> tuple[int, int, list[list[int]]]:
+        """BM25's counts over this shard's documents (DocStore.text_stats), for the router to sum."""
+        with self._reading() as (_, w):
+            return w.store.text_stats(texts) if w.store is not None else (0, 0, [[0] * len(query_words(t)) for t in texts])
+
+    def text_search(self, texts: list[str], limit: int, where: tuple[str, list] | None,
+                    stats: tuple[int, int, list[list[int]]] | None = None) -> list[tuple]:
         """Per text, (ids, bm25 scores) of the `limit` live documents here whose texts match it best, best first
-        (lower is better): the shard's own full-text index, so its own term statistics."""
+        (lower is better): scored with `stats` (every shard's text_stats summed: the scores of one collection
+        holding every shard's documents) or, with none, with this shard's own."""
         with self._reading() as (_, w):
             if w.store is None:
                 return [(np.empty(0, np.int64), np.empty(0, np.float64)) for _ in texts]
             out = []
-            for t in texts:
-                ids, scores = w.store.text_search(t, limit, where)
+            for i, t in enumerate(texts):
+                ids, scores = (w.store.text_search(t, limit, where) if stats is None else
+                               w.store.global_bm25(t, limit, where, stats[0], stats[1], stats[2][i]))
                 live = w.live(ids) if len(ids) else np.zeros(0, bool)
                 out.append((ids[live], scores[live]))
             return out
@@ -1438,23 +1447,28 @@ class ShardedIndex(ManifestShape):
         found = self._every_shard("matching", (where,), "a metadata filter")
         return np.unique(np.concatenate(found)).astype(np.int64) if found else np.empty(0, np.int64)
 
-    def text_search(self, texts: list[str], limit: int, where: tuple[str, list] | None = None) -> tuple[list, list[int]]:
+    def text_search(self, texts: list[str], limit: int, where: tuple[str, list] | None = None,
+                    global_stats: bool = True) -> tuple[list, list[int]]:
         """Per text, the ids of the `limit` documents whose texts match it best by BM25, best first, with their
         scores (lower is better), and the shards that could not be asked (down: their documents are missing
-        from the answers). Each live shard ranks its own documents with its own term statistics (as a search
-        engine's shards do unless asked for global ones); a document two shards hold keeps its better score."""
+        from the answers). global_stats (the default): two rounds, as a search engine's distributed term
+        statistics: every live shard's counts (documents, tokens, documents matching each word) summed, then
+        each shard's documents scored with the sums, so a document scores what it would in one collection
+        holding them all (a document of a replicated list, on two shards, counts twice). False: each shard
+        scores with its own counts (one round; scores of shards of different topics do not compare well).
+        A document two shards hold keeps its better score."""
         live = [s for s in range(self.n_shards) if self.alive[s]]
         if not live:
             raise UnavailableError(f"{self.path}: text search refused: every shard is down")
-        handles = {s: self._call(s, "text_search", list(texts), int(limit), where) for s in live}
-        got = {}
-        for s, h in handles.items():
-            try:
-                got[s] = self._get(h)
-            except Exception as e:  # noqa: BLE001
-                if not _is_down(e):
-                    raise
-                self._mark_down(s)  # its documents are missing from this answer, and said so
+        texts = list(texts)
+        stats = None
+        if global_stats:
+            got = self._live_round(live, "text_stats", (texts,))
+            stats = (sum(g[0] for g in got.values()), sum(g[1] for g in got.values()),
+                     [[sum(g[2][i][w] for g in got.values()) for w in range(len(query_words(t)))]
+                      for i, t in enumerate(texts)])
+            live = sorted(got)
+        got = self._live_round(live, "text_search", (texts, int(limit), where, stats))
         missing = sorted(set(range(self.n_shards)) - set(got))
         out = []
         for i in range(len(texts)):
@@ -1466,6 +1480,20 @@ class ShardedIndex(ManifestShape):
             order = sorted(best.items(), key=lambda item: (item[1], item[0]))[:limit]
             out.append((np.asarray([d for d, _ in order], np.int64), np.asarray([sc for _, sc in order], np.float64)))
         return out, missing
+
+    def _live_round(self, shards: list[int], method: str, args: tuple) -> dict:
+        """One call to each of these shards, in parallel; {shard: answer} of those that answered (one that is
+        down is marked so and left out)."""
+        handles = {s: self._call(s, method, *args) for s in shards}
+        got = {}
+        for s, h in handles.items():
+            try:
+                got[s] = self._get(h)
+            except Exception as e:  # noqa: BLE001
+                if not _is_down(e):
+                    raise
+                self._mark_down(s)
+        return got
 
     def page(self, after: int, limit: int, where: tuple[str, list] | None = None,
              with_vectors: bool = False) -> tuple[list[tuple], int | None]:

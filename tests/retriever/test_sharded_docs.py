@@ -297,3 +297,99 @@ def test_text_search_with_a_shard_down_says_what_it_missed(coll, base):
         coll.search(None, 10, texts=["ships"], mode="text", partial=False)
     ix.restart_shard(down)
     assert {h.id for h in coll.search(None, 100, texts=["ships"], mode="text").hits[0]} == want
+
+
+WORDS = "ships ship sailing trains planes café cafe foo_bar foo bar quick brown fox jumps lazy dogs running".split()
+QUERIES = ["ships café", "foo_bar running", "the quick fox", "lazy dogs ships", "nothing-matches", "Foo_Bar planes"]
+
+
+def test_bm25_with_given_statistics_is_sqlites_own(tmp_path):
+    """DocStore.global_bm25, given the store's own counts, scores as SQLite's bm25() does (text_search): stems,
+    diacritics, a word the tokenizer splits ("foo_bar", a phrase) and a filter; text_stats' totals are the
+    documents and tokens the full-text index holds, counted here from its token instances."""
+    import json
+    import sqlite3
+
+    from fusionrag.retriever.docstore import DocStore
+    from fusionrag.retriever.filters import compile_filter
+
+    rng = np.random.default_rng(8)
+    n = 300
+    texts = [" ".join(rng.choice(WORDS, int(rng.integers(1, 13)))) for _ in range(n)]
+    store = DocStore(tmp_path / "docs.db", 4, create=True)
+    store.begin()
+    store.insert(list(range(n)), [f"d{i}" for i in range(n)], texts, [json.dumps({"y": i % 3}) for i in range(n)],
+                 np.zeros((n, 4), np.float32))
+    store.commit(1, n)
+    docs, tokens, hits = store.text_stats(QUERIES)
+    con = sqlite3.connect(tmp_path / "docs.db")
+    con.execute("CREATE VIRTUAL TABLE temp.v USING fts5vocab(main, docs_fts, instance)")
+    assert (docs, tokens) == (n, con.execute("SELECT count(*) FROM temp.v").fetchone()[0])
+    assert hits[0][0] == con.execute("SELECT count(DISTINCT doc) FROM temp.v WHERE term = 'ship'").fetchone()[0]
+    con.close()
+    where = compile_filter({"y": 1})
+    for q, h in zip(QUERIES, hits):
+        for f in (None, where):
+            want_ids, want = store.text_search(q, 500, f)
+            ids, got = store.global_bm25(q, 500, f, docs, tokens, h)
+            assert set(ids.tolist()) == set(want_ids.tolist()), q
+            assert np.allclose(np.sort(got), np.sort(want), rtol=1e-12, atol=0), q
+    assert len(store.text_search("ships", 500)[0]) == hits[0][0]
+    with pytest.raises(ValueError):
+        store.global_bm25("ships café", 5, None, docs, tokens, [3])
+    store.close()
+
+
+@pytest.fixture(scope="module")
+def unreplicated(tmp_path_factory, base):
+    path = tmp_path_factory.mktemp("sharded-docs-unreplicated") / "idx"
+    build_sharded(base, path, 3, CONFIG, replicate=0.0, progress=False)
+    return path
+
+
+def test_text_search_scores_with_every_shards_statistics(unreplicated, base, tmp_path):
+    """Shards of different topics (each shard's documents mostly about one): BM25 with every shard's counts
+    summed scores each document as one store holding them all does (SQLite's own bm25() over such a store is
+    the reference); each shard's own counts score them otherwise."""
+    import json
+
+    from fusionrag.retriever.docstore import DocStore
+
+    c = sharded_copy(unreplicated, tmp_path / "idx")
+    try:
+        ix = c.index
+        rng = np.random.default_rng(9)
+        docs = []
+        for s in range(ix.n_shards):  # near vectors this shard holds, so they are written to it
+            rows = rng.choice(ix.base_ids[s][ix.base_ids[s] < N], 40, replace=False)
+            for j, r in enumerate(rows.tolist()):
+                words = [TOPICS[s]] * int(rng.integers(1, 4)) + list(rng.choice(WORDS, int(rng.integers(1, 8))))
+                if j % 10 == 0:
+                    words.append(TOPICS[(s + 1) % 3])
+                docs.append(Document(f"s{s}-{j}", " ".join(words), base[r] + rng.normal(0, 0.01, DIM).astype(np.float32),
+                                     {"shard": s}))
+        c.upsert(docs)
+        on = {d.id: ix.fresh_owner[ix.named[d.id]] for d in docs}
+        assert all(len(o) == 1 for o in on.values())
+        assert sum(on[d.id] == (d.metadata["shard"],) for d in docs) >= 0.9 * len(docs)  # topics follow shards
+        ref = DocStore(tmp_path / "ref.db", DIM, create=True)
+        ref.begin()
+        ref.insert(list(range(len(docs))), [d.id for d in docs], [d.text for d in docs],
+                   [json.dumps(d.metadata) for d in docs], np.stack([d.vector for d in docs]))
+        ref.commit(1, len(docs))
+        name_of = {v: k for k, v in ix.named.items()}
+        queries = ["ships", "trains quick", "planes foo_bar", "ships trains lazy"]
+        differs = 0
+        for q in queries:
+            want_rows, want = ref.text_search(q, 1000)
+            want_by = {docs[r].id: sc for r, sc in zip(want_rows.tolist(), want.tolist())}
+            hits = c.search(None, 1000, texts=[q], mode="text").hits[0]
+            assert {h.id: pytest.approx(h.distance, rel=1e-9) for h in hits} == want_by, q
+            (ids, local), = ix.text_search([q], 1000, global_stats=False)[0]
+            local_by = {name_of[i]: sc for i, sc in zip(ids.tolist(), local.tolist())}
+            assert local_by.keys() == want_by.keys()
+            differs += not all(local_by[k] == pytest.approx(v, rel=1e-6) for k, v in want_by.items())
+        assert differs == len(queries)  # each shard's own counts are not the collection's
+        ref.close()
+    finally:
+        c.close()
