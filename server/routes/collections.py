@@ -22,13 +22,16 @@ router = APIRouter(prefix="/v1")
 @router.get("/collections", summary="List the collections (those this key may use)", responses=documented(401))
 def list_collections(request: Request, key: Key | None = Depends(authenticate)):
     state = state_of(request)
+    with state.lock:
+        building = set(state.building)
     out = []
     for name in state.catalog.names():
         if key is None or key.allows(name):
             try:
                 coll = state.catalog.get(name)
-                out.append({"name": name, "state": "ready", "dimension": coll.dim, "metric": coll.metric,
-                            "embedding": coll.embedding, "count": len(coll)})
+                # "building": there, but its search answers 503 until the build is done (the demo's first start)
+                out.append({"name": name, "state": "building" if name in building else "ready", "dimension": coll.dim,
+                            "metric": coll.metric, "embedding": coll.embedding, "count": len(coll)})
             except UnavailableError:
                 out.append(state.failed_info(name))
             except NotFoundError:  # dropped meanwhile

@@ -75,6 +75,27 @@ def test_first_start_builds_the_demo_with_its_index(server, client):
     assert client.get("/v1/collections").json()["collections"][0]["name"] == "demo"
 
 
+def test_the_listing_says_building_until_the_demo_answers(tmp_path):
+    """While the demo is built (on a first start) the listing shows it "building"; once it says "ready", the
+    demo answers a search (a collection listed ready answered 503 "being built" before)."""
+    srv = ServerProcess(tmp_path / "data", tmp_path / "server.log")
+    seen = []
+    try:
+        with srv.client() as c:
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline and seen[-1:] != ["ready"]:
+                demo = [x for x in c.get("/v1/collections").json()["collections"] if x["name"] == "demo"]
+                if demo:
+                    seen.append(demo[0]["state"])
+                    r = c.post("/v1/collections/demo/search", json={"vectors": [[1.0] + [0.0] * 383], "k": 1})
+                    # building may end between the two requests; listed ready, it has ended
+                    assert r.status_code == 200 if seen[-1] == "ready" else r.status_code in (200, 503), r.text
+                time.sleep(0.05)
+    finally:
+        srv.stop()
+    assert seen[-1] == "ready" and "building" in seen, seen[-5:]
+
+
 def test_text_search_finds_known_documents(client):
     r = search(client, texts=list(KNOWN), k=3)
     assert r.status_code == 200, r.text
