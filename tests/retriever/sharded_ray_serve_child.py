@@ -93,6 +93,9 @@ def main() -> None:
         hits = store.similarity_search(texts[3], k=4, filter={"kind": "odd"})
         report["langchain_first"] = [hits[0].id, hits[0].page_content] if hits else None
         report["langchain_filtered"] = len(hits) == 4 and all(h.metadata["kind"] == "odd" for h in hits)
+        # Text search through the shard actors: the collection's BM25 statistics gathered from each, then scored.
+        s, b = call("POST", "/v1/collections/docs/search", {"texts": ["note 3"], "mode": "text", "k": 3})
+        report["text_first"] = b["results"][0][0]["id"] if s == 200 and b["results"][0] else s
         # A shard actor killed: answers go on (partial where lists are missing), the router restarts it.
         victim = shard_actor_pids()[0]
         os.kill(victim, signal.SIGKILL)

@@ -84,6 +84,7 @@ def test_served_over_http_with_the_router_a_ray_serve_deployment(ray_namespace, 
     assert r["upsert"] == [200, {"ids": ["900000"]}] and r["upserted_found"], r
     assert r["delete"] == [200, {"deleted": 1}], r
     assert r["langchain_ids"] and r["langchain_first"] == ["n-3", "note 3"] and r["langchain_filtered"], r
+    assert r["text_first"] == "n-3", r
     assert r["langchain_after_heal"] and r["langchain_deleted"], r
     assert r["bad"] == 422 and r["unknown"] == 404, r
     # A shard actor killed: every answer meanwhile a 200 (partial or whole), the router restarted it by itself.
