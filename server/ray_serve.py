@@ -34,7 +34,7 @@ from fusionrag.retriever.sharded_docs import ShardedCollection
 from fusionrag.server.auth import KeyRing
 from fusionrag.server.config import ServerConfig
 from fusionrag.server.errors import http_error, install_handlers
-from fusionrag.server.requests import check_texts, search_params
+from fusionrag.server.requests import check_texts, search_params, search_queries
 from fusionrag.server.responses import VectorJSON, document_json, hit_json
 from fusionrag.server.routes.documents import page_answer, query_filter
 from fusionrag.server.schemas import CreateCollection, DeleteRequest, GetRequest, SearchRequest, UpsertRequest
@@ -138,16 +138,10 @@ def create_app(coll: ShardedCollection, keys: KeyRing | None = None) -> FastAPI:
         if body.mode == "vector" and body.vectors is None:
             raise http_error(422, "give 'vectors' (a sharded collection embeds nothing: texts are searched with mode "
                                   "'text', or 'hybrid' beside their vectors)")
-        if body.mode == "vector" and body.texts is not None:
-            raise http_error(422, "give exactly one of 'vectors' and 'texts' (mode 'vector' searches by vectors)")
-        if body.mode != "vector" and body.texts is None:
-            raise http_error(422, f"mode {body.mode!r} needs 'texts'")
+        queries = search_queries(body.mode, body.vectors, body.texts)
         if body.mode == "hybrid" and body.vectors is None:
             raise http_error(422, "mode 'hybrid' over a sharded collection needs 'vectors' beside the 'texts' "
                                   "(nothing is embedded)")
-        queries = body.texts if body.vectors is None else body.vectors
-        if not queries:
-            raise http_error(422, "no queries: 'vectors' or 'texts' is empty")
         at_most(len(queries), MAX_QUERIES, "queries")
         if body.k > MAX_K:
             raise http_error(422, f"k is {body.k}, at most {MAX_K} allowed")

@@ -36,6 +36,23 @@ def check_texts(texts, limit: int, what: str) -> None:
             raise http_error(422, f"{what}[{i}] has {len(t)} characters, at most {limit} allowed (max_text_chars)")
 
 
+def search_queries(mode: str, vectors: list | None, texts: list | None) -> list:
+    """A search body's queries as its mode takes them: its vectors, or its texts where it gives none (422 where
+    they do not fit the mode, or there are none)."""
+    if mode == "vector" and (vectors is None) == (texts is None):
+        raise http_error(422, "give exactly one of 'vectors' and 'texts'")
+    if mode != "vector" and texts is None:
+        raise http_error(422, f"mode {mode!r} needs 'texts'")
+    if mode == "text" and vectors is not None:
+        raise http_error(422, "mode 'text' searches by 'texts' alone: give no 'vectors'")
+    if mode == "hybrid" and vectors is not None and len(vectors) != len(texts):
+        raise http_error(422, f"mode 'hybrid' needs one text per query vector, got {len(texts)} for {len(vectors)}")
+    queries = vectors if vectors is not None else texts
+    if not queries:
+        raise http_error(422, "no queries: 'vectors' or 'texts' is empty")
+    return queries
+
+
 def query_words(coll: Collection, what: str) -> QueryWords:
     """The API's words for query vectors that `coll` cannot search."""
     name = repr(coll.name).replace("{", "{{").replace("}", "}}")

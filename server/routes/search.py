@@ -18,7 +18,7 @@ from fusionrag.server.errors import documented, http_error, json_body
 from fusionrag.server.deps import open_collection, state_of
 from fusionrag.server.responses import VectorJSON, hit_json, plain
 from fusionrag.server.requests import (check_texts, check_vectors, embedder_of, over_limit, query_words, read_json,
-                                       search_params)
+                                       search_params, search_queries)
 
 
 router = APIRouter(prefix="/v1")
@@ -43,17 +43,7 @@ async def search(request: Request, coll: Collection = Depends(open_collection)):
     rows = data.pop("vectors", None)
     # Vectors that are not a list are the model's to refuse, with its message.
     body = validate(SearchRequest, data if isinstance(rows, (list, type(None))) else {**data, "vectors": rows})
-    if body.mode == "vector" and (rows is None) == (body.texts is None):
-        raise http_error(422, "give exactly one of 'vectors' and 'texts'")
-    if body.mode != "vector" and body.texts is None:
-        raise http_error(422, f"mode {body.mode!r} needs 'texts'")
-    if body.mode == "text" and rows is not None:
-        raise http_error(422, "mode 'text' searches by 'texts' alone: give no 'vectors'")
-    if body.mode == "hybrid" and rows is not None and len(rows) != len(body.texts):
-        raise http_error(422, f"mode 'hybrid' needs one text per query vector, got {len(body.texts)} for {len(rows)}")
-    queries = rows if rows is not None else body.texts
-    if not queries:
-        raise http_error(422, "no queries: 'vectors' or 'texts' is empty")
+    queries = search_queries(body.mode, rows, body.texts)
     if body.k > cfg.max_k:
         raise http_error(422, f"k is {body.k}, at most {cfg.max_k} allowed (max_k)")
     params = search_params(body.params) if body.params else None
