@@ -28,6 +28,7 @@ import numpy as np
 from hybrid import SOURCE, half, load
 
 from fusionrag.retriever.docstore import DocStore
+from fusionrag.retriever.sharded import best_text_hits, sum_text_stats
 
 ROOT = Path(__file__).resolve().parent
 K = 10
@@ -67,11 +68,9 @@ def split(texts: list[str], pages: list[str], s: int, how: str) -> list[list[int
 
 
 def merged(found: list[tuple[np.ndarray, np.ndarray]]) -> list[tuple[int, float]]:
-    best: dict[int, float] = {}
-    for ids, scores in found:
-        for d, sc in zip(ids.tolist(), scores.tolist()):
-            best[d] = min(sc, best.get(d, sc))
-    return sorted(best.items(), key=lambda item: (item[1], item[0]))[:K]
+    """The stores' answers merged as the router merges them: (id, score) of the K best."""
+    ids, scores = best_text_hits(found, K)
+    return list(zip(ids.tolist(), scores.tolist()))
 
 
 def quality(rankings: list[list[tuple[int, float]]], answers: list[set], reference: list[list[tuple[int, float]]]):
@@ -115,10 +114,8 @@ def main() -> None:
             t = time.perf_counter()
             glob = []
             for q in qs:
-                counts = [st.text_stats([q]) for st in stores]
-                docs, tokens = sum(c[0] for c in counts), sum(c[1] for c in counts)
-                hits = [sum(c[2][0][w] for c in counts) for w in range(len(counts[0][2][0]))]
-                glob.append(merged([st.global_bm25(q, K, None, docs, tokens, hits) for st in stores]))
+                docs, tokens, hits = sum_text_stats([st.text_stats([q]) for st in stores], 1)
+                glob.append(merged([st.global_bm25(q, K, None, docs, tokens, hits[0]) for st in stores]))
             global_ms = 1000 * (time.perf_counter() - t) / len(qs)
             for name, ranked, ms in (("own", local, local_ms), ("collection's", glob, global_ms)):
                 rows.append({"split": how, "shards": s, "stats": name, **quality(ranked, answers, reference),

@@ -561,6 +561,25 @@ class _Generation:
         self.list_writes: dict[int, int] = {}  # upserts per router list that a merged generation holds
 
 
+def sum_text_stats(counts: list[tuple[int, int, list[list[int]]]], n_texts: int) -> tuple[int, int, list[list[int]]]:
+    """Stores' DocStore.text_stats summed: the collection's BM25 statistics (documents, tokens, per text the
+    documents each query word matches)."""
+    return (sum(c[0] for c in counts), sum(c[1] for c in counts),
+            [[sum(words) for words in zip(*(c[2][i] for c in counts))] for i in range(n_texts)])
+
+
+def best_text_hits(found: list[tuple[np.ndarray, np.ndarray]], limit: int) -> tuple[np.ndarray, np.ndarray]:
+    """Stores' (ids, bm25 scores) for one text merged: the `limit` best (lowest score, then id), a document
+    that several stores hold once, with its best score."""
+    best: dict[int, float] = {}
+    for ids, scores in found:
+        for d, sc in zip(ids.tolist(), scores.tolist()):
+            if d not in best or sc < best[d]:
+                best[d] = sc
+    order = sorted(best.items(), key=lambda item: (item[1], item[0]))[:limit]
+    return np.asarray([d for d, _ in order], np.int64), np.asarray([sc for _, sc in order], np.float64)
+
+
 class ShardServer:
     """One shard part, opened: the lists it is sent, filtered and re-ranked by Index.search_lists, its
     top-k as source rows with exact distances, merged with its fresh tier's exact top-k; its writes logged
@@ -1261,20 +1280,10 @@ class ShardedIndex(ManifestShape):
         """One call per shard, in parallel: {shard: (method, args)}; a shard that fails is marked down and the
         write refused (UnavailableError: not acknowledged; retrying it after the shard is back completes it).
         write=False: a read's round, failed the same way."""
-        handles = {s: self._call(s, method, *args) for s, (method, args) in sends.items()}
-        out, failed = {}, []
-        for s, h in handles.items():
-            try:
-                out[s] = self._get(h)
-            except Exception as e:  # noqa: BLE001
-                if _is_down(e):
-                    self._mark_down(s)
-                    failed.append((s, e))
-                else:
-                    raise
+        out, failed = self._round(sends)
         if failed:
             err = UnavailableError(f"{self.path}: {what} {'not acknowledged' if write else 'failed'}: shard "
-                                   f"{part_name(failed[0][0])} is down")
+                                   f"{part_name(failed[0])} is down")
             err.acked = set(out)  # the shards that did take it
             raise err
         return out
@@ -1463,37 +1472,27 @@ class ShardedIndex(ManifestShape):
         texts = list(texts)
         stats = None
         if global_stats:
-            got = self._live_round(live, "text_stats", (texts,))
-            stats = (sum(g[0] for g in got.values()), sum(g[1] for g in got.values()),
-                     [[sum(g[2][i][w] for g in got.values()) for w in range(len(query_words(t)))]
-                      for i, t in enumerate(texts)])
+            got, _ = self._round({s: ("text_stats", (texts,)) for s in live})
+            stats = sum_text_stats(list(got.values()), len(texts))
             live = sorted(got)
-        got = self._live_round(live, "text_search", (texts, int(limit), where, stats))
+        got, _ = self._round({s: ("text_search", (texts, int(limit), where, stats)) for s in live})
         missing = sorted(set(range(self.n_shards)) - set(got))
-        out = []
-        for i in range(len(texts)):
-            best: dict[int, float] = {}
-            for found in got.values():
-                for d, sc in zip(found[i][0].tolist(), found[i][1].tolist()):
-                    if d not in best or sc < best[d]:
-                        best[d] = sc
-            order = sorted(best.items(), key=lambda item: (item[1], item[0]))[:limit]
-            out.append((np.asarray([d for d, _ in order], np.int64), np.asarray([sc for _, sc in order], np.float64)))
-        return out, missing
+        return [best_text_hits([found[i] for found in got.values()], limit) for i in range(len(texts))], missing
 
-    def _live_round(self, shards: list[int], method: str, args: tuple) -> dict:
-        """One call to each of these shards, in parallel; {shard: answer} of those that answered (one that is
-        down is marked so and left out)."""
-        handles = {s: self._call(s, method, *args) for s in shards}
-        got = {}
+    def _round(self, sends: dict[int, tuple]) -> tuple[dict, list[int]]:
+        """One call per shard, in parallel: {shard: (method, args)}; ({shard: answer} of those that answered, the
+        shards found down, each marked so). Any other error is raised."""
+        handles = {s: self._call(s, method, *args) for s, (method, args) in sends.items()}
+        out, failed = {}, []
         for s, h in handles.items():
             try:
-                got[s] = self._get(h)
+                out[s] = self._get(h)
             except Exception as e:  # noqa: BLE001
                 if not _is_down(e):
                     raise
                 self._mark_down(s)
-        return got
+                failed.append(s)
+        return out, failed
 
     def page(self, after: int, limit: int, where: tuple[str, list] | None = None,
              with_vectors: bool = False) -> tuple[list[tuple], int | None]:
