@@ -27,7 +27,7 @@ import numpy as np
 
 from fusionrag.retriever.collection import CollectionSearch, Document, Hit
 from fusionrag.retriever.collection.api import fuse_ranks
-from fusionrag.retriever.collection.config import DEFAULT_TEXT_WEIGHT, HYBRID_DEPTH, SEARCH_MODES
+from fusionrag.retriever.collection.config import DEFAULT_TEXT_WEIGHT, HYBRID_DEPTH, check_search
 from fusionrag.retriever.collection.records import engine_form, upsert_record
 from fusionrag.retriever.config import SearchParams
 from fusionrag.retriever.errors import InputError, UnavailableError
@@ -170,24 +170,12 @@ class ShardedCollection:
         score, lower is better); "hybrid" both rankings, each HYBRID_DEPTH deep (or k), fused by reciprocal rank
         (the vectors must be given: nothing is embedded). partial=False: UnavailableError rather than an answer
         missing lists or documents of a down shard."""
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-            raise InputError(f"k must be a positive integer, got {k!r}")
-        k = int(k)
-        if mode not in SEARCH_MODES:
-            raise InputError(f"mode must be one of {SEARCH_MODES}, got {mode!r}")
+        k = check_search(k, mode, texts, vectors, text_weight)
         if mode == "vector" and texts is not None:
             raise InputError("mode 'vector' searches by vectors: texts are searched with mode 'text' or 'hybrid'")
-        if mode != "vector":
-            if isinstance(texts, str) or not isinstance(texts, Sequence) or not texts \
-                    or not all(isinstance(t, str) for t in texts):
-                raise InputError(f"mode {mode!r} needs texts: a non-empty list of strings")
-            if mode == "text" and vectors is not None:
-                raise InputError("mode 'text' searches by texts alone: give no query vectors")
-            if mode == "hybrid" and vectors is None:
-                raise InputError("mode 'hybrid' over a sharded collection needs the query vectors beside the texts "
-                                 "(it embeds nothing)")
-            if isinstance(text_weight, bool) or not isinstance(text_weight, (int, float)) or not 0 <= text_weight <= 1:
-                raise InputError(f"text_weight must be a number in [0, 1], got {text_weight!r}")
+        if mode == "hybrid" and vectors is None:
+            raise InputError("mode 'hybrid' over a sharded collection needs the query vectors beside the texts "
+                             "(it embeds nothing)")
         where = compile_filter(filter) if filter is not None else None
         if mode == "text":
             return self._text_hits(list(texts), k, where, with_vectors, partial)

@@ -44,7 +44,7 @@ from fusionrag.retriever.vectors import vector_problems
 from fusionrag.retriever.wal import WriteAheadLog
 from fusionrag.retriever.collection import compaction
 from fusionrag.retriever.collection.config import (CURRENT_FORMAT, DEFAULT_TEXT_WEIGHT, HYBRID_DEPTH,
-                                                   MERGE_RETRY_S, RRF_K, SEARCH_MODES, CollectionConfig)
+                                                   MERGE_RETRY_S, RRF_K, CollectionConfig, check_search)
 from fusionrag.retriever.collection.generations import (Generation, ReadView, load_published, rows_digest,
                                                         write_json_atomic, write_rows)
 from fusionrag.retriever.collection.records import (QUERY_WORDS, CollectionSearch, Document, Hit, Write,
@@ -395,25 +395,11 @@ class Collection:
         texts (hits' distance is SQLite's bm25, lower is better); "hybrid": both rankings, each
         HYBRID_DEPTH deep (or k), fused by reciprocal rank with the text ranking weighted
         text_weight (hits' score is the fused score, their distance the exact vector distance)."""
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-            raise InputError(f"k must be a positive integer, got {k!r}")
-        k = int(k)
-        if mode not in SEARCH_MODES:
-            raise InputError(f"mode must be one of {SEARCH_MODES}, got {mode!r}")
-        if mode == "text":
-            if vectors is not None:
-                raise InputError("mode 'text' searches by texts alone: give no query vectors")
-        else:
+        k = check_search(k, mode, texts, vectors, text_weight)
+        if mode != "text":
             q = self._queries(vectors)
-        if mode != "vector":
-            if isinstance(texts, str) or not isinstance(texts, Sequence) or not texts \
-                    or not all(isinstance(t, str) for t in texts):
-                raise InputError(f"mode {mode!r} needs texts: a non-empty list of strings")
-            if mode == "hybrid" and len(texts) != len(q):
-                raise InputError(f"mode 'hybrid' needs one text per query vector, got {len(texts)} for {len(q)}")
-            if isinstance(text_weight, bool) or not isinstance(text_weight, (int, float)) \
-                    or not 0 <= text_weight <= 1:
-                raise InputError(f"text_weight must be a number in [0, 1], got {text_weight!r}")
+        if mode == "hybrid" and len(texts) != len(q):
+            raise InputError(f"mode 'hybrid' needs one text per query vector, got {len(texts)} for {len(q)}")
         where = compile_filter(filter) if filter is not None else None
         if mode == "text":
             return self._text_hits(texts, k, where, with_vectors)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import field
-from typing import Annotated
+from typing import Annotated, Sequence
+
+import numpy as np
 
 from fusionrag.retriever.config import BuildConfig, _Config, config_class, knob
+from fusionrag.retriever.errors import InputError
 
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -21,6 +24,25 @@ SEARCH_MODES = ("vector", "text", "hybrid")
 HYBRID_DEPTH = 20
 RRF_K = 60
 DEFAULT_TEXT_WEIGHT = 0.5
+
+
+def check_search(k, mode: str, texts, vectors, text_weight) -> int:
+    """What a search's arguments must be in any collection, single-machine or sharded: k a positive integer,
+    a known mode; for 'text' and 'hybrid' texts as a non-empty list of strings and text_weight in [0, 1]; for
+    'text' no query vectors. Returns k as an int; InputError says what is wrong."""
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise InputError(f"k must be a positive integer, got {k!r}")
+    if mode not in SEARCH_MODES:
+        raise InputError(f"mode must be one of {SEARCH_MODES}, got {mode!r}")
+    if mode == "text" and vectors is not None:
+        raise InputError("mode 'text' searches by texts alone: give no query vectors")
+    if mode != "vector":
+        if isinstance(texts, str) or not isinstance(texts, Sequence) or not texts \
+                or not all(isinstance(t, str) for t in texts):
+            raise InputError(f"mode {mode!r} needs texts: a non-empty list of strings")
+        if isinstance(text_weight, bool) or not isinstance(text_weight, (int, float)) or not 0 <= text_weight <= 1:
+            raise InputError(f"text_weight must be a number in [0, 1], got {text_weight!r}")
+    return int(k)
 
 
 @config_class
