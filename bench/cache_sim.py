@@ -12,6 +12,7 @@ native buffer's own hit ratio, measured on the same stream, checks them. Also re
     wlfu        W-TinyLFU (Einziger et al.): 1% of each shard's frames an LRU window that admits every missed
                 block; a block leaving the window enters the main part only if the sketch counts it more
                 often than the main part's victim (lfu's sweep)
+    wlfuW       the same with a window of W% of the frames (--windows)
     opt         Belady with bypass over the whole buffer: on a miss, keep the blocks needed soonest (a block
                 needed later than every resident one is not kept): no policy reads fewer blocks
 
@@ -271,7 +272,9 @@ def record(idx_path: Path, q: np.ndarray, order: np.ndarray, batch: int, frac: i
 
 def markdown(res: dict) -> str:
     agings = sorted({int(k[len("lfu_aging"):]) for r in res["rows"] for k in r if k.startswith("lfu_aging")})
-    cols = ["clock", *(f"lfu_aging{a}" for a in agings), "wlfu", "opt"]
+    windows = sorted({k for r in res["rows"] for k in r if k.startswith("wlfu") and k != "wlfu"},
+                     key=lambda k: float(k[4:]))
+    cols = ["clock", *(f"lfu_aging{a}" for a in agings), "wlfu", *windows, "opt"]
     lines = [f"# Page-buffer policies replayed on real block traces ({res['date']}, {res['half']} half)", "",
              f"Machine: {res['machine']}. Streams of {res['length']} queries from the {res['half']} half of each "
              f"set's queries (bench/cache_policy.py's streams), in batches of {res['batch']}, one thread, CPU filter "
@@ -279,13 +282,14 @@ def markdown(res: dict) -> str:
              "buffer / pages the re-rank touched. `native clock` / `native lfu`: the engine's own counts on the "
              f"same stream (lfu with its built-in aging, {AGING} requests a frame); the other columns replay the "
              "recorded block trace (bench/cache_sim.py): `lfu_agingA` halves its counts every A requests a frame, "
-             "`wlfu` is W-TinyLFU (1% LRU window), `opt` is Belady's with bypass, the most any policy could serve.", "",
+             "`wlfu` is W-TinyLFU (1% LRU window), `wlfuW` with a W% window, `opt` is Belady's with bypass, the "
+             "most any policy could serve.", "",
              "| set | stream | buffer | native clock | native lfu | " + " | ".join(cols) + f" | lfu_aging{AGING} / clock |",
              "|---" * (6 + len(cols)) + "|"]
     for r in res["rows"]:
         ratio = r.get(f"lfu_aging{AGING}", float("nan")) / max(r["clock"], 1e-9)
         lines.append(f"| {r['set']} | {r['stream']} | {r['buffer']} | {r['native_clock']:.3f} | {r['native_lfu']:.3f} | "
-                     + " | ".join(f"{r[c]:.3f}" for c in cols) + f" | {ratio:.2f} |")
+                     + " | ".join(f"{r[c]:.3f}" if c in r else "–" for c in cols) + f" | {ratio:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -301,6 +305,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--agings", nargs="*", type=int, default=[10, 20, 40, 80],
                     help="lfu's requests per frame between halvings, replayed")
+    ap.add_argument("--windows", nargs="*", type=float, default=[],
+                    help="W-TinyLFU windows (fractions of the frames) replayed besides wlfu's 1%%")
     ap.add_argument("--tag", default="cache_sim")
     args = ap.parse_args()
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -323,7 +329,9 @@ def main() -> None:
                        "requests": int((trace[start:, 0] != CALL).sum())}
                 policies = [("clock", NativeReplay(frames, "clock"))]
                 policies += [(f"lfu_aging{a}", NativeReplay(frames, "lfu", a)) for a in args.agings]
-                for p, pol in policies + [("wlfu", WTinyLfu(frames))]:
+                policies += [("wlfu", WTinyLfu(frames))]
+                policies += [(f"wlfu{w * 100:g}", WTinyLfu(frames, w)) for w in args.windows]
+                for p, pol in policies:
                     read, served = replay(pol, trace, start)
                     row[p] = served / max(1, read + served)
                 read, served = belady(trace, frames, start)

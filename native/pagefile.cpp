@@ -394,7 +394,8 @@ uint8_t* AlignedBuffer::get(size_t need) {
 BufferPolicy parse_buffer_policy(const std::string& name) {
   if (name == "clock") return BufferPolicy::Clock;
   if (name == "lfu") return BufferPolicy::Lfu;
-  throw std::invalid_argument("buffer_policy must be 'clock' or 'lfu', not '" + name + "'");
+  if (name == "auto") return BufferPolicy::Auto;
+  throw std::invalid_argument("buffer_policy must be 'auto', 'clock' or 'lfu', not '" + name + "'");
 }
 
 namespace {
@@ -424,7 +425,21 @@ PageBuffer::PageBuffer(size_t capacity, size_t block_bytes, BufferPolicy policy)
     s.pinned.assign(hi - lo, 0);
     s.frame_of.reserve(hi - lo);
     // Sixteen counters a frame: the sketch must tell apart blocks not in the buffer too.
-    if (policy == BufferPolicy::Lfu) s.sketch.assign(pow2_at_least(std::max<size_t>(64, 16 * (hi - lo))), 0);
+    if (policy != BufferPolicy::Clock) s.sketch.assign(pow2_at_least(std::max<size_t>(64, 16 * (hi - lo))), 0);
+  }
+  if (policy == BufferPolicy::Auto) {
+    // A sample of the blocks big enough that each shadow is a shard's size: about 256 frames or more.
+    mini_ = std::make_unique<Miniature>();
+    mini_->rate = std::max<size_t>(1, capacity / 256);
+    const size_t frames = std::max<size_t>(1, capacity / mini_->rate);
+    mini_->period = frames;
+    for (int i = 0; i < 2; ++i) {
+      Shard& sh = mini_->shadow[i];
+      sh.block_of.assign(frames, kEmpty);
+      sh.uses.assign(frames, 0);
+      sh.pinned.assign(frames, 0);
+      if (i == 1) sh.sketch.assign(pow2_at_least(std::max<size_t>(64, 16 * frames)), 0);
+    }
   }
 }
 
@@ -446,7 +461,7 @@ uint32_t PageBuffer::estimate(const Shard& s, uint32_t block) const {
 }
 
 void PageBuffer::count(Shard& s, uint32_t block, uint32_t weight) {
-  if (policy_ != BufferPolicy::Lfu) return;
+  if (s.sketch.empty()) return;  // Clock
   const size_t mask = s.sketch.size() - 1;
   // Conservative update: only the counters at the minimum grow.
   const uint32_t now = estimate(s, block), to = std::min<uint32_t>(255, now + weight);
@@ -476,15 +491,67 @@ size_t PageBuffer::victim(Shard& s) {
   }
 }
 
+// A hit on a frame: Clock marks it referenced, Lfu counts its uses.
+void PageBuffer::hit(Shard& s, size_t frame, uint32_t weight, bool lfu) {
+  uint8_t& uses = s.uses[frame];
+  uses = lfu ? uint8_t(std::min<uint32_t>(kMaxUses, uses + weight)) : 1;
+}
+
+// The frame a missed block takes, its victim evicted (*evicted says whether there
+// was one), or SIZE_MAX when Lfu's admission keeps the victim. Clock: a new block
+// earns its second chance only when it is hit again, so one scan of cold blocks
+// cannot flush the hot ones. Lfu: it was admitted for its requests, and starts
+// with one use.
+size_t PageBuffer::place(Shard& s, uint32_t block, uint32_t weight, bool lfu, bool pin, bool* evicted) {
+  const size_t f = victim(s);
+  *evicted = s.block_of[f] != kEmpty;
+  if (*evicted) {
+    // TinyLFU admission: a block requested no more often than the victim would
+    // only push out something as likely to come back.
+    if (lfu && !pin && estimate(s, block) <= estimate(s, s.block_of[f])) return SIZE_MAX;
+    s.frame_of.erase(s.block_of[f]);
+  }
+  s.block_of[f] = block;
+  s.uses[f] = lfu ? uint8_t(std::min<uint32_t>(kMaxUses, weight)) : 0;
+  s.frame_of[block] = uint32_t(f);
+  return f;
+}
+
+// Auto: a request of a sampled block through both shadows; at the end of each
+// period the buffer takes the mode whose shadow served more, recent periods
+// weighing most.
+void PageBuffer::simulate(uint32_t block, uint32_t weight) {
+  Miniature& m = *mini_;
+  std::lock_guard<std::mutex> lk(m.mutex);
+  for (int i = 0; i < 2; ++i) {
+    Shard& s = m.shadow[i];
+    count(s, block, weight);
+    auto it = s.frame_of.find(block);
+    bool evicted;
+    if (it != s.frame_of.end()) {
+      m.hits[i] += weight;
+      hit(s, it->second, weight, i == 1);
+    } else {
+      place(s, block, weight, i == 1, false, &evicted);
+    }
+  }
+  m.seen += weight;
+  if (m.seen < m.period) return;
+  m.seen = 0;
+  for (int i = 0; i < 2; ++i) m.score[i] = m.score[i] / 2 + double(m.hits[i]), m.hits[i] = 0;
+  const bool lfu = m.score[1] >= m.score[0];
+  if (lfu_mode_.exchange(lfu, std::memory_order_relaxed) != lfu) switches_.fetch_add(1, std::memory_order_relaxed);
+}
+
 bool PageBuffer::lookup(uint32_t block, uint8_t* out, uint32_t weight) {
   if (!capacity_) return false;
+  if (mini_ && (((uint64_t(block) + 1) * 0xD6E8FEB86659FD93ull) >> 40) % mini_->rate == 0) simulate(block, weight);
   Shard& s = shard(block);
   std::lock_guard<std::mutex> lk(s.mutex);
   count(s, block, weight);
   auto it = s.frame_of.find(block);
   if (it == s.frame_of.end()) return false;
-  uint8_t& uses = s.uses[it->second];
-  uses = policy_ == BufferPolicy::Clock ? 1 : uint8_t(std::min<uint32_t>(kMaxUses, uses + weight));
+  hit(s, it->second, weight, lfu_now());
   std::memcpy(out, s.frames + size_t(it->second) * block_bytes_, block_bytes_);
   return true;
 }
@@ -499,21 +566,11 @@ void PageBuffer::insert(uint32_t block, const uint8_t* data, uint32_t weight) {
     if (pin && !s.pinned[it->second]) s.pinned[it->second] = 1, ++s.num_pinned;
     return;
   }
-  const size_t f = victim(s);
-  if (s.block_of[f] != kEmpty) {
-    // TinyLFU admission: a block requested no more often than the victim would
-    // only push out something as likely to come back.
-    if (policy_ == BufferPolicy::Lfu && !pin && estimate(s, block) <= estimate(s, s.block_of[f])) return;
-    s.frame_of.erase(s.block_of[f]);
-    evictions_.fetch_add(1, std::memory_order_relaxed);
-  }
-  // Clock: a new block earns its second chance only when it is hit again, so
-  // one scan of cold blocks cannot flush the hot ones. Lfu: it was admitted for
-  // its requests, and starts with one use.
-  s.block_of[f] = block;
-  s.uses[f] = policy_ == BufferPolicy::Lfu ? uint8_t(std::min<uint32_t>(kMaxUses, weight)) : 0;
+  bool evicted;
+  const size_t f = place(s, block, weight, lfu_now(), pin, &evicted);
+  if (f == SIZE_MAX) return;
+  if (evicted) evictions_.fetch_add(1, std::memory_order_relaxed);
   if (pin) s.pinned[f] = 1, ++s.num_pinned;
-  s.frame_of[block] = uint32_t(f);
   std::memcpy(s.frames + f * block_bytes_, data, block_bytes_);
 }
 
@@ -522,6 +579,16 @@ bool PageBuffer::resident(uint32_t block) {
   Shard& s = shard(block);
   std::lock_guard<std::mutex> lk(s.mutex);
   return s.frame_of.count(block) != 0;
+}
+
+bool PageBuffer::peek(uint32_t block, uint8_t* out) {
+  if (!capacity_) return false;
+  Shard& s = shard(block);
+  std::lock_guard<std::mutex> lk(s.mutex);
+  auto it = s.frame_of.find(block);
+  if (it == s.frame_of.end()) return false;
+  std::memcpy(out, s.frames + size_t(it->second) * block_bytes_, block_bytes_);
+  return true;
 }
 
 std::vector<uint32_t> PageBuffer::pin(const uint32_t* blocks, size_t n) {
@@ -569,6 +636,19 @@ void PageBuffer::clear() {
     s.wanted.clear();
     s.hand = s.num_pinned = 0;
     s.requests = 0;
+  }
+  if (mini_) {
+    std::lock_guard<std::mutex> lk(mini_->mutex);
+    for (Shard& s : mini_->shadow) {
+      std::fill(s.block_of.begin(), s.block_of.end(), kEmpty);
+      std::fill(s.uses.begin(), s.uses.end(), 0);
+      std::fill(s.sketch.begin(), s.sketch.end(), 0);
+      s.frame_of.clear();
+      s.hand = 0, s.requests = 0;
+    }
+    mini_->seen = mini_->hits[0] = mini_->hits[1] = 0;
+    mini_->score[0] = mini_->score[1] = 0;
+    lfu_mode_.store(true, std::memory_order_relaxed);
   }
 }
 
@@ -764,7 +844,7 @@ std::vector<uint32_t> PageStore::take_trace() {
 
 PageStoreStats PageStore::stats() {
   return {blocks_read_.load(), blocks_from_buffer_.load(), read_calls_.load(), buffer_.evictions(),
-          pin_reads_.load(), buffer_.pinned(), read_ahead_.load(), read_ahead_unused_.load()};
+          pin_reads_.load(), buffer_.pinned(), read_ahead_.load(), read_ahead_unused_.load(), buffer_.switches()};
 }
 
 }  // namespace fusionrag
@@ -772,6 +852,10 @@ PageStoreStats PageStore::stats() {
 using namespace fusionrag;
 
 namespace {
+
+std::string policy_name(BufferPolicy p) {
+  return p == BufferPolicy::Lfu ? "lfu" : p == BufferPolicy::Clock ? "clock" : "auto";
+}
 
 using U8Array = nb::ndarray<const uint8_t, nb::c_contig, nb::device::cpu>;
 using U32Vector = nb::ndarray<const uint32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
@@ -888,8 +972,9 @@ void bind_pagefile(nb::module_& m) {
       .def_prop_ro("block_bytes", [](const PageStore& s) { return s.layout().block_bytes(); })
       .def_prop_ro("buffer_capacity", &PageStore::buffer_capacity)
       .def_prop_ro("buffer_bytes", [](const PageStore& s) { return s.buffer_capacity() * s.layout().block_bytes(); })
-      .def_prop_ro("buffer_policy",
-                   [](const PageStore& s) { return std::string(s.buffer_policy() == BufferPolicy::Lfu ? "lfu" : "clock"); })
+      .def_prop_ro("buffer_policy", [](const PageStore& s) { return policy_name(s.buffer_policy()); })
+      .def_prop_ro("buffer_mode", [](const PageStore& s) { return policy_name(s.buffer_mode()); },
+                   "The policy the page buffer runs now: 'clock' or 'lfu' ('auto' switches between them).")
       .def(
           "pin",
           [](PageStore& s, U32Vector blocks) {
@@ -966,11 +1051,12 @@ void bind_pagefile(nb::module_& m) {
             d["pinned"] = st.pinned;
             d["read_ahead"] = st.read_ahead;
             d["read_ahead_unused"] = st.read_ahead_unused;
+            d["policy_switches"] = st.policy_switches;
             return d;
           },
           "Cumulative counters: blocks_read (from the SSD, for fetches, read-ahead included), blocks_from_buffer, "
           "read_calls (batched submissions), evictions, pin_reads (blocks read from the SSD to pin them), "
           "read_ahead (blocks read for a re-rank's next mini-batches before it asked: rerank(prefetch=True)), "
           "read_ahead_unused (of those, the ones no mini-batch took: early stops' wasted reads); and pinned, the "
-          "blocks pinned now.");
+          "blocks pinned now; policy_switches (buffer_policy 'auto': times it changed between clock and lfu).");
 }

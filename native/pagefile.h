@@ -47,8 +47,13 @@ struct AlignedBuffer {
 // (hits and misses, weighted by how many queries asked), halved every
 // kAgingRequests x frames requests so that old hotness fades; a missed block is admitted
 // only if requested more often than the victim (TinyLFU), and victims are
-// swept by a generalised CLOCK whose per-frame counters count hits.
-enum class BufferPolicy { Clock, Lfu };
+// swept by a generalised CLOCK whose per-frame counters count hits. Auto: runs
+// as one or the other, whichever serves more now: both are simulated in miniature
+// (metadata only, on a sample of the blocks; Waldspurger et al., ATC 2017) and the
+// buffer takes the mode whose miniature served more over the last periods. Lfu
+// wins on skewed streams; Clock where new blocks come back soon and never again
+// (TinyLFU's admission keeps them out).
+enum class BufferPolicy { Clock, Lfu, Auto };
 BufferPolicy parse_buffer_policy(const std::string& name);
 
 // The DRAM page buffer: a fixed number of block frames shared by every query and
@@ -63,10 +68,16 @@ class PageBuffer {
   ~PageBuffer();
   size_t capacity() const { return capacity_; }
   BufferPolicy policy() const { return policy_; }
+  // The mode it runs in now: Clock or Lfu (Auto switches between them).
+  BufferPolicy mode() const { return lfu_now() ? BufferPolicy::Lfu : BufferPolicy::Clock; }
+  uint64_t switches() const { return switches_.load(std::memory_order_relaxed); }
   // weight: how many queries asked for the block (Lfu counts it; Clock ignores it).
   bool lookup(uint32_t block, uint8_t* out, uint32_t weight = 1);
   void insert(uint32_t block, const uint8_t* data, uint32_t weight = 1);
   bool resident(uint32_t block);
+  // Copies the block to out when it is resident, without counting a request or a use:
+  // a look that the policy does not learn from. Returns whether it was there.
+  bool peek(uint32_t block, uint8_t* out);
   // Replaces the pinned set by blocks (most wanted first); returns those of them
   // not resident, which the caller reads and inserts: they are pinned as they come in.
   std::vector<uint32_t> pin(const uint32_t* blocks, size_t n);
@@ -90,8 +101,17 @@ class PageBuffer {
     std::unordered_map<uint32_t, uint32_t> frame_of;
     std::unordered_set<uint32_t> wanted;  // blocks to pin
     size_t hand = 0, num_pinned = 0;
-    std::vector<uint8_t> sketch;  // Lfu: count-min, two counters per block
+    std::vector<uint8_t> sketch;  // Lfu and Auto: count-min, two counters per block
     uint64_t requests = 0;
+  };
+  // Auto: the two policies simulated on the sampled blocks, in shadows of
+  // capacity / rate frames that hold no data; a period is that many sampled requests.
+  struct Miniature {
+    std::mutex mutex;
+    Shard shadow[2];  // [0] Clock, [1] Lfu
+    size_t rate = 1;
+    uint64_t seen = 0, period = 1, hits[2] = {0, 0};
+    double score[2] = {0, 0};  // hits, each period's half the weight of the next
   };
   size_t shard_index(uint32_t block) const { return (block * 0x9E3779B1u >> 16) % shards_.size(); }
   Shard& shard(uint32_t block) { return shards_[shard_index(block)]; }
@@ -99,12 +119,20 @@ class PageBuffer {
   void count(Shard& s, uint32_t block, uint32_t weight);
   uint32_t estimate(const Shard& s, uint32_t block) const;
   size_t victim(Shard& s);
+  bool lfu_now() const {
+    return policy_ == BufferPolicy::Lfu || (policy_ == BufferPolicy::Auto && lfu_mode_.load(std::memory_order_relaxed));
+  }
+  void hit(Shard& s, size_t frame, uint32_t weight, bool lfu);
+  size_t place(Shard& s, uint32_t block, uint32_t weight, bool lfu, bool pin, bool* evicted);
+  void simulate(uint32_t block, uint32_t weight);
 
   size_t capacity_, block_bytes_, arena_bytes_ = 0;
   BufferPolicy policy_;
   void* arena_ = nullptr;
   std::vector<Shard> shards_;
-  std::atomic<uint64_t> evictions_{0};
+  std::unique_ptr<Miniature> mini_;
+  std::atomic<bool> lfu_mode_{true};
+  std::atomic<uint64_t> evictions_{0}, switches_{0};
 };
 
 // Reads whole blocks; one implementation per I/O path so either can be swapped in.
@@ -148,7 +176,8 @@ class ReadAhead {
 };
 
 struct PageStoreStats {
-  uint64_t blocks_read, blocks_from_buffer, read_calls, evictions, pin_reads, pinned, read_ahead, read_ahead_unused;
+  uint64_t blocks_read, blocks_from_buffer, read_calls, evictions, pin_reads, pinned, read_ahead, read_ahead_unused,
+      policy_switches;
 };
 
 class PageStore {
@@ -179,6 +208,9 @@ class PageStore {
   // Returns how many are pinned. Meant for a background thread.
   size_t pin(const uint32_t* blocks, size_t n);
   bool resident(uint32_t block) { return buffer_.resident(block); }
+  // The block from the page buffer into out, if it is there now (nothing read, nothing counted:
+  // blocks_from_buffer and the replacement policy do not see it). For block < num_blocks().
+  bool peek(uint32_t block, uint8_t* out) { return buffer_.peek(block, out); }
   void reset_buffer() { buffer_.clear(); }
   // Records every block fetch() is asked for, in order, with its weight (for offline
   // replays of buffer policies: bench/cache_sim.py). Off: one relaxed load per fetch.
@@ -193,6 +225,7 @@ class PageStore {
   size_t num_blocks() const { return crc_.size(); }
   size_t buffer_capacity() const { return buffer_.capacity(); }
   BufferPolicy buffer_policy() const { return buffer_.policy(); }
+  BufferPolicy buffer_mode() const { return buffer_.mode(); }
   const char* backend() const { return reader_->name(); }
   bool direct() const { return direct_; }
   int fd() const { return fd_; }

@@ -4,7 +4,10 @@
 // also scores the query's later candidates stored in it: they cost no read, the
 // build puts near vectors on the same page, and their own mini-batch later has
 // nothing to read for them. With prefetch on, the reads of the next mini-batches
-// are in flight while this one is scored.
+// are in flight while this one is scored. With resident-first on, a query's first
+// round also scores every later candidate whose block is in the page buffer then:
+// a copy from DRAM, no read, and the top-k starts nearer where it ends, so it
+// holds still after fewer SSD reads.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
@@ -134,7 +137,9 @@ struct RerankParams {
   size_t k, minibatch;
   float eps;
   int64_t beta;
-  bool page_mates, prefetch;
+  bool page_mates, prefetch, resident_first;
+  // Whether a query tracks which candidates have a distance (by_block, scored).
+  bool tracks() const { return page_mates || resident_first; }
 };
 
 // One query's progress through Algorithm 1. It advances one mini-batch at a
@@ -145,26 +150,26 @@ struct QueryState {
   bool live = false;
   std::vector<int64_t> batch;        // the next mini-batch: candidate ids, and their positions
   std::vector<uint32_t> batch_pos;
-  // Page-mates only: (block, position) of every candidate, sorted, and which have a distance.
+  // Page-mates or resident-first only: (block, position) of every candidate, sorted, and which have a distance.
   std::vector<std::pair<uint32_t, uint32_t>> by_block;
   std::vector<uint8_t> scored;
   // Max-heap on (distance, id): the root is the worst kept, ties keep the smaller id.
   std::vector<std::pair<float, int64_t>> heap;
   std::vector<int64_t> top, prev_top;
-  int64_t batches = 0, from_ssd = 0, from_buffer = 0, stable = 0, reranked = 0, mates = 0;
+  int64_t batches = 0, from_ssd = 0, from_buffer = 0, stable = 0, reranked = 0, mates = 0, resident = 0;
   double seconds = 0;
 
-  void start(size_t query, const int64_t* cand, size_t n, const Exact* mates_of) {
+  void start(size_t query, const int64_t* cand, size_t n, const Exact* tracked) {
     row = query, pos = 0, end = std::find(cand, cand + n, int64_t(-1)) - cand;
     live = true;
     heap.clear(), prev_top.clear();
-    batches = from_ssd = from_buffer = stable = reranked = mates = 0;
+    batches = from_ssd = from_buffer = stable = reranked = mates = resident = 0;
     seconds = 0;
     by_block.clear();
-    if (!mates_of) return;
+    if (!tracked) return;
     scored.assign(end, 0);
     for (size_t j = 0; j < end; ++j)
-      if (cand[j] >= 0) by_block.push_back({uint32_t(mates_of->block_of(cand[j])), uint32_t(j)});
+      if (cand[j] >= 0) by_block.push_back({uint32_t(tracked->block_of(cand[j])), uint32_t(j)});
     std::sort(by_block.begin(), by_block.end());
   }
   bool done(const RerankParams& p) const { return pos >= end || (p.beta > 0 && stable >= p.beta); }
@@ -174,7 +179,31 @@ struct QueryState {
   void next_batch(const int64_t* cand, const RerankParams& p) {
     batch.clear(), batch_pos.clear();
     for (const size_t stop = std::min(end, pos + p.minibatch); pos < stop; ++pos)
-      if (!p.page_mates || !scored[pos]) batch.push_back(cand[pos]), batch_pos.push_back(uint32_t(pos));
+      if (!p.tracks() || !scored[pos]) batch.push_back(cand[pos]), batch_pos.push_back(uint32_t(pos));
+  }
+
+  // Resident-first: appends to ids/dist every candidate not scored yet whose block
+  // is in the page buffer now, copied from there into one (nothing read, nothing
+  // counted by the buffer's policy), and marks them scored.
+  void residents(const Exact& ex, const float* q, const int64_t* cand, AlignedBuffer& one, std::vector<int64_t>& ids,
+                 std::vector<float>& dist) {
+    const PageLayout& layout = ex.store.layout();
+    uint8_t* data = one.get(layout.block_bytes());
+    for (auto it = by_block.begin(); it != by_block.end();) {
+      auto stop = it;
+      bool wanted = false;
+      for (; stop != by_block.end() && stop->first == it->first; ++stop) wanted |= !scored[stop->second];
+      if (wanted && ex.store.peek(it->first, data))
+        for (; it != stop; ++it) {
+          if (scored[it->second]) continue;
+          scored[it->second] = 1;
+          const int64_t id = cand[it->second];
+          ids.push_back(id);
+          dist.push_back(ex.distance(q, data + layout.offset_in_block(ex.locations[id]), ex.dim));
+          ++resident;
+        }
+      it = stop;
+    }
   }
 
   // Appends to ids/dist the later candidates stored in the query's blocks `mine`
@@ -182,7 +211,6 @@ struct QueryState {
   void page_mates(const Exact& ex, const float* q, const int64_t* cand, const std::vector<uint32_t>& mine,
                   const std::vector<uint32_t>& blocks, const uint8_t* data, std::vector<int64_t>& ids,
                   std::vector<float>& dist) {
-    for (uint32_t at : batch_pos) scored[at] = 1;
     auto it = by_block.begin();
     for (uint32_t b : mine) {
       it = std::lower_bound(it, by_block.end(), std::make_pair(b, uint32_t(0)));
@@ -197,8 +225,9 @@ struct QueryState {
   }
 
   // Takes the exact distances of ids[0, n): the mini-batch's m candidates first,
-  // then their page-mates; and applies the stop rule.
-  void absorb(const int64_t* ids, const float* dist, size_t n, size_t m, const RerankParams& p) {
+  // then their page-mates, then `free` scored from the buffer (resident-first); and
+  // applies the stop rule.
+  void absorb(const int64_t* ids, const float* dist, size_t n, size_t m, const RerankParams& p, size_t free = 0) {
     for (size_t j = 0; j < n; ++j) {
       std::pair<float, int64_t> e{dist[j], ids[j]};
       if (heap.size() == p.k && !(e < heap.front())) continue;
@@ -211,7 +240,7 @@ struct QueryState {
         heap.pop_back();
       }
     }
-    ++batches, reranked += int64_t(n), mates += int64_t(n - m);
+    ++batches, reranked += int64_t(n), mates += int64_t(n - m - free);
 
     // Delta = |S_n \ S_{n-1}| / k; the first mini-batch never counts as stable.
     top.clear();
@@ -236,12 +265,13 @@ struct QueryState {
       dists[j] = j < heap.size() ? heap[j].first : std::numeric_limits<float>::infinity();
     }
     stats[0] = batches, stats[1] = reranked, stats[2] = from_ssd, stats[3] = from_buffer, stats[4] = mates;
+    stats[5] = resident;
     *secs = seconds;
     live = false;
   }
 };
 
-constexpr size_t kStats = 5;  // per query: see rerank's docstring
+constexpr size_t kStats = 6;  // per query: see rerank's docstring
 
 // One rerank call: its inputs and outputs.
 struct RerankJob {
@@ -272,7 +302,7 @@ struct Scratch {
   std::vector<uint32_t> blocks, mine, weights, next_blocks;
   ReadAhead ahead;
   std::vector<uint8_t> unclaimed;  // per block of the round: read from the SSD, not yet counted
-  AlignedBuffer data;
+  AlignedBuffer data, one;  // one: a block peeked from the buffer (resident-first)
   std::vector<float> dist;
   std::vector<int64_t> ids;
 };
@@ -290,14 +320,14 @@ void read_next(const RerankJob& job, Scratch& s) {
   s.next_blocks.clear();
   for (QueryState& st : s.slots) {
     if (!st.live || st.pos >= st.end || (p.beta > 1 && st.stable == p.beta - 1)) continue;
-    if (p.page_mates) {
+    if (p.tracks()) {
       s.mine.clear();
       ex.add_blocks(st.batch.data(), st.batch.size(), s.mine);
       std::sort(s.mine.begin(), s.mine.end());
     }
     const int64_t* cand = job.row(st);
     for (size_t j = st.pos, stop = std::min(st.end, st.pos + p.minibatch); j < stop; ++j) {
-      if (cand[j] < 0 || (p.page_mates && st.scored[j])) continue;
+      if (cand[j] < 0 || (p.tracks() && st.scored[j])) continue;
       const uint32_t b = uint32_t(ex.block_of(cand[j]));
       if (p.page_mates && std::binary_search(s.mine.begin(), s.mine.end(), b)) continue;
       s.next_blocks.push_back(b);
@@ -322,7 +352,7 @@ void rerank_queries(const RerankJob& job, size_t first, size_t last, size_t infl
     size_t live = 0;
     for (QueryState& st : s.slots) {
       while (!st.live && next < last) {
-        st.start(next, job.cand + next * job.n, job.n, p.page_mates ? &ex : nullptr);
+        st.start(next, job.cand + next * job.n, job.n, p.tracks() ? &ex : nullptr);
         ++next;
         if (st.done(p)) job.finish(st);  // no candidates
       }
@@ -365,13 +395,16 @@ void rerank_queries(const RerankJob& job, size_t first, size_t last, size_t infl
       const float* q = job.queries + st.row * ex.dim;
       s.dist.resize(m);
       ex.distances_in(q, cand, m, s.blocks, data, s.dist.data());
-      if (!p.page_mates) {
+      if (!p.tracks()) {
         st.absorb(cand, s.dist.data(), m, m, p);
         continue;
       }
       s.ids.assign(cand, cand + m);
-      st.page_mates(ex, q, job.row(st), s.mine, s.blocks, data, s.ids, s.dist);
-      st.absorb(s.ids.data(), s.dist.data(), s.ids.size(), m, p);
+      for (uint32_t at : st.batch_pos) st.scored[at] = 1;
+      if (p.page_mates) st.page_mates(ex, q, job.row(st), s.mine, s.blocks, data, s.ids, s.dist);
+      const size_t before = s.ids.size();
+      if (p.resident_first && st.batches == 0) st.residents(ex, q, job.row(st), s.one, s.ids, s.dist);
+      st.absorb(s.ids.data(), s.dist.data(), s.ids.size(), m, p, s.ids.size() - before);
     }
     // The round's time is split among its queries, so per-query seconds sum to the worker's time.
     double share = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / double(live);
@@ -399,7 +432,7 @@ void bind_rerank(nb::module_& m) {
       "rerank",
       [](PageStore& store, Queries queries, IdMatrix candidates, Locations locations, const std::string& dtype,
          const std::string& metric, int64_t k, int64_t minibatch, float eps, int64_t beta, int num_threads,
-         int64_t inflight, bool page_mates, bool prefetch) {
+         int64_t inflight, bool page_mates, bool prefetch, bool resident_first) {
         Exact ex(store, queries, locations, dtype, metric);
         check_rows(queries, candidates, "candidates");
         if (k <= 0) throw std::invalid_argument("k must be positive");
@@ -409,7 +442,7 @@ void bind_rerank(nb::module_& m) {
         NumpyOut<int64_t> ids({nq, size_t(k)}), stats({nq, kStats});
         NumpyOut<float> dists({nq, size_t(k)});
         NumpyOut<double> seconds({nq});
-        const RerankParams params{size_t(k), size_t(minibatch), eps, beta, page_mates, prefetch};
+        const RerankParams params{size_t(k), size_t(minibatch), eps, beta, page_mates, prefetch, resident_first};
         const RerankJob job{ex, params, queries.data(), candidates.data(), n,
                             ids.data(), stats.data(), dists.data(), seconds.data()};
         {
@@ -432,15 +465,19 @@ void bind_rerank(nb::module_& m) {
       },
       "store"_a, "queries"_a, "candidates"_a, "locations"_a, "dtype"_a, "metric"_a, "k"_a, "minibatch"_a, "eps"_a,
       "beta"_a, "num_threads"_a = 0, "inflight"_a = 16, "page_mates"_a = false, "prefetch"_a = false,
+      "resident_first"_a = false,
       "Exact top-k of each query's PQ-ranked candidates (best first, -1 padded), read from the page file in "
       "mini-batches with early stop; each worker thread keeps up to `inflight` queries in flight and reads their "
       "mini-batches' blocks together. With page_mates, a block read also scores the query's later candidates "
       "stored in it; their own mini-batch then reads nothing for them. With prefetch, the reads of each query's next "
       "mini-batch start before this one is scored, so they overlap the scoring (not for a query one stable "
       "mini-batch from its stop, unless beta is 1); those an early stop leaves unused show in "
-      "store.stats()['read_ahead_unused']. Returns (ids int64[q,k], dists float32[q,k], stats "
-      "int64[q,5] = [minibatches, candidates re-ranked, blocks from SSD, blocks from buffer, of those re-ranked "
-      "the page-mates], seconds float64[q] = the query's share of its worker's time). A block read once for "
+      "store.stats()['read_ahead_unused']. With resident_first, a query's first mini-batch also scores every later "
+      "candidate whose block is in the page buffer then (copied from it, nothing read, not counted as a buffer "
+      "request). Returns (ids int64[q,k], dists float32[q,k], stats "
+      "int64[q,6] = [minibatches, candidates re-ranked, blocks from SSD, blocks from buffer, of those re-ranked "
+      "the page-mates, of those re-ranked the resident-first ones], seconds float64[q] = the query's share of its "
+      "worker's time). A block read once for "
       "several queries counts as from SSD for one of them.");
 
   m.def(

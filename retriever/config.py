@@ -24,7 +24,7 @@ Metric = Literal["l2", "ip", "cosine"]
 IoBackend = Literal["auto", "io_uring", "pread"]
 DirectIO = Literal["auto", "on", "off"]
 FilterTier = Literal["auto", "cpu", "gpu"]
-BufferPolicy = Literal["clock", "lfu"]
+BufferPolicy = Literal["auto", "clock", "lfu"]
 Probe = Literal["ratio", "learned"]
 METRICS = get_args(Metric)
 IO_BACKENDS = get_args(IoBackend)
@@ -293,6 +293,11 @@ class SearchParams(_Config):
     eps: Annotated[float, knob("early stop: top-k change ratio counted as stable", ge=0, le=1)] = 0.0
     beta: Annotated[int, knob("early stop after this many stable mini-batches (0 disables)", ge=0,
                               note="0 disables early stop")] = 2
+    # A query's first mini-batch also scores its later candidates whose blocks are in the DRAM page buffer
+    # then: no read, and the top-k starts nearer its end, so it holds still after fewer SSD pages. Measured:
+    # bench/results/resident_first.md.
+    resident_first: Annotated[bool, knob("re-rank: score first the candidates whose pages are in the page buffer "
+                                         "now (no read)")] = False
 
 
 @config_class
@@ -332,9 +337,11 @@ class EngineConfig(_Config):
                                           "scored")] = False
     # 'clock' (CLOCK), or 'lfu', cache by use: requests counted per block (weighted by how many queries asked,
     # halved every 20 requests a frame), a missed block admitted only if asked for more often than the block it
-    # would evict (TinyLFU). Measured: bench/results/cache_policy.md.
-    buffer_policy: Annotated[BufferPolicy, knob("page buffer replacement: lfu (counts use, weighted by the queries "
-                                                "asking, aged) or clock")] = "lfu"
+    # would evict (TinyLFU); or 'auto', either, whichever a miniature simulation of both on a sample of the
+    # blocks finds serving more now. Measured: bench/results/cache_policy_auto.md.
+    buffer_policy: Annotated[BufferPolicy, knob("page buffer replacement: auto (lfu or clock, whichever serves more "
+                                                "now), lfu (counts use, weighted by the queries asking, aged) or "
+                                                "clock")] = "auto"
     # Re-chosen by the index manager thread every manager_interval_s seconds, never on the request path;
     # results never depend on it. Off by default: bench/results/cache_policy.md.
     pin_fraction: Annotated[float, knob("share of the page buffer pinned to the pages of the most visited "

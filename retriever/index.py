@@ -235,6 +235,7 @@ class Index(ManifestShape):
         st["unique_candidates"][:] = cand.unique
         st["minibatches"][:], st["reranked"][:] = rstats[:, 0], rstats[:, 1]
         st["pages_read"][:], st["pages_buffered"][:], st["page_mates"][:] = rstats[:, 2], rstats[:, 3], rstats[:, 4]
+        st["resident_scored"][:] = rstats[:, 5]
         # Graph search and tables built before topn are timed per batch; their share is spread
         # evenly. Tables the filter tier builds inside topn (CPU) are timed per query.
         st["graph_s"][:] = b.graph_s / len(b.queries)

@@ -14,7 +14,7 @@ from fusionrag.retriever.filtering import Candidates, FilterTier
 from fusionrag.retriever.tiers import CpuFilterTier, _cuda_available
 
 STAT_KEYS = ("centroids_probed", "candidates", "unique_candidates", "minibatches", "reranked",
-             "page_mates", "pages_read", "pages_buffered", "graph_s", "lut_s", "scan_s", "rerank_s")
+             "page_mates", "resident_scored", "pages_read", "pages_buffered", "graph_s", "lut_s", "scan_s", "rerank_s")
 
 
 @dataclass(eq=False)

@@ -152,7 +152,7 @@ class RerankTier:
         self.threads, self.inflight, self.page_mates, self.prefetch = threads, inflight, page_mates, prefetch
 
     def rerank(self, queries: np.ndarray, cand: np.ndarray, k: int, p: SearchParams):
-        """(ids, exact distances, stats int64 (q, 5), seconds): see native.rerank."""
+        """(ids, exact distances, stats int64 (q, 6), seconds): see native.rerank."""
         return native.rerank(self.store, queries, cand, self.locations, self.dtype, self.metric, k,
                              p.minibatch, p.eps, p.beta, self.threads, inflight=self.inflight,
-                             page_mates=self.page_mates, prefetch=self.prefetch)
+                             page_mates=self.page_mates, prefetch=self.prefetch, resident_first=p.resident_first)

@@ -56,8 +56,9 @@ class ServerConfig(_Config):
     batch_max_queries: Annotated[int, knob("queries per engine batch at most", ge=1)] = 256
     search_threads: Annotated[int, knob("engine batches running at once", ge=1, le=64)] = 2
     buffer_mb: Annotated[float, knob("DRAM page buffer per collection, MiB", ge=0)] = 64.0
-    buffer_policy: Annotated[BufferPolicy, knob("page buffer replacement: lfu (counts use, weighted by the queries "
-                                                "asking, aged) or clock")] = "lfu"
+    buffer_policy: Annotated[BufferPolicy, knob("page buffer replacement: auto (lfu or clock, whichever serves more "
+                                                "now), lfu (counts use, weighted by the queries asking, aged) or "
+                                                "clock")] = "auto"
     pipeline: Annotated[bool, knob("overlap an engine batch's stages with the next batch's graph search")] = True
     filter_tier: Annotated[FilterTier, knob("where PQ candidates are filtered: auto (the GPU when there is one), "
                                             "cpu or gpu")] = "auto"

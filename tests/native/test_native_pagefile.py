@@ -210,6 +210,7 @@ def test_backends_read_the_file(page_file, backend):
         "pinned": 0,
         "read_ahead": 0,
         "read_ahead_unused": 0,
+        "policy_switches": 0,
     }
 
 

@@ -65,7 +65,7 @@ def test_full_rerank_equals_brute_force(tmp_path, dtype, metric):
         store, queries, cand, locations, dtype, metric, k, minibatch=64, eps=0.0, beta=0
     )
     assert ids.shape == (6, k) and ids.dtype == np.int64 and dists.dtype == np.float32
-    assert stats.shape == (6, 5) and seconds.shape == (6,) and (seconds > 0).all()
+    assert stats.shape == (6, 6) and seconds.shape == (6,) and (seconds > 0).all()
     for i in range(len(queries)):
         row = cand[i][cand[i] >= 0]
         want_ids, want_d = brute_force(queries[i : i + 1], vectors, metric, k, ids=row[None])
@@ -141,10 +141,10 @@ def test_block_stats(tmp_path):
         c = np.flatnonzero(block == 7)[0]
         cand = np.array([[a, b, c]], np.int64)
         _, _, stats, _ = native.rerank(store, vectors[:1], cand, locations, "f32", "l2", 2, 3, 0.0, 0)
-        assert stats[0].tolist() == [1, 3, 2, 0, 0]
+        assert stats[0].tolist() == [1, 3, 2, 0, 0, 0]
         assert store.stats()["read_calls"] == 1
         _, _, stats, _ = native.rerank(store, vectors[:1], cand, locations, "f32", "l2", 2, 3, 0.0, 0)
-        assert stats[0].tolist() == ([1, 3, 2, 0, 0] if buffer_blocks == 0 else [1, 3, 0, 2, 0])
+        assert stats[0].tolist() == ([1, 3, 2, 0, 0, 0] if buffer_blocks == 0 else [1, 3, 0, 2, 0, 0])
 
 
 def test_backends_and_threads_agree(tmp_path):
@@ -340,24 +340,31 @@ def test_inflight_must_be_positive(tmp_path):
 
 
 
-def _by_hand(vectors, locations, rpb, query, cand, k, minibatch, beta, mates):
-    """Algorithm 1 with page-mates, step by step in Python: (ids, reranked, mates, blocks touched)."""
-    scored, best, prev, stable, blocks, batches, pos = {}, [], None, 0, set(), 0, 0
+def _by_hand(vectors, locations, rpb, query, cand, k, minibatch, beta, mates, resident=None):
+    """Algorithm 1 with page-mates, step by step in Python: (ids, reranked, blocks touched, blocks touched
+    summed over mini-batches, a block read again by a later one counted again). With
+    resident (the blocks in the page buffer before the call), resident-first: the first mini-batch also
+    scores every later candidate on a block then in the buffer, its own blocks included."""
+    scored, prev, stable, blocks, batches, pos, touched = {}, None, 0, set(), 0, 0, 0
     while pos < len(cand) and not (beta and stable >= beta):
         batch = [c for c in cand[pos:pos + minibatch] if c not in scored]
         pos += minibatch
         mine = {int(locations[c]) // rpb for c in batch}
         blocks |= mine
+        touched += len(mine)
         new = list(batch)
         if mates:
             new += [c for c in cand if int(locations[c]) // rpb in mine and c not in scored and c not in batch]
+        if resident is not None and batches == 0:
+            new += [c for c in cand if int(locations[c]) // rpb in resident | mine and c not in scored
+                    and c not in new]
         for c in new:
             scored[c] = float(((vectors[c].astype(np.float64) - query) ** 2).sum())
         top = sorted(scored, key=lambda c: (scored[c], c))[:k]
         batches += 1
         stable = stable + 1 if batches > 1 and set(top) == prev else 0
         prev = set(top)
-    return top, len(scored), blocks
+    return top, len(scored), blocks, touched
 
 
 @pytest.mark.parametrize("beta", [0, 1, 2])
@@ -379,16 +386,58 @@ def test_page_mates_follow_algorithm_1(tmp_path, beta):
                                          page_mates=True)
     plain = native.rerank(store, queries, cand, locations, "f32", "l2", k, minibatch, 0.0, beta)
     for i in range(5):
-        want, reranked, blocks = _by_hand(vectors, locations, rpb, queries[i], cand[i].tolist(), k, minibatch, beta, True)
+        want, reranked, blocks, _ = _by_hand(vectors, locations, rpb, queries[i], cand[i].tolist(), k, minibatch, beta,
+                                             True)
         assert ids[i].tolist() == want
         assert stats[i, 1] == reranked and stats[i, 2] + stats[i, 3] == len(blocks) and stats[i, 4] > 0
-        w, r, b = _by_hand(vectors, locations, rpb, queries[i], cand[i].tolist(), k, minibatch, beta, False)
+        w, r, _, _ = _by_hand(vectors, locations, rpb, queries[i], cand[i].tolist(), k, minibatch, beta, False)
         assert plain[0][i].tolist() == w and plain[2][i, 1] == r and plain[2][i, 4] == 0
     if beta == 0:  # every candidate scored either way: the exact top-k of the candidates
         np.testing.assert_array_equal(ids, plain[0])
         np.testing.assert_array_equal(dists, plain[1])
         assert (stats[:, 2] + stats[:, 3] <= plain[2][:, 2] + plain[2][:, 3]).all()
         assert (stats[:, 2] + stats[:, 3] < plain[2][:, 2] + plain[2][:, 3]).any()  # blocks read once
+
+
+@pytest.mark.parametrize("mates", [False, True])
+@pytest.mark.parametrize("beta", [1, 2])
+def test_resident_first_follows_algorithm_1(tmp_path, mates, beta):
+    """resident_first: the first mini-batch also scores the later candidates whose blocks are in the
+    page buffer then, without reading them or counting them as buffer requests. Replayed by hand from
+    the blocks the buffer held before each call (store.resident), query by query."""
+    rng = np.random.default_rng(5)
+    n, dim, k, minibatch = 600, 96, 10, 4
+    vectors = random_vectors(rng, "u8", n, dim)
+    store, locations = make_store(tmp_path, vectors.astype(np.float32), "f32", spread=1, buffer_blocks=256)
+    rpb = store.records_per_block
+    all_blocks = np.arange(store.num_blocks, dtype=np.uint32)
+    queries = (rng.standard_normal((6, dim)) * 20 + 128).round().astype(np.float32)
+    some_blocks = rng.choice(n // rpb, 16, replace=False)
+    pool = np.flatnonzero(np.isin(locations // rpb, some_blocks))
+    # Half the candidates' blocks in the buffer first, as a hot stream leaves them.
+    warm = np.flatnonzero(np.isin(locations // rpb, some_blocks[:8]))
+    native.exact_distances(store, vectors[warm[:1]].astype(np.float32), warm[None].astype(np.int64), locations,
+                           "f32", "l2")
+    grew = 0
+    for i in range(len(queries)):
+        cand = rng.permutation(pool)[:60].astype(np.int64)[None]
+        resident = {int(b) for b in all_blocks[store.resident(all_blocks).astype(bool)]}
+        before = store.stats()
+        ids, _, stats, _ = native.rerank(store, queries[i:i + 1], cand, locations, "f32", "l2", k, minibatch, 0.0,
+                                         beta, page_mates=mates, resident_first=True)
+        after = store.stats()
+        want, reranked, blocks, touched = _by_hand(vectors, locations, rpb, queries[i], cand[0].tolist(), k,
+                                                   minibatch, beta, mates, resident)
+        assert ids[0].tolist() == want and stats[0, 1] == reranked
+        # Blocks of mini-batches only: read, or served by the buffer; peeked ones are neither.
+        assert stats[0, 2] + stats[0, 3] == touched
+        assert after["blocks_read"] - before["blocks_read"] == stats[0, 2] == len(blocks - resident)
+        assert after["blocks_from_buffer"] - before["blocks_from_buffer"] == stats[0, 3]
+        plain = native.rerank(store, queries[i:i + 1], cand, locations, "f32", "l2", k, minibatch, 0.0, beta,
+                              page_mates=mates)
+        assert plain[2][0, 5] == 0 and stats[0, 5] > 0
+        grew += stats[0, 1] > plain[2][0, 1]
+    assert grew  # scored more than the plain rule would have
 
 
 def test_page_mates_are_only_candidates(tmp_path):

@@ -87,6 +87,38 @@ def test_cache_by_use_beats_clock_on_a_skewed_stream(page_file):
     assert flat["lfu"] >= flat["clock"] - 0.01, flat
 
 
+def back_soon_stream(n: int, blocks: int, lag: int) -> np.ndarray:
+    """Each block asked for twice, lag steps apart, then not again for a cycle through `blocks` (a query's
+    pages asked for again by the next queries, as consecutive questions about one topic do)."""
+    i = np.arange(n)
+    return np.stack([i % blocks, (i - lag) % blocks], 1).ravel().astype(np.uint32)
+
+
+def test_auto_runs_the_policy_that_serves_more(page_file):
+    """buffer_policy 'auto' simulates clock and lfu in miniature and runs as the one serving more: on a
+    skewed stream lfu's hit ratio, where blocks come back soon and then never (TinyLFU's admission keeps
+    them out), clock's. Hit ratios from the bytes the process read."""
+    streams = {"skewed": zipf_stream(20000, 2048, seed=1), "back soon": back_soon_stream(10000, 2048, 32)}
+    for name, stream in streams.items():
+        ratios, mode = {}, {}
+        for policy in ("clock", "lfu", "auto"):
+            store = open_store(page_file, 128, policy)
+            ratios[policy] = replay(store, stream)
+            mode[policy] = store.buffer_mode
+        best, worst = max(ratios["clock"], ratios["lfu"]), min(ratios["clock"], ratios["lfu"])
+        assert best > worst + 0.05, (name, ratios)  # the stream tells the policies apart
+        assert ratios["auto"] >= best - 0.03, (name, ratios)
+        assert mode["auto"] == ("lfu" if ratios["lfu"] > ratios["clock"] else "clock"), (name, mode, ratios)
+        assert mode["clock"] == "clock" and mode["lfu"] == "lfu"
+    store = open_store(page_file, 128, "auto")
+    replay(store, streams["back soon"])
+    assert store.stats()["policy_switches"] >= 1 and store.buffer_mode == "clock"
+    store.reset_buffer()  # forgets what it learned: starts as lfu again
+    assert store.buffer_mode == "lfu"
+    with pytest.raises(ValueError, match="buffer_policy must be 'auto', 'clock' or 'lfu'"):
+        open_store(page_file, 128, "arc")
+
+
 @pytest.mark.parametrize("policy", ["clock", "lfu"])
 def test_pinned_blocks_stay_resident_through_churn(page_file, policy):
     pinned = np.arange(0, 64, dtype=np.uint32) * 7  # blocks nothing else asks for
@@ -207,7 +239,8 @@ def test_manager_rebalances_a_tiered_gpu_tier_only_when_queries_came(small):
     assert tier.calls == 2
 
 
-@pytest.mark.parametrize("overrides", [dict(buffer_policy="lfu"), dict(pin_fraction=0.5),
+@pytest.mark.parametrize("overrides", [dict(buffer_policy="lfu"), dict(buffer_policy="clock"),
+                                       dict(buffer_policy="auto"), dict(pin_fraction=0.5),
                                        dict(buffer_policy="lfu", pin_fraction=0.75)])
 def test_answers_do_not_depend_on_the_policy(small, overrides):
     _, queries, path = small
