@@ -88,12 +88,13 @@ def markdown(result: dict) -> str:
              f"Machine: {result['machine']}. Load average at start {result['load_start']}, at end "
              f"{result.get('load_end')} (shared VM). Filter tier: CPU, {result['threads']} thread, batches of "
              f"{result['batch']} queries, streams of {result['stream_length']} queries (bench/cache_policy.py's), "
-             "the first quarter as warm-up; page buffer policy lfu (the default). Each point is chosen on the "
+             "the first quarter as warm-up; the page buffer's default policy when the set ran (under its heading). "
+             "Each point is chosen on the "
              "tuning half of the queries (highest QPS at the recall target) and reported at the same point on "
              "the report half. SSD: pages read from the SSD per query; hit: page-buffer hit ratio of the "
              "mini-batches' pages (pages scored by resident-first are not counted as touched).", ""]
     for name, r in result["sets"].items():
-        lines += [f"## {name}", "", "| buffer | stream | target | off: point | off: recall / SSD / hit / QPS | "
+        lines += [f"## {name}", "", f"Page buffer policy: {r.get('buffer_policy', 'lfu')}.", "", "| buffer | stream | target | off: point | off: recall / SSD / hit / QPS | "
                   "on: point | on: recall / SSD / hit / QPS | SSD on/off | QPS on/off |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for c in r["chosen"]:
@@ -186,7 +187,9 @@ def main() -> None:
                                         and r["stream"] == sname and r["resident_first"] == rf
                                         and key(r) == key(pick))
             chosen.append(c)
-        result["sets"][name] = {"runs": runs, "chosen": chosen}
+        from fusionrag.retriever import EngineConfig
+
+        result["sets"][name] = {"runs": runs, "chosen": chosen, "buffer_policy": EngineConfig().buffer_policy}
         cache_policy.save(result, args.out, args.tag, markdown)
 
 
