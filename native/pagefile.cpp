@@ -418,14 +418,8 @@ PageBuffer::PageBuffer(size_t capacity, size_t block_bytes, BufferPolicy policy)
   shards_ = std::vector<Shard>(n);
   for (size_t i = 0; i < n; ++i) {
     size_t lo = capacity * i / n, hi = capacity * (i + 1) / n;
-    Shard& s = shards_[i];
-    s.frames = static_cast<uint8_t*>(arena_) + lo * block_bytes;
-    s.block_of.assign(hi - lo, kEmpty);
-    s.uses.assign(hi - lo, 0);
-    s.pinned.assign(hi - lo, 0);
-    s.frame_of.reserve(hi - lo);
-    // Sixteen counters a frame: the sketch must tell apart blocks not in the buffer too.
-    if (policy != BufferPolicy::Clock) s.sketch.assign(pow2_at_least(std::max<size_t>(64, 16 * (hi - lo))), 0);
+    shards_[i].frames = static_cast<uint8_t*>(arena_) + lo * block_bytes;
+    init(shards_[i], hi - lo, policy != BufferPolicy::Clock);
   }
   if (policy == BufferPolicy::Auto) {
     // A sample of the blocks big enough that each shadow is a shard's size: about 256 frames or more.
@@ -433,14 +427,30 @@ PageBuffer::PageBuffer(size_t capacity, size_t block_bytes, BufferPolicy policy)
     mini_->rate = std::max<size_t>(1, capacity / 256);
     const size_t frames = std::max<size_t>(1, capacity / mini_->rate);
     mini_->period = frames;
-    for (int i = 0; i < 2; ++i) {
-      Shard& sh = mini_->shadow[i];
-      sh.block_of.assign(frames, kEmpty);
-      sh.uses.assign(frames, 0);
-      sh.pinned.assign(frames, 0);
-      if (i == 1) sh.sketch.assign(pow2_at_least(std::max<size_t>(64, 16 * frames)), 0);
-    }
+    for (int i = 0; i < 2; ++i) init(mini_->shadow[i], frames, i == 1);
   }
+}
+
+// A shard's frames all free; with a sketch (Lfu, Auto) of sixteen counters a frame:
+// it must tell apart blocks not in the buffer too.
+void PageBuffer::init(Shard& s, size_t frames, bool sketch) {
+  s.block_of.assign(frames, kEmpty);
+  s.uses.assign(frames, 0);
+  s.pinned.assign(frames, 0);
+  s.frame_of.reserve(frames);
+  if (sketch) s.sketch.assign(pow2_at_least(std::max<size_t>(64, 16 * frames)), 0);
+}
+
+// Empties a shard: no block, nothing pinned or wanted, no counts.
+void PageBuffer::reset(Shard& s) {
+  std::fill(s.block_of.begin(), s.block_of.end(), kEmpty);
+  std::fill(s.uses.begin(), s.uses.end(), 0);
+  std::fill(s.pinned.begin(), s.pinned.end(), 0);
+  std::fill(s.sketch.begin(), s.sketch.end(), 0);
+  s.frame_of.clear();
+  s.wanted.clear();
+  s.hand = s.num_pinned = 0;
+  s.requests = 0;
 }
 
 PageBuffer::~PageBuffer() {
@@ -574,12 +584,7 @@ void PageBuffer::insert(uint32_t block, const uint8_t* data, uint32_t weight) {
   std::memcpy(s.frames + f * block_bytes_, data, block_bytes_);
 }
 
-bool PageBuffer::resident(uint32_t block) {
-  if (!capacity_) return false;
-  Shard& s = shard(block);
-  std::lock_guard<std::mutex> lk(s.mutex);
-  return s.frame_of.count(block) != 0;
-}
+bool PageBuffer::resident(uint32_t block) { return peek(block, nullptr); }
 
 bool PageBuffer::peek(uint32_t block, uint8_t* out) {
   if (!capacity_) return false;
@@ -587,7 +592,7 @@ bool PageBuffer::peek(uint32_t block, uint8_t* out) {
   std::lock_guard<std::mutex> lk(s.mutex);
   auto it = s.frame_of.find(block);
   if (it == s.frame_of.end()) return false;
-  std::memcpy(out, s.frames + size_t(it->second) * block_bytes_, block_bytes_);
+  if (out) std::memcpy(out, s.frames + size_t(it->second) * block_bytes_, block_bytes_);
   return true;
 }
 
@@ -628,24 +633,11 @@ size_t PageBuffer::pinned() {
 void PageBuffer::clear() {
   for (Shard& s : shards_) {
     std::lock_guard<std::mutex> lk(s.mutex);
-    std::fill(s.block_of.begin(), s.block_of.end(), kEmpty);
-    std::fill(s.uses.begin(), s.uses.end(), 0);
-    std::fill(s.pinned.begin(), s.pinned.end(), 0);
-    std::fill(s.sketch.begin(), s.sketch.end(), 0);
-    s.frame_of.clear();
-    s.wanted.clear();
-    s.hand = s.num_pinned = 0;
-    s.requests = 0;
+    reset(s);
   }
   if (mini_) {
     std::lock_guard<std::mutex> lk(mini_->mutex);
-    for (Shard& s : mini_->shadow) {
-      std::fill(s.block_of.begin(), s.block_of.end(), kEmpty);
-      std::fill(s.uses.begin(), s.uses.end(), 0);
-      std::fill(s.sketch.begin(), s.sketch.end(), 0);
-      s.frame_of.clear();
-      s.hand = 0, s.requests = 0;
-    }
+    for (Shard& s : mini_->shadow) reset(s);
     mini_->seen = mini_->hits[0] = mini_->hits[1] = 0;
     mini_->score[0] = mini_->score[1] = 0;
     lfu_mode_.store(true, std::memory_order_relaxed);

@@ -75,8 +75,8 @@ class PageBuffer {
   bool lookup(uint32_t block, uint8_t* out, uint32_t weight = 1);
   void insert(uint32_t block, const uint8_t* data, uint32_t weight = 1);
   bool resident(uint32_t block);
-  // Copies the block to out when it is resident, without counting a request or a use:
-  // a look that the policy does not learn from. Returns whether it was there.
+  // Copies the block to out (when not null) if it is resident, without counting a request
+  // or a use: a look that the policy does not learn from. Returns whether it was there.
   bool peek(uint32_t block, uint8_t* out);
   // Replaces the pinned set by blocks (most wanted first); returns those of them
   // not resident, which the caller reads and inserts: they are pinned as they come in.
@@ -119,6 +119,8 @@ class PageBuffer {
   void count(Shard& s, uint32_t block, uint32_t weight);
   uint32_t estimate(const Shard& s, uint32_t block) const;
   size_t victim(Shard& s);
+  static void init(Shard& s, size_t frames, bool sketch);
+  static void reset(Shard& s);
   bool lfu_now() const {
     return policy_ == BufferPolicy::Lfu || (policy_ == BufferPolicy::Auto && lfu_mode_.load(std::memory_order_relaxed));
   }

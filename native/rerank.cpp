@@ -220,14 +220,14 @@ struct QueryState {
         const int64_t id = cand[it->second];
         ids.push_back(id);
         dist.push_back(ex.distance_in(q, id, blocks, data));
+        ++mates;
       }
     }
   }
 
-  // Takes the exact distances of ids[0, n): the mini-batch's m candidates first,
-  // then their page-mates, then `free` scored from the buffer (resident-first); and
-  // applies the stop rule.
-  void absorb(const int64_t* ids, const float* dist, size_t n, size_t m, const RerankParams& p, size_t free = 0) {
+  // Takes the exact distances of ids[0, n) (the mini-batch's candidates, then those
+  // page-mates and resident-first scored with them) and applies the stop rule.
+  void absorb(const int64_t* ids, const float* dist, size_t n, const RerankParams& p) {
     for (size_t j = 0; j < n; ++j) {
       std::pair<float, int64_t> e{dist[j], ids[j]};
       if (heap.size() == p.k && !(e < heap.front())) continue;
@@ -240,7 +240,7 @@ struct QueryState {
         heap.pop_back();
       }
     }
-    ++batches, reranked += int64_t(n), mates += int64_t(n - m - free);
+    ++batches, reranked += int64_t(n);
 
     // Delta = |S_n \ S_{n-1}| / k; the first mini-batch never counts as stable.
     top.clear();
@@ -320,7 +320,7 @@ void read_next(const RerankJob& job, Scratch& s) {
   s.next_blocks.clear();
   for (QueryState& st : s.slots) {
     if (!st.live || st.pos >= st.end || (p.beta > 1 && st.stable == p.beta - 1)) continue;
-    if (p.tracks()) {
+    if (p.page_mates) {
       s.mine.clear();
       ex.add_blocks(st.batch.data(), st.batch.size(), s.mine);
       std::sort(s.mine.begin(), s.mine.end());
@@ -396,15 +396,14 @@ void rerank_queries(const RerankJob& job, size_t first, size_t last, size_t infl
       s.dist.resize(m);
       ex.distances_in(q, cand, m, s.blocks, data, s.dist.data());
       if (!p.tracks()) {
-        st.absorb(cand, s.dist.data(), m, m, p);
+        st.absorb(cand, s.dist.data(), m, p);
         continue;
       }
       s.ids.assign(cand, cand + m);
       for (uint32_t at : st.batch_pos) st.scored[at] = 1;
       if (p.page_mates) st.page_mates(ex, q, job.row(st), s.mine, s.blocks, data, s.ids, s.dist);
-      const size_t before = s.ids.size();
       if (p.resident_first && st.batches == 0) st.residents(ex, q, job.row(st), s.one, s.ids, s.dist);
-      st.absorb(s.ids.data(), s.dist.data(), s.ids.size(), m, p, s.ids.size() - before);
+      st.absorb(s.ids.data(), s.dist.data(), s.ids.size(), p);
     }
     // The round's time is split among its queries, so per-query seconds sum to the worker's time.
     double share = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / double(live);
