@@ -46,6 +46,21 @@ END;
 CREATE TRIGGER IF NOT EXISTS docs_fts_delete AFTER DELETE ON docs WHEN old.text IS NOT NULL BEGIN
     INSERT INTO docs_fts (docs_fts, rowid, text) VALUES ('delete', old.row, old.text);
 END;
+-- Sharded mode: the documents with a text this store holds whose BM25 statistics another store counts (their
+-- owner: the shard that took the write first, a replicated list's other replica), with their lengths in tokens,
+-- and per owner their number and tokens (kept by triggers), so that a document on two shards counts once.
+CREATE TABLE IF NOT EXISTS text_guests (row INTEGER PRIMARY KEY, owner INTEGER NOT NULL, tokens INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS guest_totals (owner INTEGER PRIMARY KEY, docs INTEGER NOT NULL, tokens INTEGER NOT NULL);
+CREATE TRIGGER IF NOT EXISTS text_guests_insert AFTER INSERT ON text_guests BEGIN
+    INSERT INTO guest_totals SELECT new.owner, 0, 0 WHERE NOT EXISTS (SELECT 1 FROM guest_totals WHERE owner = new.owner);
+    UPDATE guest_totals SET docs = docs + 1, tokens = tokens + new.tokens WHERE owner = new.owner;
+END;
+CREATE TRIGGER IF NOT EXISTS text_guests_delete AFTER DELETE ON text_guests BEGIN
+    UPDATE guest_totals SET docs = docs - 1, tokens = tokens - old.tokens WHERE owner = old.owner;
+END;
+CREATE TRIGGER IF NOT EXISTS docs_guest_delete AFTER DELETE ON docs BEGIN
+    DELETE FROM text_guests WHERE row = old.row;
+END;
 """
 _CHUNK = 900  # bound on SQL variables per statement
 _MMAP_BYTES = 1 << 30
@@ -269,6 +284,22 @@ class DocStore:
         values = [(int(r), *f) for r, m in zip(rows, metas_json) for f in field_rows(json.loads(m))]
         self._writer.executemany("INSERT INTO fields (row, key, t, v) VALUES (?, ?, ?, ?)", values)
 
+    def mark_text_guests(self, rows, owners) -> None:
+        """Sharded mode, in a write's transaction after its insert: the documents at these rows are counted in BM25's
+        statistics by shard owners[i] (a replicated list's other replica holds them too); text_stats leaves them
+        out when told that their owner counts. Rows without a text are skipped (no statistics count them)."""
+        owner_of = {int(r): int(o) for r, o in zip(rows, owners)}
+        texted = np.asarray(sorted(
+            r for part in _chunks(list(owner_of)) for (r,) in self._writer.execute(
+                f"SELECT row FROM docs WHERE row IN ({','.join('?' * len(part))}) AND text IS NOT NULL", part)),
+            np.int64)
+        if len(texted):
+            lengths = self._doc_lengths(self._writer, texted)
+            self._writer.execute("DELETE FROM text_guests WHERE row IN (SELECT value FROM json_each(?))",
+                                 (json.dumps(texted.tolist()),))
+            self._writer.executemany("INSERT INTO text_guests VALUES (?, ?, ?)",
+                                     [(r, owner_of[r], int(n)) for r, n in zip(texted.tolist(), lengths.tolist())])
+
     def remove_all(self) -> list[int]:
         rows = [r for (r,) in self._writer.execute("SELECT row FROM docs")]
         self._writer.execute("DELETE FROM docs")
@@ -338,11 +369,12 @@ class DocStore:
             return {t for t in TYPES
                     if con.execute("SELECT 1 FROM fields WHERE key = ? AND t = ? LIMIT 1", (key, t)).fetchone()}
 
-    def rows_where(self, query: str, params: list) -> np.ndarray:
-        """Sorted rows of the live documents that pass a compiled filter (filters.compile_filter)."""
+    def rows_where(self, query: str, params: list, con: sqlite3.Connection | None = None) -> np.ndarray:
+        """Sorted rows of the live documents that pass a compiled filter (filters.compile_filter); con: a read
+        connection the caller holds (else one of the pool's)."""
         # One string of all rows, parsed in C: a Python object per row costs more than the query.
-        with self._reader() as con:
-            (text,) = con.execute(f"SELECT group_concat(row) FROM ({query})", params).fetchone()
+        with contextlib.nullcontext(con) if con is not None else self._reader() as c:
+            (text,) = c.execute(f"SELECT group_concat(row) FROM ({query})", params).fetchone()
         rows = np.sort(np.fromstring(text or "", dtype=np.int64, sep=","))
         return rows[np.concatenate([[True], rows[1:] != rows[:-1]])] if len(rows) else rows
 
@@ -363,16 +395,32 @@ class DocStore:
             found = con.execute(sql + " ORDER BY s LIMIT ?", params + [int(limit)]).fetchall()
         return np.asarray([r for r, _ in found], np.int64), np.asarray([s for _, s in found], np.float64)
 
-    def text_stats(self, texts: list[str]) -> tuple[int, int, list[list[int]]]:
+    def text_stats(self, texts: list[str], counted_by=()) -> tuple[int, int, list[list[int]]]:
         """What BM25 counts over this store, to be summed with other stores' (a sharded collection's global
         statistics): (documents with a text, their tokens, per text the documents each of its query words
-        matches), as SQLite's bm25() counts them."""
+        matches), as SQLite's bm25() counts them. counted_by: shards whose counts are summed with these; the
+        documents here that one of them owns (mark_text_guests) are left out, so each counts once."""
+        owners = sorted({int(o) for o in counted_by})
+        among = ",".join("?" * len(owners))
         with self._reader() as con:
             row = con.execute("SELECT block FROM docs_fts_data WHERE id = 1").fetchone()  # FTS5's totals record
             totals = _varints(row[0]) if row is not None else [0, 0]
-            hits = [[con.execute("SELECT count(*) FROM docs_fts WHERE docs_fts MATCH ?", (_phrase(w),)).fetchone()[0]
-                     for w in query_words(t)] for t in texts]
-        return totals[0], sum(totals[1:]), hits
+            docs, tokens = totals[0], sum(totals[1:])
+            guests = (0, 0)
+            if owners:
+                guests = con.execute(f"SELECT coalesce(sum(docs), 0), coalesce(sum(tokens), 0) FROM guest_totals "
+                                     f"WHERE owner IN ({among})", owners).fetchone()
+            hits = []
+            for t in texts:
+                hits.append([])
+                for w in query_words(t):
+                    n = con.execute("SELECT count(*) FROM docs_fts WHERE docs_fts MATCH ?", (_phrase(w),)).fetchone()[0]
+                    if guests[0]:
+                        n -= con.execute(f"SELECT count(*) FROM docs_fts JOIN text_guests AS g ON g.row = docs_fts.rowid "
+                                         f"WHERE docs_fts MATCH ? AND g.owner IN ({among})",
+                                         (_phrase(w), *owners)).fetchone()[0]
+                    hits[-1].append(n)
+        return docs - guests[0], tokens - guests[1], hits
 
     def global_bm25(self, text: str, limit: int, where: tuple[str, list] | None, docs: int, tokens: int,
                     hits: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -387,19 +435,22 @@ class DocStore:
         if not words:
             return np.empty(0, np.int64), np.empty(0, np.float64)
         avgdl = tokens / docs if docs else 1.0
-        with self._reader() as con:
-            counts = [self._phrase_counts(con, toks) for toks in _tokens(words)]  # per word: (docs, occurrences)
-        rows = np.unique(np.concatenate([d for d, _ in counts]))
-        tf = np.zeros((len(rows), len(words)))
-        for w, (d, n) in enumerate(counts):
-            tf[np.searchsorted(rows, d), w] = n
-        if where is not None and len(rows):
-            keep = np.isin(rows, self.rows_where(*where))
-            rows, tf = rows[keep], tf[keep]
+        with self._reader() as con:  # one connection, one read transaction's view of the store
+            con.execute("BEGIN")
+            try:
+                counts = [self._phrase_counts(con, toks) for toks in _tokens(words)]  # per word: (docs, occurrences)
+                rows = np.unique(np.concatenate([d for d, _ in counts]))
+                tf = np.zeros((len(rows), len(words)))
+                for w, (d, n) in enumerate(counts):
+                    tf[np.searchsorted(rows, d), w] = n
+                if where is not None and len(rows):
+                    keep = np.isin(rows, self.rows_where(*where, con=con))
+                    rows, tf = rows[keep], tf[keep]
+                dl = self._doc_lengths(con, rows) if len(rows) else None
+            finally:
+                con.execute("COMMIT")
         if not len(rows):
             return np.empty(0, np.int64), np.empty(0, np.float64)
-        with self._reader() as con:
-            dl = self._doc_lengths(con, rows)
         idf = np.asarray([bm25_idf(docs, h) for h in hits])
         norm = BM25_K1 * (1 - BM25_B + BM25_B * dl / avgdl)
         score = -(idf * tf * (BM25_K1 + 1) / (tf + norm[:, None])).sum(1)

@@ -22,6 +22,7 @@ from fusionrag.retriever.manifest import ManifestShape, load_array, read_manifes
 from fusionrag.retriever.overlap import overlapped
 from fusionrag.retriever.pipeline import STAT_KEYS, QueryBatch, cut, open_filter_tier
 from fusionrag.retriever.pq import ProductQuantizer
+from fusionrag.retriever.queries import checked_for_search
 from fusionrag.retriever.queries import prepare_queries as prepared
 from fusionrag.retriever.tiers import NavigationTier, RerankTier
 from fusionrag.retriever.vectors import STORAGE_DTYPES
@@ -173,7 +174,8 @@ class Index(ManifestShape):
         if not isinstance(k, (int, np.integer)) or k < 1:
             raise InputError(f"k must be a positive integer, got {k!r}")
         p = (params or self.params).with_overrides(**overrides)
-        ids, dists, stats, batches = cut(self.prepare_queries(queries), k, p, exclude, self.filter.batch_size)
+        q, unit_pending = checked_for_search(queries, self.dim, self.metric)
+        ids, dists, stats, batches = cut(q, k, p, exclude, self.filter.batch_size, unit_pending=unit_pending)
         if len(batches) > 1 and self.filter.overlaps:
             # The CPU searches the graph and re-ranks while the GPU filters the batch between; on the CPU
             # tier (pipeline), one batch's re-rank waits on the SSD while the next is scanned.
@@ -193,12 +195,12 @@ class Index(ManifestShape):
         if not isinstance(k, (int, np.integer)) or k < 1:
             raise InputError(f"k must be a positive integer, got {k!r}")
         p = (params or self.params).with_overrides(**overrides)
-        q = self.prepare_queries(queries)
+        q, unit_pending = checked_for_search(queries, self.dim, self.metric)
         lists = np.asarray(lists)
         if lists.ndim != 2 or len(lists) != len(q) or lists.dtype.kind not in "iu":
             raise InputError(f"lists must be an integer ({len(q)}, m) array, got {lists.dtype} {lists.shape}")
         lists = np.ascontiguousarray(lists, dtype=np.int32)
-        ids, dists, stats, batches = cut(q, k, p, exclude, self.filter.batch_size, lists)
+        ids, dists, stats, batches = cut(q, k, p, exclude, self.filter.batch_size, lists, unit_pending)
         for b in batches:
             self._rerank_stage(self._filter_stage(b))
         return self._result(ids, dists, stats, dict(self.filter.describe()))
@@ -210,7 +212,7 @@ class Index(ManifestShape):
 
     def _graph_stage(self, b: QueryBatch) -> QueryBatch:
         """The coarse quantizer: each query's posting lists by the navigation graph."""
-        b.lists, b.probed, b.graph_s = self.nav.probe(b.queries, b.params)
+        b.lists, b.probed, b.graph_s = self.nav.probe(b.ready().queries, b.params)
         return b
 
     def _filter_stage(self, b: QueryBatch) -> QueryBatch:
@@ -219,7 +221,7 @@ class Index(ManifestShape):
             near = b.lists[:, :HOT_PROBES]
             self.visits += np.bincount(near[near >= 0], minlength=len(self.visits))
         t = time.perf_counter()
-        tables = self.filter.tables(b.queries)
+        tables = self.filter.tables(b.ready().queries)
         b.lut_s = time.perf_counter() - t
         b.candidates = self.filter.topn(tables, b.lists, b.n, b.exclude)
         b.lists = None  # a call's batches live until it returns: what a batch is done with goes now
@@ -242,7 +244,8 @@ class Index(ManifestShape):
         st["lut_s"][:] = b.lut_s / len(b.queries) + cand.lut_seconds
         st["scan_s"][:] = cand.seconds
         st["rerank_s"][:] = rsec
-        b.candidates = b.probed = None  # ~5 KB a query at rerank=400: a 1000-query call held them all before
+        # ~5 KB a query at rerank=400 and the batch's normalised queries: a 1000-query call held them all before
+        b.candidates = b.probed = b.queries = None
 
     def read_vectors(self, ids) -> np.ndarray:
         """The stored vectors of these vector ids (float32 (n, dim): as the index holds them, unit length under

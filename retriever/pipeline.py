@@ -12,6 +12,7 @@ import numpy as np
 from fusionrag.retriever.config import EngineConfig, SearchParams
 from fusionrag.retriever.filtering import Candidates, FilterTier
 from fusionrag.retriever.tiers import CpuFilterTier, _cuda_available
+from fusionrag.retriever.vectors import normalize
 
 STAT_KEYS = ("centroids_probed", "candidates", "unique_candidates", "minibatches", "reranked",
              "page_mates", "resident_scored", "pages_read", "pages_buffered", "graph_s", "lut_s", "scan_s", "rerank_s")
@@ -24,7 +25,7 @@ class QueryBatch:
     given lists) lists, probed and graph_s; the filter stage lut_s and candidates; the re-rank stage
     writes ids, distances and stats, which are views of the call's result arrays."""
 
-    queries: np.ndarray  # float32 (q, dim), prepared (unit rows under cosine)
+    queries: np.ndarray  # float32 (q, dim), prepared (unit rows under cosine) once ready() ran
     k: int
     params: SearchParams
     exclude: np.ndarray | None  # uint8 bitmap of vector ids never to return
@@ -36,6 +37,14 @@ class QueryBatch:
     graph_s: float = 0.0  # the batch's graph search
     lut_s: float = 0.0  # the batch's PQ tables built before topn
     candidates: Candidates | None = None
+    unit_pending: bool = False  # queries are the caller's rows, not yet unit length (cosine)
+
+    def ready(self) -> "QueryBatch":
+        """The batch's queries in the engine's form, made now (its first stage calls it): a normalised copy
+        of this batch's rows only."""
+        if self.unit_pending:
+            self.queries, self.unit_pending = normalize(self.queries), False
+        return self
 
     @property
     def n(self) -> int:
@@ -44,9 +53,12 @@ class QueryBatch:
 
 
 def cut(queries: np.ndarray, k: int, params: SearchParams, exclude: np.ndarray | None, size: int,
-        lists: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray], list[QueryBatch]]:
+        lists: np.ndarray | None = None, unit_pending: bool = False,
+        ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray], list[QueryBatch]]:
     """A call's result arrays (ids, distances, stats) and its batches of at most `size` queries, each
-    writing its rows of them; lists (q, m), when given, are cut alongside (the graph stage is skipped)."""
+    writing its rows of them; lists (q, m), when given, are cut alongside (the graph stage is skipped).
+    unit_pending: the queries are checked but not yet unit length (queries.checked_for_search): each batch
+    normalises its own rows when ready() is called."""
     nq = len(queries)
     ids = np.empty((nq, k), dtype=np.int64)
     dists = np.empty((nq, k), dtype=np.float32)
@@ -54,7 +66,8 @@ def cut(queries: np.ndarray, k: int, params: SearchParams, exclude: np.ndarray |
     batches = []
     for s in range(0, nq, size):
         sl = slice(s, min(nq, s + size))
-        b = QueryBatch(queries[sl], k, params, exclude, ids[sl], dists[sl], {key: v[sl] for key, v in stats.items()})
+        b = QueryBatch(queries[sl], k, params, exclude, ids[sl], dists[sl], {key: v[sl] for key, v in stats.items()},
+                       unit_pending=unit_pending)
         if lists is not None:
             b.lists = lists[sl]
             b.probed = (b.lists >= 0).sum(axis=1)

@@ -94,3 +94,13 @@ def prepare_queries(queries, dim: int, metric: str, words: QueryWords = INDEX_WO
         return queries
     q = check_queries(queries, dim, metric, words)
     return PreparedQueries(normalize(q) if metric == "cosine" else q, metric)
+
+
+def checked_for_search(queries, dim: int, metric: str, words: QueryWords = INDEX_WORDS) -> tuple[np.ndarray, bool]:
+    """What a search call takes in: (check_queries' matrix, or prepared queries' own, and whether its rows are
+    still to be made unit length). A search normalises each internal batch when it comes to it (pipeline.cut,
+    QueryBatch.ready), so a call holds one batch's normalised copy, not a copy of all its queries (384 B a
+    query at 96-d, 3 KiB at 768-d: 1.5 MB for 1000 MiniLM queries, more than the transient rest of a call)."""
+    if isinstance(queries, PreparedQueries) and queries.fits(dim, metric):
+        return queries.vectors, False
+    return check_queries(queries, dim, metric, words), metric == "cosine"

@@ -812,10 +812,12 @@ class ShardServer:
         with self._reading() as (_, w):
             return w.store.rows_where(*where) if w.store is not None else np.empty(0, np.int64)
 
-    def text_stats(self, texts: list[str]) -> tuple[int, int, list[list[int]]]:
-        """BM25's counts over this shard's documents (DocStore.text_stats), for the router to sum."""
+    def text_stats(self, texts: list[str], counted_by=()) -> tuple[int, int, list[list[int]]]:
+        """BM25's counts over this shard's documents (DocStore.text_stats), for the router to sum with those of the
+        shards `counted_by`: the documents here one of them owns (a replicated list's) are left out."""
         with self._reading() as (_, w):
-            return w.store.text_stats(texts) if w.store is not None else (0, 0, [[0] * len(query_words(t)) for t in texts])
+            return w.store.text_stats(texts, counted_by) if w.store is not None else \
+                (0, 0, [[0] * len(query_words(t)) for t in texts])
 
     def text_search(self, texts: list[str], limit: int, where: tuple[str, list] | None,
                     stats: tuple[int, int, list[list[int]]] | None = None) -> list[tuple]:
@@ -1356,8 +1358,11 @@ class ShardedIndex(ManifestShape):
             # New versions first: a write cut short leaves an id twice (the merge keeps its nearer version) rather
             # than not at all, and its retry completes it.
             try:
-                self._write_round({s: ("upsert", (ids[r], v[r], None if docs is None else [docs[i] for i in r],
-                                                  to_list[r])) for s, r in ups.items()}, "upsert")
+                # A document on two shards (its list replicated) is counted in BM25's statistics by the first,
+                # the second told so (DocStore.mark_text_guests).
+                self._write_round({s: ("upsert", (ids[r], v[r], None if docs is None else
+                                                  [tuple(docs[i]) + ((targets[i][0],) if targets[i][0] != s else ())
+                                                   for i in r], to_list[r])) for s, r in ups.items()}, "upsert")
             finally:  # the shards that took the write counted it for their lists, failed round or not
                 self._count_upserts(to_list, targets, getattr(sys.exc_info()[1], "acked", set(ups)))
             if dels:
@@ -1463,7 +1468,9 @@ class ShardedIndex(ManifestShape):
         from the answers). global_stats (the default): two rounds, as a search engine's distributed term
         statistics: every live shard's counts (documents, tokens, documents matching each word) summed, then
         each shard's documents scored with the sums, so a document scores what it would in one collection
-        holding them all (a document of a replicated list, on two shards, counts twice). False: each shard
+        holding them all (a document on two shards, its list replicated, counted once: by the shard that took its
+        write first, or, that one down, by the other; a shard found down in the round, the round is asked again of
+        the others). False: each shard
         scores with its own counts (one round; scores of shards of different topics do not compare well).
         A document two shards hold keeps its better score."""
         live = [s for s in range(self.n_shards) if self.alive[s]]
@@ -1472,9 +1479,12 @@ class ShardedIndex(ManifestShape):
         texts = list(texts)
         stats = None
         if global_stats:
-            got, _ = self._round({s: ("text_stats", (texts,)) for s in live})
+            while True:  # each shard leaves out the documents another one asked counts: asked again if one fails
+                got, failed = self._round({s: ("text_stats", (texts, live)) for s in live})
+                live = sorted(got)
+                if not failed or not live:
+                    break
             stats = sum_text_stats(list(got.values()), len(texts))
-            live = sorted(got)
         got, _ = self._round({s: ("text_search", (texts, int(limit), where, stats)) for s in live})
         missing = sorted(set(range(self.n_shards)) - set(got))
         return [best_text_hits([found[i] for found in got.values()], limit) for i in range(len(texts))], missing

@@ -38,8 +38,10 @@ _HEAD = struct.Struct("<cII")  # op, count, dim
 # as logs from before lists were recorded hold it.
 UPSERT, UPSERT_DOCS, DELETE = b"u", b"U", b"d"
 _LISTED = b"l"
-# A document as a write carries it: (name, text or None, metadata as JSON text).
-DocFields = tuple[str, "str | None", str]
+# A document as a write carries it: (name, text or None, metadata as JSON text), and a fourth field where another
+# shard counts it in BM25's statistics (a replicated list's other replica, which took the write first): that
+# shard's number (DocStore.mark_text_guests). Logs from before owners were recorded hold three.
+DocFields = tuple
 
 
 def encode(op: bytes, ids: np.ndarray, vectors: np.ndarray | None = None, docs: list | None = None,
@@ -79,7 +81,7 @@ def decode(payload: bytes) -> tuple[bytes, np.ndarray, np.ndarray | None, list[D
             docs = [tuple(d) for d in json.loads(payload[end:])]
         except ValueError:
             raise IndexFormatError("a shard log record's documents are garbled") from None
-        if len(docs) != n or not all(len(d) == 3 for d in docs):
+        if len(docs) != n or not all(len(d) in (3, 4) for d in docs):
             raise IndexFormatError("a shard log record's documents are garbled")
     return UPSERT if op == _LISTED else op, ids, vectors, docs, lists
 
@@ -145,8 +147,11 @@ class ShardWrites:
             s.begin()
             s.remove_rows(ids.tolist())
             if op == UPSERT_DOCS:
-                names, texts, metas = zip(*docs)
+                names, texts, metas = zip(*(d[:3] for d in docs))
                 s.insert(ids.tolist(), names, texts, metas, np.asarray(vectors, dtype=np.float32))
+                guests = [(i, int(d[3])) for i, d in zip(ids.tolist(), docs) if len(d) == 4]
+                if guests:
+                    s.mark_text_guests(*zip(*guests))
             s.commit(lsn, 0)
         except BaseException:
             s.rollback()
@@ -181,7 +186,7 @@ class ShardWrites:
 
     def write(self, op: bytes, ids, vectors=None, docs: list[DocFields] | None = None, lists=None) -> int:
         """Log (fsynced) then apply one write; returns how many of the ids were live here before. docs: with
-        op UPSERT_DOCS, one (name, text, metadata JSON) per id. lists: with an upsert, the router's list each
+        op UPSERT_DOCS, one (name, text, metadata JSON[, the shard counting it in BM25]) per id. lists: with an upsert, the router's list each
         vector was sent for (-1: none; a merge then puts it in its nearest list here)."""
         ids = np.asarray(ids, dtype=np.int64).ravel()
         if len(np.unique(ids)) != len(ids) or (ids < 0).any():

@@ -119,6 +119,33 @@ def test_auto_runs_the_policy_that_serves_more(page_file):
         open_store(page_file, 128, "arc")
 
 
+@pytest.mark.parametrize("policy", ["clock", "lfu", "auto"])
+def test_looking_at_the_buffer_is_no_request(page_file, policy):
+    """store.resident (PageBuffer::peek, what resident-first's copies go through) neither admits, counts nor
+    feeds the frequency sketch or auto's shadows: a buffer looked at many times evicts as one not looked at,
+    block for block (auto in the same mode), where asking for the same blocks as often (requests) keeps them
+    under lfu (auto, its shadows fed, may then switch to clock)."""
+    warm = np.arange(0, 128, dtype=np.uint32)  # fills the 128 frames
+    newcomers = np.arange(1000, 1128, dtype=np.uint32)
+
+    def run(between):
+        store = open_store(page_file, 128, policy)
+        store.read_blocks(warm)
+        for _ in range(8):
+            between(store)
+        before = bytes_read()
+        for _ in range(3):  # asked for thrice: more than a warm block that nothing asked for again
+            store.read_blocks(newcomers)
+        return store.resident(warm).astype(bool), blocks_read_since(before), store.buffer_mode
+
+    plain = run(lambda store: None)
+    looked = run(lambda store: store.resident(warm))
+    asked = run(lambda store: store.read_blocks(warm))
+    assert np.array_equal(looked[0], plain[0]) and looked[1:] == plain[1:]
+    if policy == "lfu":  # the stream tells looking from asking: asked-for blocks keep their frames
+        assert asked[0].sum() >= plain[0].sum() + 64, (asked[0].sum(), plain[0].sum())
+
+
 @pytest.mark.parametrize("policy", ["clock", "lfu"])
 def test_pinned_blocks_stay_resident_through_churn(page_file, policy):
     pinned = np.arange(0, 64, dtype=np.uint32) * 7  # blocks nothing else asks for

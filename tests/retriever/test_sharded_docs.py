@@ -393,3 +393,84 @@ def test_text_search_scores_with_every_shards_statistics(unreplicated, base, tmp
         ref.close()
     finally:
         c.close()
+
+
+@pytest.fixture(scope="module")
+def replicated(tmp_path_factory, base):
+    path = tmp_path_factory.mktemp("sharded-docs-replicated") / "idx"
+    build_sharded(base, path, 3, CONFIG, replicate=0.5, progress=False)
+    return path
+
+
+def reference_store(path, docs):
+    """One SQLite store holding each of these documents once: SQLite's own bm25() over it is the reference."""
+    import json
+
+    from fusionrag.retriever.docstore import DocStore
+
+    ref = DocStore(path, DIM, create=True)
+    ref.begin()
+    ref.insert(list(range(len(docs))), [d.id for d in docs], [d.text for d in docs],
+               [json.dumps(d.metadata) for d in docs], np.stack([d.vector for d in docs]))
+    ref.commit(1, len(docs))
+    return ref
+
+
+def assert_scores_as_one_store(coll, docs, path, queries):
+    ref = reference_store(path, docs)
+    try:
+        for q in queries:
+            rows, want = ref.text_search(q, 1000)
+            res = coll.search(None, 1000, texts=[q], mode="text")
+            assert {h.id: pytest.approx(h.distance, rel=1e-9) for h in res.hits[0]} == \
+                {docs[r].id: s for r, s in zip(rows.tolist(), want.tolist())}, q
+    finally:
+        ref.close()
+
+
+def test_a_document_on_two_shards_counts_once_in_bm25(replicated, base, tmp_path):
+    """Half the lists replicated: the documents written to one of them sit on both its shards, and BM25's
+    statistics still count each once, as one store holding every document once scores them (SQLite's own
+    bm25()), also with the shard that counted them down (the other replica counts them then), after a shard's
+    restart (the log replayed) and after merges, deletes and replacements."""
+    c = sharded_copy(replicated, tmp_path / "idx")
+    try:
+        ix = c.index
+        rng = np.random.default_rng(12)
+        docs = []
+        for j, r in enumerate(rng.choice(N, 150, replace=False).tolist()):
+            words = [TOPICS[j % 3]] * int(rng.integers(1, 4)) + list(rng.choice(WORDS, int(rng.integers(1, 8))))
+            docs.append(Document(f"d{j}", " ".join(words), base[r] + rng.normal(0, 0.01, DIM).astype(np.float32),
+                                 {"j": j}))
+        c.upsert(docs)
+        on = {d.id: ix.fresh_owner[ix.named[d.id]] for d in docs}
+        twice = [d for d in docs if len(on[d.id]) == 2]
+        assert len(twice) >= 30  # many documents on two shards
+        # Each shard's own counts summed count those twice (what the sums held before owners were kept).
+        own = [ix._get(ix._call(s, "text_stats", ["ships"])) for s in range(ix.n_shards)]
+        assert sum(o[0] for o in own) == len(docs) + len(twice)
+        queries = ["ships", "trains quick", "planes foo_bar", "ships trains lazy", "café running dogs"]
+        assert_scores_as_one_store(c, docs, tmp_path / "ref0.db", queries)
+
+        # The shard that counts the most of them killed: found down in the round, the other replicas count them.
+        owner = int(np.bincount([on[d.id][0] for d in twice]).argmax())
+        ix.kill_shard(owner)
+        reachable = [d for d in docs if any(s != owner for s in on[d.id])]
+        assert_scores_as_one_store(c, reachable, tmp_path / "ref1.db", queries)
+        ix.restart_shard(owner)  # its log replayed: it counts its documents again, the others leave them out
+        assert_scores_as_one_store(c, docs, tmp_path / "ref2.db", queries)
+
+        # Deletes, documents replaced (new texts, new vectors elsewhere) and merges: still each counted once.
+        c.delete([d.id for d in twice[:10]])
+        moved = [Document(d.id, d.text + " ships", base[(i * 37) % N] + 0.001, d.metadata)
+                 for i, d in enumerate(twice[10:30])]
+        c.upsert(moved)
+        live = {d.id: d for d in docs if d not in twice[:10]} | {d.id: d for d in moved}
+        assert_scores_as_one_store(c, list(live.values()), tmp_path / "ref3.db", queries)
+        ix.merge_shards()
+        assert_scores_as_one_store(c, list(live.values()), tmp_path / "ref4.db", queries)
+        for s in range(ix.n_shards):
+            ix.restart_shard(s)
+        assert_scores_as_one_store(c, list(live.values()), tmp_path / "ref5.db", queries)
+    finally:
+        c.close()
