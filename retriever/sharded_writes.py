@@ -81,7 +81,7 @@ def decode(payload: bytes) -> tuple[bytes, np.ndarray, np.ndarray | None, list[D
             docs = [tuple(d) for d in json.loads(payload[end:])]
         except ValueError:
             raise IndexFormatError("a shard log record's documents are garbled") from None
-        if len(docs) != n or not all(len(d) in (3, 4) for d in docs):
+        if len(docs) != n or not all(len(d) == 3 or (len(d) == 4 and type(d[3]) is int) for d in docs):
             raise IndexFormatError("a shard log record's documents are garbled")
     return UPSERT if op == _LISTED else op, ids, vectors, docs, lists
 

@@ -474,3 +474,24 @@ def test_a_document_on_two_shards_counts_once_in_bm25(replicated, base, tmp_path
         assert_scores_as_one_store(c, list(live.values()), tmp_path / "ref5.db", queries)
     finally:
         c.close()
+
+
+def test_a_logged_document_keeps_its_owner_and_a_garbled_one_is_refused():
+    """A shard log record carries a replicated document's owner shard as a fourth field; records from before
+    owners were logged hold three and read as they did; anything else there is a garbled record."""
+    import json
+
+    from fusionrag.retriever.errors import IndexFormatError
+    from fusionrag.retriever.sharded_writes import UPSERT_DOCS, decode, encode
+
+    ids, vecs = np.array([5, 9]), np.ones((2, 3), np.float32)
+    docs = [("a", "x y", "{}"), ("b", None, '{"k": 1}', 2)]
+    op, got_ids, got_vecs, got_docs, lists = decode(encode(UPSERT_DOCS, ids, vecs, docs, np.array([4, 7])))
+    assert op == UPSERT_DOCS and got_ids.tolist() == [5, 9] and np.array_equal(got_vecs, vecs)
+    assert got_docs == docs and lists.tolist() == [4, 7]
+    record = encode(UPSERT_DOCS, ids, vecs, docs[:1] * 2)
+    assert decode(record)[3] == [docs[0]] * 2
+    head = record[:-len(json.dumps([list(docs[0])] * 2, separators=(",", ":")).encode())]
+    for bad in ([["a", "x", "{}", "2"], ["b", None, "{}"]], [["a", "x", "{}", 1, 2], ["b", None, "{}"]]):
+        with pytest.raises(IndexFormatError, match="documents are garbled"):
+            decode(head + json.dumps(bad).encode())
