@@ -52,7 +52,8 @@ END;
 CREATE TABLE IF NOT EXISTS text_guests (row INTEGER PRIMARY KEY, owner INTEGER NOT NULL, tokens INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS guest_totals (owner INTEGER PRIMARY KEY, docs INTEGER NOT NULL, tokens INTEGER NOT NULL);
 CREATE TRIGGER IF NOT EXISTS text_guests_insert AFTER INSERT ON text_guests BEGIN
-    INSERT INTO guest_totals SELECT new.owner, 0, 0 WHERE NOT EXISTS (SELECT 1 FROM guest_totals WHERE owner = new.owner);
+    INSERT INTO guest_totals SELECT new.owner, 0, 0
+        WHERE NOT EXISTS (SELECT 1 FROM guest_totals WHERE owner = new.owner);
     UPDATE guest_totals SET docs = docs + 1, tokens = tokens + new.tokens WHERE owner = new.owner;
 END;
 CREATE TRIGGER IF NOT EXISTS text_guests_delete AFTER DELETE ON text_guests BEGIN
@@ -295,8 +296,7 @@ class DocStore:
             np.int64)
         if len(texted):
             lengths = self._doc_lengths(self._writer, texted)
-            self._writer.execute("DELETE FROM text_guests WHERE row IN (SELECT value FROM json_each(?))",
-                                 (json.dumps(texted.tolist()),))
+            # The rows were just inserted: removing a row removed its entry (docs_guest_delete), so none has one.
             self._writer.executemany("INSERT INTO text_guests VALUES (?, ?, ?)",
                                      [(r, owner_of[r], int(n)) for r, n in zip(texted.tolist(), lengths.tolist())])
 
@@ -416,8 +416,8 @@ class DocStore:
                 for w in query_words(t):
                     n = con.execute("SELECT count(*) FROM docs_fts WHERE docs_fts MATCH ?", (_phrase(w),)).fetchone()[0]
                     if guests[0]:
-                        n -= con.execute(f"SELECT count(*) FROM docs_fts JOIN text_guests AS g ON g.row = docs_fts.rowid "
-                                         f"WHERE docs_fts MATCH ? AND g.owner IN ({among})",
+                        n -= con.execute(f"SELECT count(*) FROM docs_fts JOIN text_guests AS g "
+                                         f"ON g.row = docs_fts.rowid WHERE docs_fts MATCH ? AND g.owner IN ({among})",
                                          (_phrase(w), *owners)).fetchone()[0]
                     hits[-1].append(n)
         return docs - guests[0], tokens - guests[1], hits

@@ -186,8 +186,9 @@ class ShardWrites:
 
     def write(self, op: bytes, ids, vectors=None, docs: list[DocFields] | None = None, lists=None) -> int:
         """Log (fsynced) then apply one write; returns how many of the ids were live here before. docs: with
-        op UPSERT_DOCS, one (name, text, metadata JSON[, the shard counting it in BM25]) per id. lists: with an upsert, the router's list each
-        vector was sent for (-1: none; a merge then puts it in its nearest list here)."""
+        op UPSERT_DOCS, one (name, text, metadata JSON[, the shard counting it in BM25]) per id. lists: with an
+        upsert, the router's list each vector was sent for (-1: none; a merge then puts it in its nearest list
+        here)."""
         ids = np.asarray(ids, dtype=np.int64).ravel()
         if len(np.unique(ids)) != len(ids) or (ids < 0).any():
             raise InputError("a write's ids must be distinct non-negative integers")
