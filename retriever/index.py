@@ -132,7 +132,7 @@ class Index(ManifestShape):
             raise IndexFormatError(f"{path}: cannot open the SSD tier: {e}") from e
         return cls(
             path, m,
-            NavigationTier(graph, metric == "ip", threads, load_probe_model(path, m)),
+            NavigationTier(graph, metric == "ip", threads, load_probe_model(path, m), np.diff(offsets)),
             open_filter_tier(config, offsets, list_ids, codes, codebooks, threads, str(path), engine_metric),
             RerankTier(store, locations, dtype, engine_metric, threads, config.rerank_inflight, config.page_mates,
                        config.rerank_prefetch),

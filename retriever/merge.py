@@ -35,6 +35,7 @@ from fusionrag.retriever.layout import PageLayout
 from fusionrag.retriever.learned_probe import MODEL_FILE
 from fusionrag.retriever.manifest import load_array, writing_index
 from fusionrag.retriever.progress import OnProgress, Progress
+from fusionrag.retriever.tiers import exhaustive_is_cheap
 from fusionrag.retriever.vectors import STORAGE_DTYPES
 
 _DTYPES = {v: k for k, v in STORAGE_DTYPES.items()}
@@ -254,8 +255,9 @@ def merge_index(old: Index, dead: np.ndarray, new_vectors: np.ndarray, out_dir: 
 
 
 def _nearest(x, centroids, graph, metric: str, k: int, threads: int):
-    """The k nearest centroids by l2 (what the build's replication uses), ids and squared dists."""
-    if metric != "ip":
+    """The k nearest centroids by l2 (what the build's replication uses), ids and squared dists: by the
+    graph, or exactly where that is as cheap (tiers.exhaustive_is_cheap: the graph can miss a cluster)."""
+    if metric != "ip" and not exhaustive_is_cheap(*centroids.shape):
         near, sqd = graph.search(x, k, max(32, 2 * k), threads)
         return near.astype(np.int64), sqd
     # The ip graph orders by inner product; l2 neighbours come from the centroids directly.

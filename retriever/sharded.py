@@ -70,7 +70,7 @@ from fusionrag.retriever.queries import PreparedQueries
 from fusionrag.retriever.sharded_merge import (LIST_WRITES, NO_SPLIT_FACTOR, current_part, gen_dir_name,
                                                load_global_ids, manifest_sha, publish)
 from fusionrag.retriever.sharded_writes import DELETE, UPSERT, UPSERT_DOCS, ShardWrites
-from fusionrag.retriever.tiers import NavigationTier
+from fusionrag.retriever.tiers import NavigationTier, exhaustive_is_cheap
 from fusionrag.retriever.vectors import STORAGE_DTYPES, as_source
 
 log = logging.getLogger(__name__)
@@ -290,6 +290,8 @@ def _assign_range(source, metric: str, graph_path: str, codebooks: np.ndarray, d
     """Step 4 of the build for rows lo..hi-1 (a Ray task, or called in this process)."""
     rows = _Rows(as_source(source), metric)
     graph = native.Graph.load(graph_path)
+    # As the router's queries find lists (build.assign_rows): exactly where that is cheap, else by graph.
+    exact = graph.vectors() if exhaustive_is_cheap(graph.size, dim + (metric == "ip")) else None
     pq = ProductQuantizer(codebooks, dim)
     integral = _IntegralCheck(rows.src.dtype, metric)
     out = []
@@ -297,7 +299,7 @@ def _assign_range(source, metric: str, graph_path: str, codebooks: np.ndarray, d
         ids = np.arange(s, min(hi, s + _CHUNK))
         x = rows(ids)
         integral.update(x)
-        out.append(assign_rows(graph, pq, ids, x, config, threads))
+        out.append(assign_rows(graph, pq, ids, x, config, threads, exact))
     primary, lists, members, codes = (np.concatenate(parts) for parts in zip(*out))
     return primary, lists, members, codes, (integral.possible, integral.lo, integral.hi)
 
@@ -448,7 +450,7 @@ def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfi
 
         # Placement from the expected work of each list.
         t = time.perf_counter()
-        nav = NavigationTier(graph, metric == "ip", threads)
+        nav = NavigationTier(graph, metric == "ip", threads, None, sizes)
         sample = None
         if sample_queries is None:
             sample = np.sort(np.random.default_rng(config.seed + 1).choice(n, min(n, num_sample_queries),
@@ -1061,8 +1063,8 @@ class ShardedIndex(ManifestShape):
             if w["count"] != expected[name]:
                 raise IndexFormatError(f"{path}: shard part {name} holds {w['count']} vectors, the router expects "
                                        f"{expected[name]}")
-        out = cls(path, m, NavigationTier(graph, metric == "ip", cpu_threads(config.threads)), list_shards,
-                  list_local, list_sizes, shards, bool(ray), params, batch_size)
+        out = cls(path, m, NavigationTier(graph, metric == "ip", cpu_threads(config.threads), None, list_sizes),
+                  list_shards, list_local, list_sizes, shards, bool(ray), params, batch_size)
         out.where, out.config, out.actor_options, out.shard_paths = where, config, options, shard_paths
         out.call_timeout_s = call_timeout_s
         out.base_ids = [load_global_ids(current_part(p)[0]) for p in shard_paths]

@@ -360,8 +360,11 @@ def test_text_search_scores_with_every_shards_statistics(unreplicated, base, tmp
         ix = c.index
         rng = np.random.default_rng(9)
         docs = []
-        for s in range(ix.n_shards):  # near vectors this shard holds, so they are written to it
-            rows = rng.choice(ix.base_ids[s][ix.base_ids[s] < N], 40, replace=False)
+        # Near vectors whose nearest list this shard holds, so they are written to it (a vector the shard holds
+        # as a boundary replica has its nearest list elsewhere).
+        nearest = ix.nav.nearest(ix.prepare_queries(base), SearchParams(nprobe=1))[0][:, 0]
+        for s in range(ix.n_shards):
+            rows = rng.choice(np.flatnonzero([s in ix.list_shards[lst] for lst in nearest]), 40, replace=False)
             for j, r in enumerate(rows.tolist()):
                 words = [TOPICS[s]] * int(rng.integers(1, 4)) + list(rng.choice(WORDS, int(rng.integers(1, 8))))
                 if j % 10 == 0:
