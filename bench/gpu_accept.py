@@ -80,6 +80,7 @@ class Run:
 
     def __init__(self, out: Path, deadline: float):
         self.out, self.start, self.deadline = out, time.time(), deadline
+        self.colocate_seconds = 45  # each measured phase of step d on a GPU
         self.files = Path(tempfile.mkdtemp(prefix="fusionrag-accept-"))
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if (WHEELS / "data").is_dir():
@@ -236,7 +237,8 @@ def bench_figures(r: dict) -> dict:
 def step_d(run: Run) -> None:
     out = run.files / "colocate"
     if run.cuda:
-        size = ["--device", "cuda", "--preset", "1b", "--seconds", "45", "--warmup-seconds", "10", "--users", "8",
+        size = ["--device", "cuda", "--preset", "1b", "--seconds", str(run.colocate_seconds), "--warmup-seconds",
+                str(max(3, run.colocate_seconds // 4)), "--users", "8",
                 "--count", "100000", "--dim", "128", "--memory-fraction", "0.4",
                 "--server-arg=--filter-tier=gpu", "--server-arg=--gpu-budget-mb=4096"]
     else:
@@ -351,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="where gpu_accept.json, .md and the files go")
     ap.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, of {','.join(STEPS)}")
     ap.add_argument("--deadline", type=float, default=1500.0, help="seconds the whole run may take")
+    ap.add_argument("--colocate-seconds", type=int, default=45,
+                    help="seconds each phase of step d measures on a GPU (its warm-up a quarter of that)")
     ap.add_argument("--merge", nargs="+", type=Path, help="summarize these runs' OUT folders into --out")
     ap.add_argument("--wheels", type=Path, help="download the GPU machine's wheels here, and stop")
     args = ap.parse_args(argv)
@@ -366,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown steps {unknown}; known: {','.join(STEPS)}")
     run = Run(out, args.deadline)
+    run.colocate_seconds = args.colocate_seconds
     try:
         for step in steps:
             print(f"gpu_accept: step {step}: {TITLES[step]}", flush=True)

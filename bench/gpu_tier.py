@@ -237,6 +237,12 @@ def main() -> int:
     ap.add_argument("--out", help="also write the results here, JSON")
     args = ap.parse_args()
 
+    def save() -> None:
+        """The results so far to --out: a step cut short by its time limit still leaves what it measured."""
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+
     device = torch.device("cuda", torch.cuda.current_device()) if CUDA else torch.device("cpu")
     memory = DeviceMemory(device)
     name = torch.cuda.get_device_name(device) if CUDA else "cpu (Triton interpreter: NOT GPU results)"
@@ -246,6 +252,7 @@ def main() -> int:
     peak_bw = bandwidth(device, (2 << 30) if CUDA else (16 << 20))
     results["measured_bandwidth_GBps"] = round(peak_bw / 1e9, 1)
     print(json.dumps({"device": name, "measured_bandwidth_GBps": results["measured_bandwidth_GBps"]}), flush=True)
+    save()
 
     t = time.perf_counter()
     base, queries, gt, metric = load(args.data, args.queries, args.count, args.dim, device)
@@ -255,9 +262,12 @@ def main() -> int:
         Index.build(base, path, BuildConfig(metric=metric), progress=False, overwrite=True)
     results["index"] = {"data": tag, "vectors": len(base), "dim": int(base.shape[1]),
                         "prepare_and_build_s": round(time.perf_counter() - t, 1)}
+    print(json.dumps({"index": results["index"]}), flush=True)
+    save()
     grid = ([(n, r) for n in (16, 32, 64, 128, 256) for r in (100, 200, 400)] if CUDA else [(8, 50), (64, 50)])
     batch = 1024 if CUDA else 16
-    e2e = {}
+    e2e = {"queries": len(queries), "batch_size": batch}
+    results["end_to_end"] = e2e  # filled in as it runs
     # The GPU tier first, so that its kernels compile when it opens (the scans below would compile some).
     t = time.perf_counter()
     gpu = Index.open(path, filter_tier="gpu", batch_size=batch, **({} if CUDA else {"gpu_budget_bytes": 64 << 20}))
@@ -266,6 +276,7 @@ def main() -> int:
     e2e["gpu_tier"] = {"runs": sweep(gpu, queries, gt, grid)}
     results["gpu_memory"] = against_budget(gpu.filter, memory.read())
     e2e["gpu_tier"].update(best_at(e2e["gpu_tier"]["runs"]))
+    save()
     best95 = e2e["gpu_tier"]["qps_at_recall_0.95"] or max(e2e["gpu_tier"]["runs"], key=lambda r: r["recall@10"])
     # The same search with about a third of the codes resident, the rest read over PCIe: the process's
     # budget resized to what the first tier held but two thirds of the codes, plus the slot map and
@@ -285,12 +296,14 @@ def main() -> int:
     run = sweep(third, queries, gt, [(best95["nprobe"], best95["rerank"])])[0]
     e2e["gpu_tier_third_codes_resident"] = run
     results["gpu_memory_third_codes_resident"] = against_budget(third.filter, memory.read())
+    save()
     third.filter.close()
     del third, c
     scans = [(50_000_000, 32, 1024, 4096), (25_000_000, 64, 1024, 4096)] if CUDA else [(20_000, 8, 4, 512)]
     results["scan"] = [bench_scan(device, n, m, q, per, 256 if CUDA else 64, peak_bw) for n, m, q, per in scans]
     for r in results["scan"]:
         print(json.dumps({"scan": r}), flush=True)
+    save()
     if CUDA:
         torch.cuda.empty_cache()
     cpu = Index.open(path, filter_tier="cpu", batch_size=batch)
@@ -301,11 +314,8 @@ def main() -> int:
         g, c = e2e["gpu_tier"][f"qps_at_recall_{target:.2f}"], e2e["cpu_tier"][f"qps_at_recall_{target:.2f}"]
         if g and c:
             e2e[f"gpu_over_cpu_at_{target:.2f}"] = round(g["qps"] / c["qps"], 2)
-    results["end_to_end"] = {"queries": len(queries), "batch_size": batch, **e2e}
     print(json.dumps(results, indent=1))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    save()
     return 0
 
 

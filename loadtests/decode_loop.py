@@ -26,6 +26,8 @@ def hold_memory_share(device: str, fraction: float, headroom: int) -> tuple[int,
     if not str(device).startswith("cuda"):
         return 0, None
     dev = torch.device(device)
+    if dev.index is None:  # "cuda": set_per_process_memory_fraction takes only a device with its index
+        dev = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(dev).total_memory
     budget = int(total * fraction)
     torch.cuda.synchronize(dev)
