@@ -78,9 +78,9 @@ def machine() -> dict:
 class Run:
     """One invocation: its steps' records, the summary files in OUT, logs and outputs in a work folder."""
 
-    def __init__(self, out: Path, deadline: float):
+    def __init__(self, out: Path, deadline: float, colocate_seconds: int = 45):
         self.out, self.start, self.deadline = out, time.time(), deadline
-        self.colocate_seconds = 45  # each measured phase of step d on a GPU
+        self.colocate_seconds = colocate_seconds  # each measured phase of step d on a GPU
         self.files = Path(tempfile.mkdtemp(prefix="fusionrag-accept-"))
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if (WHEELS / "data").is_dir():
@@ -369,8 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in steps if s not in RUNNERS]
     if unknown:
         ap.error(f"unknown steps {unknown}; known: {','.join(STEPS)}")
-    run = Run(out, args.deadline)
-    run.colocate_seconds = args.colocate_seconds
+    run = Run(out, args.deadline, args.colocate_seconds)
     try:
         for step in steps:
             print(f"gpu_accept: step {step}: {TITLES[step]}", flush=True)

@@ -289,7 +289,7 @@ def build_index(source, out_dir, config: BuildConfig = BuildConfig(), progress: 
 
     # 4. One pass over all vectors: nearest centroids, replicas, PQ codes (and NaN checks).
     t = time.perf_counter()
-    exact = centroids if exhaustive_is_cheap(len(centroids), dim + (metric == "ip")) else None
+    exact = centroids if exhaustive_is_cheap(graph.size, graph.dim) else None  # as NavigationTier decides
     codes = np.empty((n, pq.m), dtype=np.uint8)
     primary = np.empty(n, dtype=np.int64)
     pair_lists, pair_ids = [], []

@@ -27,10 +27,10 @@ from pathlib import Path
 import numpy as np
 
 from fusionrag import native
-from fusionrag.retriever.build import save_index_files
+from fusionrag.retriever.build import nearest_rows, save_index_files
 from fusionrag.retriever.config import BuildConfig, cpu_threads
 from fusionrag.retriever.index import Index
-from fusionrag.retriever.kmeans import kmeans, sq_dists
+from fusionrag.retriever.kmeans import kmeans
 from fusionrag.retriever.layout import PageLayout
 from fusionrag.retriever.learned_probe import MODEL_FILE
 from fusionrag.retriever.manifest import load_array, writing_index
@@ -261,16 +261,8 @@ def _nearest(x, centroids, graph, metric: str, k: int, threads: int):
         near, sqd = graph.search(x, k, max(32, 2 * k), threads)
         return near.astype(np.int64), sqd
     # The ip graph orders by inner product; l2 neighbours come from the centroids directly.
-    near = np.empty((len(x), k), np.int64)
-    sqd = np.empty((len(x), k), np.float32)
-    for s in range(0, len(x), 4096):
-        d = sq_dists(x[s:s + 4096], centroids)
-        part = np.argpartition(d, k - 1, axis=1)[:, :k]
-        pd = np.take_along_axis(d, part, axis=1)
-        order = np.argsort(pd, axis=1)
-        near[s:s + 4096] = np.take_along_axis(part, order, axis=1)
-        sqd[s:s + 4096] = np.take_along_axis(pd, order, axis=1)
-    return near, sqd
+    near, sqd = nearest_rows(x, centroids, k)
+    return near.astype(np.int64), sqd
 
 
 def _split(lst: int, members: Callable[[int], np.ndarray], centroids: np.ndarray, graph, vectors_of, metric: str,
