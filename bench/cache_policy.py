@@ -35,11 +35,18 @@ sys.path.insert(0, str(HERE))
 import datasets  # noqa: E402
 
 POLICIES = {  # name -> EngineConfig overrides
-    "clock": {"buffer_policy": "clock", "pin_fraction": 0.0},
-    "lfu": {"buffer_policy": "lfu", "pin_fraction": 0.0},
-    "clock+pin": {"buffer_policy": "clock", "pin_fraction": 0.25},
-    "lfu+pin": {"buffer_policy": "lfu", "pin_fraction": 0.25},
-    "auto": {"buffer_policy": "auto", "pin_fraction": 0.0},
+    "clock": {"buffer_policy": "clock", "pin_fraction": 0.0, "record_cache": "off"},
+    "lfu": {"buffer_policy": "lfu", "pin_fraction": 0.0, "record_cache": "off"},
+    "clock+pin": {"buffer_policy": "clock", "pin_fraction": 0.25, "record_cache": "off"},
+    "lfu+pin": {"buffer_policy": "lfu", "pin_fraction": 0.25, "record_cache": "off"},
+    "auto": {"buffer_policy": "auto", "pin_fraction": 0.0, "record_cache": "off"},
+    "default": {},  # EngineConfig's defaults: buffer_policy auto, record_cache auto
+    # a share of the same bytes as a cache of single records (EngineConfig.record_cache, record_cache_share)
+    "lfu+rec25": {"buffer_policy": "lfu", "pin_fraction": 0.0, "record_cache": "on", "record_cache_share": 0.25},
+    "lfu+rec50": {"buffer_policy": "lfu", "pin_fraction": 0.0, "record_cache": "on", "record_cache_share": 0.5},
+    "lfu+rec100": {"buffer_policy": "lfu", "pin_fraction": 0.0, "record_cache": "on"},
+    "auto+rec50": {"buffer_policy": "auto", "pin_fraction": 0.0, "record_cache": "on", "record_cache_share": 0.5},
+    "auto+rec100": {"buffer_policy": "auto", "pin_fraction": 0.0, "record_cache": "on"},
 }
 FRACTIONS = (64, 16, 4)
 STREAMS = ("uniform", "skewed", "drifting")
@@ -131,26 +138,33 @@ def half_streams(queries: np.ndarray, half: str, length: int) -> dict[str, np.nd
     return {k: lo + v for k, v in streams(queries[lo:hi], length, HALF_SEEDS[half]).items()}
 
 
-def run_stream(index, q: np.ndarray, order: np.ndarray, batch: int, pinned: bool) -> dict:
-    """Feeds the stream in batches of `batch` queries; counts after the first quarter."""
+def run_stream(index, q: np.ndarray, order: np.ndarray, batch: int, pinned: bool, gt: np.ndarray | None = None) -> dict:
+    """Feeds the stream in batches of `batch` queries; counts after the first quarter (recall@10 too, with gt)."""
     warm = len(order) // 4
-    read = buffered = counted = 0
+    read = buffered = counted = cached = 0
+    hits = 0
     since = 0
     for lo in range(0, len(order), batch):
         r = index.search(q[order[lo:lo + batch]], 10)
         if lo >= warm:
             read += int(r.stats["pages_read"].sum())
             buffered += int(r.stats["pages_buffered"].sum())
+            cached += int(r.stats["records_cached"].sum())
             counted += len(r.ids)
+            if gt is not None:
+                want = gt[order[lo:lo + batch], :10]
+                hits += sum(len(np.intersect1d(a, b)) for a, b in zip(r.ids, want))
         since += batch
         if pinned and since >= REFRESH:
             index.refresh_hotness()
             since = 0
     return {"hit_ratio": buffered / max(1, read + buffered), "ssd_pages_per_query": read / max(1, counted),
-            "pages_per_query": (read + buffered) / max(1, counted), "queries": counted}
+            "pages_per_query": (read + buffered) / max(1, counted), "records_cached_per_query": cached / max(1, counted),
+            "queries": counted, **({"recall": hits / (10 * max(1, counted))} if gt is not None else {})}
 
 
-def measure(idx_path: Path, q: np.ndarray, stream_rows: dict, fractions, policies, threads: int, batch: int) -> list:
+def measure(idx_path: Path, q: np.ndarray, stream_rows: dict, fractions, policies, threads: int, batch: int,
+            gt: np.ndarray | None = None) -> list:
     from fusionrag.retriever import EngineConfig, Index
 
     raw = (idx_path / "vectors.pages").stat().st_size
@@ -162,7 +176,7 @@ def measure(idx_path: Path, q: np.ndarray, stream_rows: dict, fractions, policie
                                    manager_interval_s=0.0, **POLICIES[pname])
                 index = Index.open(idx_path, cfg)
                 t = time.perf_counter()
-                res = run_stream(index, q, order, batch, cfg.pin_fraction > 0)
+                res = run_stream(index, q, order, batch, cfg.pin_fraction > 0, gt)
                 index.close()
                 res.update(buffer=f"1/{frac}", policy=pname, stream=sname, seconds=round(time.perf_counter() - t, 2))
                 rows.append(res)
@@ -171,8 +185,8 @@ def measure(idx_path: Path, q: np.ndarray, stream_rows: dict, fractions, policie
 
 
 def choose(rows: list) -> dict:
-    """Per buffer size, the policy with the best mean SSD pages per query over the streams, and the
-    policy that is best on the skewed stream while no worse than CLOCK on the uniform one."""
+    """Per buffer size, the policy with the best mean SSD pages per query over the streams, and the best of
+    those that read no more than CLOCK on the uniform stream (#17: no loss on it)."""
     out = {}
     for frac in {r["buffer"] for r in rows}:
         sub = [r for r in rows if r["buffer"] == frac]
@@ -181,6 +195,9 @@ def choose(rows: list) -> dict:
             by.setdefault(r["policy"], {})[r["stream"]] = r["ssd_pages_per_query"]
         mean = {p: float(np.mean(list(v.values()))) for p, v in by.items()}
         out[frac] = {"mean_ssd_pages": mean, "best": min(mean, key=mean.get)}
+        if "clock" in by and all("uniform" in v for v in by.values()):
+            fair = {p: m for p, m in mean.items() if by[p]["uniform"] <= by["clock"]["uniform"]}
+            out[frac]["best_no_uniform_loss"] = min(fair, key=fair.get)
     return out
 
 
@@ -197,7 +214,15 @@ def markdown(result: dict) -> str:
     best = {c["best"] for r in result["sets"].values() for c in r["choice"].values()}
     lines += [f"Best on the tuning halves (mean SSD pages per query over the streams), per set and buffer size: "
               f"{', '.join(sorted(best))}.", ""]
-    if all({"auto", "clock", "lfu"} <= set(r["policies"]) for r in result["sets"].values()):
+    if any(p == "default" or "+rec" in p for r in result["sets"].values() for p in r["policies"]):
+        # the record cache's runs (bench/results/cache_policy_records*.md): what each set's tuning half chose
+        picks = "; ".join(f"{name} {frac}: {c.get('best_no_uniform_loss', c['best'])}" for name, r in result["sets"].items()
+                          for frac, c in sorted(r["choice"].items(), key=lambda kv: -int(kv[0].split('/')[1])))
+        lines += ["Record cache (`EngineConfig.record_cache`; `lfu+recS`/`auto+recS`: on, with S% of the buffer; "
+                  "`default`: EngineConfig's defaults, `record_cache='auto'`, on where a record and its metadata "
+                  "cost less than its share of a block). Best on each tuning half among the policies that read no "
+                  f"more SSD pages than clock on the uniform stream: {picks}.", ""]
+    elif all({"auto", "clock", "lfu"} <= set(r["policies"]) for r in result["sets"].values()):
         # auto against the better of the two it chooses between, row by row of the report halves.
         gaps = []
         for name, r in result["sets"].items():
@@ -217,7 +242,17 @@ def markdown(result: dict) -> str:
                   "Tuning half, mean SSD pages per query over the three streams:", ""]
         for frac, c in sorted(r["choice"].items(), key=lambda kv: -int(kv[0].split('/')[1])):
             lines.append(f"- {frac}: " + ", ".join(f"{p} {v:.2f}" for p, v in c["mean_ssd_pages"].items())
-                         + f" → best {c['best']}")
+                         + f" → best {c['best']}"
+                         + (f"; of those reading no more than clock on the uniform stream, {c['best_no_uniform_loss']}"
+                            if "best_no_uniform_loss" in c else ""))
+        if all("recall" in x for x in r["report"]):
+            per = {}
+            for x in r["report"]:
+                per.setdefault(x["stream"], set()).add(round(x["recall"], 6))
+            lines += ["", "Recall@10 on the report half, per stream, under every policy and buffer: " + ", ".join(
+                f"{st} {' / '.join(f'{v:.4f}' for v in sorted(vs))}" for st, vs in per.items())
+                + (" (the same under all: answers do not depend on the buffer)" if all(len(v) == 1 for v in per.values())
+                   else " (NOT the same under all)")]
         lines += ["", "Report half:", "", "| buffer | stream | " + " | ".join(
             f"{p} hit / SSD" for p in r["policies"]) + " |", "|---|---|" + "---|" * len(r["policies"])]
         for frac in r["fractions"]:
@@ -261,7 +296,7 @@ def main() -> None:
         idx_path = build(args.work, name)
         if args.build_only:
             continue
-        _, queries, _, meta = datasets.load(args.work, name)
+        _, queries, gt, meta = datasets.load(args.work, name)
         from fusionrag.retriever import Index
 
         index = Index.open(idx_path, filter_tier="cpu")
@@ -270,9 +305,9 @@ def main() -> None:
                 "block_bytes": int(index.reranker.store.block_bytes)}
         index.close()
         tune = measure(idx_path, q, half_streams(q, "tune", args.length), args.fractions, args.policies,
-                       args.threads, args.batch)
+                       args.threads, args.batch, gt)
         report = measure(idx_path, q, half_streams(q, "report", args.length), args.fractions, args.policies,
-                         args.threads, args.batch)
+                         args.threads, args.batch, gt)
         result["sets"][name] = {**info, "fractions": args.fractions, "policies": args.policies, "tune": tune,
                                 "choice": choose(tune), "report": report}
         save(result, args.out, args.tag, markdown)

@@ -9,6 +9,7 @@ A B B A … so that drift of a shared machine falls on both variants alike. The 
 as in bench/run.py. Streams come from the report half of the set's queries (bench/run.py's stream_rows).
 
     python bench/service_before_after.py [--datasets glove minilm] [--streams uniform skewed] [--rounds 2]
+                                         [--variants blocks after]   # the record cache off, then on
 
 Results: bench/results/service_before_after.json and .md.
 """
@@ -35,8 +36,9 @@ from datasets import load, prepare  # noqa: E402
 from run import stream_rows  # noqa: E402
 
 VARIANTS = {  # name -> `fusionrag serve` flags
-    "before": ["--buffer-policy", "clock", "--no-pipeline"],
-    "after": [],  # the defaults: --buffer-policy lfu --pipeline
+    "before": ["--buffer-policy", "clock", "--no-pipeline", "--record-cache", "off"],
+    "after": [],  # the defaults: --buffer-policy auto --record-cache auto --pipeline
+    "blocks": ["--record-cache", "off"],  # the defaults but the buffer holding blocks only
 }
 
 
@@ -97,14 +99,15 @@ def markdown(res: dict) -> str:
              f"Machine: {res['machine']}; load average at start {res['load_start']}, at end {res.get('load_end')}. "
              f"`fusionrag serve --filter-tier cpu --buffer-mb raw/16`, {a['users']} steady Locust vector users for "
              f"{a['seconds']} s per run, k=10, one query per request; variants alternated A B B A, {a['rounds']} "
-             "round(s); medians over a variant's runs. **before**: `--buffer-policy clock --no-pipeline`; **after**: "
-             "the defaults (`lfu`, pipeline on). Queries: the stream drawn from the report half of the set's queries "
-             "(bench/run.py --streams).", "",
+             "round(s); medians over a variant's runs. "
+             + "; ".join(f"**{v}**: " + (f"`{' '.join(VARIANTS[v])}`" if VARIANTS[v] else "the defaults")
+                         for v in res.get("variants", ["before", "after"]))
+             + ". Queries: the stream drawn from the report half of the set's queries (bench/run.py --streams).", "",
              "| set | stream | variant | req/s | p50 ms | p99 ms | page-buffer hit ratio | SSD pages/query | "
              "queries/engine batch | recall@10 | failures |", "|---" * 11 + "|"]
     for key, r in res["results"].items():
         name, stream = key.split(":")
-        for v in VARIANTS:
+        for v in r:
             s = r[v]
             f = lambda x, nd=2: "–" if x is None else f"{x:.{nd}f}"  # noqa: E731
             lines.append(f"| {name} | {stream} | {v} | {f(s['per_s'], 1)} | {f(s['p50_ms'])} | {f(s['p99_ms'])} | "
@@ -125,12 +128,14 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=HERE / "work")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--tag", default="service_before_after")
+    ap.add_argument("--variants", nargs=2, default=["before", "after"], choices=list(VARIANTS), metavar="VARIANT",
+                    help=f"the two variants compared, A then B (of {', '.join(VARIANTS)})")
     args = ap.parse_args()
     args.work = args.work.resolve()
     res = {"started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "machine": f"{platform.machine()} {os.cpu_count()}-core VM",
            "load_start": [round(x, 2) for x in os.getloadavg()], "args": {k: str(v) for k, v in vars(args).items()},
-           "results": {}, "raw": {}}
+           "results": {}, "raw": {}, "variants": args.variants}
     args.out.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="fusionrag-service-bench-"))
     try:
@@ -144,8 +149,9 @@ def main() -> None:
                 t = time.perf_counter()
                 qs_file = build_collection(args.work, name, stream, args.queries, data_dir, 10)
                 print(f"{time.strftime('%H:%M:%S')} built {name}:{stream} in {time.perf_counter() - t:.0f} s", flush=True)
-                runs = {v: [] for v in VARIANTS}
-                order = [v for _ in range(args.rounds) for v in ("before", "after", "after", "before")]
+                a, b = args.variants
+                runs = {a: [], b: []}
+                order = [v for _ in range(args.rounds) for v in (a, b, b, a)]
                 for i, v in enumerate(order):
                     r = one_run(data_dir, qs_file, scratch / f"{name}-{stream}" / f"run{i}-{v}", VARIANTS[v],
                                 buffer_mb, args.users, args.seconds)

@@ -74,7 +74,8 @@ def fusionrag_build(base_path, base, meta, out, p):
 def fusionrag_open(out, meta, p, threads):
     from fusionrag.retriever import Index
 
-    index = Index.open(str(out), buffer_bytes=p["buffer_bytes"], threads=threads, batch_size=p.get("batch_size"))
+    index = Index.open(str(out), buffer_bytes=p["buffer_bytes"], threads=threads, batch_size=p.get("batch_size"),
+                       **p.get("engine", {}))
 
     def search(q, knob):
         r = index.search(q, K, **knob)
@@ -101,6 +102,12 @@ def fusionrag_lean_build(base_path, base, meta, out, p):
 def with_buffer_divided(by: int):
     def open_(out, meta, p, threads):
         return fusionrag_open(out, meta, {**p, "buffer_bytes": p["buffer_bytes"] // by}, threads)
+    return open_
+
+
+def with_engine(**engine):
+    def open_(out, meta, p, threads):
+        return fusionrag_open(out, meta, {**p, "engine": engine}, threads)
     return open_
 
 
@@ -209,6 +216,8 @@ SYSTEMS = {  # name: (build, open, the library, imported before the baseline RSS
     "fusionrag-halfbuf": (None, with_buffer_divided(2), "fusionrag.retriever"),  # searches fusionrag's build
     "fusionrag-lean": (fusionrag_lean_build, with_buffer_divided(4), "fusionrag.retriever"),
     "fusionrag-lean-fullbuf": (None, with_buffer_divided(1), "fusionrag.retriever"),  # searches fusionrag-lean's
+    # fusionrag's build with the page buffer holding blocks only (EngineConfig.record_cache off)
+    "fusionrag-blocks": (None, with_engine(record_cache="off"), "fusionrag.retriever"),
     "faiss-ivfpq-refine": (ivfpq_build, ivfpq_open, "faiss"),
     "faiss-hnsw": (faiss_hnsw_build, faiss_hnsw_open, "faiss"),
     "hnswlib": (hnswlib_build, hnswlib_open, "hnswlib"),

@@ -646,8 +646,12 @@ void PageBuffer::clear() {
 
 PageStore::PageStore(const std::string& path, PageLayout layout, std::vector<uint32_t> block_crc,
                      size_t buffer_blocks, const std::string& io_backend, const std::string& direct_io,
-                     int io_threads, BufferPolicy policy)
-    : path_(path), layout_(layout), crc_(std::move(block_crc)), buffer_(buffer_blocks, layout.block_bytes(), policy) {
+                     int io_threads, BufferPolicy policy, size_t record_cache_records)
+    : path_(path),
+      layout_(layout),
+      crc_(std::move(block_crc)),
+      buffer_(buffer_blocks, layout.block_bytes(), policy),
+      records_(record_cache_records, layout.record_bytes, policy) {
   if (io_backend != "auto" && io_backend != "io_uring" && io_backend != "pread")
     throw std::invalid_argument("io_backend must be 'auto', 'io_uring' or 'pread', not '" + io_backend + "'");
   if (direct_io != "auto" && direct_io != "on" && direct_io != "off")
@@ -836,7 +840,8 @@ std::vector<uint32_t> PageStore::take_trace() {
 
 PageStoreStats PageStore::stats() {
   return {blocks_read_.load(), blocks_from_buffer_.load(), read_calls_.load(), buffer_.evictions(),
-          pin_reads_.load(), buffer_.pinned(), read_ahead_.load(), read_ahead_unused_.load(), buffer_.switches()};
+          pin_reads_.load(), buffer_.pinned(), read_ahead_.load(), read_ahead_unused_.load(), buffer_.switches(),
+          record_lookups_.load(), records_from_cache_.load()};
 }
 
 }  // namespace fusionrag
@@ -943,16 +948,20 @@ void bind_pagefile(nb::module_& m) {
           "__init__",
           [](PageStore* self, const std::string& path, int64_t record_bytes, int64_t records_per_block,
              int64_t pages_per_block, U32Vector block_crc, int64_t buffer_blocks, const std::string& io_backend,
-             const std::string& direct_io, int io_threads, const std::string& buffer_policy) {
+             const std::string& direct_io, int io_threads, const std::string& buffer_policy, int64_t record_cache) {
             PageLayout layout = make_layout(record_bytes, records_per_block, pages_per_block);
             std::vector<uint32_t> crc(block_crc.data(), block_crc.data() + block_crc.shape(0));
             size_t capacity = non_negative(buffer_blocks, "buffer_blocks");
+            size_t records = non_negative(record_cache, "record_cache");
             BufferPolicy policy = parse_buffer_policy(buffer_policy);
             nb::gil_scoped_release nogil;
-            new (self) PageStore(path, layout, std::move(crc), capacity, io_backend, direct_io, io_threads, policy);
+            new (self)
+                PageStore(path, layout, std::move(crc), capacity, io_backend, direct_io, io_threads, policy, records);
           },
           "path"_a, "record_bytes"_a, "records_per_block"_a, "pages_per_block"_a, "block_crc"_a, "buffer_blocks"_a,
-          "io_backend"_a = "auto", "direct_io"_a = "auto", "io_threads"_a = 8, "buffer_policy"_a = "clock")
+          "io_backend"_a = "auto", "direct_io"_a = "auto", "io_threads"_a = 8, "buffer_policy"_a = "clock",
+          "record_cache"_a = 0,
+          "record_cache: records (not blocks) the record cache holds, beside the page buffer (0: none).")
       .def_prop_ro("path", &PageStore::path)
       .def_prop_ro("backend", [](const PageStore& s) { return std::string(s.backend()); })
       .def_prop_ro("direct", &PageStore::direct)
@@ -964,6 +973,14 @@ void bind_pagefile(nb::module_& m) {
       .def_prop_ro("block_bytes", [](const PageStore& s) { return s.layout().block_bytes(); })
       .def_prop_ro("buffer_capacity", &PageStore::buffer_capacity)
       .def_prop_ro("buffer_bytes", [](const PageStore& s) { return s.buffer_capacity() * s.layout().block_bytes(); })
+      .def_prop_ro("record_cache_capacity", &PageStore::record_cache_capacity)
+      .def_prop_ro("record_cache_bytes",
+                   [](const PageStore& s) {
+                     return s.record_cache_capacity() * (s.layout().record_bytes + kRecordCacheOverhead);
+                   },
+                   "Host bytes the record cache may hold when full: records and their metadata.")
+      .def_prop_ro_static("record_cache_overhead", [](nb::handle) { return kRecordCacheOverhead; },
+                          "Bytes of metadata a record cache entry holds beside its record.")
       .def_prop_ro("buffer_policy", [](const PageStore& s) { return policy_name(s.buffer_policy()); })
       .def_prop_ro("buffer_mode", [](const PageStore& s) { return policy_name(s.buffer_mode()); },
                    "The policy the page buffer runs now: 'clock' or 'lfu' ('auto' switches between them).")
@@ -1044,11 +1061,14 @@ void bind_pagefile(nb::module_& m) {
             d["read_ahead"] = st.read_ahead;
             d["read_ahead_unused"] = st.read_ahead_unused;
             d["policy_switches"] = st.policy_switches;
+            d["record_lookups"] = st.record_lookups;
+            d["records_from_cache"] = st.records_from_cache;
             return d;
           },
           "Cumulative counters: blocks_read (from the SSD, for fetches, read-ahead included), blocks_from_buffer, "
           "read_calls (batched submissions), evictions, pin_reads (blocks read from the SSD to pin them), "
           "read_ahead (blocks read for a re-rank's next mini-batches before it asked: rerank(prefetch=True)), "
           "read_ahead_unused (of those, the ones no mini-batch took: early stops' wasted reads); and pinned, the "
-          "blocks pinned now; policy_switches (buffer_policy 'auto': times it changed between clock and lfu).");
+          "blocks pinned now; policy_switches (buffer_policy 'auto': times it changed between clock and lfu); "
+          "record_lookups (candidates a re-rank asked of the record cache) and records_from_cache (of those, found).");
 }

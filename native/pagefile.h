@@ -179,14 +179,18 @@ class ReadAhead {
 
 struct PageStoreStats {
   uint64_t blocks_read, blocks_from_buffer, read_calls, evictions, pin_reads, pinned, read_ahead, read_ahead_unused,
-      policy_switches;
+      policy_switches, record_lookups, records_from_cache;
 };
+
+// Host bytes a record cache entry holds beside its record: the frame's block number, use counter and pin flag,
+// its sixteen sketch counters, and a hash-map node with its bucket (PageBuffer's per-frame metadata).
+constexpr size_t kRecordCacheOverhead = 96;
 
 class PageStore {
  public:
   PageStore(const std::string& path, PageLayout layout, std::vector<uint32_t> block_crc, size_t buffer_blocks,
             const std::string& io_backend, const std::string& direct_io, int io_threads,
-            BufferPolicy policy = BufferPolicy::Clock);
+            BufferPolicy policy = BufferPolicy::Clock, size_t record_cache_records = 0);
   ~PageStore();
 
   // Copies blocks[i] to out + i * block_bytes (out 4096-aligned): from the page
@@ -213,7 +217,24 @@ class PageStore {
   // The block from the page buffer into out, if it is there now (nothing read, nothing counted:
   // blocks_from_buffer and the replacement policy do not see it). For block < num_blocks().
   bool peek(uint32_t block, uint8_t* out) { return buffer_.peek(block, out); }
-  void reset_buffer() { buffer_.clear(); }
+  void reset_buffer() { buffer_.clear(), records_.clear(); }
+
+  // The record cache: single records (slots), not blocks, kept by the same policy as the page buffer, for
+  // records that leave part of their pages empty (a cached one costs its bytes and kRecordCacheOverhead). A
+  // re-rank asks it for a round's candidates first and reads a block only if one of them is missing. Empty
+  // when record_cache_records is 0.
+  size_t record_cache_capacity() const { return records_.capacity(); }
+  // Copies slot's record to out (record_bytes) if cached; counts the request either way.
+  bool lookup_record(uint32_t slot, uint8_t* out) {
+    if (!records_.capacity()) return false;
+    record_lookups_.fetch_add(1, std::memory_order_relaxed);
+    if (!records_.lookup(slot, out)) return false;
+    records_from_cache_.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
+  // Offers a record read with its block; the policy decides whether it stays.
+  void insert_record(uint32_t slot, const uint8_t* data) { records_.insert(slot, data); }
+  bool record_cached(uint32_t slot) { return records_.capacity() && records_.resident(slot); }
   // Records every block fetch() is asked for, in order, with its weight (for offline
   // replays of buffer policies: bench/cache_sim.py). Off: one relaxed load per fetch.
   void set_trace(bool on);
@@ -238,14 +259,14 @@ class PageStore {
   std::vector<uint32_t> crc_;
   int fd_ = -1;
   bool direct_ = false;
-  PageBuffer buffer_;
+  PageBuffer buffer_, records_;
   std::unique_ptr<BlockReader> reader_;
   std::mutex pin_mutex_;  // one re-pinning at a time
   std::atomic<bool> tracing_{false};
   std::mutex trace_mutex_;
   std::vector<uint32_t> trace_;
   std::atomic<uint64_t> blocks_read_{0}, blocks_from_buffer_{0}, read_calls_{0}, pin_reads_{0}, read_ahead_{0},
-      read_ahead_unused_{0};
+      read_ahead_unused_{0}, record_lookups_{0}, records_from_cache_{0};
 
   void check_crc(const BlockRead& r) const;
 };

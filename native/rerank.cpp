@@ -7,7 +7,8 @@
 // are in flight while this one is scored. With resident-first on, a query's first
 // round also scores every later candidate whose block is in the page buffer then:
 // a copy from DRAM, no read, and the top-k starts nearer where it ends, so it
-// holds still after fewer SSD reads.
+// holds still after fewer SSD reads. With a record cache in the store, a block whose
+// candidates of the round are all cached is scored from there and not asked for.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
@@ -150,20 +151,24 @@ struct QueryState {
   bool live = false;
   std::vector<int64_t> batch;        // the next mini-batch: candidate ids, and their positions
   std::vector<uint32_t> batch_pos;
+  // Of the mini-batch, those the record cache held: ids, exact distances, positions, blocks.
+  std::vector<int64_t> hit_ids;
+  std::vector<float> hit_dist;
+  std::vector<uint32_t> hit_pos, hit_blocks;
   // Page-mates or resident-first only: (block, position) of every candidate, sorted, and which have a distance.
   std::vector<std::pair<uint32_t, uint32_t>> by_block;
   std::vector<uint8_t> scored;
   // Max-heap on (distance, id): the root is the worst kept, ties keep the smaller id.
   std::vector<std::pair<float, int64_t>> heap;
   std::vector<int64_t> top, prev_top;
-  int64_t batches = 0, from_ssd = 0, from_buffer = 0, stable = 0, reranked = 0, mates = 0, resident = 0;
+  int64_t batches = 0, from_ssd = 0, from_buffer = 0, stable = 0, reranked = 0, mates = 0, resident = 0, cached = 0;
   double seconds = 0;
 
   void start(size_t query, const int64_t* cand, size_t n, const Exact* tracked) {
     row = query, pos = 0, end = std::find(cand, cand + n, int64_t(-1)) - cand;
     live = true;
     heap.clear(), prev_top.clear();
-    batches = from_ssd = from_buffer = stable = reranked = mates = resident = 0;
+    batches = from_ssd = from_buffer = stable = reranked = mates = resident = cached = 0;
     seconds = 0;
     by_block.clear();
     if (!tracked) return;
@@ -180,6 +185,50 @@ struct QueryState {
     batch.clear(), batch_pos.clear();
     for (const size_t stop = std::min(end, pos + p.minibatch); pos < stop; ++pos)
       if (!p.tracks() || !scored[pos]) batch.push_back(cand[pos]), batch_pos.push_back(uint32_t(pos));
+  }
+
+  // Takes out of the mini-batch the blocks the record cache covers: a block whose candidates of this round
+  // (the mini-batch's, and with page-mates the query's later unscored ones) are all cached is scored from
+  // there and not read; the others stay to be read. So a round scores the same candidates, whichever memory
+  // held them, and answers do not depend on the cache. record: scratch of record_bytes; by_b, keep: scratch.
+  void take_cached(const Exact& ex, const float* q, const int64_t* cand, const RerankParams& p,
+                   std::vector<uint8_t>& record, std::vector<std::pair<uint32_t, uint32_t>>& by_b,
+                   std::vector<uint8_t>& keep) {
+    hit_ids.clear(), hit_dist.clear(), hit_pos.clear(), hit_blocks.clear();
+    by_b.clear();
+    keep.assign(batch.size(), 1);
+    for (size_t j = 0; j < batch.size(); ++j)
+      if (batch[j] >= 0) by_b.push_back({uint32_t(ex.block_of(batch[j])), uint32_t(j)});
+    std::sort(by_b.begin(), by_b.end());
+    auto take = [&](int64_t id, uint32_t at) {
+      if (!ex.store.lookup_record(ex.locations[id], record.data())) return false;
+      hit_ids.push_back(id), hit_dist.push_back(ex.distance(q, record.data(), ex.dim)), hit_pos.push_back(at);
+      return true;
+    };
+    for (auto a = by_b.begin(); a != by_b.end();) {
+      const uint32_t b = a->first;
+      auto e = a;
+      const size_t mark = hit_ids.size();
+      bool all = true;
+      for (; e != by_b.end() && e->first == b; ++e) all &= take(batch[e->second], batch_pos[e->second]);
+      size_t mates_here = 0;
+      if (all && p.page_mates)  // later candidates of the query stored in b: the mini-batch's page-mates
+        for (auto it = std::lower_bound(by_block.begin(), by_block.end(), std::make_pair(b, uint32_t(pos)));
+             all && it != by_block.end() && it->first == b; ++it)
+          if (!scored[it->second]) all = take(cand[it->second], it->second), ++mates_here;
+      if (all) {
+        for (auto i = a; i != e; ++i) keep[i->second] = 0;
+        hit_blocks.push_back(b);
+        mates += int64_t(mates_here), cached += int64_t(hit_ids.size() - mark);
+      } else {
+        hit_ids.resize(mark), hit_dist.resize(mark), hit_pos.resize(mark);
+      }
+      a = e;
+    }
+    size_t out = 0;
+    for (size_t j = 0; j < batch.size(); ++j)
+      if (keep[j]) batch[out] = batch[j], batch_pos[out] = batch_pos[j], ++out;
+    batch.resize(out), batch_pos.resize(out);
   }
 
   // Resident-first: appends to ids/dist every candidate not scored yet whose block
@@ -265,13 +314,13 @@ struct QueryState {
       dists[j] = j < heap.size() ? heap[j].first : std::numeric_limits<float>::infinity();
     }
     stats[0] = batches, stats[1] = reranked, stats[2] = from_ssd, stats[3] = from_buffer, stats[4] = mates;
-    stats[5] = resident;
+    stats[5] = resident, stats[6] = cached;
     *secs = seconds;
     live = false;
   }
 };
 
-constexpr size_t kStats = 6;  // per query: see rerank's docstring
+constexpr size_t kStats = 7;  // per query: see rerank's docstring
 
 // One rerank call: its inputs and outputs.
 struct RerankJob {
@@ -305,6 +354,9 @@ struct Scratch {
   AlignedBuffer data, one;  // one: a block peeked from the buffer (resident-first)
   std::vector<float> dist;
   std::vector<int64_t> ids;
+  std::vector<uint8_t> record;  // one record from the record cache
+  std::vector<std::pair<uint32_t, uint32_t>> by_b;
+  std::vector<uint8_t> keep;
 };
 
 // Prefetch: starts reading the blocks of each live query's next mini-batch, as it
@@ -327,7 +379,8 @@ void read_next(const RerankJob& job, Scratch& s) {
     }
     const int64_t* cand = job.row(st);
     for (size_t j = st.pos, stop = std::min(st.end, st.pos + p.minibatch); j < stop; ++j) {
-      if (cand[j] < 0 || (p.tracks() && st.scored[j])) continue;
+      // A cached record's block is left to the round: most are scored from the record cache.
+      if (cand[j] < 0 || (p.tracks() && st.scored[j]) || ex.store.record_cached(ex.locations[cand[j]])) continue;
       const uint32_t b = uint32_t(ex.block_of(cand[j]));
       if (p.page_mates && std::binary_search(s.mine.begin(), s.mine.end(), b)) continue;
       s.next_blocks.push_back(b);
@@ -338,6 +391,21 @@ void read_next(const RerankJob& job, Scratch& s) {
   ex.store.read_ahead(s.ahead, s.next_blocks.data(), s.next_blocks.size());
 }
 
+// Offers ids[0, n) (ids >= 0, their blocks in the round's s.blocks, read into s.data) to the record cache;
+// those from `asked` on were not looked up in it yet and count as requested first.
+void offer_records(const Exact& ex, const int64_t* ids, size_t n, size_t asked, Scratch& s) {
+  const PageLayout& layout = ex.store.layout();
+  const uint8_t* data = s.data.ptr.get();
+  for (size_t j = 0; j < n; ++j) {
+    if (ids[j] < 0) continue;
+    const uint32_t slot = ex.locations[ids[j]];
+    if (j >= asked && ex.store.lookup_record(slot, s.record.data())) continue;
+    const size_t at =
+        std::lower_bound(s.blocks.begin(), s.blocks.end(), uint32_t(layout.block_of(slot))) - s.blocks.begin();
+    ex.store.insert_record(slot, data + at * layout.block_bytes() + layout.offset_in_block(slot));
+  }
+}
+
 // Re-ranks queries [first, last) with up to `inflight` in flight, in rounds:
 // every live query's next mini-batch is read by one fetch, so the SSD sees all
 // of their reads at once instead of one mini-batch's round trip at a time. A
@@ -346,6 +414,9 @@ void read_next(const RerankJob& job, Scratch& s) {
 void rerank_queries(const RerankJob& job, size_t first, size_t last, size_t inflight, Scratch& s) {
   const Exact& ex = job.ex;
   const RerankParams& p = job.p;
+  const bool cache = ex.store.record_cache_capacity() > 0;
+  const PageLayout& layout = ex.store.layout();
+  s.record.resize(layout.record_bytes);
   s.slots.resize(inflight);
   for (QueryState& st : s.slots) st.live = false;
   for (size_t next = first;;) {
@@ -368,6 +439,7 @@ void rerank_queries(const RerankJob& job, size_t first, size_t last, size_t infl
     for (QueryState& st : s.slots)
       if (st.live) {
         st.next_batch(job.row(st), p);
+        if (cache) st.take_cached(ex, job.queries + st.row * ex.dim, job.row(st), p, s.record, s.by_b, s.keep);
         // Each query's blocks once: a block's weight in the page buffer is how many queries asked.
         const size_t from = s.blocks.size();
         ex.add_blocks(st.batch.data(), st.batch.size(), s.blocks);
@@ -392,16 +464,31 @@ void rerank_queries(const RerankJob& job, size_t first, size_t last, size_t infl
         if (s.unclaimed[at]) ++st.from_ssd, s.unclaimed[at] = 0;
         else ++st.from_buffer;
       }
+      // A block the record cache covered was touched and served from memory (never one of mine: those are read).
+      st.from_buffer += int64_t(st.hit_blocks.size());
       const float* q = job.queries + st.row * ex.dim;
       s.dist.resize(m);
       ex.distances_in(q, cand, m, s.blocks, data, s.dist.data());
-      if (!p.tracks()) {
+      if (!p.tracks() && st.hit_ids.empty()) {
+        if (cache) offer_records(ex, cand, m, m, s);
         st.absorb(cand, s.dist.data(), m, p);
         continue;
       }
       s.ids.assign(cand, cand + m);
-      for (uint32_t at : st.batch_pos) st.scored[at] = 1;
-      if (p.page_mates) st.page_mates(ex, q, job.row(st), s.mine, s.blocks, data, s.ids, s.dist);
+      if (p.tracks()) {
+        for (uint32_t at : st.batch_pos) st.scored[at] = 1;
+        for (uint32_t at : st.hit_pos) st.scored[at] = 1;
+        if (p.page_mates) st.page_mates(ex, q, job.row(st), s.mine, s.blocks, data, s.ids, s.dist);
+      }
+      // The records scored from blocks read (the mini-batch's, then its page-mates) go to the record cache,
+      // whose policy decides what stays; the page-mates were not asked for yet, so they are asked now.
+      if (cache) offer_records(ex, s.ids.data(), s.ids.size(), m, s);
+      s.ids.insert(s.ids.end(), st.hit_ids.begin(), st.hit_ids.end());
+      s.dist.insert(s.dist.end(), st.hit_dist.begin(), st.hit_dist.end());
+      if (!p.tracks()) {
+        st.absorb(s.ids.data(), s.dist.data(), s.ids.size(), p);
+        continue;
+      }
       if (p.resident_first && st.batches == 0) st.residents(ex, q, job.row(st), s.one, s.ids, s.dist);
       st.absorb(s.ids.data(), s.dist.data(), s.ids.size(), p);
     }
@@ -474,8 +561,9 @@ void bind_rerank(nb::module_& m) {
       "store.stats()['read_ahead_unused']. With resident_first, a query's first mini-batch also scores every later "
       "candidate whose block is in the page buffer then (copied from it, nothing read, not counted as a buffer "
       "request). Returns (ids int64[q,k], dists float32[q,k], stats "
-      "int64[q,6] = [minibatches, candidates re-ranked, blocks from SSD, blocks from buffer, of those re-ranked "
-      "the page-mates, of those re-ranked the resident-first ones], seconds float64[q] = the query's share of its "
+      "int64[q,7] = [minibatches, candidates re-ranked, blocks from SSD, blocks from buffer (or whose candidates "
+      "all came from the record cache), of those re-ranked the page-mates, of those re-ranked the resident-first "
+      "ones, of those re-ranked the ones from the record cache], seconds float64[q] = the query's share of its "
       "worker's time). A block read once for "
       "several queries counts as from SSD for one of them.");
 

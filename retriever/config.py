@@ -25,6 +25,7 @@ IoBackend = Literal["auto", "io_uring", "pread"]
 DirectIO = Literal["auto", "on", "off"]
 FilterTier = Literal["auto", "cpu", "gpu"]
 BufferPolicy = Literal["auto", "clock", "lfu"]
+RecordCache = Literal["auto", "on", "off"]
 Probe = Literal["ratio", "learned"]
 METRICS = get_args(Metric)
 IO_BACKENDS = get_args(IoBackend)
@@ -342,6 +343,17 @@ class EngineConfig(_Config):
     buffer_policy: Annotated[BufferPolicy, knob("page buffer replacement: auto (lfu or clock, whichever serves more "
                                                 "now), lfu (counts use, weighted by the queries asking, aged) or "
                                                 "clock")] = "auto"
+    # Single records rather than whole blocks, kept by buffer_policy: a re-rank round skips a block whose candidates
+    # of the round are all cached (so answers never depend on it). Its share comes out of buffer_bytes, each
+    # record counted with its metadata (native.PageStore.record_cache_overhead). 'auto': on where a record costs
+    # fewer bytes cached alone than its share of a block (records that leave part of their pages empty, as
+    # 384- and 768-d float32 embeddings do), off elsewhere; chosen on the tuning halves of three sets' query
+    # streams, bench/results/cache_policy_records.md.
+    record_cache: Annotated[RecordCache, knob("cache single records in record_cache_share of the buffer: auto (where "
+                                              "a record alone costs less than its share of a page), on or off")
+                            ] = "auto"
+    record_cache_share: Annotated[float, knob("share of buffer_bytes the record cache takes when on",
+                                              gt=0, le=1)] = 1.0
     # Re-chosen by the index manager thread every manager_interval_s seconds, never on the request path;
     # results never depend on it. Off by default: bench/results/cache_policy.md.
     pin_fraction: Annotated[float, knob("share of the page buffer pinned to the pages of the most visited "

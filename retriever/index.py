@@ -53,6 +53,22 @@ def prepare_queries(queries, dim: int, metric: str) -> np.ndarray:
     return prepared(queries, dim, metric).vectors
 
 
+def records_cache_denser(layout) -> bool:
+    """Whether a record cached alone (its bytes and metadata) costs less than its share of a block: records
+    that leave part of their pages empty (1536-byte records two to a 4 KiB page)."""
+    return layout.record_bytes + native.PageStore.record_cache_overhead < layout.block_bytes / layout.records_per_block
+
+
+def split_buffer(buffer_bytes: int, config: EngineConfig, layout) -> tuple[int, int]:
+    """(page buffer blocks, record cache records) of buffer_bytes: with the record cache on (config.record_cache,
+    'auto' as records_cache_denser says), record_cache_share of it goes to records, each costing its bytes and its
+    metadata (native.PageStore.record_cache_overhead)."""
+    on = config.record_cache == "on" or (config.record_cache == "auto" and records_cache_denser(layout))
+    record_bytes = int(buffer_bytes * config.record_cache_share) if on else 0
+    records = record_bytes // (layout.record_bytes + native.PageStore.record_cache_overhead)
+    return (buffer_bytes - record_bytes) // layout.block_bytes, records
+
+
 class Index(ManifestShape):
     """A built index, opened. Thread-safe for concurrent `search` calls."""
 
@@ -123,11 +139,11 @@ class Index(ManifestShape):
         problems = [p for p in problems if p]
         if problems:
             raise IndexFormatError(f"{path}: inconsistent index: " + "; ".join(problems))
-        buffer_blocks = config.buffer_bytes // layout.block_bytes
+        buffer_blocks, cache_records = split_buffer(config.buffer_bytes, config, layout)
         try:
             store = native.PageStore(str(path / "vectors.pages"), layout.record_bytes, layout.records_per_block,
                                      layout.pages_per_block, block_crc, buffer_blocks, config.io_backend,
-                                     config.direct_io, config.io_threads, config.buffer_policy)
+                                     config.direct_io, config.io_threads, config.buffer_policy, cache_records)
         except (OSError, RuntimeError, ValueError) as e:
             raise IndexFormatError(f"{path}: cannot open the SSD tier: {e}") from e
         return cls(
@@ -153,6 +169,7 @@ class Index(ManifestShape):
             "pq_tier": f.name,
             "filter": f.describe(),
             "page_buffer_bytes": int(rr.store.buffer_bytes),
+            "record_cache_bytes": int(rr.store.record_cache_bytes),
             "ssd_bytes": int((self.path / "vectors.pages").stat().st_size),
         }
 
@@ -237,7 +254,7 @@ class Index(ManifestShape):
         st["unique_candidates"][:] = cand.unique
         st["minibatches"][:], st["reranked"][:] = rstats[:, 0], rstats[:, 1]
         st["pages_read"][:], st["pages_buffered"][:], st["page_mates"][:] = rstats[:, 2], rstats[:, 3], rstats[:, 4]
-        st["resident_scored"][:] = rstats[:, 5]
+        st["resident_scored"][:], st["records_cached"][:] = rstats[:, 5], rstats[:, 6]
         # Graph search and tables built before topn are timed per batch; their share is spread
         # evenly. Tables the filter tier builds inside topn (CPU) are timed per query.
         st["graph_s"][:] = b.graph_s / len(b.queries)

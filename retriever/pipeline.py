@@ -15,7 +15,7 @@ from fusionrag.retriever.tiers import CpuFilterTier, _cuda_available
 from fusionrag.retriever.vectors import normalize
 
 STAT_KEYS = ("centroids_probed", "candidates", "unique_candidates", "minibatches", "reranked",
-             "page_mates", "resident_scored", "pages_read", "pages_buffered", "graph_s", "lut_s", "scan_s", "rerank_s")
+             "page_mates", "resident_scored", "records_cached", "pages_read", "pages_buffered", "graph_s", "lut_s", "scan_s", "rerank_s")
 
 
 @dataclass(eq=False)

@@ -16,7 +16,8 @@ from typing import Annotated, Literal, get_args
 
 from pydantic import AfterValidator, TypeAdapter, ValidationError, create_model
 
-from fusionrag.retriever.config import BufferPolicy, FilterTier, _Config, add_flags, config_class, knob, knobs, problems
+from fusionrag.retriever.config import (BufferPolicy, EngineConfig, FilterTier, RecordCache, _Config, add_flags,
+                                       config_class, knob, knobs, problems)
 from fusionrag.retriever.config import flags_of as _flags_of
 from fusionrag.retriever.embedding import DEFAULT_MODEL, canonical_name
 from fusionrag.retriever.errors import ConfigError
@@ -59,6 +60,9 @@ class ServerConfig(_Config):
     buffer_policy: Annotated[BufferPolicy, knob("page buffer replacement: auto (lfu or clock, whichever serves more "
                                                 "now), lfu (counts use, weighted by the queries asking, aged) or "
                                                 "clock")] = "auto"
+    record_cache: Annotated[RecordCache, knob("cache single records in the buffer instead of pages: auto (where a "
+                                              "record alone costs less than its share of a page), on or off")
+                            ] = EngineConfig.record_cache
     pipeline: Annotated[bool, knob("overlap an engine batch's stages with the next batch's graph search")] = True
     filter_tier: Annotated[FilterTier, knob("where PQ candidates are filtered: auto (the GPU when there is one), "
                                             "cpu or gpu")] = "auto"

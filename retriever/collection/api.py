@@ -749,7 +749,8 @@ class Collection:
     def info(self) -> dict:
         with self._reading() as snap:
             main = snap.main
-            tiers = {"host_index_bytes": 0, "pq_bytes": 0, "pq_tier": "none", "page_buffer_bytes": 0, "ssd_bytes": 0}
+            tiers = {"host_index_bytes": 0, "pq_bytes": 0, "pq_tier": "none", "page_buffer_bytes": 0,
+                     "record_cache_bytes": 0, "ssd_bytes": 0}
             if main.index is not None:
                 tiers.update(main.index.memory())
         tiers["fresh_bytes"] = int(snap.fresh.vectors.nbytes)

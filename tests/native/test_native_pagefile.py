@@ -211,6 +211,8 @@ def test_backends_read_the_file(page_file, backend):
         "read_ahead": 0,
         "read_ahead_unused": 0,
         "policy_switches": 0,
+        "record_lookups": 0,
+        "records_from_cache": 0,
     }
 
 

@@ -65,7 +65,7 @@ def test_full_rerank_equals_brute_force(tmp_path, dtype, metric):
         store, queries, cand, locations, dtype, metric, k, minibatch=64, eps=0.0, beta=0
     )
     assert ids.shape == (6, k) and ids.dtype == np.int64 and dists.dtype == np.float32
-    assert stats.shape == (6, 6) and seconds.shape == (6,) and (seconds > 0).all()
+    assert stats.shape == (6, 7) and seconds.shape == (6,) and (seconds > 0).all()
     for i in range(len(queries)):
         row = cand[i][cand[i] >= 0]
         want_ids, want_d = brute_force(queries[i : i + 1], vectors, metric, k, ids=row[None])
@@ -141,10 +141,10 @@ def test_block_stats(tmp_path):
         c = np.flatnonzero(block == 7)[0]
         cand = np.array([[a, b, c]], np.int64)
         _, _, stats, _ = native.rerank(store, vectors[:1], cand, locations, "f32", "l2", 2, 3, 0.0, 0)
-        assert stats[0].tolist() == [1, 3, 2, 0, 0, 0]
+        assert stats[0].tolist() == [1, 3, 2, 0, 0, 0, 0]
         assert store.stats()["read_calls"] == 1
         _, _, stats, _ = native.rerank(store, vectors[:1], cand, locations, "f32", "l2", 2, 3, 0.0, 0)
-        assert stats[0].tolist() == ([1, 3, 2, 0, 0, 0] if buffer_blocks == 0 else [1, 3, 0, 2, 0, 0])
+        assert stats[0].tolist() == ([1, 3, 2, 0, 0, 0, 0] if buffer_blocks == 0 else [1, 3, 0, 2, 0, 0, 0])
 
 
 def test_backends_and_threads_agree(tmp_path):
@@ -560,3 +560,80 @@ def test_prefetch_of_more_blocks_than_a_ring_holds(tmp_path, backend):
     assert on_n["blocks_read"] == off_n["blocks_read"] == on[2][:, 2].sum()
     want, _ = brute_force(queries, vectors, "ip", 10, ids=cand)
     np.testing.assert_array_equal(on[0], want)
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+@pytest.mark.parametrize("policy", ["lfu", "clock", "auto"])
+@pytest.mark.parametrize("mates", [False, True])
+@pytest.mark.parametrize("beta", [0, 2])
+def test_record_cache_scores_the_same_candidates_and_reads_less(tmp_path, policy, mates, beta):
+    """A record cache beside a page buffer of nothing: every call scores exactly the candidates Algorithm 1
+    scores (a block is skipped only if all its candidates of the round are cached), so answers, candidates
+    re-ranked and blocks touched equal the Python replay; a stream that asks the same things again reads
+    fewer blocks, counted by the process's own read bytes (pread backend), and the engine's counts say so."""
+    rng = np.random.default_rng(6)
+    n, dim, k, minibatch = 600, 96, 10, 4
+    vectors = random_vectors(rng, "u8", n, dim)
+    store, locations = make_store(tmp_path, vectors.astype(np.float32), "f32", spread=1, buffer_blocks=0,
+                                  io_backend="pread", buffer_policy=policy, record_cache=300)
+    rpb = store.records_per_block
+    assert store.record_cache_capacity == 300 and store.buffer_capacity == 0
+    queries = (rng.standard_normal((4, dim)) * 20 + 128).round().astype(np.float32)
+    some_blocks = rng.choice(n // rpb, 12, replace=False)
+    pool = np.flatnonzero(np.isin(locations // rpb, some_blocks))  # 120 records: all fit the cache
+    cand = np.stack([rng.permutation(pool)[:40] for _ in range(4)]).astype(np.int64)
+    reads = []
+    for _ in range(3):  # the same queries again: a skewed stream's repeats
+        rchar = _rchar()
+        ids, dists, stats, _ = native.rerank(store, queries, cand, locations, "f32", "l2", k, minibatch, 0.0, beta,
+                                             num_threads=1, page_mates=mates)
+        reads.append((_rchar() - rchar) // store.block_bytes)
+        for i in range(4):
+            want, reranked, _, touched = _by_hand(vectors, locations, rpb, queries[i], cand[i].tolist(), k, minibatch,
+                                                  beta, mates)
+            assert ids[i].tolist() == want and stats[i, 1] == reranked and stats[i, 2] + stats[i, 3] == touched
+        assert reads[-1] == stats[:, 2].sum()  # blocks the engine says it read are the bytes the process read
+    assert stats[:, 6].sum() > 0 and (stats[:, 6] <= stats[:, 1]).all()
+    assert reads[2] < reads[0] and store.stats()["records_from_cache"] > 0
+    plain, _ = make_store(tmp_path, vectors.astype(np.float32), "f32", spread=1, buffer_blocks=0, seed=0,
+                          io_backend="pread")
+    again = native.rerank(plain, queries, cand, locations, "f32", "l2", k, minibatch, 0.0, beta, page_mates=mates)
+    np.testing.assert_array_equal(again[0], ids)
+    np.testing.assert_array_equal(again[1], dists)
+    assert again[2][:, 6].sum() == 0
+
+
+def test_record_cache_holds_no_more_memory_than_it_says(tmp_path):
+    """The record cache's bytes (records and their metadata, record_cache_bytes) bound the memory the process
+    holds once it is full, measured as resident set growth; and it was full: most of the bytes are held."""
+    rng = np.random.default_rng(8)
+    n, dim, cap = 60_000, 50, 40_000
+    vectors = rng.standard_normal((n, dim)).astype(np.float32)
+    rb = dim * 4
+    rpb, ppb = native.page_layout(rb)
+    path = tmp_path / "v.pages"
+    w = native.PageWriter(str(path), rb, rpb, ppb)
+    slots = np.arange(n, dtype=np.uint32)
+    w.write(slots, vectors.view(np.uint8))
+    crc = w.close()
+    query = rng.standard_normal((1, dim)).astype(np.float32)
+    cand = np.arange(n, dtype=np.int64)[None]
+    plain = native.PageStore(str(path), rb, rpb, ppb, crc, 0, io_backend="pread")
+    native.rerank(plain, query, cand, slots, "f32", "l2", 10, 64, 0.0, 0, num_threads=1)  # the call's own scratch
+    del plain
+    before = _rss()
+    store = native.PageStore(str(path), rb, rpb, ppb, crc, 0, io_backend="pread", buffer_policy="lfu",
+                             record_cache=cap)
+    for _ in range(3):
+        native.rerank(store, query, cand, slots, "f32", "l2", 10, 64, 0.0, 0, num_threads=1)
+    held = _rss() - before
+    assert store.record_cache_bytes == cap * (rb + native.PageStore.record_cache_overhead)
+    assert cap * rb * 0.8 < held <= store.record_cache_bytes
+    assert store.stats()["records_from_cache"] > cap // 2

@@ -268,7 +268,9 @@ def test_manager_rebalances_a_tiered_gpu_tier_only_when_queries_came(small):
 
 @pytest.mark.parametrize("overrides", [dict(buffer_policy="lfu"), dict(buffer_policy="clock"),
                                        dict(buffer_policy="auto"), dict(pin_fraction=0.5),
-                                       dict(buffer_policy="lfu", pin_fraction=0.75)])
+                                       dict(buffer_policy="lfu", pin_fraction=0.75),
+                                       dict(record_cache="on", record_cache_share=0.5),
+                                       dict(buffer_policy="clock", record_cache="on")])
 def test_answers_do_not_depend_on_the_policy(small, overrides):
     _, queries, path = small
     stream = np.concatenate([queries[:100], queries[:100], queries[100:300]])
@@ -283,6 +285,28 @@ def test_answers_do_not_depend_on_the_policy(small, overrides):
     base.close(), other.close()
 
 
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_record_cache_takes_its_share_of_the_buffer_and_counts_real_reads(small, fraction):
+    """With record_cache on, record_cache_share of buffer_bytes goes to single records (each with its metadata),
+    the rest to the page buffer; a repeated stream is served partly from cached records, and the pages the engine
+    says it read are the bytes the process read (pread backend)."""
+    _, queries, path = small
+    budget = 32 * 4096
+    index = Index.open(path, filter_tier="cpu", io_backend="pread", buffer_bytes=budget, buffer_policy="lfu",
+                       record_cache="on", record_cache_share=fraction, manager_interval_s=0, threads=1)
+    mem, store = index.memory(), index.reranker.store
+    assert mem["record_cache_bytes"] == store.record_cache_capacity * (store.record_bytes + store.record_cache_overhead)
+    assert mem["page_buffer_bytes"] + mem["record_cache_bytes"] <= budget
+    assert mem["record_cache_bytes"] > budget * fraction - store.record_bytes - store.record_cache_overhead
+    stream = np.concatenate([queries[:30]] * 4)
+    index.search(stream, k=10)
+    before = bytes_read()
+    r = index.search(stream, k=10)
+    assert int(r.stats["pages_read"].sum()) == blocks_read_since(before)
+    assert r.stats["records_cached"].sum() > 0 and (r.stats["records_cached"] <= r.stats["reranked"]).all()
+    index.close()
+
+
 def test_config_validation():
     with pytest.raises(ConfigError, match="buffer_policy"):
         EngineConfig(buffer_policy="lru")
@@ -290,6 +314,10 @@ def test_config_validation():
         EngineConfig(pin_fraction=0.9)
     with pytest.raises(ConfigError, match="manager_interval_s"):
         EngineConfig(manager_interval_s=-1)
+    with pytest.raises(ConfigError, match="record_cache_share"):
+        EngineConfig(record_cache_share=0)
+    with pytest.raises(ConfigError, match="record_cache"):
+        EngineConfig(record_cache="always")
 
 
 def test_an_index_dropped_without_close_stops_its_manager(small):
@@ -319,3 +347,22 @@ def test_cpu_pipeline_gives_the_same_answers(small, backend):
     for key in ("candidates", "unique_candidates", "minibatches", "reranked"):
         np.testing.assert_array_equal(got.stats[key], want.stats[key])
     plain.close(), piped.close()
+
+
+@pytest.mark.parametrize("dim,on", [(384, True), (768, True), (50, False), (24, False), (1024, False)])
+def test_record_cache_auto_is_on_where_records_leave_pages_part_empty(tmp_path, dim, on):
+    """record_cache 'auto': on where a record alone, with its metadata, takes fewer bytes than its share of a
+    block (384-d float32: 1536 + 96 bytes against 2048; 768-d: 3072 + 96 against 4096), off where pages are
+    full of records (50-d: 200 + 96 against 205; 1024-d: one record fills a page)."""
+    rng = np.random.default_rng(0)
+    path = tmp_path / "idx"
+    Index.build(rng.standard_normal((300, dim)).astype(np.float32), path, BuildConfig(metric="l2"), progress=False)
+    index = Index.open(path, filter_tier="cpu", buffer_bytes=256 * 4096, manager_interval_s=0)
+    store = index.reranker.store
+    share = (store.record_bytes + store.record_cache_overhead) / (store.block_bytes / store.records_per_block)
+    assert (share < 1) == on
+    assert (store.record_cache_capacity > 0) == on and (store.buffer_capacity == 0) == on
+    assert index.memory()["page_buffer_bytes"] + index.memory()["record_cache_bytes"] <= 256 * 4096
+    r = index.search(rng.standard_normal((20, dim)).astype(np.float32), k=5)
+    assert (r.ids >= 0).all()
+    index.close()

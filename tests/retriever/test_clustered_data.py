@@ -89,3 +89,20 @@ def test_a_collection_answers_every_query_in_full(tmp_path):
         assert len({int(h.id) for h in row} & set(truth.tolist())) >= 8
     finally:
         catalog.close()
+
+
+def test_exact_nearest_in_chunks_of_queries_is_the_same(monkeypatch):
+    """A batch larger than a chunk (a GPU tier's 1024 queries) is cut into chunks of queries: the same lists and
+    distances as one pass, checked against a full sort of the distances computed apart."""
+    import fusionrag.retriever.tiers as tiers
+
+    rng = np.random.default_rng(3)
+    centroids = rng.standard_normal((500, 16)).astype(np.float32)
+    q = rng.standard_normal((300, 16)).astype(np.float32)
+    monkeypatch.setattr(tiers, "EXHAUSTIVE_CHUNK", 500 * 7)  # chunks of 7 queries
+    ids, d = tiers.nearest_exhaustive(q, centroids, 20)
+    want = ((q.astype(np.float64)[:, None, :] - centroids[None]) ** 2).sum(-1)
+    order = np.argsort(want, axis=1, kind="stable")[:, :20]
+    assert ids.shape == (300, 20) and ids.dtype == np.int32
+    np.testing.assert_array_equal(ids, order)
+    np.testing.assert_allclose(d, np.take_along_axis(want, order, 1), rtol=1e-4, atol=1e-4)

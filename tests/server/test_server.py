@@ -72,6 +72,8 @@ def test_first_start_builds_the_demo_with_its_index(server, client):
     assert info["count"] == len(corpus()) and info["embedding"] == "all-MiniLM-L6-v2"
     assert info["build_state"]["indexed"] == len(corpus()) and info["build_state"]["generation"] == 1
     assert info["tiers"]["ssd_bytes"] > 0 and info["tiers"]["pq_bytes"] > 0
+    # 384-d float32 records leave a quarter of their pages empty: the buffer holds single records (record_cache auto)
+    assert info["tiers"]["record_cache_bytes"] > 0 and info["tiers"]["page_buffer_bytes"] == 0
     assert client.get("/v1/collections").json()["collections"][0]["name"] == "demo"
 
 
@@ -359,7 +361,7 @@ def test_metrics_parse_and_cover_the_figures(client):
     docs = {s.labels["collection"]: s.value for s in fams["fusionrag_collection_documents"].samples}
     assert docs["demo"] == len(corpus())
     tiers = {s.labels["tier"] for s in fams["fusionrag_tier_bytes"].samples if s.labels["collection"] == "demo"}
-    assert {"host_index", "pq", "page_buffer", "ssd", "fresh"} <= tiers
+    assert {"host_index", "pq", "page_buffer", "record_cache", "ssd", "fresh"} <= tiers
     ratio = [s.value for s in fams["fusionrag_page_buffer_hit_ratio"].samples if s.labels["collection"] == "demo"]
     assert len(ratio) == 1 and 0 <= ratio[0] <= 1
     ok = [s for s in fams["fusionrag_http_requests"].samples
@@ -585,6 +587,7 @@ def test_web_page_searches_and_shows_live_figures(server, browser):
     wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, "#tiers tr[data-collection='demo']")))
     row = [td.text for td in browser.find_elements(By.CSS_SELECTOR, "#tiers tr[data-collection='demo'] td")]
     assert row[0] == "demo" and row[1] == str(len(corpus())) and row[5].endswith("KiB")
+    assert row[4].endswith("MiB") and float(row[4].split()[0]) > 0  # the buffer: its record cache (384-d records)
     wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "dd[data-figure='latency p50']").text.endswith(" ms"))
     # An error is shown, not swallowed.
     query.clear()

@@ -90,10 +90,11 @@ def test_embedder_matches_sentence_transformers():
         get_embedder("word2vec")
 
 
-@pytest.mark.parametrize("policy,pipeline", [("clock", False), ("lfu", True)])
-def test_service_engine_settings_reach_the_index(tmp_path, monkeypatch, policy, pipeline):
-    """--buffer-policy and --pipeline open every collection's index with them: the policy as the native page
-    buffer reports it, and whether a call's batches overlapped as the engine's batch loop ran them."""
+@pytest.mark.parametrize("policy,pipeline,records", [("clock", False, "off"), ("lfu", True, "on")])
+def test_service_engine_settings_reach_the_index(tmp_path, monkeypatch, policy, pipeline, records):
+    """--buffer-policy, --record-cache and --pipeline open every collection's index with them: the
+    policy as the native page buffer reports it, the record cache as the native store sizes it, and whether a
+    call's batches overlapped as the engine's batch loop ran them."""
     import fusionrag.retriever.index as index_module
     from fusionrag.retriever.collection import Document
     from fusionrag.server.life import open_catalog
@@ -102,7 +103,8 @@ def test_service_engine_settings_reach_the_index(tmp_path, monkeypatch, policy, 
     real = index_module.overlapped
     monkeypatch.setattr(index_module, "overlapped", lambda items, *a, **kw: (overlaps.append(1), real(items, *a, **kw)))
     config = load_config(flags={"data_dir": str(tmp_path), "demo": False, "buffer_policy": policy,
-                                "pipeline": pipeline, "filter_tier": "cpu"}, environ={})
+                                "pipeline": pipeline, "filter_tier": "cpu", "record_cache": records},
+                         environ={})
     catalog = open_catalog(config)
     try:
         coll = catalog.create("c", dim=8, metric="l2")
@@ -113,6 +115,9 @@ def test_service_engine_settings_reach_the_index(tmp_path, monkeypatch, policy, 
         assert index is not None, "the merge built no index"
         res = index.search(vectors[:300], 5)  # five CPU batches of 64: the case the pipeline overlaps
         assert res.info["buffer_policy"] == policy
+        store = index.reranker.store
+        assert (store.record_cache_capacity > 0) == (records == "on")
+        assert store.buffer_bytes + store.record_cache_bytes <= config.buffer_mb * (1 << 20)
         assert (res.ids[:, 0] == np.arange(300)).mean() >= 0.95  # each query finds itself (rows in upsert order)
         assert bool(overlaps) == pipeline
     finally:
