@@ -234,7 +234,7 @@ class PageStore {
   }
   // Offers a record read with its block; the policy decides whether it stays.
   void insert_record(uint32_t slot, const uint8_t* data) { records_.insert(slot, data); }
-  bool record_cached(uint32_t slot) { return records_.capacity() && records_.resident(slot); }
+  bool record_cached(uint32_t slot) { return records_.resident(slot); }
   // Records every block fetch() is asked for, in order, with its weight (for offline
   // replays of buffer policies: bench/cache_sim.py). Off: one relaxed load per fetch.
   void set_trace(bool on);

@@ -119,10 +119,14 @@ struct Exact {
   // The distance from q to id's record, found in data, which holds `blocks`
   // (sorted, distinct) one after another.
   float distance_in(const float* q, int64_t id, const std::vector<uint32_t>& blocks, const uint8_t* data) const {
+    return distance(q, record_in(locations[id], blocks, data), dim);
+  }
+
+  // Where slot's record lies in data, which holds `blocks` (sorted, distinct, slot's among them) one after another.
+  const uint8_t* record_in(uint32_t slot, const std::vector<uint32_t>& blocks, const uint8_t* data) const {
     const PageLayout& layout = store.layout();
-    uint32_t slot = locations[id];
     size_t b = std::lower_bound(blocks.begin(), blocks.end(), uint32_t(layout.block_of(slot))) - blocks.begin();
-    return distance(q, data + b * layout.block_bytes() + layout.offset_in_block(slot), dim);
+    return data + b * layout.block_bytes() + layout.offset_in_block(slot);
   }
 
   // Writes each id's distance from q to out (inf for -1), its record found in
@@ -151,10 +155,10 @@ struct QueryState {
   bool live = false;
   std::vector<int64_t> batch;        // the next mini-batch: candidate ids, and their positions
   std::vector<uint32_t> batch_pos;
-  // Of the mini-batch, those the record cache held: ids, exact distances, positions, blocks.
+  // Of the mini-batch, those the record cache held: ids, exact distances, positions.
   std::vector<int64_t> hit_ids;
   std::vector<float> hit_dist;
-  std::vector<uint32_t> hit_pos, hit_blocks;
+  std::vector<uint32_t> hit_pos;
   // Page-mates or resident-first only: (block, position) of every candidate, sorted, and which have a distance.
   std::vector<std::pair<uint32_t, uint32_t>> by_block;
   std::vector<uint8_t> scored;
@@ -194,7 +198,7 @@ struct QueryState {
   void take_cached(const Exact& ex, const float* q, const int64_t* cand, const RerankParams& p,
                    std::vector<uint8_t>& record, std::vector<std::pair<uint32_t, uint32_t>>& by_b,
                    std::vector<uint8_t>& keep) {
-    hit_ids.clear(), hit_dist.clear(), hit_pos.clear(), hit_blocks.clear();
+    hit_ids.clear(), hit_dist.clear(), hit_pos.clear();
     by_b.clear();
     keep.assign(batch.size(), 1);
     for (size_t j = 0; j < batch.size(); ++j)
@@ -218,7 +222,7 @@ struct QueryState {
           if (!scored[it->second]) all = take(cand[it->second], it->second), ++mates_here;
       if (all) {
         for (auto i = a; i != e; ++i) keep[i->second] = 0;
-        hit_blocks.push_back(b);
+        ++from_buffer;  // a block touched and served from memory
         mates += int64_t(mates_here), cached += int64_t(hit_ids.size() - mark);
       } else {
         hit_ids.resize(mark), hit_dist.resize(mark), hit_pos.resize(mark);
@@ -394,15 +398,11 @@ void read_next(const RerankJob& job, Scratch& s) {
 // Offers ids[0, n) (ids >= 0, their blocks in the round's s.blocks, read into s.data) to the record cache;
 // those from `asked` on were not looked up in it yet and count as requested first.
 void offer_records(const Exact& ex, const int64_t* ids, size_t n, size_t asked, Scratch& s) {
-  const PageLayout& layout = ex.store.layout();
-  const uint8_t* data = s.data.ptr.get();
   for (size_t j = 0; j < n; ++j) {
     if (ids[j] < 0) continue;
     const uint32_t slot = ex.locations[ids[j]];
     if (j >= asked && ex.store.lookup_record(slot, s.record.data())) continue;
-    const size_t at =
-        std::lower_bound(s.blocks.begin(), s.blocks.end(), uint32_t(layout.block_of(slot))) - s.blocks.begin();
-    ex.store.insert_record(slot, data + at * layout.block_bytes() + layout.offset_in_block(slot));
+    ex.store.insert_record(slot, ex.record_in(slot, s.blocks, s.data.ptr.get()));
   }
 }
 
@@ -415,8 +415,7 @@ void rerank_queries(const RerankJob& job, size_t first, size_t last, size_t infl
   const Exact& ex = job.ex;
   const RerankParams& p = job.p;
   const bool cache = ex.store.record_cache_capacity() > 0;
-  const PageLayout& layout = ex.store.layout();
-  s.record.resize(layout.record_bytes);
+  s.record.resize(ex.store.layout().record_bytes);
   s.slots.resize(inflight);
   for (QueryState& st : s.slots) st.live = false;
   for (size_t next = first;;) {
@@ -464,8 +463,6 @@ void rerank_queries(const RerankJob& job, size_t first, size_t last, size_t infl
         if (s.unclaimed[at]) ++st.from_ssd, s.unclaimed[at] = 0;
         else ++st.from_buffer;
       }
-      // A block the record cache covered was touched and served from memory (never one of mine: those are read).
-      st.from_buffer += int64_t(st.hit_blocks.size());
       const float* q = job.queries + st.row * ex.dim;
       s.dist.resize(m);
       ex.distances_in(q, cand, m, s.blocks, data, s.dist.data());
@@ -485,10 +482,6 @@ void rerank_queries(const RerankJob& job, size_t first, size_t last, size_t infl
       if (cache) offer_records(ex, s.ids.data(), s.ids.size(), m, s);
       s.ids.insert(s.ids.end(), st.hit_ids.begin(), st.hit_ids.end());
       s.dist.insert(s.dist.end(), st.hit_dist.begin(), st.hit_dist.end());
-      if (!p.tracks()) {
-        st.absorb(s.ids.data(), s.dist.data(), s.ids.size(), p);
-        continue;
-      }
       if (p.resident_first && st.batches == 0) st.residents(ex, q, job.row(st), s.one, s.ids, s.dist);
       st.absorb(s.ids.data(), s.dist.data(), s.ids.size(), p);
     }
