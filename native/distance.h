@@ -3,6 +3,7 @@
 // Smaller is always better: "l2" is the squared Euclidean distance, "ip" the
 // negative inner product. The vector kernels are in distance.cpp, each built twice.
 #pragma once
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <stdexcept>
@@ -65,6 +66,16 @@ RecordDistanceFn record_distance(Metric m) {
 // SQ8 l2 with per-dimension scales: sum (s_i (qc_i - c_i))^2, the query qc in
 // code units. (SQ8 ip is neg_ip of the query scaled into code units.)
 float sq8_l2(const float* qc, const float* s, const uint8_t* c, size_t d);
+
+// Inner products of nq queries (rows of d floats) with n rows x of d elements: dots[r * n + j] = q_r . x_j.
+// Blocked as a matrix product is (dot_rows.cpp): rows a chunk at a time (dot_chunk_rows: ~256 KiB, in L2),
+// queries four at a time (in L1) with two rows in registers, bytes widened to floats in registers.
+inline size_t dot_chunk_rows(size_t d, size_t element_bytes) {
+  return std::max<size_t>(2, (size_t(1) << 18) / (d * element_bytes));
+}
+void dot_rows(const float* q, size_t nq, const uint8_t* x, size_t n, size_t d, float* dots);
+void dot_rows(const float* q, size_t nq, const float* x, size_t n, size_t d, float* dots);
+constexpr size_t kDotQueries = 8;  // exact_search's queries per task: a pass over the rows serves them all
 
 // Product quantization: 256 centroids per sub-space, one uint8 code.
 constexpr size_t kCodebook = 256;

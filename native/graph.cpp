@@ -50,6 +50,11 @@ constexpr auto farther = [](const Cand& a, const Cand& b) { return a.dist > b.di
 // Search state kept per thread between calls, so that a query allocates
 // nothing. Thread-local rather than indexed by pool worker, because two Python
 // threads may search at once.
+constexpr size_t kAlignFloats = 64 / sizeof(float);
+inline float* align_lines(float* p) {
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
+}
+
 struct Scratch {
   std::vector<uint32_t> visited;  // visited[i] == epoch: node i seen by this search
   uint32_t epoch = 0;
@@ -57,7 +62,8 @@ struct Scratch {
   std::vector<Cand> best;         // max-heap: the ef nearest found so far
   std::vector<uint32_t> links;    // a neighbour list copied out under its node's lock
   std::vector<Cand> pruned;       // a full neighbour list being shrunk
-  std::vector<float> query;       // the query mapped into SQ8 code units
+  std::vector<float> query;       // the query mapped into SQ8 code units (a block of them: exact_search)
+  std::vector<float> dots;        // exact_search: a block of queries' distances to every node
 
   // Not inlined: seen through an inlined accessor, GCC re-derives the
   // thread-local address after every call in the search loop.
@@ -194,7 +200,8 @@ class Graph {
                    (lo_.capacity() + scale_.capacity()) * sizeof(float) +
                    links0_.capacity() * sizeof(uint32_t) + levels_.capacity() + upper_.capacity() * sizeof(upper_[0]);
     for (const auto& u : upper_) bytes += u.capacity() * sizeof(uint32_t);
-    return bytes;
+    std::lock_guard<std::mutex> lk(norms_mutex_);
+    return bytes + norms_.capacity() * sizeof(float);
   }
 
   std::unique_ptr<float[]> copy_vectors(size_t& rows) const {
@@ -254,6 +261,83 @@ class Graph {
       for (size_t j = found; j < k; ++j) {
         ids[i * k + j] = -1;
         dists[i * k + j] = std::numeric_limits<float>::infinity();
+      }
+    });
+  }
+
+  // The k nearest of every node (not the graph's approximation), nearest first, ties by id: what probing
+  // all lists means, and where navigation is exhaustive (tiers.exhaustive_is_cheap), each query's lists.
+  // Blocks of kDotQueries queries take inner products with the nodes' codes (or floats) in place: no
+  // decoded copy of the vectors, and no BLAS buffers.
+  void exact_search(const float* queries, size_t nq, size_t k, size_t threads, int32_t* ids, float* dists) const {
+    std::shared_lock<std::shared_mutex> r(rw_);
+    const size_t n = count();
+    const float* norms = metric_ == Metric::L2 ? node_norms(n) : nullptr;
+    const size_t kept = std::min(k, n);
+    ThreadPool::instance().parallel_for((nq + kDotQueries - 1) / kDotQueries, threads, [&](size_t b, size_t) {
+      Scratch& s = Scratch::local();
+      const size_t q0 = b * kDotQueries, bq = std::min(kDotQueries, nq - q0);
+      const float* q = queries + q0 * dim_;
+      float base[kDotQueries] = {}, qn[kDotQueries] = {};
+      // On 64-byte lines, so that a vector load of a row splits no cache line wherever the dimension allows.
+      s.query.resize(bq * dim_ + kAlignFloats);
+      float* mapped = align_lines(s.query.data());
+      for (size_t r = 0; r < bq; ++r) {
+        double lo = 0, sq = 0;  // q.x = q.lo + sum (q_i s_i) c_i
+        for (size_t i = 0; i < dim_; ++i) {
+          float x = q[r * dim_ + i];
+          sq += double(x) * x;
+          if (quantized_) {
+            mapped[r * dim_ + i] = x * scale_[i];
+            lo += double(x) * lo_[i];
+          } else {
+            mapped[r * dim_ + i] = x;
+          }
+        }
+        base[r] = float(lo);
+        qn[r] = float(sq);
+      }
+      s.dots.resize(bq * n);
+      if (quantized_)
+        dot_rows(mapped, bq, codes_.data(), n, dim_, s.dots.data());
+      else
+        dot_rows(mapped, bq, vectors_.data(), n, dim_, s.dots.data());
+      for (size_t r = 0; r < bq; ++r) {
+        float* dist = s.dots.data() + r * n;  // in place of the inner products
+        if (norms)
+          for (size_t j = 0; j < n; ++j) dist[j] = std::max(0.0f, (qn[r] - 2 * (base[r] + dist[j])) + norms[j]);
+        else
+          for (size_t j = 0; j < n; ++j) dist[j] = -(base[r] + dist[j]);
+        // A max-heap of the kept nearest: most nodes are turned away by one comparison with its top that the
+        // branch predictor gets right (a partial sort over all of them mispredicts about half its comparisons);
+        // a node that gets in replaces the top and sinks.
+        auto by = [](const Cand& a, const Cand& c) { return a.dist < c.dist || (a.dist == c.dist && a.id < c.id); };
+        s.best.resize(kept);
+        for (size_t j = 0; j < kept; ++j) s.best[j] = {dist[j], uint32_t(j)};
+        std::make_heap(s.best.begin(), s.best.end(), by);
+        Cand* h = s.best.data();
+        for (size_t j = kept; j < n; ++j) {
+          if (!(dist[j] < h[0].dist)) continue;  // a later id at an equal distance never displaces
+          const Cand c{dist[j], uint32_t(j)};
+          size_t i = 0;
+          for (size_t l = 1; l < kept; l = 2 * i + 1) {
+            size_t big = l + 1 < kept && by(h[l], h[l + 1]) ? l + 1 : l;
+            if (!by(c, h[big])) break;
+            h[i] = h[big];
+            i = big;
+          }
+          h[i] = c;
+        }
+        std::sort_heap(s.best.begin(), s.best.end(), by);
+        size_t row = (q0 + r) * k;
+        for (size_t j = 0; j < kept; ++j) {
+          ids[row + j] = int32_t(s.best[j].id);
+          dists[row + j] = s.best[j].dist;
+        }
+        for (size_t j = kept; j < k; ++j) {
+          ids[row + j] = -1;
+          dists[row + j] = std::numeric_limits<float>::infinity();
+        }
       }
     });
   }
@@ -540,6 +624,22 @@ class Graph {
     }
   }
 
+  // ||x_j||^2 of the first n nodes (decoded, where quantized), kept once computed; a float graph that grew
+  // gets its new nodes' on the next call (add() only appends).
+  const float* node_norms(size_t n) const {
+    std::lock_guard<std::mutex> lk(norms_mutex_);
+    norms_.reserve(n);
+    for (size_t j = norms_.size(); j < n; ++j) {
+      double sq = 0;
+      for (size_t i = 0; i < dim_; ++i) {
+        float x = quantized_ ? lo_[i] + scale_[i] * float(codes_[j * dim_ + i]) : vectors_[j * dim_ + i];
+        sq += double(x) * x;
+      }
+      norms_.push_back(float(sq));
+    }
+    return norms_.data();
+  }
+
   bool consistent() const {
     if (count() == 0) return entry_ == kNone && max_level_ == -1;
     if (entry_ >= count() || max_level_ != levels_[entry_]) return false;
@@ -569,6 +669,8 @@ class Graph {
   int max_level_ = -1;
   std::mutex entry_mutex_;                   // entry_ and max_level_ during a build
   mutable std::shared_mutex rw_;             // add() excludes everything else
+  mutable std::mutex norms_mutex_;           // norms_, filled by searches that share rw_
+  mutable std::vector<float> norms_;         // exact_search's ||x_j||^2 (l2)
 };
 
 using FloatMatrix = nb::ndarray<const float, nb::c_contig, nb::device::cpu>;
@@ -577,6 +679,22 @@ void check_rows(const FloatMatrix& a, size_t dim, const char* name) {
   if (a.ndim() == 2 && a.shape(1) == dim) return;
   throw std::invalid_argument(std::string(name) + " must have shape (n, " + std::to_string(dim) + "), got " +
                               shape_of(a));
+}
+
+// A search's binding: checks, the (ids, dists) arrays of nq x k, the search without the GIL.
+template <class Search>
+auto top_k(const Graph& g, const FloatMatrix& queries, int64_t k, int num_threads, Search search) {
+  check_rows(queries, g.dim(), "queries");
+  if (k <= 0) throw std::invalid_argument("k must be positive, got " + std::to_string(k));
+  size_t threads = pool_threads(num_threads);
+  size_t nq = queries.shape(0), kk = size_t(k);
+  auto ids = std::make_unique<int32_t[]>(nq * kk);
+  auto dists = std::make_unique<float[]>(nq * kk);
+  {
+    nb::gil_scoped_release unlocked;
+    search(queries.data(), nq, kk, threads, ids.get(), dists.get());
+  }
+  return std::make_pair(to_numpy(std::move(ids), {nq, kk}), to_numpy(std::move(dists), {nq, kk}));
 }
 
 }  // namespace
@@ -608,21 +726,25 @@ void bind_graph(nb::module_& m) {
       .def(
           "search",
           [](const Graph& g, FloatMatrix queries, int64_t k, int64_t ef, int num_threads) {
-            check_rows(queries, g.dim(), "queries");
-            if (k <= 0) throw std::invalid_argument("k must be positive, got " + std::to_string(k));
-            size_t threads = pool_threads(num_threads);
-            size_t nq = queries.shape(0), kk = size_t(k);
-            auto ids = std::make_unique<int32_t[]>(nq * kk);
-            auto dists = std::make_unique<float[]>(nq * kk);
-            {
-              nb::gil_scoped_release unlocked;
-              g.search(queries.data(), nq, kk, size_t(std::max<int64_t>(ef, 0)), threads, ids.get(), dists.get());
-            }
-            return std::make_pair(to_numpy(std::move(ids), {nq, kk}),
-                                  to_numpy(std::move(dists), {nq, kk}));
+            size_t beam = size_t(std::max<int64_t>(ef, 0));
+            return top_k(g, queries, k, num_threads, [&](const float* q, size_t nq, size_t kk, size_t threads,
+                                                         int32_t* ids, float* dists) {
+              g.search(q, nq, kk, beam, threads, ids, dists);
+            });
           },
           "queries"_a, "k"_a, "ef"_a, "num_threads"_a = 0,
           "Top-k (ids int32, dists float32), ascending, beam max(ef, k); rows padded with -1 / inf.")
+      .def(
+          "exact_search",
+          [](const Graph& g, FloatMatrix queries, int64_t k, int num_threads) {
+            return top_k(g, queries, k, num_threads, [&](const float* q, size_t nq, size_t kk, size_t threads,
+                                                         int32_t* ids, float* dists) {
+              g.exact_search(q, nq, kk, threads, ids, dists);
+            });
+          },
+          "queries"_a, "k"_a, "num_threads"_a = 0,
+          "The k nearest nodes by exact distance to every node's vector (decoded from its codes when quantized),\n"
+          "ascending, ties by id: (ids int32, dists float32), rows padded with -1 / inf. No copy of the vectors.")
       .def(
           "save", [](const Graph& g, const std::filesystem::path& path) { g.save(path.string()); }, "path"_a,
           nb::call_guard<nb::gil_scoped_release>())

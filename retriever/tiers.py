@@ -36,14 +36,15 @@ class BatchTables:
 
 
 def exhaustive_is_cheap(centroids: int, dim: int) -> bool:
-    """Whether the nearest centroids are found by exact distances to all of them (a matrix product and a
-    partial sort) rather than by the graph. Exact is what the graph approximates, and a graph over the
+    """Whether the nearest centroids are found by exact distances to all of them (Graph.exact_search over the
+    graph's SQ8 codes) rather than by the graph. Exact is what the graph approximates, and a graph over the
     centroids of tightly clustered data can miss a query's cluster however long it searches (Gaussian
     clusters of 100 in 128-d, 5,208 centroids: 14% of them out of reach at ef 256; 200k such vectors
-    reached recall@10 0.93 at nprobe 256 by the graph, 0.998 exactly). Where it costs about what the
-    graph does: one core, batches of 64, the 256 nearest, 38 us a query at 5,208 x 128, 49 at 3,868 x 384
-    (the graph: 65-84 us), 136 at 20k x 128; not beyond: 212 at 39k x 51 where the graph took 189, 800
-    at 100k x 128 (the partial sort over every centroid is what grows)."""
+    reached recall@10 0.93 at nprobe 256 by the graph, 0.998 exactly). Where it costs about what the graph
+    does at the default nprobe (256; bench/results/exact_navigation.md, 2 threads, batches of 64, us a
+    query): 58 at 5,208 x 128 (the graph: 167), 89 at MiniLM's 3,550 x 384 (195), 141 at 20k x 128 (230),
+    146 at 32,768 x 96 (208); one query alone, 122 (216) to 435 (351). Not beyond: 352 at 105,882 x 64 where
+    the graph took 189 (the scan over every centroid is what grows)."""
     return centroids <= EXHAUSTIVE_MAX_CENTROIDS and centroids * dim <= EXHAUSTIVE_MAX_FLOATS
 
 
@@ -57,10 +58,9 @@ EXHAUSTIVE_CHUNK = 1 << 18  # distances held at once: a chunk of queries' rows o
 def nearest_exhaustive(q: np.ndarray, centroids: np.ndarray, m: int,
                        c_sq: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The m nearest of the centroids by exact squared l2, nearest first (ties by number): (int32, float32).
-    In chunks of queries, so that a batch holds at most EXHAUSTIVE_CHUNK distances (and the partial sort's int64
-    indices: 3 MiB) at a time: a GPU-tier batch of 1024 queries over 3,868 centroids held 47 MiB. The CPU tier's
-    batches of 64 are one chunk up to 4,096 centroids (smaller chunks cost BLAS speed: 62 -> 114 us a query
-    at chunks of 18 MiniLM queries)."""
+    The build's, over its float centroids (build.nearest_rows; queries take Graph.exact_search over the graph's
+    codes, NavigationTier). In chunks of queries, so that a batch holds at most EXHAUSTIVE_CHUNK distances (and
+    the partial sort's int64 indices: 3 MiB) at a time: 1024 rows over 3,868 centroids held 47 MiB."""
     rows = max(1, EXHAUSTIVE_CHUNK // max(1, len(centroids)))
     if len(q) > rows:
         if c_sq is None:
@@ -87,27 +87,22 @@ def _by_distance_then_id(ids: np.ndarray, d: np.ndarray) -> np.ndarray:
 class NavigationTier:
     """The l2 graph over the centroids; for an ip index the centroids carry one extra
     coordinate (see build.mips_augment) and queries get a zero there. Where exhaustive_is_cheap,
-    queries go to the centroids' exact distances instead (a copy of the centroids, counted in
-    memory_bytes)."""
+    queries go to the centroids' exact distances instead (Graph.exact_search, over the graph's own
+    codes: no copy of the centroids, no BLAS buffers)."""
 
     def __init__(self, graph, augmented: bool, threads: int, model: ProbeModel | None = None,
                  list_sizes: np.ndarray | None = None):
         self.graph, self.augmented, self.threads = graph, augmented, threads
         self.model = model  # learned pruning's, where the index has one (SearchParams.probe 'learned')
         self.list_sizes = list_sizes  # postings per list: the ratio rule keeps lists up to p.rerank of them
-        self._all = self._all_sq = None
         self.exhaustive = exhaustive_is_cheap(graph.size, graph.dim)
 
     def memory_bytes(self) -> int:
-        held = 0 if self._all is None else self._all.nbytes + self._all_sq.nbytes
-        return int(self.graph.memory_bytes()) + held
+        return int(self.graph.memory_bytes())
 
     def _exhaustive(self, q: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
         """The m nearest of every centroid, by exact distance: what probing all lists must mean."""
-        if self._all is None:
-            c = self.graph.vectors()
-            self._all_sq, self._all = np.einsum("ij,ij->i", c, c), c
-        return nearest_exhaustive(q, self._all, m, self._all_sq)
+        return self.graph.exact_search(q, m, self.threads)
 
     def nearest(self, queries: np.ndarray, p: SearchParams) -> tuple[np.ndarray, np.ndarray]:
         """The nprobe nearest lists of each query and their squared distances, nearest first (no cut)."""

@@ -268,3 +268,128 @@ def test_sq8_load_rejects_non_finite_vectors(tmp_path):
     assert Graph.load(path).size == 50  # the float graph holds what it is given
     with pytest.raises(ValueError, match="node 17 has a non-finite coordinate"):
         Graph.load(path, quantize=True)
+
+
+# exact_search: the k nearest of every node by exact distance (the navigation tier's exhaustive mode).
+
+
+def _true_distances(vectors, q, metric):
+    """float64, from the vectors the graph holds (decoded, where quantized), as brute force."""
+    v, q64 = vectors.astype(np.float64), q.astype(np.float64)
+    return (q64 ** 2).sum(1)[:, None] - 2 * q64 @ v.T + (v ** 2).sum(1)[None] if metric == "l2" else -(q64 @ v.T)
+
+
+def _check_exact(ids, dists, truth, k):
+    """Each row: the k (or all) nearest, nearest first, their distances the true ones to float rounding, nothing
+    left out that is nearer than the farthest kept; -1 / inf past the graph's size."""
+    n = truth.shape[1]
+    kept = min(k, n)
+    tol = 1e-5 * np.abs(truth).max()
+    assert ids.shape == dists.shape == (len(truth), k) and ids.dtype == np.int32 and dists.dtype == np.float32
+    for row, (i, d) in enumerate(zip(ids, dists)):
+        assert np.all(i[kept:] == -1) and np.all(np.isinf(d[kept:]))
+        i, d = i[:kept], d[:kept]
+        assert len(set(i.tolist())) == kept and i.min() >= 0 and i.max() < n
+        np.testing.assert_allclose(d, truth[row, i], rtol=0, atol=tol)
+        assert np.all(np.diff(d) >= 0)
+        assert truth[row, i].max() <= np.sort(truth[row])[kept - 1] + tol
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+@pytest.mark.parametrize("dim,metric", [(384, "l2"), (13, "l2"), (385, "ip"), (8, "ip")])
+def test_exact_search_is_brute_force_over_the_held_vectors(tmp_path, quantize, dim, metric):
+    """Against float64 brute force over g.vectors() (the decoded codes where quantized): queries one at a time, in
+    blocks of 4, across a task's 16 and a tail; dimensions that are and are not multiples of the vector width;
+    k from 1 to past the size; 1 and 2 threads."""
+    rng = np.random.default_rng(dim)
+    x = clustered(rng, 1501, dim, clusters=40)
+    _, path = saved(tmp_path, x, metric, M=8, ef_construction=32)
+    g = Graph.load(path, quantize=quantize)
+    q = clustered(rng, 37, dim, clusters=40)
+    truth = _true_distances(g.vectors(), q, metric)
+    for nq in (1, 3, 4, 5, 16, 37):
+        for k, threads in ((1, 1), (10, 2), (64, 1), (1501, 2), (1504, 1)):
+            ids, dists = g.exact_search(q[:nq], k, threads)
+            _check_exact(ids, dists, truth[:nq], k)
+    if metric == "l2":  # the graph's own search (navigation's: always l2) finds it, up to its approximation
+        ids, _ = g.exact_search(q, 32, 2)
+        approx, _ = g.search(q, 32, 256)
+        assert np.mean([len(np.intersect1d(a, b)) / 32 for a, b in zip(ids, approx)]) >= 0.9
+
+
+def test_exact_search_orders_ties_by_id(tmp_path):
+    """Three copies of every vector: equal distances, so each copy follows the lower ids, and k cuts a tie
+    where it falls (the ids a stable sort gives), whether the copies share a pair of rows, a chunk, or neither."""
+    rng = np.random.default_rng(9)
+    base = clustered(rng, 401, 24, clusters=20)
+    x = np.concatenate([base, base, base])  # node i, i + 401, i + 802 alike
+    _, path = saved(tmp_path, x, M=8, ef_construction=32)
+    for quantize in (False, True):
+        g = Graph.load(path, quantize=quantize)
+        q = base[:9] + rng.normal(size=(9, 24)).astype(np.float32) * 0.01
+        ids, _ = g.exact_search(q, 20, 2)
+        full, d = g.exact_search(q, 1203, 1)
+        for row in range(9):
+            np.testing.assert_array_equal(ids[row], full[row][:20])
+            np.testing.assert_array_equal(ids[row][:3], [row, row + 401, row + 802])
+            tie = d[row][1:] == d[row][:-1]
+            assert tie.sum() >= 2 * 401 - 10  # copies come out at exactly equal distances ...
+            assert np.all(np.diff(full[row])[tie] > 0)  # ... and by id
+            np.testing.assert_array_equal(np.sort(full[row]), np.arange(1203))
+
+
+def test_exact_search_baseline_build_agrees(tmp_path):
+    """The baseline build (FUSIONRAG_DOT_BASELINE=1: no AVX2, vectors as SSE pairs) answers as the one this CPU
+    picks: both against brute force, in a process of its own (the build is chosen once per process)."""
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(5)
+    x = clustered(rng, 700, 100, clusters=30)
+    _, path = saved(tmp_path, x, M=8, ef_construction=32)
+    q = clustered(rng, 21, 100, clusters=30)
+    np.save(tmp_path / "q.npy", q)
+    script = ("import sys, numpy as np; from fusionrag.native import Graph\n"
+              "p = sys.argv[1]; q = np.load(p + '/q.npy')\n"
+              "for quantize in (False, True):\n"
+              "    ids, d = Graph.load(p + '/graph.bin', quantize=quantize).exact_search(q, 50, 2)\n"
+              "    np.save(p + f'/ids{int(quantize)}.npy', ids); np.save(p + f'/d{int(quantize)}.npy', d)\n")
+    import os
+
+    env = dict(os.environ, FUSIONRAG_DOT_BASELINE="1")
+    subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True, env=env, timeout=120)
+    for quantize in (False, True):
+        g = Graph.load(path, quantize=quantize)
+        truth = _true_distances(g.vectors(), q, "l2")
+        ids, dists = np.load(tmp_path / f"ids{int(quantize)}.npy"), np.load(tmp_path / f"d{int(quantize)}.npy")
+        _check_exact(ids, dists, truth, 50)
+        mine, my_d = g.exact_search(q, 50, 2)
+        _check_exact(mine, my_d, truth, 50)
+        np.testing.assert_allclose(dists, my_d, rtol=1e-5)
+
+
+def test_exact_search_rejects_bad_arguments_and_counts_its_norms(tmp_path):
+    rng = np.random.default_rng(2)
+    x = clustered(rng, 300, 16, clusters=10)
+    _, path = saved(tmp_path, x, M=8, ef_construction=32)
+    g = Graph.load(path, quantize=True)
+    with pytest.raises(ValueError, match=r"queries must have shape \(n, 16\)"):
+        g.exact_search(np.zeros((2, 15), np.float32), 3)
+    with pytest.raises(ValueError, match="k must be positive"):
+        g.exact_search(np.zeros((2, 16), np.float32), 0)
+    before = g.memory_bytes()
+    g.exact_search(x[:2], 3)
+    assert g.memory_bytes() - before == 300 * 4  # ||x_j||^2 of each node, kept for the next call
+    empty = tmp_path / "empty.bin"
+    Graph(16).save(empty)
+    ids, dists = Graph.load(empty, quantize=True).exact_search(np.zeros((2, 16), np.float32), 3)
+    assert np.all(ids == -1) and np.all(np.isinf(dists))
+
+    grown = Graph(16, seed=1)  # a float graph that grows gets its new nodes' norms on the next call
+    grown.add(x[:100])
+    grown.exact_search(x[:1], 1)
+    grown.add(x[100:])
+    ids, dists = grown.exact_search(x[250:260], 1)
+    np.testing.assert_array_equal(ids[:, 0], np.arange(250, 260))
+    # ||q||^2 - 2 q.x + ||x||^2, as a matrix product computes it: 0 up to the rounding of its terms
+    assert np.all(dists[:, 0] <= 1e-5 * (x[250:260] ** 2).sum(1))
