@@ -15,7 +15,7 @@
 
 #include "distance.h"
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11  // arch=x86-64-v3: GCC 11
 #include <immintrin.h>
 #define FUSIONRAG_DOT_X86 1
 #endif
