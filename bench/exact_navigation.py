@@ -30,7 +30,7 @@ from fusionrag.native import Graph
 from fusionrag.retriever.tiers import exhaustive_is_cheap, nearest_exhaustive
 
 sys.path.insert(0, str(Path(__file__).parent))
-from graph_sq8 import engine_queries  # noqa: E402
+from graph_sq8 import engine_queries, status_kib  # noqa: E402
 
 SYNTHETIC = [(5208, 128), (8000, 384), (20000, 128), (32768, 96)]
 
@@ -40,13 +40,6 @@ def clustered(n: int, dim: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     centers = rng.standard_normal((max(1, n // 10), dim)).astype(np.float32)
     return (centers[rng.integers(len(centers), size=n)] + 0.3 * rng.standard_normal((n, dim))).astype(np.float32)
-
-
-def status_kib(key: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    raise KeyError(key)
 
 
 def peak(graph_path: str, queries_path: str, method: str, m: int) -> dict:

@@ -3,7 +3,6 @@
 // Smaller is always better: "l2" is the squared Euclidean distance, "ip" the
 // negative inner product. The vector kernels are in distance.cpp, each built twice.
 #pragma once
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <stdexcept>
@@ -68,11 +67,8 @@ RecordDistanceFn record_distance(Metric m) {
 float sq8_l2(const float* qc, const float* s, const uint8_t* c, size_t d);
 
 // Inner products of nq queries (rows of d floats) with n rows x of d elements: dots[r * n + j] = q_r . x_j.
-// Blocked as a matrix product is (dot_rows.cpp): rows a chunk at a time (dot_chunk_rows: ~256 KiB, in L2),
-// queries four at a time (in L1) with two rows in registers, bytes widened to floats in registers.
-inline size_t dot_chunk_rows(size_t d, size_t element_bytes) {
-  return std::max<size_t>(2, (size_t(1) << 18) / (d * element_bytes));
-}
+// Blocked as a matrix product is (dot_rows.cpp): rows a chunk at a time (~256 KiB, in L2), queries four at a
+// time (in L1) with two rows in registers, bytes widened to floats in registers.
 void dot_rows(const float* q, size_t nq, const uint8_t* x, size_t n, size_t d, float* dots);
 void dot_rows(const float* q, size_t nq, const float* x, size_t n, size_t d, float* dots);
 constexpr size_t kDotQueries = 8;  // exact_search's queries per task: a pass over the rows serves them all

@@ -47,14 +47,26 @@ struct Cand {
 constexpr auto nearer = [](const Cand& a, const Cand& b) { return a.dist < b.dist; };   // max-heap order
 constexpr auto farther = [](const Cand& a, const Cand& b) { return a.dist > b.dist; };  // min-heap order
 
-// Search state kept per thread between calls, so that a query allocates
-// nothing. Thread-local rather than indexed by pool worker, because two Python
-// threads may search at once.
 constexpr size_t kAlignFloats = 64 / sizeof(float);
 inline float* align_lines(float* p) {
   return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
 }
 
+// The first `found` of best (ascending) as a row of k ids and distances, padded with -1 / +inf.
+inline void put_row(const std::vector<Cand>& best, size_t found, size_t k, int32_t* ids, float* dists) {
+  for (size_t j = 0; j < found; ++j) {
+    ids[j] = int32_t(best[j].id);
+    dists[j] = best[j].dist;
+  }
+  for (size_t j = found; j < k; ++j) {
+    ids[j] = -1;
+    dists[j] = std::numeric_limits<float>::infinity();
+  }
+}
+
+// Search state kept per thread between calls, so that a query allocates
+// nothing. Thread-local rather than indexed by pool worker, because two Python
+// threads may search at once.
 struct Scratch {
   std::vector<uint32_t> visited;  // visited[i] == epoch: node i seen by this search
   uint32_t epoch = 0;
@@ -213,7 +225,7 @@ class Graph {
       return out;
     }
     for (size_t r = 0; r < rows; ++r)
-      for (size_t i = 0; i < dim_; ++i) out[r * dim_ + i] = lo_[i] + scale_[i] * float(codes_[r * dim_ + i]);
+      for (size_t i = 0; i < dim_; ++i) out[r * dim_ + i] = decoded(r, i);
     return out;
   }
 
@@ -253,15 +265,8 @@ class Graph {
           nearest(FloatDist{dist_, q, vectors_.data(), dim_}, ef, s);
         std::sort_heap(s.best.begin(), s.best.end(), nearer);
         found = std::min(k, s.best.size());
-        for (size_t j = 0; j < found; ++j) {
-          ids[i * k + j] = int32_t(s.best[j].id);
-          dists[i * k + j] = s.best[j].dist;
-        }
       }
-      for (size_t j = found; j < k; ++j) {
-        ids[i * k + j] = -1;
-        dists[i * k + j] = std::numeric_limits<float>::infinity();
-      }
+      put_row(s.best, found, k, ids + i * k, dists + i * k);
     });
   }
 
@@ -329,15 +334,7 @@ class Graph {
           h[i] = c;
         }
         std::sort_heap(s.best.begin(), s.best.end(), by);
-        size_t row = (q0 + r) * k;
-        for (size_t j = 0; j < kept; ++j) {
-          ids[row + j] = int32_t(s.best[j].id);
-          dists[row + j] = s.best[j].dist;
-        }
-        for (size_t j = kept; j < k; ++j) {
-          ids[row + j] = -1;
-          dists[row + j] = std::numeric_limits<float>::infinity();
-        }
+        put_row(s.best, kept, k, ids + (q0 + r) * k, dists + (q0 + r) * k);
       }
     });
   }
@@ -624,6 +621,9 @@ class Graph {
     }
   }
 
+  // Coordinate i of quantized node j, as its code stands for it.
+  float decoded(size_t j, size_t i) const { return lo_[i] + scale_[i] * float(codes_[j * dim_ + i]); }
+
   // ||x_j||^2 of the first n nodes (decoded, where quantized), kept once computed; a float graph that grew
   // gets its new nodes' on the next call (add() only appends).
   const float* node_norms(size_t n) const {
@@ -632,7 +632,7 @@ class Graph {
     for (size_t j = norms_.size(); j < n; ++j) {
       double sq = 0;
       for (size_t i = 0; i < dim_; ++i) {
-        float x = quantized_ ? lo_[i] + scale_[i] * float(codes_[j * dim_ + i]) : vectors_[j * dim_ + i];
+        float x = quantized_ ? decoded(j, i) : vectors_[j * dim_ + i];
         sq += double(x) * x;
       }
       norms_.push_back(float(sq));

@@ -13,6 +13,15 @@ if "TRITON_INTERPRET" not in os.environ and not Path("/dev/nvidiactl").exists():
 DATA = Path(os.environ.get("FUSIONRAG_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 
 
+def status_bytes(key: str) -> int:
+    """A size line of /proc/self/status (VmRSS, VmHWM ...), bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {key} in /proc/self/status")
+
+
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
     assert DATA.is_dir(), f"real data sets not found at {DATA} (set FUSIONRAG_DATA)"

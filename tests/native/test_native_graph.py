@@ -1,5 +1,9 @@
 """The HNSW navigation graph over posting-list centroids, against brute force."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -299,7 +303,7 @@ def _check_exact(ids, dists, truth, k):
 @pytest.mark.parametrize("dim,metric", [(384, "l2"), (13, "l2"), (385, "ip"), (8, "ip")])
 def test_exact_search_is_brute_force_over_the_held_vectors(tmp_path, quantize, dim, metric):
     """Against float64 brute force over g.vectors() (the decoded codes where quantized): queries one at a time, in
-    blocks of 4, across a task's 16 and a tail; dimensions that are and are not multiples of the vector width;
+    blocks of 4, across tasks of 8 and a tail; dimensions that are and are not multiples of the vector width;
     k from 1 to past the size; 1 and 2 threads."""
     rng = np.random.default_rng(dim)
     x = clustered(rng, 1501, dim, clusters=40)
@@ -341,9 +345,6 @@ def test_exact_search_orders_ties_by_id(tmp_path):
 def test_exact_search_baseline_build_agrees(tmp_path):
     """The baseline build (FUSIONRAG_DOT_BASELINE=1: no AVX2, vectors as SSE pairs) answers as the one this CPU
     picks: both against brute force, in a process of its own (the build is chosen once per process)."""
-    import subprocess
-    import sys
-
     rng = np.random.default_rng(5)
     x = clustered(rng, 700, 100, clusters=30)
     _, path = saved(tmp_path, x, M=8, ef_construction=32)
@@ -354,8 +355,6 @@ def test_exact_search_baseline_build_agrees(tmp_path):
               "for quantize in (False, True):\n"
               "    ids, d = Graph.load(p + '/graph.bin', quantize=quantize).exact_search(q, 50, 2)\n"
               "    np.save(p + f'/ids{int(quantize)}.npy', ids); np.save(p + f'/d{int(quantize)}.npy', d)\n")
-    import os
-
     env = dict(os.environ, FUSIONRAG_DOT_BASELINE="1")
     subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True, env=env, timeout=120)
     for quantize in (False, True):

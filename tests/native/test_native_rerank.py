@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from conftest import status_bytes
 
 from fusionrag import native
 
@@ -563,11 +564,7 @@ def test_prefetch_of_more_blocks_than_a_ring_holds(tmp_path, backend):
 
 
 def _rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS in /proc/self/status")
+    return status_bytes("VmRSS")
 
 
 @pytest.mark.parametrize("policy", ["lfu", "clock", "auto"])

@@ -9,7 +9,7 @@ rule keeps lists until they hold the candidates the re-rank wants; a collection'
 left short probes every list."""
 
 import numpy as np
-from conftest import clustered, exact_knn, recall
+from conftest import clustered, exact_knn, recall, status_bytes
 
 from fusionrag.retriever import BuildConfig, EngineConfig, Index
 from fusionrag.retriever.collection import Catalog, CollectionConfig, Document
@@ -108,14 +108,6 @@ def test_exact_nearest_in_chunks_of_queries_is_the_same(monkeypatch):
     np.testing.assert_allclose(d, np.take_along_axis(want, order, 1), rtol=1e-4, atol=1e-4)
 
 
-def _status_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no {key} in /proc/self/status")
-
-
 def test_exact_navigation_holds_no_copy_of_the_centroids(tmp_path):
     """Exact navigation scores the graph's own SQ8 codes in place (Graph.exact_search). It held a float32 copy of
     the centroids and OpenBLAS's buffers before (7.4 MiB on MiniLM's 3,550 x 384): measured here as the process's
@@ -137,9 +129,9 @@ def test_exact_navigation_holds_no_copy_of_the_centroids(tmp_path):
     p = SearchParams().with_overrides(nprobe=64)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the peak resident set starts again from here
-    before = _status_bytes("VmRSS")
+    before = status_bytes("VmRSS")
     out = [nav.nearest(q[lo:lo + 64], p) for lo in range(0, 1024, 64)]
-    grown = _status_bytes("VmHWM") - before
+    grown = status_bytes("VmHWM") - before
     copy = cents.nbytes  # what a float32 copy of the centroids takes: 8 MiB
     assert grown < copy / 4, f"navigation grew the peak resident set by {grown / 2**20:.2f} MiB"
     assert nav.memory_bytes() == graph.memory_bytes() < copy / 2  # codes (a quarter), links and norms
