@@ -2,7 +2,10 @@
 copy + numpy matrix product it replaced (not a test).
 
 Per set of centroids: microseconds a query to find the m nearest lists by
-- `exact`: Graph.exact_search over the graph's SQ8 codes in place (what queries do now);
+- `exact`: Graph.exact_search over the graph's SQ8 codes in place, screened by integer products first (what
+  queries do now; the kernels' build, native.dot_isa(), is in the report);
+- `full`: the same without the screen (exact_search(screen=False): every node's product in floats, stop 32's
+  way);
 - `numpy`: tiers.nearest_exhaustive over a float32 copy of the decoded centroids (stop 30's way; OpenBLAS
   picks its own threads, whatever the engine's);
 - `graph`: Graph.search with beam m (graph_ef 0, the default);
@@ -26,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fusionrag.native import Graph
+from fusionrag.native import Graph, dot_isa
 from fusionrag.retriever.tiers import exhaustive_is_cheap, nearest_exhaustive
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -51,8 +54,8 @@ def peak(graph_path: str, queries_path: str, method: str, m: int) -> dict:
     rss = status_kib("VmRSS")
     copy = c_sq = None
     for lo in range(0, len(q), 64):
-        if method == "exact":
-            graph.exact_search(q[lo:lo + 64], m, 2)
+        if method in ("exact", "full"):
+            graph.exact_search(q[lo:lo + 64], m, 2, method == "exact")
         elif method == "graph":
             graph.search(q[lo:lo + 64], m, m, 2)
         else:
@@ -77,6 +80,7 @@ def measure(name: str, graph_path: Path, q: np.ndarray, m: int, repeat: int, tmp
     m = min(m, graph.size)
     runs = {
         "exact": lambda threads: (lambda x: graph.exact_search(x, m, threads)),
+        "full": lambda threads: (lambda x: graph.exact_search(x, m, threads, False)),
         "numpy": lambda threads: (lambda x: nearest_exhaustive(x, copy, m, c_sq)),
         "graph": lambda threads: (lambda x: graph.search(x, m, m, threads)),
     }
@@ -90,7 +94,9 @@ def measure(name: str, graph_path: Path, q: np.ndarray, m: int, repeat: int, tmp
                 best[method] = min(best[method], timed(make(threads), qs, batch))
         out["us_per_query"][label] = {k: round(v, 1) for k, v in best.items()}
     ids, _ = graph.exact_search(q, m, 2)
+    full, _ = graph.exact_search(q, m, 2, False)
     ref, _ = nearest_exhaustive(q, copy, m, c_sq)
+    out["exact_equals_full"] = round(float(np.mean(ids == full)), 5)
     approx, _ = graph.search(q, m, m, 2)
     out["exact_equals_numpy"] = round(float(np.mean(ids == ref)), 5)
     out["graph_overlap_with_exact"] = round(float(np.mean([len(np.intersect1d(a, b)) / m
@@ -111,19 +117,21 @@ def report(rows: list[dict], meta: dict) -> str:
     lines = ["# Exact navigation: SQ8 codes in place against a float copy and numpy, and against the graph",
              "", f"`{meta['command']}`, {meta['when']}, {meta['machine']}, load average {meta['loadavg']}.", "",
              "Microseconds a query to find the m nearest lists (best of the repeats, methods alternating); "
-             "`numpy` runs OpenBLAS on its own threads whatever the column says. Peak added: KiB the peak resident "
-             "set grows while 1,024 queries navigate in batches of 64 (fresh process each).", "",
-             "| set | centroids x dim | m | cheap? | batch 64, 1 thread: exact / numpy / graph | batch 64, 2 threads "
-             "| one query, 1 thread | peak added KiB: exact / numpy / graph | float copy KiB | exact = numpy "
-             "| graph overlap |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "`exact` is screened by integer products (kernels: " + meta["dot_isa"] + "), `full` is not; `numpy` "
+             "runs OpenBLAS on its own threads whatever the column says. Peak added: KiB the peak resident "
+             "set grows while 1,024 queries navigate in batches of 64 (fresh process each). `exact = full`, "
+             "`exact = numpy`: the share of list ids alike, place by place.", "",
+             "| set | centroids x dim | m | cheap? | batch 64, 1 thread: exact / full / numpy / graph "
+             "| batch 64, 2 threads | one query, 1 thread | peak added KiB: exact / full / numpy / graph "
+             "| float copy KiB | exact = full | exact = numpy | graph overlap |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         u = r["us_per_query"]
-        cell = lambda d: f"{d['exact']} / {d['numpy']} / {d['graph']}"  # noqa: E731
-        pk = r["peak_added_kib"]
+        cell = lambda d: f"{d['exact']} / {d['full']} / {d['numpy']} / {d['graph']}"  # noqa: E731
         cheap = "yes" if r["exhaustive_is_cheap"] else "no"
         lines.append(f"| {r['set']} | {r['centroids']} x {r['dim']} | {r['m']} | {cheap} "
                      f"| {cell(u['batch64_1t'])} | {cell(u['batch64_2t'])} | {cell(u['single_1t'])} "
-                     f"| {pk['exact']} / {pk['numpy']} / {pk['graph']} | {r['float_copy_kib']} "
+                     f"| {cell(r['peak_added_kib'])} | {r['float_copy_kib']} | {r['exact_equals_full']} "
                      f"| {r['exact_equals_numpy']} | {r['graph_overlap_with_exact']} |")
     return "\n".join(lines) + "\n"
 
@@ -147,7 +155,7 @@ def main():
     meta = {"command": "python bench/exact_navigation.py " + " ".join(sys.argv[1:]),
             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-            "loadavg": open("/proc/loadavg").read().split()[0]}
+            "loadavg": open("/proc/loadavg").read().split()[0], "dot_isa": dot_isa()}
     sets = []
     for name in args.sets:
         index = work / "idx" / name / "fusionrag"

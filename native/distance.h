@@ -71,6 +71,14 @@ float sq8_l2(const float* qc, const float* s, const uint8_t* c, size_t d);
 // time (in L1) with two rows in registers, bytes widened to floats in registers.
 void dot_rows(const float* q, size_t nq, const uint8_t* x, size_t n, size_t d, float* dots);
 void dot_rows(const float* q, size_t nq, const float* x, size_t n, size_t d, float* dots);
+// One query (d floats) with chosen rows: dots[j] = q . x_rows[j].
+void dot_some(const float* q, const uint8_t* x, const uint32_t* rows, size_t count, size_t d, float* dots);
+// Integer inner products of nq queries of signed 7-bit integers (|q_i| <= 63; rows of round_up(d, 32), zero
+// past d) with n rows x of d bytes: dots[r * n + j] = q_r . x_j, exactly.
+void idot_rows(const int8_t* q, size_t nq, const uint8_t* x, size_t n, size_t d, int32_t* dots);
+constexpr size_t kIdotPad = 32;  // idot_rows' query rows are padded to a multiple of it
+// Which build of the kernels this CPU runs: baseline, avx2, avxvnni or avx512vnni.
+const char* dot_isa();
 constexpr size_t kDotQueries = 8;  // exact_search's queries per task: a pass over the rows serves them all
 
 // Product quantization: 256 centroids per sub-space, one uint8 code.

@@ -182,7 +182,7 @@ def sq8_step(x):
 
 def saved(tmp_path, x, metric="l2", **kw):
     g = Graph(x.shape[1], metric, seed=1, **kw)
-    g.add(x)
+    g.add(x, num_threads=1)  # the same graph every run (a build on several threads links in its own order)
     path = tmp_path / "graph.bin"
     g.save(path)
     return g, path
@@ -342,29 +342,96 @@ def test_exact_search_orders_ties_by_id(tmp_path):
             np.testing.assert_array_equal(np.sort(full[row]), np.arange(1203))
 
 
-def test_exact_search_baseline_build_agrees(tmp_path):
-    """The baseline build (FUSIONRAG_DOT_BASELINE=1: no AVX2, vectors as SSE pairs) answers as the one this CPU
-    picks: both against brute force, in a process of its own (the build is chosen once per process)."""
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _isa_given(asked: str) -> str:
+    """The build native.dot_isa() must report when FUSIONRAG_DOT_ISA asks for one: it where this CPU has it,
+    else the best it has (an x86-64 CPU's flags in /proc/cpuinfo, read independently of the code's cpuid)."""
+    import platform
+    flags = _cpu_flags() if platform.machine() == "x86_64" else set()
+    if asked == "baseline" or not {"avx2", "fma"} <= flags:
+        return "baseline"
+    vnni, vnni512 = "avx_vnni" in flags, {"avx512_vnni", "avx512vl"} <= flags
+    if asked == "avx2":
+        return "avx2"
+    if vnni and asked != "avx512vnni":
+        return "avxvnni"
+    return "avx512vnni" if vnni512 else "avx2"
+
+
+@pytest.mark.parametrize("isa", ["baseline", "avx2", "avxvnni", "avx512vnni"])
+def test_exact_search_every_build_agrees(tmp_path, isa):
+    """Each build of the kernels (FUSIONRAG_DOT_ISA: the baseline's SSE pairs and scalar integers, AVX2's
+    vpmaddubsw, the two VNNIs' vpdpbusd), in a process of its own (the build is chosen once per process):
+    screened and not, float and SQ8, dimensions with and without a tail past 32 bytes, against brute force."""
     rng = np.random.default_rng(5)
-    x = clustered(rng, 700, 100, clusters=30)
-    _, path = saved(tmp_path, x, M=8, ef_construction=32)
-    q = clustered(rng, 21, 100, clusters=30)
-    np.save(tmp_path / "q.npy", q)
-    script = ("import sys, numpy as np; from fusionrag.native import Graph\n"
-              "p = sys.argv[1]; q = np.load(p + '/q.npy')\n"
-              "for quantize in (False, True):\n"
-              "    ids, d = Graph.load(p + '/graph.bin', quantize=quantize).exact_search(q, 50, 2)\n"
-              "    np.save(p + f'/ids{int(quantize)}.npy', ids); np.save(p + f'/d{int(quantize)}.npy', d)\n")
-    env = dict(os.environ, FUSIONRAG_DOT_BASELINE="1")
-    subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True, env=env, timeout=120)
-    for quantize in (False, True):
-        g = Graph.load(path, quantize=quantize)
-        truth = _true_distances(g.vectors(), q, "l2")
-        ids, dists = np.load(tmp_path / f"ids{int(quantize)}.npy"), np.load(tmp_path / f"d{int(quantize)}.npy")
-        _check_exact(ids, dists, truth, 50)
-        mine, my_d = g.exact_search(q, 50, 2)
-        _check_exact(mine, my_d, truth, 50)
-        np.testing.assert_allclose(dists, my_d, rtol=1e-5)
+    q = {}
+    for dim in (100, 64):
+        x = clustered(rng, 700, dim, clusters=30)
+        (tmp_path / str(dim)).mkdir()
+        saved(tmp_path / str(dim), x, M=8, ef_construction=32)
+        q[dim] = clustered(rng, 21, dim, clusters=30)
+        np.save(tmp_path / str(dim) / "q.npy", q[dim])
+    script = ("import sys, numpy as np; from fusionrag.native import Graph, dot_isa\n"
+              "print(dot_isa())\n"
+              "for dim in (100, 64):\n"
+              "    p = f'{sys.argv[1]}/{dim}'; q = np.load(p + '/q.npy')\n"
+              "    for quantize in (False, True):\n"
+              "        g = Graph.load(p + '/graph.bin', quantize=quantize)\n"
+              "        for k in (5, 50, 400):\n"
+              "            for screen in (True, False):\n"
+              "                ids, d = g.exact_search(q, k, 2, screen)\n"
+              "                np.save(p + f'/ids{int(quantize)}{k}{int(screen)}.npy', ids)\n"
+              "                np.save(p + f'/d{int(quantize)}{k}{int(screen)}.npy', d)\n")
+    env = dict(os.environ, FUSIONRAG_DOT_ISA=isa)
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True, env=env, timeout=120,
+                         capture_output=True, text=True)
+    assert run.stdout.split()[0] == _isa_given(isa)
+    for dim in (100, 64):
+        for quantize in (False, True):
+            g = Graph.load(tmp_path / str(dim) / "graph.bin", quantize=quantize)
+            truth = _true_distances(g.vectors(), q[dim], "l2")
+            for k in (5, 50, 400):
+                for screen in (1, 0):
+                    ids = np.load(tmp_path / str(dim) / f"ids{int(quantize)}{k}{screen}.npy")
+                    dists = np.load(tmp_path / str(dim) / f"d{int(quantize)}{k}{screen}.npy")
+                    _check_exact(ids, dists, truth, k)
+
+
+@pytest.mark.parametrize("metric", ["l2", "ip"])
+@pytest.mark.parametrize("dim", [64, 100, 384, 785])
+def test_screen_keeps_every_node_within_rounding_of_the_kept(tmp_path, metric, dim):
+    """The screen's worst case: nodes on a sphere around the queries (l2), or at one inner product with them
+    (ip), their distances apart by about the error of the integer estimates, so the screen rules out fewer. It
+    must still keep every node that can be among the k, ties by id: the answer is brute force's, screened or
+    not, with k from 1 to a quarter of the nodes (past that, no screen), rows of 64 codes and more (below, no
+    screen), with and without a tail past 32 bytes."""
+    rng = np.random.default_rng(dim)
+    n = 1200
+    u = rng.normal(size=(n, dim))
+    u /= np.linalg.norm(u, axis=1, keepdims=True)
+    center = rng.normal(size=dim)
+    center /= np.linalg.norm(center)  # terms of about 1: float32 rounding stays within _check_exact's 1e-5
+    x = (center + u).astype(np.float32)
+    _, path = saved(tmp_path, x, metric, M=8, ef_construction=32)
+    g = Graph.load(path, quantize=True)
+    if metric == "l2":  # near the centre: every node at a distance of about 1
+        q = (center + 1e-3 * rng.normal(size=(9, dim))).astype(np.float32)
+    else:  # along the centre: every node at about the same inner product
+        q = (center + 1e-3 * rng.normal(size=(9, dim))).astype(np.float32)
+    truth = _true_distances(g.vectors(), q, metric)
+    for k in (1, 7, 64, n // 4):
+        screened, sd = g.exact_search(q, k, 2)
+        _check_exact(screened, sd, truth, k)
+        full, fd = g.exact_search(q, k, 2, False)
+        _check_exact(full, fd, truth, k)
+        np.testing.assert_allclose(sd, fd, rtol=1e-5, atol=1e-6 * np.abs(truth).max())
 
 
 def test_exact_search_rejects_bad_arguments_and_counts_its_norms(tmp_path):
@@ -376,9 +443,18 @@ def test_exact_search_rejects_bad_arguments_and_counts_its_norms(tmp_path):
         g.exact_search(np.zeros((2, 15), np.float32), 3)
     with pytest.raises(ValueError, match="k must be positive"):
         g.exact_search(np.zeros((2, 16), np.float32), 0)
+    with pytest.raises(ValueError, match="queries must be finite"):
+        g.exact_search(np.full((2, 16), np.nan, np.float32), 3)
     before = g.memory_bytes()
     g.exact_search(x[:2], 3)
     assert g.memory_bytes() - before == 300 * 4  # ||x_j||^2 of each node, kept for the next call
+    _, wide = saved(tmp_path, clustered(rng, 300, 64, clusters=10), M=8, ef_construction=32)
+    g = Graph.load(wide, quantize=True)
+    before = g.memory_bytes()
+    g.exact_search(x[:2].repeat(4, axis=1), 3, screen=False)
+    assert g.memory_bytes() - before == 300 * 4
+    g.exact_search(x[:2].repeat(4, axis=1), 3)
+    assert g.memory_bytes() - before == 2 * 300 * 4  # and the screen's ||c_j - 128|| (64 codes a row and more)
     empty = tmp_path / "empty.bin"
     Graph(16).save(empty)
     ids, dists = Graph.load(empty, quantize=True).exact_search(np.zeros((2, 16), np.float32), 3)
