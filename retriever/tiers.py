@@ -40,11 +40,14 @@ def exhaustive_is_cheap(centroids: int, dim: int) -> bool:
     graph's SQ8 codes) rather than by the graph. Exact is what the graph approximates, and a graph over the
     centroids of tightly clustered data can miss a query's cluster however long it searches (Gaussian
     clusters of 100 in 128-d, 5,208 centroids: 14% of them out of reach at ef 256; 200k such vectors
-    reached recall@10 0.93 at nprobe 256 by the graph, 0.998 exactly). Where it costs about what the graph
-    does at the default nprobe (256; bench/results/exact_navigation.md, 2 threads, batches of 64, us a
-    query): 58 at 5,208 x 128 (the graph: 167), 89 at MiniLM's 3,550 x 384 (195), 141 at 20k x 128 (230),
-    146 at 32,768 x 96 (208); one query alone, 122 (216) to 435 (351). Not beyond: 352 at 105,882 x 64 where
-    the graph took 189 (the scan over every centroid is what grows)."""
+    reached recall@10 0.93 at nprobe 256 by the graph, 0.998 exactly). Where it costs no more than the graph
+    does at the default nprobe (256; bench/results/exact_navigation.md, 2026-11-27 10:57, screened by integer
+    products, 2 threads, batches of 64, us a query): 31 at 5,208 x 128 (the graph: 161), 61 at MiniLM's 3,550 x
+    384 (177), 59 at 20k x 128 (209), 76 at 32,768 x 96 (216); one query alone, 58 (217) to 320 (716); at
+    nprobe 64 about what the graph costs or less (87 against 93 at 32,768 x 96). Not beyond: 213 at 105,882 x
+    64 where the graph took 181 (the passes over every centroid are what grows). Fashion-MNIST's 5,954 x 784
+    (4.7M floats) would now qualify on cost (67 against 139), but its builds assigned rows by the graph, so the
+    limit stays until a build records which way its queries navigate."""
     return centroids <= EXHAUSTIVE_MAX_CENTROIDS and centroids * dim <= EXHAUSTIVE_MAX_FLOATS
 
 
