@@ -231,6 +231,23 @@ def test_sq8_search_agrees_with_float(tmp_path, dim, metric, ranges):
         assert np.median(np.abs(dists - exact) / np.abs(exact)) <= 0.06
 
 
+@pytest.mark.parametrize("metric", ["l2", "ip"])
+@pytest.mark.parametrize("dim", [7, 13, 50, 100, 385])
+def test_sq8_search_distances_are_those_of_the_decoded_vectors(tmp_path, metric, dim):
+    """The SQ8 distance kernels, through the graph's search, at dimensions that leave every kind of tail past
+    their vectors of 32 and 16 lanes and 8 (GloVe's 50): each distance returned is the decoded vector's."""
+    rng = np.random.default_rng(dim)
+    x = clustered(rng, 600, dim, clusters=20)
+    _, path = saved(tmp_path, x, metric, M=8, ef_construction=32)
+    g = Graph.load(path, quantize=True)
+    q = clustered(rng, 9, dim, clusters=20)
+    ids, dists = g.search(q, 20, 64)
+    v = g.vectors().astype(np.float64)[ids]  # (9, 20, dim)
+    q64 = q.astype(np.float64)[:, None, :]
+    want = ((q64 - v) ** 2).sum(-1) if metric == "l2" else -(q64 * v).sum(-1)
+    np.testing.assert_allclose(dists, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
 def test_sq8_graph_is_read_only_and_smaller(tmp_path):
     rng = np.random.default_rng(3)
     x = clustered(rng, 3000, 40)
