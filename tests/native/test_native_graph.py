@@ -1,6 +1,8 @@
 """The HNSW navigation graph over posting-list centroids, against brute force."""
 
 import os
+import platform
+import shutil
 import subprocess
 import sys
 
@@ -367,12 +369,23 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def _builds_x86_kernels() -> bool:
+    """Whether the compiler that built the extension (CMake's default, c++ on the PATH) is a GCC of 11 or later,
+    the condition for dot_rows.cpp's AVX2 and VNNI builds."""
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if not cxx:
+        return False
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    major = subprocess.run([cxx, "-dumpversion"], capture_output=True, text=True).stdout.strip().split(".")[0]
+    return "clang" not in version.lower() and major.isdigit() and int(major) >= 11
+
+
 def _isa_given(asked: str) -> str:
     """The build native.dot_isa() must report when FUSIONRAG_DOT_ISA asks for one: it where this CPU has it,
-    else the best it has (an x86-64 CPU's flags in /proc/cpuinfo, read independently of the code's cpuid)."""
-    import platform
+    else the best it has (an x86-64 CPU's flags in /proc/cpuinfo, read independently of the code's cpuid);
+    the baseline alone where the compiler builds no x86 kernels."""
     flags = _cpu_flags() if platform.machine() == "x86_64" else set()
-    if asked == "baseline" or not {"avx2", "fma"} <= flags:
+    if asked == "baseline" or not {"avx2", "fma"} <= flags or not _builds_x86_kernels():
         return "baseline"
     vnni, vnni512 = "avx_vnni" in flags, {"avx512_vnni", "avx512vl"} <= flags
     if asked == "avx2":
