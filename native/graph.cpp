@@ -130,6 +130,21 @@ inline float cut_at(const float* x, size_t n, size_t kept, std::vector<float>& m
   return hi;
 }
 
+// Moves the candidates at or below cut_at(dist, count, kept) to the front, in order: dist in place, their ids
+// (id(j), which may read band[j]: the move goes forward) into band. Returns how many: at least kept.
+template <class Id>
+inline size_t keep_below_cut(float* dist, Id id, size_t count, size_t kept, std::vector<uint32_t>& band,
+                             std::vector<float>& mins) {
+  const float cut = cut_at(dist, count, kept, mins);
+  size_t left = 0;
+  for (size_t j = 0; j < count; ++j) {
+    band[left] = id(j);
+    dist[left] = dist[j];
+    left += dist[j] <= cut;
+  }
+  return left;
+}
+
 // A block of exact_search's queries: q.lo (SQ8) and ||q||^2.
 struct Mapped {
   float base[kDotQueries] = {}, qn[kDotQueries] = {};
@@ -401,19 +416,13 @@ class Graph {
         dot_rows(mapped, bq, vectors_.data(), n, dim_, s.dots.data());
       s.best.resize(kept);
       s.band.resize(n);
-      s.ups.resize(n);
       for (size_t r = 0; r < bq; ++r) {
         float* dist = s.dots.data() + r * n;  // in place of the inner products
         for (size_t j = 0; j < n; ++j) dist[j] = m.distance(r, dist[j], norms ? norms[j] : 0.0f, norms != nullptr);
-        const float cut = kept ? cut_at(dist, n, kept, s.mins) : 0.0f;
-        size_t through = 0;
-        for (size_t j = 0; j < n; ++j) {
-          s.band[through] = uint32_t(j);
-          s.ups[through] = dist[j];
-          through += dist[j] <= cut;
-        }
+        const size_t through = kept ? keep_below_cut(dist, [](size_t j) { return uint32_t(j); }, n, kept, s.band,
+                                                     s.mins) : 0;
         const uint32_t* band = s.band.data();
-        keep_nearest(s.ups.data(), [band](size_t j) { return band[j]; }, through, kept, s.best.data());
+        keep_nearest(dist, [band](size_t j) { return band[j]; }, through, kept, s.best.data());
         std::sort_heap(s.best.begin(), s.best.end(), by_id);
         put_row(s.best, 0, kept, k, ids + (q0 + r) * k, dists + (q0 + r) * k);
       }
@@ -823,17 +832,9 @@ class Graph {
       dot_some(mapped + r * dim_, codes_.data(), s.band.data(), through, dim_, exact);
       for (size_t j = 0; j < through; ++j)
         exact[j] = m.distance(r, exact[j], l2 ? norms[s.band[j]] : 0.0f, l2);
-      if (through > kept + kept / 4) {  // fewer into the heap: the nodes at or below a cut of the exact distances
-        const float near = cut_at(exact, through, kept, s.mins);
-        size_t left = 0;
-        for (size_t j = 0; j < through; ++j) {
-          s.band[left] = s.band[j];
-          exact[left] = exact[j];
-          left += exact[j] <= near;
-        }
-        through = left;
-      }
       const uint32_t* band = s.band.data();
+      if (through > kept + kept / 4)  // fewer into the heap: the nodes at or below a cut of the exact distances
+        through = keep_below_cut(exact, [band](size_t j) { return band[j]; }, through, kept, s.band, s.mins);
       keep_nearest(exact, [band](size_t j) { return band[j]; }, through, kept, s.best.data() + r * kept);
     }
   }
