@@ -10,6 +10,7 @@ as in bench/run.py. Streams come from the report half of the set's queries (benc
 
     python bench/service_before_after.py [--datasets glove minilm] [--streams uniform skewed] [--rounds 2]
                                          [--variants blocks after]   # the record cache off, then on
+                                         [--variants one-job-pool after]   # the native pool's one job at a time
 
 Results: bench/results/service_before_after.json and .md.
 """
@@ -39,7 +40,9 @@ VARIANTS = {  # name -> `fusionrag serve` flags
     "before": ["--buffer-policy", "clock", "--no-pipeline", "--record-cache", "off"],
     "after": [],  # the defaults: --buffer-policy auto --record-cache auto --pipeline
     "blocks": ["--record-cache", "off"],  # the defaults but the buffer holding blocks only
+    "one-job-pool": [],  # the defaults on the native pool as it was before 2026-11-27: one job at a time
 }
+VARIANT_ENV = {"one-job-pool": {"FUSIONRAG_POOL_JOBS": "one"}}  # name -> the service's added environment
 
 
 def build_collection(work: Path, name: str, stream: str, queries: int, data_dir: Path, k: int) -> Path:
@@ -61,11 +64,12 @@ def build_collection(work: Path, name: str, stream: str, queries: int, data_dir:
 
 
 def one_run(data_dir: Path, qs_file: Path, out: Path, flags: list[str], buffer_mb: float, users: int,
-            seconds: float) -> dict:
+            seconds: float, env: dict | None = None) -> dict:
     from fusionrag.loadtests.runner import start_service
 
     out.mkdir(parents=True, exist_ok=True)
-    service, url = start_service(data_dir, out, ["--buffer-mb", f"{buffer_mb:.3f}", "--filter-tier", "cpu", *flags])
+    service, url = start_service(data_dir, out, ["--buffer-mb", f"{buffer_mb:.3f}", "--filter-tier", "cpu", *flags],
+                                 env)
     try:
         service.wait_http(url + "/readyz", 300)
         p = subprocess.run([sys.executable, "-m", "fusionrag.loadtests", "--url", url, "--vector-query-set",
@@ -101,6 +105,7 @@ def markdown(res: dict) -> str:
              f"{a['seconds']} s per run, k=10, one query per request; variants alternated A B B A, {a['rounds']} "
              "round(s); medians over a variant's runs. "
              + "; ".join(f"**{v}**: " + (f"`{' '.join(VARIANTS[v])}`" if VARIANTS[v] else "the defaults")
+                         + "".join(f" with `{k}={x}`" for k, x in VARIANT_ENV.get(v, {}).items())
                          for v in res.get("variants", ["before", "after"]))
              + ". Queries: the stream drawn from the report half of the set's queries (bench/run.py --streams).", "",
              "| set | stream | variant | req/s | p50 ms | p99 ms | page-buffer hit ratio | SSD pages/query | "
@@ -154,7 +159,7 @@ def main() -> None:
                 order = [v for _ in range(args.rounds) for v in (a, b, b, a)]
                 for i, v in enumerate(order):
                     r = one_run(data_dir, qs_file, scratch / f"{name}-{stream}" / f"run{i}-{v}", VARIANTS[v],
-                                buffer_mb, args.users, args.seconds)
+                                buffer_mb, args.users, args.seconds, VARIANT_ENV.get(v))
                     runs[v].append(r)
                     print(f"{time.strftime('%H:%M:%S')} {name}:{stream} {v}: {json.dumps(r)}", flush=True)
                 key = f"{name}:{stream}"

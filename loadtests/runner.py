@@ -93,12 +93,14 @@ class Child:
         return self.proc.returncode
 
 
-def start_service(data_dir: Path, out: Path, server_args: list[str]) -> tuple[Child, str]:
-    """Start `fusionrag serve` on the data directory; wait for it with `wait_http(url + "/readyz")`."""
+def start_service(data_dir: Path, out: Path, server_args: list[str], env: dict | None = None) -> tuple[Child, str]:
+    """Start `fusionrag serve` on the data directory (`env` adds to this process's environment); wait for it with
+    `wait_http(url + "/readyz")`."""
     port = free_port()
     argv = [sys.executable, "-m", "fusionrag", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--data-dir", str(data_dir), "--no-demo", "--log-level", "warning", *server_args]
-    return Child("the retrieval service", argv, out / "service.log"), f"http://127.0.0.1:{port}"
+    return (Child("the retrieval service", argv, out / "service.log", env={**os.environ, **env} if env else None),
+            f"http://127.0.0.1:{port}")
 
 
 # What vLLM's CPU build needs to start offline beside the tests and benchmarks: a small KV cache, no hub.

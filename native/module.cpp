@@ -1,5 +1,12 @@
 // The fusionrag native extension: one module, one binding function per part.
 #include <nanobind/nanobind.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <stdexcept>
+#include <string>
+
+#include "threadpool.h"
 
 namespace nb = nanobind;
 
@@ -14,4 +21,22 @@ NB_MODULE(_native, m) {
   bind_scan(m);
   bind_pagefile(m);
   bind_rerank(m);
+
+  // For tests of the pool itself: a job whose items wait on something the test controls.
+  m.def(
+      "_pool_read_bytes",
+      [](int fd, size_t items, int num_threads) {
+        nb::gil_scoped_release nogil;
+        fusionrag::ThreadPool::instance().parallel_for(
+            items, fusionrag::pool_threads(num_threads), [&](size_t, size_t) {
+              char c;
+              ssize_t r;
+              while ((r = ::read(fd, &c, 1)) < 0 && errno == EINTR) {
+              }
+              if (r != 1) throw std::runtime_error("_pool_read_bytes: read gave " + std::to_string(r));
+            });
+      },
+      nb::arg("fd"), nb::arg("items"), nb::arg("num_threads") = 0,
+      "Test hook: a pool job of `items` items on up to num_threads threads, each item reading one byte from fd "
+      "(blocking until it is there).");
 }

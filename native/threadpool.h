@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstddef>
 #include <exception>
 #include <functional>
@@ -28,25 +29,38 @@ class ThreadPool {
   // included); worker is in [0, threads) and lets fn use per-thread scratch.
   // Items are handed out one at a time, so uneven items balance themselves.
   // The first exception thrown by fn is rethrown here after all work stops.
+  //
+  // Calls from several threads at once run at once: each call's job joins a list,
+  // the pool's workers help whichever listed jobs still want helpers (oldest first),
+  // and the caller works on its own job until every item is handed out, so a call
+  // never waits for another's. That is what lets a pipeline's stages overlap: a
+  // re-rank whose threads wait on the SSD leaves the cores to the graph search and
+  // the PQ scan of the next batches (bench/results/pool_overlap.md), where one job
+  // at a time had made a stage that waits hold every core. FUSIONRAG_POOL_JOBS=one
+  // (read once, at the pool's start) brings that back, for benchmarks to compare.
   void parallel_for(size_t n, size_t threads, const std::function<void(size_t, size_t)>& fn) {
     threads = std::max<size_t>(1, std::min({threads, n, size()}));
     if (threads <= 1) {
       for (size_t i = 0; i < n; ++i) fn(i, 0);
       return;
     }
-    std::lock_guard<std::mutex> one_job(job_mutex_);  // nested or concurrent calls queue up
-    Job job{fn, n, {0}, {0}, nullptr, {}};
+    std::unique_lock<std::mutex> one_job(one_job_mutex_, std::defer_lock);
+    if (one_job_) one_job.lock();
+    Job job{fn, n, threads - 1};
     {
       std::lock_guard<std::mutex> lk(mutex_);
-      job_ = &job;
-      helpers_wanted_ = threads - 1;
-      ++generation_;
+      jobs_.push_back(&job);
     }
-    cv_.notify_all();
+    if (threads - 1 >= workers_.size()) {
+      cv_.notify_all();
+    } else {
+      for (size_t i = 0; i + 1 < threads; ++i) cv_.notify_one();
+    }
     run(job, 0);
     std::unique_lock<std::mutex> lk(mutex_);
-    done_cv_.wait(lk, [&] { return helpers_wanted_ == 0 && helpers_running_ == 0; });
-    job_ = nullptr;
+    jobs_.erase(std::find(jobs_.begin(), jobs_.end(), &job));  // no helper joins it from here on
+    done_cv_.wait(lk, [&] { return job.running == 0; });
+    lk.unlock();
     if (job.error) std::rethrow_exception(job.error);
   }
 
@@ -61,15 +75,25 @@ class ThreadPool {
 
  private:
   struct Job {
+    Job(const std::function<void(size_t, size_t)>& f, size_t items, size_t helpers)
+        : fn(f), n(items), wanted(helpers) {}
     const std::function<void(size_t, size_t)>& fn;
-    size_t n;
-    std::atomic<size_t> next;
-    std::atomic<size_t> next_worker;
+    const size_t n;
+    std::atomic<size_t> next{0};
+    size_t wanted;       // helpers it may still take (under the pool's mutex)
+    size_t running = 0;  // helpers working on it (under the pool's mutex)
+    size_t joined = 0;   // helpers that took it: their worker numbers are 1..joined
     std::exception_ptr error;
     std::mutex error_mutex;
   };
 
   explicit ThreadPool(size_t n) {
+    const char* jobs = std::getenv("FUSIONRAG_POOL_JOBS");
+    if (jobs && std::string(jobs) == "one") {
+      one_job_ = true;
+    } else if (jobs && *jobs && std::string(jobs) != "many") {
+      throw std::invalid_argument(std::string("FUSIONRAG_POOL_JOBS must be 'one' or 'many', got '") + jobs + "'");
+    }
     for (size_t i = 1; i < n; ++i) workers_.emplace_back([this] { loop(); });
   }
 
@@ -85,36 +109,39 @@ class ThreadPool {
     }
   }
 
+  // The oldest listed job that wants a helper and has items left; under mutex_.
+  Job* wanting() const {
+    for (Job* j : jobs_)
+      if (j->wanted > 0 && j->next.load(std::memory_order_relaxed) < j->n) return j;
+    return nullptr;
+  }
+
   void loop() {
-    size_t seen = 0;
     for (;;) {
       Job* job;
       size_t worker;
       {
         std::unique_lock<std::mutex> lk(mutex_);
-        cv_.wait(lk, [&] { return stop_ || (generation_ != seen && helpers_wanted_ > 0); });
+        cv_.wait(lk, [&] { return stop_ || (job = wanting()) != nullptr; });
         if (stop_) return;
-        seen = generation_;
-        --helpers_wanted_;
-        ++helpers_running_;
-        job = job_;
+        --job->wanted;
+        ++job->running;
+        worker = ++job->joined;
       }
-      worker = job->next_worker.fetch_add(1) + 1;
       run(*job, worker);
       {
         std::lock_guard<std::mutex> lk(mutex_);
-        --helpers_running_;
+        --job->running;  // the caller may return (and the job go) once this is 0
       }
       done_cv_.notify_all();
     }
   }
 
   std::vector<std::thread> workers_;
-  std::mutex job_mutex_, mutex_;
+  std::mutex mutex_, one_job_mutex_;
   std::condition_variable cv_, done_cv_;
-  Job* job_ = nullptr;
-  size_t generation_ = 0, helpers_wanted_ = 0, helpers_running_ = 0;
-  bool stop_ = false;
+  std::vector<Job*> jobs_;
+  bool stop_ = false, one_job_ = false;
 };
 
 // An entry point's num_threads: 0 means every worker of the pool.
