@@ -971,6 +971,9 @@ class ShardedIndex(ManifestShape):
         self.alive = np.ones(self.n_shards, dtype=bool)
         self._write_lock = threading.RLock()  # writes one at a time: the router's maps follow the shards' logs
         self.fresh_owner: dict[int, tuple[int, ...]] = {}  # id -> the shards whose fresh tier holds it
+        # How many fresh ids each set of owners holds (under _lock): what a search asks when a shard is down, read
+        # without the write lock and without a pass over every fresh id.
+        self.fresh_groups: dict[tuple[int, ...], int] = {}
         self.base_gone: set[int] = set()  # built ids deleted or replaced (tombstoned on their shards)
         self.named: dict[str, int] = {}  # a document's name -> its id, for names that are not an id (sharded_docs)
         # Upserts each replica of each list logged (column j: list_shards[:, j]): the one with fewer missed some.
@@ -1163,14 +1166,13 @@ class ShardedIndex(ManifestShape):
         return calls
 
     def _fresh_unreachable(self) -> list[int]:
-        """Down shards holding fresh rows no live shard also holds."""
-        if self.alive.all() or not self.fresh_owner:
+        """Down shards holding fresh rows no live shard also holds. Searches call it while writes change the
+        fresh rows' owners: it reads the groups of owners under _lock, which writes take to change them."""
+        if self.alive.all():
             return []
-        out = set()
-        for owners in self.fresh_owner.values():
-            if not any(self.alive[o] for o in owners):
-                out.update(owners)
-        return sorted(out)
+        with self._lock:
+            groups, alive = list(self.fresh_groups), self.alive.copy()
+        return sorted({o for owners in groups if not alive[list(owners)].any() for o in owners})
 
     def search(self, queries, k: int = 10, params: SearchParams | None = None, probe: str | None = None,
                probe_scale: float | None = None, partial: bool = True, reads: ShardReads | None = None,
@@ -1308,12 +1310,23 @@ class ShardedIndex(ManifestShape):
                                    f"{', '.join(part_name(s) for s in down)}, which are down")
 
     def _set_fresh(self, i: int, owners: tuple[int, ...]) -> None:
-        for o in self.fresh_owner.pop(i, ()):
-            self.fresh_count[o] -= 1
-        if owners:
-            self.fresh_owner[i] = owners
-            for o in owners:
-                self.fresh_count[o] += 1
+        """Id i's fresh owners are now these shards (none: it is in no fresh tier); under the write lock."""
+        with self._lock:
+            old = self.fresh_owner.pop(i, ())
+            if old:
+                for o in old:
+                    self.fresh_count[o] -= 1
+                left = self.fresh_groups[old] - 1
+                if left:
+                    self.fresh_groups[old] = left
+                else:
+                    del self.fresh_groups[old]
+            if owners:
+                owners = tuple(owners)
+                self.fresh_owner[i] = owners
+                for o in owners:
+                    self.fresh_count[o] += 1
+                self.fresh_groups[owners] = self.fresh_groups.get(owners, 0) + 1
 
     def upsert(self, ids, vectors, docs: list | None = None) -> int:
         """Insert or replace vectors by id (non-negative integers below 2**62; the built vectors' ids are their
@@ -1419,7 +1432,8 @@ class ShardedIndex(ManifestShape):
                     self.replica_writes[lst, 0 if self.list_shards[lst, 0] == s else 1] = n
             self.named.update((n, i) for i, n in zip(named_ids.tolist(), names) if i >= NAMED_IDS)
         self.next_named = max(self.named.values(), default=NAMED_IDS - 1) + 1
-        self.fresh_owner, self.fresh_count[:] = {}, 0
+        with self._lock:
+            self.fresh_owner, self.fresh_groups, self.fresh_count[:] = {}, {}, 0
         for i, o in owners.items():
             self._set_fresh(i, tuple(o))
         tomb = np.concatenate([t for _, t, _, _ in states]) if states else np.empty(0, np.int64)

@@ -2,6 +2,8 @@
 shard's own log and fresh tier, failover to replicas, missing lists reported, a shard restarted from its directory.
 The same on a Ray cluster: test_sharded_ray.py."""
 
+import threading
+
 import numpy as np
 import pytest
 from conftest import clustered
@@ -183,6 +185,57 @@ def test_with_every_list_replicated_a_dead_shard_loses_nothing(data):
         res = index.search(q, K, EXHAUSTIVE, partial=False)
         assert np.array_equal(res.ids, healthy.ids)
         assert np.array_equal(index.search(v, 1, EXHAUSTIVE, partial=False).ids[:, 0], np.arange(N, N + 60))
+    finally:
+        index.close()
+
+
+def test_searches_beside_writes_with_a_shard_down(data):
+    """With a shard down, every search asks which down shards hold fresh rows no live shard holds, while writes
+    change those rows' owners. It once read them in a pass over every fresh id, without a lock: a write during it
+    failed the search ('dictionary changed size during iteration', seen under load on a Ray cluster)."""
+    path = fresh_copy(data, "w5", replicate=0.3)
+    q = data["queries"]
+    index = ShardedIndex.open(path)
+    rng = np.random.default_rng(3)
+    try:
+        index.kill_shard(1)
+        index.search(q, K)  # the router learns it
+        assert not index.alive[1]
+        index.upsert(np.arange(N, N + 20000), rng.normal(size=(20000, DIM)).astype(np.float32))
+        stop, errors, searches = threading.Event(), [], [0]
+
+        def search():
+            while not stop.is_set():
+                try:
+                    index.search(q[:4], K)
+                    searches[0] += 1
+                except Exception as e:  # reported below
+                    errors.append(e)
+                    return
+
+        t = threading.Thread(target=search)
+        t.start()
+        try:
+            for b in range(30):  # new ids, then some of them replaced and deleted
+                ids = np.arange(N + 20000 + 200 * b, N + 20000 + 200 * (b + 1))
+                index.upsert(ids, rng.normal(size=(len(ids), DIM)).astype(np.float32))
+                index.upsert(ids[:50] - 20000, rng.normal(size=(50, DIM)).astype(np.float32))
+                index.delete(ids[50:60] - 20000)
+        finally:
+            stop.set()
+            t.join()
+        assert not errors, errors
+        assert searches[0] > 0
+        # What the searches were told equals a pass over every fresh id, made here.
+        want = sorted({o for owners in index.fresh_owner.values() if not any(index.alive[list(owners)])
+                       for o in owners})
+        assert index._fresh_unreachable() == want
+        index.restart_shard(1)
+        index.kill_shard(0)
+        index.search(q, K)
+        want = sorted({o for owners in index.fresh_owner.values() if not any(index.alive[list(owners)])
+                       for o in owners})
+        assert index._fresh_unreachable() == want == [0]
     finally:
         index.close()
 
