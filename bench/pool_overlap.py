@@ -45,17 +45,19 @@ VARIANTS = {  # name -> (FUSIONRAG_POOL_JOBS, pipeline)
 
 
 def worker(spec: dict) -> dict:
+    from types import SimpleNamespace
+
     from datasets import load
-    from run import stream_rows
+    from run import params_for, stream_rows
 
     from fusionrag.retriever import Index
 
     os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:spec["threads"]])
     work = Path(spec["work"])
-    base, q, gt, meta = load(work, spec["set"])
+    _, q, gt, meta = load(work, spec["set"])
     s = np.load(stream_rows(work, spec["set"], "skewed", 1000, 300))
-    raw = meta["count"] * meta["dim"] * 4
-    index = Index.open(work / SETS[spec["set"]][0], buffer_bytes=raw // 16, threads=spec["threads"],
+    buffer = params_for(meta, SimpleNamespace(buffer_fraction=16))["buffer_bytes"]  # bench/run.py's default
+    index = Index.open(work / SETS[spec["set"]][0], buffer_bytes=buffer, threads=spec["threads"],
                        pipeline=spec["pipeline"])
     knob = SETS[spec["set"]][1]
     index.search(q[s["warm"]], K, **knob)

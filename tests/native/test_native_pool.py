@@ -11,12 +11,14 @@ from conftest import clustered
 from fusionrag.native import _native
 from fusionrag.retriever import BuildConfig, Index
 
+
 def _blocked_calls():
     """(syscall number, first argument) of each of this process's threads, from /proc (not from the pool's
     bookkeeping); threads that are running show no number and are left out."""
     for tid in os.listdir("/proc/self/task"):
         try:
-            fields = open(f"/proc/self/task/{tid}/syscall").read().split()
+            with open(f"/proc/self/task/{tid}/syscall") as fh:
+                fields = fh.read().split()
         except OSError:
             continue
         if len(fields) > 1 and fields[0].isdigit():
