@@ -25,6 +25,7 @@
 
 #include "distance.h"
 #include "numpy_out.h"
+#include "scratch_meter.h"
 #include "threadpool.h"
 
 namespace nb = nanobind;
@@ -171,6 +172,11 @@ struct Scratch {
   std::vector<uint32_t> band;     // exact_search: the nodes one query's cut lets through
   std::vector<float> ups;         // screen_block: one query's upper ends (dots: lower ends)
   std::vector<float> mins;        // cut_at's block minima
+  ScratchMeter meter;             // its bytes in native.scratch_bytes()
+
+  size_t bytes() const {
+    return capacity_bytes(visited, frontier, best, links, pruned, query, dots, qint, idots, band, ups, mins);
+  }
 
   // Not inlined: seen through an inlined accessor, GCC re-derives the
   // thread-local address after every call in the search loop.
@@ -340,7 +346,9 @@ class Graph {
     }
     NodeLocks locks(total);
     ThreadPool::instance().parallel_for(n, threads, [&](size_t i, size_t) {
-      insert(uint32_t(first + i), Scratch::local(), &locks);
+      Scratch& s = Scratch::local();
+      SettleOnExit<Scratch> settle{s};
+      insert(uint32_t(first + i), s, &locks);
     });
   }
 
@@ -351,6 +359,7 @@ class Graph {
     ef = std::max(ef, k);
     ThreadPool::instance().parallel_for(nq, threads, [&](size_t i, size_t) {
       Scratch& s = Scratch::local();
+      SettleOnExit<Scratch> settle{s};
       const float* q = queries + i * dim_;
       size_t found = 0;
       if (entry_ != kNone) {
@@ -380,6 +389,7 @@ class Graph {
     const float* spreads = screen ? code_spreads(n) : nullptr;
     ThreadPool::instance().parallel_for((nq + kDotQueries - 1) / kDotQueries, threads, [&](size_t b, size_t) {
       Scratch& s = Scratch::local();
+      SettleOnExit<Scratch> settle{s};
       const size_t q0 = b * kDotQueries, bq = std::min(kDotQueries, nq - q0);
       const float* q = queries + q0 * dim_;
       Mapped m;

@@ -2,10 +2,13 @@
 #include <nanobind/nanobind.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
+#include "scratch_meter.h"
 #include "threadpool.h"
 
 namespace nb = nanobind;
@@ -21,6 +24,12 @@ NB_MODULE(_native, m) {
   bind_scan(m);
   bind_pagefile(m);
   bind_rerank(m);
+
+  m.def(
+      "scratch_bytes", [] { return std::max<int64_t>(0, fusionrag::scratch_total().load(std::memory_order_relaxed)); },
+      "Bytes the search kernels keep allocated per thread between calls, summed over the process's threads: "
+      "the graph's visited tags (4 B a centroid), a scan's seen-bitmap (N / 8 bytes), a batch plan's masks "
+      "(N bytes) and smaller buffers, one set per thread that has searched, held until that thread ends.");
 
   // For tests of the pool itself: a job whose items wait on something the test controls.
   m.def(

@@ -24,6 +24,7 @@
 
 #include "distance.h"
 #include "numpy_out.h"
+#include "scratch_meter.h"
 #include "threadpool.h"
 
 namespace nb = nanobind;
@@ -268,6 +269,9 @@ struct ScanScratch {
   std::vector<uint32_t> unique;
   std::vector<uint64_t> keys;
   std::vector<float> lut, padded;  // the table of the query this thread scans, and its zero-padded query
+  ScratchMeter meter;              // its bytes in native.scratch_bytes()
+
+  size_t bytes() const { return capacity_bytes(seen, ranges, unique, keys, lut, padded); }
 
   // Not inlined: seen through an inlined accessor, GCC re-derives the
   // thread-local address after every call in the scan loop.
@@ -313,6 +317,7 @@ const uint8_t* exclude_bitmap(const std::optional<Array<uint8_t>>& exclude, size
 void scan_query(size_t i, const Lists& lists, const Codes& pq, const float* lut, const uint8_t* exclude,
                 ScanOut& out) {
   ScanScratch& s = ScanScratch::local(pq.N);
+  SettleOnExit<ScanScratch> settle{s};
   s.unique.clear();
   // Unmarks exactly the words this query touched, also when a bad id throws.
   // A word is cleared whole: every bit set in it belongs to an id in s.unique.
@@ -400,6 +405,13 @@ struct PlanScratch {
   std::vector<std::pair<uint32_t, PlanMask>> entries;  // (id, queries of the group that score it)
   std::vector<uint64_t> keys[kPlanGroup];
   std::vector<float> luts, padded;
+  ScratchMeter meter;  // its bytes in native.scratch_bytes()
+
+  size_t bytes() const {
+    size_t b = capacity_bytes(mask, touched, pairs, runs, entries, luts, padded);
+    for (const auto& k : keys) b += capacity_bytes(k);
+    return b;
+  }
 
   __attribute__((noinline)) static PlanScratch& local(size_t n_codes) {
     thread_local PlanScratch s;
@@ -413,6 +425,7 @@ void scan_group(const uint32_t* order, size_t g, const Lists& lists, const Codes
                 const uint8_t* exclude, double shared, ScanOut& out, double* lut_seconds) {
   auto t0 = Clock::now();
   PlanScratch& s = PlanScratch::local(pq.N);
+  SettleOnExit<PlanScratch> settle{s};
   size_t table = builder.M * kCodebook;
   s.luts.resize(g * table);
   s.padded.resize(builder.M * builder.dsub);
@@ -569,7 +582,9 @@ auto pq_luts(AnyArray queries, nb::handle codebooks, const std::string& metric, 
   {
     nb::gil_scoped_release unlocked;
     ThreadPool::instance().parallel_for(builder.q, threads, [&](size_t i, size_t) {
-      std::vector<float>& padded = ScanScratch::local(0).padded;
+      ScanScratch& s = ScanScratch::local(0);
+      SettleOnExit<ScanScratch> settle{s};
+      std::vector<float>& padded = s.padded;
       padded.resize(builder.M * builder.dsub);
       builder.build(i, luts.get() + i * builder.M * kCodebook, padded.data());
     });

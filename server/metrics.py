@@ -9,6 +9,8 @@ from collections import deque
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from fusionrag import native
+
 _LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 # Engine statistics (Collection.search) reported per query as stage times.
@@ -131,4 +133,9 @@ class _CollectionCollector:
             gpu.add_metric(["process"], measured)
         for name, value in self.m.hit_ratios().items():
             ratio.add_metric([name], value)
-        return [docs, tiers, gpu, ratio]
+        scratch = GaugeMetricFamily("fusionrag_search_scratch_bytes",
+                                    "Host memory the search kernels keep per thread between calls, summed over the "
+                                    "process's threads (native.scratch_bytes(): it grows with the indexes searched, "
+                                    "one copy per search thread; no collection's tier holds it)",
+                                    value=native.scratch_bytes())
+        return [docs, tiers, gpu, ratio, scratch]

@@ -354,8 +354,11 @@ def test_metrics_parse_and_cover_the_figures(client):
     for name in ("fusionrag_http_requests", "fusionrag_http_request_seconds", "fusionrag_stage_seconds",
                  "fusionrag_batch_requests", "fusionrag_batch_queries", "fusionrag_queries",
                  "fusionrag_ssd_pages_read", "fusionrag_page_buffer_hits", "fusionrag_page_buffer_hit_ratio",
-                 "fusionrag_collection_documents", "fusionrag_tier_bytes", "fusionrag_gpu_memory_bytes"):
+                 "fusionrag_collection_documents", "fusionrag_tier_bytes", "fusionrag_gpu_memory_bytes",
+                 "fusionrag_search_scratch_bytes"):
         assert name in fams, name
+    # The demo collection's index searched its graph and scanned: some thread of the service holds scratch.
+    assert fams["fusionrag_search_scratch_bytes"].samples[0].value > 0
     stages = {s.labels["stage"] for s in fams["fusionrag_stage_seconds"].samples}
     assert {"queue", "embed", "engine", "graph", "lut", "scan", "rerank"} <= stages
     docs = {s.labels["collection"]: s.value for s in fams["fusionrag_collection_documents"].samples}
