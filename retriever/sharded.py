@@ -39,10 +39,12 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import shutil
 import sys
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -51,13 +53,14 @@ from pathlib import Path
 import numpy as np
 
 from fusionrag import native
+from fusionrag.retriever import dirlock
 from fusionrag.retriever.build import (_CHUNK, _IntegralCheck, _Rows, assign_rows, index_manifest, internal_metric,
                                        mips_augment, open_source, postings, sample_query_matrix, save_index_files,
                                        train_index, write_pages)
 from fusionrag.retriever.collection.config import CollectionConfig
 from fusionrag.retriever.config import BuildConfig, EngineConfig, SearchParams, cpu_threads
 from fusionrag.retriever.docstore import query_words
-from fusionrag.retriever.errors import ConfigError, IndexFormatError, InputError, UnavailableError
+from fusionrag.retriever.errors import ConfigError, ConflictError, IndexFormatError, InputError, UnavailableError
 from fusionrag.retriever.fresh import FreshView
 from fusionrag.retriever.index import prepare_queries
 from fusionrag.retriever.kmeans import sq_dists
@@ -91,6 +94,10 @@ UPSERT_PROBE = 8
 STORAGE_SLACK = 1.25
 # Locality placement moves boundary lists between regions until no shard expects more than this x the mean.
 LOCALITY_TOLERANCE = 1.05
+# A shard part's lock file: the one process that has it open (ShardServer) holds it (retriever/dirlock.py). A shard
+# restarted as a Ray actor waits this long for the process it replaces, which ray.kill() stops but does not wait for.
+SHARD_LOCK = "LOCK"
+SHARD_LOCK_WAIT_S = 30.0
 
 
 def part_name(s: int) -> str:
@@ -589,18 +596,32 @@ class ShardServer:
     (sharded_merge.py). A Ray actor in Ray mode (calls in threads of its own), an object in this process else.
     Thread-safe: searches run at once, writes and merges one at a time."""
 
-    def __init__(self, path: str, config: EngineConfig | None = None, params: SearchParams | None = None):
+    def __init__(self, path: str, config: EngineConfig | None = None, params: SearchParams | None = None,
+                 lock_wait_s: float = 0.0):
+        """lock_wait_s: how long to wait for another process that has this shard open to let go of it (one being
+        killed, when a shard is restarted) before refusing with ConflictError: two processes writing one shard's
+        log and generations would lose acknowledged writes."""
         self.path, self.config, self.params = str(path), config, params
         self.closed = False
         self._lock = threading.Lock()  # the current generation, its writes, the readers of each
         self._write_lock = threading.RLock()  # writes, and a merge's switch to its generation
         self._merge_lock = threading.Lock()
-        gen, rec = self._open_generation()
+        held = dirlock.hold(Path(path) / SHARD_LOCK, lambda holder: (
+            f"{path}: this shard is already open ({holder}), and whoever opened it writes its log and generations; "
+            "close or stop that one first (another router serving this index?)"), lock_wait_s)
+        # Let go by close(), or when this object is collected unclosed.
+        self._let_go = weakref.finalize(self, os.close, held)
         try:
-            self.writes = ShardWrites(path, gen.global_ids, gen.index.dim, gen.index.metric,
-                                      merged_lsn=int(rec["merged_lsn"]) if rec else 0, list_writes=gen.list_writes)
+            gen, rec = self._open_generation()
+            try:
+                self.writes = ShardWrites(path, gen.global_ids, gen.index.dim, gen.index.metric,
+                                          merged_lsn=int(rec["merged_lsn"]) if rec else 0,
+                                          list_writes=gen.list_writes)
+            except BaseException:
+                gen.index.close()
+                raise
         except BaseException:
-            gen.index.close()
+            self._let_go()
             raise
         self._gen = gen
 
@@ -877,6 +898,7 @@ class ShardServer:
                 g = self._gen
                 g.retired = True
                 done = not g.readers
+            self._let_go()  # nothing of this process writes the shard any more
         if done:
             g.index.close()
 
@@ -902,7 +924,7 @@ def _start_actor(path: str, config: EngineConfig, params: SearchParams, options:
 
         nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(nodes[s % len(nodes)], soft=soft)
-    return ray.remote(ShardServer).options(**options).remote(path, config, params)
+    return ray.remote(ShardServer).options(**options).remote(path, config, params, SHARD_LOCK_WAIT_S)
 
 
 class _Future:
@@ -1058,9 +1080,18 @@ class ShardedIndex(ManifestShape):
                 for s in shards:
                     rray.kill(s)
                 cause = getattr(e, "cause", None) or e
+                if isinstance(cause, ConflictError):  # open in another process: the index is fine
+                    raise ConflictError(f"{path}: a shard failed to open: {cause}") from e
                 raise IndexFormatError(f"{path}: a shard failed to open: {cause}") from e
         else:
-            shards = [ShardServer(p, config, params) for p in shard_paths]
+            shards = []
+            try:
+                for p in shard_paths:
+                    shards.append(ShardServer(p, config, params))
+            except BaseException:
+                for opened in shards:  # and so lets go of its directory
+                    opened.close()
+                raise
             where = [s.where() for s in shards]
         for s, (name, w) in enumerate(zip(names, where)):
             if w["count"] != expected[name]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import shutil
@@ -20,7 +19,7 @@ from fusionrag.retriever.docstore import DocStore
 from fusionrag.retriever.errors import (ConflictError, FusionRAGError, InputError, NotFoundError, StorageError,
                                        UnavailableError)
 from fusionrag.retriever.manifest import fsync_path
-from fusionrag.retriever import snapshot
+from fusionrag.retriever import dirlock, snapshot
 from fusionrag.retriever.collection.api import Collection
 from fusionrag.retriever.collection.config import COLLECTION_FORMAT, NAME_RE, CollectionConfig
 from fusionrag.retriever.collection.generations import write_json_atomic
@@ -231,14 +230,5 @@ class Catalog:
 def _hold(path: Path) -> int:
     """An exclusive lock on `path` for as long as the descriptor returned stays open; ConflictError,
     naming the holder, when another process (or catalog) holds it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise ConflictError(f"data directory {path.parent} is in use by another catalog (process {holder}): "
-                            "stop the service using it, or go through its HTTP API") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    return fd
+    return dirlock.hold(path, lambda holder: f"data directory {path.parent} is in use by another catalog ({holder}): "
+                        "stop the service using it, or go through its HTTP API")
