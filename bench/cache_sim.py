@@ -13,6 +13,10 @@ native buffer's own hit ratio, measured on the same stream, checks them. Also re
                 block; a block leaving the window enters the main part only if the sketch counts it more
                 often than the main part's victim (lfu's sweep)
     wlfuW       the same with a window of W% of the frames (--windows)
+    lfu_sampleS lfu whose victim is the frame of least sketch count among the next S from the hand, instead
+                of the first the sweep finds unused (--variants)
+    lfu_ties    lfu admitting a missed block whose count equals the victim's (lfu keeps the victim)
+    lfu_counted lfu starting an admitted block with its sketch count as its uses, instead of its weight
     opt         Belady with bypass over the whole buffer: on a miss, keep the blocks needed soonest (a block
                 needed later than every resident one is not kept): no policy reads fewer blocks
 
@@ -168,6 +172,47 @@ class WTinyLfu(NativeReplay):
             s.uses[f] = min(MAX_USES, cw)
 
 
+class LfuVariant(NativeReplay):
+    """lfu with one of three changes (the module's docstring): victims sampled (sample > 0), ties admitted, or an
+    admitted block's uses from its count."""
+
+    def __init__(self, capacity: int, sample: int = 0, admit_ties: bool = False, counted: bool = False):
+        super().__init__(capacity, "lfu")
+        self.sample, self.admit_ties, self.counted = sample, admit_ties, counted
+
+    def _victim(self, s: _Shard) -> int:
+        if not self.sample:
+            return s.victim()
+        best, least = -1, None
+        for _ in range(self.sample):
+            f = s.hand
+            s.hand = (s.hand + 1) % s.frames
+            if s.block_of[f] < 0:
+                return f
+            e = s.estimate(s.block_of[f])
+            if least is None or e < least:
+                best, least = f, e
+        return best
+
+    def insert(self, b: int, w: int) -> None:
+        s = self._shard(b)
+        if b in s.frame_of:
+            return
+        f = self._victim(s)
+        old = s.block_of[f]
+        if old >= 0:
+            new, kept = s.estimate(b), s.estimate(old)
+            if new < kept or (new == kept and not self.admit_ties):
+                return
+            del s.frame_of[old]
+        s.block_of[f], s.frame_of[b] = b, f
+        s.uses[f] = min(MAX_USES, s.estimate(b) if self.counted else w)
+
+
+VARIANTS = {"lfu_sample4": {"sample": 4}, "lfu_sample8": {"sample": 8}, "lfu_sample16": {"sample": 16},
+            "lfu_ties": {"admit_ties": True}, "lfu_counted": {"counted": True}}
+
+
 def calls(trace: np.ndarray) -> list[np.ndarray]:
     """PageStore.take_trace's rows, split into its fetch() calls (each a header row (CALL, n) and n requests)."""
     heads = np.flatnonzero(trace[:, 0] == CALL)
@@ -274,7 +319,8 @@ def markdown(res: dict) -> str:
     agings = sorted({int(k[len("lfu_aging"):]) for r in res["rows"] for k in r if k.startswith("lfu_aging")})
     windows = sorted({k for r in res["rows"] for k in r if k.startswith("wlfu") and k != "wlfu"},
                      key=lambda k: float(k[4:]))
-    cols = ["clock", *(f"lfu_aging{a}" for a in agings), "wlfu", *windows, "opt"]
+    variants = [v for v in VARIANTS if any(v in r for r in res["rows"])]
+    cols = ["clock", *(f"lfu_aging{a}" for a in agings), "wlfu", *windows, *variants, "opt"]
     lines = [f"# Page-buffer policies replayed on real block traces ({res['date']}, {res['half']} half)", "",
              f"Machine: {res['machine']}. Streams of {res['length']} queries from the {res['half']} half of each "
              f"set's queries (bench/cache_policy.py's streams), in batches of {res['batch']}, one thread, CPU filter "
@@ -282,8 +328,9 @@ def markdown(res: dict) -> str:
              "buffer / pages the re-rank touched. `native clock` / `native lfu`: the engine's own counts on the "
              f"same stream (lfu with its built-in aging, {AGING} requests a frame); the other columns replay the "
              "recorded block trace (bench/cache_sim.py): `lfu_agingA` halves its counts every A requests a frame, "
-             "`wlfu` is W-TinyLFU (1% LRU window), `wlfuW` with a W% window, `opt` is Belady's with bypass, the "
-             "most any policy could serve.", "",
+             "`wlfu` is W-TinyLFU (1% LRU window), `wlfuW` with a W% window, `lfu_sampleS`, `lfu_ties` and "
+             "`lfu_counted` lfu with one change each (bench/cache_sim.py's docstring), `opt` is Belady's with "
+             "bypass, the most any policy could serve.", "",
              "| set | stream | buffer | native clock | native lfu | " + " | ".join(cols) + f" | lfu_aging{AGING} / clock |",
              "|---" * (6 + len(cols)) + "|"]
     for r in res["rows"]:
@@ -307,6 +354,8 @@ def main() -> None:
                     help="lfu's requests per frame between halvings, replayed")
     ap.add_argument("--windows", nargs="*", type=float, default=[],
                     help="W-TinyLFU windows (fractions of the frames) replayed besides wlfu's 1%%")
+    ap.add_argument("--variants", nargs="*", default=[], choices=list(VARIANTS),
+                    help="changes to lfu's victim, admission or starting uses, replayed")
     ap.add_argument("--tag", default="cache_sim")
     args = ap.parse_args()
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -331,6 +380,7 @@ def main() -> None:
                 policies += [(f"lfu_aging{a}", NativeReplay(frames, "lfu", a)) for a in args.agings]
                 policies += [("wlfu", WTinyLfu(frames))]
                 policies += [(f"wlfu{w * 100:g}", WTinyLfu(frames, w)) for w in args.windows]
+                policies += [(v, LfuVariant(frames, **VARIANTS[v])) for v in args.variants]
                 for p, pol in policies:
                     read, served = replay(pol, trace, start)
                     row[p] = served / max(1, read + served)

@@ -35,11 +35,12 @@ sys.path.insert(0, str(HERE))
 from datasets import load, prepare  # noqa: E402
 from report import write_report  # noqa: E402
 
-SYSTEMS = ["fusionrag", "fusionrag-halfbuf", "fusionrag-lean", "fusionrag-lean-fullbuf", "faiss-ivfpq-refine",
-           "faiss-hnsw", "hnswlib", "diskann"]
+SYSTEMS = ["fusionrag", "fusionrag-halfbuf", "fusionrag-lean", "fusionrag-lean-halfbuf", "fusionrag-lean-fullbuf",
+           "faiss-ivfpq-refine", "faiss-hnsw", "hnswlib", "diskann"]
 OPTIONAL = ["fusionrag-blocks"]  # run only when named: fusionrag's build, record cache off
 # Variants that search another system's index with other engine settings (worker.py says which).
-BUILT_BY = {"fusionrag-halfbuf": "fusionrag", "fusionrag-lean-fullbuf": "fusionrag-lean", "fusionrag-blocks": "fusionrag"}
+BUILT_BY = {"fusionrag-halfbuf": "fusionrag", "fusionrag-lean-fullbuf": "fusionrag-lean", "fusionrag-blocks": "fusionrag",
+            "fusionrag-lean-halfbuf": "fusionrag-lean"}
 SWEEPS = {
     # rerank is only an upper bound (Algorithm 1 stops after beta stable mini-batches) and
     # probe_ratio may cut lists before nprobe: docs/tuning.md. 0 disables the ratio rule.
