@@ -36,15 +36,32 @@ def call(method: str, path: str, body=None) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
-def shard_actor_pids() -> list[int]:
+def actor_pids(prefix: bytes) -> list[int]:
+    """The processes whose command line starts with prefix (Ray names an actor's process ray::CLASS)."""
     out = []
     for proc in Path("/proc").iterdir():
         try:
-            if (proc / "cmdline").read_bytes().startswith(b"ray::ShardServer"):
+            if (proc / "cmdline").read_bytes().startswith(prefix):
                 out.append(int(proc.name))
         except (OSError, ValueError):
             continue
     return sorted(out)
+
+
+def shard_actor_pids() -> list[int]:
+    return actor_pids(b"ray::ShardServer")
+
+
+def router_pids() -> list[int]:
+    return actor_pids(b"ray::ServeReplica:fusionrag:fusionrag-router")
+
+
+def status_of(method: str, path: str, body=None) -> str:
+    """The HTTP status, or the error when there is no answer (the router's replica gone)."""
+    try:
+        return str(call(method, path, body)[0])
+    except (OSError, ValueError) as e:
+        return type(e).__name__
 
 
 def main() -> None:
@@ -117,6 +134,25 @@ def main() -> None:
         report["after_heal"] = s
         report["after_heal_equal"] = s == 200 and [[int(h["id"]) for h in hits] for hits in b["results"]] == \
             [[int(i) for i in row if i >= 0] for row in expect["ids"]]
+        # The router's replica killed: Serve starts another, which opens the index again (new shard actors, once
+        # the dead replica's own are gone) and finds the write acknowledged just before.
+        v2 = (queries[1] + 0.001).tolist()
+        report["upsert_before_router_kill"] = call("POST", "/v1/collections/docs/documents",
+                                                   {"documents": [{"id": "900001", "vector": v2}]})[0]
+        old_router, old_shards = router_pids(), shard_actor_pids()
+        os.kill(old_router[0], signal.SIGKILL)
+        t, seen = time.perf_counter(), []
+        while time.perf_counter() - t < 180:
+            seen.append(status_of("GET", "/readyz"))
+            if seen[-1] == "200" and router_pids() and router_pids() != old_router:
+                break
+            time.sleep(0.5)
+        report["router_back_s"] = round(time.perf_counter() - t, 2)
+        report["router_statuses_while_down"] = sorted(set(seen))
+        report["router_replaced"] = bool(router_pids()) and router_pids() != old_router
+        report["shards_replaced"] = len(shard_actor_pids()) == 2 and not set(old_shards) & set(shard_actor_pids())
+        s, b = call("POST", "/v1/collections/docs/search", {"vectors": [v2], "k": 1, "partial": False})
+        report["write_found_after_router_kill"] = s == 200 and b["results"][0][0]["id"] == "900001"
         report["bad"] = call("POST", "/v1/collections/docs/search", {"texts": ["hi"]})[0]
         report["unknown"] = call("POST", "/v1/collections/nope/search", {"vectors": [v]})[0]
         report["listening"] = listening()

@@ -86,6 +86,10 @@ def test_served_over_http_with_the_router_a_ray_serve_deployment(ray_namespace, 
     assert r["langchain_ids"] and r["langchain_first"] == ["n-3", "note 3"] and r["langchain_filtered"], r
     assert r["text_first"] == "n-3", r
     assert r["langchain_after_heal"] and r["langchain_deleted"], r
+    # The router's replica SIGKILLed: Serve starts another, with shard actors of its own, and the write acknowledged
+    # just before is there.
+    assert r["upsert_before_router_kill"] == 200 and r["router_replaced"] and r["shards_replaced"], r
+    assert r["write_found_after_router_kill"], r
     assert r["bad"] == 422 and r["unknown"] == 404, r
     # A shard actor killed: every answer meanwhile a 200 (partial or whole), the router restarted it by itself.
     assert all(x.startswith("200 ") for x in r["statuses_while_down"]), r
