@@ -309,12 +309,10 @@ class Graph {
 
   size_t memory_bytes() const {
     std::shared_lock<std::shared_mutex> r(rw_);
-    size_t bytes = vectors_.capacity() * sizeof(float) + codes_.capacity() +
-                   (lo_.capacity() + scale_.capacity()) * sizeof(float) +
-                   links0_.capacity() * sizeof(uint32_t) + levels_.capacity() + upper_.capacity() * sizeof(upper_[0]);
-    for (const auto& u : upper_) bytes += u.capacity() * sizeof(uint32_t);
+    size_t bytes = capacity_bytes(vectors_, codes_, lo_, scale_, links0_, levels_, upper_);
+    for (const auto& u : upper_) bytes += capacity_bytes(u);
     std::lock_guard<std::mutex> lk(norms_mutex_);
-    return bytes + (norms_.capacity() + spreads_.capacity()) * sizeof(float);
+    return bytes + capacity_bytes(norms_, spreads_);
   }
 
   std::unique_ptr<float[]> copy_vectors(size_t& rows) const {

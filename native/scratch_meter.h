@@ -14,7 +14,7 @@ inline std::atomic<int64_t>& scratch_total() {
   return total;
 }
 
-// Bytes of the buffers' capacity (what they hold allocated, not what they use now).
+// Bytes of the buffers' capacity (what they hold allocated, not what they use now); also Graph::memory_bytes's.
 template <class... V>
 size_t capacity_bytes(const V&... v) {
   return (size_t(0) + ... + (v.capacity() * sizeof(typename V::value_type)));
