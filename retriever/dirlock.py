@@ -24,19 +24,19 @@ def hold(lock_file: Path, in_use: Callable[[str], str], wait_s: float = 0.0) -> 
     naming that process ("pid on host")."""
     fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
     deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "?"
-                os.close(fd)
-                raise ConflictError(in_use(holder)) from None
-            time.sleep(0.05)
-        except BaseException:
-            os.close(fd)
-            raise
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}".encode(), 0)
+    try:  # the descriptor goes with any failure: a refusal, an interrupted wait, a failed write of the holder
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "?"
+                    raise ConflictError(in_use(holder)) from None
+                time.sleep(0.05)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}".encode(), 0)
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
