@@ -139,10 +139,12 @@ def report(rows: list[dict], meta: dict) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", default="bench/work", help="bench/run.py's work folder (idx/, data/)")
-    parser.add_argument("--sets", nargs="+", default=["minilm", "fashion", "glove", "synth1m"])
+    parser.add_argument("--sets", nargs="*", default=["minilm", "fashion", "glove", "synth1m"])
     parser.add_argument("--m", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--queries", type=int, default=1024, help="from the report half of each set's queries")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--synthetic", nargs="*", default=[f"{n}x{d}" for n, d in SYNTHETIC], metavar="NxDIM",
+                        help="clustered synthetic centroids of these shapes (none: only the built sets)")
     parser.add_argument("--tag", default="exact_navigation")
     parser.add_argument("--peak", nargs=4, metavar=("GRAPH", "QUERIES", "METHOD", "M"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -165,7 +167,7 @@ def main():
         queries = np.load(work / "data" / name / "queries.npy", mmap_mode="r")
         half = queries[len(queries) // 2:][: args.queries]
         sets.append((name, index / "graph.bin", engine_queries(index, half)))
-    for n, dim in SYNTHETIC:
+    for n, dim in (tuple(int(v) for v in shape.split("x")) for shape in args.synthetic):
         path = tmp / f"synthetic_{n}x{dim}.bin"
         if not path.exists():
             g = Graph(dim, "l2", M=16, ef_construction=200, seed=0)

@@ -37,7 +37,8 @@ from report import write_report  # noqa: E402
 
 SYSTEMS = ["fusionrag", "fusionrag-halfbuf", "fusionrag-lean", "fusionrag-lean-halfbuf", "fusionrag-lean-fullbuf",
            "faiss-ivfpq-refine", "faiss-hnsw", "hnswlib", "diskann"]
-OPTIONAL = ["fusionrag-blocks"]  # run only when named: fusionrag's build, record cache off
+# Run only when named: fusionrag's build with the record cache off; fusionrag built to navigate by the graph.
+OPTIONAL = ["fusionrag-blocks", "fusionrag-graphnav"]
 # Variants that search another system's index with other engine settings (worker.py says which).
 BUILT_BY = {"fusionrag-halfbuf": "fusionrag", "fusionrag-lean-fullbuf": "fusionrag-lean", "fusionrag-blocks": "fusionrag",
             "fusionrag-lean-halfbuf": "fusionrag-lean"}
@@ -69,6 +70,7 @@ SWEEPS = {
 
 for _variant, _built_by in BUILT_BY.items():
     SWEEPS[_variant] = SWEEPS[_built_by]
+SWEEPS["fusionrag-graphnav"] = SWEEPS["fusionrag"]  # its own build, fusionrag's sweep
 
 
 def machine() -> dict:

@@ -71,6 +71,15 @@ def fusionrag_build(base_path, base, meta, out, p):
                 progress=False)
 
 
+def fusionrag_graphnav_build(base_path, base, meta, out, p):
+    """fusionrag's build with rows and queries finding their lists by the graph (BuildConfig.navigation 'graph'),
+    as builds of sets with more than 3M centroid floats did before the navigation was recorded."""
+    from fusionrag.retriever import BuildConfig, Index
+
+    Index.build(str(base_path), str(out), BuildConfig(metric=meta["metric"], threads=p["build_threads"],
+                                                      navigation="graph"), progress=False)
+
+
 def fusionrag_open(out, meta, p, threads):
     from fusionrag.retriever import Index
 
@@ -221,6 +230,7 @@ SYSTEMS = {  # name: (build, open, the library, imported before the baseline RSS
     "fusionrag-lean-halfbuf": (None, with_buffer_divided(2), "fusionrag.retriever"),
     # fusionrag's build with the page buffer holding blocks only (EngineConfig.record_cache off)
     "fusionrag-blocks": (None, with_engine(record_cache="off"), "fusionrag.retriever"),
+    "fusionrag-graphnav": (fusionrag_graphnav_build, fusionrag_open, "fusionrag.retriever"),
     "faiss-ivfpq-refine": (ivfpq_build, ivfpq_open, "faiss"),
     "faiss-hnsw": (faiss_hnsw_build, faiss_hnsw_open, "faiss"),
     "hnswlib": (hnswlib_build, hnswlib_open, "hnswlib"),

@@ -27,7 +27,7 @@ from fusionrag.retriever.layout import chain_order, plan_layout
 from fusionrag.retriever.manifest import writing_index
 from fusionrag.retriever.pq import ProductQuantizer, auto_m
 from fusionrag.retriever.progress import OnProgress, Progress
-from fusionrag.retriever.tiers import exhaustive_is_cheap, nearest_exhaustive
+from fusionrag.retriever.tiers import build_navigation, nearest_exhaustive
 from fusionrag.retriever.vectors import (STORAGE_DTYPES, VectorFile, as_source, check_vectors, normalize,
                                         storage_dtype)
 
@@ -142,7 +142,7 @@ def train_index(rows, n: int, dim: int, config: BuildConfig, rng: np.random.Gene
 def assign_rows(assign_graph, pq: ProductQuantizer, ids: np.ndarray, x: np.ndarray, config: BuildConfig,
                 threads: int, centroids: np.ndarray | None = None):
     """Step 4 for rows x (ids): (nearest list, the (list, id) pairs of boundary replication, PQ codes).
-    centroids: given where queries find their lists by exact distances (tiers.exhaustive_is_cheap), rows
+    centroids: given where queries find their lists by exact distances (tiers.build_navigation), rows
     find theirs so too; otherwise by the graph, as queries will. Either way a row goes where a query near it
     looks: a graph over the centroids of clustered data leaves some of them out of reach of any search
     (178 of Fashion-MNIST's 5,954), and rows put there by exact distance were lost to queries."""
@@ -200,9 +200,12 @@ def write_pages(w, stored, n: int, dim: int, store_dtype: np.dtype, primary: np.
 
 
 def index_manifest(count: int, dim: int, metric: str, storage_dtype: str, src, centroids: int, postings: int,
-                   pq: ProductQuantizer, config: BuildConfig, timings: dict, pages=None, **extra) -> dict:
+                   pq: ProductQuantizer, config: BuildConfig, timings: dict, *, navigation: str, pages=None,
+                   **extra) -> dict:
     """The manifest fields every index directory holds (a single index, a shard part, a sharded router);
-    pages: the SSD layout where the directory has one; extra: fields of its own kind, added at the end."""
+    navigation: how its rows found their lists, and so how queries must ('exact' or 'graph',
+    tiers.build_navigation); pages: the SSD layout where the directory has one; extra: fields of its own
+    kind, added at the end."""
     manifest = {
         "fusionrag_version": __version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -211,6 +214,7 @@ def index_manifest(count: int, dim: int, metric: str, storage_dtype: str, src, c
         "metric": metric,
         "internal_metric": internal_metric(metric),
         "navigation": "mips-augmented" if metric == "ip" else "l2",
+        "list_navigation": navigation,
         "storage_dtype": storage_dtype,
         "source": {"path": str(src.path), "dtype": str(src.dtype)},
         "centroids": int(centroids),
@@ -236,13 +240,13 @@ def sample_query_matrix(sample_queries, dim: int, metric: str) -> np.ndarray:
 
 
 def train_single_probe(graph, rows, n: int, list_offsets: np.ndarray, list_ids: np.ndarray, config: BuildConfig,
-                       threads: int, sample_queries: np.ndarray | None = None):
+                       threads: int, navigation: str, sample_queries: np.ndarray | None = None):
     """(model, manifest entry) of learned pruning for a single index: up to config.probe_queries of the sample
     queries (a query log, in the engine's form), else of the data's rows, probed as SearchParams() probes."""
     from fusionrag.retriever.config import SearchParams
     from fusionrag.retriever.tiers import NavigationTier
 
-    nav = NavigationTier(graph, config.metric == "ip", threads)
+    nav = NavigationTier(graph, config.metric == "ip", threads, navigation)
     rng = np.random.default_rng(config.seed + 2)
     if sample_queries is None:
         picked = np.sort(rng.choice(n, min(n, config.probe_queries), replace=False))
@@ -289,7 +293,8 @@ def build_index(source, out_dir, config: BuildConfig = BuildConfig(), progress: 
 
     # 4. One pass over all vectors: nearest centroids, replicas, PQ codes (and NaN checks).
     t = time.perf_counter()
-    exact = centroids if exhaustive_is_cheap(graph.size, graph.dim) else None  # as NavigationTier decides
+    navigation = build_navigation(config.navigation, graph.size, graph.dim)
+    exact = centroids if navigation == "exact" else None  # and queries will go as rows went (NavigationTier)
     codes = np.empty((n, pq.m), dtype=np.uint8)
     primary = np.empty(n, dtype=np.int64)
     pair_lists, pair_ids = [], []
@@ -312,7 +317,8 @@ def build_index(source, out_dir, config: BuildConfig = BuildConfig(), progress: 
     if config.probe_model:
         t = time.perf_counter()
         with steps.step("probe model", 1, "model") as update:
-            probe_model = train_single_probe(graph, rows, n, list_offsets, list_ids, config, threads, sample_queries)
+            probe_model = train_single_probe(graph, rows, n, list_offsets, list_ids, config, threads, navigation,
+                                             sample_queries)
             update(1)
         timings["probe_model_s"] = time.perf_counter() - t
 
@@ -329,6 +335,6 @@ def build_index(source, out_dir, config: BuildConfig = BuildConfig(), progress: 
         timings["write_s"] = time.perf_counter() - t
         timings["total_s"] = time.perf_counter() - t_start
         manifest = index_manifest(n, dim, metric, STORAGE_DTYPES[store_dtype], src, len(centroids), len(list_ids),
-                                  pq, config, timings, pages=layout, **extra)
+                                  pq, config, timings, navigation=navigation, pages=layout, **extra)
         w.publish(manifest)
     return manifest

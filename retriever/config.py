@@ -27,6 +27,7 @@ FilterTier = Literal["auto", "cpu", "gpu"]
 BufferPolicy = Literal["auto", "clock", "lfu"]
 RecordCache = Literal["auto", "on", "off"]
 Probe = Literal["ratio", "learned"]
+Navigation = Literal["auto", "exact", "graph"]
 METRICS = get_args(Metric)
 IO_BACKENDS = get_args(IoBackend)
 DIRECT_IO = get_args(DirectIO)
@@ -257,6 +258,11 @@ class BuildConfig(_Config):
     pq_train_size: Annotated[int, knob("vectors PQ is trained on", ge=256)] = 32768
     graph_m: Annotated[int, knob("navigation graph: links per centroid", ge=4, le=64)] = 16
     graph_ef_construction: Annotated[int, knob("navigation graph: build beam (at least graph_m)")] = 200
+    # How queries, and the build's rows, find their nearest posting lists; recorded in the manifest
+    # ("list_navigation"), so that later queries, merges and splits go the way the rows went. 'auto': exactly
+    # where that costs no more than the graph (tiers.exhaustive_is_cheap). Measured: docs/tuning.md.
+    navigation: Annotated[Navigation, knob("how queries and rows find their nearest posting lists: exact (distances "
+                                           "to every centroid), graph, or auto (exact where it is as cheap)")] = "auto"
     threads: Annotated[int, knob("build threads (0: all cores)", ge=0)] = 0
     seed: Annotated[int, knob("random seed of the build (k-means, the graph, samples)")] = 0
     # Learned pruning (retriever/learned_probe.py): a quantile regression of how many lists, in probe order, hold

@@ -24,7 +24,7 @@ from fusionrag.retriever.pipeline import STAT_KEYS, QueryBatch, cut, open_filter
 from fusionrag.retriever.pq import ProductQuantizer
 from fusionrag.retriever.queries import checked_for_search
 from fusionrag.retriever.queries import prepare_queries as prepared
-from fusionrag.retriever.tiers import NavigationTier, RerankTier
+from fusionrag.retriever.tiers import NavigationTier, RerankTier, recorded_navigation
 from fusionrag.retriever.vectors import STORAGE_DTYPES
 
 # The files an index is read from, and whether each is checksummed whole (the page file is too large:
@@ -139,6 +139,7 @@ class Index(ManifestShape):
         problems = [p for p in problems if p]
         if problems:
             raise IndexFormatError(f"{path}: inconsistent index: " + "; ".join(problems))
+        navigation = recorded_navigation(m, graph.size, graph.dim, path)
         buffer_blocks, cache_records = split_buffer(config.buffer_bytes, config, layout)
         try:
             store = native.PageStore(str(path / "vectors.pages"), layout.record_bytes, layout.records_per_block,
@@ -148,7 +149,7 @@ class Index(ManifestShape):
             raise IndexFormatError(f"{path}: cannot open the SSD tier: {e}") from e
         return cls(
             path, m,
-            NavigationTier(graph, metric == "ip", threads, load_probe_model(path, m), np.diff(offsets)),
+            NavigationTier(graph, metric == "ip", threads, navigation, load_probe_model(path, m), np.diff(offsets)),
             open_filter_tier(config, offsets, list_ids, codes, codebooks, threads, str(path), engine_metric),
             RerankTier(store, locations, dtype, engine_metric, threads, config.rerank_inflight, config.page_mates,
                        config.rerank_prefetch),

@@ -35,7 +35,6 @@ from fusionrag.retriever.layout import PageLayout
 from fusionrag.retriever.learned_probe import MODEL_FILE
 from fusionrag.retriever.manifest import load_array, writing_index
 from fusionrag.retriever.progress import OnProgress, Progress
-from fusionrag.retriever.tiers import exhaustive_is_cheap
 from fusionrag.retriever.vectors import STORAGE_DTYPES
 
 _DTYPES = {v: k for k, v in STORAGE_DTYPES.items()}
@@ -140,7 +139,8 @@ def merge_index(old: Index, dead: np.ndarray, new_vectors: np.ndarray, out_dir: 
     with steps.step("assigning", n_new) as update:
         for s in range(0, n_new, _CHUNK):
             part = slice(s, min(n_new, s + _CHUNK))
-            near, sqd = _nearest(x[part], centroids, graph, metric, min(config.max_replicas, len(centroids)), threads)
+            near, sqd = _nearest(x[part], centroids, graph, metric, min(config.max_replicas, len(centroids)), threads,
+                                 old.nav.exhaustive)
             dist = np.sqrt(np.maximum(sqd, 0))
             take = (dist <= (1 + config.replica_eps) * dist[:, :1]) & (near >= 0)
             take[:, 0] = True
@@ -243,6 +243,8 @@ def merge_index(old: Index, dead: np.ndarray, new_vectors: np.ndarray, out_dir: 
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "count": n_keep + n_new,
             "centroids": len(centroids),
+            # Kept through splits, and recorded for an index built before the record: queries go as rows went.
+            "list_navigation": "exact" if old.nav.exhaustive else "graph",
             "postings": int(len(list_ids)),
             "pages": {**layout.to_dict(), "num_blocks": num_blocks},
             "source": {"path": "<incremental merge>", "dtype": "float32"},
@@ -254,10 +256,10 @@ def merge_index(old: Index, dead: np.ndarray, new_vectors: np.ndarray, out_dir: 
     return stats
 
 
-def _nearest(x, centroids, graph, metric: str, k: int, threads: int):
+def _nearest(x, centroids, graph, metric: str, k: int, threads: int, exact: bool):
     """The k nearest centroids by l2 (what the build's replication uses), ids and squared dists: by the
-    graph, or exactly where that is as cheap (tiers.exhaustive_is_cheap: the graph can miss a cluster)."""
-    if metric != "ip" and not exhaustive_is_cheap(*centroids.shape):
+    graph, or exactly where the index navigates so (its list_navigation: queries look where rows went)."""
+    if metric != "ip" and not exact:
         near, sqd = graph.search(x, k, max(32, 2 * k), threads)
         return near.astype(np.int64), sqd
     # The ip graph orders by inner product; l2 neighbours come from the centroids directly.

@@ -73,7 +73,7 @@ from fusionrag.retriever.queries import PreparedQueries
 from fusionrag.retriever.sharded_merge import (LIST_WRITES, NO_SPLIT_FACTOR, current_part, gen_dir_name,
                                                load_global_ids, manifest_sha, publish)
 from fusionrag.retriever.sharded_writes import DELETE, UPSERT, UPSERT_DOCS, ShardWrites
-from fusionrag.retriever.tiers import NavigationTier, exhaustive_is_cheap
+from fusionrag.retriever.tiers import NavigationTier, build_navigation, recorded_navigation
 from fusionrag.retriever.vectors import STORAGE_DTYPES, as_source
 
 log = logging.getLogger(__name__)
@@ -297,8 +297,8 @@ def _assign_range(source, metric: str, graph_path: str, codebooks: np.ndarray, d
     """Step 4 of the build for rows lo..hi-1 (a Ray task, or called in this process)."""
     rows = _Rows(as_source(source), metric)
     graph = native.Graph.load(graph_path)
-    # As the router's queries find lists (build.assign_rows): exactly where that is cheap, else by graph.
-    exact = graph.vectors() if exhaustive_is_cheap(graph.size, dim + (metric == "ip")) else None
+    # As the router's queries find lists (build.assign_rows); config.navigation is the build's resolved one.
+    exact = graph.vectors() if build_navigation(config.navigation, graph.size, graph.dim) == "exact" else None
     pq = ProductQuantizer(codebooks, dim)
     integral = _IntegralCheck(rows.src.dtype, metric)
     out = []
@@ -357,8 +357,10 @@ def _write_shard(part_dir: str, plan: _ShardPlan, source, metric: str, store_dty
         save_index_files(w, block_crc, graph, plan.list_offsets, plan.list_ids, codebooks, codes, slots)
         w.save_array("global_ids.npy", plan.global_ids)
         w.save_array("lists.npy", plan.lists)
+        # As the router's rows went (config.navigation is the build's resolved one), if it is opened alone.
+        navigation = build_navigation(config.navigation, graph.size, graph.dim)
         manifest = index_manifest(n, dim, metric, store_dtype, src, len(plan.lists), len(plan.list_ids), pq, config,
-                                  {"total_s": time.perf_counter() - t}, pages=layout,
+                                  {"total_s": time.perf_counter() - t}, navigation=navigation, pages=layout,
                                   shard={"index": plan.index, "of": n_shards})
         w.publish(manifest)
     return manifest
@@ -410,6 +412,8 @@ def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfi
 
     centroids, graph, assign_graph, pq = train_index(rows, n, dim, config, rng, threads, steps, timings)
     n_lists = len(centroids)
+    navigation = build_navigation(config.navigation, graph.size, graph.dim)
+    part_config = config.with_overrides(navigation=navigation)  # what assigning and the parts follow
     if shards > n_lists:
         raise ConfigError(f"shards ({shards}) exceed the {n_lists} posting lists of {n} vectors")
 
@@ -432,7 +436,7 @@ def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfi
                 task = ray.remote(_assign_range).options(num_cpus=1)
                 src_ref = ray.put(_ray_source(source))
                 cb_ref = ray.put(pq.codebooks)
-                pending = {task.remote(src_ref, metric, graph_path, cb_ref, dim, config, lo, hi, 1): (lo, hi)
+                pending = {task.remote(src_ref, metric, graph_path, cb_ref, dim, part_config, lo, hi, 1): (lo, hi)
                            for lo, hi in ranges}
                 while pending:
                     done, _ = ray.wait(list(pending), num_returns=1)
@@ -441,7 +445,7 @@ def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfi
                     update(hi - lo)
             else:
                 for lo, hi in ranges:
-                    results[lo] = _assign_range(source, metric, graph_path, pq.codebooks, dim, config, lo, hi,
+                    results[lo] = _assign_range(source, metric, graph_path, pq.codebooks, dim, part_config, lo, hi,
                                                 threads)
                     update(hi - lo)
         Path(graph_path).unlink()
@@ -457,7 +461,7 @@ def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfi
 
         # Placement from the expected work of each list.
         t = time.perf_counter()
-        nav = NavigationTier(graph, metric == "ip", threads, None, sizes)
+        nav = NavigationTier(graph, metric == "ip", threads, navigation, None, sizes)
         sample = None
         if sample_queries is None:
             sample = np.sort(np.random.default_rng(config.seed + 1).choice(n, min(n, num_sample_queries),
@@ -501,7 +505,7 @@ def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfi
                 task = ray.remote(_write_shard).options(num_cpus=1)
                 shared = [ray.put(a) for a in (_ray_source(source), centroids, pq.codebooks)]
                 pending = {task.remote(str(w.dir / part_name(sp.index)), sp, shared[0], metric, store_dtype,
-                                       shared[1], shared[2], codes[sp.global_ids], config, 1, shards): sp.index
+                                       shared[1], shared[2], codes[sp.global_ids], part_config, 1, shards): sp.index
                            for sp in shard_plans}
                 while pending:
                     done, _ = ray.wait(list(pending), num_returns=1)
@@ -510,7 +514,7 @@ def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfi
             else:
                 for sp in shard_plans:
                     shard_manifests[sp.index] = _write_shard(str(w.dir / part_name(sp.index)), sp, source, *args,
-                                                             codes[sp.global_ids], config, threads, shards)
+                                                             codes[sp.global_ids], part_config, threads, shards)
                     update(1)
         timings["write_s"] = time.perf_counter() - t
 
@@ -524,7 +528,8 @@ def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfi
         timings["total_s"] = time.perf_counter() - t_start
         expected = plan.shard_work(shards)
         manifest = index_manifest(
-            n, dim, metric, store_dtype, src, n_lists, list_offsets[-1], pq, config, timings, kind=KIND, shards=shards,
+            n, dim, metric, store_dtype, src, n_lists, list_offsets[-1], pq, config, timings, navigation=navigation,
+            kind=KIND, shards=shards,
             placement={"kind": placement, "replicate": replicate if placement != "round-robin" else 0.0,
                        "replicated_lists": int((plan.shards[:, 1] >= 0).sum()),
                        "sample_queries": int(len(queries)), "probe": params.to_dict(),
@@ -1097,7 +1102,9 @@ class ShardedIndex(ManifestShape):
             if w["count"] != expected[name]:
                 raise IndexFormatError(f"{path}: shard part {name} holds {w['count']} vectors, the router expects "
                                        f"{expected[name]}")
-        out = cls(path, m, NavigationTier(graph, metric == "ip", cpu_threads(config.threads), None, list_sizes),
+        nav = NavigationTier(graph, metric == "ip", cpu_threads(config.threads),
+                             recorded_navigation(m, graph.size, graph.dim, path), None, list_sizes)
+        out = cls(path, m, nav,
                   list_shards, list_local, list_sizes, shards, bool(ray), params, batch_size)
         out.where, out.config, out.actor_options, out.shard_paths = where, config, options, shard_paths
         out.call_timeout_s = call_timeout_s

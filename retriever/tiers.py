@@ -19,7 +19,7 @@ import numpy as np
 
 from fusionrag import native
 from fusionrag.retriever.config import EngineConfig, SearchParams
-from fusionrag.retriever.errors import ConfigError
+from fusionrag.retriever.errors import ConfigError, IndexFormatError
 from fusionrag.retriever.filtering import Candidates
 from fusionrag.retriever.kmeans import sq_dists
 from fusionrag.retriever.learned_probe import ProbeModel, probe_features
@@ -36,23 +36,46 @@ class BatchTables:
 
 
 def exhaustive_is_cheap(centroids: int, dim: int) -> bool:
-    """Whether the nearest centroids are found by exact distances to all of them (Graph.exact_search over the
-    graph's SQ8 codes) rather than by the graph. Exact is what the graph approximates, and a graph over the
-    centroids of tightly clustered data can miss a query's cluster however long it searches (Gaussian
-    clusters of 100 in 128-d, 5,208 centroids: 14% of them out of reach at ef 256; 200k such vectors
-    reached recall@10 0.93 at nprobe 256 by the graph, 0.998 exactly). Where it costs no more than the graph
-    does at the default nprobe (256; bench/results/exact_navigation.md, 2026-11-27 10:57, screened by integer
-    products, 2 threads, batches of 64, us a query): 31 at 5,208 x 128 (the graph: 161), 61 at MiniLM's 3,550 x
-    384 (177), 59 at 20k x 128 (209), 76 at 32,768 x 96 (216); one query alone, 58 (217) to 320 (716); at
-    nprobe 64 about what the graph costs or less (87 against 93 at 32,768 x 96). Not beyond: 213 at 105,882 x
-    64 where the graph took 181 (the passes over every centroid are what grows). Fashion-MNIST's 5,954 x 784
-    (4.7M floats) would now qualify on cost (67 against 139), but its builds assigned rows by the graph, so the
-    limit stays until a build records which way its queries navigate."""
+    """Whether a new build's rows and queries find their nearest centroids by exact distances to all of them
+    (Graph.exact_search over the graph's SQ8 codes) rather than by the graph (BuildConfig.navigation 'auto').
+    Exact is what the graph approximates, and a graph over the centroids of tightly clustered data can miss a
+    query's cluster however long it searches (Gaussian clusters of 100 in 128-d, 5,208 centroids: 14% of them
+    out of reach at ef 256; 200k such vectors reached recall@10 0.93 at nprobe 256 by the graph, 0.998
+    exactly). Exact costs a pass over every centroid whatever the lists wanted, the graph about m of them: at
+    MiniLM's 3,550 x 384, 35 us a query at m 64 against the graph's 66 (bench/results/exact_navigation.md,
+    batches of 64, one thread). Beyond 3M floats the graph is the cheaper where real data is searched: on
+    Fashion-MNIST's 5,954 x 784, recall@10 0.90 is reached at nprobe 16, where exact took 122 us a query and the
+    graph 37 (exact_navigation_fashion.md), and exactly navigated builds found the same recall at each
+    setting and lost a third of their QPS (docs/tuning.md, "Exact navigation's limit")."""
     return centroids <= EXHAUSTIVE_MAX_CENTROIDS and centroids * dim <= EXHAUSTIVE_MAX_FLOATS
 
 
 EXHAUSTIVE_MAX_CENTROIDS = 32768
 EXHAUSTIVE_MAX_FLOATS = 3 << 20
+LEGACY_MAX_FLOATS = 3 << 20  # the rule of builds that did not record their navigation (list_navigation)
+NAVIGATIONS = ("exact", "graph")
+
+
+def build_navigation(choice: str, centroids: int, dim: int) -> str:
+    """'exact' or 'graph': how a new build's rows and queries find their lists (BuildConfig.navigation; dim:
+    the graph's, one more than the data's for ip)."""
+    if choice == "auto":
+        return "exact" if exhaustive_is_cheap(centroids, dim) else "graph"
+    if choice not in NAVIGATIONS:
+        raise ConfigError(f"navigation must be auto, exact or graph, not {choice!r}")
+    return choice
+
+
+def recorded_navigation(manifest: dict, centroids: int, dim: int, path="") -> str:
+    """'exact' or 'graph': how an index's queries find their lists, as its manifest records ("list_navigation");
+    an index built before the record goes the way its build's rows went: exactly where the centroids were at
+    most EXHAUSTIVE_MAX_CENTROIDS and centroids x dim at most LEGACY_MAX_FLOATS."""
+    mode = manifest.get("list_navigation")
+    if mode is None:
+        return "exact" if centroids <= EXHAUSTIVE_MAX_CENTROIDS and centroids * dim <= LEGACY_MAX_FLOATS else "graph"
+    if mode not in NAVIGATIONS:
+        raise IndexFormatError(f"{path}: the manifest's list_navigation must be exact or graph, not {mode!r}")
+    return mode
 
 
 EXHAUSTIVE_CHUNK = 1 << 18  # distances held at once: a chunk of queries' rows of them, and their partial sort
@@ -89,16 +112,17 @@ def _by_distance_then_id(ids: np.ndarray, d: np.ndarray) -> np.ndarray:
 
 class NavigationTier:
     """The l2 graph over the centroids; for an ip index the centroids carry one extra
-    coordinate (see build.mips_augment) and queries get a zero there. Where exhaustive_is_cheap,
-    queries go to the centroids' exact distances instead (Graph.exact_search, over the graph's own
+    coordinate (see build.mips_augment) and queries get a zero there. Where the index navigates
+    exactly (its manifest's list_navigation), queries go to the centroids' exact distances instead (Graph.exact_search, over the graph's own
     codes: no copy of the centroids, no BLAS buffers)."""
 
-    def __init__(self, graph, augmented: bool, threads: int, model: ProbeModel | None = None,
+    def __init__(self, graph, augmented: bool, threads: int, navigation: str, model: ProbeModel | None = None,
                  list_sizes: np.ndarray | None = None):
         self.graph, self.augmented, self.threads = graph, augmented, threads
         self.model = model  # learned pruning's, where the index has one (SearchParams.probe 'learned')
         self.list_sizes = list_sizes  # postings per list: the ratio rule keeps lists up to p.rerank of them
-        self.exhaustive = exhaustive_is_cheap(graph.size, graph.dim)
+        # 'exact' or 'graph', as the build's rows went (build_navigation, recorded_navigation)
+        self.exhaustive = navigation == "exact"
 
     def memory_bytes(self) -> int:
         return int(self.graph.memory_bytes())

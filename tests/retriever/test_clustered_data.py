@@ -9,6 +9,7 @@ rule keeps lists until they hold the candidates the re-rank wants; a collection'
 left short probes every list."""
 
 import numpy as np
+import pytest
 from conftest import clustered, exact_knn, recall, status_bytes
 
 from fusionrag.retriever import BuildConfig, EngineConfig, Index
@@ -32,6 +33,7 @@ def test_rows_and_queries_find_the_same_lists_and_those_are_the_nearest(tmp_path
     idx = Index.open(tmp_path / "idx")
     cents = idx.nav.graph.vectors()
     assert exhaustive_is_cheap(*cents.shape) and idx.nav.exhaustive  # 2,000 centroids x 128
+    assert idx.manifest["list_navigation"] == "exact"
     sizes = np.diff(idx.filter.list_offsets)
     owner = np.repeat(np.arange(len(sizes)), sizes)  # the list of each (list, vector) posting
     held = set(zip(owner.tolist(), idx.filter.list_ids.astype(np.int64).tolist()))
@@ -123,7 +125,7 @@ def test_exact_navigation_holds_no_copy_of_the_centroids(tmp_path):
     g.save(tmp_path / "graph.bin")
     del g
     graph = native.Graph.load(str(tmp_path / "graph.bin"), quantize=True)
-    nav = NavigationTier(graph, augmented=False, threads=2)
+    nav = NavigationTier(graph, augmented=False, threads=2, navigation="exact")
     assert nav.exhaustive and exhaustive_is_cheap(8000, 256)
     q = near(cents, 1024, seed=12)
     p = SearchParams().with_overrides(nprobe=64)
@@ -142,3 +144,79 @@ def test_exact_navigation_holds_no_copy_of_the_centroids(tmp_path):
     order = np.argsort(want, axis=1, kind="stable")[:, :64]
     assert np.mean(lists == order) > 0.999  # the rest: float32 rounding of near ties
     np.testing.assert_allclose(dists, np.take_along_axis(want, lists, 1), rtol=1e-4)
+
+
+def _manifest_without_navigation(path):
+    """What a build before list_navigation was recorded left (the manifest is not among its own checksums)."""
+    import json
+
+    mpath = path / "manifest.json"
+    m = json.loads(mpath.read_text())
+    del m["list_navigation"]
+    mpath.write_text(json.dumps(m))
+
+
+def test_a_build_records_how_its_rows_found_their_lists_and_its_queries_go_so(tmp_path, monkeypatch):
+    """BuildConfig.navigation: 'graph' assigns rows by the graph, as queries then find lists, even where exact
+    distances are cheap; 'exact' assigns them exactly, and queries go exactly, even beyond auto's limit. The
+    choice is the manifest's, not the rule's of the day: a build whose rows went one way is searched that way."""
+    from fusionrag.retriever import tiers
+
+    x = clustered(N, DIM, N // 100, seed=3)
+    Index.build(x, tmp_path / "graph", BuildConfig(metric="l2", navigation="graph"), progress=False)
+    monkeypatch.setattr(tiers, "EXHAUSTIVE_MAX_FLOATS", 1000)  # 'auto' would now take the graph
+    Index.build(x, tmp_path / "exact", BuildConfig(metric="l2", navigation="exact"), progress=False)
+    Index.build(x, tmp_path / "auto", BuildConfig(metric="l2"), progress=False)
+    held_by_exact_nearest = {}
+    for name in ("graph", "exact", "auto"):
+        idx = Index.open(tmp_path / name)
+        cents = idx.nav.graph.vectors()
+        sizes = np.diff(idx.filter.list_offsets)
+        held = set(zip(np.repeat(np.arange(len(sizes)), sizes).tolist(), idx.filter.list_ids.astype(np.int64).tolist()))
+        nearest = sq_dists(x, cents).argmin(axis=1)  # measured from the centroids, apart from the build
+        held_by_exact_nearest[name] = np.mean([(int(c), v) in held for v, c in enumerate(nearest)])
+        q = near(x, 50, seed=6)
+        lists, _ = idx.nav.nearest(q, idx.params.with_overrides(nprobe=16))
+        exact_lists = np.argsort(sq_dists(q, cents), axis=1, kind="stable")[:, :16]
+        want = "graph" if name in ("graph", "auto") else "exact"
+        assert idx.manifest["list_navigation"] == want and idx.nav.exhaustive == (want == "exact"), name
+        assert np.array_equal(lists, exact_lists) == (want == "exact"), name
+        idx.close()
+    assert held_by_exact_nearest["exact"] == 1.0
+    assert held_by_exact_nearest["graph"] < 0.995 and held_by_exact_nearest["auto"] < 0.995  # by the graph: ~96%
+
+
+def test_an_index_without_the_record_navigates_as_its_build_did_and_a_merge_records_it(tmp_path, monkeypatch):
+    """An index built before list_navigation was recorded: exact where its build's rule (at most 3M centroid
+    floats) took it, else by the graph, whatever the limit for new builds says; its next merge writes the
+    record, so that lists split later do not move it across the limit. A garbled record is refused by name."""
+    import json
+
+    from fusionrag.retriever import tiers
+    from fusionrag.retriever.errors import IndexFormatError
+    from fusionrag.retriever.merge import merge_index
+
+    x = clustered(4000, 16, 40, seed=8)  # 400 centroids x 16
+    Index.build(x, tmp_path / "old", BuildConfig(metric="l2"), progress=False)
+    _manifest_without_navigation(tmp_path / "old")
+    idx = Index.open(tmp_path / "old")
+    assert idx.nav.exhaustive  # 6,400 floats: exact by the old rule
+    idx.close()
+    monkeypatch.setattr(tiers, "LEGACY_MAX_FLOATS", 400 * 16 - 1)  # one float short: the graph
+    old = Index.open(tmp_path / "old")
+    assert not old.nav.exhaustive
+    rng = np.random.default_rng(9)
+    new = (x[5] + 0.3 * rng.standard_normal((300, 16))).astype(np.float32)  # crowds one list: splits
+    stats = merge_index(old, np.zeros(len(x), bool), new, tmp_path / "g2", BuildConfig())
+    assert stats.splits > 0
+    monkeypatch.setattr(tiers, "LEGACY_MAX_FLOATS", 1 << 30)  # the rule would say exact now; the record holds
+    merged = Index.open(tmp_path / "g2")
+    assert merged.manifest["list_navigation"] == "graph" and not merged.nav.exhaustive
+    merged.close()
+    old.close()
+    mpath = tmp_path / "g2" / "manifest.json"
+    m = json.loads(mpath.read_text())
+    m["list_navigation"] = "fast"
+    mpath.write_text(json.dumps(m))
+    with pytest.raises(IndexFormatError, match="list_navigation must be exact or graph, not 'fast'"):
+        Index.open(tmp_path / "g2")

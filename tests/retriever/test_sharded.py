@@ -73,6 +73,31 @@ def test_sharded_results_equal_the_single_index(built):
         sharded.close()
 
 
+def test_a_sharded_build_navigates_as_its_config_says_and_records_it(built, tmp_path):
+    """BuildConfig.navigation 'graph' where 'auto' navigates exactly (200 centroids x 24): the router's rows
+    and queries go by the graph as the single index's do, and the router and every part record it."""
+    import dataclasses
+
+    cfg = dataclasses.replace(CONFIG, navigation="graph")
+    base = built["base"]
+    build_index(base, tmp_path / "single", cfg, progress=False)
+    build_sharded(base, tmp_path / "sharded", 3, cfg, progress=False)
+    single, sharded = Index.open(tmp_path / "single"), ShardedIndex.open(tmp_path / "sharded")
+    auto = Index.open(built["root"] / "single")
+    try:
+        assert auto.manifest["list_navigation"] == "exact" and auto.nav.exhaustive
+        assert not single.nav.exhaustive and not sharded.nav.exhaustive
+        manifests = [sharded.manifest] + [json.loads((tmp_path / "sharded" / part_name(s) / "manifest.json")
+                                                     .read_text()) for s in range(3)]
+        assert [m["list_navigation"] for m in manifests] == ["graph"] * 4
+        q, p = built["queries"], SearchParams()
+        assert np.array_equal(sharded.nav.probe(q, p)[0], single.nav.probe(q, p)[0])
+        a, b = single.search(q, 10, EXHAUSTIVE), sharded.search(q, 10, EXHAUSTIVE)
+        assert np.array_equal(a.ids, b.ids)
+    finally:
+        sharded.close()
+
+
 def test_each_shard_part_is_an_ordinary_index_holding_its_lists(built):
     root = built["root"]
     single = Index.open(root / "single")
