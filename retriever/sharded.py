@@ -919,15 +919,40 @@ def _is_down(e: BaseException) -> bool:
     return isinstance(e, (rx.RayActorError, rx.ActorUnavailableError, rx.GetTimeoutError))
 
 
-def _start_actor(path: str, config: EngineConfig, params: SearchParams, options: dict, s: int, soft: bool = False):
+def _reachable_nodes(ray) -> list[str]:
+    """The ids of the nodes Ray counts alive whose raylet also takes a connection now, sorted (all that Ray counts
+    alive, if none does). Ray counts a node alive until its health checks fail, 12-15 s after it died; an actor
+    placed there meanwhile waits on it, and on Ray 2.60 the GCS itself was seen to exit when the node was then
+    declared dead with that actor's lease pending (tests/retriever/sharded_ray_faults_child.py node-crash)."""
+    import socket
+
+    alive = sorted((n["NodeID"], n.get("NodeManagerAddress"), n.get("NodeManagerPort")) for n in ray.nodes()
+                   if n.get("Alive"))
+    reachable = []
+    for node, host, port in alive:
+        try:
+            socket.create_connection((host, int(port)), timeout=NODE_PROBE_S).close()
+        except (OSError, TypeError, ValueError):
+            continue
+        reachable.append(node)
+    return reachable or [node for node, _, _ in alive]
+
+
+NODE_PROBE_S = 0.5  # a raylet that takes no connection in this long is taken for dead
+
+
+def _start_actor(path: str, config: EngineConfig, params: SearchParams, options: dict, s: int, soft: bool = False,
+                 avoid: str | None = None):
     """Shard s as a Ray actor: by default on the s-th alive node (mod their count), and only there (soft: there
-    when that node is alive, elsewhere else)."""
+    when that node is alive, elsewhere else), of the nodes whose raylet answers (_reachable_nodes). avoid: a node
+    left out while another answers, the node a dead shard ran on."""
     ray = _ray()
     options = dict(options)
     if "scheduling_strategy" not in options:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+        reachable = _reachable_nodes(ray)
+        nodes = [n for n in reachable if n != avoid] or reachable
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(nodes[s % len(nodes)], soft=soft)
     return ray.remote(ShardServer).options(**options).remote(path, config, params, SHARD_LOCK_WAIT_S)
 
@@ -1658,8 +1683,9 @@ class ShardedIndex(ManifestShape):
         return back
 
     def restart_shard(self, s: int) -> dict:
-        """Re-create shard s from its directory (its index, and its log replayed), on its node when that node is
-        alive, and route to it again. Returns where it runs."""
+        """Re-create shard s from its directory (its index, and its log replayed), on another alive node than the
+        one it ran on where there is one (that node may be dying: _start_actor), and route to it again. Returns
+        where it runs."""
         path = self.shard_paths[s]
         if self.use_ray:
             import ray
@@ -1668,7 +1694,8 @@ class ShardedIndex(ManifestShape):
                 ray.kill(self.shards[s], no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
-            shard = _start_actor(path, self.config, self.params, self.actor_options, s, soft=True)
+            shard = _start_actor(path, self.config, self.params, self.actor_options, s, soft=True,
+                                 avoid=self.where[s].get("node_id"))
             where = ray.get(shard.where.remote())
         else:
             try:

@@ -76,5 +76,10 @@ def ray_cluster(nodes: int, logs_to: Path | None = None):
                             dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.sock"))
         raise
     finally:
+        # FR_KEEP_RAY_LOGS=1: the logs kept whatever happens (a GCS that exits takes the driver down with no
+        # exception, so the copy above never runs).
+        if os.environ.get("FR_KEEP_RAY_LOGS") and logs_to is not None:
+            shutil.copytree(Path(temp) / "session_latest" / "logs", logs_to, ignore_dangling_symlinks=True,
+                            dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.sock"))
         subprocess.run([ray_cli(), "stop", "--force"], env=env, capture_output=True)
         shutil.rmtree(temp, ignore_errors=True)

@@ -3,8 +3,9 @@
 actors, searches and writes under load while one shard's actor process (or a whole worker node) is killed (SIGKILL) and
 its shard restarted from its directory. Prints one JSON line of what it saw; stops every Ray process it started.
 
-usage: sharded_ray_faults_child.py WORKDIR [actor|node|node-term]   (WORKDIR holds base.npy, queries.npy and idx/, a
-3-shard index; node: a whole worker node is killed instead of one actor; node-term: removed, its raylet sent SIGTERM)
+usage: sharded_ray_faults_child.py WORKDIR [actor|node|node-crash|node-term]   (WORKDIR holds base.npy, queries.npy and
+idx/, a 3-shard index; node: a whole worker node is killed instead of one actor, its raylet SIGKILLed; node-crash: the
+raylet and every process under it SIGKILLed at once; node-term: removed, its raylet sent SIGTERM)
 """
 
 from __future__ import annotations
@@ -87,8 +88,27 @@ def raylet_pid(node_id: str) -> int:
     raise RuntimeError(f"no raylet of node {node_id}")
 
 
-def kill_a_node(index, base, queries, written, all_found, sig: int = signal.SIGKILL) -> dict:
-    """A whole worker node killed under load (its raylet, SIGKILL; its workers follow), or removed (SIGTERM: the
+def process_tree(root: int) -> list[int]:
+    """root and every process descended from it (the raylet's workers and agents), root first."""
+    children: dict[int, list[int]] = {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(proc.name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def kill_a_node(index, base, queries, written, all_found, sig: int = signal.SIGKILL, crash: bool = False) -> dict:
+    """A whole worker node killed under load (its raylet, SIGKILL; its workers follow), crashed (crash: the raylet
+    and every process under it SIGKILLed at once, as a machine's sudden death takes them), or removed (SIGTERM: the
     raylet leaves the cluster as `ray stop` makes it): the shard on it is restarted from its directory on a live
     node."""
     import ray
@@ -103,7 +123,13 @@ def kill_a_node(index, base, queries, written, all_found, sig: int = signal.SIGK
     stop, lock = threading.Event(), threading.Lock()
     threads = load(index, base, queries, stop, report, lock, written)
     time.sleep(2)
-    os.kill(raylet_pid(node), sig)
+    pids = process_tree(raylet_pid(node)) if crash else [raylet_pid(node)]
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    report["processes_killed"] = len(pids)
     t = time.perf_counter()
     while index.alive[victim] and time.perf_counter() - t < 60:
         time.sleep(0.2)
@@ -190,7 +216,8 @@ def main() -> None:
             kill_an_actor(index, base, queries, written, all_found, report)
         else:
             report["node_kill"] = kill_a_node(index, base, queries, written, all_found,
-                                              signal.SIGTERM if mode == "node-term" else signal.SIGKILL)
+                                              signal.SIGTERM if mode == "node-term" else signal.SIGKILL,
+                                              crash=mode == "node-crash")
         report["listening"] = listening()
         index.close()
         # Every shard again from its directory: its log replayed, the router's maps rebuilt.

@@ -421,3 +421,61 @@ def test_ray_cluster_of_two_nodes_on_loopback(built, tmp_path):
     assert report["fresh_after_merge"] == [0, 0], report
     # Every Ray server listened on loopback only.
     assert report["listening"] and all(a in LOOPBACK for a in report["listening"]), report["listening"]
+
+
+def test_a_restarted_shard_goes_to_a_node_whose_raylet_answers_and_not_where_it_died(monkeypatch):
+    """Ray counts a dead node alive until its health checks fail (12-15 s); a shard placed there meanwhile waits
+    on it (and on Ray 2.60 the GCS was seen to exit when the node was then declared dead). So a shard goes only to
+    a node whose raylet takes a connection (real sockets here: one listening, one closed), and a restarted one to
+    another node than the one it died on while another answers."""
+    import socket
+
+    from fusionrag.retriever import sharded
+
+    a, b, c, d = (f"{i:02x}" * 28 for i in range(1, 5))  # node ids as Ray writes them (56 hex digits)
+
+    listening = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+    closed = socket.create_server(("127.0.0.1", 0))
+    dead_port = closed.getsockname()[1]
+    closed.close()  # nothing listens there now: connection refused, as for a killed raylet
+    nodes = [{"NodeID": a, "Alive": True, "NodeManagerAddress": "127.0.0.1",
+              "NodeManagerPort": listening[0].getsockname()[1]},
+             {"NodeID": b, "Alive": True, "NodeManagerAddress": "127.0.0.1", "NodeManagerPort": dead_port},
+             {"NodeID": c, "Alive": True, "NodeManagerAddress": "127.0.0.1",
+              "NodeManagerPort": listening[1].getsockname()[1]},
+             {"NodeID": d, "Alive": False, "NodeManagerAddress": "127.0.0.1",
+              "NodeManagerPort": listening[1].getsockname()[1]}]
+    placed = []
+
+    class FakeRay:
+        @staticmethod
+        def nodes():
+            return nodes
+
+        @staticmethod
+        def remote(cls):
+            class Options:
+                def options(self, **options):
+                    placed.append(options["scheduling_strategy"])
+                    return self
+
+                def remote(self, *args):
+                    return "actor"
+            return Options()
+
+    monkeypatch.setattr(sharded, "_ray", lambda: FakeRay)
+    try:
+        assert sharded._reachable_nodes(FakeRay) == [a, c]
+        for s in range(4):  # shard s on the s-th answering node: never b (refuses), never d (dead)
+            sharded._start_actor("p", None, None, {}, s)
+        assert [p.node_id for p in placed] == [a, c, a, c] and not any(p.soft for p in placed)
+        placed.clear()
+        sharded._start_actor("p", None, None, {}, 0, soft=True, avoid=a)  # died on a: c, though a answers
+        sharded._start_actor("p", None, None, {}, 1, soft=True, avoid=c)
+        assert [p.node_id for p in placed] == [c, a] and all(p.soft for p in placed)
+        for sock in listening:
+            sock.close()
+        assert sharded._reachable_nodes(FakeRay) == [a, b, c]  # none answers: every node Ray counts alive
+    finally:
+        for sock in listening:
+            sock.close()

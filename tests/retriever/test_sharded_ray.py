@@ -63,6 +63,24 @@ def test_a_worker_node_removed_under_load_on_three_nodes(ray_namespace, tmp_path
     assert r["listening"] and all(a in LOOPBACK for a in r["listening"]), r["listening"]
 
 
+def test_a_worker_node_crashed_under_load_on_three_nodes(ray_namespace, tmp_path):
+    """A whole worker node dies at once under load (its raylet and every process under it SIGKILLed, the shard's
+    actor among them). Ray counts the node alive until its health checks fail, 12-15 s later: the shard is
+    restarted meanwhile on a node whose raylet answers, not on the dead one, and the index reopened at once does
+    the same. Before, the restart went back to the dead node, and the GCS exited when Ray then declared it dead
+    with the restarted actor's lease pending (3 runs of 3 failed so). No search fails, no acknowledged write is
+    lost."""
+    three_shards(tmp_path)
+    r = in_namespace(FAULTS_CHILD, tmp_path, 500, "node-crash")
+    print(r)
+    k = r["node_kill"]
+    assert r["nodes"] == 3 and r["actor_nodes"] == 3 and k["processes_killed"] >= 2, r
+    assert not k["search_errors"] and not k["write_errors"] and k["searches"] > 0 and k["partial"] > 0, r
+    assert k["moved_to_another_node"] and k["full_after_restart"], r
+    assert k["acknowledged_found"] and r["acknowledged_found_after_reopen"], r
+    assert r["listening"] and all(a in LOOPBACK for a in r["listening"]), r["listening"]
+
+
 def test_served_over_http_with_the_router_a_ray_serve_deployment(ray_namespace, tmp_path):
     from fusionrag.retriever.sharded import ShardedIndex
 
