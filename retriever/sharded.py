@@ -942,16 +942,17 @@ NODE_PROBE_S = 0.5  # a raylet that takes no connection in this long is taken fo
 
 
 def _start_actor(path: str, config: EngineConfig, params: SearchParams, options: dict, s: int, soft: bool = False,
-                 avoid: str | None = None):
+                 avoid: str | None = None, reachable: list[str] | None = None):
     """Shard s as a Ray actor: by default on the s-th alive node (mod their count), and only there (soft: there
-    when that node is alive, elsewhere else), of the nodes whose raylet answers (_reachable_nodes). avoid: a node
-    left out while another answers, the node a dead shard ran on."""
+    when that node is alive, elsewhere else), of the nodes whose raylet answers (_reachable_nodes, or reachable
+    where the caller probed them once for several shards). avoid: a node left out while another answers, the
+    node a dead shard ran on."""
     ray = _ray()
     options = dict(options)
     if "scheduling_strategy" not in options:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        reachable = _reachable_nodes(ray)
+        reachable = reachable or _reachable_nodes(ray)
         nodes = [n for n in reachable if n != avoid] or reachable
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(nodes[s % len(nodes)], soft=soft)
     return ray.remote(ShardServer).options(**options).remote(path, config, params, SHARD_LOCK_WAIT_S)
@@ -1103,7 +1104,9 @@ class ShardedIndex(ManifestShape):
                 raise ConfigError("ray=True: connect to a Ray cluster first (ray.init(address=...))")
             # Threads of its own for a shard's calls: searches go on while it merges (ShardServer is thread-safe).
             options = {"num_cpus": 0, "max_restarts": 0, "max_concurrency": 8, **(actor_options or {})}
-            shards = [_start_actor(p, config, params, options, s) for s, p in enumerate(shard_paths)]
+            reachable = None if "scheduling_strategy" in options else _reachable_nodes(rray)  # probed once
+            shards = [_start_actor(p, config, params, options, s, reachable=reachable)
+                      for s, p in enumerate(shard_paths)]
             try:
                 where = rray.get([s.where.remote() for s in shards])
             except rray.exceptions.RayActorError as e:

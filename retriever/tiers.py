@@ -35,7 +35,7 @@ class BatchTables:
     metric: str  # 'l2' or 'ip'
 
 
-def exhaustive_is_cheap(centroids: int, dim: int) -> bool:
+def exhaustive_is_cheap(centroids: int, dim: int, max_floats: int | None = None) -> bool:
     """Whether a new build's rows and queries find their nearest centroids by exact distances to all of them
     (Graph.exact_search over the graph's SQ8 codes) rather than by the graph (BuildConfig.navigation 'auto').
     Exact is what the graph approximates, and a graph over the centroids of tightly clustered data can miss a
@@ -46,8 +46,10 @@ def exhaustive_is_cheap(centroids: int, dim: int) -> bool:
     batches of 64, one thread). Beyond 3M floats the graph is the cheaper where real data is searched: on
     Fashion-MNIST's 5,954 x 784, recall@10 0.90 is reached at nprobe 16, where exact took 122 us a query and the
     graph 37 (exact_navigation_fashion.md), and exactly navigated builds found the same recall at each
-    setting and lost a third of their QPS (docs/tuning.md, "Exact navigation's limit")."""
-    return centroids <= EXHAUSTIVE_MAX_CENTROIDS and centroids * dim <= EXHAUSTIVE_MAX_FLOATS
+    setting and lost a third of their QPS (docs/tuning.md, "Exact navigation's limit"). max_floats: another limit
+    on centroids x dim (recorded_navigation's, for builds before the record)."""
+    limit = EXHAUSTIVE_MAX_FLOATS if max_floats is None else max_floats
+    return centroids <= EXHAUSTIVE_MAX_CENTROIDS and centroids * dim <= limit
 
 
 EXHAUSTIVE_MAX_CENTROIDS = 32768
@@ -72,7 +74,7 @@ def recorded_navigation(manifest: dict, centroids: int, dim: int, path="") -> st
     most EXHAUSTIVE_MAX_CENTROIDS and centroids x dim at most LEGACY_MAX_FLOATS."""
     mode = manifest.get("list_navigation")
     if mode is None:
-        return "exact" if centroids <= EXHAUSTIVE_MAX_CENTROIDS and centroids * dim <= LEGACY_MAX_FLOATS else "graph"
+        return "exact" if exhaustive_is_cheap(centroids, dim, LEGACY_MAX_FLOATS) else "graph"
     if mode not in NAVIGATIONS:
         raise IndexFormatError(f"{path}: the manifest's list_navigation must be exact or graph, not {mode!r}")
     return mode

@@ -49,6 +49,13 @@ def listening() -> list[str]:
     return sorted({line.split()[3].rsplit(":", 1)[0] for line in out.splitlines() if line.strip()})
 
 
+def _copy_logs(temp: str, logs_to: Path | None) -> None:
+    logs = Path(temp) / "session_latest" / "logs"
+    if logs_to is not None and logs.exists():
+        shutil.copytree(logs, logs_to, ignore_dangling_symlinks=True, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("*.sock"))
+
+
 @contextmanager
 def ray_cluster(nodes: int, logs_to: Path | None = None):
     """`nodes` Ray nodes on 127.0.0.1 (`ray start` each, one CPU, a small object store), this process connected
@@ -71,15 +78,12 @@ def ray_cluster(nodes: int, logs_to: Path | None = None):
         yield temp
         ray.shutdown()
     except BaseException:
-        if logs_to is not None and (Path(temp) / "session_latest" / "logs").exists():
-            shutil.copytree(Path(temp) / "session_latest" / "logs", logs_to, ignore_dangling_symlinks=True,
-                            dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.sock"))
+        _copy_logs(temp, logs_to)
         raise
+    else:
+        # FR_KEEP_RAY_LOGS=1: the logs kept however the body ended (the runs whose GCS exited left none without it).
+        if os.environ.get("FR_KEEP_RAY_LOGS"):
+            _copy_logs(temp, logs_to)
     finally:
-        # FR_KEEP_RAY_LOGS=1: the logs kept whatever happens (a GCS that exits takes the driver down with no
-        # exception, so the copy above never runs).
-        if os.environ.get("FR_KEEP_RAY_LOGS") and logs_to is not None:
-            shutil.copytree(Path(temp) / "session_latest" / "logs", logs_to, ignore_dangling_symlinks=True,
-                            dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.sock"))
         subprocess.run([ray_cli(), "stop", "--force"], env=env, capture_output=True)
         shutil.rmtree(temp, ignore_errors=True)
