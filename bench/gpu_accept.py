@@ -136,8 +136,44 @@ class Run:
                     filter=lambda info: None if info.size > FILE_MAX else info)
 
 
+# Issue 14's targets, judged from the steps' figures: a run whose every step passed can still miss them.
+# (name, step, what is measured, how it is read from the step's record, the test it must pass, the target)
+TARGETS = (
+    ("scan_bandwidth", "c", "ADC scan, fraction of the device's copy bandwidth",
+     lambda r: max((x for x in r.get("scan_fraction_of_bandwidth") or [] if x is not None), default=None),
+     lambda v: v >= 0.5, ">= 0.5"),
+    ("gpu_over_cpu", "c", "GPU tier QPS over the CPU tier's at recall@10 >= 0.90",
+     lambda r: r.get("gpu_over_cpu_at_0.90"), lambda v: v >= 5, ">= 5"),
+    ("memory_within_budget", "c", "process's GPU memory (NVML) within its budget, all and a third of the codes",
+     lambda r: None if not r.get("gpu_memory") else bool(
+         r["gpu_memory"].get("process_within_budget") and
+         (r.get("gpu_memory_third_codes_resident") or {}).get("process_within_budget")),
+     lambda v: v is True, "true"),
+    ("retrieval_p99_beside_llm", "d", "retrieval p99 beside the decoder over alone",
+     lambda r: (r.get("verdict") or {}).get("retrieval_p99_ratio"), lambda v: v <= 1.5, "<= 1.5"),
+    ("llm_tokens_beside_retrieval", "d", "decoder tokens/s beside retrieval over alone",
+     lambda r: (r.get("verdict") or {}).get("llm_tokens_ratio"), lambda v: v >= 0.9, ">= 0.9"),
+    ("no_oom_no_failure", "d", "no out-of-memory and no failed request beside the decoder",
+     lambda r: (r.get("verdict") or {}).get("no_oom"), lambda v: v is True, "true"),
+)
+
+
+def targets(s: dict) -> dict:
+    """Each target: what was measured (None where its step did not run or gave no figure) and whether it is met."""
+    out = {}
+    for name, step, what, read, test, target in TARGETS:
+        r = s["steps"].get(step)
+        value = read(r) if r and r.get("outcome") != "skipped" else None
+        out[name] = {"what": what, "measured": value, "target": target,
+                     "met": None if value is None else bool(test(value))}
+    return out
+
+
 def write_summary(out: Path, s: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    s["targets"] = targets(s)
+    met = [t["met"] for t in s["targets"].values()]
+    s["targets_met"] = None if None in met else all(met)
     (out / "gpu_accept.json").write_text(json.dumps(s, indent=1) + "\n")
     (out / "gpu_accept.md").write_text(markdown(s))
 
@@ -291,12 +327,18 @@ MD_FIGURES = {
 
 
 def markdown(s: dict) -> str:
-    lines = [f"# GPU acceptance: {'PASSED' if s['passed'] else 'FAILED'}", "",
+    verdict = {True: "every target met", False: "targets NOT met", None: "targets not all measured"}
+    lines = [f"# GPU acceptance: steps {'PASSED' if s['passed'] else 'FAILED'}, {verdict[s.get('targets_met')]}", "",
              f"Device: **{s['device']}** (torch {s['torch']}, triton {s['triton']}, Python {s['python']}, "
              f"{s['cpus']} CPUs); {s['seconds']} s from {s['started']}.", "",
              "| step | what | outcome | seconds |", "|---|---|---|---|"]
     for name, r in s["steps"].items():
         lines.append(f"| {name} | {r['title']} | {r['outcome']} | {r['seconds']} |")
+    t = s.get("targets") or {}
+    met = {True: "met", False: "NOT met", None: "not measured"}
+    lines += ["", f"Issue 14's targets: {sum(x['met'] is True for x in t.values())} of {len(t)} met.", "",
+              "| target | measured | wanted | |", "|---|---|---|---|"]
+    lines += [f"| {x['what']} | {_short(x['measured'])} | {x['target']} | {met[x['met']]} |" for x in t.values()]
     for name, r in s["steps"].items():
         shown = [(k, r[k]) for k in MD_FIGURES.get(name, ()) if r.get(k) is not None]
         if shown:
@@ -311,7 +353,7 @@ def merge(dirs: list[Path], out: Path) -> int:
     if len(devices) != 1:
         print(f"gpu_accept: runs on different devices: {sorted(map(str, devices))}", file=sys.stderr)
         return 2
-    s = {**runs[-1], "steps": {}, "merged_from": [str(d) for d in dirs]}
+    s = {**runs[-1], "steps": {}, "merged_from": [d.name for d in dirs]}
     for r in runs:
         s["steps"].update(r.get("steps", {}))
     s["steps"] = {k: s["steps"][k] for k in STEPS if k in s["steps"]}

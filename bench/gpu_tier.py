@@ -150,16 +150,31 @@ def recall(ids: np.ndarray, gt: np.ndarray) -> float:
     return sum(len(np.intersect1d(a, b)) for a, b in zip(ids, gt)) / gt.size
 
 
-def sweep(index: Index, queries, gt, grid) -> list[dict]:
+STAGES = ("graph_s", "lut_s", "scan_s", "rerank_s")
+
+
+def sweep(index: Index, queries, gt, grid, repeat: int = 3) -> list[dict]:
+    """Each (nprobe, rerank): recall, QPS (the median of `repeat` timed calls), and where a query's time went:
+    each stage's seconds as the engine times them (per query, summed over the call's queries and divided by
+    its wall time, so a stage's figure is how many cores' worth of it ran: stages of a pipeline overlap)."""
     runs = []
     for nprobe, rerank in grid:
         # Untimed first pass: pages get cached (the GPU tier compiled its kernels when it opened).
         index.search(queries, k=10, nprobe=nprobe, rerank=rerank)
-        start = time.perf_counter()
-        res = index.search(queries, k=10, nprobe=nprobe, rerank=rerank)
-        seconds = time.perf_counter() - start
+        walls, busy = [], {k: 0.0 for k in STAGES}
+        for _ in range(repeat):
+            start = time.perf_counter()
+            res = index.search(queries, k=10, nprobe=nprobe, rerank=rerank)
+            walls.append(time.perf_counter() - start)
+            for k in STAGES:
+                busy[k] += float(res.stats[k].sum())
+        seconds = float(np.median(walls))
         runs.append({"nprobe": nprobe, "rerank": rerank, "recall@10": round(recall(res.ids, gt), 4),
-                     "qps": round(len(queries) / seconds, 1)})
+                     "qps": round(len(queries) / seconds, 1),
+                     "stage_busy": {k[:-2]: round(v / sum(walls), 2) for k, v in busy.items()},
+                     "unique_candidates": round(float(res.stats["unique_candidates"].mean()), 1),
+                     "reranked": round(float(res.stats["reranked"].mean()), 1),
+                     "pages_read": round(float(res.stats["pages_read"].mean()), 2)})
     return runs
 
 

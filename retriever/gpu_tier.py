@@ -38,7 +38,7 @@ from fusionrag.kernels.dedup import FREE
 from fusionrag.kernels.pool import ALIGN, OVERHEAD, BlockPool, BudgetAccount, BudgetError, DeviceBudget, WorkingBlock
 from fusionrag.kernels.pq_table import KSUB, pq_tables
 from fusionrag.kernels.topn import topn as select_topn
-from fusionrag.kernels.variants import Variant
+from fusionrag.kernels.variants import Variant, compile_all
 from fusionrag.retriever.errors import ConfigError, InputError
 from fusionrag.retriever.filtering import Candidates
 
@@ -187,12 +187,10 @@ class GpuFilterTier:
                 *topn_mod.variants()]
 
     def _compile(self) -> dict[str, float]:
-        """Compile and load every variant (Triton caches them in memory for this process, and on
-        disk); seconds per kernel."""
-        seconds: dict[str, float] = {}
+        """Compile and load every variant, several at a time (Triton caches them in memory for this process,
+        and on disk); per kernel, seconds until its variants were compiled (variants.compile_all)."""
         with torch.cuda.device(self.device):
-            for v in self.variants():
-                seconds[v.name] = seconds.get(v.name, 0.0) + v.compile()
+            seconds = compile_all(self.variants())
         return {name: round(t, 3) for name, t in seconds.items()}
 
     def close(self) -> None:

@@ -54,3 +54,24 @@ def test_gpu_accept_dry_run_runs_every_step_and_summarizes(tmp_path):
                              str(tmp_path / "second"), "--out", str(tmp_path / "merged")], cwd=ROOT)
     m = json.loads((tmp_path / "merged" / "gpu_accept.json").read_text())
     assert m["steps"] == steps and m["passed"] == s["passed"] and merged.returncode == (0 if s["passed"] else 1)
+    # The targets are judged from the figures, apart from the steps' outcomes: a run whose steps all pass
+    # misses a target by its figure, meets it by its figure, and leaves unmeasured what did not run.
+    for scan, ratio, met in (([0.12, 0.61], 5.2, True), ([0.09, 0.107], 0.83, False)):
+        fake = {**s, "steps": {**steps, "c": {**c, "outcome": "passed", "scan_fraction_of_bandwidth": scan,
+                                              "gpu_over_cpu_at_0.90": ratio}}}
+        (tmp_path / "fake").mkdir(exist_ok=True)
+        (tmp_path / "fake" / "gpu_accept.json").write_text(json.dumps(fake))
+        subprocess.run([sys.executable, "bench/gpu_accept.py", "--merge", str(tmp_path / "fake"), "--out",
+                        str(tmp_path / "judged")], cwd=ROOT, capture_output=True)
+        t = json.loads((tmp_path / "judged" / "gpu_accept.json").read_text())["targets"]
+        assert (t["scan_bandwidth"]["measured"], t["scan_bandwidth"]["met"]) == (max(scan), met)
+        assert (t["gpu_over_cpu"]["measured"], t["gpu_over_cpu"]["met"]) == (ratio, met)
+        md = (tmp_path / "judged" / "gpu_accept.md").read_text()
+        assert ("| >= 5 | met |" in md) == met and ("| >= 5 | NOT met |" in md) != met
+    only_a = tmp_path / "only_a"
+    only_a.mkdir()
+    (only_a / "gpu_accept.json").write_text(json.dumps({**s, "steps": {"a": a}}))
+    subprocess.run([sys.executable, "bench/gpu_accept.py", "--merge", str(only_a), "--out", str(tmp_path / "half")],
+                   cwd=ROOT, capture_output=True)
+    half = json.loads((tmp_path / "half" / "gpu_accept.json").read_text())
+    assert half["targets_met"] is None and all(x["met"] is None for x in half["targets"].values())

@@ -4,6 +4,7 @@ semantics and misses what only the compiler refuses (globals, constexpr rules, l
 Run by test_kernels.py in a process without TRITON_INTERPRET; prints one line per kernel."""
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 os.environ.pop("TRITON_INTERPRET", None)
 
@@ -25,11 +26,19 @@ CASES = [
     variant(dedup_kernel, ("*i32", "*i64", "*i64", "*i8", "*i64"), 4, BLOCK=256),
 ]
 
-for v in CASES:
+
+
+def compile_one(v):
     constexprs = dict(v.constexprs)
     runtime = iter(v.signature)
     signature = {name: "constexpr" if name in constexprs else next(runtime) for name in v.kernel.arg_names}
     compiled = triton.compile(ASTSource(fn=v.kernel, signature=signature, constexprs=constexprs), target=TARGET,
                               options={"num_warps": v.num_warps})
     assert compiled.asm["cubin"], v
-    print("compiled", v, flush=True)
+    return v
+
+
+# Several at a time, as the GPU tier compiles them (variants.compile_all): Triton's compiler in threads.
+with ThreadPoolExecutor(4) as pool:
+    for v in pool.map(compile_one, CASES):
+        print("compiled", v, flush=True)

@@ -17,6 +17,7 @@ from fusionrag.kernels.dedup import dedup, dedup_reference
 from fusionrag.kernels.pool import BlockPool, BudgetError, DeviceBudget
 from fusionrag.kernels.pq_table import pq_tables, pq_tables_reference
 from fusionrag.kernels.topn import EMPTY, MAX_NP, pack_keys, topn, topn_reference, unpack_keys
+from fusionrag.kernels.variants import compile_all, variant
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOP = 0xFFFFFFFF
@@ -265,3 +266,51 @@ def test_kernels_compile_for_a_gpu():
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("compiled ") == 14
+
+
+class _FakeKernel:
+    """A kernel that compiles as Triton's JIT does (kernels/variants.compile_all drives Triton's own): inside
+    AsyncCompileMode its warmup submits the compile job and returns a future; outside, it compiles at once.
+    Each job waits at a barrier of `together` parties, so jobs that do not run at the same time break it."""
+
+    arg_names = ["x_ptr", "BLOCK"]
+
+    def __init__(self, name: str, barrier: threading.Barrier, loaded: list):
+        self.__name__, self.barrier, self.loaded, self.compiled = name, barrier, loaded, []
+
+    def warmup(self, *args, grid, num_warps, **constexprs):
+        from triton.runtime import _async_compile
+
+        kernel = self
+
+        class Compiled:
+            def _init_handles(self):
+                kernel.loaded.append((kernel.__name__, constexprs["BLOCK"]))
+
+        def job():
+            self.barrier.wait(timeout=30)
+            self.compiled.append(constexprs["BLOCK"])
+            return Compiled()
+
+        mode = _async_compile.active_mode.get()
+        if mode is None:
+            return job()
+        return mode.submit((self.__name__, constexprs["BLOCK"]), job, lambda k: None)
+
+
+def test_variants_compile_several_at_a_time_and_all_load():
+    loaded = []
+    barrier = threading.Barrier(4)
+    kernels = [_FakeKernel("a_kernel", barrier, loaded), _FakeKernel("b_kernel", barrier, loaded)]
+    vs = [variant(k, ("*fp32",), 4, BLOCK=b) for k in kernels for b in (64, 128)]
+    seconds = compile_all(vs, workers=4)  # four jobs at one barrier: run one by one, the first would time out
+    assert sorted(loaded) == sorted((v.name, dict(v.constexprs)["BLOCK"]) for v in vs)
+    assert [sorted(k.compiled) for k in kernels] == [[64, 128], [64, 128]]
+    assert set(seconds) == {"a_kernel", "b_kernel", "all loaded"}
+    assert 0 < seconds["a_kernel"] <= seconds["all loaded"] and 0 < seconds["b_kernel"] <= seconds["all loaded"]
+    # One at a time (workers=1) they compile in order without the async mode, each loaded once.
+    loaded.clear()
+    one = threading.Barrier(1)
+    k = _FakeKernel("c_kernel", one, loaded)
+    assert set(compile_all([variant(k, ("*fp32",), 4, BLOCK=32)], workers=1)) == {"c_kernel"}
+    assert loaded == [("c_kernel", 32)] and k.compiled == [32]
