@@ -162,6 +162,8 @@ def sweep(index: Index, queries, gt, grid, repeat: int = 3) -> list[dict]:
         # Untimed first pass: pages get cached (the GPU tier compiled its kernels when it opened).
         index.search(queries, k=10, nprobe=nprobe, rerank=rerank)
         walls, busy = [], {k: 0.0 for k in STAGES}
+        phases = getattr(index.filter, "phases", None)
+        before = dict(phases) if phases is not None else None
         for _ in range(repeat):
             start = time.perf_counter()
             res = index.search(queries, k=10, nprobe=nprobe, rerank=rerank)
@@ -175,6 +177,10 @@ def sweep(index: Index, queries, gt, grid, repeat: int = 3) -> list[dict]:
                      "unique_candidates": round(float(res.stats["unique_candidates"].mean()), 1),
                      "reranked": round(float(res.stats["reranked"].mean()), 1),
                      "pages_read": round(float(res.stats["pages_read"].mean()), 2)})
+        if before is not None:  # the GPU tier's topn, split: host gather, pinned staging, device (as busy above)
+            runs[-1]["gpu_topn_busy"] = {k[:-2]: round((phases[k] - before[k]) / sum(walls), 3)
+                                         for k in ("gather_s", "stage_s", "device_s")}
+            runs[-1]["gpu_passes_per_call"] = round((phases["passes"] - before["passes"]) / repeat, 1)
     return runs
 
 

@@ -592,25 +592,52 @@ auto pq_luts(AnyArray queries, nb::handle codebooks, const std::string& metric, 
   return to_numpy(std::move(luts), {builder.q, builder.M, kCodebook});
 }
 
-auto gather(Array<int32_t> probe_lists, Array<int64_t> list_offsets, Array<uint32_t> list_ids, int num_threads) {
-  Lists lists(probe_lists, list_offsets, list_ids);
-  size_t threads = pool_threads(num_threads);
+// Where each query's ids start in the concatenation of its probed lists (q + 1 entries); validates every
+// probe before anything is copied.
+std::unique_ptr<int64_t[]> gathered_offsets(const Lists& lists) {
   auto offsets = std::make_unique<int64_t[]>(lists.q + 1);
-  for (size_t i = 0; i < lists.q; ++i) {  // validates every probe before anything is copied
+  for (size_t i = 0; i < lists.q; ++i) {
     int64_t count = 0;
     lists.for_each_list(i, [&](const uint32_t* begin, const uint32_t* end) { count += end - begin; });
     offsets[i + 1] = offsets[i] + count;
   }
+  return offsets;
+}
+
+void copy_lists(const Lists& lists, const int64_t* offsets, uint32_t* ids, int num_threads) {
+  nb::gil_scoped_release unlocked;
+  ThreadPool::instance().parallel_for(lists.q, pool_threads(num_threads), [&](size_t i, size_t) {
+    uint32_t* dst = ids + offsets[i];
+    lists.for_each_list(i, [&](const uint32_t* begin, const uint32_t* end) { dst = std::copy(begin, end, dst); });
+  });
+}
+
+auto gather(Array<int32_t> probe_lists, Array<int64_t> list_offsets, Array<uint32_t> list_ids, int num_threads) {
+  Lists lists(probe_lists, list_offsets, list_ids);
+  auto offsets = gathered_offsets(lists);
   size_t total = size_t(offsets[lists.q]);
   auto ids = std::make_unique<uint32_t[]>(total);
-  {
-    nb::gil_scoped_release unlocked;
-    ThreadPool::instance().parallel_for(lists.q, threads, [&](size_t i, size_t) {
-      uint32_t* dst = ids.get() + offsets[i];
-      lists.for_each_list(i, [&](const uint32_t* begin, const uint32_t* end) { dst = std::copy(begin, end, dst); });
-    });
-  }
+  copy_lists(lists, offsets.get(), ids.get(), num_threads);
   return std::make_pair(to_numpy(std::move(ids), {total}), to_numpy(std::move(offsets), {lists.q + 1}));
+}
+
+auto gather_offsets(Array<int32_t> probe_lists, Array<int64_t> list_offsets, Array<uint32_t> list_ids) {
+  Lists lists(probe_lists, list_offsets, list_ids);
+  return to_numpy(gathered_offsets(lists), {lists.q + 1});
+}
+
+// gather into a buffer of the caller's (the GPU tier's pinned staging memory): no array made and touched
+// for each batch, and no second copy.
+auto gather_into(Array<int32_t> probe_lists, Array<int64_t> list_offsets, Array<uint32_t> list_ids,
+                 nb::ndarray<uint32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> out, int num_threads) {
+  Lists lists(probe_lists, list_offsets, list_ids);
+  auto offsets = gathered_offsets(lists);
+  size_t total = size_t(offsets[lists.q]);
+  if (out.shape(0) < total)
+    throw std::invalid_argument("out holds " + std::to_string(out.shape(0)) + " ids; the probed lists hold " +
+                                std::to_string(total));
+  copy_lists(lists, offsets.get(), out.data(), num_threads);
+  return to_numpy(std::move(offsets), {lists.q + 1});
 }
 
 auto pq_distances(Array<float> luts, Array<int64_t> ids, Array<uint8_t> codes, int num_threads) {
@@ -667,6 +694,12 @@ void bind_scan(nb::module_& m) {
         "float32 (q, M, 256): the tables scan_topn_pq builds, all at once (to check them).");
   m.def("gather", &gather, "probe_lists"_a, "list_offsets"_a, "list_ids"_a, "num_threads"_a = 0,
         "The ids of each query's probed lists concatenated, duplicates kept: (ids uint32[total], offsets int64[q+1]).");
+  m.def("gather_offsets", &gather_offsets, "probe_lists"_a, "list_offsets"_a, "list_ids"_a,
+        "gather's offsets alone (int64[q+1]: where each query's ids start), every probe validated.");
+  m.def("gather_into", &gather_into, "probe_lists"_a, "list_offsets"_a, "list_ids"_a, "out"_a.noconvert(),
+        "num_threads"_a = 0,
+        "gather's ids written into out (uint32[>= total], writable), which must hold them all; returns the\n"
+        "offsets int64[q+1]. Nothing is written when a probe is invalid or out is too small.");
   m.def("pq_distances", &pq_distances, "luts"_a, "ids"_a, "codes"_a, "num_threads"_a = 0,
         "PQ ADC distances float32[q, n] of the given ids; id -1 gives +inf.");
 }

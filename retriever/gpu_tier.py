@@ -19,6 +19,7 @@ that is how the tests check this tier against the CPU tier.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -128,6 +129,11 @@ class GpuFilterTier:
         count, m = codes.shape
         self.metric, self.m, self.dsub = metric, m, codebooks.shape[2]
         self.visits = np.zeros(len(list_offsets) - 1, dtype=np.int64)
+        # Where topn's time goes, summed over calls (bench/gpu_tier.py reads it around a sweep point): the IDs
+        # gathered on the host, copied into pinned memory, and the device's part from the first upload to the
+        # results back on the host; and how many passes the working blocks took.
+        self.phases = {"gather_s": 0.0, "stage_s": 0.0, "device_s": 0.0, "passes": 0}
+        self._phases_lock = threading.Lock()
         cuda = self.device.type == "cuda"
         budget = account.budget
         # Tiers opening at once would each size their share by the same room: one at a time.
@@ -326,9 +332,15 @@ class GpuFilterTier:
             raise InputError(f"n must be positive, got {n}")
         if tables.shape[0] != q:
             raise InputError(f"{tables.shape[0]} queries' tables for {q} queries' probe lists")
-        ids, offsets = native.gather(probe_lists, self.list_offsets, self.list_ids, self.threads)  # validates
+        t = time.perf_counter()
+        # Where each query's IDs go (every probe validated); the IDs themselves are gathered pass by pass
+        # straight into the working block's pinned memory (_pass): an array of them made for each batch
+        # (40 MB for 1024 queries of 10k candidates) took longer to fault in and copy than to fill.
+        probe_lists = np.ascontiguousarray(probe_lists, dtype=np.int32)
+        offsets = native.gather_offsets(probe_lists, self.list_offsets, self.list_ids)
         # Racy under concurrent calls, and harmless: hotness only orders placement.
         self.visits += np.bincount(probe_lists[probe_lists >= 0], minlength=len(self.visits))
+        self._phase("gather_s", time.perf_counter() - t)
         counts = np.diff(offsets)
         excluded = None
         if exclude is not None:
@@ -352,12 +364,13 @@ class GpuFilterTier:
             j = min(np.searchsorted(dev_cost, before_dev + dev_room, side="right"),
                     np.searchsorted(host_cost, before_host + host_room, side="right"))
             if j == i:
-                self._split(block, base, tables[i:i + 1], ids[offsets[i]:offsets[i + 1]], n, excluded,
-                            out_ids[i], out_dists[i], unique[i:i + 1], dev_room, host_room)
+                ids, _ = native.gather(probe_lists[i:i + 1], self.list_offsets, self.list_ids, self.threads)
+                self._split(block, base, tables[i:i + 1], ids, n, excluded, out_ids[i], out_dists[i],
+                            unique[i:i + 1], dev_room, host_room)
                 j = i + 1
             else:
-                self._pass(block, base, tables[i:j], ids[offsets[i]:offsets[j]], offsets[i:j + 1] - offsets[i],
-                           n, excluded, out_ids[i:j], out_dists[i:j], unique[i:j])
+                self._pass(block, base, tables[i:j], self._lists_gatherer(probe_lists[i:j]),
+                           offsets[i:j + 1] - offsets[i], n, excluded, out_ids[i:j], out_dists[i:j], unique[i:j])
             i = j
         seconds = np.full(q, (time.perf_counter() - start) / max(q, 1))
         return Candidates(out_ids, out_dists, counts, unique, seconds)
@@ -385,8 +398,8 @@ class GpuFilterTier:
         unique[0] = 0
         for s in range(0, len(distinct), part):
             chunk = distinct[s:s + part]
-            self._pass(block, base, table, chunk, np.array([0, len(chunk)]), n, excluded, part_ids, part_dists,
-                       part_unique)
+            self._pass(block, base, table, functools.partial(np.copyto, src=chunk), np.array([0, len(chunk)]), n,
+                       excluded, part_ids, part_dists, part_unique)
             found_ids.append(part_ids[0].copy())
             found_dists.append(part_dists[0].copy())
             unique[0] += part_unique[0]
@@ -394,24 +407,42 @@ class GpuFilterTier:
         order = np.lexsort((ids_all, dists_all))[:n]  # (distance, id): the GPU's key order; -1 pads sort last (inf)
         out_ids[:], out_dists[:] = ids_all[order], dists_all[order]
 
-    def _pass(self, block, base, tables, ids, offsets, n, excluded, out_ids, out_dists, unique) -> None:
+    def _phase(self, name: str, amount: float) -> None:
+        with self._phases_lock:
+            self.phases[name] += amount
+
+    def _lists_gatherer(self, probe_lists: np.ndarray):
+        """Writes the IDs of these queries' probed lists into a uint32 buffer (gather_into), timed as gather_s."""
+        def fill(out: np.ndarray) -> None:
+            t = time.perf_counter()
+            native.gather_into(probe_lists, self.list_offsets, self.list_ids, out, self.threads)
+            self._phase("gather_s", time.perf_counter() - t)
+        return fill
+
+    def _pass(self, block, base, tables, fill_ids, offsets, n, excluded, out_ids, out_dists, unique) -> None:
+        """One pass of the block over the queries whose IDs fill_ids(out) writes (uint32 out, offsets[-1] long)."""
         q = len(offsets) - 1
         caps = _table_caps(np.diff(offsets))
         block.reset(base)
-        h_ids = block.host((len(ids),), torch.int32)
-        h_ids.numpy()[:] = ids.view(np.int32)
+        total = int(offsets[-1])
+        h_ids = block.host((total,), torch.int32)
+        fill_ids(h_ids.numpy().view(np.uint32))
+        t = time.perf_counter()
         h_offsets = block.host((q + 1,), torch.int64)
         h_offsets.numpy()[:] = offsets
         h_bases = block.host((q + 1,), torch.int64)
         h_bases.numpy()[:] = np.concatenate([[0], np.cumsum(caps)])
-        d_ids = block.device((len(ids),), torch.int32)
+        staged = time.perf_counter()
+        self._phase("stage_s", staged - t)
+        self._phase("passes", 1)
+        d_ids = block.device((total,), torch.int32)
         d_ids.copy_(h_ids, non_blocking=True)
         d_offsets = block.device((q + 1,), torch.int64)  # views of their own: every pointer 16-byte aligned
         d_offsets.copy_(h_offsets, non_blocking=True)
         d_bases = block.device((q + 1,), torch.int64)
         d_bases.copy_(h_bases, non_blocking=True)
         table = block.device((int(caps.sum()),), torch.int64).fill_(FREE)
-        keys = block.device((len(ids),), torch.int64)
+        keys = block.device((total,), torch.int64)
         d_unique = block.device((q,), torch.int64).zero_()
         longest = int(np.diff(offsets).max())  # known here: nothing is read back before the results
         adc_scan(tables, d_ids, d_offsets, self.codes, self.host_codes, self.slots, excluded, table=table,
@@ -428,6 +459,7 @@ class GpuFilterTier:
         h_unique.copy_(d_unique, non_blocking=True)
         if block.stream is not None:
             block.stream.synchronize()
+        self._phase("device_s", time.perf_counter() - staged)
         out_ids[:], out_dists[:], unique[:] = h_out_ids.numpy(), h_out_dists.numpy(), h_unique.numpy()
 
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from conftest import tiny_lists
 
-from fusionrag.native import gather, pq_distances, scan_topn
+from fusionrag.native import gather, gather_into, gather_offsets, pq_distances, scan_topn
 
 
 def make_index(rng, n_vectors, n_lists, m_sub, replicas=3, list_len=40):
@@ -146,6 +146,12 @@ def test_gather_equals_concatenation():
     np.testing.assert_array_equal(got_offsets, np.concatenate([[0], np.cumsum([len(w) for w in want])]))
     np.testing.assert_array_equal(got, np.concatenate(want))
     assert got.dtype == np.uint32 and got_offsets.dtype == np.int64
+    # The same into a buffer of the caller's (the GPU tier's pinned memory), its tail left as it was.
+    np.testing.assert_array_equal(gather_offsets(probes, offsets, ids), got_offsets)
+    out = np.full(len(got) + 5, 7, np.uint32)
+    np.testing.assert_array_equal(gather_into(probes, offsets, ids, out, 3), got_offsets)
+    np.testing.assert_array_equal(out[:len(got)], got)
+    assert (out[len(got):] == 7).all()
 
 
 def test_pq_distances():
@@ -207,6 +213,21 @@ def test_bad_input_of_gather_and_pq_distances():
         gather(np.array([[3]], np.int32), a["list_offsets"], a["list_ids"])
     with pytest.raises(ValueError, match="list_offsets"):
         gather(np.array([[1]], np.int32), np.array([0, 2, 7], np.int64), a["list_ids"])
+    out = np.full(8, 9, np.uint32)
+    for probes in (np.array([[3]], np.int32), np.array([[0, -2]], np.int32)):  # no list 3; -2 is no probe
+        with pytest.raises(ValueError, match="probe_lists"):
+            gather_into(probes, a["list_offsets"], a["list_ids"], out)
+        with pytest.raises(ValueError, match="probe_lists"):
+            gather_offsets(probes, a["list_offsets"], a["list_ids"])
+    with pytest.raises(ValueError, match="out holds 1 ids; the probed lists hold"):
+        gather_into(np.array([[0, 1]], np.int32), a["list_offsets"], a["list_ids"], out[:1])
+    assert (out == 9).all()  # nothing written by a refused call
+    # Not uint32, or read-only: refused, never converted into a copy that the IDs would go to instead.
+    read_only = np.zeros(8, np.uint32)
+    read_only.flags.writeable = False
+    for bad in (np.zeros(8, np.int64), np.zeros(8, np.int32), read_only, np.zeros(16, np.uint32)[::2]):
+        with pytest.raises(TypeError):
+            gather_into(np.array([[0]], np.int32), a["list_offsets"], a["list_ids"], bad)
     with pytest.raises(ValueError, match=r"ids\[0, 1\] = 10"):
         pq_distances(a["luts"], np.array([[0, 10], [1, 2]], np.int64), a["codes"])
     with pytest.raises(ValueError, match="ids"):

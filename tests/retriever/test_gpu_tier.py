@@ -187,9 +187,13 @@ def test_batch_larger_than_a_block_goes_in_passes(l2_index, monkeypatch):
     lists, _, _ = index.nav.probe(q, index.params)
     luts = index.pq.luts(q, "l2")
     passes = count_passes(gpu, monkeypatch)
+    before = dict(gpu.phases)
     want, got = cpu.topn(luts, lists, 30), gpu.topn(luts, lists, 30)
     assert len(passes) > 1
     same_candidates(got, want)
+    # The tier's own phase count (bench/gpu_tier.py reports it) agrees with the passes counted from outside.
+    assert gpu.phases["passes"] - before["passes"] == len(passes)
+    assert all(gpu.phases[k] > before[k] for k in ("gather_s", "stage_s", "device_s"))
 
 
 def test_a_query_larger_than_a_block_is_split(l2_index, monkeypatch):
