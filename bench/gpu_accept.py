@@ -213,7 +213,8 @@ def step_install(run: Run) -> None:
 
 def step_a(run: Run) -> None:
     junit = run.files / "a.xml"
-    files = ["tests/kernels/test_kernels.py", "tests/retriever/test_gpu_tier.py", "tests/kernels/test_gpu_memory.py", "tests/server/test_gpu_service.py"]
+    files = ["tests/kernels/test_kernels.py", "tests/retriever/test_gpu_tier.py", "tests/kernels/test_gpu_memory.py",
+             "tests/server/test_gpu_service.py", "tests/native/test_native_scan.py"]
     # The dry run: one test of each file, enough to see the step run (make test runs them all).
     pick = [] if run.cuda else ["-k", "test_rank_keys_order or test_budget_too_small"]
     status, seconds = run.run("a", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, *pick,
