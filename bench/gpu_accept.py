@@ -261,6 +261,8 @@ def bench_figures(r: dict) -> dict:
         "bench_device": r.get("device"), "index": r.get("index"),
         "measured_bandwidth_GBps": r.get("measured_bandwidth_GBps"),
         "scan_fraction_of_bandwidth": [s.get("scan_fraction_of_bandwidth") for s in r.get("scan", [])],
+        # kernels/adc_stream.py's experiment (codes in posting order, streamed): not a target's figure
+        "stream_fraction_of_bandwidth": [s.get("stream_fraction_of_bandwidth") for s in r.get("scan_stream", [])],
         "kernel_compile_seconds": r.get("kernel_compile_seconds"), "gpu_tier_open_s": r.get("gpu_tier_open_s"),
         **best, "exact_on_device": e2e.get("exact_on_device"),
         "gpu_over_cpu_at_0.90": e2e.get("gpu_over_cpu_at_0.90"),
@@ -318,7 +320,8 @@ def _short(v) -> str:
 MD_FIGURES = {
     "a": ("tests", "failures", "errors", "skipped", "failed"),
     "b": ("vectors", "dim", "after_first_merge", "after_second_merge", "checks", "gpu_memory", "phase_seconds"),
-    "c": ("index", "measured_bandwidth_GBps", "scan_fraction_of_bandwidth", "kernel_compile_seconds",
+    "c": ("index", "measured_bandwidth_GBps", "scan_fraction_of_bandwidth", "stream_fraction_of_bandwidth",
+          "kernel_compile_seconds",
           "gpu_tier_qps_at_recall_0.90", "gpu_tier_qps_at_recall_0.95", "cpu_tier_qps_at_recall_0.90",
           "cpu_tier_qps_at_recall_0.95", "exact_on_device", "gpu_memory", "third_codes_resident",
           "gpu_memory_third_codes_resident"),

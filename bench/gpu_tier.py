@@ -40,6 +40,7 @@ if not CUDA:
 import triton  # noqa: E402
 
 from fusionrag.kernels.adc_scan import adc_scan  # noqa: E402
+from fusionrag.kernels.adc_stream import adc_stream  # noqa: E402
 from fusionrag.kernels.dedup import table_layout  # noqa: E402
 from fusionrag.kernels.pool import OVERHEAD, process_gpu_bytes  # noqa: E402
 from fusionrag.kernels.topn import topn  # noqa: E402
@@ -115,6 +116,24 @@ def bench_scan(device: torch.device, n: int, m: int, q: int, per_query: int, n_t
         "topn": n_top, "topn_seconds": round(select_s, 6),
         "scan_plus_topn_ids_per_s": round(ids.numel() / (scan_s + select_s)),
     }
+
+
+def bench_stream(device: torch.device, n: int, m: int, q: int, nprobe: int, list_len: int, peak_bw: float) -> dict:
+    """The experiment of kernels/adc_stream.py: codes in posting order, each query's nprobe lists of list_len
+    postings streamed (q x nprobe x list_len postings, as many as bench_scan's IDs), no de-duplication."""
+    g = torch.Generator(device=device).manual_seed(1)
+    codes = torch.randint(0, 256, (n, m), dtype=torch.uint8, device=device, generator=g)
+    list_ids = torch.randint(0, 1 << 31, (n,), dtype=torch.int32, device=device, generator=g)
+    luts = torch.rand((q, m, 256), device=device, generator=g)
+    starts = torch.randint(0, n // list_len, (q, nprobe), device=device, generator=g) * list_len
+    segments = torch.stack([starts, starts + list_len], -1)
+    keys = torch.empty(q * nprobe * list_len, dtype=torch.int64, device=device)
+    seconds = timed(lambda: adc_stream(luts, segments, list_ids, codes, keys=keys), device)
+    moved = keys.numel() * (m + 4 + 8)  # each posting's code and ID read once, its key written
+    return {"postings": n, "m": m, "queries": q, "lists_per_query": nprobe, "list_length": list_len,
+            "stream_seconds": round(seconds, 6), "stream_postings_per_s": round(keys.numel() / seconds),
+            "stream_bytes_per_s": round(moved / seconds),
+            "stream_fraction_of_bandwidth": round(moved / seconds / peak_bw, 3)}
 
 
 def load(name: str, n_queries: int, count: int, dim: int, device: torch.device):
@@ -324,6 +343,13 @@ def main() -> int:
     results["scan"] = [bench_scan(device, n, m, q, per, 256 if CUDA else 64, peak_bw) for n, m, q, per in scans]
     for r in results["scan"]:
         print(json.dumps({"scan": r}), flush=True)
+    save()
+    # The same number of candidates a query, with codes laid out in posting order and streamed (an experiment):
+    streams = [(50_000_000, 32, 1024, 64, 64), (25_000_000, 64, 1024, 64, 64)] if CUDA else [(20_000, 8, 4, 8, 64)]
+    results["scan_stream"] = [bench_stream(device, n, m, q, lists, length, peak_bw)
+                              for n, m, q, lists, length in streams]
+    for r in results["scan_stream"]:
+        print(json.dumps({"scan_stream": r}), flush=True)
     save()
     if CUDA:
         torch.cuda.empty_cache()

@@ -12,7 +12,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from fusionrag.kernels import adc_scan, pq_table, topn  # noqa: E402
+from fusionrag.kernels import adc_scan, adc_stream, pq_table, topn  # noqa: E402
 from fusionrag.kernels.dedup import dedup_kernel  # noqa: E402
 from fusionrag.kernels.variants import variant  # noqa: E402
 
@@ -22,7 +22,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 CASES = [
     *pq_table.variants(64, 12, "l2"), *pq_table.variants(5, 1, "ip"),
     *adc_scan.variants(48, tiered=False), *adc_scan.variants(48, tiered=True),
-    *topn.variants(),
+    *topn.variants(), *adc_stream.variants(64),
     variant(dedup_kernel, ("*i32", "*i64", "*i64", "*i8", "*i64"), 4, BLOCK=256),
 ]
 

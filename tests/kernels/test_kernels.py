@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from fusionrag.kernels.adc_scan import adc_scan, adc_scan_reference
+from fusionrag.kernels.adc_stream import adc_stream, adc_stream_reference
 from fusionrag.kernels.dedup import dedup, dedup_reference
 from fusionrag.kernels.pool import BlockPool, BudgetError, DeviceBudget
 from fusionrag.kernels.pq_table import pq_tables, pq_tables_reference
@@ -128,6 +129,32 @@ def test_adc_scan_matches_reference(placement, with_exclude):
         assert int(unique[i]) == len(want_ids)
     if with_exclude:
         assert (n - 1) not in ids.tolist()
+
+
+def test_adc_stream_over_lists_in_posting_order_matches_reference():
+    """The experiment bench/gpu_tier.py measures (kernels/adc_stream.py): codes in posting order, each query's
+    probed lists streamed, IDs with the top bit set among them, lists empty and longer than a tile."""
+    g = gen(5)
+    postings, m, q = 2500, 9, 4
+    codes = torch.randint(0, 256, (postings, m), generator=g, dtype=torch.uint8)
+    raw = torch.randint(0, 1 << 32, (postings,), generator=g)
+    raw[7] = TOP
+    luts = torch.randn(q, m, 256, generator=g)
+    bounds = [0, 0, 3, 10, 1100, 1101, 2400, 2500]  # lists [b[i], b[i+1]): one empty, one of 1,299
+    lists = torch.tensor([[0, 2, 4], [5, 6, 1], [3, 3, 3], [6, 0, 5]])
+    b = torch.tensor(bounds)
+    segments = torch.stack([b[lists], b[lists + 1]], -1)
+    keys, offsets = adc_stream(luts.to(DEVICE), segments.to(DEVICE), as_u32(raw), codes.to(DEVICE))
+    want = adc_stream_reference(luts, segments, as_u32(raw).cpu(), codes)
+    ids, dists = unpack_keys(keys.cpu())
+    assert offsets.tolist() == [0, *torch.cumsum(torch.tensor([len(w[0]) for w in want]), 0).tolist()]
+    for i, (want_ids, want_dists) in enumerate(want):
+        s, e = int(offsets[i]), int(offsets[i + 1])
+        assert torch.equal(ids[s:e], want_ids)  # every posting, repeats too, in probe and posting order
+        torch.testing.assert_close(dists[s:e], want_dists, rtol=1e-5, atol=1e-5)
+    assert TOP in ids[int(offsets[0]):int(offsets[1])].tolist()  # posting 7, in list 2, which query 0 probes
+    with pytest.raises(ValueError, match="ends before it starts"):
+        adc_stream(luts.to(DEVICE), segments.flip(-1).to(DEVICE), as_u32(raw), codes.to(DEVICE))
 
 
 def test_adc_scan_checks_shapes():
@@ -265,7 +292,7 @@ def test_kernels_compile_for_a_gpu():
     out = subprocess.run([sys.executable, str(Path(__file__).with_name("kernels_compile.py"))], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("compiled ") == 14
+    assert out.stdout.count("compiled ") == 15
 
 
 class _FakeKernel:
