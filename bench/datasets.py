@@ -141,10 +141,9 @@ def prepare_minilm(d: Path, n_queries: int = 1000) -> None:
           f"all-MiniLM-L6-v2 of {len(texts)} unique Python 3.11 docs paragraphs; {n_queries} held out as queries")
 
 
-def prepare_synthetic(d: Path, n: int, dim: int = 64, clusters: int = 4096, n_queries: int = 1000) -> None:
-    """A Gaussian mixture: cluster centres N(0, 1), per-cluster spread drawn from [0.15, 0.45],
-    cluster sizes Zipf-skewed (real collections are uneven). Queries come from the same mixture."""
-    rng = np.random.default_rng(7)
+def _mixture(rng: np.random.Generator, clusters: int, dim: int):
+    """A sampler of a Gaussian mixture in dim: cluster centres N(0, 1), per-cluster spread drawn from [0.15, 0.45],
+    cluster sizes Zipf(0.5)-skewed (real collections are uneven)."""
     centres = rng.standard_normal((clusters, dim), dtype=np.float32)
     spread = rng.uniform(0.15, 0.45, clusters).astype(np.float32)
     weights = 1.0 / np.arange(1, clusters + 1) ** 0.5
@@ -153,16 +152,44 @@ def prepare_synthetic(d: Path, n: int, dim: int = 64, clusters: int = 4096, n_qu
     def sample(count, rng):
         c = rng.choice(clusters, count, p=weights)
         return centres[c] + spread[c, None] * rng.standard_normal((count, dim), dtype=np.float32)
+    return sample
 
+
+def _write_set(d: Path, n: int, dim: int, sample, step: int, n_queries: int, metric: str, origin: str) -> None:
+    """base.fbin written `step` rows at a time (rows lo.. drawn by generator [7, lo]), queries by generator 8."""
     d.mkdir(parents=True, exist_ok=True)
     with open(d / "base.fbin", "wb") as f:
         np.array([n, dim], dtype=np.int32).tofile(f)
-        step = 1 << 18
         for lo in range(0, n, step):
             sample(min(step, n - lo), np.random.default_rng([7, lo])).tofile(f)
     queries = sample(n_queries, np.random.default_rng(8))
-    _save(d, None, queries, exact_knn(read_fbin(d / "base.fbin"), queries), "l2",
-          f"clustered synthetic: {clusters} Gaussian clusters in {dim}-d, Zipf(0.5) sizes, n={n}")
+    _save(d, None, queries, exact_knn(read_fbin(d / "base.fbin"), queries), metric, origin)
+
+
+def prepare_synthetic(d: Path, n: int, dim: int = 64, clusters: int = 4096, n_queries: int = 1000) -> None:
+    """_mixture's vectors, searched by l2. Queries come from the same mixture."""
+    sample = _mixture(np.random.default_rng(7), clusters, dim)
+    _write_set(d, n, dim, sample, 1 << 18, n_queries, "l2",
+               f"clustered synthetic: {clusters} Gaussian clusters in {dim}-d, Zipf(0.5) sizes, n={n}")
+
+
+def prepare_latent(d: Path, n: int, dim: int, latent: int = 64, noise: float = 0.03, n_queries: int = 1000) -> None:
+    """Embedding-like vectors of `dim` dimensions with a low intrinsic dimension, as text embeddings have (tens of
+    directions carry them, not hundreds): _mixture's vectors in `latent` dimensions (4096 clusters), mapped into
+    `dim` by a fixed random orthonormal map, plus isotropic noise of `noise` per dimension, then normalised to unit
+    length and searched by cosine. (A mixture drawn in 768-d directly is no model of embeddings: within a cluster
+    every point is then nearly equidistant from every other, which real embeddings are not.)"""
+    rng = np.random.default_rng(7)
+    mixture = _mixture(rng, 4096, latent)
+    basis = np.linalg.qr(rng.standard_normal((dim, latent)))[0].T.astype(np.float32)  # latent orthonormal rows
+
+    def sample(count, rng):
+        z = mixture(count, rng)
+        return _unit(z @ basis + noise * rng.standard_normal((count, dim), dtype=np.float32))
+
+    _write_set(d, n, dim, sample, 1 << 16, n_queries, "cosine",
+               f"embedding-like synthetic: 4096 Gaussian clusters in {latent}-d mapped into {dim}-d by a random "
+               f"orthonormal map, noise {noise} per dimension, unit length, n={n}")
 
 
 def prepare(work: Path, name: str) -> Path:
@@ -182,10 +209,14 @@ def _prepare(d: Path, name: str) -> None:
         prepare_fashion(d)
     elif name == "minilm":
         prepare_minilm(d)
+    elif name.startswith("synth") and "x" in name:
+        count, dim = name[len("synth"):].split("x")
+        prepare_latent(d, _count(count), int(dim))
     elif name.startswith("synth"):
         prepare_synthetic(d, _count(name[len("synth"):]))
     else:
-        raise SystemExit(f"unknown data set {name!r} (glove, fashion, minilm, synth<N> such as synth300k)")
+        raise SystemExit(f"unknown data set {name!r} (glove, fashion, minilm, synth<N> such as synth300k, "
+                         f"synth<N>x<DIM> such as synth1mx768: embedding-like, cosine)")
 
 
 def _count(s: str) -> int:

@@ -36,6 +36,9 @@ namespace {
 
 constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
 constexpr int kMaxLevel = 32;
+// select_neighbours' alpha for graphs made without one, and for every graph loaded from a file (only add() uses
+// it): chosen on the centroids of clustered and real sets, bench/graph_links.py.
+constexpr float kAlpha = 1.0f;
 constexpr int64_t kMaxDim = 1 << 20, kMaxM = 4096;  // bounds that keep file-size arithmetic from overflowing
 constexpr char kMagic[8] = {'F', 'R', 'G', 'R', 'A', 'P', 'H', '\0'};
 constexpr uint32_t kVersion = 1;
@@ -295,9 +298,11 @@ struct Sq8Dist {
 
 class Graph {
  public:
-  Graph(size_t dim, Metric metric, size_t M, size_t ef_construction, uint64_t seed)
+  Graph(size_t dim, Metric metric, size_t M, size_t ef_construction, uint64_t seed, float alpha = kAlpha,
+        bool repair = true)
       : dim_(dim), M_(M), M0_(2 * M), ef_construction_(ef_construction), seed_(seed),
-        metric_(metric), dist_(distance_fn(metric)), level_mult_(1.0 / std::log(double(M))) {}
+        metric_(metric), dist_(distance_fn(metric)), level_mult_(1.0 / std::log(double(M))),
+        alpha_sq_(metric == Metric::L2 ? alpha * alpha : 1.0f), repair_(repair) {}
 
   size_t size() const {
     std::shared_lock<std::shared_mutex> r(rw_);
@@ -348,6 +353,30 @@ class Graph {
       SettleOnExit<Scratch> settle{s};
       insert(uint32_t(first + i), s, &locks);
     });
+    if (repair_) repaired_ += reconnect();
+  }
+
+  // reconnect() on its own, for a graph made without repair (or loaded from a file made so); returns links added.
+  size_t repair() {
+    if (quantized_)
+      throw std::invalid_argument("quantized graph is read-only; load it with quantize=False to repair it");
+    std::unique_lock<std::shared_mutex> w(rw_);
+    size_t added = reconnect();
+    repaired_ += added;
+    return added;
+  }
+
+  // Links added by reconnect() since this graph was made or loaded (a count for tests and benchmarks).
+  size_t repaired() const {
+    std::shared_lock<std::shared_mutex> r(rw_);
+    return repaired_;
+  }
+
+  // Nodes a search can reach on level 0 from the entry point, where every search ends (a measure of the graph).
+  size_t reachable() const {
+    std::shared_lock<std::shared_mutex> r(rw_);
+    std::vector<uint8_t> seen(count(), 0);
+    return entry_ == kNone ? 0 : mark_from(entry_, seen);
   }
 
   // Writes the k nearest of each query (ascending), padding with -1 / +inf.
@@ -652,18 +681,88 @@ class Graph {
     }
   }
 
-  // The HNSW heuristic on candidates sorted by distance to a base point: keep a
-  // candidate only if it is nearer the base than any candidate kept so far.
-  // Links then spread across directions, which keeps clustered data navigable.
+  // The HNSW heuristic on candidates sorted by distance to a base point, relaxed by alpha as DiskANN's
+  // RobustPrune is: keep a candidate unless a candidate kept so far is nearer to it, by a factor alpha, than
+  // the base is (alpha 1: HNSW's rule, the default). Links then spread across directions; alpha > 1 keeps more,
+  // longer ones: measured on clustered centroids it found fewer of a row's nearest at the same beam, and left
+  // more nodes out of reach for reconnect() to link (bench/graph_links.py, bench/results/graph_links.md).
   void select_neighbours(std::vector<Cand>& c, size_t m) const {
     if (c.size() <= m) return;
     size_t kept = 0;
     for (size_t i = 0; i < c.size() && kept < m; ++i) {
       bool diverse = true;
-      for (size_t j = 0; j < kept && diverse; ++j) diverse = dist_(vec(c[i].id), vec(c[j].id), dim_) >= c[i].dist;
+      for (size_t j = 0; j < kept && diverse; ++j)
+        diverse = alpha_sq_ * dist_(vec(c[i].id), vec(c[j].id), dim_) >= c[i].dist;
       if (diverse) c[kept++] = c[i];
     }
     c.resize(kept);
+  }
+
+  // Marks (in seen) the nodes reachable on level 0 from `from` that are not marked yet; returns how many.
+  size_t mark_from(uint32_t from, std::vector<uint8_t>& seen) const {
+    if (seen[from]) return 0;
+    std::vector<uint32_t> stack{from};
+    seen[from] = 1;
+    size_t marked = 1;
+    while (!stack.empty()) {
+      uint32_t i = stack.back();
+      stack.pop_back();
+      const uint32_t* l = links(i, 0);
+      for (uint32_t j = 1; j <= l[0]; ++j)
+        if (!seen[l[j]]) {
+          seen[l[j]] = 1;
+          ++marked;
+          stack.push_back(l[j]);
+        }
+    }
+    return marked;
+  }
+
+  // Makes every node reachable on level 0 from the entry point: the heuristic can leave a cluster with no link
+  // into it, and a node no search reaches is a posting list no query probes and a row put in the wrong list.
+  // Each node out of reach gets a link from the nearest reachable node a search for it finds that has room
+  // (or, where none has, in place of that node's farthest link, checked again after). Returns links added.
+  size_t reconnect() {
+    if (entry_ == kNone) return 0;
+    size_t added = 0;
+    Scratch& s = Scratch::local();
+    SettleOnExit<Scratch> settle{s};
+    for (int round = 0; round < 4; ++round) {
+      std::vector<uint8_t> seen(count(), 0);
+      size_t reached = mark_from(entry_, seen);
+      if (reached == count()) break;
+      for (uint32_t u = 0; u < count(); ++u) {
+        if (seen[u]) continue;
+        nearest(FloatDist{dist_, vec(u), vectors_.data(), dim_}, ef_construction_, s);
+        std::sort_heap(s.best.begin(), s.best.end(), nearer);
+        uint32_t from = kNone;
+        for (const Cand& c : s.best)
+          if (c.id != u && seen[c.id] && links(c.id, 0)[0] < M0_) {
+            from = c.id;
+            break;
+          }
+        uint32_t* l = nullptr;
+        if (from != kNone) {
+          l = links(from, 0);
+          l[1 + l[0]++] = u;
+        } else {
+          for (const Cand& c : s.best)
+            if (c.id != u && seen[c.id]) {
+              from = c.id;
+              break;
+            }
+          if (from == kNone) continue;
+          l = links(from, 0);  // full: its farthest link makes way (the next round finds what that cut off)
+          uint32_t far = 1;
+          for (uint32_t j = 2; j <= l[0]; ++j)
+            if (dist_(vec(from), vec(l[j]), dim_) > dist_(vec(from), vec(l[far]), dim_)) far = j;
+          l[far] = u;
+        }
+        ++added;
+        mark_from(u, seen);
+      }
+    }
+    return added;
   }
 
   // Adds the link node -> id at a level; a full list is re-chosen by the heuristic.
@@ -865,6 +964,9 @@ class Graph {
   Metric metric_;
   DistanceFn dist_;
   double level_mult_;
+  float alpha_sq_;                           // select_neighbours' alpha, squared (l2 distances are squared)
+  bool repair_;                              // add() ends with reconnect()
+  size_t repaired_ = 0;
   std::vector<float> vectors_;               // size x dim, unless quantized
   bool quantized_ = false;                   // SQ8: codes_ (size x dim), lo_ and scale_ (dim) instead
   std::vector<uint8_t> codes_;
@@ -916,15 +1018,21 @@ void bind_graph(nb::module_& m) {
   nb::class_<Graph>(m, "Graph", "HNSW navigation graph over float32 vectors (ids are insertion order).")
       .def(
           "__init__",
-          [](Graph* g, int64_t dim, const std::string& metric, int64_t M, int64_t ef_construction, uint64_t seed) {
+          [](Graph* g, int64_t dim, const std::string& metric, int64_t M, int64_t ef_construction, uint64_t seed,
+             float alpha, bool repair) {
             if (dim < 1 || dim > kMaxDim)
               throw std::invalid_argument("dim must be in [1, 2^20], got " + std::to_string(dim));
             if (M < 2 || M > kMaxM) throw std::invalid_argument("M must be in [2, 4096], got " + std::to_string(M));
             if (ef_construction < 1)
               throw std::invalid_argument("ef_construction must be positive, got " + std::to_string(ef_construction));
-            new (g) Graph(size_t(dim), parse_metric(metric), size_t(M), size_t(ef_construction), seed);
+            if (!(alpha >= 1.0f && alpha <= 4.0f))
+              throw std::invalid_argument("alpha must be in [1, 4], got " + std::to_string(alpha));
+            new (g) Graph(size_t(dim), parse_metric(metric), size_t(M), size_t(ef_construction), seed, alpha, repair);
           },
-          "dim"_a, "metric"_a = "l2", "M"_a = 16, "ef_construction"_a = 200, "seed"_a = 0)
+          "dim"_a, "metric"_a = "l2", "M"_a = 16, "ef_construction"_a = 200, "seed"_a = 0, "alpha"_a = kAlpha,
+          "repair"_a = true,
+          "alpha: links a node keeps (1: HNSW's heuristic; more keeps longer links, as DiskANN's RobustPrune; l2\n"
+          "only). repair: add() ends by linking every node that level 0 cannot reach from the entry point.")
       .def(
           "add",
           [](Graph& g, FloatMatrix vectors, int num_threads) {
@@ -972,6 +1080,12 @@ void bind_graph(nb::module_& m) {
           "path"_a, "quantize"_a = false, nb::call_guard<nb::gil_scoped_release>(),
           "Reads a file written by save(); ValueError if it is not whole. quantize: keep the vectors as 8-bit\n"
           "codes per dimension (SQ8, a quarter of the memory, approximate distances); such a graph only searches.")
+      .def("repair", &Graph::repair, nb::call_guard<nb::gil_scoped_release>(),
+           "Link every node that level 0 cannot reach from the entry point (what add() ends with where repair is\n"
+           "on); returns the links added.")
+      .def("reachable", &Graph::reachable, nb::call_guard<nb::gil_scoped_release>(),
+           "How many nodes a search can reach on level 0 from the entry point.")
+      .def_prop_ro("repaired", &Graph::repaired, "Links add() added to reach nodes out of reach (since made or loaded).")
       .def_prop_ro("size", &Graph::size)
       .def_prop_ro("dim", &Graph::dim)
       .def_prop_ro("metric", [](const Graph& g) { return std::string(metric_name(g.metric())); })

@@ -498,3 +498,99 @@ def test_exact_search_rejects_bad_arguments_and_counts_its_norms(tmp_path):
     np.testing.assert_array_equal(ids[:, 0], np.arange(250, 260))
     # ||q||^2 - 2 q.x + ||x||^2, as a matrix product computes it: 0 up to the rounding of its terms
     assert np.all(dists[:, 0] <= 1e-5 * (x[250:260] ** 2).sum(1))
+
+
+def tight_clusters(rng, clusters, per, dim, spread):
+    """Many small, well-apart clusters, as the centroids of clustered data are: where HNSW's heuristic leaves
+    some nodes with no link into them."""
+    c = rng.normal(size=(clusters, dim)).astype(np.float32)
+    return (np.repeat(c, per, 0) + spread * rng.normal(size=(clusters * per, dim))).astype(np.float32)
+
+
+def reached_in_file(path) -> np.ndarray:
+    """Nodes reachable on level 0 from the entry point, by a walk over the saved file's lists (the layout of
+    native/graph.cpp's save), apart from the graph's own count."""
+    raw = np.fromfile(path, np.uint8)
+    dim, m, _, _, size = (int(v) for v in raw[16:56].view(np.uint64))
+    entry = int(raw[56:60].view(np.uint32)[0])
+    off = 64 + size + size * dim * 4
+    lists = raw[off:off + size * (1 + 2 * m) * 4].view(np.uint32).reshape(size, 1 + 2 * m)
+    seen = np.zeros(size, bool)
+    seen[entry] = True
+    stack = [entry]
+    while stack:
+        row = lists[stack.pop()]
+        for j in row[1:1 + row[0]]:
+            if not seen[j]:
+                seen[j] = True
+                stack.append(int(j))
+    return seen
+
+
+def test_repair_links_every_node_into_reach(tmp_path):
+    x = tight_clusters(np.random.default_rng(0), 2000, 10, 64, 0.05)
+    plain = Graph(64, M=8, ef_construction=32, seed=1, repair=False)
+    plain.add(x, num_threads=2)
+    plain.save(tmp_path / "plain.bin")
+    seen = reached_in_file(tmp_path / "plain.bin")
+    out = np.flatnonzero(~seen)
+    assert len(out) > 20, "the data no longer leaves nodes out of reach: the test checks nothing"
+    assert plain.reachable() == seen.sum() and plain.repaired == 0
+    # searches find few of them (those with upper levels can still be where a search starts on level 0)
+    found_before = np.mean(plain.search(x[out], 1, 64)[0][:, 0] == out)
+
+    fixed = Graph(64, M=8, ef_construction=32, seed=1)  # repair is the default
+    fixed.add(x, num_threads=2)
+    fixed.save(tmp_path / "fixed.bin")
+    assert reached_in_file(tmp_path / "fixed.bin").all() and fixed.reachable() == len(x)
+    assert 0 < fixed.repaired < len(x)
+    again = Graph.load(tmp_path / "fixed.bin")  # links within their lists' room: the file loads
+    assert reached_in_file(tmp_path / "fixed.bin").sum() == again.reachable()
+    # nodes a search now reaches are found by a search for themselves, and the graph finds at least as many nodes
+    # overall (truth: each node is its own nearest)
+    ids = fixed.search(x, 1, 64)[0][:, 0]
+    assert np.mean(ids[out] == out) > max(0.5, found_before)
+    assert np.mean(ids == np.arange(len(x))) >= np.mean(plain.search(x, 1, 64)[0][:, 0] == np.arange(len(x)))
+    # the same graph repaired afterwards (Graph.repair): every node in reach, and a second repair has nothing to do
+    before = plain.search(x, 1, 64)[0][:, 0] == np.arange(len(x))
+    assert plain.repair() == plain.repaired > 0
+    plain.save(tmp_path / "plain.bin")
+    assert reached_in_file(tmp_path / "plain.bin").all() and plain.repair() == 0
+    after = plain.search(x, 1, 64)[0][:, 0] == np.arange(len(x))
+    # more found, few of those found before lost (a beam of 64 follows the new links too; measured: 0.7-1%)
+    assert after[before].mean() > 0.97 and after.mean() > before.mean()
+
+
+def test_a_loaded_graph_grown_stays_in_reach(tmp_path):
+    rng = np.random.default_rng(1)
+    x = tight_clusters(rng, 2000, 10, 64, 0.05)
+    g = Graph(64, M=8, ef_construction=32, seed=2)
+    g.add(x[:10000], num_threads=2)
+    g.save(tmp_path / "g.bin")
+    grown = Graph.load(tmp_path / "g.bin")  # as a merge grows an index's graph
+    grown.add(x[10000:], num_threads=2)
+    grown.save(tmp_path / "grown.bin")
+    assert reached_in_file(tmp_path / "grown.bin").all()
+
+
+def level0_links(path) -> np.ndarray:
+    raw = np.fromfile(path, np.uint8)
+    dim, m, _, _, size = (int(v) for v in raw[16:56].view(np.uint64))
+    off = 64 + size + size * dim * 4
+    return raw[off:off + size * (1 + 2 * m) * 4].view(np.uint32).reshape(size, 1 + 2 * m)[:, 0]
+
+
+def test_alpha_bounds_and_its_effect(tmp_path, data):
+    x, _ = data
+    with pytest.raises(ValueError, match="alpha"):
+        Graph(32, alpha=0.9)
+    with pytest.raises(ValueError, match="alpha"):
+        Graph(32, alpha=float("nan"))
+    links = {}
+    for alpha in (1.0, 1.5):
+        g = Graph(32, M=8, ef_construction=64, seed=1, alpha=alpha)
+        g.add(x)
+        g.save(tmp_path / f"{alpha}.bin")
+        links[alpha] = level0_links(tmp_path / f"{alpha}.bin")
+        assert links[alpha].max() <= 16 and reached_in_file(tmp_path / f"{alpha}.bin").all()
+    assert links[1.5].mean() > 1.3 * links[1.0].mean()  # keeps more, longer links (in the same room)

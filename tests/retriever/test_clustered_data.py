@@ -38,7 +38,8 @@ def test_rows_and_queries_find_the_same_lists_and_those_are_the_nearest(tmp_path
     owner = np.repeat(np.arange(len(sizes)), sizes)  # the list of each (list, vector) posting
     held = set(zip(owner.tolist(), idx.filter.list_ids.astype(np.int64).tolist()))
     # Measured from the centroids, apart from the build: each vector's nearest centroid's list holds it
-    # (by the graph alone: 96% here, 86% of 50k such vectors, whose lists were then 13% empty).
+    # (by the graph alone, before its reachability repair: 96% here, 86% of 50k such vectors, whose lists were then
+    # 13% empty; with it, 99.5% here).
     nearest = sq_dists(x, cents).argmin(axis=1)
     assert all((int(c), v) in held for v, c in enumerate(nearest))
     # And a query finds the lists nearest to it: the nprobe nearest centroids, exactly.
@@ -183,7 +184,9 @@ def test_a_build_records_how_its_rows_found_their_lists_and_its_queries_go_so(tm
         assert np.array_equal(lists, exact_lists) == (want == "exact"), name
         idx.close()
     assert held_by_exact_nearest["exact"] == 1.0
-    assert held_by_exact_nearest["graph"] < 0.995 and held_by_exact_nearest["auto"] < 0.995  # by the graph: ~96%
+    # By the graph, nearly all (99.5%): before the graph linked the nodes its heuristic left out of reach, 96%.
+    for name in ("graph", "auto"):
+        assert 0.99 <= held_by_exact_nearest[name] < 1.0, name
 
 
 def test_an_index_without_the_record_navigates_as_its_build_did_and_a_merge_records_it(tmp_path, monkeypatch):
