@@ -1085,7 +1085,8 @@ void bind_graph(nb::module_& m) {
            "on); returns the links added.")
       .def("reachable", &Graph::reachable, nb::call_guard<nb::gil_scoped_release>(),
            "How many nodes a search can reach on level 0 from the entry point.")
-      .def_prop_ro("repaired", &Graph::repaired, "Links add() added to reach nodes out of reach (since made or loaded).")
+      .def_prop_ro("repaired", &Graph::repaired, "Links add() or repair() added to reach nodes out of reach (since\n"
+                   "the graph was made or loaded).")
       .def_prop_ro("size", &Graph::size)
       .def_prop_ro("dim", &Graph::dim)
       .def_prop_ro("metric", [](const Graph& g) { return std::string(metric_name(g.metric())); })

@@ -571,6 +571,8 @@ def test_a_loaded_graph_grown_stays_in_reach(tmp_path):
     grown.add(x[10000:], num_threads=2)
     grown.save(tmp_path / "grown.bin")
     assert reached_in_file(tmp_path / "grown.bin").all()
+    with pytest.raises(ValueError, match="read-only"):  # an SQ8 graph only searches
+        Graph.load(tmp_path / "g.bin", quantize=True).repair()
 
 
 def level0_links(path) -> np.ndarray:
