@@ -45,7 +45,7 @@ def level0_degrees(path: str) -> np.ndarray:
     return lists[:, 0].astype(np.int64)
 
 
-def rows_of(name: str, index: Path, count: int) -> tuple[np.ndarray, np.ndarray]:
+def rows_of(name: str, count: int) -> tuple[np.ndarray, np.ndarray]:
     """(base rows sampled, queries) of the set an index was built from."""
     if name.startswith("synth1m"):
         from fusionrag.loadtests.queryset import synthetic_vectors
@@ -102,7 +102,7 @@ def main() -> None:
         centroids = old.vectors()
         raw = np.fromfile(str(Path(path) / "graph.bin"), np.uint8)
         m, efc, seed = (int(v) for v in raw[16:56].view(np.uint64)[1:4])
-        base_rows, queries = rows_of(name, Path(path), args.rows)
+        base_rows, queries = rows_of(name, args.rows)
         probe = {"rows": base_rows, "queries": queries}
         exact = {k: old.exact_search(v, 32, 2)[0] for k, v in probe.items()}
         points = []

@@ -59,7 +59,7 @@ def build(source, metric: str, out: Path, repair: bool, threads: int) -> float:
         build_module.Graph = plain
 
 
-def sweep(path: Path, queries: np.ndarray, gt: np.ndarray, nprobes: list[int]) -> list[dict]:
+def sweep(path: Path, queries: np.ndarray, gt: np.ndarray, nprobes: list[int]) -> tuple[list[dict], dict]:
     index = Index.open(str(path))
     g = index.nav.graph
     out = []

@@ -754,8 +754,11 @@ class Graph {
           if (from == kNone) continue;
           l = links(from, 0);  // full: its farthest link makes way (the next round finds what that cut off)
           uint32_t far = 1;
-          for (uint32_t j = 2; j <= l[0]; ++j)
-            if (dist_(vec(from), vec(l[j]), dim_) > dist_(vec(from), vec(l[far]), dim_)) far = j;
+          float far_d = dist_(vec(from), vec(l[1]), dim_);
+          for (uint32_t j = 2; j <= l[0]; ++j) {
+            float dj = dist_(vec(from), vec(l[j]), dim_);
+            if (dj > far_d) far = j, far_d = dj;
+          }
           l[far] = u;
         }
         ++added;

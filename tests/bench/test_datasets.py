@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import datasets  # noqa: E402
@@ -43,9 +44,5 @@ def test_latent_set(tmp_path, monkeypatch):
 
 def test_names(tmp_path):
     assert datasets._count("1m") == 1_000_000 and datasets._count("300k") == 300_000
-    try:
+    with pytest.raises(SystemExit, match="synth<N>x<DIM>"):
         datasets.prepare(tmp_path, "nosuchset")
-    except SystemExit as e:
-        assert "synth<N>x<DIM>" in str(e)
-    else:
-        raise AssertionError("an unknown set was accepted")

@@ -507,15 +507,19 @@ def tight_clusters(rng, clusters, per, dim, spread):
     return (np.repeat(c, per, 0) + spread * rng.normal(size=(clusters * per, dim))).astype(np.float32)
 
 
-def reached_in_file(path) -> np.ndarray:
-    """Nodes reachable on level 0 from the entry point, by a walk over the saved file's lists (the layout of
-    native/graph.cpp's save), apart from the graph's own count."""
+def level0_lists(path) -> tuple[int, np.ndarray]:
+    """(entry point, level-0 lists [count, ids...] a row per node) read from a saved graph file (the layout of
+    native/graph.cpp's save), apart from the graph's own accounts."""
     raw = np.fromfile(path, np.uint8)
     dim, m, _, _, size = (int(v) for v in raw[16:56].view(np.uint64))
-    entry = int(raw[56:60].view(np.uint32)[0])
     off = 64 + size + size * dim * 4
-    lists = raw[off:off + size * (1 + 2 * m) * 4].view(np.uint32).reshape(size, 1 + 2 * m)
-    seen = np.zeros(size, bool)
+    return int(raw[56:60].view(np.uint32)[0]), raw[off:off + size * (1 + 2 * m) * 4].view(np.uint32).reshape(size, -1)
+
+
+def reached_in_file(path) -> np.ndarray:
+    """Nodes reachable on level 0 from the entry point, by a walk over the saved file's lists."""
+    entry, lists = level0_lists(path)
+    seen = np.zeros(len(lists), bool)
     seen[entry] = True
     stack = [entry]
     while stack:
@@ -575,13 +579,6 @@ def test_a_loaded_graph_grown_stays_in_reach(tmp_path):
         Graph.load(tmp_path / "g.bin", quantize=True).repair()
 
 
-def level0_links(path) -> np.ndarray:
-    raw = np.fromfile(path, np.uint8)
-    dim, m, _, _, size = (int(v) for v in raw[16:56].view(np.uint64))
-    off = 64 + size + size * dim * 4
-    return raw[off:off + size * (1 + 2 * m) * 4].view(np.uint32).reshape(size, 1 + 2 * m)[:, 0]
-
-
 def test_alpha_bounds_and_its_effect(tmp_path, data):
     x, _ = data
     with pytest.raises(ValueError, match="alpha"):
@@ -593,6 +590,6 @@ def test_alpha_bounds_and_its_effect(tmp_path, data):
         g = Graph(32, M=8, ef_construction=64, seed=1, alpha=alpha)
         g.add(x)
         g.save(tmp_path / f"{alpha}.bin")
-        links[alpha] = level0_links(tmp_path / f"{alpha}.bin")
+        links[alpha] = level0_lists(tmp_path / f"{alpha}.bin")[1][:, 0]
         assert links[alpha].max() <= 16 and reached_in_file(tmp_path / f"{alpha}.bin").all()
     assert links[1.5].mean() > 1.3 * links[1.0].mean()  # keeps more, longer links (in the same room)
