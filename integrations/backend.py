@@ -21,7 +21,7 @@ import numpy as np
 from fusionrag.client import AsyncClient, Client, CollectionInfo, Op, Ops
 from fusionrag.client import RemoteError  # noqa: F401 - where callers have imported it from
 from fusionrag.retriever.collection import DEFAULT_TEXT_WEIGHT, Catalog, Collection, Document, Hit
-from fusionrag.retriever.config import METRICS, SearchParams
+from fusionrag.retriever.config import METRICS, SearchOverrides
 from fusionrag.retriever.errors import ConfigError, ConflictError, FusionRAGError, InputError, NotFoundError
 
 
@@ -95,7 +95,7 @@ class EmbeddedBackend:
         self.name = collection
         self._metric = metric
         self._embedding = embedding
-        self._params = SearchParams.from_dict(search_params) if search_params else None
+        self._params = SearchOverrides.of(search_params) if search_params else None  # over the index's defaults
         self._catalog = _acquire_catalog(self.root)
         self._closed = False
         if self.name in self._catalog.names():
@@ -229,7 +229,7 @@ class RemoteBackend:
         self.name = collection
         self._metric = metric
         self._embedding = embedding
-        self._params = SearchParams.from_dict(search_params) if search_params else None
+        self._params = SearchOverrides.of(search_params) if search_params else None  # over the index's defaults
         self._api_key, self._timeout = api_key, timeout
         self._client = Client(self.url, api_key, timeout=timeout)
         self._aclients: dict[asyncio.AbstractEventLoop, AsyncClient] = {}

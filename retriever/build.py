@@ -22,6 +22,7 @@ from fusionrag.native import Graph, PageWriter
 from fusionrag.retriever.config import BuildConfig, cpu_threads
 from fusionrag.retriever.errors import ConfigError, InputError
 from fusionrag.retriever.kmeans import hierarchical_balanced_kmeans
+from fusionrag.retriever.calibrate import calibrate
 from fusionrag.retriever.learned_probe import csr_lists_of, save_probe_model, train_probe_model
 from fusionrag.retriever.layout import chain_order, plan_layout
 from fusionrag.retriever.manifest import writing_index
@@ -273,14 +274,15 @@ def build_index(source, out_dir, config: BuildConfig = BuildConfig(), progress: 
 
     progress: a bar per step on stderr (None: when stderr is a terminal); on_progress(step, done, total)
     is told the same as the steps advance. sample_queries: queries like those the index will serve (a query
-    log) that config.probe_model's model is trained on, instead of rows of the data."""
+    log) that config.probe_model's model is trained on and calibration measures, instead of rows of the data."""
     t_start = time.perf_counter()
     src = open_source(source)
     n, dim = src.count, src.dim
     metric = config.metric
     if sample_queries is not None:
-        if not config.probe_model:
-            raise ConfigError("sample_queries train the probe model: build with probe_model (--probe-model)")
+        if not config.probe_model and not config.calibrate:
+            raise ConfigError("sample_queries train the probe model and are what calibration measures: build with "
+                              "probe_model (--probe-model) or calibrate")
         sample_queries = sample_query_matrix(sample_queries, dim, metric)
     threads = cpu_threads(config.threads)
     rng = np.random.default_rng(config.seed)
@@ -337,5 +339,15 @@ def build_index(source, out_dir, config: BuildConfig = BuildConfig(), progress: 
         timings["total_s"] = time.perf_counter() - t_start
         manifest = index_manifest(n, dim, metric, STORAGE_DTYPES[store_dtype], src, len(centroids), len(list_ids),
                                   pq, config, timings, navigation=navigation, pages=layout, **extra)
+        if config.calibrate:  # the default search settings, measured on the index as written
+            t = time.perf_counter()
+            with steps.step("calibrating", 1, "index") as update:
+                w.stage(manifest)
+                manifest["calibration"] = calibrate(w.dir, rows, n, internal_metric(metric), config.calibrate_queries,
+                                                    config.target_recall, config.seed, threads, sample_queries)
+                update(1)
+            manifest["search_defaults"] = manifest["calibration"]["params"]
+            timings["calibrate_s"] = time.perf_counter() - t
+            timings["total_s"] = time.perf_counter() - t_start
         w.publish(manifest)
     return manifest

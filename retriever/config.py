@@ -273,6 +273,15 @@ class BuildConfig(_Config):
     probe_queries: Annotated[int, knob("rows of the data the probe model is trained on", ge=10, le=100_000)] = 1000
     probe_quantile: Annotated[float, knob("the probe model predicts the lists enough for this share of queries",
                                           gt=0, lt=1)] = 0.9
+    # Build-time calibration (retriever/calibrate.py): recall@10 of sample queries at the default search settings,
+    # and, where it falls short of target_recall (flat data), the re-rank raised until it does; the index keeps
+    # the result as its default SearchParams. Measured: bench/results/calibration.md.
+    calibrate: Annotated[bool, knob("measure recall@10 at the default search settings on sample queries and raise "
+                                    "the index's default re-rank until it reaches target_recall")] = True
+    calibrate_queries: Annotated[int, knob("sample queries (rows of the data, or the build's sample queries) "
+                                           "calibration measures", ge=10, le=100_000)] = 500
+    target_recall: Annotated[float, knob("recall@10 calibration raises the default re-rank to reach", gt=0,
+                                         le=1)] = 0.95
 
     def __post_init__(self):
         if self.graph_ef_construction < self.graph_m:
@@ -305,6 +314,38 @@ class SearchParams(_Config):
     # bench/results/resident_first.md.
     resident_first: Annotated[bool, knob("re-rank: score first the candidates whose pages are in the page buffer "
                                          "now (no read)")] = False
+
+
+@dataclass(frozen=True)
+class SearchOverrides:
+    """The search knobs a request names, to apply over the defaults of the index that serves it (Index.params:
+    the class defaults, or those its build's calibration chose), where a SearchParams would replace them all.
+    Checked when made (ConfigError); hashable, so that requests asking the same can share a batch."""
+
+    items: tuple
+
+    @classmethod
+    def of(cls, given: dict) -> "SearchOverrides":
+        SearchParams.from_dict(dict(given))  # names and ranges
+        return cls(tuple(sorted(given.items())))
+
+    def over(self, base: SearchParams) -> SearchParams:
+        return base.with_overrides(**dict(self.items))
+
+    def to_dict(self) -> dict:
+        return dict(self.items)
+
+
+def resolve_params(params: "SearchParams | SearchOverrides | dict | None", base: SearchParams) -> SearchParams:
+    """The SearchParams a search runs with: params in full, or its knobs (SearchOverrides, a dict) over base,
+    or base."""
+    if params is None:
+        return base
+    if isinstance(params, SearchOverrides):
+        return params.over(base)
+    if isinstance(params, dict):
+        return base.with_overrides(**params)
+    return params
 
 
 @config_class

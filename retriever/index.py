@@ -14,8 +14,8 @@ import numpy as np
 
 from fusionrag import native
 from fusionrag.retriever.build import build_index
-from fusionrag.retriever.config import BuildConfig, EngineConfig, SearchParams, cpu_threads
-from fusionrag.retriever.errors import IndexFormatError, InputError
+from fusionrag.retriever.config import BuildConfig, EngineConfig, SearchOverrides, SearchParams, cpu_threads, resolve_params
+from fusionrag.retriever.errors import ConfigError, IndexFormatError, InputError
 from fusionrag.retriever.layout import PageLayout
 from fusionrag.retriever.learned_probe import load_probe_model
 from fusionrag.retriever.manifest import ManifestShape, load_array, read_manifest
@@ -100,6 +100,8 @@ class Index(ManifestShape):
     @classmethod
     def open(cls, path, config: EngineConfig | None = None, params: SearchParams | None = None,
              **engine_overrides) -> "Index":
+        """params: the index's default search settings (self.params); None: those its build's calibration
+        chose (the manifest's search_defaults), else the class defaults."""
         config = (config or EngineConfig()).with_overrides(**engine_overrides)
         path = Path(path)
         m = read_manifest(path, config.verify, REQUIRED_FILES)
@@ -140,6 +142,11 @@ class Index(ManifestShape):
         if problems:
             raise IndexFormatError(f"{path}: inconsistent index: " + "; ".join(problems))
         navigation = recorded_navigation(m, graph.size, graph.dim, path)
+        if params is None:  # the index's own defaults: what its build's calibration chose (calibrate.py)
+            try:
+                params = SearchParams.from_dict(m.get("search_defaults") or {})
+            except (ConfigError, TypeError) as e:
+                raise IndexFormatError(f"{path}: the manifest's search_defaults are not search settings ({e})") from e
         buffer_blocks, cache_records = split_buffer(config.buffer_bytes, config, layout)
         try:
             store = native.PageStore(str(path / "vectors.pages"), layout.record_bytes, layout.records_per_block,
@@ -153,7 +160,7 @@ class Index(ManifestShape):
             open_filter_tier(config, offsets, list_ids, codes, codebooks, threads, str(path), engine_metric),
             RerankTier(store, locations, dtype, engine_metric, threads, config.rerank_inflight, config.page_mates,
                        config.rerank_prefetch),
-            config, params or SearchParams(),
+            config, params,
         )
 
     def __len__(self) -> int:
@@ -184,14 +191,15 @@ class Index(ManifestShape):
     def prepare_queries(self, queries) -> np.ndarray:
         return prepare_queries(queries, self.dim, self.metric)
 
-    def search(self, queries, k: int = 10, params: SearchParams | None = None, exclude: np.ndarray | None = None,
-               **overrides) -> SearchResult:
-        """Top-k of each query with exact distances; see SearchParams for the knobs. exclude: a
+    def search(self, queries, k: int = 10, params: SearchParams | SearchOverrides | dict | None = None,
+               exclude: np.ndarray | None = None, **overrides) -> SearchResult:
+        """Top-k of each query with exact distances; see SearchParams for the knobs. params: all of them, or the
+        knobs to change (SearchOverrides, a dict) of the index's defaults (self.params). exclude: a
         bitmap (uint8[ceil(count/8)], bit i little-endian) of vectors never to return. queries:
         PreparedQueries (a collection's) are searched as they are; anything else is checked first."""
         if not isinstance(k, (int, np.integer)) or k < 1:
             raise InputError(f"k must be a positive integer, got {k!r}")
-        p = (params or self.params).with_overrides(**overrides)
+        p = resolve_params(params, self.params).with_overrides(**overrides)
         q, unit_pending = checked_for_search(queries, self.dim, self.metric)
         ids, dists, stats, batches = cut(q, k, p, exclude, self.filter.batch_size, unit_pending=unit_pending)
         if len(batches) > 1 and self.filter.overlaps:
@@ -206,13 +214,13 @@ class Index(ManifestShape):
                 "direct_io": bool(self.reranker.store.direct), "buffer_policy": self.reranker.store.buffer_policy}
         return self._result(ids, dists, stats, info)
 
-    def search_lists(self, queries, lists, k: int = 10, params: SearchParams | None = None,
+    def search_lists(self, queries, lists, k: int = 10, params: SearchParams | SearchOverrides | dict | None = None,
                      exclude: np.ndarray | None = None, **overrides) -> SearchResult:
         """search() over the posting lists given per query (integer (q, m), -1 where none) instead of
         the navigation graph's: a shard of a sharded index searches the lists its router sends it."""
         if not isinstance(k, (int, np.integer)) or k < 1:
             raise InputError(f"k must be a positive integer, got {k!r}")
-        p = (params or self.params).with_overrides(**overrides)
+        p = resolve_params(params, self.params).with_overrides(**overrides)
         q, unit_pending = checked_for_search(queries, self.dim, self.metric)
         lists = np.asarray(lists)
         if lists.ndim != 2 or len(lists) != len(q) or lists.dtype.kind not in "iu":

@@ -103,12 +103,17 @@ class IndexWriter:
             entry["sha256"] = sha256_file(p)
         self.files[name] = entry
 
-    def publish(self, manifest: dict) -> None:
+    def stage(self, manifest: dict) -> None:
+        """Write the manifest into the temporary directory: the index there can then be opened (as a build's
+        calibration does) before publish moves it into place."""
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest, "files": self.files}
         tmp = self.path(MANIFEST + ".tmp")
         tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
         fsync_path(tmp)
         os.replace(tmp, self.path(MANIFEST))
+
+    def publish(self, manifest: dict) -> None:
+        self.stage(manifest)
         fsync_path(self.dir)
         old = None
         if self.final_dir.exists():

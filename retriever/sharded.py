@@ -58,7 +58,7 @@ from fusionrag.retriever.build import (_CHUNK, _IntegralCheck, _Rows, assign_row
                                        mips_augment, open_source, postings, sample_query_matrix, save_index_files,
                                        train_index, write_pages)
 from fusionrag.retriever.collection.config import CollectionConfig
-from fusionrag.retriever.config import BuildConfig, EngineConfig, SearchParams, cpu_threads
+from fusionrag.retriever.config import BuildConfig, EngineConfig, SearchParams, cpu_threads, resolve_params
 from fusionrag.retriever.docstore import query_words
 from fusionrag.retriever.errors import ConfigError, ConflictError, IndexFormatError, InputError, UnavailableError
 from fusionrag.retriever.fresh import FreshView
@@ -1254,7 +1254,7 @@ class ShardedIndex(ManifestShape):
         the answers must pass, and whether the shards return the answers' documents (ShardedResult.docs)."""
         if not isinstance(k, (int, np.integer)) or k < 1:
             raise InputError(f"k must be a positive integer, got {k!r}")
-        p = (params or self.params).with_overrides(probe=probe, probe_scale=probe_scale, **overrides)
+        p = resolve_params(params, self.params).with_overrides(probe=probe, probe_scale=probe_scale, **overrides)
         q = self.prepare_queries(queries)
         nq, S = len(q), self.n_shards
         stats = {key: np.zeros(nq, dtype=np.int64) for key in ("lists_probed", "shards_probed", "candidates",

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fusionrag.retriever.collection import DEFAULT_TEXT_WEIGHT, Collection, CollectionSearch
-from fusionrag.retriever.config import SearchParams
+from fusionrag.retriever.config import SearchOverrides, SearchParams
 from fusionrag.retriever.embedding import get_embedder
 from fusionrag.retriever.queries import PreparedQueries
 from fusionrag.server.metrics import Metrics
@@ -43,7 +43,7 @@ class _Request:
     texts: list[str] | None
     k: int
     filter: dict | None
-    params: SearchParams | None
+    params: SearchParams | SearchOverrides | None
     mode: str
     text_weight: float
     future: asyncio.Future
@@ -89,7 +89,7 @@ class MicroBatcher:
 
     async def search(self, collection: Collection, k: int, *, vectors: np.ndarray | None = None,
                      texts: list[str] | None = None, filter: dict | None = None,
-                     params: SearchParams | None = None, mode: str = "vector",
+                     params: SearchParams | SearchOverrides | None = None, mode: str = "vector",
                      text_weight: float = DEFAULT_TEXT_WEIGHT, with_vectors: bool = False) -> CollectionSearch:
         """`vectors` ((q, dim) float32, already validated) or `texts` (embedded here unless in text mode),
         or both in hybrid mode; see Collection.search for the modes."""

@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.exceptions import HTTPException
 
 from fusionrag.retriever.collection import Collection
-from fusionrag.retriever.config import SearchParams
+from fusionrag.retriever.config import SearchOverrides, SearchParams
 from fusionrag.retriever.embedding import get_embedder
 from fusionrag.retriever.errors import InputError
 from fusionrag.retriever.queries import PreparedQueries, QueryWords, prepare_queries
@@ -19,7 +19,8 @@ from fusionrag.server.bodies import Body, read_body
 from fusionrag.server.errors import http_error
 
 
-def search_params(given: dict) -> SearchParams:
+def search_params(given: dict) -> SearchOverrides:
+    """A request's search knobs, checked, to apply over the collection index's own defaults (its calibrated ones)."""
     kinds = {f.name: type(f.default) for f in fields(SearchParams)}
     for name, value in given.items():
         kind = kinds.get(name)
@@ -27,7 +28,7 @@ def search_params(given: dict) -> SearchParams:
             (kind is float and isinstance(value, int) and not isinstance(value, bool))
         if not ok:
             raise http_error(422, f"params.{name} must be a{'n' if kind is int else ''} {kind.__name__}, got {value!r}")
-    return SearchParams.from_dict(given)  # unknown names and ranges: ConfigError, a 422
+    return SearchOverrides.of(given)  # unknown names and ranges: ConfigError, a 422
 
 
 def check_texts(texts, limit: int, what: str) -> None:

@@ -31,7 +31,7 @@ from typing import Sequence
 
 import numpy as np
 
-from fusionrag.retriever.config import EngineConfig, SearchParams
+from fusionrag.retriever.config import EngineConfig, SearchOverrides, SearchParams, resolve_params
 from fusionrag.retriever.docstore import DocStore
 from fusionrag.retriever.errors import (ConflictError, FusionRAGError, IndexFormatError, InputError, StorageError,
                                        UnavailableError)
@@ -388,7 +388,8 @@ class Collection:
         return filter_warnings(filter, self.store.field_types)
 
     @_in_use
-    def search(self, vectors=None, k: int = 10, filter: dict | None = None, params: SearchParams | None = None,
+    def search(self, vectors=None, k: int = 10, filter: dict | None = None,
+               params: SearchParams | SearchOverrides | dict | None = None,
                with_vectors: bool = False, *, texts: Sequence[str] | None = None, mode: str = "vector",
                text_weight: float = DEFAULT_TEXT_WEIGHT) -> CollectionSearch:
         """Top-k of each query. mode "vector": by the query vectors; "text": by BM25 over the documents'
@@ -488,7 +489,7 @@ class Collection:
         short = np.flatnonzero((ids >= 0).sum(1) < min(k, live))
         if short.size:
             # Every list: the ratio rule would still cut those beyond twice the nearest one's distance.
-            p = (params or main.index.params).with_overrides(nprobe=main.index.nav.graph.size, probe="ratio",
+            p = resolve_params(params, main.index.params).with_overrides(nprobe=main.index.nav.graph.size, probe="ratio",
                                                              probe_ratio=0.0)
             again = main.index.search(q.rows(short), k, p, exclude=exclude)
             ids[short], dists[short] = again.ids, again.distances

@@ -92,14 +92,16 @@ def _cmd_search(args) -> int:
     engine = flags_of(args, EngineConfig, skip=("buffer_bytes",))
     if args.buffer_mb is not None:
         engine["buffer_bytes"] = int(args.buffer_mb * (1 << 20))
-    params = SearchParams().with_overrides(**flags_of(args, SearchParams))
+    given = flags_of(args, SearchParams)  # over the index's own defaults (what its build's calibration chose)
+    params = SearchParams().with_overrides(**given)  # checked before anything opens
     from fusionrag.retriever.sharded import is_sharded
 
     sharded = is_sharded(args.index_dir)
     if args.ray and not sharded:
         raise FusionRAGError(f"{args.index_dir}: --ray searches a sharded index (build it with --shards)")
     if not sharded:
-        index = Index.open(args.index_dir, EngineConfig().with_overrides(**engine), params)
+        index = Index.open(args.index_dir, EngineConfig().with_overrides(**engine))
+        params = index.params.with_overrides(**given)
     queries = open_vectors(args.queries)[:]
     if args.limit:
         queries = queries[: args.limit]
@@ -107,7 +109,7 @@ def _cmd_search(args) -> int:
         result_ids, report = _search_sharded(args, engine, params, queries)
     else:
         t = time.perf_counter()
-        res = index.search(queries, args.k)
+        res = index.search(queries, args.k, params)
         seconds = time.perf_counter() - t
         result_ids = res.ids
         stats = {key: (round(float(v.sum()), 6) if key.endswith("_s") else int(v.sum())) for key, v in res.stats.items()}
@@ -234,8 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "centroid space with work balanced (locality), or round-robin")
     b.add_argument("--replicate", type=float, default=0.02,
                    help="with --shards: fraction of lists, hottest first, given a replica on a second shard")
-    b.add_argument("--sample-queries", help="a query file (a query log): the probe model is trained on it, and "
-                   "with --shards list hotness is measured with it (default: rows of the source)")
+    b.add_argument("--sample-queries", help="a query file (a query log): the probe model is trained on it, "
+                   "calibration measures it, and with --shards list hotness is measured with it (default: rows of "
+                   "the source)")
     b.add_argument("--ray", metavar="ADDRESS", help="with --shards: run the build's tasks on this Ray cluster")
     add_flags(b, BuildConfig)
     b.set_defaults(run=_cmd_build)

@@ -28,7 +28,7 @@ import numpy as np
 
 from fusionrag import __version__
 from fusionrag.retriever.collection import DEFAULT_TEXT_WEIGHT, Document, Hit
-from fusionrag.retriever.config import SearchParams
+from fusionrag.retriever.config import SearchOverrides, SearchParams
 from fusionrag.retriever.errors import FusionRAGError, InputError, error_class
 
 T = TypeVar("T")
@@ -199,7 +199,7 @@ class Ops:
 
     @staticmethod
     def search(collection: str, vectors=None, *, texts: Sequence[str] | None = None, k: int = 10,
-               filter: dict | None = None, params: SearchParams | dict | None = None, mode: str = "vector",
+               filter: dict | None = None, params: SearchParams | SearchOverrides | dict | None = None, mode: str = "vector",
                text_weight: float = DEFAULT_TEXT_WEIGHT, with_vectors: bool = False,
                stats: bool = False) -> Op[SearchResult]:
         """Top-k of each query: `vectors` (one, or a (q, dim) array) or `texts` (embedded by the collection's
@@ -215,7 +215,7 @@ class Ops:
         if filter is not None:
             body["filter"] = filter
         if params:
-            body["params"] = params.to_dict() if isinstance(params, SearchParams) else params
+            body["params"] = params.to_dict() if isinstance(params, (SearchParams, SearchOverrides)) else params
         if with_vectors:
             body["with_vectors"] = True
         if stats:

@@ -206,5 +206,6 @@ def test_a_model_trained_on_a_query_log_serves_queries_unlike_the_data(tmp_path)
     assert got["log"].stats["centroids_probed"].mean() > got["rows"].stats["centroids_probed"].mean()
     with pytest.raises(InputError, match="sample_queries"):
         Index.build(x, tmp_path / "bad", cfg, progress=False, sample_queries=log[:, :5])
+    # Sample queries serve the probe model and calibration: a build with neither refuses them.
     with pytest.raises(ConfigError, match="probe_model"):
-        Index.build(x, tmp_path / "bad", BuildConfig(threads=1), progress=False, sample_queries=log)
+        Index.build(x, tmp_path / "bad", BuildConfig(threads=1, calibrate=False), progress=False, sample_queries=log)

@@ -1,0 +1,85 @@
+"""Build-time calibration of an index's default search settings (BuildConfig.calibrate).
+
+The class defaults of SearchParams (re-rank at most 200 PQ candidates, stop after 2 mini-batches that leave the
+top-k unchanged) hold recall@10 near 0.95 on the real sets they were chosen on. They do not on flat data, where a
+query's 10th neighbour is nearly as near as its 1st and a 64-byte PQ code cannot rank them: on 1M embedding-like
+768-d vectors (d10/d1 1.07) the probed lists held 99.6% of the true top-10, but the PQ order put 11% of them
+beyond the 200th candidate, and the early stop ended most searches after 9 mini-batches: recall@10 0.745.
+The settings calibration chose there (rerank 1600, beta 24) gave 0.961 at 0.48x the QPS, and it left GloVe,
+Fashion-MNIST and 100k 768-d vectors at the defaults (bench/results/calibration_*.md, docs/tuning.md).
+
+So a build measures: recall@10 of `calibrate_queries` sample queries (the build's sample queries, a query log,
+where it has them, else rows of the data; the rows sampled are left out of every search and of the truth, so no
+row finds itself) against brute force, at the defaults and
+then up LADDER's rungs, each re-ranking more candidates and waiting longer before it stops, until one reaches
+`target_recall`. The first rung that does (or the last, where none does) is written to the manifest
+("search_defaults"); Index.open takes it as the index's default SearchParams, and a request's own knobs
+(SearchOverrides) apply over it. Where the defaults already reach the target nothing changes: calibration only
+raises the re-rank. Merges keep the build's settings.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from fusionrag.retriever.config import EngineConfig, SearchParams
+from fusionrag.retriever.learned_probe import exact_topk
+
+K = 10
+# (rerank, beta): the class defaults first, then about 1.5x the candidates and the patience a rung (on the 1M
+# 768-d set, doubling both went from recall 0.94 to 0.97 in one rung, at 0.6x the QPS).
+LADDER = ((200, 2), (200, 3), (300, 4), (400, 6), (600, 8), (800, 12), (1200, 16), (1600, 24), (2400, 32))
+MIN_ROWS = 2000  # fewer rows: the sample would be a large share of the data, and nearly every search is exact
+
+
+def recall_at(found: np.ndarray, truth: np.ndarray) -> float:
+    """Mean share of each query's true top-K (-1: none) among its found ids."""
+    hits = [len(set(f[f >= 0].tolist()) & set(t[t >= 0].tolist())) / max(1, int((t >= 0).sum()))
+            for f, t in zip(found, truth)]
+    return float(np.mean(hits))
+
+
+def calibrate(index_dir: Path, rows, n: int, engine_metric: str, queries: int, target: float, seed: int,
+              threads: int, sample_queries: np.ndarray | None = None) -> dict:
+    """The manifest's "calibration" entry for the complete (not yet published) index in index_dir: recall of each
+    rung tried, and "params", the SearchParams fields of the one chosen (empty: the class defaults)."""
+    from fusionrag.retriever.index import Index
+
+    t0 = time.perf_counter()
+    if sample_queries is None and n < MIN_ROWS:
+        return {"skipped": f"fewer than {MIN_ROWS} rows", "params": {}}
+    rng = np.random.default_rng(seed + 3)
+    if sample_queries is None:
+        own = np.sort(rng.choice(n, min(n, queries), replace=False))
+        q = rows(own)
+        source = "rows"
+    else:
+        own, q = None, sample_queries[rng.permutation(len(sample_queries))[:queries]]
+        source = "sample queries"
+    exclude = None
+    if own is None:
+        truth = exact_topk(rows, n, q, K, engine_metric)
+    else:  # every sampled row is left out of every search, and of the truth: a row is not its own neighbour
+        mask = np.zeros(n, bool)
+        mask[own] = True
+        exclude = np.packbits(mask, bitorder="little")
+        wide = exact_topk(rows, n, q, K + len(own), engine_metric)
+        truth = np.array([t[(t >= 0) & ~mask[np.maximum(t, 0)]][:K] for t in wide])
+    config = EngineConfig(filter_tier="cpu", manager_interval_s=0, threads=threads, verify=False)
+    index = Index.open(index_dir, config)
+    tried, chosen = [], {}
+    try:
+        for rerank, beta in LADDER:
+            params = SearchParams(rerank=rerank, beta=beta)
+            r = recall_at(index.search(q, K, params, exclude=exclude).ids, truth)
+            tried.append({"rerank": rerank, "beta": beta, "recall": round(r, 4)})
+            chosen = {} if (rerank, beta) == LADDER[0] else {"rerank": rerank, "beta": beta}
+            if r >= target:
+                break
+    finally:
+        index.close()
+    return {"queries": int(len(q)), "source": source, "target_recall": target, "tried": tried,
+            "params": chosen, "seconds": round(time.perf_counter() - t0, 2)}
