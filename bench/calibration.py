@@ -84,9 +84,10 @@ def main() -> None:
     res_dir = here / "results"
     (res_dir / f"calibration_{args.set}.json").write_text(json.dumps(result, indent=1))
     lines = [f"# Calibration: {args.set} ({len(base):,} x {base.shape[1]}, {meta['metric']})", "",
-             f"`python bench/calibration.py {' '.join(sys.argv[1:])}`; {result['machine']}, load average {result['load']:.1f} "
-             f"when it ended. Calibration: {cal.get('queries', 0)} {cal.get('source', '')}, target recall@10 "
-             f"{cal.get('target_recall', '')}, {cal.get('seconds', '')} s; chose {cal['params'] or 'the class defaults'}.",
+             f"`python bench/calibration.py {' '.join(sys.argv[1:])}`; {result['machine']}, load average "
+             f"{result['load']:.1f} when it ended. Calibration: {cal.get('queries', 0)} {cal.get('source', '')}, "
+             f"target recall@10 {cal.get('target_recall', '')}, {cal.get('seconds', '')} s; chose "
+             f"{cal['params'] or 'the class defaults'}.",
              "", "Rungs tried (recall@10 on the sampled rows): "
              + ", ".join(f"rerank {r['rerank']} beta {r['beta']}: {r['recall']}" for r in cal.get("tried", [])),
              "", "| half | settings | recall@10 | QPS | re-ranked/q | SSD pages/q | lists/q |",

@@ -19,10 +19,10 @@ import numpy as np
 
 from fusionrag import __version__
 from fusionrag.native import Graph, PageWriter
+from fusionrag.retriever.calibrate import calibrate
 from fusionrag.retriever.config import BuildConfig, cpu_threads
 from fusionrag.retriever.errors import ConfigError, InputError
 from fusionrag.retriever.kmeans import hierarchical_balanced_kmeans
-from fusionrag.retriever.calibrate import calibrate
 from fusionrag.retriever.learned_probe import csr_lists_of, save_probe_model, train_probe_model
 from fusionrag.retriever.layout import chain_order, plan_layout
 from fusionrag.retriever.manifest import writing_index

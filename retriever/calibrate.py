@@ -6,7 +6,7 @@ query's 10th neighbour is nearly as near as its 1st and a 64-byte PQ code cannot
 768-d vectors (d10/d1 1.07) the probed lists held 99.6% of the true top-10, but the PQ order put 11% of them
 beyond the 200th candidate, and the early stop ended most searches after 9 mini-batches: recall@10 0.745.
 The settings calibration chose there (rerank 1600, beta 24) gave 0.961 at 0.48x the QPS, and it left GloVe,
-Fashion-MNIST and 100k 768-d vectors at the defaults (bench/results/calibration_*.md, docs/tuning.md).
+Fashion-MNIST, MiniLM and 100k 768-d vectors at the defaults (bench/results/calibration_*.md, docs/tuning.md).
 
 So a build measures: recall@10 of `calibrate_queries` sample queries (the build's sample queries, a query log,
 where it has them, else rows of the data; the rows sampled are left out of every search and of the truth, so no

@@ -275,7 +275,7 @@ class BuildConfig(_Config):
                                           gt=0, lt=1)] = 0.9
     # Build-time calibration (retriever/calibrate.py): recall@10 of sample queries at the default search settings,
     # and, where it falls short of target_recall (flat data), the re-rank raised until it does; the index keeps
-    # the result as its default SearchParams. Measured: bench/results/calibration.md.
+    # the result as its default SearchParams. Measured: docs/tuning.md#calibration, bench/results/calibration_*.md.
     calibrate: Annotated[bool, knob("measure recall@10 at the default search settings on sample queries and raise "
                                     "the index's default re-rank until it reaches target_recall")] = True
     calibrate_queries: Annotated[int, knob("sample queries (rows of the data, or the build's sample queries) "

@@ -14,7 +14,8 @@ import numpy as np
 
 from fusionrag import native
 from fusionrag.retriever.build import build_index
-from fusionrag.retriever.config import BuildConfig, EngineConfig, SearchOverrides, SearchParams, cpu_threads, resolve_params
+from fusionrag.retriever.config import (BuildConfig, EngineConfig, SearchOverrides, SearchParams, cpu_threads,
+                                        resolve_params)
 from fusionrag.retriever.errors import ConfigError, IndexFormatError, InputError
 from fusionrag.retriever.layout import PageLayout
 from fusionrag.retriever.learned_probe import load_probe_model

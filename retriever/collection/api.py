@@ -489,8 +489,8 @@ class Collection:
         short = np.flatnonzero((ids >= 0).sum(1) < min(k, live))
         if short.size:
             # Every list: the ratio rule would still cut those beyond twice the nearest one's distance.
-            p = resolve_params(params, main.index.params).with_overrides(nprobe=main.index.nav.graph.size, probe="ratio",
-                                                             probe_ratio=0.0)
+            p = resolve_params(params, main.index.params).with_overrides(
+                nprobe=main.index.nav.graph.size, probe="ratio", probe_ratio=0.0)
             again = main.index.search(q.rows(short), k, p, exclude=exclude)
             ids[short], dists[short] = again.ids, again.distances
         for i, s in enumerate(stats):
