@@ -73,13 +73,16 @@ def test_a_requests_knobs_apply_over_the_calibrated_defaults(built):
     try:
         q = built["queries"]
         chosen = SearchParams(**built["coarse"]["calibration"]["params"])
-        full = index.search(q, 10, chosen.with_overrides(nprobe=64))
-        for given in ({"nprobe": 64}, SearchOverrides.of({"nprobe": 64}), search_params({"nprobe": 64})):
+        # nprobe 4 binds: the ratio rule alone probes more lists than that here.
+        assert index.search(q, 10).stats["centroids_probed"].mean() > 4
+        full = index.search(q, 10, chosen.with_overrides(nprobe=4))
+        for given in ({"nprobe": 4}, SearchOverrides.of({"nprobe": 4}), search_params({"nprobe": 4})):
             res = index.search(q, 10, given)
-            np.testing.assert_array_equal(res.ids, full.ids)
+            assert res.stats["centroids_probed"].max() <= 4  # the named knob applies
+            np.testing.assert_array_equal(res.ids, full.ids)  # and the calibrated ones stay
             np.testing.assert_array_equal(res.stats["minibatches"], full.stats["minibatches"])
         # A SearchParams still replaces them all: the class default's patience stops searches sooner.
-        whole = index.search(q, 10, SearchParams(nprobe=64))
+        whole = index.search(q, 10, SearchParams(nprobe=4))
         assert whole.stats["minibatches"].mean() < full.stats["minibatches"].mean()
     finally:
         index.close()
@@ -88,10 +91,21 @@ def test_a_requests_knobs_apply_over_the_calibrated_defaults(built):
 def test_the_cli_applies_its_flags_over_the_calibrated_defaults(built, tmp_path, capsys):
     write_bin(tmp_path / "q.fbin", built["queries"][:50])
     assert cli_main(["search", str(built["root"] / "coarse"), str(tmp_path / "q.fbin"), "--out",
-                     str(tmp_path / "o.npy"), "--nprobe", "64"]) == 0
+                     str(tmp_path / "o.npy"), "--nprobe", "4"]) == 0
     report = json.loads(capsys.readouterr().out)
     chosen = built["coarse"]["calibration"]["params"]
-    assert report["params"]["nprobe"] == 64 and report["params"]["beta"] == chosen["beta"]
+    assert report["params"]["nprobe"] == 4 and report["params"]["beta"] == chosen["beta"]
+    # What the search did, not only what it reports: at most 4 lists, and as many mini-batches as the
+    # calibrated settings take (more than the class defaults' beta 2 takes).
+    assert report["per_query"]["centroids_probed"] <= 4
+    index = Index.open(built["root"] / "coarse")
+    try:
+        q = built["queries"][:50]
+        calibrated = index.search(q, 10, {"nprobe": 4}).stats["minibatches"].mean()
+        assert report["per_query"]["minibatches"] == pytest.approx(calibrated, abs=1e-3)
+        assert index.search(q, 10, SearchParams(nprobe=4)).stats["minibatches"].mean() < calibrated
+    finally:
+        index.close()
 
 
 def test_calibration_measures_the_builds_sample_queries_and_can_be_turned_off(built, tmp_path):
