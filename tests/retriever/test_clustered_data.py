@@ -164,10 +164,13 @@ def test_a_build_records_how_its_rows_found_their_lists_and_its_queries_go_so(tm
     from fusionrag.retriever import tiers
 
     x = clustered(N, DIM, N // 100, seed=3)
-    Index.build(x, tmp_path / "graph", BuildConfig(metric="l2", navigation="graph"), progress=False)
+    # One build thread: a graph built on two depends on how their insertions interleave (rows held by their
+    # nearest list 0.984-0.995 from run to run on this data); one thread's is the same every run.
+    one = dict(metric="l2", threads=1)
+    Index.build(x, tmp_path / "graph", BuildConfig(navigation="graph", **one), progress=False)
     monkeypatch.setattr(tiers, "EXHAUSTIVE_MAX_FLOATS", 1000)  # 'auto' would now take the graph
-    Index.build(x, tmp_path / "exact", BuildConfig(metric="l2", navigation="exact"), progress=False)
-    Index.build(x, tmp_path / "auto", BuildConfig(metric="l2"), progress=False)
+    Index.build(x, tmp_path / "exact", BuildConfig(navigation="exact", **one), progress=False)
+    Index.build(x, tmp_path / "auto", BuildConfig(**one), progress=False)
     held_by_exact_nearest = {}
     for name in ("graph", "exact", "auto"):
         idx = Index.open(tmp_path / name)
@@ -184,7 +187,8 @@ def test_a_build_records_how_its_rows_found_their_lists_and_its_queries_go_so(tm
         assert np.array_equal(lists, exact_lists) == (want == "exact"), name
         idx.close()
     assert held_by_exact_nearest["exact"] == 1.0
-    # By the graph, nearly all (99.5%): before the graph linked the nodes its heuristic left out of reach, 96%.
+    # By the graph, nearly all (99.9%; built on two threads 98.4-99.5%, and before the graph linked the nodes its
+    # heuristic left out of reach, 96%).
     for name in ("graph", "auto"):
         assert 0.99 <= held_by_exact_nearest[name] < 1.0, name
 
