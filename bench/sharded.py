@@ -121,6 +121,7 @@ def main() -> None:
     ap.add_argument("--placements", nargs="+", default=["hotness-data", "hotness-log", "locality", "round-robin"],
                     choices=["hotness-data", "hotness-log", "locality", "round-robin"])
     ap.add_argument("--subset", type=int, default=0, help="build over the first N rows only (0: all)")
+    ap.add_argument("--no-single", action="store_true", help="measure the shards only, not a single index too")
     ap.add_argument("--offline-index", help="a built single index of the set: shards/query per placement from "
                     "its list -> shard maps, no shards built (writes OUT.offline.json)")
     ap.add_argument("--work", default=str(HERE / "work"))
@@ -146,19 +147,22 @@ def main() -> None:
     shutil.rmtree(idx_root, ignore_errors=True)
     report = {"set": args.set, "count": meta["count"], "dim": meta["dim"], "metric": meta["metric"],
               "queries_per_stream": args.queries, "machine": args.machine, "load_avg_start": os.getloadavg(),
-              "params": SearchParams().to_dict(), "builds": {}, "points": [], "subset": args.subset or None}
+              "params": "each index's own defaults (its build's calibration: builds below)", "builds": {},
+              "points": [], "subset": args.subset or None}
 
-    t = time.perf_counter()
-    build_index(source, idx_root / "single", config, progress=False)
-    report["builds"]["single"] = round(time.perf_counter() - t, 1)
-    single = Index.open(idx_root / "single")
-    for stream, rows in (("uniform", uniform), ("skewed", skewed)):
-        for half, hrows in halves(rows):
-            point = {"shards": 1, "placement": "single", "stream": stream, "half": half, "probe": "ratio",
-                     **measure_single(single, queries[hrows], gt[hrows])}
-            report["points"].append(point)
-            print(json.dumps(point), flush=True)
-    single.close()
+    if not args.no_single:
+        t = time.perf_counter()
+        m = build_index(source, idx_root / "single", config, progress=False)
+        report["builds"]["single"] = {"seconds": round(time.perf_counter() - t, 1),
+                                      "search_defaults": m.get("search_defaults")}
+        single = Index.open(idx_root / "single")
+        for stream, rows in (("uniform", uniform), ("skewed", skewed)):
+            for half, hrows in halves(rows):
+                point = {"shards": 1, "placement": "single", "stream": stream, "half": half, "probe": "ratio",
+                         **measure_single(single, queries[hrows], gt[hrows])}
+                report["points"].append(point)
+                print(json.dumps(point), flush=True)
+        single.close()
 
     for S in args.shards:
         variants = (("hotness-data", {}), ("hotness-log", {"sample_queries": queries[log]}),
@@ -173,6 +177,7 @@ def main() -> None:
                 "replicated_lists": m["placement"]["replicated_lists"],
                 "vectors_per_shard": [p["count"] for p in m["parts"].values()]}
             report["builds"][f"s{S}-{name}"]["probe_model"] = m.get("probe_model")
+            report["builds"][f"s{S}-{name}"]["calibration"] = m.get("calibration")  # the router's defaults
             index = ShardedIndex.open(path)
             probes = [("ratio", 1.0)] + [("learned", x) for x in args.learned_scales]
             for stream, rows in (("uniform", uniform), ("skewed", skewed)):
@@ -242,7 +247,7 @@ def markdown(r: dict) -> str:
              f"Machine: {r['machine']}; load average {r['load_avg_start'][0]:.1f} at the start, "
              f"{r['load_avg_end'][0]:.1f} at the end. Shards in one process (local mode): QPS is what the split "
              f"costs on one machine, not what S machines give. {r['queries_per_stream']} queries per stream; "
-             "default search settings. Written by `bench/sharded.py`.", "",
+             f"search settings: {r['params']}. Written by `bench/sharded.py`.", "",
              (f"Built over the first {r['subset']:,} rows only (ground truth recomputed over them). "
               if r.get("subset") else "") + "Half: each stream's first (select) and second (report) half.", "",
              "| shards | placement | stream | half | probe | recall@10 | QPS | lists/q | shards/q | PQ candidates/q | "

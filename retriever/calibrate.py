@@ -15,7 +15,8 @@ then up LADDER's rungs, each re-ranking more candidates and waiting longer befor
 `target_recall`. The first rung that does (or the last, where none does) is written to the manifest
 ("search_defaults"); Index.open takes it as the index's default SearchParams, and a request's own knobs
 (SearchOverrides) apply over it. Where the defaults already reach the target nothing changes: calibration only
-raises the re-rank. Merges keep the build's settings.
+raises the re-rank. Merges keep the build's settings. A sharded build calibrates its router the same way
+(calibrate_sharded), its sample searched across the shards.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from fusionrag.retriever.config import EngineConfig, SearchParams
+from fusionrag.retriever.errors import ConfigError, IndexFormatError
 from fusionrag.retriever.learned_probe import exact_topk
 
 K = 10
@@ -42,6 +44,45 @@ def recall_at(found: np.ndarray, truth: np.ndarray) -> float:
     return float(np.mean(hits))
 
 
+def search_defaults(manifest: dict, path) -> SearchParams:
+    """An index's (or a sharded router's) default SearchParams: its manifest's search_defaults, what its build's
+    calibration chose (the class defaults where it has none)."""
+    try:
+        return SearchParams.from_dict(manifest.get("search_defaults") or {})
+    except (ConfigError, TypeError) as e:
+        raise IndexFormatError(f"{path}: the manifest's search_defaults are not search settings ({e})") from e
+
+
+def _sample(rows, n: int, queries: int, seed: int, sample_queries: np.ndarray | None):
+    """(rows sampled: their ids, or None for a query log; the queries; what they are)."""
+    rng = np.random.default_rng(seed + 3)
+    if sample_queries is None:
+        own = np.sort(rng.choice(n, min(n, queries), replace=False))
+        return own, rows(own), "rows"
+    return None, sample_queries[rng.permutation(len(sample_queries))[:queries]], "sample queries"
+
+
+def _climb(search, q: np.ndarray, truth: np.ndarray, target: float) -> tuple[list, dict]:
+    """LADDER's rungs up to the first whose recall (search(q, params) -> ids) reaches target: (tried, chosen)."""
+    tried, chosen = [], {}
+    for rerank, beta in LADDER:
+        r = recall_at(search(q, SearchParams(rerank=rerank, beta=beta)), truth)
+        tried.append({"rerank": rerank, "beta": beta, "recall": round(r, 4)})
+        chosen = {} if (rerank, beta) == LADDER[0] else {"rerank": rerank, "beta": beta}
+        if r >= target:
+            break
+    return tried, chosen
+
+
+def _entry(q, source: str, target: float, tried: list, chosen: dict, t0: float) -> dict:
+    return {"queries": int(len(q)), "source": source, "target_recall": target, "tried": tried,
+            "params": chosen, "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def _engine(threads: int) -> EngineConfig:
+    return EngineConfig(filter_tier="cpu", manager_interval_s=0, threads=threads, verify=False)
+
+
 def calibrate(index_dir: Path, rows, n: int, engine_metric: str, queries: int, target: float, seed: int,
               threads: int, sample_queries: np.ndarray | None = None) -> dict:
     """The manifest's "calibration" entry for the complete (not yet published) index in index_dir: recall of each
@@ -51,14 +92,7 @@ def calibrate(index_dir: Path, rows, n: int, engine_metric: str, queries: int, t
     t0 = time.perf_counter()
     if sample_queries is None and n < MIN_ROWS:
         return {"skipped": f"fewer than {MIN_ROWS} rows", "params": {}}
-    rng = np.random.default_rng(seed + 3)
-    if sample_queries is None:
-        own = np.sort(rng.choice(n, min(n, queries), replace=False))
-        q = rows(own)
-        source = "rows"
-    else:
-        own, q = None, sample_queries[rng.permutation(len(sample_queries))[:queries]]
-        source = "sample queries"
+    own, q, source = _sample(rows, n, queries, seed, sample_queries)
     exclude = None
     if own is None:
         truth = exact_topk(rows, n, q, K, engine_metric)
@@ -68,18 +102,36 @@ def calibrate(index_dir: Path, rows, n: int, engine_metric: str, queries: int, t
         exclude = np.packbits(mask, bitorder="little")
         wide = exact_topk(rows, n, q, K + len(own), engine_metric)
         truth = np.array([t[(t >= 0) & ~mask[np.maximum(t, 0)]][:K] for t in wide])
-    config = EngineConfig(filter_tier="cpu", manager_interval_s=0, threads=threads, verify=False)
-    index = Index.open(index_dir, config)
-    tried, chosen = [], {}
+    index = Index.open(index_dir, _engine(threads))
     try:
-        for rerank, beta in LADDER:
-            params = SearchParams(rerank=rerank, beta=beta)
-            r = recall_at(index.search(q, K, params, exclude=exclude).ids, truth)
-            tried.append({"rerank": rerank, "beta": beta, "recall": round(r, 4)})
-            chosen = {} if (rerank, beta) == LADDER[0] else {"rerank": rerank, "beta": beta}
-            if r >= target:
-                break
+        tried, chosen = _climb(lambda q, p: index.search(q, K, p, exclude=exclude).ids, q, truth, target)
     finally:
         index.close()
-    return {"queries": int(len(q)), "source": source, "target_recall": target, "tried": tried,
-            "params": chosen, "seconds": round(time.perf_counter() - t0, 2)}
+    return _entry(q, source, target, tried, chosen, t0)
+
+
+def calibrate_sharded(index_dir: Path, rows, n: int, engine_metric: str, queries: int, target: float, seed: int,
+                      threads: int, sample_queries: np.ndarray | None = None) -> dict:
+    """calibrate() for a sharded index's router (staged in index_dir), its shards opened here, in this process.
+    A sharded search has no exclude bitmap, so a sampled row is searched for with K + 1 and its own id dropped
+    from what is found, as from the truth; the other sampled rows stay in the data."""
+    from fusionrag.retriever.sharded import ShardedIndex
+
+    t0 = time.perf_counter()
+    if sample_queries is None and n < MIN_ROWS:
+        return {"skipped": f"fewer than {MIN_ROWS} rows", "params": {}}
+    own, q, source = _sample(rows, n, queries, seed, sample_queries)
+    k = K if own is None else K + 1
+    self_id = np.full(len(q), -1, np.int64) if own is None else own.astype(np.int64)
+
+    def found(q: np.ndarray, p: SearchParams) -> np.ndarray:
+        ids = index.search(q, k, p, partial=False).ids
+        return np.array([r[r != s][:K] for r, s in zip(ids, self_id)])
+
+    truth = exact_topk(rows, n, q, K, engine_metric, exclude=None if own is None else self_id)
+    index = ShardedIndex.open(index_dir, _engine(threads), verify=False)
+    try:
+        tried, chosen = _climb(found, q, truth, target)
+    finally:
+        index.close()
+    return _entry(q, source, target, tried, chosen, t0)

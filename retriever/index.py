@@ -14,9 +14,10 @@ import numpy as np
 
 from fusionrag import native
 from fusionrag.retriever.build import build_index
+from fusionrag.retriever.calibrate import search_defaults
 from fusionrag.retriever.config import (BuildConfig, EngineConfig, SearchOverrides, SearchParams, cpu_threads,
                                         resolve_params)
-from fusionrag.retriever.errors import ConfigError, IndexFormatError, InputError
+from fusionrag.retriever.errors import IndexFormatError, InputError
 from fusionrag.retriever.layout import PageLayout
 from fusionrag.retriever.learned_probe import load_probe_model
 from fusionrag.retriever.manifest import ManifestShape, load_array, read_manifest
@@ -143,11 +144,8 @@ class Index(ManifestShape):
         if problems:
             raise IndexFormatError(f"{path}: inconsistent index: " + "; ".join(problems))
         navigation = recorded_navigation(m, graph.size, graph.dim, path)
-        if params is None:  # the index's own defaults: what its build's calibration chose (calibrate.py)
-            try:
-                params = SearchParams.from_dict(m.get("search_defaults") or {})
-            except (ConfigError, TypeError) as e:
-                raise IndexFormatError(f"{path}: the manifest's search_defaults are not search settings ({e})") from e
+        if params is None:  # the index's own defaults: what its build's calibration chose
+            params = search_defaults(m, path)
         buffer_blocks, cache_records = split_buffer(config.buffer_bytes, config, layout)
         try:
             store = native.PageStore(str(path / "vectors.pages"), layout.record_bytes, layout.records_per_block,

@@ -57,6 +57,7 @@ from fusionrag.retriever import dirlock
 from fusionrag.retriever.build import (_CHUNK, _IntegralCheck, _Rows, assign_rows, index_manifest, internal_metric,
                                        mips_augment, open_source, postings, sample_query_matrix, save_index_files,
                                        train_index, write_pages)
+from fusionrag.retriever.calibrate import calibrate_sharded, search_defaults
 from fusionrag.retriever.collection.config import CollectionConfig
 from fusionrag.retriever.config import BuildConfig, EngineConfig, SearchParams, cpu_threads, resolve_params
 from fusionrag.retriever.docstore import query_words
@@ -542,6 +543,17 @@ def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfi
                 for s in range(shards)})
         if probe_info is not None:
             manifest["probe_model"] = probe_info
+        if config.calibrate:  # the router's default search settings, measured on the sharded index as written
+            t = time.perf_counter()
+            with steps.step("calibrating", 1, "index") as update:
+                w.stage(manifest)
+                manifest["calibration"] = calibrate_sharded(
+                    w.dir, rows, n, internal_metric(metric), config.calibrate_queries, config.target_recall,
+                    config.seed, threads, None if sample_queries is None else queries)
+                update(1)
+            manifest["search_defaults"] = manifest["calibration"]["params"]
+            timings["calibrate_s"] = time.perf_counter() - t
+            timings["total_s"] = time.perf_counter() - t_start
         w.publish(manifest)
     return manifest
 
@@ -1095,7 +1107,7 @@ class ShardedIndex(ManifestShape):
         problems = [p for p in problems if p]
         if problems:
             raise IndexFormatError(f"{path}: inconsistent sharded index: " + "; ".join(problems))
-        params = params or SearchParams()
+        params = params or search_defaults(m, path)  # what the build's calibration chose
         shard_paths = [str((path / name).resolve()) for name in names]
         options = None
         if ray:

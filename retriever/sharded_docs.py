@@ -243,6 +243,7 @@ class ShardedCollection:
             count, fresh = ix.live_count(), len(ix.fresh_owner)
         return {"name": self.name, "dimension": self.dim, "metric": self.metric, "embedding": None, "state": "ready",
                 "count": count, "sharded": True, "shards": ix.n_shards, "shards_alive": ix.alive.tolist(),
+                "search_defaults": ix.params.to_dict(), "calibration": ix.manifest.get("calibration"),
                 "build_state": {"indexed": count - fresh, "fresh": fresh}}
 
     def close(self) -> None:

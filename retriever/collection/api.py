@@ -761,6 +761,9 @@ class Collection:
             "state": "ready",
             "count": self.store.count(),
             "tiers": tiers,
+            # what a search's params apply over: the index's defaults, as its build's calibration chose them
+            "search_defaults": (main.index.params if main.index is not None else SearchParams()).to_dict(),
+            "calibration": main.index.manifest.get("calibration") if main.index is not None else None,
             "build_state": {
                 "indexed": len(main.rows) - snap.tomb_count,
                 "fresh": fresh_live,

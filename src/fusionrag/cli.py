@@ -58,14 +58,15 @@ def _build_sharded(args, config: BuildConfig) -> int:
     return 0
 
 
-def _search_sharded(args, engine: dict, params: SearchParams, queries: np.ndarray) -> tuple[np.ndarray, dict]:
+def _search_sharded(args, engine: dict, given: dict, queries: np.ndarray) -> tuple[np.ndarray, dict]:
     from fusionrag.retriever.sharded import ShardedIndex
 
     _connect_ray(args.ray)
-    index = ShardedIndex.open(args.index_dir, EngineConfig().with_overrides(**engine), params, ray=bool(args.ray))
+    index = ShardedIndex.open(args.index_dir, EngineConfig().with_overrides(**engine), ray=bool(args.ray))
     try:
+        params = index.params.with_overrides(**given)  # over the router's calibrated defaults
         t = time.perf_counter()
-        res = index.search(queries, args.k)
+        res = index.search(queries, args.k, params)
         seconds = time.perf_counter() - t
     finally:
         index.close()
@@ -106,7 +107,7 @@ def _cmd_search(args) -> int:
     if args.limit:
         queries = queries[: args.limit]
     if sharded:
-        result_ids, report = _search_sharded(args, engine, params, queries)
+        result_ids, report = _search_sharded(args, engine, given, queries)
     else:
         t = time.perf_counter()
         res = index.search(queries, args.k, params)
@@ -133,7 +134,19 @@ def _cmd_search(args) -> int:
 
 def _cmd_info(args) -> int:
     from fusionrag.retriever import Index
+    from fusionrag.retriever.sharded import ShardedIndex, is_sharded
 
+    if is_sharded(args.index_dir):  # the router's manifest, and what each shard (opened here) holds in memory
+        engine = EngineConfig().with_overrides(verify=not args.no_verify, filter_tier=args.filter_tier)
+        index = ShardedIndex.open(args.index_dir, engine)
+        try:
+            m = {key: v for key, v in index.manifest.items() if key != "files"}
+            memory = {"router_graph_bytes": index.nav.memory_bytes(),
+                      "shards": [s.index.memory() for s in index.shards]}
+        finally:
+            index.close()
+        print(json.dumps({**m, "memory": memory}, indent=1))
+        return 0
     index = Index.open(args.index_dir, verify=not args.no_verify, filter_tier=args.filter_tier)
     m = dict(index.manifest)
     m.pop("files", None)

@@ -150,3 +150,73 @@ def test_bad_overrides_are_refused_when_made():
         SearchOverrides.of({"nprobe": 0})
     with pytest.raises(ConfigError):
         SearchOverrides.of({"no_such_knob": 1})
+
+
+def test_a_sharded_build_calibrates_its_router_and_requests_apply_over_it(built, tmp_path, capsys):
+    """The router measures rows searched across its shards (each row's own id dropped from what is found, as a
+    sharded search has no exclude bitmap); ShardedIndex.open takes the choice, and knobs apply over it."""
+    from fusionrag.retriever.sharded import ShardedIndex, build_sharded
+
+    # 4 PQ bytes: each of the 2 shards re-ranks its own 200 candidates, so at 8 the defaults already reach 0.97.
+    m = build_sharded(built["base"], tmp_path / "sh", 2, BuildConfig(threads=1, pq_m=4), progress=False)
+    cal = m["calibration"]
+    assert cal["source"] == "rows" and cal["tried"][0]["recall"] < 0.95 and cal["params"], cal
+    assert m["search_defaults"] == cal["params"]
+    q, truth = built["queries"], built["truth"]
+    index = ShardedIndex.open(tmp_path / "sh")
+    try:
+        chosen = SearchParams(**cal["params"])
+        assert index.params == chosen
+        class_defaults = recall(index.search(q, 10, SearchParams()).ids, truth)
+        calibrated = recall(index.search(q, 10).ids, truth)
+        assert calibrated >= class_defaults + 0.02 and calibrated >= 0.92, (class_defaults, calibrated, cal)
+        assert index.search(q, 10).stats["lists_probed"].mean() > 4
+        full = index.search(q, 10, chosen.with_overrides(nprobe=4))
+        for given in ({"nprobe": 4}, search_params({"nprobe": 4})):
+            res = index.search(q, 10, given)
+            assert res.stats["lists_probed"].max() <= 4
+            np.testing.assert_array_equal(res.ids, full.ids)
+            np.testing.assert_array_equal(res.stats["reranked"], full.stats["reranked"])
+        assert index.search(q, 10, SearchParams(nprobe=4)).stats["reranked"].mean() < full.stats["reranked"].mean()
+    finally:
+        index.close()
+    write_bin(tmp_path / "q.fbin", q[:50])
+    assert cli_main(["search", str(tmp_path / "sh"), str(tmp_path / "q.fbin"), "--out", str(tmp_path / "o.npy"),
+                     "--nprobe", "4"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["params"]["nprobe"] == 4 and report["params"]["beta"] == chosen.beta
+    assert report["per_query"]["reranked"] == pytest.approx(full.stats["reranked"][:50].mean(), abs=1e-3)
+    # `fusionrag info` opens a sharded index too: the router's record, and each shard's memory.
+    assert cli_main(["info", str(tmp_path / "sh")]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["search_defaults"] == cal["params"] and info["shards"] == 2
+    codes = [np.load(p, mmap_mode="r").nbytes for p in sorted(tmp_path.glob("sh/shard-*/pq_codes.npy"))]
+    assert len(codes) == 2 and all(s["pq_bytes"] >= c > 0 for s, c in zip(info["memory"]["shards"], codes))
+    off = build_sharded(built["base"], tmp_path / "off", 2, BuildConfig(threads=1, pq_m=4, calibrate=False),
+                        progress=False)
+    assert "calibration" not in off and "search_defaults" not in off
+
+
+def test_a_collections_info_says_which_search_settings_its_index_uses(built, tmp_path):
+    """A service's users see what their requests' params apply over: info()["search_defaults"], read here
+    against the manifest the collection's index was written with."""
+    from fusionrag.retriever import EngineConfig
+    from fusionrag.retriever.collection import Catalog, CollectionConfig, Document
+
+    catalog = Catalog(tmp_path / "data", EngineConfig(filter_tier="cpu"),
+                      CollectionConfig(background_merge=False, min_index_count=100,
+                                       build=BuildConfig(threads=1, pq_m=8)))
+    try:
+        col = catalog.create("c", dim=DIM, metric="l2")
+        before = col.info()
+        assert before["search_defaults"] == SearchParams().to_dict() and before["calibration"] is None
+        col.upsert([Document(id=str(i), vector=v) for i, v in enumerate(built["base"])])
+        col.merge()
+        info = col.info()
+        (written,) = (tmp_path / "data").glob("collections/c/gen-*/index/manifest.json")
+        stored = json.loads(written.read_text())
+        assert stored["search_defaults"], stored["calibration"]  # the class defaults fall short here (above)
+        assert info["search_defaults"] == SearchParams(**stored["search_defaults"]).to_dict()
+        assert info["calibration"]["tried"] == stored["calibration"]["tried"]
+    finally:
+        catalog.close()
