@@ -21,6 +21,7 @@ raises the re-rank. Merges keep the build's settings. A sharded build calibrates
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -135,3 +136,63 @@ def calibrate_sharded(index_dir: Path, rows, n: int, engine_metric: str, queries
     finally:
         index.close()
     return _entry(q, source, target, tried, chosen, t0)
+
+
+def page_rows(index):
+    """rows(ids) over an opened index's page file: the stored vectors (float32, as the index holds them: unit
+    length under cosine), gathered through a read-only memory map, for the brute-force truth of an index already
+    built. Holds its own copy of the slot map, so it outlives the index's closing."""
+    from fusionrag.retriever.layout import PageLayout
+    from fusionrag.retriever.vectors import STORAGE_DTYPES
+
+    layout = PageLayout(**index.manifest["pages"])
+    dtype = np.dtype({v: k for k, v in STORAGE_DTYPES.items()}[index.reranker.dtype])
+    locations = np.array(index.reranker.locations, dtype=np.int64)
+    mm = np.memmap(index.path / "vectors.pages", np.uint8, "r", shape=(layout.num_blocks * layout.block_bytes,))
+    records = np.ndarray((layout.num_blocks, layout.records_per_block, layout.record_bytes), np.uint8, mm,
+                         strides=(layout.block_bytes, layout.record_bytes, 1))
+    dim = index.dim
+
+    def rows(ids) -> np.ndarray:
+        slots = locations[np.asarray(ids, dtype=np.int64)]
+        raw = records[slots // layout.records_per_block, slots % layout.records_per_block]
+        return np.ascontiguousarray(raw).view(dtype).reshape(len(slots), dim).astype(np.float32)
+
+    return rows
+
+
+def recalibrate(index_dir, sample_queries=None, queries: int | None = None, target: float | None = None,
+                threads: int = 0) -> dict:
+    """Calibrate an index already built again, and write the result into its manifest (search_defaults, and
+    the measurement under calibration): on a query log (sample_queries) where given, else on its own stored rows
+    as a build does. For an index built before calibration, or one whose build's sample does not stand for the
+    queries it gets. queries, target: calibrate_queries and target_recall (the build's, where None). An index
+    opened elsewhere keeps the settings it opened with until it is opened again. Returns the calibration."""
+    from fusionrag.retriever.build import internal_metric, sample_query_matrix
+    from fusionrag.retriever.config import BuildConfig, cpu_threads
+    from fusionrag.retriever.index import Index
+    from fusionrag.retriever.manifest import MANIFEST, rewrite_manifest
+    from fusionrag.retriever.sharded import is_sharded
+
+    path = Path(index_dir)
+    if is_sharded(path):
+        raise ConfigError(f"{path}: a sharded index is calibrated by its build (build it again with calibrate on)")
+    threads = cpu_threads(threads)
+    index = Index.open(path, EngineConfig(filter_tier="cpu", manager_interval_s=0, threads=threads))
+    try:
+        m = index.manifest
+        if "shard" in m:
+            raise ConfigError(f"{path}: a shard part searches with its router's settings; calibrate the router")
+        built = m.get("build_config") or {}
+        config = BuildConfig().with_overrides(
+            calibrate_queries=built.get("calibrate_queries", BuildConfig().calibrate_queries) if queries is None
+            else queries, target_recall=built.get("target_recall", BuildConfig().target_recall) if target is None
+            else target)
+        log = None if sample_queries is None else sample_query_matrix(sample_queries, index.dim, m["metric"])
+        rows, n, metric, seed = page_rows(index), index.count, internal_metric(m["metric"]), built.get("seed", 0)
+    finally:
+        index.close()
+    cal = calibrate(path, rows, n, metric, config.calibrate_queries, config.target_recall, seed, threads, log)
+    on_disk = json.loads((path / MANIFEST).read_text())
+    rewrite_manifest(path, {**on_disk, "calibration": cal, "search_defaults": cal["params"]})
+    return cal

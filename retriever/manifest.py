@@ -62,6 +62,17 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def rewrite_manifest(index_dir: Path, manifest: dict, sync_dir: bool = True) -> None:
+    """Write an index's manifest whole: beside the old one, fsynced and renamed over it, so a reader sees the old
+    one or the new one. Its files are not touched (the manifest lists them, not itself)."""
+    tmp = Path(index_dir) / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    fsync_path(tmp)
+    os.replace(tmp, Path(index_dir) / MANIFEST)
+    if sync_dir:
+        fsync_path(Path(index_dir))
+
+
 def _remove_abandoned(final_dir: Path) -> None:
     """Delete temporary build directories of this target left by builds that were killed."""
     for p in final_dir.parent.glob(f".{final_dir.name}.tmp-*-*"):
@@ -106,11 +117,8 @@ class IndexWriter:
     def stage(self, manifest: dict) -> None:
         """Write the manifest into the temporary directory: the index there can then be opened (as a build's
         calibration does) before publish moves it into place."""
-        manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest, "files": self.files}
-        tmp = self.path(MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
-        fsync_path(tmp)
-        os.replace(tmp, self.path(MANIFEST))
+        rewrite_manifest(self.dir, {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest,
+                                    "files": self.files}, sync_dir=False)
 
     def publish(self, manifest: dict) -> None:
         self.stage(manifest)

@@ -154,6 +154,16 @@ def _cmd_info(args) -> int:
     return 0
 
 
+def _cmd_calibrate(args) -> int:
+    from fusionrag.retriever.calibrate import recalibrate
+    from fusionrag.retriever.vectors import open_vectors
+
+    log = open_vectors(args.sample_queries)[:] if args.sample_queries else None
+    cal = recalibrate(args.index_dir, log, args.calibrate_queries, args.target_recall, args.threads)
+    print(json.dumps({"index": args.index_dir, **cal}))
+    return 0
+
+
 def _cmd_snapshot(args) -> int:
     from fusionrag.retriever.collection import Catalog
 
@@ -276,6 +286,15 @@ def build_parser() -> argparse.ArgumentParser:
     tier = knobs(EngineConfig)["filter_tier"]
     i.add_argument("--filter-tier", default=None, metavar="{" + ",".join(tier.choices) + "}", help=tier.help)
     i.set_defaults(run=_cmd_info)
+
+    c = sub.add_parser("calibrate", help="measure an index's default search settings again (on a query log, or "
+                       "its rows) and write them into its manifest")
+    c.add_argument("index_dir")
+    c.add_argument("--sample-queries", help="a query file (a query log) to calibrate on (default: rows of the index)")
+    c.add_argument("--calibrate-queries", type=int, help="queries to measure (default: the build's, 500)")
+    c.add_argument("--target-recall", type=float, help="recall@10 to reach (default: the build's, 0.95)")
+    c.add_argument("--threads", type=int, default=0, help="threads (0: all cores)")
+    c.set_defaults(run=_cmd_calibrate)
 
     offline = "Works on a data directory no service has open (a running service has the same over HTTP)."
     sn = sub.add_parser("snapshot", help="write a snapshot of a collection to one archive", description=offline)

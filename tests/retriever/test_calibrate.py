@@ -220,3 +220,34 @@ def test_a_collections_info_says_which_search_settings_its_index_uses(built, tmp
         assert info["calibration"]["tried"] == stored["calibration"]["tried"]
     finally:
         catalog.close()
+
+
+def test_an_index_built_without_calibration_is_calibrated_afterwards_as_its_build_would(built, tmp_path, capsys):
+    """fusionrag calibrate: the stored rows, read back from the page file, measure what the build's source rows
+    did; on a query log it measures the log; the rewritten manifest still verifies."""
+    from fusionrag.retriever.calibrate import recalibrate
+    from fusionrag.retriever.errors import InputError
+
+    path = tmp_path / "later"
+    Index.build(built["base"], path, BuildConfig(threads=1, pq_m=8, calibrate=False), progress=False)
+    assert cli_main(["calibrate", str(path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    at_build = built["coarse"]["calibration"]
+    assert out["tried"] == at_build["tried"] and out["params"] == at_build["params"] and out["params"]
+    index = Index.open(path)  # checksums verified against the rewritten manifest
+    try:
+        assert index.params == SearchParams(**at_build["params"])
+    finally:
+        index.close()
+    write_bin(tmp_path / "log.fbin", flat(300, 3))
+    assert cli_main(["calibrate", str(path), "--sample-queries", str(tmp_path / "log.fbin"), "--calibrate-queries",
+                     "200", "--target-recall", "0.9"]) == 0
+    m = json.loads((path / "manifest.json").read_text())
+    cal = m["calibration"]
+    assert (cal["source"], cal["queries"], cal["target_recall"]) == ("sample queries", 200, 0.9)
+    assert m["search_defaults"] == cal["params"] and cal["tried"][-1]["recall"] >= 0.9
+    with pytest.raises(ConfigError):
+        recalibrate(path, target=1.5)
+    with pytest.raises(InputError):
+        recalibrate(path, np.zeros((5, DIM + 1), np.float32))
+    assert json.loads((path / "manifest.json").read_text()) == m  # a refused call changes nothing
