@@ -65,6 +65,20 @@ def list_recall(g, exact: np.ndarray, rows: np.ndarray, k: int, ef: int) -> floa
     return float(np.mean([len(np.intersect1d(a, b)) / k for a, b in zip(ids[:, :k], exact[:, :k])]))
 
 
+class Reordered:
+    """A graph built over centroids[perm] (its node i is centroid perm[i]), searched in the centroids' own ids."""
+
+    def __init__(self, g, perm: np.ndarray):
+        self.g, self.perm = g, perm
+
+    def search(self, q, k, ef, threads):
+        ids, d = self.g.search(q, k, ef, threads)
+        return np.where(ids >= 0, self.perm[np.maximum(ids, 0)], -1), d
+
+    def __getattr__(self, name):
+        return getattr(self.g, name)
+
+
 def measure(g, alpha: float, repair: bool, build_s: float, m: int, probe: dict, exact: dict) -> dict:
     with tempfile.TemporaryDirectory() as d:
         g.save(f"{d}/g")
@@ -92,6 +106,11 @@ def main() -> None:
                     "for bench/gpu_tier.py's 1M x 128 set)")
     ap.add_argument("--rows", type=int, default=2000, help="base rows and queries per set (split in halves)")
     ap.add_argument("--out", default=str(HERE / "results" / "graph_links"))
+    ap.add_argument("--alphas", type=float, nargs="+", default=ALPHAS)
+    ap.add_argument("--orders", nargs="+", default=["built"], choices=["built", "random"],
+                    help="the order centroids are inserted in: as the build numbered them (hierarchical k-means "
+                    "leaves near ones together), or a random permutation of them")
+    ap.add_argument("--threads", type=int, default=2, help="graph build threads")
     args = ap.parse_args()
     report = {"machine": f"{os.cpu_count()}-core {platform.machine()}, {platform.processor() or 'cpu'}",
               "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_avg_start": os.getloadavg(),
@@ -106,19 +125,22 @@ def main() -> None:
         probe = {"rows": base_rows, "queries": queries}
         exact = {k: old.exact_search(v, 32, 2)[0] for k, v in probe.items()}
         points = []
-        for alpha in ALPHAS:
-            g = native.Graph(centroids.shape[1], "l2", m, efc, seed, alpha=alpha, repair=False)
-            t = time.perf_counter()
-            g.add(centroids, 2)
-            build_s = time.perf_counter() - t
-            for repair in (False, True):  # the same graph, before and after its repair
-                if repair:
-                    t = time.perf_counter()
-                    g.repair()
-                    build_s += time.perf_counter() - t
-                point = measure(g, alpha, repair, build_s, m, probe, exact)
-                points.append(point)
-                print(name, json.dumps(point), flush=True)
+        for order in args.orders:
+            perm = (np.arange(len(centroids)) if order == "built"
+                    else np.random.default_rng(seed).permutation(len(centroids)))
+            for alpha in args.alphas:
+                g = native.Graph(centroids.shape[1], "l2", m, efc, seed, alpha=alpha, repair=False)
+                t = time.perf_counter()
+                g.add(np.ascontiguousarray(centroids[perm]), args.threads)
+                build_s = time.perf_counter() - t
+                for repair in (False, True):  # the same graph, before and after its repair
+                    if repair:
+                        t = time.perf_counter()
+                        g.repair()
+                        build_s += time.perf_counter() - t
+                    point = {"order": order, **measure(Reordered(g, perm), alpha, repair, build_s, m, probe, exact)}
+                    points.append(point)
+                    print(name, json.dumps(point), flush=True)
         report["sets"][name] = {"index": path, "centroids": list(centroids.shape), "M": m, "ef_construction": efc,
                                 "points": points}
     report["load_avg_end"] = os.getloadavg()
@@ -137,14 +159,14 @@ def markdown(r: dict, efs: list[int]) -> str:
     for name, s in r["sets"].items():
         lines += [f"## {name}: {s['centroids'][0]:,} centroids x {s['centroids'][1]} (M {s['M']}, ef_construction "
                   f"{s['ef_construction']})", "",
-                  "| alpha | repair | build s | links/node (of slots) | reachable | repaired | " +
+                  "| order | alpha | repair | build s | links/node (of slots) | reachable | repaired | " +
                   " | ".join(f"{w} ef{ef} r@{k} (sel / rep)" for w in ("rows", "queries") for ef in efs
                              for k in (1, 32)) + " | µs/query ef64, queries (sel / rep) |",
-                  "|" + "---:|" * (6 + 2 * len(efs) * 2 + 1)]
+                  "|---|" + "---:|" * (6 + 2 * len(efs) * 2 + 1)]
         for p in s["points"]:
             cells = [f"{p[f'{w}/select/ef{ef}/recall{k}']:.3f} / {p[f'{w}/report/ef{ef}/recall{k}']:.3f}"
                      for w in ("rows", "queries") for ef in efs for k in (1, 32)]
-            lines.append(f"| {p['alpha']} | {'yes' if p['repair'] else 'no'} | {p['build_s']} | {p['links_mean']} "
+            lines.append(f"| {p.get('order', 'built')} | {p['alpha']} | {'yes' if p['repair'] else 'no'} | {p['build_s']} | {p['links_mean']} "
                          f"({p['slots']}) | {p['reachable']:.4f} | {p['repaired_links']} | " + " | ".join(cells) +
                          f" | {p['queries/select/us_ef64']} / {p['queries/report/us_ef64']} |")
         lines.append("")
