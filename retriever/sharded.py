@@ -953,12 +953,12 @@ def _reachable_nodes(ray) -> list[str]:
 NODE_PROBE_S = 0.5  # a raylet that takes no connection in this long is taken for dead
 
 
-def _start_actor(path: str, config: EngineConfig, params: SearchParams, options: dict, s: int, soft: bool = False,
+def _start_actor(path: str, config: EngineConfig, params: SearchParams, options: dict, s: int,
                  avoid: str | None = None, reachable: list[str] | None = None):
-    """Shard s as a Ray actor: by default on the s-th alive node (mod their count), and only there (soft: there
-    when that node is alive, elsewhere else), of the nodes whose raylet answers (_reachable_nodes, or reachable
-    where the caller probed them once for several shards). avoid: a node left out while another answers, the
-    node a dead shard ran on."""
+    """Shard s as a Ray actor: by default on the s-th alive node (mod their count), and only there (a hard
+    affinity: a soft one lets the chosen raylet spill the lease to a node Ray still counts alive, a dead one), of
+    the nodes whose raylet answers (_reachable_nodes, or reachable where the caller probed them once for several
+    shards). avoid: a node left out while another answers, the node a dead shard ran on."""
     ray = _ray()
     options = dict(options)
     if "scheduling_strategy" not in options:
@@ -966,7 +966,7 @@ def _start_actor(path: str, config: EngineConfig, params: SearchParams, options:
 
         reachable = reachable or _reachable_nodes(ray)
         nodes = [n for n in reachable if n != avoid] or reachable
-        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(nodes[s % len(nodes)], soft=soft)
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(nodes[s % len(nodes)], soft=False)
     return ray.remote(ShardServer).options(**options).remote(path, config, params, SHARD_LOCK_WAIT_S)
 
 
@@ -1709,7 +1709,9 @@ class ShardedIndex(ManifestShape):
                 ray.kill(self.shards[s], no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
-            shard = _start_actor(path, self.config, self.params, self.actor_options, s, soft=True,
+            # Hard affinity (_start_actor): with a soft one, the node-crash test saw the head's raylet hand the lease
+            # on to the killed node, and the GCS exit when that node was declared dead.
+            shard = _start_actor(path, self.config, self.params, self.actor_options, s,
                                  avoid=self.where[s].get("node_id"))
             where = ray.get(shard.where.remote())
         else:
