@@ -19,7 +19,7 @@ import numpy as np
 
 from fusionrag import __version__
 from fusionrag.native import Graph, PageWriter
-from fusionrag.retriever.calibrate import calibrate
+from fusionrag.retriever.calibrate import calibrate, calibrate_build
 from fusionrag.retriever.config import BuildConfig, cpu_threads
 from fusionrag.retriever.errors import ConfigError, InputError
 from fusionrag.retriever.kmeans import hierarchical_balanced_kmeans
@@ -340,14 +340,8 @@ def build_index(source, out_dir, config: BuildConfig = BuildConfig(), progress: 
         manifest = index_manifest(n, dim, metric, STORAGE_DTYPES[store_dtype], src, len(centroids), len(list_ids),
                                   pq, config, timings, navigation=navigation, pages=layout, **extra)
         if config.calibrate:  # the default search settings, measured on the index as written
-            t = time.perf_counter()
-            with steps.step("calibrating", 1, "index") as update:
-                w.stage(manifest)
-                manifest["calibration"] = calibrate(w.dir, rows, n, internal_metric(metric), config.calibrate_queries,
-                                                    config.target_recall, config.seed, threads, sample_queries)
-                update(1)
-            manifest["search_defaults"] = manifest["calibration"]["params"]
-            timings["calibrate_s"] = time.perf_counter() - t
-            timings["total_s"] = time.perf_counter() - t_start
+            calibrate_build(manifest, w, steps, timings, t_start, lambda d: calibrate(
+                d, rows, n, internal_metric(metric), config.calibrate_queries, config.target_recall, config.seed,
+                threads, sample_queries))
         w.publish(manifest)
     return manifest

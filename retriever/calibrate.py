@@ -84,6 +84,20 @@ def _engine(threads: int) -> EngineConfig:
     return EngineConfig(filter_tier="cpu", manager_interval_s=0, threads=threads, verify=False)
 
 
+def calibrate_build(manifest: dict, w, steps, timings: dict, t_start: float, measure) -> None:
+    """A build's last step, for the manifest about to be published by w (an IndexWriter): staged, so the index
+    can be opened; measured (measure(index_dir) -> the calibration entry: calibrate or calibrate_sharded); the
+    choice kept as its search_defaults, and the time in its build timings."""
+    t = time.perf_counter()
+    with steps.step("calibrating", 1, "index") as update:
+        w.stage(manifest)
+        manifest["calibration"] = measure(w.dir)
+        update(1)
+    manifest["search_defaults"] = manifest["calibration"]["params"]
+    timings["calibrate_s"] = time.perf_counter() - t
+    timings["total_s"] = time.perf_counter() - t_start
+
+
 def calibrate(index_dir: Path, rows, n: int, engine_metric: str, queries: int, target: float, seed: int,
               threads: int, sample_queries: np.ndarray | None = None) -> dict:
     """The manifest's "calibration" entry for the complete (not yet published) index in index_dir: recall of each
@@ -183,11 +197,10 @@ def recalibrate(index_dir, sample_queries=None, queries: int | None = None, targ
         m = index.manifest
         if "shard" in m:
             raise ConfigError(f"{path}: a shard part searches with its router's settings; calibrate the router")
-        built = m.get("build_config") or {}
-        config = BuildConfig().with_overrides(
-            calibrate_queries=built.get("calibrate_queries", BuildConfig().calibrate_queries) if queries is None
-            else queries, target_recall=built.get("target_recall", BuildConfig().target_recall) if target is None
-            else target)
+        built, d = m.get("build_config") or {}, BuildConfig()
+        config = d.with_overrides(  # the build's where not given (the class defaults for an older build)
+            calibrate_queries=built.get("calibrate_queries", d.calibrate_queries) if queries is None else queries,
+            target_recall=built.get("target_recall", d.target_recall) if target is None else target)
         log = None if sample_queries is None else sample_query_matrix(sample_queries, index.dim, m["metric"])
         rows, n, metric, seed = page_rows(index), index.count, internal_metric(m["metric"]), built.get("seed", 0)
     finally:

@@ -57,7 +57,7 @@ from fusionrag.retriever import dirlock
 from fusionrag.retriever.build import (_CHUNK, _IntegralCheck, _Rows, assign_rows, index_manifest, internal_metric,
                                        mips_augment, open_source, postings, sample_query_matrix, save_index_files,
                                        train_index, write_pages)
-from fusionrag.retriever.calibrate import calibrate_sharded, search_defaults
+from fusionrag.retriever.calibrate import calibrate_build, calibrate_sharded, search_defaults
 from fusionrag.retriever.collection.config import CollectionConfig
 from fusionrag.retriever.config import BuildConfig, EngineConfig, SearchParams, cpu_threads, resolve_params
 from fusionrag.retriever.docstore import query_words
@@ -544,16 +544,9 @@ def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfi
         if probe_info is not None:
             manifest["probe_model"] = probe_info
         if config.calibrate:  # the router's default search settings, measured on the sharded index as written
-            t = time.perf_counter()
-            with steps.step("calibrating", 1, "index") as update:
-                w.stage(manifest)
-                manifest["calibration"] = calibrate_sharded(
-                    w.dir, rows, n, internal_metric(metric), config.calibrate_queries, config.target_recall,
-                    config.seed, threads, None if sample_queries is None else queries)
-                update(1)
-            manifest["search_defaults"] = manifest["calibration"]["params"]
-            timings["calibrate_s"] = time.perf_counter() - t
-            timings["total_s"] = time.perf_counter() - t_start
+            calibrate_build(manifest, w, steps, timings, t_start, lambda d: calibrate_sharded(
+                d, rows, n, internal_metric(metric), config.calibrate_queries, config.target_recall, config.seed,
+                threads, None if sample_queries is None else queries))
         w.publish(manifest)
     return manifest
 
