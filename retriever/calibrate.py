@@ -15,8 +15,10 @@ then up LADDER's rungs, each re-ranking more candidates and waiting longer befor
 `target_recall`. The first rung that does (or the last, where none does) is written to the manifest
 ("search_defaults"); Index.open takes it as the index's default SearchParams, and a request's own knobs
 (SearchOverrides) apply over it. Where the defaults already reach the target nothing changes: calibration only
-raises the re-rank. Merges keep the build's settings. A sharded build calibrates its router the same way
-(calibrate_sharded), its sample searched across the shards.
+raises the re-rank. An incremental merge measures again once the index holds REMEASURE_GROWTH times more (or fewer)
+rows than its calibration measured, or first reaches MIN_ROWS (merge_remeasures); a calibration on a query log is
+kept, since the merge has no log. A sharded build calibrates its router the same way (calibrate_sharded), its
+sample searched across the shards.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ K = 10
 # 768-d set, doubling both went from recall 0.94 to 0.97 in one rung, at 0.6x the QPS).
 LADDER = ((200, 2), (200, 3), (300, 4), (400, 6), (600, 8), (800, 12), (1200, 16), (1600, 24), (2400, 32))
 MIN_ROWS = 2000  # fewer rows: the sample would be a large share of the data, and nearly every search is exact
+# A merge measures again at 1.25x (or 1/1.25x) the rows measured: a collection merges up to 4x its last full build
+# (CollectionConfig.rebuild_growth) before it rebuilds, and the settings chosen at 1x need not hold there.
+REMEASURE_GROWTH = 1.25
 
 
 def recall_at(found: np.ndarray, truth: np.ndarray) -> float:
@@ -75,9 +80,24 @@ def _climb(search, q: np.ndarray, truth: np.ndarray, target: float) -> tuple[lis
     return tried, chosen
 
 
-def _entry(q, source: str, target: float, tried: list, chosen: dict, t0: float) -> dict:
+def _entry(q, source: str, target: float, tried: list, chosen: dict, t0: float, n: int) -> dict:
     return {"queries": int(len(q)), "source": source, "target_recall": target, "tried": tried,
-            "params": chosen, "seconds": round(time.perf_counter() - t0, 2)}
+            "params": chosen, "count": int(n), "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def merge_remeasures(old: dict, count: int, calibrate_on: bool) -> bool:
+    """Whether a merge of the index whose manifest is old into one of count rows calibrates it again (calibrate_on:
+    its BuildConfig.calibrate): not a shard part (its router's settings are what it searches with), not where a
+    query log was measured (the merge has none, and rows need not stand for its queries); where the calibration
+    was skipped, once count reaches MIN_ROWS; else once count is REMEASURE_GROWTH times the rows measured, or
+    1/REMEASURE_GROWTH of them (the index's count where the entry does not say)."""
+    cal = old.get("calibration")
+    if not calibrate_on or "shard" in old or (cal or {}).get("source") == "sample queries":
+        return False
+    if cal is None or "skipped" in cal:
+        return count >= MIN_ROWS
+    measured = max(1, int(cal.get("count") or old["count"]))
+    return max(count / measured, measured / max(1, count)) >= REMEASURE_GROWTH
 
 
 def _engine(threads: int) -> EngineConfig:
@@ -106,7 +126,7 @@ def calibrate(index_dir: Path, rows, n: int, engine_metric: str, queries: int, t
 
     t0 = time.perf_counter()
     if sample_queries is None and n < MIN_ROWS:
-        return {"skipped": f"fewer than {MIN_ROWS} rows", "params": {}}
+        return {"skipped": f"fewer than {MIN_ROWS} rows", "params": {}, "count": int(n)}
     own, q, source = _sample(rows, n, queries, seed, sample_queries)
     exclude = None
     if own is None:
@@ -122,34 +142,39 @@ def calibrate(index_dir: Path, rows, n: int, engine_metric: str, queries: int, t
         tried, chosen = _climb(lambda q, p: index.search(q, K, p, exclude=exclude).ids, q, truth, target)
     finally:
         index.close()
-    return _entry(q, source, target, tried, chosen, t0)
+    return _entry(q, source, target, tried, chosen, t0, n)
 
 
 def calibrate_sharded(index_dir: Path, rows, n: int, engine_metric: str, queries: int, target: float, seed: int,
-                      threads: int, sample_queries: np.ndarray | None = None) -> dict:
+                      threads: int, sample_queries: np.ndarray | None = None, ids: np.ndarray | None = None) -> dict:
     """calibrate() for a sharded index's router (staged in index_dir), its shards opened here, in this process.
     A sharded search has no exclude bitmap, so a sampled row is searched for with K + 1 and its own id dropped
-    from what is found, as from the truth; the other sampled rows stay in the data."""
+    from what is found, as from the truth; the other sampled rows stay in the data. ids: the global id of each
+    of rows' n positions (None: the position is the id, as in a build)."""
     from fusionrag.retriever.sharded import ShardedIndex
 
     t0 = time.perf_counter()
     if sample_queries is None and n < MIN_ROWS:
-        return {"skipped": f"fewer than {MIN_ROWS} rows", "params": {}}
+        return {"skipped": f"fewer than {MIN_ROWS} rows", "params": {}, "count": int(n)}
     own, q, source = _sample(rows, n, queries, seed, sample_queries)
     k = K if own is None else K + 1
-    self_id = np.full(len(q), -1, np.int64) if own is None else own.astype(np.int64)
+
+    def global_id(pos: np.ndarray) -> np.ndarray:
+        return pos if ids is None else np.where(pos >= 0, ids[np.maximum(pos, 0)], -1)
+
+    self_id = np.full(len(q), -1, np.int64) if own is None else global_id(own.astype(np.int64))
 
     def found(q: np.ndarray, p: SearchParams) -> np.ndarray:
         ids = index.search(q, k, p, partial=False).ids
         return np.array([r[r != s][:K] for r, s in zip(ids, self_id)])
 
-    truth = exact_topk(rows, n, q, K, engine_metric, exclude=None if own is None else self_id)
+    truth = global_id(exact_topk(rows, n, q, K, engine_metric, exclude=None if own is None else own))
     index = ShardedIndex.open(index_dir, _engine(threads), verify=False)
     try:
         tried, chosen = _climb(found, q, truth, target)
     finally:
         index.close()
-    return _entry(q, source, target, tried, chosen, t0)
+    return _entry(q, source, target, tried, chosen, t0, n)
 
 
 def page_rows(index):
@@ -183,29 +208,75 @@ def recalibrate(index_dir, sample_queries=None, queries: int | None = None, targ
     queries it gets. queries, target: calibrate_queries and target_recall (the build's, where None). An index
     opened elsewhere keeps the settings it opened with until it is opened again. Returns the calibration."""
     from fusionrag.retriever.build import internal_metric, sample_query_matrix
-    from fusionrag.retriever.config import BuildConfig, cpu_threads
+    from fusionrag.retriever.config import cpu_threads
     from fusionrag.retriever.index import Index
     from fusionrag.retriever.manifest import MANIFEST, rewrite_manifest
     from fusionrag.retriever.sharded import is_sharded
 
     path = Path(index_dir)
-    if is_sharded(path):
-        raise ConfigError(f"{path}: a sharded index is calibrated by its build (build it again with calibrate on)")
     threads = cpu_threads(threads)
+    if is_sharded(path):
+        return _recalibrate_sharded(path, sample_queries, queries, target, threads)
     index = Index.open(path, EngineConfig(filter_tier="cpu", manager_interval_s=0, threads=threads))
     try:
         m = index.manifest
         if "shard" in m:
             raise ConfigError(f"{path}: a shard part searches with its router's settings; calibrate the router")
-        built, d = m.get("build_config") or {}, BuildConfig()
-        config = d.with_overrides(  # the build's where not given (the class defaults for an older build)
-            calibrate_queries=built.get("calibrate_queries", d.calibrate_queries) if queries is None else queries,
-            target_recall=built.get("target_recall", d.target_recall) if target is None else target)
+        config, built = _config_of(m, queries, target)
         log = None if sample_queries is None else sample_query_matrix(sample_queries, index.dim, m["metric"])
         rows, n, metric, seed = page_rows(index), index.count, internal_metric(m["metric"]), built.get("seed", 0)
     finally:
         index.close()
     cal = calibrate(path, rows, n, metric, config.calibrate_queries, config.target_recall, seed, threads, log)
+    on_disk = json.loads((path / MANIFEST).read_text())
+    rewrite_manifest(path, {**on_disk, "calibration": cal, "search_defaults": cal["params"]})
+    return cal
+
+
+def _config_of(m: dict, queries: int | None, target: float | None):
+    """The BuildConfig a recalibration measures with: the build's calibrate_queries and target_recall where not
+    given (the class defaults for an older build)."""
+    from fusionrag.retriever.config import BuildConfig
+
+    built, d = m.get("build_config") or {}, BuildConfig()
+    return d.with_overrides(
+        calibrate_queries=built.get("calibrate_queries", d.calibrate_queries) if queries is None else queries,
+        target_recall=built.get("target_recall", d.target_recall) if target is None else target), built
+
+
+def sharded_rows(index) -> tuple[np.ndarray, np.ndarray]:
+    """(global ids, ascending; their vectors, float32, unit rows under cosine): every live vector of an opened
+    ShardedIndex, its shards' written ones included, listed a page at a time. Held in memory: N x dim floats."""
+    ids, vecs, after = [], [], -1
+    while after is not None:
+        page, after = index.page(after, 8192, with_vectors=True)
+        ids += [d[0] for d in page]
+        vecs += [d[4] for d in page]
+    x = np.asarray(vecs, dtype=np.float32).reshape(len(vecs), index.dim)
+    if index.metric == "cosine":
+        x /= np.maximum(np.linalg.norm(x, axis=1, keepdims=True), np.float32(1e-30))
+    return np.asarray(ids, dtype=np.int64), x
+
+
+def _recalibrate_sharded(path: Path, sample_queries, queries: int | None, target: float | None,
+                         threads: int) -> dict:
+    """recalibrate() for a sharded index: its router's search_defaults, measured across its shards opened here
+    (refused while another process serves them: each shard part's lock), on a query log or on its live vectors
+    (sharded_rows: built and written), searched as calibrate_sharded searches them."""
+    from fusionrag.retriever.build import internal_metric, sample_query_matrix
+    from fusionrag.retriever.manifest import MANIFEST, rewrite_manifest
+    from fusionrag.retriever.sharded import ShardedIndex
+
+    index = ShardedIndex.open(path, _engine(threads))
+    try:
+        m = index.manifest
+        config, built = _config_of(m, queries, target)
+        log = None if sample_queries is None else sample_query_matrix(sample_queries, index.dim, m["metric"])
+        ids, x = sharded_rows(index)
+    finally:
+        index.close()
+    cal = calibrate_sharded(path, lambda pos: x[pos], len(ids), internal_metric(m["metric"]),
+                            config.calibrate_queries, config.target_recall, built.get("seed", 0), threads, log, ids)
     on_disk = json.loads((path / MANIFEST).read_text())
     rewrite_manifest(path, {**on_disk, "calibration": cal, "search_defaults": cal["params"]})
     return cal

@@ -10,6 +10,9 @@ fresh vectors, without re-clustering or re-training (docs/design.md, "Build": a 
   centre farther from the old centroid becomes a new centroid in the navigation graph, the list's
   vectors are re-assigned between the two (with replication), and vectors of the neighbouring
   lists that now lie within the replication bound of the new centroid join it.
+- The default search settings the build calibrated are measured again on the new generation's rows once it
+  holds calibrate.REMEASURE_GROWTH times more (or fewer) rows than were measured (calibrate.merge_remeasures);
+  until then each generation keeps its predecessor's.
 
 The old generation is never touched: its page file is copied (copy_file_range: in-kernel, a
 reflink where the file system has them) and changed only in the copy, so searches keep running
@@ -27,7 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from fusionrag import native
-from fusionrag.retriever.build import nearest_rows, save_index_files
+from fusionrag.retriever.build import internal_metric, nearest_rows, save_index_files
+from fusionrag.retriever.calibrate import calibrate, calibrate_build, merge_remeasures
 from fusionrag.retriever.config import BuildConfig, cpu_threads
 from fusionrag.retriever.index import Index
 from fusionrag.retriever.kmeans import kmeans
@@ -252,6 +256,13 @@ def merge_index(old: Index, dead: np.ndarray, new_vectors: np.ndarray, out_dir: 
             "full_build_count": int(m_old.get("full_build_count", m_old["count"])),
             "merge": {**stats.__dict__, "seconds": time.perf_counter() - t0},
         })
+        count = n_keep + n_new
+        if merge_remeasures(m_old, count, config.calibrate):  # grown (or shrunk) past what was measured
+            timings: dict = {}
+            calibrate_build(manifest, w, steps, timings, t0, lambda d: calibrate(
+                d, vectors_of, count, internal_metric(metric), config.calibrate_queries, config.target_recall,
+                config.seed + manifest["generation"], threads))
+            manifest["merge"].update(calibrate_s=timings["calibrate_s"], seconds=timings["total_s"])
         w.publish(manifest)
     return stats
 

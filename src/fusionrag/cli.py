@@ -288,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(run=_cmd_info)
 
     c = sub.add_parser("calibrate", help="measure an index's default search settings again (on a query log, or "
-                       "its rows) and write them into its manifest")
+                       "its rows) and write them into its manifest (a sharded index's: its router's)")
     c.add_argument("index_dir")
     c.add_argument("--sample-queries", help="a query file (a query log) to calibrate on (default: rows of the index)")
     c.add_argument("--calibrate-queries", type=int, help="queries to measure (default: the build's, 500)")

@@ -127,6 +127,41 @@ def test_small_collections_skip_calibration(tmp_path):
     assert "skipped" in m["calibration"] and m["search_defaults"] == {}
 
 
+def test_a_merge_calibrates_again_once_the_index_has_grown(built, tmp_path):
+    """A collection's incremental merges grow its index up to 4x before a rebuild: a generation that has grown
+    past what its calibration measured is measured again, on its own rows; a small merge keeps the settings."""
+    from fusionrag.retriever.merge import merge_index
+
+    config = BuildConfig(threads=1, pq_m=8)
+    small, grown = built["base"][:1500], built["base"][1500:]
+    assert "skipped" in Index.build(small, tmp_path / "g0", config, progress=False)["calibration"]
+
+    def merge(src: str, dst: str, new: np.ndarray) -> dict:
+        old = Index.open(tmp_path / src)
+        try:
+            merge_index(old, np.zeros(old.count, bool), new, tmp_path / dst, config, progress=False)
+        finally:
+            old.close()
+        return json.loads((tmp_path / dst / "manifest.json").read_text())
+
+    m1 = merge("g0", "g1", grown)  # 1,500 -> 12,000 rows (survivors keep their ids, new rows follow)
+    cal = m1["calibration"]
+    assert cal["source"] == "rows" and cal["count"] == N and cal["tried"][0]["recall"] < 0.95 and cal["params"]
+    assert m1["search_defaults"] == cal["params"] and m1["merge"]["calibrate_s"] > 0
+    index = Index.open(tmp_path / "g1")
+    try:
+        assert index.params == SearchParams(**cal["params"])
+        q, truth = built["queries"], built["truth"]  # held out, against brute force over all 12,000 rows
+        class_defaults = recall(index.search(q, 10, SearchParams()).ids, truth)
+        assert recall(index.search(q, 10).ids, truth) >= max(0.92, class_defaults + 0.02), (class_defaults, cal)
+    finally:
+        index.close()
+
+    m2 = merge("g1", "g2", flat(600, 5))  # 5% more rows: the measurement stands
+    assert m2["calibration"] == cal and m2["search_defaults"] == cal["params"] and "calibrate_s" not in m2["merge"]
+    assert m2["count"] == N + 600
+
+
 def test_the_ladder_only_raises_the_rerank():
     assert LADDER[0] == (SearchParams().rerank, SearchParams().beta)
     assert all(a[0] <= b[0] and a[1] < b[1] for a, b in zip(LADDER, LADDER[1:]))
@@ -251,3 +286,46 @@ def test_an_index_built_without_calibration_is_calibrated_afterwards_as_its_buil
     with pytest.raises(InputError):
         recalibrate(path, np.zeros((5, DIM + 1), np.float32))
     assert json.loads((path / "manifest.json").read_text()) == m  # a refused call changes nothing
+
+
+def test_a_sharded_index_is_calibrated_afterwards_across_its_shards_with_its_writes(built, tmp_path, capsys):
+    """fusionrag calibrate on a sharded index: its live vectors, read back from the shards (built and written),
+    measure what the build's source rows did; writes join the truth; a served index (its shards' locks held)
+    and a shard part are refused, leaving the manifests as they were."""
+    from fusionrag.retriever.calibrate import recalibrate
+    from fusionrag.retriever.sharded import ShardedIndex, build_sharded
+
+    at_build = build_sharded(built["base"], tmp_path / "on", 2, BuildConfig(threads=1, pq_m=4),
+                             progress=False)["calibration"]
+    path = tmp_path / "later"
+    build_sharded(built["base"], path, 2, BuildConfig(threads=1, pq_m=4, calibrate=False), progress=False)
+    assert cli_main(["calibrate", str(path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tried"] == at_build["tried"] and out["params"] == at_build["params"] and out["params"]
+
+    extra = flat(2000, 6)
+    index = ShardedIndex.open(path)
+    try:
+        assert index.params == SearchParams(**at_build["params"])  # the rewritten router manifest verifies
+        index.upsert(np.arange(N, N + len(extra)), extra)
+        before = json.loads((path / "manifest.json").read_text())
+        with pytest.raises(Exception, match="open"):  # its shards are held by this process's index
+            recalibrate(path)
+        assert json.loads((path / "manifest.json").read_text()) == before
+    finally:
+        index.close()
+    cal = recalibrate(path)
+    assert cal["count"] == N + len(extra) and cal["source"] == "rows" and cal["params"]
+    every = np.concatenate([built["base"], extra])
+    q = built["queries"]
+    truth = exact_knn(every, q, 10)
+    assert (truth >= N).any()  # the written vectors are among the held-out queries' neighbours
+    index = ShardedIndex.open(path)
+    try:
+        assert index.params == SearchParams(**cal["params"])
+        assert recall(index.search(q, 10).ids, truth) >= 0.92
+    finally:
+        index.close()
+    part = next(path.glob("shard-*"))
+    with pytest.raises(ConfigError, match="router"):
+        recalibrate(part)

@@ -16,7 +16,7 @@ from fusionrag.retriever.collection import Catalog, CollectionConfig, Document
 from fusionrag.retriever.pq import auto_m
 
 BUILD_STEPS = ["clustering", "graph", "pq training", "assigning", "ordering pages", "writing pages", "calibrating"]
-MERGE_STEPS = ["assigning", "copying pages", "splitting lists", "pq encoding"]
+MERGE_STEPS = ["assigning", "copying pages", "splitting lists", "pq encoding", "calibrating"]
 DIM = 32
 
 
@@ -80,8 +80,9 @@ def test_a_merge_shows_its_step_in_the_collection_info(tmp_path):
         assert "pq training" in steps
         assert {p["total"] for p in seen if p["step"] == "pq training"} == {auto_m(DIM)}
         col.upsert([Document(str(i), None, v) for i, v in enumerate(x[9000:], 9000)])
-        seen = _watch_merge(col)  # the next one folds the new vectors in
+        seen = _watch_merge(col)  # the next one folds the new vectors in, and calibrates (1.33x the rows)
         steps = _check_steps(seen, MERGE_STEPS)
+        assert "calibrating" in steps
         assert steps and {p["total"] for p in seen if p["step"] in ("assigning", "pq encoding")} <= {3000}
     finally:
         cat.close()
