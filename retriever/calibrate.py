@@ -145,35 +145,63 @@ def calibrate(index_dir: Path, rows, n: int, engine_metric: str, queries: int, t
     return _entry(q, source, target, tried, chosen, t0, n)
 
 
+def _sharded_found(index, self_id: np.ndarray, own: bool):
+    """search(q, params) -> ids over an open ShardedIndex, as calibration reads them: where the queries are rows
+    of the data (own), each searched for with K + 1 and its own id (self_id) dropped from what is found, since a
+    sharded search has no exclude bitmap."""
+    k = K + 1 if own else K
+
+    def found(q: np.ndarray, p: SearchParams) -> np.ndarray:
+        ids = index.search(q, k, p, partial=False).ids
+        return np.array([r[r != s][:K] for r, s in zip(ids, self_id)])
+
+    return found
+
+
 def calibrate_sharded(index_dir: Path, rows, n: int, engine_metric: str, queries: int, target: float, seed: int,
-                      threads: int, sample_queries: np.ndarray | None = None, ids: np.ndarray | None = None) -> dict:
-    """calibrate() for a sharded index's router (staged in index_dir), its shards opened here, in this process.
-    A sharded search has no exclude bitmap, so a sampled row is searched for with K + 1 and its own id dropped
-    from what is found, as from the truth; the other sampled rows stay in the data. ids: the global id of each
-    of rows' n positions (None: the position is the id, as in a build)."""
+                      threads: int, sample_queries: np.ndarray | None = None) -> dict:
+    """calibrate() for a sharded index's router (staged in index_dir), its shards opened here, in this process,
+    and the build's rows at hand for the truth. A sampled row is searched for with K + 1 and its own id dropped
+    from what is found, as from the truth; the other sampled rows stay in the data."""
     from fusionrag.retriever.sharded import ShardedIndex
 
     t0 = time.perf_counter()
     if sample_queries is None and n < MIN_ROWS:
         return {"skipped": f"fewer than {MIN_ROWS} rows", "params": {}, "count": int(n)}
     own, q, source = _sample(rows, n, queries, seed, sample_queries)
-    k = K if own is None else K + 1
-
-    def global_id(pos: np.ndarray) -> np.ndarray:
-        return pos if ids is None else np.where(pos >= 0, ids[np.maximum(pos, 0)], -1)
-
-    self_id = np.full(len(q), -1, np.int64) if own is None else global_id(own.astype(np.int64))
-
-    def found(q: np.ndarray, p: SearchParams) -> np.ndarray:
-        ids = index.search(q, k, p, partial=False).ids
-        return np.array([r[r != s][:K] for r, s in zip(ids, self_id)])
-
-    truth = global_id(exact_topk(rows, n, q, K, engine_metric, exclude=None if own is None else own))
+    self_id = np.full(len(q), -1, np.int64) if own is None else own.astype(np.int64)
+    truth = exact_topk(rows, n, q, K, engine_metric, exclude=None if own is None else self_id)
     index = ShardedIndex.open(index_dir, _engine(threads), verify=False)
     try:
-        tried, chosen = _climb(found, q, truth, target)
+        tried, chosen = _climb(_sharded_found(index, self_id, own is not None), q, truth, target)
     finally:
         index.close()
+    return _entry(q, source, target, tried, chosen, t0, n)
+
+
+def calibrate_open_sharded(index, queries: int, target: float, seed: int,
+                           sample_queries: np.ndarray | None = None) -> dict:
+    """calibrate() through an open ShardedIndex (its shards threads of this process or Ray actors), after it was
+    built: rows sampled from its live vectors, built and written since (each shard's live ids; the sample's
+    vectors fetched as its documents' are), or a query log; their truth by brute force on each shard over what
+    it holds (ShardServer.exact), merged at the router. Nothing is gathered whole at the router."""
+    from fusionrag.retriever.sharded import _merge
+
+    t0 = time.perf_counter()
+    live = np.unique(np.concatenate(index._every_shard("live_ids", (), "listing live ids")).astype(np.int64))
+    n = len(live)
+    if sample_queries is None and n < MIN_ROWS:
+        return {"skipped": f"fewer than {MIN_ROWS} rows", "params": {}, "count": int(n)}
+
+    def rows(pos: np.ndarray) -> np.ndarray:
+        ids = live[pos]
+        docs = index.documents(ids, with_vectors=True)
+        return np.stack([np.asarray(docs[int(i)][3], np.float32) for i in ids])
+
+    own, q, source = _sample(rows, n, queries, seed, sample_queries)
+    self_id = np.full(len(q), -1, np.int64) if own is None else live[own]
+    truth = _merge(index._every_shard("exact", (q, K, self_id), "brute force for calibration"), K)[0]
+    tried, chosen = _climb(_sharded_found(index, self_id, own is not None), q, truth, target)
     return _entry(q, source, target, tried, chosen, t0, n)
 
 
@@ -222,7 +250,7 @@ def recalibrate(index_dir, sample_queries=None, queries: int | None = None, targ
         m = index.manifest
         if "shard" in m:
             raise ConfigError(f"{path}: a shard part searches with its router's settings; calibrate the router")
-        config, built = _config_of(m, queries, target)
+        config, built = config_of(m, queries, target)
         log = None if sample_queries is None else sample_query_matrix(sample_queries, index.dim, m["metric"])
         rows, n, metric, seed = page_rows(index), index.count, internal_metric(m["metric"]), built.get("seed", 0)
     finally:
@@ -233,7 +261,7 @@ def recalibrate(index_dir, sample_queries=None, queries: int | None = None, targ
     return cal
 
 
-def _config_of(m: dict, queries: int | None, target: float | None):
+def config_of(m: dict, queries: int | None, target: float | None):
     """The BuildConfig a recalibration measures with: the build's calibrate_queries and target_recall where not
     given (the class defaults for an older build)."""
     from fusionrag.retriever.config import BuildConfig
@@ -244,39 +272,14 @@ def _config_of(m: dict, queries: int | None, target: float | None):
         target_recall=built.get("target_recall", d.target_recall) if target is None else target), built
 
 
-def sharded_rows(index) -> tuple[np.ndarray, np.ndarray]:
-    """(global ids, ascending; their vectors, float32, unit rows under cosine): every live vector of an opened
-    ShardedIndex, its shards' written ones included, listed a page at a time. Held in memory: N x dim floats."""
-    ids, vecs, after = [], [], -1
-    while after is not None:
-        page, after = index.page(after, 8192, with_vectors=True)
-        ids += [d[0] for d in page]
-        vecs += [d[4] for d in page]
-    x = np.asarray(vecs, dtype=np.float32).reshape(len(vecs), index.dim)
-    if index.metric == "cosine":
-        x /= np.maximum(np.linalg.norm(x, axis=1, keepdims=True), np.float32(1e-30))
-    return np.asarray(ids, dtype=np.int64), x
-
-
 def _recalibrate_sharded(path: Path, sample_queries, queries: int | None, target: float | None,
                          threads: int) -> dict:
-    """recalibrate() for a sharded index: its router's search_defaults, measured across its shards opened here
-    (refused while another process serves them: each shard part's lock), on a query log or on its live vectors
-    (sharded_rows: built and written), searched as calibrate_sharded searches them."""
-    from fusionrag.retriever.build import internal_metric, sample_query_matrix
-    from fusionrag.retriever.manifest import MANIFEST, rewrite_manifest
+    """recalibrate() for a sharded index: its shards opened here (refused while another process serves them:
+    each shard part's lock), measured through them (ShardedIndex.calibrate)."""
     from fusionrag.retriever.sharded import ShardedIndex
 
     index = ShardedIndex.open(path, _engine(threads))
     try:
-        m = index.manifest
-        config, built = _config_of(m, queries, target)
-        log = None if sample_queries is None else sample_query_matrix(sample_queries, index.dim, m["metric"])
-        ids, x = sharded_rows(index)
+        return index.calibrate(sample_queries, queries, target)
     finally:
         index.close()
-    cal = calibrate_sharded(path, lambda pos: x[pos], len(ids), internal_metric(m["metric"]),
-                            config.calibrate_queries, config.target_recall, built.get("seed", 0), threads, log, ids)
-    on_disk = json.loads((path / MANIFEST).read_text())
-    rewrite_manifest(path, {**on_disk, "calibration": cal, "search_defaults": cal["params"]})
-    return cal

@@ -131,9 +131,11 @@ class ProbeModel:
         return {"init": self.init, "learning_rate": self.rate, "quantile": self.quantile, "trees": len(self.trees)}
 
 
-def exact_topk(rows, n: int, queries: np.ndarray, k: int, metric: str, exclude: np.ndarray | None = None) -> np.ndarray:
+def exact_topk(rows, n: int, queries: np.ndarray, k: int, metric: str, exclude: np.ndarray | None = None,
+               distances: bool = False):
     """Brute-force top-k rows of each query (the engine's metric: l2, or ip), a chunk of rows at a time;
-    exclude[i]: a row query i may not return (itself, when the queries are rows of the data)."""
+    exclude[i]: a row query i may not return (itself, when the queries are rows of the data). distances: return
+    (ids, their distances: inf where -1) instead of the ids alone."""
     best_d = np.full((len(queries), k), np.inf, dtype=np.float32)
     best_i = np.full((len(queries), k), -1, dtype=np.int64)
     step = 256  # queries at a time: a (256, _ROWS) block of distances
@@ -154,7 +156,8 @@ def exact_topk(rows, n: int, queries: np.ndarray, k: int, metric: str, exclude: 
             dd, ii = np.take_along_axis(d, order, 1), np.take_along_axis(i, order, 1)
             o2 = np.argsort(dd, axis=1, kind="stable")
             best_d[a:a + step], best_i[a:a + step] = np.take_along_axis(dd, o2, 1), np.take_along_axis(ii, o2, 1)
-    return np.where(np.isfinite(best_d), best_i, -1)
+    found = np.where(np.isfinite(best_d), best_i, -1)
+    return (found, best_d) if distances else found
 
 
 def train_probe_model(nav, rows, n: int, queries: np.ndarray, self_rows: np.ndarray | None, lists_of,

@@ -57,7 +57,8 @@ from fusionrag.retriever import dirlock
 from fusionrag.retriever.build import (_CHUNK, _IntegralCheck, _Rows, assign_rows, index_manifest, internal_metric,
                                        mips_augment, open_source, postings, sample_query_matrix, save_index_files,
                                        train_index, write_pages)
-from fusionrag.retriever.calibrate import calibrate_build, calibrate_sharded, search_defaults
+from fusionrag.retriever.calibrate import (calibrate_build, calibrate_sharded, merge_remeasures, page_rows,
+                                          search_defaults)
 from fusionrag.retriever.collection.config import CollectionConfig
 from fusionrag.retriever.config import BuildConfig, EngineConfig, SearchParams, cpu_threads, resolve_params
 from fusionrag.retriever.docstore import query_words
@@ -65,7 +66,7 @@ from fusionrag.retriever.errors import ConfigError, ConflictError, IndexFormatEr
 from fusionrag.retriever.fresh import FreshView
 from fusionrag.retriever.index import prepare_queries
 from fusionrag.retriever.kmeans import sq_dists
-from fusionrag.retriever.learned_probe import (lists_of_pairs, load_probe_model, save_probe_model,
+from fusionrag.retriever.learned_probe import (exact_topk, lists_of_pairs, load_probe_model, save_probe_model,
                                                train_probe_model)
 from fusionrag.retriever.manifest import MANIFEST, ManifestShape, load_array, read_manifest, writing_index
 from fusionrag.retriever.pq import ProductQuantizer
@@ -878,6 +879,42 @@ class ShardServer:
             docs = self._documents(g, w, ids, with_vectors)
             return [(i, *docs[i]) for i in ids.tolist() if i in docs]
 
+    def live_ids(self) -> np.ndarray:
+        """Sorted ids live here: built and not deleted or replaced since, and written."""
+        with self._reading() as (_, w):
+            return w.live_ids()
+
+    def exact(self, queries: np.ndarray, k: int, exclude: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(global ids, distances) of each query's exact k nearest vectors live here, built (read back from the
+        page file) and written (the fresh tier), -1 / inf where fewer; exclude[i]: an id query i may not return
+        (-1: none). Calibration's truth, merged at the router, so that no process holds every vector."""
+        with self._reading() as (g, w):
+            built = np.flatnonzero(~np.isin(g.global_ids, w.tombstoned_ids()))
+            fresh = w.fresh_ids().astype(np.int64)
+            held = w.fresh_vectors(fresh)
+            written = np.array([held[int(i)] for i in fresh], np.float32).reshape(len(fresh), g.index.dim)
+            stored = page_rows(g.index)
+            ids = np.concatenate([g.global_ids[built].astype(np.int64), fresh])
+
+            def rows(pos: np.ndarray) -> np.ndarray:
+                pos = np.asarray(pos, dtype=np.int64)
+                out = np.empty((len(pos), g.index.dim), np.float32)
+                b = pos < len(built)
+                if b.any():
+                    out[b] = stored(built[pos[b]])
+                if not b.all():
+                    out[~b] = written[pos[~b] - len(built)]
+                return out
+
+            order = np.argsort(ids, kind="stable")
+            exclude = np.asarray(exclude, dtype=np.int64)
+            at = np.minimum(np.searchsorted(ids[order], exclude), max(len(ids) - 1, 0))
+            mine = (exclude >= 0) & (ids[order][at] == exclude) if len(ids) else np.zeros(len(exclude), bool)
+            skip = np.where(mine, order[at], -1)
+            found, dist = exact_topk(rows, len(ids), np.asarray(queries, np.float32), k,
+                                     g.index.manifest["internal_metric"], exclude=skip, distances=True)
+            return np.where(found >= 0, ids[np.maximum(found, 0)], -1), dist
+
     def field_types(self, key: str) -> set[str]:
         with self._reading() as (_, w):
             return w.store.field_types(key) if w.store is not None else set()
@@ -1652,7 +1689,31 @@ class ShardedIndex(ManifestShape):
                 else:  # the maps are rebuilt when the down shard is back; the merged ones hold no fresh rows now
                     self.fresh_count[merged] = 0
                     self._base_count = None
+            # Grown (or shrunk) past what the router's calibration measured: measured again, as a single index's
+            # merge does (calibrate.merge_remeasures); with every shard up, since the truth needs all of them.
+            built = self.manifest.get("build_config") or {}
+            if self.alive.all() and merge_remeasures(self.manifest, self.live_count(), built.get("calibrate", False)):
+                self.calibrate()
         return out
+
+    def calibrate(self, sample_queries: np.ndarray | None = None, queries: int | None = None,
+                  target: float | None = None) -> dict:
+        """Measure this index's default search settings again through its shards (calibrate.calibrate_open_sharded:
+        on a query log where given, else on rows of its live vectors, written ones included), write them into
+        the router's manifest (search_defaults, calibration) and search with them from now on. queries, target:
+        calibrate_queries and target_recall (the build's, where None). Returns the calibration."""
+        from fusionrag.retriever.build import sample_query_matrix
+        from fusionrag.retriever.calibrate import calibrate_open_sharded, config_of
+        from fusionrag.retriever.manifest import rewrite_manifest
+
+        config, built = config_of(self.manifest, queries, target)
+        log = None if sample_queries is None else sample_query_matrix(sample_queries, self.dim, self.metric)
+        cal = calibrate_open_sharded(self, config.calibrate_queries, config.target_recall, built.get("seed", 0), log)
+        entry = {"calibration": cal, "search_defaults": cal["params"]}
+        rewrite_manifest(self.path, {**json.loads((self.path / MANIFEST).read_text()), **entry})
+        self.manifest = {**self.manifest, **entry}
+        self.params = SearchParams(**cal["params"])
+        return cal
 
     # -- faults ------------------------------------------------------------------------------------
 

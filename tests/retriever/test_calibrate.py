@@ -289,21 +289,26 @@ def test_an_index_built_without_calibration_is_calibrated_afterwards_as_its_buil
 
 
 def test_a_sharded_index_is_calibrated_afterwards_across_its_shards_with_its_writes(built, tmp_path, capsys):
-    """fusionrag calibrate on a sharded index: its live vectors, read back from the shards (built and written),
-    measure what the build's source rows did; writes join the truth; a served index (its shards' locks held)
-    and a shard part are refused, leaving the manifests as they were."""
+    """fusionrag calibrate on a sharded index: rows of its live vectors, fetched from the shards, and their truth
+    by brute force on each shard (built and written vectors), merged at the router, measure what the build's
+    source rows did; writes join the truth; a served index (its shards' locks held) and a shard part are
+    refused, leaving the manifests as they were. A merge that grows it past its calibration measures again."""
     from fusionrag.retriever.calibrate import recalibrate
     from fusionrag.retriever.sharded import ShardedIndex, build_sharded
 
-    at_build = build_sharded(built["base"], tmp_path / "on", 2, BuildConfig(threads=1, pq_m=4),
-                             progress=False)["calibration"]
+    config = BuildConfig(threads=1, pq_m=4)
+    at_build = build_sharded(built["base"], tmp_path / "on", 2, config, progress=False)["calibration"]
     path = tmp_path / "later"
-    build_sharded(built["base"], path, 2, BuildConfig(threads=1, pq_m=4, calibrate=False), progress=False)
+    build_sharded(built["base"], path, 2, config.with_overrides(calibrate=False), progress=False)
     assert cli_main(["calibrate", str(path)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["tried"] == at_build["tried"] and out["params"] == at_build["params"] and out["params"]
 
-    extra = flat(2000, 6)
+    extra = flat(4000, 6)
+    every = np.concatenate([built["base"], extra])
+    q = built["queries"]
+    truth = exact_knn(every, q, 10)
+    assert (truth >= N).any()  # the written vectors are among the held-out queries' neighbours
     index = ShardedIndex.open(path)
     try:
         assert index.params == SearchParams(**at_build["params"])  # the rewritten router manifest verifies
@@ -314,12 +319,8 @@ def test_a_sharded_index_is_calibrated_afterwards_across_its_shards_with_its_wri
         assert json.loads((path / "manifest.json").read_text()) == before
     finally:
         index.close()
-    cal = recalibrate(path)
+    cal = recalibrate(path)  # the writes are in the shards' fresh tiers, not merged
     assert cal["count"] == N + len(extra) and cal["source"] == "rows" and cal["params"]
-    every = np.concatenate([built["base"], extra])
-    q = built["queries"]
-    truth = exact_knn(every, q, 10)
-    assert (truth >= N).any()  # the written vectors are among the held-out queries' neighbours
     index = ShardedIndex.open(path)
     try:
         assert index.params == SearchParams(**cal["params"])
@@ -329,3 +330,18 @@ def test_a_sharded_index_is_calibrated_afterwards_across_its_shards_with_its_wri
     part = next(path.glob("shard-*"))
     with pytest.raises(ConfigError, match="router"):
         recalibrate(part)
+
+    # A served index's merge: 12,000 -> 16,000 live vectors, past 1.25x what the build measured.
+    index = ShardedIndex.open(tmp_path / "on")
+    try:
+        index.upsert(np.arange(N, N + len(extra)), extra)
+        index.merge_shards()
+        m = json.loads((tmp_path / "on" / "manifest.json").read_text())
+        assert m["calibration"]["count"] == N + len(extra) and m["calibration"]["tried"] != at_build["tried"]
+        assert index.params == SearchParams(**m["search_defaults"])
+        assert recall(index.search(q, 10).ids, truth) >= 0.92
+        index.upsert(np.arange(N + len(extra), N + len(extra) + 500), flat(500, 7))
+        index.merge_shards()  # 3% more: the measurement stands
+        assert json.loads((tmp_path / "on" / "manifest.json").read_text())["calibration"] == m["calibration"]
+    finally:
+        index.close()
