@@ -65,6 +65,13 @@ def list_recall(g, exact: np.ndarray, rows: np.ndarray, k: int, ef: int) -> floa
     return float(np.mean([len(np.intersect1d(a, b)) / k for a, b in zip(ids[:, :k], exact[:, :k])]))
 
 
+def nodewise(n: int, threads: int) -> np.ndarray:
+    """0..n-1 dealt out to `threads` hands in turn, the hands laid end to end: Graph.add gives each thread one
+    contiguous block of what it is given, so thread t inserts t, t + threads, ... in order, as when the pool
+    handed out one node at a time."""
+    return np.concatenate([np.arange(t, n, threads) for t in range(threads)])
+
+
 class Reordered:
     """A graph built over centroids[perm] (its node i is centroid perm[i]), searched in the centroids' own ids."""
 
@@ -107,10 +114,14 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=2000, help="base rows and queries per set (split in halves)")
     ap.add_argument("--out", default=str(HERE / "results" / "graph_links"))
     ap.add_argument("--alphas", type=float, nargs="+", default=ALPHAS)
-    ap.add_argument("--orders", nargs="+", default=["built"], choices=["built", "random"],
+    ap.add_argument("--orders", nargs="+", default=["built"], choices=["built", "random", "nodewise"],
                     help="the order centroids are inserted in: as the build numbered them (hierarchical k-means "
-                    "leaves near ones together), or a random permutation of them")
-    ap.add_argument("--threads", type=int, default=2, help="graph build threads")
+                    "leaves near ones together), a random permutation of them, or nodewise: the build's order dealt "
+                    "out node by node to the threads, as Graph.add did before its threads took a block each (the "
+                    "threads insert neighbours at once)")
+    ap.add_argument("--threads", type=int, nargs="+", default=[2], help="graph build threads (each a build)")
+    ap.add_argument("--repeats", type=int, default=1, help="builds of each order and thread count (a build on "
+                    "more than one thread differs from run to run)")
     args = ap.parse_args()
     report = {"machine": f"{os.cpu_count()}-core {platform.machine()}, {platform.processor() or 'cpu'}",
               "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_avg_start": os.getloadavg(),
@@ -125,20 +136,24 @@ def main() -> None:
         probe = {"rows": base_rows, "queries": queries}
         exact = {k: old.exact_search(v, 32, 2)[0] for k, v in probe.items()}
         points = []
-        for order in args.orders:
-            perm = (np.arange(len(centroids)) if order == "built"
-                    else np.random.default_rng(seed).permutation(len(centroids)))
+        runs = [(o, t, r) for o in args.orders for t in args.threads
+                for r in range(args.repeats if t > 1 or o == "random" else 1)]
+        for order, threads, rep in runs:
+            n = len(centroids)
+            perm = (np.arange(n) if order == "built" or (order == "nodewise" and threads == 1)
+                    else np.random.default_rng(seed + rep).permutation(n) if order == "random"
+                    else nodewise(n, threads))
             for alpha in args.alphas:
                 g = native.Graph(centroids.shape[1], "l2", m, efc, seed, alpha=alpha, repair=False)
                 t = time.perf_counter()
-                g.add(np.ascontiguousarray(centroids[perm]), args.threads)
+                g.add(np.ascontiguousarray(centroids[perm]), threads)
                 build_s = time.perf_counter() - t
                 for repair in (False, True):  # the same graph, before and after its repair
                     if repair:
                         t = time.perf_counter()
                         g.repair()
                         build_s += time.perf_counter() - t
-                    point = {"order": order, **measure(Reordered(g, perm), alpha, repair, build_s, m, probe, exact)}
+                    point = {"order": order, "threads": threads, "repeat": rep, **measure(Reordered(g, perm), alpha, repair, build_s, m, probe, exact)}
                     points.append(point)
                     print(name, json.dumps(point), flush=True)
         report["sets"][name] = {"index": path, "centroids": list(centroids.shape), "M": m, "ef_construction": efc,
@@ -159,14 +174,14 @@ def markdown(r: dict, efs: list[int]) -> str:
     for name, s in r["sets"].items():
         lines += [f"## {name}: {s['centroids'][0]:,} centroids x {s['centroids'][1]} (M {s['M']}, ef_construction "
                   f"{s['ef_construction']})", "",
-                  "| order | alpha | repair | build s | links/node (of slots) | reachable | repaired | " +
+                  "| order | threads | alpha | repair | build s | links/node (of slots) | reachable | repaired | " +
                   " | ".join(f"{w} ef{ef} r@{k} (sel / rep)" for w in ("rows", "queries") for ef in efs
                              for k in (1, 32)) + " | µs/query ef64, queries (sel / rep) |",
-                  "|---|" + "---:|" * (6 + 2 * len(efs) * 2 + 1)]
+                  "|---|" + "---:|" * (7 + 2 * len(efs) * 2 + 1)]
         for p in s["points"]:
             cells = [f"{p[f'{w}/select/ef{ef}/recall{k}']:.3f} / {p[f'{w}/report/ef{ef}/recall{k}']:.3f}"
                      for w in ("rows", "queries") for ef in efs for k in (1, 32)]
-            lines.append(f"| {p.get('order', 'built')} | {p['alpha']} | {'yes' if p['repair'] else 'no'} | {p['build_s']} | {p['links_mean']} "
+            lines.append(f"| {p.get('order', 'built')} | {p.get('threads', 2)} | {p['alpha']} | {'yes' if p['repair'] else 'no'} | {p['build_s']} | {p['links_mean']} "
                          f"({p['slots']}) | {p['reachable']:.4f} | {p['repaired_links']} | " + " | ".join(cells) +
                          f" | {p['queries/select/us_ef64']} / {p['queries/report/us_ef64']} |")
         lines.append("")
