@@ -1652,7 +1652,9 @@ class ShardedIndex(ManifestShape):
         """Fold the fresh tier and tombstones of each live shard holding at least min_fresh fresh rows and
         tombstones (or of each of `shards`) into a new generation of its index (ShardServer.merge, sharded_merge.py), in parallel;
         searches and writes go on meanwhile. The router's maps then follow (what was fresh is in the shards'
-        indexes now). Returns each shard's report; one that goes down meanwhile is marked down and left out."""
+        indexes now), and its default search settings are measured again where the index has grown past its
+        calibration (calibrate()). Returns each shard's report; one that goes down meanwhile is marked down and
+        left out."""
         if shards is None:
             live = [s for s in range(self.n_shards) if self.alive[s]]
             state = self._write_round({s: ("where", ()) for s in live}, "asking what to merge", False)
@@ -1689,11 +1691,12 @@ class ShardedIndex(ManifestShape):
                 else:  # the maps are rebuilt when the down shard is back; the merged ones hold no fresh rows now
                     self.fresh_count[merged] = 0
                     self._base_count = None
-            # Grown (or shrunk) past what the router's calibration measured: measured again, as a single index's
-            # merge does (calibrate.merge_remeasures); with every shard up, since the truth needs all of them.
-            built = self.manifest.get("build_config") or {}
-            if self.alive.all() and merge_remeasures(self.manifest, self.live_count(), built.get("calibrate", False)):
-                self.calibrate()
+        # Grown (or shrunk) past what the router's calibration measured: measured again, as a single index's merge
+        # does (calibrate.merge_remeasures); with every shard up, since the truth needs all of them. Checked at
+        # every call, not only after a merge, so a calibration cut short (a shard down) is tried again.
+        built = self.manifest.get("build_config") or {}
+        if self.alive.all() and merge_remeasures(self.manifest, self.live_count(), built.get("calibrate", False)):
+            self.calibrate()
         return out
 
     def calibrate(self, sample_queries: np.ndarray | None = None, queries: int | None = None,
