@@ -32,6 +32,7 @@ import numpy as np
 from fusionrag.retriever.config import EngineConfig, SearchParams
 from fusionrag.retriever.errors import ConfigError, IndexFormatError
 from fusionrag.retriever.learned_probe import exact_topk
+from fusionrag.retriever.manifest import MANIFEST, rewrite_manifest
 
 K = 10
 # (rerank, beta): the class defaults first, then about 1.5x the candidates and the patience a rung (on the 1M
@@ -238,7 +239,6 @@ def recalibrate(index_dir, sample_queries=None, queries: int | None = None, targ
     from fusionrag.retriever.build import internal_metric, sample_query_matrix
     from fusionrag.retriever.config import cpu_threads
     from fusionrag.retriever.index import Index
-    from fusionrag.retriever.manifest import MANIFEST, rewrite_manifest
     from fusionrag.retriever.sharded import is_sharded
 
     path = Path(index_dir)
@@ -256,9 +256,16 @@ def recalibrate(index_dir, sample_queries=None, queries: int | None = None, targ
     finally:
         index.close()
     cal = calibrate(path, rows, n, metric, config.calibrate_queries, config.target_recall, seed, threads, log)
-    on_disk = json.loads((path / MANIFEST).read_text())
-    rewrite_manifest(path, {**on_disk, "calibration": cal, "search_defaults": cal["params"]})
+    write_calibration(path, cal)
     return cal
+
+
+def write_calibration(path: Path, cal: dict) -> dict:
+    """The manifest at path (an index's, or a sharded router's) rewritten whole with cal as its calibration and
+    its search_defaults; returns those two entries."""
+    entry = {"calibration": cal, "search_defaults": cal["params"]}
+    rewrite_manifest(path, {**json.loads((Path(path) / MANIFEST).read_text()), **entry})
+    return entry
 
 
 def config_of(m: dict, queries: int | None, target: float | None):

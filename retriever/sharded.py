@@ -57,8 +57,8 @@ from fusionrag.retriever import dirlock
 from fusionrag.retriever.build import (_CHUNK, _IntegralCheck, _Rows, assign_rows, index_manifest, internal_metric,
                                        mips_augment, open_source, postings, sample_query_matrix, save_index_files,
                                        train_index, write_pages)
-from fusionrag.retriever.calibrate import (calibrate_build, calibrate_sharded, merge_remeasures, page_rows,
-                                          search_defaults)
+from fusionrag.retriever.calibrate import (calibrate_build, calibrate_open_sharded, calibrate_sharded, config_of,
+                                          merge_remeasures, page_rows, search_defaults, write_calibration)
 from fusionrag.retriever.collection.config import CollectionConfig
 from fusionrag.retriever.config import BuildConfig, EngineConfig, SearchParams, cpu_threads, resolve_params
 from fusionrag.retriever.docstore import query_words
@@ -1705,16 +1705,10 @@ class ShardedIndex(ManifestShape):
         on a query log where given, else on rows of its live vectors, written ones included), write them into
         the router's manifest (search_defaults, calibration) and search with them from now on. queries, target:
         calibrate_queries and target_recall (the build's, where None). Returns the calibration."""
-        from fusionrag.retriever.build import sample_query_matrix
-        from fusionrag.retriever.calibrate import calibrate_open_sharded, config_of
-        from fusionrag.retriever.manifest import rewrite_manifest
-
         config, built = config_of(self.manifest, queries, target)
         log = None if sample_queries is None else sample_query_matrix(sample_queries, self.dim, self.metric)
         cal = calibrate_open_sharded(self, config.calibrate_queries, config.target_recall, built.get("seed", 0), log)
-        entry = {"calibration": cal, "search_defaults": cal["params"]}
-        rewrite_manifest(self.path, {**json.loads((self.path / MANIFEST).read_text()), **entry})
-        self.manifest = {**self.manifest, **entry}
+        self.manifest = {**self.manifest, **write_calibration(self.path, cal)}
         self.params = SearchParams(**cal["params"])
         return cal
 
