@@ -1,9 +1,10 @@
 """What build-time calibration (BuildConfig.calibrate, retriever/calibrate.py) chooses, and what it buys.
 
-    python bench/calibration.py SET [--index DIR] [--threads T]
+    python bench/calibration.py SET [--index DIR] [--threads T] [--recalibrate] [--suffix S]
 
 Builds SET at the default BuildConfig into bench/work/calibration/SET (which calibrates), or takes an index
-already built (--index) and runs the same calibration on it (a build's rows, never its queries). Then searches
+already built (--index) and runs the same calibration on it (a build's rows, never its queries) where its
+manifest has none, or always with --recalibrate (the manifest is left as it is). Then searches
 each half of the set's queries (select: the first, report: the second) at the class defaults and at the settings
 calibration chose: recall@10 against the set's ground truth, QPS, candidates re-ranked and SSD pages a query.
 Calibration sees neither half; both are reported. Results: bench/results/calibration_SET.md and .json.
@@ -34,6 +35,9 @@ def main() -> None:
     ap.add_argument("set")
     ap.add_argument("--index", type=Path, help="an index of SET already built (default: build one)")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--recalibrate", action="store_true", help="measure again even where the manifest has a "
+                    "calibration (the engine's calibration of today, not the build's)")
+    ap.add_argument("--suffix", default="", help="results go to calibration_SET{suffix}.md and .json")
     args = ap.parse_args()
     here = Path(__file__).parent
     work = (here / "work").resolve()
@@ -48,7 +52,7 @@ def main() -> None:
         built_s = time.perf_counter() - t
     manifest = json.loads((out / "manifest.json").read_text())
     cal = manifest.get("calibration")
-    if cal is None:  # an index built before calibration: the same measurement, on its rows
+    if cal is None or args.recalibrate:  # an index built before calibration: the same measurement, on its rows
         bc = manifest["build_config"]
         cal = calibrate(out, lambda ids: np.asarray(base[ids], dtype=np.float32), len(base),
                         internal_metric(meta["metric"]), bc.get("calibrate_queries", 500),
@@ -63,11 +67,18 @@ def main() -> None:
             settings = [("class defaults", fr.SearchParams())]
             if cal["params"]:  # else the same settings: a second run would only show a warmer page buffer
                 settings.append(("calibrated", fr.SearchParams(**cal["params"])))
-            for label, params in settings:
+            if "nprobe" in cal["params"] and len(cal["params"]) > 1:  # the rung chosen, at the class beam
+                wide = {k: v for k, v in cal["params"].items() if k != "nprobe"}
+                settings.append(("calibrated, class beam", fr.SearchParams(**wide)))
+            # Two rounds, the settings alternating, the second reported: the one searched second would otherwise
+            # find the page buffer warmed by the first.
+            for rnd, (label, params) in enumerate(settings * 2):
                 index.search(q[:50], 10, params)  # warm the page buffer's policy and the threads
                 t = time.perf_counter()
                 res = index.search(q, 10, params)
                 sec = time.perf_counter() - t
+                if rnd < len(settings):
+                    continue
                 row = {"half": name, "settings": label, "params": params.to_dict(),
                        "recall": round(recall_at(res.ids, truth), 4), "qps": round(len(q) / sec, 1),
                        "reranked": round(float(res.stats["reranked"].mean()), 1),
@@ -82,19 +93,20 @@ def main() -> None:
               "build_s": built_s, "calibration": cal, "rows": rows,
               "machine": f"{platform.machine()}, {os.cpu_count()} cores", "load": os.getloadavg()[0]}
     res_dir = here / "results"
-    (res_dir / f"calibration_{args.set}.json").write_text(json.dumps(result, indent=1))
+    (res_dir / f"calibration_{args.set}{args.suffix}.json").write_text(json.dumps(result, indent=1))
     lines = [f"# Calibration: {args.set} ({len(base):,} x {base.shape[1]}, {meta['metric']})", "",
              f"`python bench/calibration.py {' '.join(sys.argv[1:])}`; {result['machine']}, load average "
              f"{result['load']:.1f} when it ended. Calibration: {cal.get('queries', 0)} {cal.get('source', '')}, "
              f"target recall@10 {cal.get('target_recall', '')}, {cal.get('seconds', '')} s; chose "
              f"{cal['params'] or 'the class defaults'}.",
              "", "Rungs tried (recall@10 on the sampled rows): "
-             + ", ".join(f"rerank {r['rerank']} beta {r['beta']}: {r['recall']}" for r in cal.get("tried", [])),
+             + ", ".join(f"rerank {r['rerank']} beta {r['beta']}" + (f" nprobe {r['nprobe']}" if "nprobe" in r else "")
+                        + f": {r['recall']}" for r in cal.get("tried", [])),
              "", "| half | settings | recall@10 | QPS | re-ranked/q | SSD pages/q | lists/q |",
              "|---|---|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['half']} | {r['settings']} | {r['recall']} | {r['qps']} | {r['reranked']} | {r['pages_read']} "
               f"| {r['lists']} |" for r in rows]
-    (res_dir / f"calibration_{args.set}.md").write_text("\n".join(lines) + "\n")
+    (res_dir / f"calibration_{args.set}{args.suffix}.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

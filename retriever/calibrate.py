@@ -14,8 +14,10 @@ row finds itself) against brute force, at the defaults and
 then up LADDER's rungs, each re-ranking more candidates and waiting longer before it stops, until one reaches
 `target_recall`. The first rung that does (or the last, where none does) is written to the manifest
 ("search_defaults"); Index.open takes it as the index's default SearchParams, and a request's own knobs
-(SearchOverrides) apply over it. Where the defaults already reach the target nothing changes: calibration only
-raises the re-rank. An incremental merge measures again once the index holds REMEASURE_GROWTH times more (or fewer)
+(SearchOverrides) apply over it. Where the index finds its lists by its navigation graph, the rung chosen is then
+tried at narrower beams (BEAMS), and the narrowest that holds the recall is kept with it (_narrow). Where the
+defaults already reach the target and the beam cannot narrow, nothing changes: calibration only raises the
+re-rank, and narrows the beam only where the recall measured holds. An incremental merge measures again once the index holds REMEASURE_GROWTH times more (or fewer)
 rows than its calibration measured, or first reaches MIN_ROWS (merge_remeasures); a calibration on a query log is
 kept, since the merge has no log. A sharded build calibrates its router the same way (calibrate_sharded), its
 sample searched across the shards.
@@ -38,6 +40,14 @@ K = 10
 # (rerank, beta): the class defaults first, then about 1.5x the candidates and the patience a rung (on the 1M
 # 768-d set, doubling both went from recall 0.94 to 0.97 in one rung, at 0.6x the QPS).
 LADDER = ((200, 2), (200, 3), (300, 4), (400, 6), (600, 8), (800, 12), (1200, 16), (1600, 24), (2400, 32))
+# Where the navigation graph finds a query's lists, its beam is nprobe wide (SearchParams.graph_ef at least), and
+# the class default (256) is set for recall, not cost: the beam took 1.2 of 1.3 ms a query on 100k 768-d vectors,
+# where the ratio rule then kept ~23 lists. So calibration tries narrower beams at the rung it chose, down to the
+# narrowest whose recall reaches the target and loses at most BEAM_SLACK to the best beam's (on that set and on
+# Fashion-MNIST nprobe 64: recall -0.0004 / -0.0022, the rows' recall within 0.006 of held-out queries', 2-3.5x
+# less time a query; bench/results/calibration_beam.md). Exact navigation costs the same at any nprobe: not tried.
+BEAMS = (128, 64, 32)
+BEAM_SLACK = 0.005
 MIN_ROWS = 2000  # fewer rows: the sample would be a large share of the data, and nearly every search is exact
 # A merge measures again at 1.25x (or 1/1.25x) the rows measured: a collection merges up to 4x its last full build
 # (CollectionConfig.rebuild_growth) before it rebuilds, and the settings chosen at 1x need not hold there.
@@ -69,8 +79,9 @@ def _sample(rows, n: int, queries: int, seed: int, sample_queries: np.ndarray | 
     return None, sample_queries[rng.permutation(len(sample_queries))[:queries]], "sample queries"
 
 
-def _climb(search, q: np.ndarray, truth: np.ndarray, target: float) -> tuple[list, dict]:
-    """LADDER's rungs up to the first whose recall (search(q, params) -> ids) reaches target: (tried, chosen)."""
+def _climb(search, q: np.ndarray, truth: np.ndarray, target: float, graph: bool = False) -> tuple[list, dict]:
+    """LADDER's rungs up to the first whose recall (search(q, params) -> ids) reaches target: (tried, chosen).
+    graph (the lists are found by the navigation graph): then the beam narrowed (_narrow)."""
     tried, chosen = [], {}
     for rerank, beta in LADDER:
         r = recall_at(search(q, SearchParams(rerank=rerank, beta=beta)), truth)
@@ -78,7 +89,26 @@ def _climb(search, q: np.ndarray, truth: np.ndarray, target: float) -> tuple[lis
         chosen = {} if (rerank, beta) == LADDER[0] else {"rerank": rerank, "beta": beta}
         if r >= target:
             break
+    if graph and r >= target:
+        chosen = _narrow(search, q, truth, target, r, chosen, tried)
     return tried, chosen
+
+
+def _narrow(search, q: np.ndarray, truth: np.ndarray, target: float, full: float, chosen: dict,
+            tried: list) -> dict:
+    """The chosen rung at BEAMS' narrower navigation beams (nprobe), down to the narrowest whose recall still
+    reaches target and lies within BEAM_SLACK of the best measured so far (full: the full beam's); each one tried
+    is added to tried. (A narrower beam can score higher: fewer lists, fewer far candidates that PQ ranks above
+    true neighbours; on 1M 768-d vectors at rerank 1600, 0.962 at 256, 0.969 at 64, 0.959 at 32.)"""
+    best = full
+    for nprobe in BEAMS:
+        params = {**chosen, "nprobe": nprobe}
+        r = recall_at(search(q, SearchParams(**params)), truth)
+        tried.append({**{"rerank": LADDER[0][0], "beta": LADDER[0][1]}, **params, "recall": round(r, 4)})
+        if r < target or r < best - BEAM_SLACK:
+            break
+        chosen, best = params, max(best, r)
+    return chosen
 
 
 def _entry(q, source: str, target: float, tried: list, chosen: dict, t0: float, n: int) -> dict:
@@ -140,7 +170,8 @@ def calibrate(index_dir: Path, rows, n: int, engine_metric: str, queries: int, t
         truth = np.array([t[(t >= 0) & ~mask[np.maximum(t, 0)]][:K] for t in wide])
     index = Index.open(index_dir, _engine(threads))
     try:
-        tried, chosen = _climb(lambda q, p: index.search(q, K, p, exclude=exclude).ids, q, truth, target)
+        tried, chosen = _climb(lambda q, p: index.search(q, K, p, exclude=exclude).ids, q, truth, target,
+                               graph=not index.nav.exhaustive)
     finally:
         index.close()
     return _entry(q, source, target, tried, chosen, t0, n)
@@ -174,7 +205,8 @@ def calibrate_sharded(index_dir: Path, rows, n: int, engine_metric: str, queries
     truth = exact_topk(rows, n, q, K, engine_metric, exclude=None if own is None else self_id)
     index = ShardedIndex.open(index_dir, _engine(threads), verify=False)
     try:
-        tried, chosen = _climb(_sharded_found(index, self_id, own is not None), q, truth, target)
+        tried, chosen = _climb(_sharded_found(index, self_id, own is not None), q, truth, target,
+                               graph=not index.nav.exhaustive)
     finally:
         index.close()
     return _entry(q, source, target, tried, chosen, t0, n)
@@ -202,7 +234,8 @@ def calibrate_open_sharded(index, queries: int, target: float, seed: int,
     own, q, source = _sample(rows, n, queries, seed, sample_queries)
     self_id = np.full(len(q), -1, np.int64) if own is None else live[own]
     truth = _merge(index._every_shard("exact", (q, K, self_id), "brute force for calibration"), K)[0]
-    tried, chosen = _climb(_sharded_found(index, self_id, own is not None), q, truth, target)
+    tried, chosen = _climb(_sharded_found(index, self_id, own is not None), q, truth, target,
+                           graph=not index.nav.exhaustive)
     return _entry(q, source, target, tried, chosen, t0, n)
 
 

@@ -162,6 +162,53 @@ def test_a_merge_calibrates_again_once_the_index_has_grown(built, tmp_path):
     assert m2["count"] == N + 600
 
 
+def clustered(n: int, seed: int) -> np.ndarray:
+    """Points around 60 centres in 48-d (the same centres for every seed): a query's neighbours lie in a few lists."""
+    centres = np.random.default_rng(0).standard_normal((60, 48)).astype(np.float32)
+    rng = np.random.default_rng(seed)
+    return centres[rng.integers(0, 60, n)] + 0.35 * rng.standard_normal((n, 48)).astype(np.float32)
+
+
+@pytest.mark.parametrize("data", ["clustered", "flat"])
+def test_a_graph_navigated_index_gets_the_narrowest_beam_that_holds_its_recall(built, tmp_path, data):
+    """Where the navigation graph finds the lists, calibration tries narrower beams (nprobe) from the widest down
+    and keeps the narrowest whose recall holds: on clustered data below the class default, where held-out queries
+    (against brute force) keep what the full beam gave them and a search at the defaults probes no more lists than
+    the narrow beam allows; on the flat data, whose neighbours spread over many lists, the full beam. Exactly
+    navigated indexes are not narrowed (their lists cost the same at any nprobe)."""
+    from fusionrag.retriever.calibrate import BEAM_SLACK, BEAMS
+
+    base, q = (clustered(N, 1), clustered(400, 2)) if data == "clustered" else (built["base"], built["queries"])
+    m = Index.build(base, tmp_path / "g", BuildConfig(threads=1, navigation="graph"), progress=False)
+    assert m["list_navigation"] == "graph"
+    cal = m["calibration"]
+    narrowed = [t for t in cal["tried"] if "nprobe" in t]
+    full = cal["tried"][len(cal["tried"]) - len(narrowed) - 1]["recall"]
+    assert full >= 0.95 and narrowed and narrowed[0]["nprobe"] == BEAMS[0]
+    kept, best = [], full  # tried from the widest down, kept while recall held: at the target, and within
+    for t in narrowed:     # BEAM_SLACK of the best beam's so far
+        if t["recall"] < max(0.95, best - BEAM_SLACK):
+            break
+        kept, best = kept + [t], max(best, t["recall"])
+    assert len(narrowed) == min(len(kept) + 1, len(BEAMS)), cal
+    index = Index.open(tmp_path / "g")
+    try:
+        truth = exact_knn(base, q, 10)
+        at_defaults = index.search(q, 10)
+        wide = index.search(q, 10, index.params.with_overrides(nprobe=SearchParams().nprobe))
+        if data == "flat":  # recall fell at the first narrower beam: the class default kept
+            assert not kept and "nprobe" not in cal["params"] and index.params.nprobe == SearchParams().nprobe
+            return
+        assert kept and cal["params"]["nprobe"] == kept[-1]["nprobe"] == index.params.nprobe < SearchParams().nprobe
+        assert at_defaults.stats["centroids_probed"].max() <= index.params.nprobe
+        narrow = index.search(q, 10, SearchParams(**cal["params"]))
+        assert (narrow.ids == at_defaults.ids).all()  # the defaults search with the narrow beam
+        assert recall(at_defaults.ids, truth) >= recall(wide.ids, truth) - 0.01 >= 0.94
+    finally:
+        index.close()
+    assert all("nprobe" not in t for t in built["plain"]["calibration"]["tried"])  # navigated exactly
+
+
 def test_the_ladder_only_raises_the_rerank():
     assert LADDER[0] == (SearchParams().rerank, SearchParams().beta)
     assert all(a[0] <= b[0] and a[1] < b[1] for a, b in zip(LADDER, LADDER[1:]))
