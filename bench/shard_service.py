@@ -1,0 +1,129 @@
+"""What one shard's call costs at recall@10 0.90 and 0.95, and how that grows with the shard's size (not a test):
+the figures docs/sharded.md's billion-vector paper rests on.
+
+A shard part is an ordinary index, and a sharded query costs each shard it reaches one call that scans and
+re-ranks the lists sent to it, after the router found the lists (navigation). So one index searched on one
+thread, in batches of 64 (a router's micro-batch), gives both: the navigation's seconds (the router's share) and
+the rest (the shard's share), per query.
+
+For each index: the query set's first half chooses, the second half reports. For each target the settings are
+chosen as a build's calibration chooses them (calibrate._climb: the (rerank, beta) ladder, then narrower graph
+beams where the index navigates by its graph), but on the first half's queries against their ground truth; then
+the second half is searched at them: after one pass to warm the page buffer (sized at 1/--buffer-fraction of the
+raw vectors), the best of --passes timed passes.
+
+    python bench/shard_service.py --sets synth100kx768 synth1mx768 --indexes bench/work/flat
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from datasets import load  # noqa: E402
+
+from fusionrag.retriever.calibrate import _climb  # noqa: E402
+from fusionrag.retriever.config import SearchParams  # noqa: E402
+
+K = 10
+BATCH = 64
+
+
+def recall(ids: np.ndarray, gt: np.ndarray) -> float:
+    return float(np.mean([len(set(a[a >= 0].tolist()) & set(b[:K].tolist())) / K for a, b in zip(ids, gt)]))
+
+
+def search(index, q: np.ndarray, params: SearchParams | None = None):
+    """One pass in batches of BATCH at params (the index's defaults: None): ids, wall seconds, and the per-query
+    stats concatenated."""
+    ids, stats = [], {}
+    t = time.perf_counter()
+    for s in range(0, len(q), BATCH):
+        r = index.search(q[s:s + BATCH], K, params)
+        ids.append(r.ids)
+        for key, v in r.stats.items():
+            stats.setdefault(key, []).append(np.asarray(v))
+    wall = time.perf_counter() - t
+    return np.concatenate(ids), wall, {key: np.concatenate(v) for key, v in stats.items()}
+
+
+def measure(work: Path, index_dir: Path, name: str, targets: list[float], fraction: int, passes: int) -> dict:
+    import fusionrag.retriever as fr
+
+    base, queries, gt, meta = load(work, name)
+    n, dim = base.shape
+    buffer = n * dim * 4 // fraction
+    index = fr.Index.open(str(index_dir), threads=1, filter_tier="cpu", buffer_bytes=buffer)
+    q = np.ascontiguousarray(queries, dtype=np.float32)
+    half = len(q) // 2
+    tune, report = (q[:half], gt[:half]), (q[half:], gt[half:])
+    out = {"set": name, "vectors": n, "dim": dim, "lists": index.manifest["centroids"],
+           "pq_m": index.pq.m, "buffer_mib": round(buffer / 2**20, 1), "queries": [half, len(q) - half],
+           "ladder": [], "points": []}
+    search(index, tune[0])  # the page buffer warmed on the other half
+    chosen = {}
+    for t in targets:  # as a build's calibration chooses (the ladder, then a narrower beam where the graph
+        # navigates), on the first half's own queries against their ground truth
+        tried, params = _climb(lambda qq, p: search(index, qq, p)[0], tune[0], tune[1][:, :K], t,
+                               graph=not index.nav.exhaustive)
+        out["ladder"].append({"target": t, "tried": tried})
+        print(json.dumps({"set": name, "target": t, "tried": tried}), flush=True)
+        if any(r["recall"] >= t for r in tried):
+            chosen[t] = params
+    for t in targets:
+        if t not in chosen:
+            out["points"].append({"target": t, "reached": False})
+            continue
+        params = SearchParams(**chosen[t])
+        search(index, report[0], params)  # warm
+        best = None
+        for _ in range(passes):
+            ids, wall, st = search(index, report[0], params)
+            if best is None or wall < best[1]:
+                best = (ids, wall, st)
+        ids, wall, st = best
+        nq = len(report[0])
+        us = {k: round(float(st[k].mean()) * 1e6, 1) for k in ("graph_s", "lut_s", "scan_s", "rerank_s")}
+        point = {"target": t, "reached": True, "params": chosen[t],
+                 "recall_report": round(recall(ids, report[1]), 4), "us_per_query": round(wall / nq * 1e6, 1),
+                 "stage_us": us, "lists": round(float(st["centroids_probed"].mean()), 1),
+                 "candidates": round(float(st["unique_candidates"].mean())),
+                 "reranked": round(float(st["reranked"].mean()), 1),
+                 "pages_read": round(float(st["pages_read"].mean()), 2),
+                 "pages_buffered": round(float(st["pages_buffered"].mean()), 2)}
+        # the router's share is the navigation; a shard's call is the rest
+        point["shard_us"] = round(point["us_per_query"] - us["graph_s"], 1)
+        out["points"].append(point)
+        print(json.dumps({"set": name, **point}), flush=True)
+    index.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", type=Path, default=Path(__file__).resolve().parent / "work")
+    ap.add_argument("--indexes", type=Path, default=None, help="folder of built indexes, one per set name "
+                    "(default: WORK/flat)")
+    ap.add_argument("--sets", nargs="+", default=["synth100kx768", "synth1mx768"])
+    ap.add_argument("--targets", type=float, nargs="+", default=[0.90, 0.95])
+    ap.add_argument("--buffer-fraction", type=int, default=64, help="page buffer = raw vectors / this")
+    ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
+    args = ap.parse_args()
+    root = args.indexes or args.work / "flat"
+    results = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": 1, "batch": BATCH},
+               "sets": [measure(args.work.resolve(), root / s, s, args.targets, args.buffer_fraction, args.passes)
+                        for s in args.sets]}
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
