@@ -52,7 +52,7 @@ def main() -> None:
         built_s = time.perf_counter() - t
     manifest = json.loads((out / "manifest.json").read_text())
     cal = manifest.get("calibration")
-    if cal is None or args.recalibrate:  # an index built before calibration: the same measurement, on its rows
+    if cal is None or args.recalibrate:  # built before calibration, or asked for: the same measurement, on its rows
         bc = manifest["build_config"]
         cal = calibrate(out, lambda ids: np.asarray(base[ids], dtype=np.float32), len(base),
                         internal_metric(meta["metric"]), bc.get("calibrate_queries", 500),

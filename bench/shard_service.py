@@ -29,15 +29,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from datasets import load  # noqa: E402
 
-from fusionrag.retriever.calibrate import _climb  # noqa: E402
+from fusionrag.retriever.calibrate import _climb, recall_at  # noqa: E402
 from fusionrag.retriever.config import SearchParams  # noqa: E402
 
 K = 10
 BATCH = 64
-
-
-def recall(ids: np.ndarray, gt: np.ndarray) -> float:
-    return float(np.mean([len(set(a[a >= 0].tolist()) & set(b[:K].tolist())) / K for a, b in zip(ids, gt)]))
 
 
 def search(index, q: np.ndarray, params: SearchParams | None = None):
@@ -92,7 +88,7 @@ def measure(work: Path, index_dir: Path, name: str, targets: list[float], fracti
         nq = len(report[0])
         us = {k: round(float(st[k].mean()) * 1e6, 1) for k in ("graph_s", "lut_s", "scan_s", "rerank_s")}
         point = {"target": t, "reached": True, "params": chosen[t],
-                 "recall_report": round(recall(ids, report[1]), 4), "us_per_query": round(wall / nq * 1e6, 1),
+                 "recall_report": round(recall_at(ids, report[1][:, :K]), 4), "us_per_query": round(wall / nq * 1e6, 1),
                  "stage_us": us, "lists": round(float(st["centroids_probed"].mean()), 1),
                  "candidates": round(float(st["unique_candidates"].mean())),
                  "reranked": round(float(st["reranked"].mean()), 1),

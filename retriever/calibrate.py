@@ -17,10 +17,10 @@ then up LADDER's rungs, each re-ranking more candidates and waiting longer befor
 (SearchOverrides) apply over it. Where the index finds its lists by its navigation graph, the rung chosen is then
 tried at narrower beams (BEAMS), and the narrowest that holds the recall is kept with it (_narrow). Where the
 defaults already reach the target and the beam cannot narrow, nothing changes: calibration only raises the
-re-rank, and narrows the beam only where the recall measured holds. An incremental merge measures again once the index holds REMEASURE_GROWTH times more (or fewer)
-rows than its calibration measured, or first reaches MIN_ROWS (merge_remeasures); a calibration on a query log is
-kept, since the merge has no log. A sharded build calibrates its router the same way (calibrate_sharded), its
-sample searched across the shards.
+re-rank, and narrows the beam only where the recall measured holds. An incremental merge measures again once the
+index holds REMEASURE_GROWTH times more (or fewer) rows than its calibration measured, or first reaches MIN_ROWS
+(merge_remeasures); a calibration on a query log is kept, since the merge has no log. A sharded build calibrates
+its router the same way (calibrate_sharded), its sample searched across the shards.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ LADDER = ((200, 2), (200, 3), (300, 4), (400, 6), (600, 8), (800, 12), (1200, 16
 # where the ratio rule then kept ~23 lists. So calibration tries narrower beams at the rung it chose, down to the
 # narrowest whose recall reaches the target and loses at most BEAM_SLACK to the best beam's (on that set and on
 # Fashion-MNIST nprobe 64: recall -0.0004 / -0.0022, the rows' recall within 0.006 of held-out queries', 2-3.5x
-# less time a query; bench/results/calibration_beam.md). Exact navigation costs the same at any nprobe: not tried.
+# less time a query; bench/results/calibration_*_beam.md). Exact navigation costs the same at any nprobe: not tried.
 BEAMS = (128, 64, 32)
 BEAM_SLACK = 0.005
 MIN_ROWS = 2000  # fewer rows: the sample would be a large share of the data, and nearly every search is exact
@@ -104,7 +104,7 @@ def _narrow(search, q: np.ndarray, truth: np.ndarray, target: float, full: float
     for nprobe in BEAMS:
         params = {**chosen, "nprobe": nprobe}
         r = recall_at(search(q, SearchParams(**params)), truth)
-        tried.append({**{"rerank": LADDER[0][0], "beta": LADDER[0][1]}, **params, "recall": round(r, 4)})
+        tried.append({"rerank": LADDER[0][0], "beta": LADDER[0][1], **params, "recall": round(r, 4)})
         if r < target or r < best - BEAM_SLACK:
             break
         chosen, best = params, max(best, r)
