@@ -47,6 +47,9 @@ POLICIES = {  # name -> EngineConfig overrides
     "lfu+rec100": {"buffer_policy": "lfu", "pin_fraction": 0.0, "record_cache": "on"},
     "auto+rec50": {"buffer_policy": "auto", "pin_fraction": 0.0, "record_cache": "on", "record_cache_share": 0.5},
     "auto+rec100": {"buffer_policy": "auto", "pin_fraction": 0.0, "record_cache": "on"},
+    # the whole buffer as blocks or as records, whichever a miniature of both serves more now (record_cache 'auto'
+    # since stop 43); before it, 'auto' was the byte rule alone: records where records_cache_denser, else blocks
+    "adapt": {"buffer_policy": "auto", "pin_fraction": 0.0, "record_cache": "auto"},
 }
 FRACTIONS = (64, 16, 4)
 STREAMS = ("uniform", "skewed", "drifting")
@@ -177,6 +180,8 @@ def measure(idx_path: Path, q: np.ndarray, stream_rows: dict, fractions, policie
                 index = Index.open(idx_path, cfg)
                 t = time.perf_counter()
                 res = run_stream(index, q, order, batch, cfg.pin_fraction > 0, gt)
+                store = index.reranker.store
+                res.update(layout=store.layout, layout_switches=int(store.stats()["layout_switches"]))
                 index.close()
                 res.update(buffer=f"1/{frac}", policy=pname, stream=sname, seconds=round(time.perf_counter() - t, 2))
                 rows.append(res)

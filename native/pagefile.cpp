@@ -406,20 +406,23 @@ size_t pow2_at_least(size_t n) {
 }
 }  // namespace
 
-PageBuffer::PageBuffer(size_t capacity, size_t block_bytes, BufferPolicy policy)
-    : capacity_(capacity), block_bytes_(block_bytes), policy_(policy) {
+PageBuffer::PageBuffer(size_t capacity, size_t block_bytes, BufferPolicy policy, bool active)
+    : capacity_(capacity), block_bytes_(block_bytes), policy_(policy), active_(active) {
   if (!capacity) return;
-  // Anonymous memory is page-aligned and committed only as frames fill.
+  // Anonymous memory is page-aligned and committed only as frames fill. No block bytes: a shadow, metadata only.
   arena_bytes_ = capacity * block_bytes;
-  arena_ = mmap(nullptr, arena_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (arena_ == MAP_FAILED) throw std::bad_alloc();
+  if (arena_bytes_) {
+    arena_ = mmap(nullptr, arena_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (arena_ == MAP_FAILED) throw std::bad_alloc();
+  }
   // At least 256 frames a shard, so CLOCK still sees a useful window.
   size_t n = std::clamp<size_t>(capacity / 256, 1, 16);
   shards_ = std::vector<Shard>(n);
   for (size_t i = 0; i < n; ++i) {
     size_t lo = capacity * i / n, hi = capacity * (i + 1) / n;
-    shards_[i].frames = static_cast<uint8_t*>(arena_) + lo * block_bytes;
-    init(shards_[i], hi - lo, policy != BufferPolicy::Clock);
+    shards_[i].frames = arena_ ? static_cast<uint8_t*>(arena_) + lo * block_bytes : nullptr;
+    if (active) init(shards_[i], hi - lo, policy != BufferPolicy::Clock);
+    else shards_[i].size = hi - lo;
   }
   if (policy == BufferPolicy::Auto) {
     // A sample of the blocks big enough that each shadow is a shard's size: about 256 frames or more.
@@ -434,6 +437,7 @@ PageBuffer::PageBuffer(size_t capacity, size_t block_bytes, BufferPolicy policy)
 // A shard's frames all free; with a sketch (Lfu, Auto) of sixteen counters a frame:
 // it must tell apart blocks not in the buffer too.
 void PageBuffer::init(Shard& s, size_t frames, bool sketch) {
+  s.size = frames;
   s.block_of.assign(frames, kEmpty);
   s.uses.assign(frames, 0);
   s.pinned.assign(frames, 0);
@@ -455,6 +459,30 @@ void PageBuffer::reset(Shard& s) {
 
 PageBuffer::~PageBuffer() {
   if (arena_) munmap(arena_, arena_bytes_);
+}
+
+void PageBuffer::set_active(bool on) {
+  if (!capacity_ || active_.load() == on) return;
+  if (!on) active_.store(false);  // new lookups miss from here on; those under way finish under their shard's lock
+  for (Shard& s : shards_) {
+    std::lock_guard<std::mutex> lk(s.mutex);
+    if (on) {
+      init(s, s.size, policy_ != BufferPolicy::Clock);
+    } else {  // metadata freed, not just emptied: the other layout holds the bytes now
+      s.block_of = {}, s.uses = {}, s.pinned = {}, s.sketch = {};
+      s.frame_of = {}, s.wanted = {};
+      s.hand = s.num_pinned = 0;
+      s.requests = 0;
+    }
+  }
+  if (!on && arena_) madvise(arena_, arena_bytes_, MADV_DONTNEED);  // the frames' memory back to the system
+  if (mini_) {
+    std::lock_guard<std::mutex> lk(mini_->mutex);
+    for (Shard& s : mini_->shadow) reset(s);
+    mini_->seen = mini_->hits[0] = mini_->hits[1] = 0;
+    mini_->score[0] = mini_->score[1] = 0;
+  }
+  if (on) active_.store(true);
 }
 
 namespace {
@@ -554,15 +582,16 @@ void PageBuffer::simulate(uint32_t block, uint32_t weight) {
 }
 
 bool PageBuffer::lookup(uint32_t block, uint8_t* out, uint32_t weight) {
-  if (!capacity_) return false;
+  if (!capacity_ || !active()) return false;
   if (mini_ && (((uint64_t(block) + 1) * 0xD6E8FEB86659FD93ull) >> 40) % mini_->rate == 0) simulate(block, weight);
   Shard& s = shard(block);
   std::lock_guard<std::mutex> lk(s.mutex);
+  if (s.block_of.empty()) return false;  // off
   count(s, block, weight);
   auto it = s.frame_of.find(block);
   if (it == s.frame_of.end()) return false;
   hit(s, it->second, weight, lfu_now());
-  std::memcpy(out, s.frames + size_t(it->second) * block_bytes_, block_bytes_);
+  if (out && block_bytes_) std::memcpy(out, s.frames + size_t(it->second) * block_bytes_, block_bytes_);
   return true;
 }
 
@@ -570,6 +599,7 @@ void PageBuffer::insert(uint32_t block, const uint8_t* data, uint32_t weight) {
   if (!capacity_) return;
   Shard& s = shard(block);
   std::lock_guard<std::mutex> lk(s.mutex);
+  if (s.block_of.empty()) return;  // off
   const bool pin = !s.wanted.empty() && s.wanted.count(block) && s.num_pinned < pin_limit(s);
   auto it = s.frame_of.find(block);
   if (it != s.frame_of.end()) {  // another query read it meanwhile
@@ -581,10 +611,36 @@ void PageBuffer::insert(uint32_t block, const uint8_t* data, uint32_t weight) {
   if (f == SIZE_MAX) return;
   if (evicted) evictions_.fetch_add(1, std::memory_order_relaxed);
   if (pin) s.pinned[f] = 1, ++s.num_pinned;
-  std::memcpy(s.frames + f * block_bytes_, data, block_bytes_);
+  if (block_bytes_) std::memcpy(s.frames + f * block_bytes_, data, block_bytes_);
 }
 
 bool PageBuffer::resident(uint32_t block) { return peek(block, nullptr); }
+
+std::vector<std::pair<uint32_t, uint32_t>> PageBuffer::held_blocks() {
+  std::vector<std::pair<uint32_t, uint32_t>> out;
+  for (Shard& s : shards_) {
+    std::lock_guard<std::mutex> lk(s.mutex);
+    for (size_t f = 0; f < s.block_of.size(); ++f)
+      if (s.block_of[f] != kEmpty) out.push_back({s.uses[f], s.block_of[f]});
+  }
+  return out;
+}
+
+bool PageBuffer::evict(uint32_t block, const std::function<void(const uint8_t*)>& take) {
+  if (!capacity_) return false;
+  Shard& s = shard(block);
+  std::lock_guard<std::mutex> lk(s.mutex);
+  auto it = s.frame_of.find(block);
+  if (it == s.frame_of.end()) return false;
+  const size_t f = it->second;
+  uint8_t* frame = s.frames ? s.frames + f * block_bytes_ : nullptr;
+  if (take && frame) take(frame);
+  s.frame_of.erase(it);
+  s.block_of[f] = kEmpty, s.uses[f] = 0;
+  if (s.pinned[f]) s.pinned[f] = 0, --s.num_pinned;
+  if (frame) madvise(frame, block_bytes_, MADV_DONTNEED);  // block_bytes_ is whole pages, frames page-aligned
+  return true;
+}
 
 bool PageBuffer::peek(uint32_t block, uint8_t* out) {
   if (!capacity_) return false;
@@ -592,7 +648,7 @@ bool PageBuffer::peek(uint32_t block, uint8_t* out) {
   std::lock_guard<std::mutex> lk(s.mutex);
   auto it = s.frame_of.find(block);
   if (it == s.frame_of.end()) return false;
-  if (out) std::memcpy(out, s.frames + size_t(it->second) * block_bytes_, block_bytes_);
+  if (out && block_bytes_) std::memcpy(out, s.frames + size_t(it->second) * block_bytes_, block_bytes_);
   return true;
 }
 
@@ -604,6 +660,7 @@ std::vector<uint32_t> PageBuffer::pin(const uint32_t* blocks, size_t n) {
   for (size_t i = 0; i < shards_.size(); ++i) {
     Shard& s = shards_[i];
     std::lock_guard<std::mutex> lk(s.mutex);
+    if (s.block_of.empty()) continue;  // off: nothing pinned
     std::fill(s.pinned.begin(), s.pinned.end(), 0);
     s.num_pinned = 0;
     s.wanted.clear();
@@ -644,14 +701,115 @@ void PageBuffer::clear() {
   }
 }
 
+// Whether a record cached alone, with its metadata, costs less than its share of a block (index.py's
+// records_cache_denser): an adaptive layout starts with records then, with blocks otherwise.
+static bool records_denser(const PageLayout& layout) {
+  return double(layout.record_bytes + kRecordCacheOverhead) <
+         double(layout.block_bytes()) / double(layout.records_per_block);
+}
+
+struct LayoutMiniature {
+  // A switch needs the other layout ahead by this share of the current one's score (hits, halved every period),
+  // and by kLayoutMinHits: near ties stay put, since a switch starts the new layout empty.
+  static constexpr double kLayoutMargin = 0.1, kLayoutMinHits = 32;
+  std::mutex mutex;
+  PageBuffer shadow[2];  // [0] blocks, [1] records: metadata only, Lfu
+  size_t rate;
+  uint64_t seen = 0, period, hits[2] = {0, 0};
+  double score[2] = {0, 0};
+
+  LayoutMiniature(size_t blocks, size_t records, size_t rate, size_t period)
+      : shadow{PageBuffer(std::max<size_t>(1, blocks / rate), 0, BufferPolicy::Lfu),
+               PageBuffer(std::max<size_t>(1, records / rate), 0, BufferPolicy::Lfu)},
+        rate(rate),
+        period(period) {}
+
+  bool sampled(uint32_t block) const { return ((uint64_t(block) + 1) * 0xD6E8FEB86659FD93ull >> 40) % rate == 0; }
+};
+
+bool PageStore::layout_sampled(uint32_t block) const { return layout_mini_ && layout_mini_->sampled(block); }
+
+void PageStore::observe(uint32_t block, const uint32_t* slots, size_t n) {
+  if (!layout_mini_ || !n || !layout_mini_->sampled(block)) return;
+  LayoutMiniature& m = *layout_mini_;
+  bool to_records;
+  {
+    std::lock_guard<std::mutex> lk(m.mutex);
+    if (m.shadow[0].lookup(block, nullptr)) ++m.hits[0];
+    else m.shadow[0].insert(block, nullptr);
+    bool all = true;
+    for (size_t i = 0; i < n; ++i)
+      if (!m.shadow[1].lookup(slots[i], nullptr)) all = false, m.shadow[1].insert(slots[i], nullptr);
+    m.hits[1] += all;
+    if (++m.seen < m.period) return;
+    m.seen = 0;
+    // No verdict while a shadow is still filling: blocks fill a frame a read, records a record at a time, so an
+    // empty shadow's first periods would favour blocks for a stream whose records win once both are full.
+    if (!m.shadow[0].evictions() || !m.shadow[1].evictions()) {
+      m.hits[0] = m.hits[1] = 0;
+      return;
+    }
+    for (int i = 0; i < 2; ++i) m.score[i] = m.score[i] / 2 + double(m.hits[i]), m.hits[i] = 0;
+    const bool now = records_on();
+    const double here = m.score[now], there = m.score[!now];
+    if (layout_held_.load(std::memory_order_relaxed)) return;
+    if (there <= here * (1 + LayoutMiniature::kLayoutMargin) || there - here < LayoutMiniature::kLayoutMinHits) return;
+    to_records = !now;
+  }
+  set_layout(to_records);
+}
+
+void PageStore::set_layout(bool records, bool hold) {
+  if (!adaptive())
+    throw std::invalid_argument("set_layout needs an adaptive layout (a page buffer and a record cache)");
+  std::lock_guard<std::mutex> lk(layout_mutex_);
+  if (hold) layout_held_.store(true);
+  if (records_on() == records) return;
+  PageBuffer& to = records ? records_ : buffer_;
+  PageBuffer& from = records ? buffer_ : records_;
+  to.set_active(true);  // empty: the bytes it will hold are those the other gives back now
+  if (records) seed_records();
+  from.set_active(false);
+  layout_switches_.fetch_add(1, std::memory_order_relaxed);
+}
+
+// Blocks to records, warm: the records of the most used blocks held move to the record cache, as many blocks as
+// it holds whole, and the rest are evicted first, so that the bytes held never pass what one layout holds: each
+// block's frame is given back as its records go in. Records to blocks starts cold (a block is whole only once
+// read).
+void PageStore::seed_records() {
+  std::vector<std::pair<uint32_t, uint32_t>> held = buffer_.held_blocks();
+  std::sort(held.begin(), held.end(), [](auto a, auto b) { return a.first != b.first ? a.first > b.first : a.second < b.second; });
+  const size_t rpb = layout_.records_per_block, rb = layout_.record_bytes;
+  const size_t whole = std::min(held.size(), records_.capacity() / rpb);
+  for (size_t i = whole; i < held.size(); ++i) buffer_.evict(held[i].second);
+  for (size_t i = 0; i < whole; ++i) {
+    const uint32_t block = held[i].second, uses = std::max<uint32_t>(1, held[i].first);
+    buffer_.evict(block, [&](const uint8_t* data) {
+      for (size_t r = 0; r < rpb; ++r) records_.insert(uint32_t(block * rpb + r), data + r * rb, uses);
+    });
+  }
+}
+
 PageStore::PageStore(const std::string& path, PageLayout layout, std::vector<uint32_t> block_crc,
                      size_t buffer_blocks, const std::string& io_backend, const std::string& direct_io,
-                     int io_threads, BufferPolicy policy, size_t record_cache_records)
+                     int io_threads, BufferPolicy policy, size_t record_cache_records, bool adaptive_layout)
     : path_(path),
       layout_(layout),
       crc_(std::move(block_crc)),
-      buffer_(buffer_blocks, layout.block_bytes(), policy),
-      records_(record_cache_records, layout.record_bytes, policy) {
+      buffer_(buffer_blocks, layout.block_bytes(), policy, !(adaptive_layout && records_denser(layout))),
+      records_(record_cache_records, layout.record_bytes, policy, !adaptive_layout || records_denser(layout)) {
+  if (adaptive_layout) {
+    if (!buffer_blocks || !record_cache_records)
+      throw std::invalid_argument("an adaptive layout needs both buffer_blocks and record_cache records");
+    // As Auto's miniature: a sample big enough that the block shadow has about 256 frames, a period of as many
+    // touches as it has frames. It starts with the layout the bytes favour (records_denser), so that a stream
+    // it never sees a reason to leave costs what the fixed layout does; no verdict comes until both shadows are
+    // full, and a switch to records takes the most used blocks' records along (seed_records).
+    const size_t rate = std::max<size_t>(1, buffer_blocks / 256);
+    layout_mini_ = std::make_unique<LayoutMiniature>(buffer_blocks, record_cache_records, rate,
+                                                     std::max<size_t>(256, buffer_blocks / rate));
+  }
   if (io_backend != "auto" && io_backend != "io_uring" && io_backend != "pread")
     throw std::invalid_argument("io_backend must be 'auto', 'io_uring' or 'pread', not '" + io_backend + "'");
   if (direct_io != "auto" && direct_io != "on" && direct_io != "off")
@@ -841,7 +999,7 @@ std::vector<uint32_t> PageStore::take_trace() {
 PageStoreStats PageStore::stats() {
   return {blocks_read_.load(), blocks_from_buffer_.load(), read_calls_.load(), buffer_.evictions(),
           pin_reads_.load(), buffer_.pinned(), read_ahead_.load(), read_ahead_unused_.load(), buffer_.switches(),
-          record_lookups_.load(), records_from_cache_.load()};
+          record_lookups_.load(), records_from_cache_.load(), layout_switches_.load()};
 }
 
 }  // namespace fusionrag
@@ -948,7 +1106,8 @@ void bind_pagefile(nb::module_& m) {
           "__init__",
           [](PageStore* self, const std::string& path, int64_t record_bytes, int64_t records_per_block,
              int64_t pages_per_block, U32Vector block_crc, int64_t buffer_blocks, const std::string& io_backend,
-             const std::string& direct_io, int io_threads, const std::string& buffer_policy, int64_t record_cache) {
+             const std::string& direct_io, int io_threads, const std::string& buffer_policy, int64_t record_cache,
+             bool adaptive_layout) {
             PageLayout layout = make_layout(record_bytes, records_per_block, pages_per_block);
             std::vector<uint32_t> crc(block_crc.data(), block_crc.data() + block_crc.shape(0));
             size_t capacity = non_negative(buffer_blocks, "buffer_blocks");
@@ -956,12 +1115,15 @@ void bind_pagefile(nb::module_& m) {
             BufferPolicy policy = parse_buffer_policy(buffer_policy);
             nb::gil_scoped_release nogil;
             new (self)
-                PageStore(path, layout, std::move(crc), capacity, io_backend, direct_io, io_threads, policy, records);
+                PageStore(path, layout, std::move(crc), capacity, io_backend, direct_io, io_threads, policy, records,
+                          adaptive_layout);
           },
           "path"_a, "record_bytes"_a, "records_per_block"_a, "pages_per_block"_a, "block_crc"_a, "buffer_blocks"_a,
           "io_backend"_a = "auto", "direct_io"_a = "auto", "io_threads"_a = 8, "buffer_policy"_a = "clock",
-          "record_cache"_a = 0,
-          "record_cache: records (not blocks) the record cache holds, beside the page buffer (0: none).")
+          "record_cache"_a = 0, "adaptive_layout"_a = false,
+          "record_cache: records (not blocks) the record cache holds, beside the page buffer (0: none).\n"
+          "adaptive_layout: the page buffer (buffer_blocks) and the record cache (record_cache) are two layouts of\n"
+          "the same bytes, one on at a time, whichever a miniature of both serves more blocks from memory now.")
       .def_prop_ro("path", &PageStore::path)
       .def_prop_ro("backend", [](const PageStore& s) { return std::string(s.backend()); })
       .def_prop_ro("direct", &PageStore::direct)
@@ -972,13 +1134,37 @@ void bind_pagefile(nb::module_& m) {
       .def_prop_ro("pages_per_block", [](const PageStore& s) { return s.layout().pages_per_block; })
       .def_prop_ro("block_bytes", [](const PageStore& s) { return s.layout().block_bytes(); })
       .def_prop_ro("buffer_capacity", &PageStore::buffer_capacity)
-      .def_prop_ro("buffer_bytes", [](const PageStore& s) { return s.buffer_capacity() * s.layout().block_bytes(); })
+      .def_prop_ro("buffer_bytes",
+                   [](const PageStore& s) { return s.buffer_on() ? s.buffer_capacity() * s.layout().block_bytes() : 0; },
+                   "Host bytes the page buffer may hold when full (0 while an adaptive layout holds records).")
       .def_prop_ro("record_cache_capacity", &PageStore::record_cache_capacity)
       .def_prop_ro("record_cache_bytes",
                    [](const PageStore& s) {
-                     return s.record_cache_capacity() * (s.layout().record_bytes + kRecordCacheOverhead);
+                     return s.records_on() ? s.record_cache_capacity() * (s.layout().record_bytes + kRecordCacheOverhead)
+                                           : 0;
                    },
-                   "Host bytes the record cache may hold when full: records and their metadata.")
+                   "Host bytes the record cache may hold when full: records and their metadata (0 while an adaptive "
+                   "layout holds blocks).")
+      .def_prop_ro("adaptive_layout", &PageStore::adaptive)
+      .def_prop_ro("layout", [](const PageStore& s) { return std::string(s.records_on() ? "records" : "blocks"); },
+                   "What the buffer's bytes hold now: 'records' (the record cache) or 'blocks' (the page buffer).")
+      .def("set_layout", [](PageStore& s, bool records, bool hold) {
+             nb::gil_scoped_release nogil;
+             s.set_layout(records, hold);
+           }, "records"_a, "hold"_a = false,
+           "An adaptive layout's switch, now: the layout given up is emptied. hold: its miniature switches no "
+           "more (tests, benchmarks).")
+      .def(
+          "observe",
+          [](PageStore& s, int64_t block, U32Vector slots) {
+            if (block < 0 || uint64_t(block) >= s.num_blocks())
+              throw std::invalid_argument("block " + std::to_string(block) + " out of range [0, " +
+                                          std::to_string(s.num_blocks()) + ")");
+            s.observe(uint32_t(block), slots.data(), slots.shape(0));
+          },
+          "block"_a, "slots"_a,
+          "One query's touch of a block with the record slots of its candidates there, as a re-rank reports it to "
+          "an adaptive layout's miniature (sampled blocks only; nothing without an adaptive layout).")
       .def_prop_ro_static("record_cache_overhead", [](nb::handle) { return kRecordCacheOverhead; },
                           "Bytes of metadata a record cache entry holds beside its record.")
       .def_prop_ro("buffer_policy", [](const PageStore& s) { return policy_name(s.buffer_policy()); })
@@ -1063,6 +1249,7 @@ void bind_pagefile(nb::module_& m) {
             d["policy_switches"] = st.policy_switches;
             d["record_lookups"] = st.record_lookups;
             d["records_from_cache"] = st.records_from_cache;
+            d["layout_switches"] = st.layout_switches;
             return d;
           },
           "Cumulative counters: blocks_read (from the SSD, for fetches, read-ahead included), blocks_from_buffer, "
@@ -1070,5 +1257,6 @@ void bind_pagefile(nb::module_& m) {
           "read_ahead (blocks read for a re-rank's next mini-batches before it asked: rerank(prefetch=True)), "
           "read_ahead_unused (of those, the ones no mini-batch took: early stops' wasted reads); and pinned, the "
           "blocks pinned now; policy_switches (buffer_policy 'auto': times it changed between clock and lfu); "
-          "record_lookups (candidates a re-rank asked of the record cache) and records_from_cache (of those, found).");
+          "record_lookups (candidates a re-rank asked of the record cache) and records_from_cache (of those, found); "
+          "layout_switches (adaptive_layout: times it changed between blocks and records).");
 }

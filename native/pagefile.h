@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -64,7 +65,8 @@ BufferPolicy parse_buffer_policy(const std::string& name);
 // evicted; at most 3/4 of a shard's frames are pinned, so the rest still turn over.
 class PageBuffer {
  public:
-  PageBuffer(size_t capacity, size_t block_bytes, BufferPolicy policy = BufferPolicy::Clock);
+  // active false: made off (set_active), its metadata not allocated until it is turned on.
+  PageBuffer(size_t capacity, size_t block_bytes, BufferPolicy policy = BufferPolicy::Clock, bool active = true);
   ~PageBuffer();
   size_t capacity() const { return capacity_; }
   BufferPolicy policy() const { return policy_; }
@@ -84,6 +86,14 @@ class PageBuffer {
   size_t pinned();
   void clear();
   uint64_t evictions() const { return evictions_.load(std::memory_order_relaxed); }
+  // Off: empty, its frames' memory given back to the system and its metadata freed; lookups miss and inserts
+  // are dropped until it is on again (PageStore's adaptive layout keeps one of its two buffers on at a time).
+  void set_active(bool on);
+  bool active() const { return active_.load(std::memory_order_relaxed); }
+  // (uses, block) of every block held now.
+  std::vector<std::pair<uint32_t, uint32_t>> held_blocks();
+  // Evicts block if held, its frame's memory given back; with take, take(its bytes) first. Whether it was held.
+  bool evict(uint32_t block, const std::function<void(const uint8_t*)>& take = {});
 
  private:
   static constexpr uint32_t kEmpty = UINT32_MAX;
@@ -95,6 +105,7 @@ class PageBuffer {
   struct Shard {
     std::mutex mutex;
     uint8_t* frames = nullptr;
+    size_t size = 0;  // frames it has when active
     std::vector<uint32_t> block_of;  // frame -> block, kEmpty when free
     std::vector<uint8_t> uses;       // Clock: the referenced bit; Lfu: hits, aged by the sweep
     std::vector<uint8_t> pinned;
@@ -133,7 +144,7 @@ class PageBuffer {
   void* arena_ = nullptr;
   std::vector<Shard> shards_;
   std::unique_ptr<Miniature> mini_;
-  std::atomic<bool> lfu_mode_{true};
+  std::atomic<bool> lfu_mode_{true}, active_{true};
   std::atomic<uint64_t> evictions_{0}, switches_{0};
 };
 
@@ -179,8 +190,18 @@ class ReadAhead {
 
 struct PageStoreStats {
   uint64_t blocks_read, blocks_from_buffer, read_calls, evictions, pin_reads, pinned, read_ahead, read_ahead_unused,
-      policy_switches, record_lookups, records_from_cache;
+      policy_switches, record_lookups, records_from_cache, layout_switches;
 };
+
+// The adaptive layout (PageStore with adaptive_layout): the same bytes held as whole blocks or as single records,
+// whichever a miniature of both serves more blocks from memory now. Blocks win where the records a query wants
+// share pages with what the next queries want (a uniform stream over lists laid out together); records where a
+// few hot records sit in pages of cold ones (a skewed stream). Both are simulated on a sample of the blocks, by
+// metadata only (shadow buffers with the Lfu policy at capacity / rate), per query and block touched: a block
+// serves from memory in the block shadow if it is there, in the record shadow if every candidate of the query
+// stored in it is. The store takes the other layout when its shadow's score (hits, each period's half the weight
+// of the next) passes the current one's by kLayoutMargin: the layout given up is emptied and its memory given back.
+struct LayoutMiniature;
 
 // Host bytes a record cache entry holds beside its record: the frame's block number, use counter and pin flag,
 // its sixteen sketch counters, and a hash-map node with its bucket (PageBuffer's per-frame metadata).
@@ -190,7 +211,7 @@ class PageStore {
  public:
   PageStore(const std::string& path, PageLayout layout, std::vector<uint32_t> block_crc, size_t buffer_blocks,
             const std::string& io_backend, const std::string& direct_io, int io_threads,
-            BufferPolicy policy = BufferPolicy::Clock, size_t record_cache_records = 0);
+            BufferPolicy policy = BufferPolicy::Clock, size_t record_cache_records = 0, bool adaptive_layout = false);
   ~PageStore();
 
   // Copies blocks[i] to out + i * block_bytes (out 4096-aligned): from the page
@@ -224,6 +245,16 @@ class PageStore {
   // re-rank asks it for a round's candidates first and reads a block only if one of them is missing. Empty
   // when record_cache_records is 0.
   size_t record_cache_capacity() const { return records_.capacity(); }
+  // Whether re-ranks use the record cache now: it has room and is the layout on.
+  bool records_on() const { return records_.capacity() && records_.active(); }
+  bool buffer_on() const { return buffer_.capacity() && buffer_.active(); }
+  // The adaptive layout: whether there is one, whether block is in its sample, and one query's touch of a
+  // block, with the record slots of its candidates stored there (every call's, whichever layout is on).
+  bool adaptive() const { return bool(layout_mini_); }
+  bool layout_sampled(uint32_t block) const;
+  void observe(uint32_t block, const uint32_t* slots, size_t n);
+  // Takes a layout now (records or blocks), as a switch would; hold: the miniature switches no more (tests).
+  void set_layout(bool records, bool hold = false);
   // Copies slot's record to out (record_bytes) if cached; counts the request either way.
   bool lookup_record(uint32_t slot, uint8_t* out) {
     if (!records_.capacity()) return false;
@@ -260,6 +291,10 @@ class PageStore {
   int fd_ = -1;
   bool direct_ = false;
   PageBuffer buffer_, records_;
+  std::unique_ptr<LayoutMiniature> layout_mini_;
+  std::mutex layout_mutex_;  // one switch at a time
+  std::atomic<uint64_t> layout_switches_{0};
+  std::atomic<bool> layout_held_{false};
   std::unique_ptr<BlockReader> reader_;
   std::mutex pin_mutex_;  // one re-pinning at a time
   std::atomic<bool> tracing_{false};
@@ -269,6 +304,7 @@ class PageStore {
       read_ahead_unused_{0}, record_lookups_{0}, records_from_cache_{0};
 
   void check_crc(const BlockRead& r) const;
+  void seed_records();
 };
 
 }  // namespace fusionrag

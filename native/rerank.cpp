@@ -359,9 +359,37 @@ struct Scratch {
   std::vector<float> dist;
   std::vector<int64_t> ids;
   std::vector<uint8_t> record;  // one record from the record cache
-  std::vector<std::pair<uint32_t, uint32_t>> by_b;
+  std::vector<std::pair<uint32_t, uint32_t>> by_b, sampled;
+  std::vector<uint32_t> sampled_slots;
   std::vector<uint8_t> keep;
 };
+
+// An adaptive layout's miniature learns of every query's touch of each sampled block, with the slots of the
+// candidates the round scores from it, whichever layout is on (PageStore::observe): the mini-batch's, and with
+// page-mates the query's later unscored ones, which the record cache must hold too for the block to be skipped.
+void observe_round(const Exact& ex, const QueryState& st, const int64_t* cand, const RerankParams& p, Scratch& s) {
+  s.sampled.clear();
+  for (int64_t id : st.batch) {
+    if (id < 0) continue;
+    const uint32_t b = uint32_t(ex.block_of(id));
+    if (!ex.store.layout_sampled(b)) continue;
+    s.sampled.push_back({b, ex.locations[id]});
+    if (!p.page_mates) continue;
+    for (auto it = std::lower_bound(st.by_block.begin(), st.by_block.end(), std::make_pair(b, uint32_t(st.pos)));
+         it != st.by_block.end() && it->first == b; ++it)
+      if (!st.scored[it->second]) s.sampled.push_back({b, ex.locations[cand[it->second]]});
+  }
+  std::sort(s.sampled.begin(), s.sampled.end());
+  s.sampled.erase(std::unique(s.sampled.begin(), s.sampled.end()), s.sampled.end());
+  std::vector<uint32_t>& slots = s.sampled_slots;
+  for (size_t a = 0; a < s.sampled.size();) {
+    size_t e = a;
+    slots.clear();
+    for (; e < s.sampled.size() && s.sampled[e].first == s.sampled[a].first; ++e) slots.push_back(s.sampled[e].second);
+    ex.store.observe(s.sampled[a].first, slots.data(), slots.size());
+    a = e;
+  }
+}
 
 // Prefetch: starts reading the blocks of each live query's next mini-batch, as it
 // will be if the query goes on (its next candidates, less those scored already or
@@ -414,7 +442,7 @@ void offer_records(const Exact& ex, const int64_t* ids, size_t n, size_t asked, 
 void rerank_queries(const RerankJob& job, size_t first, size_t last, size_t inflight, Scratch& s) {
   const Exact& ex = job.ex;
   const RerankParams& p = job.p;
-  const bool cache = ex.store.record_cache_capacity() > 0;
+  const bool cache = ex.store.records_on(), adaptive = ex.store.adaptive();
   s.record.resize(ex.store.layout().record_bytes);
   s.slots.resize(inflight);
   for (QueryState& st : s.slots) st.live = false;
@@ -438,6 +466,7 @@ void rerank_queries(const RerankJob& job, size_t first, size_t last, size_t infl
     for (QueryState& st : s.slots)
       if (st.live) {
         st.next_batch(job.row(st), p);
+        if (adaptive) observe_round(ex, st, job.row(st), p, s);
         if (cache) st.take_cached(ex, job.queries + st.row * ex.dim, job.row(st), p, s.record, s.by_b, s.keep);
         // Each query's blocks once: a block's weight in the page buffer is how many queries asked.
         const size_t from = s.blocks.size();

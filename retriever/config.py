@@ -391,14 +391,16 @@ class EngineConfig(_Config):
                                                 "now), lfu (counts use, weighted by the queries asking, aged) or "
                                                 "clock")] = "auto"
     # Single records rather than whole blocks, kept by buffer_policy: a re-rank round skips a block whose candidates
-    # of the round are all cached (so answers never depend on it). Its share comes out of buffer_bytes, each
-    # record counted with its metadata (native.PageStore.record_cache_overhead). 'auto': on where a record costs
-    # fewer bytes cached alone than its share of a block (records that leave part of their pages empty, as
-    # 384- and 768-d float32 embeddings do), off elsewhere; chosen on the tuning halves of three sets' query
-    # streams, bench/results/cache_policy_records.md.
-    record_cache: Annotated[RecordCache, knob("cache single records in record_cache_share of the buffer: auto (where "
-                                              "a record alone costs less than its share of a page), on or off")
-                            ] = "auto"
+    # of the round are all cached (so answers never depend on it). Each record is counted with its metadata
+    # (native.PageStore.record_cache_overhead). 'auto': the whole buffer as blocks or as records, one at a time,
+    # whichever a miniature of both (on a sample of the blocks) serves more now: it starts with records where a
+    # record costs fewer bytes cached alone than its share of a block (384- and 768-d float32 embeddings), with
+    # blocks elsewhere, and switches when the other layout's shadow serves 10% more (a switch to records takes the
+    # most used blocks' records along). 'on': record_cache_share of the buffer always holds records, the rest
+    # blocks; 'off': blocks only. Measured: bench/results/cache_policy_adapt.md.
+    record_cache: Annotated[RecordCache, knob("the buffer's bytes as single records or whole blocks: auto (whichever "
+                                              "serves more now, one at a time), on (record_cache_share of it as "
+                                              "records) or off (blocks)")] = "auto"
     record_cache_share: Annotated[float, knob("share of buffer_bytes the record cache takes when on",
                                               gt=0, le=1)] = 1.0
     # Re-chosen by the index manager thread every manager_interval_s seconds, never on the request path;

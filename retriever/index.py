@@ -61,14 +61,18 @@ def records_cache_denser(layout) -> bool:
     return layout.record_bytes + native.PageStore.record_cache_overhead < layout.block_bytes / layout.records_per_block
 
 
-def split_buffer(buffer_bytes: int, config: EngineConfig, layout) -> tuple[int, int]:
-    """(page buffer blocks, record cache records) of buffer_bytes: with the record cache on (config.record_cache,
-    'auto' as records_cache_denser says), record_cache_share of it goes to records, each costing its bytes and its
-    metadata (native.PageStore.record_cache_overhead)."""
+def split_buffer(buffer_bytes: int, config: EngineConfig, layout) -> tuple[int, int, bool]:
+    """(page buffer blocks, record cache records, adaptive) of buffer_bytes. record_cache 'auto': all of it as
+    blocks or as records, one at a time (adaptive: the store switches between the two by a miniature of both),
+    where it holds at least one of each; 'on': record_cache_share of it goes to records, each costing its bytes
+    and its metadata (native.PageStore.record_cache_overhead), the rest to blocks; 'off': blocks."""
+    per_record = layout.record_bytes + native.PageStore.record_cache_overhead
+    blocks, records = buffer_bytes // layout.block_bytes, buffer_bytes // per_record
+    if config.record_cache == "auto" and blocks and records:
+        return blocks, records, True
     on = config.record_cache == "on" or (config.record_cache == "auto" and records_cache_denser(layout))
     record_bytes = int(buffer_bytes * config.record_cache_share) if on else 0
-    records = record_bytes // (layout.record_bytes + native.PageStore.record_cache_overhead)
-    return (buffer_bytes - record_bytes) // layout.block_bytes, records
+    return (buffer_bytes - record_bytes) // layout.block_bytes, record_bytes // per_record, False
 
 
 class Index(ManifestShape):
@@ -146,11 +150,12 @@ class Index(ManifestShape):
         navigation = recorded_navigation(m, graph.size, graph.dim, path)
         if params is None:  # the index's own defaults: what its build's calibration chose
             params = search_defaults(m, path)
-        buffer_blocks, cache_records = split_buffer(config.buffer_bytes, config, layout)
+        buffer_blocks, cache_records, adaptive = split_buffer(config.buffer_bytes, config, layout)
         try:
             store = native.PageStore(str(path / "vectors.pages"), layout.record_bytes, layout.records_per_block,
                                      layout.pages_per_block, block_crc, buffer_blocks, config.io_backend,
-                                     config.direct_io, config.io_threads, config.buffer_policy, cache_records)
+                                     config.direct_io, config.io_threads, config.buffer_policy, cache_records,
+                                     adaptive)
         except (OSError, RuntimeError, ValueError) as e:
             raise IndexFormatError(f"{path}: cannot open the SSD tier: {e}") from e
         return cls(

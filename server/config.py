@@ -60,8 +60,8 @@ class ServerConfig(_Config):
     buffer_policy: Annotated[BufferPolicy, knob("page buffer replacement: auto (lfu or clock, whichever serves more "
                                                 "now), lfu (counts use, weighted by the queries asking, aged) or "
                                                 "clock")] = "auto"
-    record_cache: Annotated[RecordCache, knob("cache single records in the buffer instead of pages: auto (where a "
-                                              "record alone costs less than its share of a page), on or off")
+    record_cache: Annotated[RecordCache, knob("the page buffer's bytes as single records or whole pages: auto "
+                                              "(whichever serves more now, one at a time), on or off")
                             ] = EngineConfig.record_cache
     pipeline: Annotated[bool, knob("overlap an engine batch's stages with the next batch's graph search")] = True
     filter_tier: Annotated[FilterTier, knob("where PQ candidates are filtered: auto (the GPU when there is one), "

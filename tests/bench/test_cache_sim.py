@@ -81,7 +81,7 @@ def test_replay_of_a_search_trace_matches_the_engine(small, policy):
     counts of pages read and served, to the block; a wrong aging or weight would not."""
     raw = (small / "vectors.pages").stat().st_size
     index = Index.open(small, EngineConfig(buffer_bytes=raw // 8, threads=1, filter_tier="cpu", buffer_policy=policy,
-                                           manager_interval_s=0.0))
+                                           manager_interval_s=0.0, record_cache="off"))  # a replay of blocks
     try:
         store = index.reranker.store
         rng = np.random.default_rng(4)

@@ -213,6 +213,7 @@ def test_backends_read_the_file(page_file, backend):
         "policy_switches": 0,
         "record_lookups": 0,
         "records_from_cache": 0,
+        "layout_switches": 0,
     }
 
 

@@ -607,11 +607,9 @@ def test_record_cache_scores_the_same_candidates_and_reads_less(tmp_path, policy
     assert again[2][:, 6].sum() == 0
 
 
-def test_record_cache_holds_no_more_memory_than_it_says(tmp_path):
-    """The record cache's bytes (records and their metadata, record_cache_bytes) bound the memory the process
-    holds once it is full, measured as resident set growth; and it was full: most of the bytes are held."""
-    rng = np.random.default_rng(8)
-    n, dim, cap = 60_000, 50, 40_000
+def _full_scan(tmp_path, rng, n=60_000, dim=50):
+    """A page file of n random 50-d float32 records (12 MB), a query whose candidates are all of them, and its
+    answer from a store with no buffer (its call's own scratch made before any memory is measured)."""
     vectors = rng.standard_normal((n, dim)).astype(np.float32)
     rb = dim * 4
     rpb, ppb = native.page_layout(rb)
@@ -623,8 +621,15 @@ def test_record_cache_holds_no_more_memory_than_it_says(tmp_path):
     query = rng.standard_normal((1, dim)).astype(np.float32)
     cand = np.arange(n, dtype=np.int64)[None]
     plain = native.PageStore(str(path), rb, rpb, ppb, crc, 0, io_backend="pread")
-    native.rerank(plain, query, cand, slots, "f32", "l2", 10, 64, 0.0, 0, num_threads=1)  # the call's own scratch
-    del plain
+    want = native.rerank(plain, query, cand, slots, "f32", "l2", 10, 64, 0.0, 0, num_threads=1)
+    return path, rb, rpb, ppb, crc, slots, query, cand, want
+
+
+def test_record_cache_holds_no_more_memory_than_it_says(tmp_path):
+    """The record cache's bytes (records and their metadata, record_cache_bytes) bound the memory the process
+    holds once it is full, measured as resident set growth; and it was full: most of the bytes are held."""
+    cap = 40_000
+    path, rb, rpb, ppb, crc, slots, query, cand, _ = _full_scan(tmp_path, np.random.default_rng(8))
     before = _rss()
     store = native.PageStore(str(path), rb, rpb, ppb, crc, 0, io_backend="pread", buffer_policy="lfu",
                              record_cache=cap)
@@ -634,3 +639,100 @@ def test_record_cache_holds_no_more_memory_than_it_says(tmp_path):
     assert store.record_cache_bytes == cap * (rb + native.PageStore.record_cache_overhead)
     assert cap * rb * 0.8 < held <= store.record_cache_bytes
     assert store.stats()["records_from_cache"] > cap // 2
+
+
+def test_adaptive_layout_holds_one_layout_at_a_time(tmp_path):
+    """An adaptive layout holds its bytes as blocks or as records, never both. Filled as blocks, switched to
+    records (the most used blocks' records move over, each block's frame given back as they go), filled, then
+    switched back (cold) and filled again: the process's resident set grows by at most the budget and 1 MiB (the
+    frames' and the miniature's metadata, 0.6 MiB measured) at every step, its peak through the switch to records
+    too; the records moved over serve the next call without a read; a switch to blocks gives the records' memory
+    back; each layout was full. Answers are the same in either layout."""
+    path, rb, rpb, ppb, crc, slots, query, cand, want = _full_scan(tmp_path, np.random.default_rng(9))
+    per_record = rb + native.PageStore.record_cache_overhead
+    budget = 40_000 * per_record  # 11.8 MB: ~98% of the 12 MB of records
+    blocks, records = budget // (4096 * ppb), budget // per_record
+    before = _rss()
+    store = native.PageStore(str(path), rb, rpb, ppb, crc, blocks, io_backend="pread", buffer_policy="lfu",
+                             record_cache=records, adaptive_layout=True)
+    assert store.adaptive_layout and store.layout == "blocks"  # 200 + 96 bytes against 204.8 a record in a page
+    assert store.buffer_bytes <= budget and store.record_cache_bytes == 0
+    store.set_layout(False, hold=True)  # the miniature is held off (whole scans would keep it on blocks anyway)
+
+    def fill():
+        for _ in range(3):
+            got = native.rerank(store, query, cand, slots, "f32", "l2", 10, 64, 0.0, 0, num_threads=1)
+            np.testing.assert_array_equal(got[0], want[0])
+            np.testing.assert_array_equal(got[1], want[1])
+        return _rss() - before
+
+    held = fill()
+    assert 0.8 * blocks * 4096 * ppb < held <= budget + (1 << 20)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak resident set starts again from now
+    store.set_layout(True, hold=True)
+    assert status_bytes("VmHWM") - before <= budget + (1 << 20)
+    assert 0.5 * budget < _rss() - before <= budget + (1 << 20)  # the records moved over
+    cached = store.stats()["records_from_cache"]
+    native.rerank(store, query, cand, slots, "f32", "l2", 10, 64, 0.0, 0, num_threads=1)
+    assert store.stats()["records_from_cache"] - cached > 0.5 * records
+    held = fill()
+    assert 0.8 * records * rb < held <= budget + (1 << 20)
+    store.set_layout(False, hold=True)
+    assert _rss() - before < 0.2 * budget  # a switch to blocks starts cold: the records' memory went back
+    held = fill()
+    assert 0.8 * blocks * 4096 * ppb < held <= budget + (1 << 20)
+    assert store.stats()["layout_switches"] == 2
+
+
+def _layout_store(tmp_path, rb=1000, blocks=64):
+    rpb, ppb = native.page_layout(rb)
+    n = 1024 * rpb
+    path = tmp_path / f"l{rb}.pages"
+    w = native.PageWriter(str(path), rb, rpb, ppb)
+    w.write(np.arange(n, dtype=np.uint32), np.zeros((n, rb), np.uint8))
+    crc = w.close()
+    records = blocks * 4096 * ppb // (rb + native.PageStore.record_cache_overhead)
+    return native.PageStore(str(path), rb, rpb, ppb, crc, blocks, io_backend="pread", buffer_policy="auto",
+                            record_cache=records, adaptive_layout=True), rpb, records
+
+
+def test_adaptive_layout_takes_what_its_miniature_serves_more(tmp_path):
+    """An adaptive layout starts as blocks where a record with its metadata costs more than its share of a page
+    (1000 + 96 bytes against 1024). Its miniature switches to records where queries touch one hot record in each
+    of many blocks (260 blocks against a buffer of 64, 260 records against a cache of 239), and back to blocks
+    where they touch every record of a few blocks (70 blocks against 64, 280 records against 239); both layouts
+    see every touch, whichever is on. No verdict comes before both shadows are full, which each phase fills."""
+    rng = np.random.default_rng(3)
+    store, rpb, records = _layout_store(tmp_path)
+    assert rpb == 4 and records == 239 and store.layout == "blocks"
+    for _ in range(40):  # 200 hot records never fill the record shadow: no verdict, though records serve more
+        for b in rng.permutation(200):
+            store.observe(int(b), np.array([b * rpb], np.uint32))
+    assert store.layout == "blocks" and store.stats()["layout_switches"] == 0
+    hot = rng.choice(1024, 260, replace=False)
+    for _ in range(40):
+        for b in rng.permutation(hot):
+            store.observe(int(b), np.array([b * rpb], np.uint32))
+    assert store.layout == "records" and store.stats()["layout_switches"] == 1
+    few = rng.choice(1024, 70, replace=False)
+    for _ in range(60):
+        for b in rng.permutation(few):
+            store.observe(int(b), (b * rpb + np.arange(rpb)).astype(np.uint32))
+    assert store.layout == "blocks" and store.stats()["layout_switches"] == 2
+    with pytest.raises(ValueError, match="block 5000 out of range"):
+        store.observe(5000, np.array([0], np.uint32))
+
+
+def test_adaptive_layout_needs_both_layouts(tmp_path):
+    rpb, ppb = native.page_layout(1000)
+    path = tmp_path / "v.pages"
+    w = native.PageWriter(str(path), 1000, rpb, ppb)
+    w.write(np.arange(8, dtype=np.uint32), np.zeros((8, 1000), np.uint8))
+    crc = w.close()
+    with pytest.raises(ValueError, match="adaptive layout needs both"):
+        native.PageStore(str(path), 1000, rpb, ppb, crc, 4, record_cache=0, adaptive_layout=True)
+    fixed = native.PageStore(str(path), 1000, rpb, ppb, crc, 4, record_cache=4)
+    assert not fixed.adaptive_layout
+    with pytest.raises(ValueError, match="set_layout needs an adaptive layout"):
+        native.PageStore(str(path), 1000, rpb, ppb, crc, 4).set_layout(True)

@@ -307,6 +307,30 @@ def test_record_cache_takes_its_share_of_the_buffer_and_counts_real_reads(small,
     index.close()
 
 
+def test_adaptive_layout_gives_the_same_answers_in_either_layout(small):
+    """record_cache 'auto': the whole buffer is blocks or records, one at a time (the index reports the one on
+    and nothing for the other, within buffer_bytes); a stream re-ranked while the layout changes under it (every
+    50 queries, held against the miniature) answers what a plain page buffer answers, and the record layout
+    served some records from memory."""
+    _, queries, path = small
+    budget = 32 * 4096
+    base = Index.open(path, filter_tier="cpu", buffer_bytes=budget, manager_interval_s=0)
+    other = Index.open(path, filter_tier="cpu", buffer_bytes=budget, manager_interval_s=0)  # record_cache auto
+    store = other.reranker.store
+    assert store.adaptive_layout and store.layout == "blocks"  # 24-d: 96 + 96 bytes against 97.5 of a page
+    stream = np.concatenate([queries[:100], queries[:100], queries[100:300]])
+    for i, lo in enumerate(range(0, len(stream), 50)):
+        store.set_layout(i % 2 == 1, hold=True)
+        mem = other.memory()
+        assert mem["page_buffer_bytes"] + mem["record_cache_bytes"] <= budget
+        assert (mem["record_cache_bytes"] > 0) == (i % 2 == 1) and (mem["page_buffer_bytes"] > 0) == (i % 2 == 0)
+        want, got = base.search(stream[lo:lo + 50], k=10), other.search(stream[lo:lo + 50], k=10)
+        np.testing.assert_array_equal(got.ids, want.ids)
+        np.testing.assert_array_equal(got.distances, want.distances)
+    assert store.stats()["records_from_cache"] > 0 and store.stats()["layout_switches"] == 7
+    base.close(), other.close()
+
+
 def test_config_validation():
     with pytest.raises(ConfigError, match="buffer_policy"):
         EngineConfig(buffer_policy="lru")
@@ -351,7 +375,7 @@ def test_cpu_pipeline_gives_the_same_answers(small, backend):
 
 @pytest.mark.parametrize("dim,on", [(384, True), (768, True), (50, False), (24, False), (1024, False)])
 def test_record_cache_auto_is_on_where_records_leave_pages_part_empty(tmp_path, dim, on):
-    """record_cache 'auto': on where a record alone, with its metadata, takes fewer bytes than its share of a
+    """record_cache 'auto' starts with records where a record alone, with its metadata, takes fewer bytes than its share of a
     block (384-d float32: 1536 + 96 bytes against 2048; 768-d: 3072 + 96 against 4096), off where pages are
     full of records (50-d: 200 + 96 against 205; 1024-d: one record fills a page)."""
     rng = np.random.default_rng(0)
@@ -361,7 +385,8 @@ def test_record_cache_auto_is_on_where_records_leave_pages_part_empty(tmp_path, 
     store = index.reranker.store
     share = (store.record_bytes + store.record_cache_overhead) / (store.block_bytes / store.records_per_block)
     assert (share < 1) == on
-    assert (store.record_cache_capacity > 0) == on and (store.buffer_capacity == 0) == on
+    assert store.adaptive_layout and (store.layout == "records") == on  # it starts so; its miniature may switch
+    assert (index.memory()["record_cache_bytes"] > 0) == on and (index.memory()["page_buffer_bytes"] > 0) != on
     assert index.memory()["page_buffer_bytes"] + index.memory()["record_cache_bytes"] <= 256 * 4096
     r = index.search(rng.standard_normal((20, dim)).astype(np.float32), k=5)
     assert (r.ids >= 0).all()

@@ -90,7 +90,8 @@ def test_embedder_matches_sentence_transformers():
         get_embedder("word2vec")
 
 
-@pytest.mark.parametrize("policy,pipeline,records", [("clock", False, "off"), ("lfu", True, "on")])
+@pytest.mark.parametrize("policy,pipeline,records", [("clock", False, "off"), ("lfu", True, "on"),
+                                                     ("auto", True, "auto")])
 def test_service_engine_settings_reach_the_index(tmp_path, monkeypatch, policy, pipeline, records):
     """--buffer-policy, --record-cache and --pipeline open every collection's index with them: the
     policy as the native page buffer reports it, the record cache as the native store sizes it, and whether a
@@ -116,7 +117,7 @@ def test_service_engine_settings_reach_the_index(tmp_path, monkeypatch, policy, 
         res = index.search(vectors[:300], 5)  # five CPU batches of 64: the case the pipeline overlaps
         assert res.info["buffer_policy"] == policy
         store = index.reranker.store
-        assert (store.record_cache_capacity > 0) == (records == "on")
+        assert (store.record_cache_capacity > 0) == (records != "off") and store.adaptive_layout == (records == "auto")
         assert store.buffer_bytes + store.record_cache_bytes <= config.buffer_mb * (1 << 20)
         assert (res.ids[:, 0] == np.arange(300)).mean() >= 0.95  # each query finds itself (rows in upsert order)
         assert bool(overlaps) == pipeline
