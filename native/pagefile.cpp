@@ -756,7 +756,22 @@ void PageStore::observe(uint32_t block, const uint32_t* slots, size_t n) {
     if (there <= here * (1 + LayoutMiniature::kLayoutMargin) || there - here < LayoutMiniature::kLayoutMinHits) return;
     to_records = !now;
   }
-  set_layout(to_records);
+  // Moving records takes a while on a big buffer (~250 ms for 78 MiB of blocks here): not on this query's call.
+  if (switching_.exchange(true)) return;  // one under way already
+  std::lock_guard<std::mutex> lk(switcher_mutex_);
+  if (switcher_.joinable()) switcher_.join();  // finished: switching_ was false
+  switcher_ = std::thread([this, to_records] {
+    try {
+      set_layout(to_records);
+    } catch (...) {  // an allocation failed: the layout stays as it was
+    }
+    switching_.store(false);
+  });
+}
+
+void PageStore::wait_layout() {
+  std::lock_guard<std::mutex> lk(switcher_mutex_);
+  if (switcher_.joinable()) switcher_.join();
 }
 
 void PageStore::set_layout(bool records, bool hold) {
@@ -855,6 +870,7 @@ PageStore::PageStore(const std::string& path, PageLayout layout, std::vector<uin
 }
 
 PageStore::~PageStore() {
+  wait_layout();   // a switch under way uses the buffers
   reader_.reset();  // threads and rings go before the fd they use
   ::close(fd_);
 }
@@ -1148,6 +1164,8 @@ void bind_pagefile(nb::module_& m) {
       .def_prop_ro("adaptive_layout", &PageStore::adaptive)
       .def_prop_ro("layout", [](const PageStore& s) { return std::string(s.records_on() ? "records" : "blocks"); },
                    "What the buffer's bytes hold now: 'records' (the record cache) or 'blocks' (the page buffer).")
+      .def("wait_layout", &PageStore::wait_layout, nb::call_guard<nb::gil_scoped_release>(),
+           "Waits for a switch of layout the miniature started (on a thread of its own).")
       .def("set_layout", [](PageStore& s, bool records, bool hold) {
              nb::gil_scoped_release nogil;
              s.set_layout(records, hold);

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -200,7 +201,8 @@ struct PageStoreStats {
 // metadata only (shadow buffers with the Lfu policy at capacity / rate), per query and block touched: a block
 // serves from memory in the block shadow if it is there, in the record shadow if every candidate of the query
 // stored in it is. The store takes the other layout when its shadow's score (hits, each period's half the weight
-// of the next) passes the current one's by kLayoutMargin: the layout given up is emptied and its memory given back.
+// of the next) passes the current one's by kLayoutMargin, once both shadows are full, on a thread of its own: the
+// layout given up is emptied and its memory given back (to records, the most used blocks' records move over).
 struct LayoutMiniature;
 
 // Host bytes a record cache entry holds beside its record: the frame's block number, use counter and pin flag,
@@ -255,6 +257,8 @@ class PageStore {
   void observe(uint32_t block, const uint32_t* slots, size_t n);
   // Takes a layout now (records or blocks), as a switch would; hold: the miniature switches no more (tests).
   void set_layout(bool records, bool hold = false);
+  // Waits for a switch the miniature started (it runs on a thread of its own, off the request path).
+  void wait_layout();
   // Copies slot's record to out (record_bytes) if cached; counts the request either way.
   bool lookup_record(uint32_t slot, uint8_t* out) {
     if (!records_.capacity()) return false;
@@ -294,7 +298,9 @@ class PageStore {
   std::unique_ptr<LayoutMiniature> layout_mini_;
   std::mutex layout_mutex_;  // one switch at a time
   std::atomic<uint64_t> layout_switches_{0};
-  std::atomic<bool> layout_held_{false};
+  std::atomic<bool> layout_held_{false}, switching_{false};
+  std::mutex switcher_mutex_;
+  std::thread switcher_;  // the miniature's last switch; joined before the next and by the destructor
   std::unique_ptr<BlockReader> reader_;
   std::mutex pin_mutex_;  // one re-pinning at a time
   std::atomic<bool> tracing_{false};
