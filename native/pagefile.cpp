@@ -710,7 +710,7 @@ static bool records_denser(const PageLayout& layout) {
 
 struct LayoutMiniature {
   // A switch needs the other layout ahead by this share of the current one's score (hits, halved every period),
-  // and by kLayoutMinHits: near ties stay put, since a switch starts the new layout empty.
+  // and by kLayoutMinHits: near ties stay put, since the new layout has to warm up.
   static constexpr double kLayoutMargin = 0.1, kLayoutMinHits = 32;
   std::mutex mutex;
   PageBuffer shadow[2];  // [0] blocks, [1] records: metadata only, Lfu
@@ -763,7 +763,7 @@ void PageStore::observe(uint32_t block, const uint32_t* slots, size_t n) {
   switcher_ = std::thread([this, to_records] {
     try {
       set_layout(to_records);
-    } catch (...) {  // an allocation failed: the layout stays as it was
+    } catch (...) {  // set_layout left the layout as it was
     }
     switching_.store(false);
   });
@@ -783,7 +783,12 @@ void PageStore::set_layout(bool records, bool hold) {
   PageBuffer& to = records ? records_ : buffer_;
   PageBuffer& from = records ? buffer_ : records_;
   to.set_active(true);  // empty: the bytes it will hold are those the other gives back now
-  if (records) seed_records();
+  try {
+    if (records) seed_records();
+  } catch (...) {  // (an allocation failed) the layout stays as it was, less the blocks moved so far
+    to.set_active(false);
+    throw;
+  }
   from.set_active(false);
   layout_switches_.fetch_add(1, std::memory_order_relaxed);
 }
