@@ -461,6 +461,15 @@ PageBuffer::~PageBuffer() {
   if (arena_) munmap(arena_, arena_bytes_);
 }
 
+// Auto's miniature as new: shadows empty, no hits, no score (the mode it runs in is left as it is).
+void PageBuffer::reset_miniature() {
+  if (!mini_) return;
+  std::lock_guard<std::mutex> lk(mini_->mutex);
+  for (Shard& s : mini_->shadow) reset(s);
+  mini_->seen = mini_->hits[0] = mini_->hits[1] = 0;
+  mini_->score[0] = mini_->score[1] = 0;
+}
+
 void PageBuffer::set_active(bool on) {
   if (!capacity_ || active_.load() == on) return;
   if (!on) active_.store(false);  // new lookups miss from here on; those under way finish under their shard's lock
@@ -476,12 +485,7 @@ void PageBuffer::set_active(bool on) {
     }
   }
   if (!on && arena_) madvise(arena_, arena_bytes_, MADV_DONTNEED);  // the frames' memory back to the system
-  if (mini_) {
-    std::lock_guard<std::mutex> lk(mini_->mutex);
-    for (Shard& s : mini_->shadow) reset(s);
-    mini_->seen = mini_->hits[0] = mini_->hits[1] = 0;
-    mini_->score[0] = mini_->score[1] = 0;
-  }
+  reset_miniature();
   if (on) active_.store(true);
 }
 
@@ -692,13 +696,8 @@ void PageBuffer::clear() {
     std::lock_guard<std::mutex> lk(s.mutex);
     reset(s);
   }
-  if (mini_) {
-    std::lock_guard<std::mutex> lk(mini_->mutex);
-    for (Shard& s : mini_->shadow) reset(s);
-    mini_->seen = mini_->hits[0] = mini_->hits[1] = 0;
-    mini_->score[0] = mini_->score[1] = 0;
-    lfu_mode_.store(true, std::memory_order_relaxed);
-  }
+  reset_miniature();
+  if (mini_) lfu_mode_.store(true, std::memory_order_relaxed);
 }
 
 // Whether a record cached alone, with its metadata, costs less than its share of a block (index.py's

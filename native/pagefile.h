@@ -133,6 +133,7 @@ class PageBuffer {
   size_t victim(Shard& s);
   static void init(Shard& s, size_t frames, bool sketch);
   static void reset(Shard& s);
+  void reset_miniature();
   bool lfu_now() const {
     return policy_ == BufferPolicy::Lfu || (policy_ == BufferPolicy::Auto && lfu_mode_.load(std::memory_order_relaxed));
   }

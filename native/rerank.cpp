@@ -191,6 +191,15 @@ struct QueryState {
       if (!p.tracks() || !scored[pos]) batch.push_back(cand[pos]), batch_pos.push_back(uint32_t(pos));
   }
 
+  // Calls fn(position) for each later candidate of the query stored in block b and not scored yet (the
+  // mini-batch's page-mates there), until fn returns false. Page-mates or resident-first only (by_block).
+  template <class Fn>
+  void later_mates(uint32_t b, Fn&& fn) const {
+    for (auto it = std::lower_bound(by_block.begin(), by_block.end(), std::make_pair(b, uint32_t(pos)));
+         it != by_block.end() && it->first == b; ++it)
+      if (!scored[it->second] && !fn(it->second)) return;
+  }
+
   // Takes out of the mini-batch the blocks the record cache covers: a block whose candidates of this round
   // (the mini-batch's, and with page-mates the query's later unscored ones) are all cached is scored from
   // there and not read; the others stay to be read. So a round scores the same candidates, whichever memory
@@ -216,10 +225,7 @@ struct QueryState {
       bool all = true;
       for (; e != by_b.end() && e->first == b; ++e) all &= take(batch[e->second], batch_pos[e->second]);
       size_t mates_here = 0;
-      if (all && p.page_mates)  // later candidates of the query stored in b: the mini-batch's page-mates
-        for (auto it = std::lower_bound(by_block.begin(), by_block.end(), std::make_pair(b, uint32_t(pos)));
-             all && it != by_block.end() && it->first == b; ++it)
-          if (!scored[it->second]) all = take(cand[it->second], it->second), ++mates_here;
+      if (all && p.page_mates) later_mates(b, [&](uint32_t at) { return ++mates_here, all = take(cand[at], at); });
       if (all) {
         for (auto i = a; i != e; ++i) keep[i->second] = 0;
         ++from_buffer;  // a block touched and served from memory
@@ -374,10 +380,7 @@ void observe_round(const Exact& ex, const QueryState& st, const int64_t* cand, c
     const uint32_t b = uint32_t(ex.block_of(id));
     if (!ex.store.layout_sampled(b)) continue;
     s.sampled.push_back({b, ex.locations[id]});
-    if (!p.page_mates) continue;
-    for (auto it = std::lower_bound(st.by_block.begin(), st.by_block.end(), std::make_pair(b, uint32_t(st.pos)));
-         it != st.by_block.end() && it->first == b; ++it)
-      if (!st.scored[it->second]) s.sampled.push_back({b, ex.locations[cand[it->second]]});
+    if (p.page_mates) st.later_mates(b, [&](uint32_t at) { return s.sampled.push_back({b, ex.locations[cand[at]]}), true; });
   }
   std::sort(s.sampled.begin(), s.sampled.end());
   s.sampled.erase(std::unique(s.sampled.begin(), s.sampled.end()), s.sampled.end());

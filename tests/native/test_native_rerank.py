@@ -706,23 +706,19 @@ def test_adaptive_layout_takes_what_its_miniature_serves_more(tmp_path):
     rng = np.random.default_rng(3)
     store, rpb, records = _layout_store(tmp_path)
     assert rpb == 4 and records == 239 and store.layout == "blocks"
-    for _ in range(40):  # 200 hot records never fill the record shadow: no verdict, though records serve more
-        for b in rng.permutation(200):
-            store.observe(int(b), np.array([b * rpb], np.uint32))
-    store.wait_layout()  # a switch runs on a thread of its own
-    assert store.layout == "blocks" and store.stats()["layout_switches"] == 0
-    hot = rng.choice(1024, 260, replace=False)
-    for _ in range(40):
-        for b in rng.permutation(hot):
-            store.observe(int(b), np.array([b * rpb], np.uint32))
-    store.wait_layout()  # a switch runs on a thread of its own
-    assert store.layout == "records" and store.stats()["layout_switches"] == 1
-    few = rng.choice(1024, 70, replace=False)
-    for _ in range(60):
-        for b in rng.permutation(few):
-            store.observe(int(b), (b * rpb + np.arange(rpb)).astype(np.uint32))
-    store.wait_layout()
-    assert store.layout == "blocks" and store.stats()["layout_switches"] == 2
+
+    def touch(blocks, rounds, per_block):
+        """rounds passes over blocks in random order, each touch asking for per_block records of the block."""
+        for _ in range(rounds):
+            for b in rng.permutation(blocks):
+                store.observe(int(b), (b * rpb + np.arange(per_block)).astype(np.uint32))
+        store.wait_layout()  # a switch runs on a thread of its own
+        return store.layout, store.stats()["layout_switches"]
+
+    # 200 hot records never fill the record shadow: no verdict, though records serve more
+    assert touch(np.arange(200), 40, 1) == ("blocks", 0)
+    assert touch(rng.choice(1024, 260, replace=False), 40, 1) == ("records", 1)
+    assert touch(rng.choice(1024, 70, replace=False), 60, rpb) == ("blocks", 2)
     with pytest.raises(ValueError, match="block 5000 out of range"):
         store.observe(5000, np.array([0], np.uint32))
 
