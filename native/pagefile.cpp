@@ -434,6 +434,27 @@ PageBuffer::PageBuffer(size_t capacity, size_t block_bytes, BufferPolicy policy,
   }
 }
 
+void FrameMap::reset(size_t frames) {
+  slots_.assign(pow2_at_least(std::max<size_t>(8, 2 * frames)), Slot{kNone, 0});
+  mask_ = slots_.size() - 1;
+}
+
+bool FrameMap::erase(uint32_t key) {
+  if (slots_.empty()) return false;
+  size_t i = home(key);
+  for (; slots_[i].key != key; i = (i + 1) & mask_)
+    if (slots_[i].key == kNone) return false;
+  // Backward shift: an entry after the hole moves into it unless its home lies cyclically in (hole, entry].
+  for (size_t j = i;;) {
+    j = (j + 1) & mask_;
+    if (slots_[j].key == kNone) break;
+    const size_t h = home(slots_[j].key);
+    if (((j - h) & mask_) >= ((j - i) & mask_)) slots_[i] = slots_[j], i = j;
+  }
+  slots_[i] = Slot{kNone, 0};
+  return true;
+}
+
 // A shard's frames all free; with a sketch (Lfu, Auto) of sixteen counters a frame:
 // it must tell apart blocks not in the buffer too.
 void PageBuffer::init(Shard& s, size_t frames, bool sketch) {
@@ -441,7 +462,7 @@ void PageBuffer::init(Shard& s, size_t frames, bool sketch) {
   s.block_of.assign(frames, kEmpty);
   s.uses.assign(frames, 0);
   s.pinned.assign(frames, 0);
-  s.frame_of.reserve(frames);
+  s.frame_of.reset(frames);
   if (sketch) s.sketch.assign(pow2_at_least(std::max<size_t>(64, 16 * frames)), 0);
 }
 
@@ -479,7 +500,7 @@ void PageBuffer::set_active(bool on) {
       init(s, s.size, policy_ != BufferPolicy::Clock);
     } else {  // metadata freed, not just emptied: the other layout holds the bytes now
       s.block_of = {}, s.uses = {}, s.pinned = {}, s.sketch = {};
-      s.frame_of = {}, s.wanted = {};
+      s.frame_of.release(), s.wanted = {};
       s.hand = s.num_pinned = 0;
       s.requests = 0;
     }
@@ -555,7 +576,7 @@ size_t PageBuffer::place(Shard& s, uint32_t block, uint32_t weight, bool lfu, bo
   }
   s.block_of[f] = block;
   s.uses[f] = lfu ? uint8_t(std::min<uint32_t>(kMaxUses, weight)) : 0;
-  s.frame_of[block] = uint32_t(f);
+  s.frame_of.insert(block, uint32_t(f));
   return f;
 }
 
@@ -568,11 +589,11 @@ void PageBuffer::simulate(uint32_t block, uint32_t weight) {
   for (int i = 0; i < 2; ++i) {
     Shard& s = m.shadow[i];
     count(s, block, weight);
-    auto it = s.frame_of.find(block);
+    const uint32_t f = s.frame_of.find(block);
     bool evicted;
-    if (it != s.frame_of.end()) {
+    if (f != FrameMap::kNone) {
       m.hits[i] += weight;
-      hit(s, it->second, weight, i == 1);
+      hit(s, f, weight, i == 1);
     } else {
       place(s, block, weight, i == 1, false, &evicted);
     }
@@ -592,10 +613,10 @@ bool PageBuffer::lookup(uint32_t block, uint8_t* out, uint32_t weight) {
   std::lock_guard<std::mutex> lk(s.mutex);
   if (s.block_of.empty()) return false;  // off
   count(s, block, weight);
-  auto it = s.frame_of.find(block);
-  if (it == s.frame_of.end()) return false;
-  hit(s, it->second, weight, lfu_now());
-  if (out && block_bytes_) std::memcpy(out, s.frames + size_t(it->second) * block_bytes_, block_bytes_);
+  const uint32_t f = s.frame_of.find(block);
+  if (f == FrameMap::kNone) return false;
+  hit(s, f, weight, lfu_now());
+  if (out && block_bytes_) std::memcpy(out, s.frames + size_t(f) * block_bytes_, block_bytes_);
   return true;
 }
 
@@ -605,9 +626,9 @@ void PageBuffer::insert(uint32_t block, const uint8_t* data, uint32_t weight) {
   std::lock_guard<std::mutex> lk(s.mutex);
   if (s.block_of.empty()) return;  // off
   const bool pin = !s.wanted.empty() && s.wanted.count(block) && s.num_pinned < pin_limit(s);
-  auto it = s.frame_of.find(block);
-  if (it != s.frame_of.end()) {  // another query read it meanwhile
-    if (pin && !s.pinned[it->second]) s.pinned[it->second] = 1, ++s.num_pinned;
+  const uint32_t held = s.frame_of.find(block);
+  if (held != FrameMap::kNone) {  // another query read it meanwhile
+    if (pin && !s.pinned[held]) s.pinned[held] = 1, ++s.num_pinned;
     return;
   }
   bool evicted;
@@ -634,12 +655,12 @@ bool PageBuffer::evict(uint32_t block, const std::function<void(const uint8_t*)>
   if (!capacity_) return false;
   Shard& s = shard(block);
   std::lock_guard<std::mutex> lk(s.mutex);
-  auto it = s.frame_of.find(block);
-  if (it == s.frame_of.end()) return false;
-  const size_t f = it->second;
+  const uint32_t held = s.frame_of.find(block);
+  if (held == FrameMap::kNone) return false;
+  const size_t f = held;
   uint8_t* frame = s.frames ? s.frames + f * block_bytes_ : nullptr;
   if (take && frame) take(frame);
-  s.frame_of.erase(it);
+  s.frame_of.erase(block);
   s.block_of[f] = kEmpty, s.uses[f] = 0;
   if (s.pinned[f]) s.pinned[f] = 0, --s.num_pinned;
   if (frame) madvise(frame, block_bytes_, MADV_DONTNEED);  // block_bytes_ is whole pages, frames page-aligned
@@ -650,9 +671,9 @@ bool PageBuffer::peek(uint32_t block, uint8_t* out) {
   if (!capacity_) return false;
   Shard& s = shard(block);
   std::lock_guard<std::mutex> lk(s.mutex);
-  auto it = s.frame_of.find(block);
-  if (it == s.frame_of.end()) return false;
-  if (out && block_bytes_) std::memcpy(out, s.frames + size_t(it->second) * block_bytes_, block_bytes_);
+  const uint32_t f = s.frame_of.find(block);
+  if (f == FrameMap::kNone) return false;
+  if (out && block_bytes_) std::memcpy(out, s.frames + size_t(f) * block_bytes_, block_bytes_);
   return true;
 }
 
@@ -671,11 +692,11 @@ std::vector<uint32_t> PageBuffer::pin(const uint32_t* blocks, size_t n) {
     for (uint32_t b : per_shard[i]) {
       if (s.wanted.size() >= pin_limit(s)) break;
       if (!s.wanted.insert(b).second) continue;
-      auto it = s.frame_of.find(b);
-      if (it == s.frame_of.end()) {
+      const uint32_t f = s.frame_of.find(b);
+      if (f == FrameMap::kNone) {
         missing.push_back(b);
       } else {
-        s.pinned[it->second] = 1, ++s.num_pinned;
+        s.pinned[f] = 1, ++s.num_pinned;
       }
     }
   }
@@ -1189,6 +1210,15 @@ void bind_pagefile(nb::module_& m) {
           "an adaptive layout's miniature (sampled blocks only; nothing without an adaptive layout).")
       .def_prop_ro_static("record_cache_overhead", [](nb::handle) { return kRecordCacheOverhead; },
                           "Bytes of metadata a record cache entry holds beside its record.")
+      .def_static(
+          "records_denser",
+          [](int64_t record_bytes, int64_t records_per_block, int64_t pages_per_block) {
+            return records_denser(make_layout(record_bytes, records_per_block, pages_per_block));
+          },
+          "record_bytes"_a, "records_per_block"_a, "pages_per_block"_a,
+          "The byte rule: whether a record cached alone (its bytes and record_cache_overhead) costs less than its "
+          "share of a block, as for records that leave part of their pages empty. An adaptive layout starts with "
+          "records where it holds.")
       .def_prop_ro("buffer_policy", [](const PageStore& s) { return policy_name(s.buffer_policy()); })
       .def_prop_ro("buffer_mode", [](const PageStore& s) { return policy_name(s.buffer_mode()); },
                    "The policy the page buffer runs now: 'clock' or 'lfu' ('auto' switches between them).")

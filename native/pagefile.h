@@ -3,6 +3,7 @@
 // at byte (s % records_per_block) * record_bytes; a block is pages_per_block
 // pages and every block carries a CRC32C kept by the index.
 #pragma once
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -12,7 +13,6 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
-#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -41,6 +41,46 @@ struct AlignedBuffer {
   std::unique_ptr<uint8_t, void (*)(void*)> ptr{nullptr, free};
   size_t bytes = 0;
   uint8_t* get(size_t need);  // grows, keeps alignment, drops old contents
+};
+
+// Block -> frame of one buffer shard: open addressing with linear probing in a power-of-two table of at least
+// twice the shard's frames, so that a lookup is one or two cache lines and neither a hit nor a miss allocates
+// (std::unordered_map allocated a node per block taken in and freed one per block evicted, on every re-rank).
+// Erase shifts the entries after it back, so there are no tombstones and probes stay short however long it runs.
+class FrameMap {
+ public:
+  static constexpr uint32_t kNone = UINT32_MAX;  // no such key; also the empty slot's key (no block is UINT32_MAX)
+  // Room for `frames` entries, all gone.
+  void reset(size_t frames);
+  // Memory given back; holds nothing until reset.
+  void release() { slots_ = {}, mask_ = 0; }
+  void clear() { std::fill(slots_.begin(), slots_.end(), Slot{kNone, 0}); }
+  uint32_t find(uint32_t key) const {
+    if (slots_.empty()) return kNone;
+    for (size_t i = home(key);; i = (i + 1) & mask_) {
+      if (slots_[i].key == key) return slots_[i].frame;
+      if (slots_[i].key == kNone) return kNone;
+    }
+  }
+  // key must not be in the map, and the map holds fewer entries than reset's frames.
+  void insert(uint32_t key, uint32_t frame) {
+    size_t i = home(key);
+    while (slots_[i].key != kNone) i = (i + 1) & mask_;
+    slots_[i] = {key, frame};
+  }
+  // Whether key was there.
+  bool erase(uint32_t key);
+
+ private:
+  struct Slot {
+    uint32_t key, frame;
+  };
+  size_t home(uint32_t key) const {  // murmur3's finaliser: independent of the shard hash and the samplers'
+    key ^= key >> 16, key *= 0x85EBCA6Bu, key ^= key >> 13, key *= 0xC2B2AE35u, key ^= key >> 16;
+    return key & mask_;
+  }
+  std::vector<Slot> slots_;
+  size_t mask_ = 0;
 };
 
 // How the page buffer picks a victim. Clock: CLOCK, a block read once gets no
@@ -110,7 +150,7 @@ class PageBuffer {
     std::vector<uint32_t> block_of;  // frame -> block, kEmpty when free
     std::vector<uint8_t> uses;       // Clock: the referenced bit; Lfu: hits, aged by the sweep
     std::vector<uint8_t> pinned;
-    std::unordered_map<uint32_t, uint32_t> frame_of;
+    FrameMap frame_of;
     std::unordered_set<uint32_t> wanted;  // blocks to pin
     size_t hand = 0, num_pinned = 0;
     std::vector<uint8_t> sketch;  // Lfu and Auto: count-min, two counters per block
@@ -207,7 +247,9 @@ struct PageStoreStats {
 struct LayoutMiniature;
 
 // Host bytes a record cache entry holds beside its record: the frame's block number, use counter and pin flag,
-// its sixteen sketch counters, and a hash-map node with its bucket (PageBuffer's per-frame metadata).
+// its sixteen sketch counters, and two to four slots of its shard's FrameMap, 8 bytes each (PageBuffer's
+// per-frame metadata: at most 54 bytes; 96 was sized for a std::unordered_map's node and bucket, and kept so
+// that the byte rule chosen with it still holds).
 constexpr size_t kRecordCacheOverhead = 96;
 
 class PageStore {

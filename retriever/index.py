@@ -57,8 +57,9 @@ def prepare_queries(queries, dim: int, metric: str) -> np.ndarray:
 
 def records_cache_denser(layout) -> bool:
     """Whether a record cached alone (its bytes and metadata) costs less than its share of a block: records
-    that leave part of their pages empty (1536-byte records two to a 4 KiB page)."""
-    return layout.record_bytes + native.PageStore.record_cache_overhead < layout.block_bytes / layout.records_per_block
+    that leave part of their pages empty (1536-byte records two to a 4 KiB page). The store's own rule, which
+    an adaptive layout starts by."""
+    return native.PageStore.records_denser(layout.record_bytes, layout.records_per_block, layout.pages_per_block)
 
 
 def split_buffer(buffer_bytes: int, config: EngineConfig, layout) -> tuple[int, int, bool]:
