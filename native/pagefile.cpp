@@ -608,7 +608,7 @@ void PageBuffer::simulate(uint32_t block, uint32_t weight) {
 
 bool PageBuffer::lookup(uint32_t block, uint8_t* out, uint32_t weight) {
   if (!capacity_ || !active()) return false;
-  if (mini_ && (((uint64_t(block) + 1) * 0xD6E8FEB86659FD93ull) >> 40) % mini_->rate == 0) simulate(block, weight);
+  if (mini_ && mini_sampled(block)) simulate(block, weight);
   Shard& s = shard(block);
   std::lock_guard<std::mutex> lk(s.mutex);
   if (s.block_of.empty()) return false;  // off
@@ -620,23 +620,28 @@ bool PageBuffer::lookup(uint32_t block, uint8_t* out, uint32_t weight) {
   return true;
 }
 
-void PageBuffer::insert(uint32_t block, const uint8_t* data, uint32_t weight) {
-  if (!capacity_) return;
+bool PageBuffer::offer(uint32_t block, const uint8_t* data, uint32_t weight, bool requested) {
+  if (!capacity_ || (requested && !active())) return false;
+  if (requested && mini_ && mini_sampled(block)) simulate(block, weight);
   Shard& s = shard(block);
   std::lock_guard<std::mutex> lk(s.mutex);
-  if (s.block_of.empty()) return;  // off
+  if (s.block_of.empty()) return false;  // off
+  if (requested) count(s, block, weight);
   const bool pin = !s.wanted.empty() && s.wanted.count(block) && s.num_pinned < pin_limit(s);
+  const bool lfu = lfu_now();
   const uint32_t held = s.frame_of.find(block);
-  if (held != FrameMap::kNone) {  // another query read it meanwhile
+  if (held != FrameMap::kNone) {  // a hit, or another query read it meanwhile
+    if (requested) hit(s, held, weight, lfu);
     if (pin && !s.pinned[held]) s.pinned[held] = 1, ++s.num_pinned;
-    return;
+    return true;
   }
   bool evicted;
-  const size_t f = place(s, block, weight, lfu_now(), pin, &evicted);
-  if (f == SIZE_MAX) return;
+  const size_t f = place(s, block, weight, lfu, pin, &evicted);
+  if (f == SIZE_MAX) return false;
   if (evicted) evictions_.fetch_add(1, std::memory_order_relaxed);
   if (pin) s.pinned[f] = 1, ++s.num_pinned;
   if (block_bytes_) std::memcpy(s.frames + f * block_bytes_, data, block_bytes_);
+  return false;
 }
 
 bool PageBuffer::resident(uint32_t block) { return peek(block, nullptr); }

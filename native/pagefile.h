@@ -116,7 +116,10 @@ class PageBuffer {
   uint64_t switches() const { return switches_.load(std::memory_order_relaxed); }
   // weight: how many queries asked for the block (Lfu counts it; Clock ignores it).
   bool lookup(uint32_t block, uint8_t* out, uint32_t weight = 1);
-  void insert(uint32_t block, const uint8_t* data, uint32_t weight = 1);
+  void insert(uint32_t block, const uint8_t* data, uint32_t weight = 1) { offer(block, data, weight, false); }
+  // insert under one lock with a lookup before it when requested (a request counted, a hit if resident), as a
+  // lookup and then an insert of what it missed would; returns whether the block was resident.
+  bool offer(uint32_t block, const uint8_t* data, uint32_t weight, bool requested);
   bool resident(uint32_t block);
   // Copies the block to out (when not null) if it is resident, without counting a request
   // or a use: a look that the policy does not learn from. Returns whether it was there.
@@ -180,6 +183,9 @@ class PageBuffer {
   void hit(Shard& s, size_t frame, uint32_t weight, bool lfu);
   size_t place(Shard& s, uint32_t block, uint32_t weight, bool lfu, bool pin, bool* evicted);
   void simulate(uint32_t block, uint32_t weight);
+  bool mini_sampled(uint32_t block) const {
+    return (((uint64_t(block) + 1) * 0xD6E8FEB86659FD93ull) >> 40) % mini_->rate == 0;
+  }
 
   size_t capacity_, block_bytes_, arena_bytes_ = 0;
   BufferPolicy policy_;
@@ -252,6 +258,11 @@ struct LayoutMiniature;
 // that the byte rule chosen with it still holds).
 constexpr size_t kRecordCacheOverhead = 96;
 
+// Record cache requests and hits a caller counts before it adds them to its store's stats (PageStore::tally).
+struct RecordTally {
+  uint64_t lookups = 0, hits = 0;
+};
+
 class PageStore {
  public:
   PageStore(const std::string& path, PageLayout layout, std::vector<uint32_t> block_crc, size_t buffer_blocks,
@@ -302,16 +313,28 @@ class PageStore {
   void set_layout(bool records, bool hold = false);
   // Waits for a switch the miniature started (it runs on a thread of its own, off the request path).
   void wait_layout();
-  // Copies slot's record to out (record_bytes) if cached; counts the request either way.
-  bool lookup_record(uint32_t slot, uint8_t* out) {
+  // Copies slot's record to out (record_bytes) if cached; counts the request either way, in t (tally(t) adds a
+  // caller's counts to stats() once, not per record: shared counters bumped per record cost two threads a cache
+  // line passed back and forth).
+  bool lookup_record(uint32_t slot, uint8_t* out, RecordTally& t) {
     if (!records_.capacity()) return false;
-    record_lookups_.fetch_add(1, std::memory_order_relaxed);
+    ++t.lookups;
     if (!records_.lookup(slot, out)) return false;
-    records_from_cache_.fetch_add(1, std::memory_order_relaxed);
+    ++t.hits;
     return true;
   }
-  // Offers a record read with its block; the policy decides whether it stays.
-  void insert_record(uint32_t slot, const uint8_t* data) { records_.insert(slot, data); }
+  // Offers a record read with its block; the policy decides whether it stays. requested: not looked up yet, so
+  // asked for now (counted in t, a hit if it is cached), under the same lock as the offer.
+  void offer_record(uint32_t slot, const uint8_t* data, bool requested, RecordTally& t) {
+    if (!records_.capacity()) return;
+    const bool held = records_.offer(slot, data, 1, requested);
+    if (requested) ++t.lookups, t.hits += held;
+  }
+  void tally(RecordTally& t) {
+    if (t.lookups) record_lookups_.fetch_add(t.lookups, std::memory_order_relaxed);
+    if (t.hits) records_from_cache_.fetch_add(t.hits, std::memory_order_relaxed);
+    t = {};
+  }
   bool record_cached(uint32_t slot) { return records_.resident(slot); }
   // Records every block fetch() is asked for, in order, with its weight (for offline
   // replays of buffer policies: bench/cache_sim.py). Off: one relaxed load per fetch.

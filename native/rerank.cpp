@@ -206,7 +206,7 @@ struct QueryState {
   // held them, and answers do not depend on the cache. record: scratch of record_bytes; by_b, keep: scratch.
   void take_cached(const Exact& ex, const float* q, const int64_t* cand, const RerankParams& p,
                    std::vector<uint8_t>& record, std::vector<std::pair<uint32_t, uint32_t>>& by_b,
-                   std::vector<uint8_t>& keep) {
+                   std::vector<uint8_t>& keep, RecordTally& tally) {
     hit_ids.clear(), hit_dist.clear(), hit_pos.clear();
     by_b.clear();
     keep.assign(batch.size(), 1);
@@ -214,7 +214,7 @@ struct QueryState {
       if (batch[j] >= 0) by_b.push_back({uint32_t(ex.block_of(batch[j])), uint32_t(j)});
     std::sort(by_b.begin(), by_b.end());
     auto take = [&](int64_t id, uint32_t at) {
-      if (!ex.store.lookup_record(ex.locations[id], record.data())) return false;
+      if (!ex.store.lookup_record(ex.locations[id], record.data(), tally)) return false;
       hit_ids.push_back(id), hit_dist.push_back(ex.distance(q, record.data(), ex.dim)), hit_pos.push_back(at);
       return true;
     };
@@ -368,6 +368,7 @@ struct Scratch {
   std::vector<std::pair<uint32_t, uint32_t>> by_b, sampled;
   std::vector<uint32_t> sampled_slots;
   std::vector<uint8_t> keep;
+  RecordTally tally;  // the round's record cache requests and hits, for the store's stats
 };
 
 // An adaptive layout's miniature learns of every query's touch of each sampled block, with the slots of the
@@ -432,8 +433,7 @@ void offer_records(const Exact& ex, const int64_t* ids, size_t n, size_t asked, 
   for (size_t j = 0; j < n; ++j) {
     if (ids[j] < 0) continue;
     const uint32_t slot = ex.locations[ids[j]];
-    if (j >= asked && ex.store.lookup_record(slot, s.record.data())) continue;
-    ex.store.insert_record(slot, ex.record_in(slot, s.blocks, s.data.ptr.get()));
+    ex.store.offer_record(slot, ex.record_in(slot, s.blocks, s.data.ptr.get()), j >= asked, s.tally);
   }
 }
 
@@ -470,7 +470,7 @@ void rerank_queries(const RerankJob& job, size_t first, size_t last, size_t infl
       if (st.live) {
         st.next_batch(job.row(st), p);
         if (adaptive) observe_round(ex, st, job.row(st), p, s);
-        if (cache) st.take_cached(ex, job.queries + st.row * ex.dim, job.row(st), p, s.record, s.by_b, s.keep);
+        if (cache) st.take_cached(ex, job.queries + st.row * ex.dim, job.row(st), p, s.record, s.by_b, s.keep, s.tally);
         // Each query's blocks once: a block's weight in the page buffer is how many queries asked.
         const size_t from = s.blocks.size();
         ex.add_blocks(st.batch.data(), st.batch.size(), s.blocks);
@@ -517,6 +517,7 @@ void rerank_queries(const RerankJob& job, size_t first, size_t last, size_t infl
       if (p.resident_first && st.batches == 0) st.residents(ex, q, job.row(st), s.one, s.ids, s.dist);
       st.absorb(s.ids.data(), s.dist.data(), s.ids.size(), p);
     }
+    ex.store.tally(s.tally);
     // The round's time is split among its queries, so per-query seconds sum to the worker's time.
     double share = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / double(live);
     for (QueryState& st : s.slots)

@@ -588,10 +588,15 @@ def test_record_cache_scores_the_same_candidates_and_reads_less(tmp_path, policy
     cand = np.stack([rng.permutation(pool)[:40] for _ in range(4)]).astype(np.int64)
     reads = []
     for _ in range(3):  # the same queries again: a skewed stream's repeats
-        rchar = _rchar()
+        rchar, before = _rchar(), store.stats()
         ids, dists, stats, _ = native.rerank(store, queries, cand, locations, "f32", "l2", k, minibatch, 0.0, beta,
                                              num_threads=1, page_mates=mates)
         reads.append((_rchar() - rchar) // store.block_bytes)
+        # With no page buffer every candidate scored was asked of the record cache (some twice: a page-mate
+        # looked up before its block's miss is asked again when the block is read), and each scored from it hit.
+        after = store.stats()
+        assert after["record_lookups"] - before["record_lookups"] >= stats[:, 1].sum()
+        assert after["records_from_cache"] - before["records_from_cache"] >= stats[:, 6].sum()
         for i in range(4):
             want, reranked, _, touched = _by_hand(vectors, locations, rpb, queries[i], cand[i].tolist(), k, minibatch,
                                                   beta, mates)
