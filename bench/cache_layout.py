@@ -21,7 +21,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import cache_policy as cp  # noqa: E402
-import datasets  # noqa: E402
 
 # what each set is compared against: CLOCK, the layout the byte rule fixed before 'auto' switched (blocks for
 # GloVe and Fashion-MNIST, records for MiniLM's 384-d float32), and the default
@@ -32,12 +31,7 @@ POLICIES = {"glove": ("clock", "auto", "default"), "fashion": ("clock", "auto", 
 def run(name: str, half: str, fractions, length: int) -> list[str]:
     from fusionrag.retriever import EngineConfig, Index
 
-    idx_path = cp.build(HERE / "work", name)
-    _, queries, gt, _ = datasets.load(HERE / "work", name)
-    index = Index.open(idx_path, filter_tier="cpu")
-    q = index.prepare_queries(queries)
-    index.close()
-    raw = (idx_path / "vectors.pages").stat().st_size
+    idx_path, q, gt, raw = cp.built_set(HERE / "work", name)
     rows = cp.half_streams(q, half, length)
     lines = []
     for frac in fractions:

@@ -99,6 +99,19 @@ def build(work: Path, name: str) -> Path:
     return out
 
 
+def built_set(work: Path, name: str) -> tuple[Path, np.ndarray, np.ndarray, int]:
+    """(index path, the set's queries as the index searches them, their ground truth, raw vector bytes) of one
+    set's default build (build())."""
+    from fusionrag.retriever import Index
+
+    idx_path = build(work, name)
+    _, queries, gt, _ = datasets.load(work, name)
+    index = Index.open(idx_path, filter_tier="cpu")
+    q = index.prepare_queries(queries)
+    index.close()
+    return idx_path, q, gt, (idx_path / "vectors.pages").stat().st_size
+
+
 def streams(queries: np.ndarray, length: int, seed: int) -> dict[str, np.ndarray]:
     """Row numbers into queries for each stream."""
     from fusionrag.retriever.kmeans import kmeans

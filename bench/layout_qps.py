@@ -34,15 +34,9 @@ def one(name: str, half: str, stream: str, warm: int, measure: int, threads: int
     import numpy as np
 
     import cache_policy as cp
-    import datasets
     from fusionrag.retriever import EngineConfig, Index
 
-    idx = cp.build(HERE / "work", name)
-    _, queries, gt, _ = datasets.load(HERE / "work", name)
-    index = Index.open(idx, filter_tier="cpu")
-    q = index.prepare_queries(queries)
-    index.close()
-    raw = (idx / "vectors.pages").stat().st_size
+    idx, q, gt, raw = cp.built_set(HERE / "work", name)
     rows = cp.half_streams(q, half, warm + measure)[stream]
     out = []
     for mode in MODES:
