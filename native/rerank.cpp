@@ -95,6 +95,11 @@ struct Exact {
   // asked for it, when each query's blocks were distinct).
   const uint8_t* fetch(std::vector<uint32_t>& blocks, AlignedBuffer& scratch, uint8_t* read_from_ssd = nullptr,
                        std::vector<uint32_t>* weights = nullptr, ReadAhead* ahead = nullptr) const {
+    distinct(blocks, weights);
+    return fetch_distinct(blocks, scratch, read_from_ssd, weights, ahead);
+  }
+  // fetch's first half: blocks sorted and de-duplicated, with weights their counts.
+  static void distinct(std::vector<uint32_t>& blocks, std::vector<uint32_t>* weights) {
     std::sort(blocks.begin(), blocks.end());
     if (weights) {
       weights->clear();
@@ -109,6 +114,10 @@ struct Exact {
     } else {
       blocks.erase(std::unique(blocks.begin(), blocks.end()), blocks.end());
     }
+  }
+  // fetch's second half, of blocks distinct() made.
+  const uint8_t* fetch_distinct(const std::vector<uint32_t>& blocks, AlignedBuffer& scratch, uint8_t* read_from_ssd,
+                                const std::vector<uint32_t>* weights, ReadAhead* ahead) const {
     uint8_t* data = scratch.get(std::max<size_t>(1, blocks.size()) * store.layout().block_bytes());
     store.fetch(blocks.data(), blocks.size(), data, read_from_ssd, weights ? weights->data() : nullptr, ahead);
     return data;
@@ -359,7 +368,10 @@ constexpr size_t kChunksPerWorker = 2;
 struct Scratch {
   std::vector<QueryState> slots;
   std::vector<uint32_t> blocks, mine, weights, next_blocks;
-  ReadAhead ahead;
+  // Prefetch: ahead[cur], the blocks read ahead for this round (its fetch takes them), and ahead[cur ^ 1], the
+  // next round's, started before this round's fetch waits, so that both rounds' reads are in flight at once.
+  ReadAhead ahead[2];
+  size_t cur = 0;
   std::vector<uint8_t> unclaimed;  // per block of the round: read from the SSD, not yet counted
   AlignedBuffer data, one;  // one: a block peeked from the buffer (resident-first)
   std::vector<float> dist;
@@ -398,13 +410,17 @@ void observe_round(const Exact& ex, const QueryState& st, const int64_t* cand, c
 // Prefetch: starts reading the blocks of each live query's next mini-batch, as it
 // will be if the query goes on (its next candidates, less those scored already or
 // about to be as page-mates of this round's blocks), so that the reads overlap this
-// round's scoring. A query one stable mini-batch from its stop is left out: its next
+// round's reads and scoring. It runs before this round's fetch waits (two rounds' reads
+// share one round trip of the SSD), so where a page buffer takes the blocks this round
+// reads (s.blocks, distinct) it leaves them out, as it left out blocks resident when it
+// ran after the fetch. A query one stable mini-batch from its stop is left out: its next
 // mini-batch is likely never read. With beta 1 every round may be a query's last, so
 // all are read ahead, and a query the stop ends leaves its blocks read for nothing
 // (the store counts them as read_ahead_unused).
-void read_next(const RerankJob& job, Scratch& s) {
+void read_next(const RerankJob& job, Scratch& s, ReadAhead& ahead) {
   const Exact& ex = job.ex;
   const RerankParams& p = job.p;
+  const bool buffered = ex.store.buffer_on();
   s.next_blocks.clear();
   for (QueryState& st : s.slots) {
     if (!st.live || st.pos >= st.end || (p.beta > 1 && st.stable == p.beta - 1)) continue;
@@ -419,12 +435,13 @@ void read_next(const RerankJob& job, Scratch& s) {
       if (cand[j] < 0 || (p.tracks() && st.scored[j]) || ex.store.record_cached(ex.locations[cand[j]])) continue;
       const uint32_t b = uint32_t(ex.block_of(cand[j]));
       if (p.page_mates && std::binary_search(s.mine.begin(), s.mine.end(), b)) continue;
+      if (buffered && std::binary_search(s.blocks.begin(), s.blocks.end(), b)) continue;
       s.next_blocks.push_back(b);
     }
   }
   std::sort(s.next_blocks.begin(), s.next_blocks.end());
   s.next_blocks.erase(std::unique(s.next_blocks.begin(), s.next_blocks.end()), s.next_blocks.end());
-  ex.store.read_ahead(s.ahead, s.next_blocks.data(), s.next_blocks.size());
+  ex.store.read_ahead(ahead, s.next_blocks.data(), s.next_blocks.size());
 }
 
 // Offers ids[0, n) (ids >= 0, their blocks in the round's s.blocks, read into s.data) to the record cache;
@@ -460,7 +477,7 @@ void rerank_queries(const RerankJob& job, size_t first, size_t last, size_t infl
       live += st.live;
     }
     if (!live) {
-      ex.store.settle(s.ahead);
+      ex.store.settle(s.ahead[0]), ex.store.settle(s.ahead[1]);
       return;
     }
 
@@ -478,8 +495,11 @@ void rerank_queries(const RerankJob& job, size_t first, size_t last, size_t infl
         s.blocks.erase(std::unique(s.blocks.begin() + from, s.blocks.end()), s.blocks.end());
       }
     s.unclaimed.resize(s.blocks.size());  // sized before de-duplication: a flag per distinct block and more
-    const uint8_t* data = ex.fetch(s.blocks, s.data, s.unclaimed.data(), &s.weights, p.prefetch ? &s.ahead : nullptr);
-    if (p.prefetch) read_next(job, s);
+    Exact::distinct(s.blocks, &s.weights);
+    if (p.prefetch) read_next(job, s, s.ahead[s.cur ^ 1]);
+    const uint8_t* data =
+        ex.fetch_distinct(s.blocks, s.data, s.unclaimed.data(), &s.weights, p.prefetch ? &s.ahead[s.cur] : nullptr);
+    s.cur ^= 1;
     for (QueryState& st : s.slots) {
       if (!st.live) continue;
       const int64_t* cand = st.batch.data();
