@@ -19,8 +19,9 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
-def build_tiny_llm(out: Path, texts: Iterable[str] = (), vocab_size: int = 600) -> Path:
-    """Write the model and its tokenizer (trained on RAG_TEMPLATE and `texts`) into `out`."""
+def build_tiny_llm(out: Path, texts: Iterable[str] = (), vocab_size: int = 600, max_positions: int = 2048) -> Path:
+    """Write the model (a context of `max_positions` tokens) and its tokenizer (trained on RAG_TEMPLATE and
+    `texts`) into `out`."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -37,7 +38,7 @@ def build_tiny_llm(out: Path, texts: Iterable[str] = (), vocab_size: int = 600) 
     torch.manual_seed(0)
     # head_dim 32: a size vLLM's CPU attention supports.
     config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
                          bos_token_id=0, eos_token_id=1, tie_word_embeddings=True, torch_dtype="bfloat16")
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
     return out
