@@ -1,17 +1,17 @@
 """The re-rank's read-ahead (native.rerank(prefetch=True), issue #17) on and off, in one run: while
 a round of mini-batches is scored, the blocks of each query's next mini-batch are already being read.
 
-A small, cold page buffer (raw vectors / 64, emptied before every round), so the re-rank reads from
-the SSD; default search parameters, the CPU filter tier. Both variants open the same index (each
-its own page store), and alternate round by round so that a shared machine's load falls on both
-alike. The retriever does not pass prefetch yet; here the index's re-rank tier is given the call it
-would make with it on.
+A small, cold page buffer (raw vectors / 64, emptied before every round, unless --keep-buffer), so the
+re-rank reads from the SSD; default search parameters, the CPU filter tier. Both variants open the same
+index (each its own page store, EngineConfig.rerank_prefetch off and on), and alternate round by round so
+that a shared machine's load falls on both alike. --half tune|report takes the first or the second half
+of a set's queries (a default is chosen on one and reported on the other).
 
 Per row: queries/s, p50/p99 latency of a call, SSD pages read per query, of those read ahead and
 left unused by early stops, recall@10, and whether the pages the store counts as read match the
 bytes the block layer read for the process (/proc/self/io read_bytes; O_DIRECT only).
 
-    python bench/rerank_prefetch.py --datasets glove fashion --out bench/results/rerank_prefetch.md
+    python bench/rerank_prefetch.py --datasets glove fashion minilm --half tune --out bench/results/rerank_prefetch.md
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -46,18 +47,6 @@ def read_bytes() -> int:
     raise AssertionError("no read_bytes in /proc/self/io")
 
 
-def prefetching(tier) -> None:
-    """What RerankTier.rerank does, with prefetch=True."""
-    from fusionrag import native
-
-    def rerank(queries, cand, k, p):
-        return native.rerank(tier.store, queries, cand, tier.locations, tier.dtype, tier.metric, k, p.minibatch,
-                             p.eps, p.beta, tier.threads, inflight=tier.inflight, page_mates=tier.page_mates,
-                             prefetch=True)
-
-    tier.rerank = rerank
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--datasets", nargs="*", default=["glove", "fashion"])
@@ -66,6 +55,9 @@ def main() -> None:
     ap.add_argument("--queries", type=int, default=512, help="queries per (variant, round)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--buffer-fraction", type=int, default=64)
+    ap.add_argument("--keep-buffer", action="store_true", help="do not empty the page buffer before each round")
+    ap.add_argument("--half", choices=["all", "tune", "report"], default="all",
+                    help="the queries: all, the first half (tune) or the second (report)")
     ap.add_argument("--work", type=Path, default=HERE / "work")
     ap.add_argument("--out", type=Path, help="append a Markdown table here")
     args = ap.parse_args()
@@ -78,13 +70,16 @@ def main() -> None:
     for name in args.datasets:
         idx_path = build(args.work, name)
         _, queries, gt, _ = datasets.load(args.work, name)
+        if args.half != "all":
+            part = slice(0, len(queries) // 2) if args.half == "tune" else slice(len(queries) // 2, None)
+            queries, gt = queries[part], gt[part]
         n = min(args.queries, len(queries))
         raw = (idx_path / "vectors.pages").stat().st_size
         for threads in args.threads:
             for call in args.calls:
                 config = EngineConfig(buffer_bytes=raw // args.buffer_fraction, threads=threads, filter_tier="cpu")
-                indexes = {"off": Index.open(idx_path, config), "on": Index.open(idx_path, config)}
-                prefetching(indexes["on"].reranker)
+                indexes = {v: Index.open(idx_path, replace(config, rerank_prefetch=v == "on")) for v in ("off", "on")}
+                assert indexes["on"].reranker.prefetch and not indexes["off"].reranker.prefetch
                 q = indexes["off"].prepare_queries(queries[:n])
                 acc = {v: {"lat": [], "secs": 0.0, "pages": 0, "unused": 0, "ahead": 0, "io_agrees": True, "ids": None}
                        for v in indexes}
@@ -94,7 +89,8 @@ def main() -> None:
                     for v in (["off", "on"] if rnd % 2 == 0 else ["on", "off"]):
                         index, a = indexes[v], acc[v]
                         store = index.reranker.store
-                        store.reset_buffer()
+                        if not args.keep_buffer:
+                            store.reset_buffer()
                         before, io_before = store.stats(), read_bytes()
                         ids = []
                         t0 = time.perf_counter()
@@ -130,8 +126,9 @@ def main() -> None:
                     index.close()
     load_end = [round(x, 2) for x in os.getloadavg()]
     lines = [f"Run {started}: {platform.machine()}, {os.cpu_count()} CPUs, load average {load_start} at start, "
-             f"{load_end} at end. Page buffer = raw vectors / {args.buffer_fraction}, emptied before each round; "
-             f"{args.queries} queries (or all a set has) x {args.rounds} rounds per row, on and off alternating; "
+             f"{load_end} at end. Page buffer = raw vectors / {args.buffer_fraction}, "
+             f"{'kept warm across rounds' if args.keep_buffer else 'emptied before each round'}; {args.queries} "
+             f"queries (or all the set's {args.half} half has) x {args.rounds} rounds per row, on and off alternating; "
              f"I/O {rows[0]['backend']}, O_DIRECT {rows[0]['direct']}.", "",
              "| set | threads | queries/call | prefetch | q/s | p50 ms | p99 ms | SSD pages/query | read ahead/query "
              "| of those unused | recall@10 | /proc/self/io agrees |",

@@ -660,10 +660,9 @@ bool PageBuffer::evict(uint32_t block, const std::function<void(const uint8_t*)>
   if (!capacity_) return false;
   Shard& s = shard(block);
   std::lock_guard<std::mutex> lk(s.mutex);
-  const uint32_t held = s.frame_of.find(block);
-  if (held == FrameMap::kNone) return false;
-  const size_t f = held;
-  uint8_t* frame = s.frames ? s.frames + f * block_bytes_ : nullptr;
+  const uint32_t f = s.frame_of.find(block);
+  if (f == FrameMap::kNone) return false;
+  uint8_t* frame = s.frames ? s.frames + size_t(f) * block_bytes_ : nullptr;
   if (take && frame) take(frame);
   s.frame_of.erase(block);
   s.block_of[f] = kEmpty, s.uses[f] = 0;
@@ -969,7 +968,7 @@ size_t PageStore::fetch(const uint32_t* blocks, size_t n, uint8_t* out, uint8_t*
   return fills.size();
 }
 
-void PageStore::settle(ReadAhead& ahead) {
+void PageStore::settle(ReadAhead& ahead, std::vector<uint32_t>* unused_blocks) {
   if (ahead.pending_) {
     try {
       ahead.pending_->wait();
@@ -978,7 +977,11 @@ void PageStore::settle(ReadAhead& ahead) {
     ahead.pending_.reset();
   }
   size_t unused = 0;
-  for (uint8_t t : ahead.taken_) unused += !t;
+  for (size_t i = 0; i < ahead.taken_.size(); ++i)
+    if (!ahead.taken_[i]) {
+      ++unused;
+      if (unused_blocks) unused_blocks->push_back(ahead.blocks_[i]);
+    }
   read_ahead_unused_.fetch_add(unused, std::memory_order_relaxed);
   ahead.blocks_.clear(), ahead.taken_.clear(), ahead.reads_.clear();
   ahead.failed_ = false;

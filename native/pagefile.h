@@ -283,9 +283,10 @@ class PageStore {
   // not in the page buffer now. They count as blocks_read at once, and as
   // read_ahead_unused when no fetch takes them before the next settle.
   void read_ahead(ReadAhead& ahead, const uint32_t* blocks, size_t n);
-  // Waits for ahead's reads and empties it. A failed read ahead is not reported
-  // here: a fetch that wants the block reads it again.
-  void settle(ReadAhead& ahead);
+  // Waits for ahead's reads and empties it; with `unused`, it gets the blocks read
+  // that no fetch took. A failed read ahead is not reported here: a fetch that
+  // wants the block reads it again.
+  void settle(ReadAhead& ahead, std::vector<uint32_t>* unused = nullptr);
   // Pins blocks (most wanted first) in the page buffer, in place of the pinned
   // set before, reading those not there (counted as pin_reads, not blocks_read).
   // Returns how many are pinned. Meant for a background thread.

@@ -372,6 +372,10 @@ struct Scratch {
   // next round's, started before this round's fetch waits, so that both rounds' reads are in flight at once.
   ReadAhead ahead[2];
   size_t cur = 0;
+  // For each ahead, the query (its row) each block was read ahead for, by block: one that no fetch takes counts as
+  // read for that query, so that pages read summed over queries are the reads done.
+  std::vector<std::pair<uint32_t, uint32_t>> owners[2], next_owned;
+  std::vector<uint32_t> unused;
   std::vector<uint8_t> unclaimed;  // per block of the round: read from the SSD, not yet counted
   AlignedBuffer data, one;  // one: a block peeked from the buffer (resident-first)
   std::vector<float> dist;
@@ -417,11 +421,28 @@ void observe_round(const Exact& ex, const QueryState& st, const int64_t* cand, c
 // mini-batch is likely never read. With beta 1 every round may be a query's last, so
 // all are read ahead, and a query the stop ends leaves its blocks read for nothing
 // (the store counts them as read_ahead_unused).
-void read_next(const RerankJob& job, Scratch& s, ReadAhead& ahead) {
+// Settles s.ahead[which]: the blocks read ahead that no fetch took count as read from the SSD for the query they
+// were read for (its stats row, or its slot while it is live).
+void settle_ahead(const RerankJob& job, Scratch& s, size_t which) {
+  s.unused.clear();
+  job.ex.store.settle(s.ahead[which], &s.unused);
+  const auto& owners = s.owners[which];
+  for (uint32_t b : s.unused) {
+    auto at = std::lower_bound(owners.begin(), owners.end(), std::make_pair(b, uint32_t(0)));
+    if (at == owners.end() || at->first != b) continue;
+    const size_t row = at->second;
+    auto st = std::find_if(s.slots.begin(), s.slots.end(), [&](const QueryState& q) { return q.live && q.row == row; });
+    if (st != s.slots.end()) ++st->from_ssd;
+    else ++job.stats[row * kStats + 2];
+  }
+  s.owners[which].clear();
+}
+
+void read_next(const RerankJob& job, Scratch& s, size_t which) {
   const Exact& ex = job.ex;
   const RerankParams& p = job.p;
   const bool buffered = ex.store.buffer_on();
-  s.next_blocks.clear();
+  s.next_owned.clear();
   for (QueryState& st : s.slots) {
     if (!st.live || st.pos >= st.end || (p.beta > 1 && st.stable == p.beta - 1)) continue;
     if (p.page_mates) {
@@ -436,12 +457,19 @@ void read_next(const RerankJob& job, Scratch& s, ReadAhead& ahead) {
       const uint32_t b = uint32_t(ex.block_of(cand[j]));
       if (p.page_mates && std::binary_search(s.mine.begin(), s.mine.end(), b)) continue;
       if (buffered && std::binary_search(s.blocks.begin(), s.blocks.end(), b)) continue;
-      s.next_blocks.push_back(b);
+      s.next_owned.push_back({b, uint32_t(st.row)});
     }
   }
-  std::sort(s.next_blocks.begin(), s.next_blocks.end());
-  s.next_blocks.erase(std::unique(s.next_blocks.begin(), s.next_blocks.end()), s.next_blocks.end());
-  ex.store.read_ahead(ahead, s.next_blocks.data(), s.next_blocks.size());
+  // A block several queries want is read for the first of them.
+  std::sort(s.next_owned.begin(), s.next_owned.end());
+  s.next_owned.erase(std::unique(s.next_owned.begin(), s.next_owned.end(),
+                                 [](const auto& a, const auto& b) { return a.first == b.first; }),
+                     s.next_owned.end());
+  s.next_blocks.clear();
+  for (const auto& o : s.next_owned) s.next_blocks.push_back(o.first);
+  settle_ahead(job, s, which);
+  std::swap(s.owners[which], s.next_owned);
+  ex.store.read_ahead(s.ahead[which], s.next_blocks.data(), s.next_blocks.size());
 }
 
 // Offers ids[0, n) (ids >= 0, their blocks in the round's s.blocks, read into s.data) to the record cache;
@@ -477,7 +505,7 @@ void rerank_queries(const RerankJob& job, size_t first, size_t last, size_t infl
       live += st.live;
     }
     if (!live) {
-      ex.store.settle(s.ahead[0]), ex.store.settle(s.ahead[1]);
+      settle_ahead(job, s, 0), settle_ahead(job, s, 1);
       return;
     }
 
@@ -496,7 +524,7 @@ void rerank_queries(const RerankJob& job, size_t first, size_t last, size_t infl
       }
     s.unclaimed.resize(s.blocks.size());  // sized before de-duplication: a flag per distinct block and more
     Exact::distinct(s.blocks, &s.weights);
-    if (p.prefetch) read_next(job, s, s.ahead[s.cur ^ 1]);
+    if (p.prefetch) read_next(job, s, s.cur ^ 1);
     const uint8_t* data =
         ex.fetch_distinct(s.blocks, s.data, s.unclaimed.data(), &s.weights, p.prefetch ? &s.ahead[s.cur] : nullptr);
     s.cur ^= 1;
@@ -603,8 +631,8 @@ void bind_rerank(nb::module_& m) {
       "mini-batches' blocks together. With page_mates, a block read also scores the query's later candidates "
       "stored in it; their own mini-batch then reads nothing for them. With prefetch, the reads of each query's next "
       "mini-batch start before this one is scored, so they overlap the scoring (not for a query one stable "
-      "mini-batch from its stop, unless beta is 1); those an early stop leaves unused show in "
-      "store.stats()['read_ahead_unused']. With resident_first, a query's first mini-batch also scores every later "
+      "mini-batch from its stop, unless beta is 1); those an early stop (or the record cache) leaves unused show in "
+      "store.stats()['read_ahead_unused'], and count as blocks from SSD of the query they were read for. With resident_first, a query's first mini-batch also scores every later "
       "candidate whose block is in the page buffer then (copied from it, nothing read, not counted as a buffer "
       "request). Returns (ids int64[q,k], dists float32[q,k], stats "
       "int64[q,7] = [minibatches, candidates re-ranked, blocks from SSD, blocks from buffer (or whose candidates "
