@@ -11,6 +11,7 @@ as in bench/run.py. Streams come from the report half of the set's queries (benc
     python bench/service_before_after.py [--datasets glove minilm] [--streams uniform skewed] [--rounds 2]
                                          [--variants blocks after]   # the record cache off, then on
                                          [--variants one-job-pool after]   # the native pool's one job at a time
+                                         [--variants no-prefetch after]   # the re-rank's read-ahead off, then on
 
 Results: bench/results/service_before_after.json and .md.
 """
@@ -40,6 +41,7 @@ VARIANTS = {  # name -> `fusionrag serve` flags
     "before": ["--buffer-policy", "clock", "--no-pipeline", "--record-cache", "off"],
     "after": [],  # the defaults: --buffer-policy auto --record-cache auto --pipeline
     "blocks": ["--record-cache", "off"],  # the defaults but the buffer holding blocks only
+    "no-prefetch": ["--no-rerank-prefetch"],  # the defaults but the re-rank's read-ahead
     "one-job-pool": [],  # the defaults on the native pool as it was before 2026-11-27: one job at a time
 }
 VARIANT_ENV = {"one-job-pool": {"FUSIONRAG_POOL_JOBS": "one"}}  # name -> the service's added environment

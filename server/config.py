@@ -64,6 +64,8 @@ class ServerConfig(_Config):
                                               "(whichever serves more now, one at a time), on or off")
                             ] = EngineConfig.record_cache
     pipeline: Annotated[bool, knob("overlap an engine batch's stages with the next batch's graph search")] = True
+    rerank_prefetch: Annotated[bool, knob("read each query's next mini-batch of pages while the current one is "
+                                          "scored")] = EngineConfig.rerank_prefetch
     filter_tier: Annotated[FilterTier, knob("where PQ candidates are filtered: auto (the GPU when there is one), "
                                             "cpu or gpu")] = "auto"
     gpu_budget_mb: Annotated[float, knob("GPU memory the filter tiers of all collections share, MiB, the service's "

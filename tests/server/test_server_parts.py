@@ -90,12 +90,12 @@ def test_embedder_matches_sentence_transformers():
         get_embedder("word2vec")
 
 
-@pytest.mark.parametrize("policy,pipeline,records", [("clock", False, "off"), ("lfu", True, "on"),
-                                                     ("auto", True, "auto")])
-def test_service_engine_settings_reach_the_index(tmp_path, monkeypatch, policy, pipeline, records):
-    """--buffer-policy, --record-cache and --pipeline open every collection's index with them: the
-    policy as the native page buffer reports it, the record cache as the native store sizes it, and whether a
-    call's batches overlapped as the engine's batch loop ran them."""
+@pytest.mark.parametrize("policy,pipeline,records,prefetch", [("clock", False, "off", False), ("lfu", True, "on", True),
+                                                              ("auto", True, "auto", True)])
+def test_service_engine_settings_reach_the_index(tmp_path, monkeypatch, policy, pipeline, records, prefetch):
+    """--buffer-policy, --record-cache, --pipeline and --rerank-prefetch open every collection's index with them:
+    the policy as the native page buffer reports it, the record cache as the native store sizes it, whether a
+    call's batches overlapped as the engine's batch loop ran them, and whether the store read blocks ahead."""
     import fusionrag.retriever.index as index_module
     from fusionrag.retriever.collection import Document
     from fusionrag.server.life import open_catalog
@@ -104,7 +104,8 @@ def test_service_engine_settings_reach_the_index(tmp_path, monkeypatch, policy, 
     real = index_module.overlapped
     monkeypatch.setattr(index_module, "overlapped", lambda items, *a, **kw: (overlaps.append(1), real(items, *a, **kw)))
     config = load_config(flags={"data_dir": str(tmp_path), "demo": False, "buffer_policy": policy,
-                                "pipeline": pipeline, "filter_tier": "cpu", "record_cache": records},
+                                "pipeline": pipeline, "filter_tier": "cpu", "record_cache": records,
+                                "rerank_prefetch": prefetch},
                          environ={})
     catalog = open_catalog(config)
     try:
@@ -121,5 +122,8 @@ def test_service_engine_settings_reach_the_index(tmp_path, monkeypatch, policy, 
         assert store.buffer_bytes + store.record_cache_bytes <= config.buffer_mb * (1 << 20)
         assert (res.ids[:, 0] == np.arange(300)).mean() >= 0.95  # each query finds itself (rows in upsert order)
         assert bool(overlaps) == pipeline
+        assert index.reranker.prefetch == prefetch
+        if records != "auto":  # auto holds these 5 blocks after the first round: nothing left to read ahead
+            assert (store.stats()["read_ahead"] > 0) == prefetch
     finally:
         catalog.close()
