@@ -114,9 +114,10 @@ def with_buffer_divided(by: int):
     return open_
 
 
-def with_engine(**engine):
+def with_engine(by: int = 1, **engine):
+    """fusionrag_open with EngineConfig settings, and the page buffer divided by `by`."""
     def open_(out, meta, p, threads):
-        return fusionrag_open(out, meta, {**p, "engine": engine}, threads)
+        return fusionrag_open(out, meta, {**p, "buffer_bytes": p["buffer_bytes"] // by, "engine": engine}, threads)
     return open_
 
 
@@ -228,6 +229,10 @@ SYSTEMS = {  # name: (build, open, the library, imported before the baseline RSS
     # fusionrag-lean's build between the two: its memory/speed frontier has a point where lean's quarter of the
     # buffer leaves memory unused within DiskANN's (MiniLM: 10 against 12 MiB net)
     "fusionrag-lean-halfbuf": (None, with_buffer_divided(2), "fusionrag.retriever"),
+    # The same two with the re-rank's read-ahead off (EngineConfig.rerank_prefetch): its blocks in flight, two rounds'
+    # of a worker's queries, held ~1-3 MiB more at peak on MiniLM with 2 threads (bench/results/README.md, stop 45)
+    "fusionrag-lean-noprefetch": (None, with_engine(4, rerank_prefetch=False), "fusionrag.retriever"),
+    "fusionrag-lean-halfbuf-noprefetch": (None, with_engine(2, rerank_prefetch=False), "fusionrag.retriever"),
     # fusionrag's build with the page buffer holding blocks only (EngineConfig.record_cache off)
     "fusionrag-blocks": (None, with_engine(record_cache="off"), "fusionrag.retriever"),
     "fusionrag-graphnav": (fusionrag_graphnav_build, fusionrag_open, "fusionrag.retriever"),

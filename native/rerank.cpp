@@ -438,12 +438,19 @@ void settle_ahead(const RerankJob& job, Scratch& s, size_t which) {
   s.owners[which].clear();
 }
 
+// At most this many bytes of blocks are read ahead at a time per worker (two rounds' worth are held): a few queries
+// in flight get all of their next mini-batches read ahead; many share their reads of a round anyway, and gain little
+// more from it than the memory it would hold (16 queries of mini-batches of 8 held 1 MiB a worker uncapped).
+constexpr size_t kAheadBytes = 128 << 10;
+
 void read_next(const RerankJob& job, Scratch& s, size_t which) {
   const Exact& ex = job.ex;
   const RerankParams& p = job.p;
   const bool buffered = ex.store.buffer_on();
+  const size_t cap = std::max<size_t>(p.minibatch, kAheadBytes / ex.store.layout().block_bytes());
   s.next_owned.clear();
   for (QueryState& st : s.slots) {
+    if (s.next_owned.size() >= cap) break;  // whole queries' mini-batches, in slot order
     if (!st.live || st.pos >= st.end || (p.beta > 1 && st.stable == p.beta - 1)) continue;
     if (p.page_mates) {
       s.mine.clear();

@@ -544,11 +544,12 @@ def _rchar():
 @pytest.mark.parametrize("backend", ["io_uring", "pread"])
 def test_prefetch_of_more_blocks_than_a_ring_holds(tmp_path, backend):
     """A read-ahead of more blocks than one io_uring submission takes (256) is finished at the wait;
-    without early stop (beta 0) it reads exactly what the plain re-rank reads."""
+    without early stop (beta 0) it reads exactly what the plain re-rank reads. (A round reads ahead at most
+    128 KiB of blocks, or one mini-batch where that is more: mini-batches of 300 one-block records.)"""
     rng = np.random.default_rng(22)
     vectors = rng.standard_normal((700, 1024)).astype(np.float32)  # one record a block
     queries = rng.standard_normal((10, 1024)).astype(np.float32)
-    cand = np.stack([rng.permutation(700)[:96] for _ in range(10)]).astype(np.int64)
+    cand = np.stack([rng.permutation(700)[:640] for _ in range(10)]).astype(np.int64)
     try:
         store, locations = make_store(tmp_path, vectors, "f32", buffer_blocks=0, io_backend=backend)
     except OSError as e:
@@ -556,7 +557,7 @@ def test_prefetch_of_more_blocks_than_a_ring_holds(tmp_path, backend):
     runs = []
     for prefetch in (False, True):
         before = store.stats()
-        out = native.rerank(store, queries, cand, locations, "f32", "ip", 10, 32, 0.0, 0, 1, inflight=10,
+        out = native.rerank(store, queries, cand, locations, "f32", "ip", 10, 300, 0.0, 0, 1, inflight=10,
                             prefetch=prefetch)
         after = store.stats()
         runs.append((out, {key: after[key] - before[key] for key in after}))
@@ -746,3 +747,24 @@ def test_adaptive_layout_needs_both_layouts(tmp_path):
     assert not fixed.adaptive_layout
     with pytest.raises(ValueError, match="set_layout needs an adaptive layout"):
         native.PageStore(str(path), 1000, rpb, ppb, crc, 4).set_layout(True)
+
+
+def test_prefetch_reads_ahead_at_most_128_kib_a_round(tmp_path):
+    """Many queries in flight: a round reads ahead at most 128 KiB of blocks (whole queries' mini-batches), not
+    every query's next mini-batch, and the answer is the plain re-rank's."""
+    rng = np.random.default_rng(23)
+    vectors = rng.standard_normal((4000, 1024)).astype(np.float32)  # one record a block of 4 KiB: 32 blocks a round
+    queries = rng.standard_normal((16, 1024)).astype(np.float32)
+    cand = np.stack([rng.permutation(4000)[:64] for _ in range(16)]).astype(np.int64)
+    store, locations = make_store(tmp_path, vectors, "f32", buffer_blocks=0)
+    assert store.block_bytes == 4096
+    runs = []
+    for prefetch in (False, True):
+        before = store.stats()
+        out = native.rerank(store, queries, cand, locations, "f32", "l2", 10, 8, 0.0, 0, 1, inflight=16,
+                            prefetch=prefetch)
+        runs.append((out, store.stats()["read_ahead"] - before["read_ahead"]))
+    (off, _), (on, ahead) = runs
+    np.testing.assert_array_equal(off[0], on[0])
+    rounds = 64 // 8  # no early stop (beta 0): every query takes all 8 of its mini-batches, all in flight together
+    assert 0 < ahead <= (rounds - 1) * 32  # uncapped: 16 queries x 8 blocks a round, 4x as many
