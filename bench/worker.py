@@ -108,12 +108,6 @@ def fusionrag_lean_build(base_path, base, meta, out, p):
                 progress=False)
 
 
-def with_buffer_divided(by: int):
-    def open_(out, meta, p, threads):
-        return fusionrag_open(out, meta, {**p, "buffer_bytes": p["buffer_bytes"] // by}, threads)
-    return open_
-
-
 def with_engine(by: int = 1, **engine):
     """fusionrag_open with EngineConfig settings, and the page buffer divided by `by`."""
     def open_(out, meta, p, threads):
@@ -223,12 +217,12 @@ def diskann_open(out, meta, p, threads):
 
 SYSTEMS = {  # name: (build, open, the library, imported before the baseline RSS is taken)
     "fusionrag": (fusionrag_build, fusionrag_open, "fusionrag.retriever"),
-    "fusionrag-halfbuf": (None, with_buffer_divided(2), "fusionrag.retriever"),  # searches fusionrag's build
-    "fusionrag-lean": (fusionrag_lean_build, with_buffer_divided(4), "fusionrag.retriever"),
-    "fusionrag-lean-fullbuf": (None, with_buffer_divided(1), "fusionrag.retriever"),  # searches fusionrag-lean's
+    "fusionrag-halfbuf": (None, with_engine(2), "fusionrag.retriever"),  # searches fusionrag's build
+    "fusionrag-lean": (fusionrag_lean_build, with_engine(4), "fusionrag.retriever"),
+    "fusionrag-lean-fullbuf": (None, with_engine(1), "fusionrag.retriever"),  # searches fusionrag-lean's
     # fusionrag-lean's build between the two: its memory/speed frontier has a point where lean's quarter of the
     # buffer leaves memory unused within DiskANN's (MiniLM: 10 against 12 MiB net)
-    "fusionrag-lean-halfbuf": (None, with_buffer_divided(2), "fusionrag.retriever"),
+    "fusionrag-lean-halfbuf": (None, with_engine(2), "fusionrag.retriever"),
     # The same two with the re-rank's read-ahead off (EngineConfig.rerank_prefetch): its blocks in flight, two rounds'
     # of a worker's queries, held ~1-3 MiB more at peak on MiniLM with 2 threads (bench/results/README.md, stop 45)
     "fusionrag-lean-noprefetch": (None, with_engine(4, rerank_prefetch=False), "fusionrag.retriever"),

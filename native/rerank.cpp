@@ -440,7 +440,8 @@ void settle_ahead(const RerankJob& job, Scratch& s, size_t which) {
 
 // At most this many bytes of blocks are read ahead at a time per worker (two rounds' worth are held): a few queries
 // in flight get all of their next mini-batches read ahead; many share their reads of a round anyway, and gain little
-// more from it than the memory it would hold (16 queries of mini-batches of 8 held 1 MiB a worker uncapped).
+// more from it than the memory it would hold (uncapped, 16 queries' mini-batches of 8 blocks of 4 KiB: 512 KiB a
+// round).
 constexpr size_t kAheadBytes = 128 << 10;
 
 void read_next(const RerankJob& job, Scratch& s, size_t which) {
@@ -633,20 +634,19 @@ void bind_rerank(nb::module_& m) {
       "store"_a, "queries"_a, "candidates"_a, "locations"_a, "dtype"_a, "metric"_a, "k"_a, "minibatch"_a, "eps"_a,
       "beta"_a, "num_threads"_a = 0, "inflight"_a = 16, "page_mates"_a = false, "prefetch"_a = false,
       "resident_first"_a = false,
-      "Exact top-k of each query's PQ-ranked candidates (best first, -1 padded), read from the page file in "
-      "mini-batches with early stop; each worker thread keeps up to `inflight` queries in flight and reads their "
-      "mini-batches' blocks together. With page_mates, a block read also scores the query's later candidates "
-      "stored in it; their own mini-batch then reads nothing for them. With prefetch, the reads of each query's next "
-      "mini-batch start before this one is scored, so they overlap the scoring (not for a query one stable "
-      "mini-batch from its stop, unless beta is 1); those an early stop (or the record cache) leaves unused show in "
-      "store.stats()['read_ahead_unused'], and count as blocks from SSD of the query they were read for. With resident_first, a query's first mini-batch also scores every later "
-      "candidate whose block is in the page buffer then (copied from it, nothing read, not counted as a buffer "
-      "request). Returns (ids int64[q,k], dists float32[q,k], stats "
-      "int64[q,7] = [minibatches, candidates re-ranked, blocks from SSD, blocks from buffer (or whose candidates "
-      "all came from the record cache), of those re-ranked the page-mates, of those re-ranked the resident-first "
-      "ones, of those re-ranked the ones from the record cache], seconds float64[q] = the query's share of its "
-      "worker's time). A block read once for "
-      "several queries counts as from SSD for one of them.");
+      "Exact top-k of each query's PQ-ranked candidates (best first, -1 padded), read from the page file in mini-"
+      "batches with early stop; each worker thread keeps up to `inflight` queries in flight and reads their mini-"
+      "batches' blocks together. With page_mates, a block read also scores the query's later candidates stored in it;"
+      " their own mini-batch then reads nothing for them. With prefetch, the reads of each query's next mini-batch "
+      "start before this one is scored, so they overlap the scoring (not for a query one stable mini-batch from its "
+      "stop, unless beta is 1); those an early stop (or the record cache) leaves unused show in "
+      "store.stats()['read_ahead_unused'], and count as blocks from SSD of the query they were read for. With "
+      "resident_first, a query's first mini-batch also scores every later candidate whose block is in the page buffer"
+      " then (copied from it, nothing read, not counted as a buffer request). Returns (ids int64[q,k], dists "
+      "float32[q,k], stats int64[q,7] = [minibatches, candidates re-ranked, blocks from SSD, blocks from buffer (or "
+      "whose candidates all came from the record cache), of those re-ranked the page-mates, of those re-ranked the "
+      "resident-first ones, of those re-ranked the ones from the record cache], seconds float64[q] = the query's "
+      "share of its worker's time). A block read once for several queries counts as from SSD for one of them.");
 
   m.def(
       "exact_distances",

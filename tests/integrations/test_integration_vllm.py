@@ -256,7 +256,8 @@ def test_a_client_that_disconnects_aborts_the_generation(vllm_server, tiny_llm, 
     max_tokens = CONTEXT - 200
     with _openai(vllm_server).chat.completions.create(
             model=str(tiny_llm), messages=[{"role": "user", "content": QUESTION}], max_tokens=max_tokens, stream=True,
-            extra_body={"retrieval": {"collection": kb, "k": 2}, "ignore_eos": True, "return_token_ids": True}) as stream:
+            extra_body={"retrieval": {"collection": kb, "k": 2}, "ignore_eos": True,
+                        "return_token_ids": True}) as stream:
         received = 0
         for chunk in stream:
             received += bool(chunk.choices)
