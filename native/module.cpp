@@ -29,7 +29,9 @@ NB_MODULE(_native, m) {
       "scratch_bytes", [] { return std::max<int64_t>(0, fusionrag::scratch_total().load(std::memory_order_relaxed)); },
       "Bytes the search kernels keep allocated per thread between calls, summed over the process's threads: "
       "the graph's visited tags (4 B a centroid), a scan's seen-bitmap (N / 8 bytes), a batch plan's masks "
-      "(N bytes) and smaller buffers, one set per thread that has searched, held until that thread ends.");
+      "(N bytes) and smaller buffers, one set per thread that has searched, held until that thread ends; and the "
+      "re-rank's scratch kept for the next call (a round's blocks and its read-ahead, at most twice the pool's "
+      "threads of them).");
 
   // For tests of the pool itself: a job whose items wait on something the test controls.
   m.def(

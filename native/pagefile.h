@@ -16,6 +16,8 @@
 #include <unordered_set>
 #include <vector>
 
+#include "scratch_meter.h"
+
 namespace fusionrag {
 
 constexpr size_t kPageBytes = 4096;
@@ -225,6 +227,7 @@ class BlockReader {
 class ReadAhead {
  public:
   size_t size() const { return blocks_.size(); }
+  size_t bytes() const { return capacity_bytes(blocks_, taken_, reads_) + data_.bytes; }  // held, as capacity
 
  private:
   friend class PageStore;

@@ -1,7 +1,8 @@
 // Bytes the search kernels keep per thread between calls (thread-local scratch: the graph's visited tags, a
 // scan's seen-bitmap, a batch plan's masks, and their smaller buffers). They grow with the index (4 B per
 // centroid, N / 8 or N bytes per vector) and live as long as their thread, one copy per thread that ever
-// searched, so a process's total is counted here: native.scratch_bytes().
+// searched, so a process's total is counted here: native.scratch_bytes(). The re-rank's scratch is kept in a pool
+// between calls instead (rerank.cpp, ScratchPool), and counted here while kept.
 #pragma once
 #include <atomic>
 #include <cstddef>

@@ -136,6 +136,6 @@ class _CollectionCollector:
         scratch = GaugeMetricFamily("fusionrag_search_scratch_bytes",
                                     "Host memory the search kernels keep per thread between calls, summed over the "
                                     "process's threads (native.scratch_bytes(): it grows with the indexes searched, "
-                                    "one copy per search thread; no collection's tier holds it)",
+                                    "one copy per search thread, and the re-rank's kept for its next call; no collection's tier holds it)",
                                     value=native.scratch_bytes())
         return [docs, tiers, gpu, ratio, scratch]

@@ -217,6 +217,14 @@ def test_rerank_reports_corruption(tmp_path, prefetch):
         native.rerank(store, vectors[:1], cand, locations, "f32", "l2", 5, 16, 0.0, 0, prefetch=prefetch)
     if prefetch:
         assert store.stats()["read_ahead"] > 0
+    # The failed call's scratch (kept for the next call) holds nothing of it: with its store gone, another store's
+    # calls answer exactly.
+    del store
+    healthy, locations = make_store(tmp_path, vectors, "f32", buffer_blocks=0, spread=1, seed=1)
+    for _ in range(2):
+        ids, _, _, _ = native.rerank(healthy, vectors[:3], np.tile(np.arange(100), (3, 1)), locations, "f32", "l2",
+                                     5, 16, 0.0, 0, prefetch=prefetch)
+        np.testing.assert_array_equal(ids, brute_force(vectors[:3], vectors, "l2", 5)[0])
 
 
 def test_rerank_validates_arguments(tmp_path):
