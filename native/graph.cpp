@@ -311,6 +311,7 @@ class Graph {
   size_t dim() const { return dim_; }
   Metric metric() const { return metric_; }
   bool quantized() const { return quantized_; }
+  bool linked() const { return linked_; }
 
   size_t memory_bytes() const {
     std::shared_lock<std::shared_mutex> r(rw_);
@@ -335,6 +336,7 @@ class Graph {
 
   void add(const float* data, size_t n, size_t threads) {
     if (quantized_) throw std::invalid_argument("quantized graph is read-only; load it with quantize=False to grow it");
+    need_links("grow it");
     std::unique_lock<std::shared_mutex> w(rw_);
     size_t first = count(), total = first + n;
     if (total > size_t(std::numeric_limits<int32_t>::max()))
@@ -368,6 +370,7 @@ class Graph {
   size_t repair() {
     if (quantized_)
       throw std::invalid_argument("quantized graph is read-only; load it with quantize=False to repair it");
+    need_links("repair it");
     std::unique_lock<std::shared_mutex> w(rw_);
     size_t added = reconnect();
     repaired_ += added;
@@ -382,6 +385,7 @@ class Graph {
 
   // Nodes a search can reach on level 0 from the entry point, where every search ends (a measure of the graph).
   size_t reachable() const {
+    need_links("follow them");
     std::shared_lock<std::shared_mutex> r(rw_);
     std::vector<uint8_t> seen(count(), 0);
     return entry_ == kNone ? 0 : mark_from(entry_, seen);
@@ -390,6 +394,7 @@ class Graph {
   // Writes the k nearest of each query (ascending), padding with -1 / +inf.
   void search(const float* queries, size_t nq, size_t k, size_t ef, size_t threads, int32_t* ids,
               float* dists) const {
+    need_links("search by them (exact_search needs none)");
     std::shared_lock<std::shared_mutex> r(rw_);
     ef = std::max(ef, k);
     ThreadPool::instance().parallel_for(nq, threads, [&](size_t i, size_t) {
@@ -478,6 +483,7 @@ class Graph {
     if (quantized_)
       throw std::invalid_argument("quantized graph cannot be saved (its vectors are 8-bit approximations); "
                                   "load it with quantize=False to save it");
+    need_links("save it");
     std::shared_lock<std::shared_mutex> r(rw_);
     Header h{};
     std::memcpy(h.magic, kMagic, sizeof kMagic);
@@ -499,7 +505,9 @@ class Graph {
     f.close();
   }
 
-  static std::unique_ptr<Graph> load(const std::string& path, bool quantize) {
+  // links false: the links are checked for size against the file but not read (exact_search needs none; an index
+  // that navigates exactly holds no more): search, add, repair and save then refuse.
+  static std::unique_ptr<Graph> load(const std::string& path, bool quantize, bool links = true) {
     File f(path, "rb");
     uint64_t file_size = f.size();
     Header h;
@@ -530,6 +538,14 @@ class Graph {
       g->vectors_.resize(h.size * h.dim);
       f.read(g->vectors_.data(), g->vectors_.size() * sizeof(float));
     }
+    g->entry_ = h.entry;
+    g->max_level_ = h.max_level;
+    if (!links) {
+      g->linked_ = false;
+      if (h.size && (h.entry >= h.size || int64_t(h.max_level) != g->levels_[h.entry]))
+        f.bad("inconsistent (bad entry point or links)");
+      return g;
+    }
     g->links0_.resize(h.size * (1 + g->M0_));
     f.read(g->links0_.data(), g->links0_.size() * sizeof(uint32_t));
     g->upper_.resize(h.size);
@@ -537,14 +553,15 @@ class Graph {
       g->upper_[i].resize(g->levels_[i] * (1 + g->M_));
       f.read(g->upper_[i].data(), g->upper_[i].size() * sizeof(uint32_t));
     }
-    g->entry_ = h.entry;
-    g->max_level_ = h.max_level;
     if (!g->consistent()) f.bad("inconsistent (bad entry point or links)");
     return g;
   }
 
  private:
   size_t count() const { return levels_.size(); }  // callers hold rw_
+  void need_links(const char* what) const {
+    if (!linked_) throw std::invalid_argument(std::string("graph loaded without its links (links=False) cannot ") + what);
+  }
   const float* vec(uint32_t i) const { return vectors_.data() + size_t(i) * dim_; }
 
   // Reads the file's float vectors as SQ8 codes in two passes of small chunks
@@ -999,6 +1016,7 @@ class Graph {
   size_t repaired_ = 0;
   std::vector<float> vectors_;               // size x dim, unless quantized
   bool quantized_ = false;                   // SQ8: codes_ (size x dim), lo_ and scale_ (dim) instead
+  bool linked_ = true;                       // false: loaded without links0_ and upper_ (exact_search only)
   std::vector<uint8_t> codes_;
   std::vector<float> lo_, scale_;
   std::vector<uint32_t> links0_;             // size x (1 + 2M)
@@ -1106,10 +1124,15 @@ void bind_graph(nb::module_& m) {
           "save", [](const Graph& g, const std::filesystem::path& path) { g.save(path.string()); }, "path"_a,
           nb::call_guard<nb::gil_scoped_release>())
       .def_static(
-          "load", [](const std::filesystem::path& path, bool quantize) { return Graph::load(path.string(), quantize); },
-          "path"_a, "quantize"_a = false, nb::call_guard<nb::gil_scoped_release>(),
+          "load",
+          [](const std::filesystem::path& path, bool quantize, bool links) {
+            return Graph::load(path.string(), quantize, links);
+          },
+          "path"_a, "quantize"_a = false, "links"_a = true, nb::call_guard<nb::gil_scoped_release>(),
           "Reads a file written by save(); ValueError if it is not whole. quantize: keep the vectors as 8-bit\n"
-          "codes per dimension (SQ8, a quarter of the memory, approximate distances); such a graph only searches.")
+          "codes per dimension (SQ8, a quarter of the memory, approximate distances); such a graph only searches.\n"
+          "links=False: leave the links on disk (for exact_search alone, as an index that navigates exactly uses\n"
+          "it; 4 (1 + 2M) B a node less): search, add, repair, reachable and save then raise ValueError.")
       .def("repair", &Graph::repair, nb::call_guard<nb::gil_scoped_release>(),
            "Link every node that level 0 cannot reach from the entry point (what add() ends with where repair is\n"
            "on); returns the links added.")
@@ -1121,6 +1144,7 @@ void bind_graph(nb::module_& m) {
       .def_prop_ro("dim", &Graph::dim)
       .def_prop_ro("metric", [](const Graph& g) { return std::string(metric_name(g.metric())); })
       .def_prop_ro("quantized", &Graph::quantized, "Whether the vectors are held as SQ8 codes (load(quantize=True)).")
+      .def_prop_ro("linked", &Graph::linked, "Whether the links are held (False after load(links=False)).")
       .def("memory_bytes", &Graph::memory_bytes, "Bytes held by vectors (or codes) and links.")
       .def("vectors", [](const Graph& g) {
         size_t rows;

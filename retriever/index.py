@@ -120,8 +120,10 @@ class Index(ManifestShape):
         except (KeyError, TypeError, ValueError) as e:
             raise IndexFormatError(f"{path}: manifest lacks or garbles a field ({e!r})") from e
         threads = cpu_threads(config.threads)
-        try:
-            graph = native.Graph.load(str(path / "graph.bin"), quantize=config.graph_sq8)
+        navigation = recorded_navigation(m, n_lists, dim + (metric == "ip"), path)
+        try:  # an index that navigates exactly never follows the graph's links: they stay on disk
+            graph = native.Graph.load(str(path / "graph.bin"), quantize=config.graph_sq8,
+                                      links=navigation != "exact")
         except ValueError as e:
             raise IndexFormatError(str(e)) from e
         offsets = load_array(path, "list_offsets.npy", np.int64, 1)
@@ -148,7 +150,6 @@ class Index(ManifestShape):
         problems = [p for p in problems if p]
         if problems:
             raise IndexFormatError(f"{path}: inconsistent index: " + "; ".join(problems))
-        navigation = recorded_navigation(m, graph.size, graph.dim, path)
         if params is None:  # the index's own defaults: what its build's calibration chose
             params = search_defaults(m, path)
         buffer_blocks, cache_records, adaptive = split_buffer(config.buffer_bytes, config, layout)

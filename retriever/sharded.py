@@ -1117,8 +1117,10 @@ class ShardedIndex(ManifestShape):
             if hashlib.sha256(mp.read_bytes()).hexdigest() != want:
                 raise IndexFormatError(f"{path}: shard part {name} was replaced or is corrupt (its manifest does "
                                        "not match the router's)")
-        try:
-            graph = native.Graph.load(str(path / "graph.bin"), quantize=config.graph_sq8)
+        navigation = recorded_navigation(m, n_lists, dim + (metric == "ip"), path)
+        try:  # a router that navigates exactly never follows the graph's links: they stay on disk
+            graph = native.Graph.load(str(path / "graph.bin"), quantize=config.graph_sq8,
+                                      links=navigation != "exact")
         except ValueError as e:
             raise IndexFormatError(f"{path}: {e}") from e
         list_shards = load_array(path, "list_shards.npy", np.int32, 2)
@@ -1172,8 +1174,7 @@ class ShardedIndex(ManifestShape):
             if w["count"] != expected[name]:
                 raise IndexFormatError(f"{path}: shard part {name} holds {w['count']} vectors, the router expects "
                                        f"{expected[name]}")
-        nav = NavigationTier(graph, metric == "ip", cpu_threads(config.threads),
-                             recorded_navigation(m, graph.size, graph.dim, path), None, list_sizes)
+        nav = NavigationTier(graph, metric == "ip", cpu_threads(config.threads), navigation, None, list_sizes)
         out = cls(path, m, nav,
                   list_shards, list_local, list_sizes, shards, bool(ray), params, batch_size)
         out.where, out.config, out.actor_options, out.shard_paths = where, config, options, shard_paths

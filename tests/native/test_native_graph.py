@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+from rss import rss_anon, run_alone
 
 from fusionrag.native import Graph
 
@@ -115,6 +116,39 @@ def test_save_load_round_trip(tmp_path, data):
 
 
 @pytest.mark.parametrize("quantize", [False, True])
+def test_a_graph_loaded_without_links_searches_exactly_alone_and_holds_no_links(tmp_path, quantize):
+    """What an index that navigates exactly loads (Graph.load(links=False)): exact_search answers as the whole
+    graph's does, the links stay on disk (the process's resident memory, not the graph's count, grows by them only
+    when they are loaded), and what needs them says so."""
+    rng = np.random.default_rng(8)
+    n, M = 100_000, 4
+    x = clustered(rng, n, 8)
+    g = Graph(8, "l2", M=M, ef_construction=8, seed=1)
+    g.add(x, num_threads=2)
+    path = tmp_path / "graph.bin"
+    g.save(path)
+    del g
+    # Resident growth in a process of its own: memory this one freed, reused, would not show.
+    bare_grew, whole_grew = map(int, run_alone(__file__, "load", str(path), str(int(quantize))).split())
+    links = n * (1 + 2 * M) * 4  # level 0's lists alone
+    assert whole_grew - bare_grew >= 0.9 * links, (whole_grew, bare_grew, links)
+    bare = Graph.load(path, quantize=quantize, links=False)
+    whole = Graph.load(path, quantize=quantize)
+    assert not bare.linked and whole.linked and (bare.size, bare.dim) == (whole.size, whole.dim)
+    assert whole.memory_bytes() - bare.memory_bytes() >= links
+    q = clustered(rng, 50, 8)
+    for a, b in zip(bare.exact_search(q, 16), whole.exact_search(q, 16)):
+        np.testing.assert_array_equal(a, b)
+    for call in (lambda: bare.search(q, 5, 32), bare.reachable):
+        with pytest.raises(ValueError, match="without its links"):
+            call()
+    if not quantize:  # (a quantized graph refuses these anyway)
+        for call in (lambda: bare.add(x[:3]), bare.repair, lambda: bare.save(tmp_path / "again.bin")):
+            with pytest.raises(ValueError, match="without its links"):
+                call()
+
+
+@pytest.mark.parametrize("quantize", [False, True])
 def test_load_rejects_bad_files(tmp_path, quantize):
     g = Graph(4)
     g.add(np.random.default_rng(0).normal(size=(100, 4)).astype(np.float32))
@@ -137,6 +171,9 @@ def test_load_rejects_bad_files(tmp_path, quantize):
     trailing.write_bytes(blob + b"\0" * 4)
     with pytest.raises(ValueError, match="trailing"):
         Graph.load(str(trailing), quantize=quantize)
+    for bad, match in ((truncated, "truncated"), (wrong_magic, "magic"), (trailing, "trailing")):
+        with pytest.raises(ValueError, match=match):  # a load that leaves the links on disk checks the file alike
+            Graph.load(str(bad), quantize=quantize, links=False)
 
     bad_link = bytearray(blob)  # first link id of node 0 points past the end
     start = 64 + 100 + 100 * 4 * 4
@@ -594,3 +631,11 @@ def test_alpha_bounds_and_its_effect(tmp_path, data):
         links[alpha] = level0_lists(tmp_path / f"{alpha}.bin")[1][:, 0]
         assert links[alpha].max() <= 16 and reached_in_file(tmp_path / f"{alpha}.bin").all()
     assert links[1.5].mean() > 1.3 * links[1.0].mean()  # keeps more, longer links (in the same room)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["load"]:  # resident growth of a load without and with links
+    before = rss_anon()
+    bare = Graph.load(sys.argv[2], quantize=bool(int(sys.argv[3])), links=False)
+    bare_grew = rss_anon() - before
+    whole = Graph.load(sys.argv[2], quantize=bool(int(sys.argv[3])))
+    print(bare_grew, rss_anon() - before - bare_grew)

@@ -206,6 +206,7 @@ def test_a_build_records_how_its_rows_found_their_lists_and_its_queries_go_so(tm
         exact_lists = np.argsort(sq_dists(q, cents), axis=1, kind="stable")[:, :16]
         want = "graph" if name in ("graph", "auto") else "exact"
         assert idx.manifest["list_navigation"] == want and idx.nav.exhaustive == (want == "exact"), name
+        assert idx.nav.graph.linked == (want == "graph"), name  # exact navigation leaves the links on disk
         assert np.array_equal(lists, exact_lists) == (want == "exact"), name
         idx.close()
     assert held_by_exact_nearest["exact"] == 1.0

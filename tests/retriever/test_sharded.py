@@ -87,6 +87,7 @@ def test_a_sharded_build_navigates_as_its_config_says_and_records_it(built, tmp_
     try:
         assert auto.manifest["list_navigation"] == "exact" and auto.nav.exhaustive
         assert not single.nav.exhaustive and not sharded.nav.exhaustive
+        assert not auto.nav.graph.linked and single.nav.graph.linked and sharded.nav.graph.linked
         manifests = [sharded.manifest] + [json.loads((tmp_path / "sharded" / part_name(s) / "manifest.json")
                                                      .read_text()) for s in range(3)]
         assert [m["list_navigation"] for m in manifests] == ["graph"] * 4
