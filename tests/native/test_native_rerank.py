@@ -169,6 +169,50 @@ def test_backends_and_threads_agree(tmp_path):
         assert np.array_equal(stats[:, :2], results[0][2][:, :2])
 
 
+def test_concurrent_calls_on_kept_scratch_answer_as_alone(tmp_path):
+    """Re-rank calls share scratch kept between calls (a pool): calls from eight threads at once, on two stores,
+    with and without read-ahead, page-mates and a record cache, each answer exactly as the same call alone."""
+    import threading
+
+    rng = np.random.default_rng(12)
+    vectors = rng.standard_normal((2000, 96)).astype(np.float32)
+    queries = rng.standard_normal((24, 96)).astype(np.float32)
+    d = ((queries[:, None, :] - vectors[None]) ** 2).sum(-1)
+    cand = np.argsort(d * rng.uniform(0.8, 1.2, d.shape), 1)[:, :150].astype(np.int64)
+    stores = [make_store(tmp_path, vectors, "f32", buffer_blocks=0, seed=0, io_backend="pread"),
+              make_store(tmp_path, vectors, "f32", buffer_blocks=0, seed=1, io_backend="pread", record_cache=400)]
+    calls = [(s, prefetch, mates, minibatch) for s in (0, 1) for prefetch in (False, True) for mates in (False, True)
+             for minibatch in (4, 16)]
+
+    def call(c):
+        (store, locations), prefetch, mates, minibatch = stores[c[0]], c[1], c[2], c[3]
+        ids, dists, _, _ = native.rerank(store, queries, cand, locations, "f32", "l2", 10, minibatch, 0.0, 2,
+                                         num_threads=2, prefetch=prefetch, page_mates=mates)
+        return ids, dists
+
+    want = [call(c) for c in calls]
+    got, errors = {}, []
+
+    def worker(w):
+        try:
+            for r in range(3):
+                for i in range(w, len(calls), 8):
+                    got[(i, r)] = call(calls[i])
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    pool = [threading.Thread(target=worker, args=(w,)) for w in range(8)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    assert not errors, errors
+    assert len(got) == 3 * len(calls)
+    for (i, _), (ids, dists) in got.items():
+        np.testing.assert_array_equal(ids, want[i][0], err_msg=str(calls[i]))
+        np.testing.assert_array_equal(dists, want[i][1], err_msg=str(calls[i]))
+
+
 def test_exact_distances(tmp_path):
     rng = np.random.default_rng(9)
     vectors = random_vectors(rng, "i8", 500, 1100)  # 1100-byte records: 3 a block
