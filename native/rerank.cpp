@@ -17,9 +17,9 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
-#include <string>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -406,15 +406,17 @@ struct Scratch {
 // Re-rank scratch kept between calls: a call takes one per worker and gives them back, so that a round's buffers
 // (its blocks, the read-ahead's) are allocated once, not on every call. Allocated per call, they were freed into the
 // malloc arenas of whichever threads had run the call, and the process's peak RSS grew with the churn: MiniLM, the
-// lean build with half its page buffer, 2 threads, read-ahead on, 13.8 MiB net peak against 10.9 MiB kept (and
-// 9.8 with read-ahead off). At most kIdle are kept, of at most kIdleBytes together; a fetch buffer above
-// kKeepBytes is freed when given back.
+// lean build with half its page buffer, 2 threads, bench/run.py's sweep, 13.8 MiB net peak with read-ahead on
+// against 9.8 off; kept, 10.6 against 9.9. At most kIdle are kept, of at most kIdleBytes together; a fetch buffer
+// above kKeepBytes is freed when given back. give() allocates nothing (idle_ is reserved): a lease's destructor
+// calls it.
 class ScratchPool {
  public:
   static ScratchPool& instance() {
     static ScratchPool pool;
     return pool;
   }
+  ScratchPool() { idle_.reserve(kIdle); }
   std::unique_ptr<Scratch> take() {
     std::lock_guard<std::mutex> lk(mutex_);
     if (idle_.empty()) return std::make_unique<Scratch>();
