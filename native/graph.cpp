@@ -540,10 +540,9 @@ class Graph {
     }
     g->entry_ = h.entry;
     g->max_level_ = h.max_level;
+    g->linked_ = links;
     if (!links) {
-      g->linked_ = false;
-      if (h.size && (h.entry >= h.size || int64_t(h.max_level) != g->levels_[h.entry]))
-        f.bad("inconsistent (bad entry point or links)");
+      if (!g->consistent()) f.bad("inconsistent (bad entry point or links)");
       return g;
     }
     g->links0_.resize(h.size * (1 + g->M0_));
@@ -996,6 +995,7 @@ class Graph {
   bool consistent() const {
     if (count() == 0) return entry_ == kNone && max_level_ == -1;
     if (entry_ >= count() || max_level_ != levels_[entry_]) return false;
+    if (!linked_) return true;  // (load(links=False): no links to check)
     for (uint32_t i = 0; i < count(); ++i)
       for (int level = 0; level <= levels_[i]; ++level) {
         const uint32_t* l = links(i, level);

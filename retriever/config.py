@@ -382,8 +382,8 @@ class EngineConfig(_Config):
     # nothing is read that the search would not read. On by default since the read-ahead went two rounds deep
     # (stop 44): +10-21% q/s for single-query calls on GloVe, Fashion-MNIST and MiniLM (tuning halves, a cold 1/64
     # buffer, bench/results/rerank_prefetch.md), -3% to +4% for calls of 16 (report halves). It holds up to 2 x 128 KiB
-    # of blocks in flight per search thread (measured: +1-3 MiB peak RSS on MiniLM with 2 threads); off where every MiB
-    # counts.
+    # of blocks in flight per search thread (measured: -0.2 to +0.6 MiB peak RSS on GloVe and MiniLM with 2 threads
+    # since the re-rank keeps its scratch between calls, +1-3 MiB before); off where every MiB counts.
     rerank_prefetch: Annotated[bool, knob("read each query's next mini-batch of pages while the current one is "
                                           "scored")] = True
     # 'clock' (CLOCK), or 'lfu', cache by use: requests counted per block (weighted by how many queries asked,
