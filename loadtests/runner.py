@@ -103,8 +103,12 @@ def start_service(data_dir: Path, out: Path, server_args: list[str], env: dict |
             f"http://127.0.0.1:{port}")
 
 
-# What vLLM's CPU build needs to start offline beside the tests and benchmarks: a small KV cache, no hub.
-VLLM_OFFLINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+# What vLLM's CPU build needs to run offline beside the tests and benchmarks: a small KV cache, no hub, and its
+# worker left unpinned. By default ("auto") it pins the worker to one core, where it spins (sched_yield) between
+# steps; on a 2-core machine a process woken on that core then waited seconds for it: in 1 request of 10 the client
+# of a streamed generation read nothing until all its 7992 tokens were generated (0 of 60 unpinned).
+VLLM_OFFLINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                    "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
 def start_vllm_plugin(model: Path, data_dir: Path, log: Path, max_model_len: int = 1024,

@@ -253,6 +253,8 @@ def test_a_client_that_disconnects_aborts_the_generation(vllm_server, tiny_llm, 
     # About 9 s of this model's tokens on an idle machine were 1700, and once on CI all 1700 ran to the end before
     # the client left: the client counted chunks with text, and a random model's tokens can be pieces of a UTF-8
     # character that vLLM holds back (a chunk of no text is not sent). With return_token_ids every token is a chunk.
+    # Stop 46's CI had all 7992 run: vLLM's worker pinned to a core of the two and spinning there kept this process
+    # from running until the generation was over (1 request in 10 here); VLLM_OFFLINE_ENV leaves it unpinned.
     max_tokens = CONTEXT - 200
     with _openai(vllm_server).chat.completions.create(
             model=str(tiny_llm), messages=[{"role": "user", "content": QUESTION}], max_tokens=max_tokens, stream=True,

@@ -57,7 +57,7 @@ def test_rag_users_through_the_vllm_plugin_measure_what_they_see(tmp_path):
     model = build_tiny_llm(tmp_path / "llm", [d.text for d in corpus()], vocab_size=2000)
     vllm = (f"{sys.executable} -m vllm.entrypoints.launchers.api_server.entry --model {model} --host 127.0.0.1 "
             "--port {port} --max-model-len 1024 --max-num-seqs 4 --enforce-eager")
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {**os.environ, **runner.VLLM_OFFLINE_ENV}
     out = tmp_path / "report"
     p = _loadtest("--out", str(out), *SMALL, "--seconds", "10", "--max-users", "3", "--users", "vector=1,rag=2",
                   "--llm", vllm, "--rag-route", "plugin", "--max-tokens", "8", "--start-timeout", "420",
