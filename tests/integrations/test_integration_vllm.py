@@ -254,7 +254,7 @@ def test_a_client_that_disconnects_aborts_the_generation(vllm_server, tiny_llm, 
     # the client left: the client counted chunks with text, and a random model's tokens can be pieces of a UTF-8
     # character that vLLM holds back (a chunk of no text is not sent). With return_token_ids every token is a chunk.
     # Stop 46's CI had all 7992 run: vLLM's worker pinned to a core of the two and spinning there kept this process
-    # from running until the generation was over (1 request in 10 here); VLLM_OFFLINE_ENV leaves it unpinned.
+    # from running until the generation was over (22 requests of 125 here); VLLM_OFFLINE_ENV leaves it unpinned.
     max_tokens = CONTEXT - 200
     asked = time.monotonic()
     with _openai(vllm_server).chat.completions.create(

@@ -2,7 +2,6 @@
 every answer checked against exact search; any error or wrong answer fails the run."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -55,13 +54,14 @@ def test_rag_users_through_the_vllm_plugin_measure_what_they_see(tmp_path):
 
     # The tokenizer learns the demo corpus (the text collection), so four passages fit the context.
     model = build_tiny_llm(tmp_path / "llm", [d.text for d in corpus()], vocab_size=2000)
-    vllm = (f"{sys.executable} -m vllm.entrypoints.launchers.api_server.entry --model {model} --host 127.0.0.1 "
-            "--port {port} --max-model-len 1024 --max-num-seqs 4 --enforce-eager")
-    env = {**os.environ, **runner.VLLM_OFFLINE_ENV}
+    # vLLM's settings for this machine on its own command line: the service and Locust keep this process's.
+    settings = " ".join(f"{k}={v}" for k, v in runner.VLLM_OFFLINE_ENV.items())
+    vllm = (f"env {settings} {sys.executable} -m vllm.entrypoints.launchers.api_server.entry --model {model} "
+            "--host 127.0.0.1 --port {port} --max-model-len 1024 --max-num-seqs 4 --enforce-eager")
     out = tmp_path / "report"
     p = _loadtest("--out", str(out), *SMALL, "--seconds", "10", "--max-users", "3", "--users", "vector=1,rag=2",
                   "--llm", vllm, "--rag-route", "plugin", "--max-tokens", "8", "--start-timeout", "420",
-                  timeout=900, env=env)
+                  timeout=900)
     assert p.returncode == 0, p.stdout + p.stderr + (out / "llm.log").read_text()[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert report["passed"] and report["rag_route"] == "plugin" and report["verdict"]["servers_alive_at_end"]
