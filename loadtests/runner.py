@@ -103,16 +103,21 @@ def start_service(data_dir: Path, out: Path, server_args: list[str], env: dict |
             f"http://127.0.0.1:{port}")
 
 
+def _cores() -> int:
+    """CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 # What vLLM's CPU build needs to run offline beside the tests and benchmarks: a small KV cache, no hub, and its
 # worker left unpinned with vLLM's own share of the cores (all but the one it would reserve for its engine core).
 # By default ("auto") it pins the worker to a core, where it spins (sched_yield) between steps; on a 2-core machine
-# a process woken on that core then waited seconds for it (bench/results/vllm_disconnect.md: clients leaving
+# a process woken on that core then waited seconds for it (bench/results/vllm_binding/: clients leaving
 # streams of 7,992 tokens after 3 chunks, 5 of 60 had every token generated; unpinned with 1 OpenMP thread, none
 # ran past 2). Unpinned with OpenMP's default of every core, steps fight the other processes: time to first token
 # p90 44-47 ms against auto's 30 (bench/rag_ttft.py, two runs each); with one thread, 28-29.
 VLLM_OFFLINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                    "OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) - 1))}
+                    "OMP_NUM_THREADS": str(max(1, _cores() - 1))}
 
 
 def start_vllm_plugin(model: Path, data_dir: Path, log: Path, max_model_len: int = 1024,
