@@ -47,11 +47,13 @@ def _metric(url: str, name: str) -> float:
 def run_binding(spec: str, model: Path, work: Path, requests: int) -> list[dict]:
     """spec: VLLM_CPU_OMP_THREADS_BIND's value, with ":N" for OMP_NUM_THREADS=N in vLLM's processes."""
     bind, _, threads = spec.partition(":")
-    data = work / f"data-{spec.replace(':', '-')}"
+    tag = spec.replace(":", "-")
+    data = work / f"data-{tag}"
     data.mkdir()
-    env = {"FUSIONRAG_API_KEYS": KEY, "VLLM_CPU_OMP_THREADS_BIND": bind, **({"OMP_NUM_THREADS": threads} if threads else {})}
-    child, url = start_vllm_plugin(model, data, work / f"vllm-{spec.replace(':', '-')}.log", max_model_len=CONTEXT,
-                                   env=env)
+    env = {"FUSIONRAG_API_KEYS": KEY, "VLLM_CPU_OMP_THREADS_BIND": bind}
+    if threads:
+        env["OMP_NUM_THREADS"] = threads
+    child, url = start_vllm_plugin(model, data, work / f"vllm-{tag}.log", max_model_len=CONTEXT, env=env)
     out = []
     try:
         wait_vllm_plugin(child, url, 420, key=KEY)
@@ -93,7 +95,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="JSON file (a .md is written beside it)")
     p.add_argument("--requests", type=int, default=60, help="requests per binding")
-    p.add_argument("--bindings", nargs="+", default=["auto", "nobind"], help="VLLM_CPU_OMP_THREADS_BIND values, each with :N for OMP_NUM_THREADS=N")
+    p.add_argument("--bindings", nargs="+", default=["auto", "nobind"],
+                   help="VLLM_CPU_OMP_THREADS_BIND values, each with :N for OMP_NUM_THREADS=N")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="vllm-disconnect-") as tmp:
         work = Path(tmp)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from threads import run_threads
 
 from fusionrag.kernels.adc_scan import adc_scan, adc_scan_reference
 from fusionrag.kernels.adc_stream import adc_stream, adc_stream_reference
@@ -272,11 +273,7 @@ def test_pool_blocks_are_never_shared():
                 holding[0] -= 1
             pool.give(b)
 
-    threads = [threading.Thread(target=worker, args=(m,)) for m in (1, 2, 3, 4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    assert not run_threads(worker, (1, 2, 3, 4))
     assert not clashes and most[0] == 2 and len(pool._free) == 2 and {id(b) for b in pool._free} == {
         id(b) for b in pool.blocks}
     b = pool.take()

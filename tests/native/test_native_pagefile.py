@@ -2,10 +2,10 @@
 
 import os
 import shutil
-import threading
 
 import numpy as np
 import pytest
+from threads import run_threads
 
 from fusionrag import native
 
@@ -344,22 +344,15 @@ def test_concurrent_readers(page_file, backend):
 
     def reader(seed):
         rng = np.random.default_rng(seed)
-        try:
-            for _ in range(60):
-                blocks = rng.choice(store.num_blocks, 20, replace=False).astype(np.uint32)
-                if not np.array_equal(store.read_blocks(blocks), data[blocks]):
-                    errors.append(f"thread {seed}: wrong bytes")
-                b = int(rng.integers(store.num_blocks))
-                if store.read_block(b) != data[b].tobytes():
-                    errors.append(f"thread {seed}: wrong block {b}")
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(repr(e))
+        for _ in range(60):
+            blocks = rng.choice(store.num_blocks, 20, replace=False).astype(np.uint32)
+            if not np.array_equal(store.read_blocks(blocks), data[blocks]):
+                errors.append(f"thread {seed}: wrong bytes")
+            b = int(rng.integers(store.num_blocks))
+            if store.read_block(b) != data[b].tobytes():
+                errors.append(f"thread {seed}: wrong block {b}")
 
-    threads = [threading.Thread(target=reader, args=(s,)) for s in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors += run_threads(reader, range(6))
     assert not errors
     st = store.stats()
     assert st["blocks_read"] + st["blocks_from_buffer"] == 6 * 60 * 21

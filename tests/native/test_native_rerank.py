@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 from conftest import status_bytes
+from threads import run_threads
 
 from fusionrag import native
 
@@ -172,8 +173,6 @@ def test_backends_and_threads_agree(tmp_path):
 def test_concurrent_calls_on_kept_scratch_answer_as_alone(tmp_path):
     """Re-rank calls share scratch kept between calls (a pool): calls from eight threads at once, on two stores,
     with and without read-ahead, page-mates and a record cache, each answer exactly as the same call alone."""
-    import threading
-
     rng = np.random.default_rng(12)
     vectors = rng.standard_normal((2000, 96)).astype(np.float32)
     queries = rng.standard_normal((24, 96)).astype(np.float32)
@@ -191,21 +190,14 @@ def test_concurrent_calls_on_kept_scratch_answer_as_alone(tmp_path):
         return ids, dists
 
     want = [call(c) for c in calls]
-    got, errors = {}, []
+    got = {}
 
     def worker(w):
-        try:
-            for r in range(3):
-                for i in range(w, len(calls), 8):
-                    got[(i, r)] = call(calls[i])
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(repr(e))
+        for r in range(3):
+            for i in range(w, len(calls), 8):
+                got[(i, r)] = call(calls[i])
 
-    pool = [threading.Thread(target=worker, args=(w,)) for w in range(8)]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
+    errors = run_threads(worker, range(8))
     assert not errors, errors
     assert len(got) == 3 * len(calls)
     for (i, _), (ids, dists) in got.items():
