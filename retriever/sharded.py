@@ -1077,6 +1077,10 @@ class ShardedIndex(ManifestShape):
         self._base_count: int | None = None  # distinct ids in the shards' indexes (live_count)
         self.fresh_count = np.zeros(self.n_shards, dtype=np.int64)
         self.call_timeout_s: float | None = None
+        # What a following router's searches read of the state above (view(), sharded_follow.py) changed since
+        # (epoch, version): epoch is this process's, version counts the changes (under _lock).
+        self.epoch, self.version = os.urandom(8).hex(), 0
+        self._views: tuple[int, dict] | None = None  # the last view built, by version
 
     @classmethod
     def open(cls, path, config: EngineConfig | None = None, params: SearchParams | None = None,
@@ -1093,13 +1097,9 @@ class ShardedIndex(ManifestShape):
         config = config or EngineConfig()
         if not 1 <= batch_size <= 65536:
             raise ConfigError(f"batch_size must be in [1, 65536], got {batch_size}")
-        if (path / MANIFEST).exists() and not is_sharded(path):
-            raise IndexFormatError(f"{path}: not a sharded index (open it with Index.open)")
-        m = read_manifest(path, verify and config.verify, ROUTER_FILES)
+        m, names = cls._read_router(path, config, verify)
         try:
-            n_shards, n_lists, dim, metric = int(m["shards"]), int(m["centroids"]), int(m["dim"]), m["metric"]
             parts = m["parts"]
-            names = [part_name(s) for s in range(n_shards)]
             hashes = [parts[name]["manifest_sha256"] for name in names]
         except (KeyError, TypeError, ValueError) as e:
             raise IndexFormatError(f"{path}: manifest lacks or garbles a field ({e!r})") from e
@@ -1117,28 +1117,8 @@ class ShardedIndex(ManifestShape):
             if hashlib.sha256(mp.read_bytes()).hexdigest() != want:
                 raise IndexFormatError(f"{path}: shard part {name} was replaced or is corrupt (its manifest does "
                                        "not match the router's)")
-        navigation = recorded_navigation(m, n_lists, dim + (metric == "ip"), path)
-        try:  # a router that navigates exactly never follows the graph's links: they stay on disk
-            graph = native.Graph.load(str(path / "graph.bin"), quantize=config.graph_sq8,
-                                      links=navigation != "exact")
-        except ValueError as e:
-            raise IndexFormatError(f"{path}: {e}") from e
-        list_shards = load_array(path, "list_shards.npy", np.int32, 2)
-        list_local = load_array(path, "list_local.npy", np.int32, 2)
-        list_sizes = load_array(path, "list_sizes.npy", np.int64, 1)
-        problems = [
-            graph.size != n_lists and f"graph has {graph.size} nodes, manifest says {n_lists}",
-            graph.dim != dim + (metric == "ip") and f"graph dimension {graph.dim} does not fit dimension {dim}",
-            list_shards.shape != (n_lists, 2) and "list_shards.npy does not hold a row per list",
-            list_local.shape != (n_lists, 2) and "list_local.npy does not hold a row per list",
-            len(list_sizes) != n_lists and "list_sizes.npy does not hold a size per list",
-            (list_shards.shape == (n_lists, 2) and (list_shards.min(initial=0) < -1 or list_shards.max(initial=0)
-                                                     >= n_shards or (list_shards[:, 0] < 0).any()))
-            and "list_shards.npy names shards that do not exist",
-        ]
-        problems = [p for p in problems if p]
-        if problems:
-            raise IndexFormatError(f"{path}: inconsistent sharded index: " + "; ".join(problems))
+        graph, list_shards, list_local, list_sizes, navigation = cls._router_tier(path, m, config)
+        metric = m["metric"]
         params = params or search_defaults(m, path)  # what the build's calibration chose
         shard_paths = [str((path / name).resolve()) for name in names]
         options = None
@@ -1183,6 +1163,48 @@ class ShardedIndex(ManifestShape):
         out._load_write_maps()
         out.nav.model = load_probe_model(path, m)
         return out
+
+    @staticmethod
+    def _read_router(path: Path, config: EngineConfig, verify: bool) -> tuple[dict, list[str]]:
+        """The router's manifest (checked) and its shard parts' names."""
+        if (path / MANIFEST).exists() and not is_sharded(path):
+            raise IndexFormatError(f"{path}: not a sharded index (open it with Index.open)")
+        m = read_manifest(path, verify and config.verify, ROUTER_FILES)
+        try:
+            n_shards = int(m["shards"])
+            int(m["centroids"]), int(m["dim"]), str(m["metric"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise IndexFormatError(f"{path}: manifest lacks or garbles a field ({e!r})") from e
+        return m, [part_name(s) for s in range(n_shards)]
+
+    @staticmethod
+    def _router_tier(path: Path, m: dict, config: EngineConfig) -> tuple:
+        """The router's navigation graph and list maps, checked against each other and the manifest: (graph,
+        list_shards, list_local, list_sizes, navigation)."""
+        n_shards, n_lists, dim, metric = int(m["shards"]), int(m["centroids"]), int(m["dim"]), m["metric"]
+        navigation = recorded_navigation(m, n_lists, dim + (metric == "ip"), path)
+        try:  # a router that navigates exactly never follows the graph's links: they stay on disk
+            graph = native.Graph.load(str(path / "graph.bin"), quantize=config.graph_sq8,
+                                      links=navigation != "exact")
+        except ValueError as e:
+            raise IndexFormatError(f"{path}: {e}") from e
+        list_shards = load_array(path, "list_shards.npy", np.int32, 2)
+        list_local = load_array(path, "list_local.npy", np.int32, 2)
+        list_sizes = load_array(path, "list_sizes.npy", np.int64, 1)
+        problems = [
+            graph.size != n_lists and f"graph has {graph.size} nodes, manifest says {n_lists}",
+            graph.dim != dim + (metric == "ip") and f"graph dimension {graph.dim} does not fit dimension {dim}",
+            list_shards.shape != (n_lists, 2) and "list_shards.npy does not hold a row per list",
+            list_local.shape != (n_lists, 2) and "list_local.npy does not hold a row per list",
+            len(list_sizes) != n_lists and "list_sizes.npy does not hold a size per list",
+            (list_shards.shape == (n_lists, 2) and (list_shards.min(initial=0) < -1 or list_shards.max(initial=0)
+                                                     >= n_shards or (list_shards[:, 0] < 0).any()))
+            and "list_shards.npy names shards that do not exist",
+        ]
+        problems = [p for p in problems if p]
+        if problems:
+            raise IndexFormatError(f"{path}: inconsistent sharded index: " + "; ".join(problems))
+        return graph, list_shards, list_local, list_sizes, navigation
 
     def prepare_queries(self, queries) -> np.ndarray:
         return prepare_queries(queries, self.dim, self.metric)
@@ -1231,6 +1253,33 @@ class ShardedIndex(ManifestShape):
     def _mark_down(self, s: int) -> None:
         with self._lock:
             self.alive[s] = False
+            self.version += 1
+
+    def _changed(self) -> None:
+        with self._lock:
+            self.version += 1
+
+    def view(self, epoch: str | None = None, version: int = -1) -> dict | None:
+        """What a router following this one needs for its searches (ShardedFollower, sharded_follow.py): None
+        when nothing changed since (epoch, version), else the shards (their actors), which are alive, how many
+        fresh rows each holds and which sets of shards hold some (fresh_groups), the lists whose replica missed
+        writes (behind: list, then which replica, as replica_writes' columns), the default search settings, and
+        the (epoch, version) it is."""
+        with self._lock:
+            if epoch == self.epoch and version == self.version:
+                return None
+            v = self.version
+            if self._views is not None and self._views[0] == v:
+                return self._views[1]
+            out = {"epoch": self.epoch, "version": v, "alive": self.alive.copy(),
+                   "fresh_count": self.fresh_count.copy(), "fresh_groups": dict(self.fresh_groups),
+                   "shards": list(self.shards), "params": self.params.to_dict()}
+        w = self.replica_writes.copy()  # written under the write lock: a newer count is sent again at its version
+        lag = np.flatnonzero(w[:, 0] != w[:, 1])
+        out["behind"] = (lag.astype(np.int64), (w[lag, 1] > w[lag, 0]).astype(np.int8))
+        with self._lock:
+            self._views = (v, out)
+        return out
 
     def probe(self, q: np.ndarray, p: SearchParams):
         """(lists int32 (q, m), -1 where cut; their count per query): as Index probes (p.probe 'ratio', the
@@ -1405,6 +1454,7 @@ class ShardedIndex(ManifestShape):
 
     def _count_upserts(self, to_list: np.ndarray, targets: list[tuple[int, ...]], acked: set[int]) -> None:
         """Count an upsert round's vectors for the replicas of their lists that took them (replica_writes)."""
+        self._changed()
         for lst, t in zip(to_list.tolist(), targets):
             if lst < 0:
                 continue
@@ -1436,6 +1486,7 @@ class ShardedIndex(ManifestShape):
                 for o in owners:
                     self.fresh_count[o] += 1
                 self.fresh_groups[owners] = self.fresh_groups.get(owners, 0) + 1
+            self.version += 1
 
     def upsert(self, ids, vectors, docs: list | None = None) -> int:
         """Insert or replace vectors by id (non-negative integers below 2**62; the built vectors' ids are their
@@ -1551,6 +1602,7 @@ class ShardedIndex(ManifestShape):
             uniq, times = np.unique(tomb, return_counts=True)
             held = np.array([len(h) for h in self._base_holders(uniq)])
             self.base_gone = set(uniq[times >= held].tolist())
+        self._changed()
 
     # -- documents (sharded_docs.py) ---------------------------------------------------------------
 
@@ -1692,6 +1744,7 @@ class ShardedIndex(ManifestShape):
                 else:  # the maps are rebuilt when the down shard is back; the merged ones hold no fresh rows now
                     self.fresh_count[merged] = 0
                     self._base_count = None
+                    self._changed()
         # Grown (or shrunk) past what the router's calibration measured: measured again, as a single index's merge
         # does (calibrate.merge_remeasures); with every shard up, since the truth needs all of them. Checked at
         # every call, not only after a merge, so a calibration cut short (a shard down) is tried again.
@@ -1711,6 +1764,7 @@ class ShardedIndex(ManifestShape):
         cal = calibrate_open_sharded(self, config.calibrate_queries, config.target_recall, built.get("seed", 0), log)
         self.manifest = {**self.manifest, **write_calibration(self.path, cal)}
         self.params = SearchParams(**cal["params"])
+        self._changed()
         return cal
 
     # -- faults ------------------------------------------------------------------------------------
@@ -1785,6 +1839,7 @@ class ShardedIndex(ManifestShape):
             with self._lock:
                 self.outstanding[s] = 0
                 self.alive[s] = True
+                self.version += 1
             self._load_write_maps()
         return where
 

@@ -12,14 +12,20 @@ A search that could not reach every list it needed says which (`missing_lists` p
 is down.
 
     python -m fusionrag.server.ray_serve --address 127.0.0.1:6379 --index IDX [--host 127.0.0.1] [--port 8000]
+        [--routers N]
+
+With --routers N above 1, N router replicas run vector searches and follow a leader replica that does the writes
+(_led_deployment, retriever/sharded_follow.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import signal
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +35,7 @@ from fastapi.responses import JSONResponse
 from pydantic import Field
 
 from fusionrag.retriever.collection import CollectionConfig, Document
-from fusionrag.retriever.errors import InputError
+from fusionrag.retriever.errors import FusionRAGError, InputError, UnavailableError
 from fusionrag.retriever.sharded_docs import ShardedCollection
 from fusionrag.server.auth import KeyRing
 from fusionrag.server.config import ServerConfig
@@ -40,6 +46,7 @@ from fusionrag.server.routes.documents import page_answer, query_filter
 from fusionrag.server.schemas import CreateCollection, DeleteRequest, GetRequest, SearchRequest, UpsertRequest
 
 DEPLOYMENT = "fusionrag-router"
+LEADER = "fusionrag-leader"  # with more than one router replica: the one that writes (_led_deployment)
 log = logging.getLogger(__name__)
 
 
@@ -56,10 +63,10 @@ DEFAULT_PAGE = 100
 MERGE_FRESH_COUNT = CollectionConfig().merge_fresh_count  # a shard merges at a collection's threshold
 
 
-def create_app(coll: ShardedCollection, keys: KeyRing | None = None) -> FastAPI:
+def create_app(coll: ShardedCollection, keys: KeyRing | None = None, router: str | None = None) -> FastAPI:
     """The HTTP routes over a sharded collection (ShardedCollection over an opened ShardedIndex). Thread-safe as
     the index is. keys: API keys (server/auth.py) the /v1 routes require, as the single service's do; None or
-    none configured: open."""
+    none configured: open. router: this router replica's id, sent back in the header x-fusionrag-router."""
     app = FastAPI(title="fusionrag (sharded, on Ray)")
     index, name = coll.index, coll.name
     app.state.index_dir = index.path
@@ -86,7 +93,10 @@ def create_app(coll: ShardedCollection, keys: KeyRing | None = None) -> FastAPI:
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
             return JSONResponse({"detail": f"request body of {size} bytes, at most {MAX_BODY_BYTES} accepted"}, 413)
-        return await call_next(request)
+        response = await call_next(request)
+        if router is not None:
+            response.headers["x-fusionrag-router"] = router
+        return response
 
     def collection(coll_name: str) -> None:
         if coll_name != name:
@@ -230,9 +240,11 @@ def _keep_replica_on_loopback() -> None:
     replica.add_port_to_grpc_server = on_loopback
 
 
-def _keep_healthy(index, every_s: float, stop: threading.Event, merge_fresh_count: int = MERGE_FRESH_COUNT) -> None:
+def _keep_healthy(index, every_s: float, stop: threading.Event, merge_fresh_count: int = MERGE_FRESH_COUNT,
+                  after=None) -> None:
     """Every every_s: ask each shard whether it runs, restart those that do not from their directories, and merge
-    those whose fresh tier and tombstones hold merge_fresh_count rows or more (searches and writes go on)."""
+    those whose fresh tier and tombstones hold merge_fresh_count rows or more (searches and writes go on); then
+    call after() (where given)."""
     while not stop.wait(every_s):
         try:
             index.check_shards()
@@ -240,15 +252,23 @@ def _keep_healthy(index, every_s: float, stop: threading.Event, merge_fresh_coun
             index.merge_shards(min_fresh=merge_fresh_count)
         except Exception:  # noqa: BLE001 - the next round tries again
             log.warning("fusionrag: checking or merging the shards failed", exc_info=True)
+        if after is not None:
+            try:
+                after()
+            except Exception:  # noqa: BLE001
+                log.warning("fusionrag: publishing the router's view failed", exc_info=True)
 
 
 def _deployment(index_dir: str, name: str, actor_options: dict | None, loopback: bool, call_timeout_s: float | None,
-                heal_every_s: float, keys: KeyRing | None = None):
-    """The router as a Ray Serve deployment: one replica (the router keeps the write maps) that opens the index,
-    the shards as Ray actors of its own, and serves create_app's routes."""
+                heal_every_s: float, keys: KeyRing | None = None, routers: int = 1):
+    """The router as a Ray Serve deployment that serves create_app's routes. routers=1: one replica, which opens
+    the index, starts the shards as Ray actors of its own and keeps the write maps. More: _led_deployment."""
     from ray import serve
 
     from fusionrag.retriever.sharded import ShardedIndex
+
+    if routers > 1:
+        return _led_deployment(index_dir, name, actor_options, loopback, call_timeout_s, heal_every_s, keys, routers)
 
     @serve.deployment(name=DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0},
                       max_ongoing_requests=64)
@@ -264,7 +284,7 @@ def _deployment(index_dir: str, name: str, actor_options: dict | None, loopback:
                              name="fusionrag-heal").start()
 
         def __serve_build_asgi_app__(self):
-            return create_app(ShardedCollection(self.index, name), keys)
+            return create_app(ShardedCollection(self.index, name), keys, _replica_id())
 
         def __del__(self):
             index = getattr(self, "index", None)
@@ -275,9 +295,149 @@ def _deployment(index_dir: str, name: str, actor_options: dict | None, loopback:
     return Router.bind()
 
 
+def _replica_id() -> str:
+    from ray import serve
+
+    return serve.get_replica_context().replica_id.unique_id
+
+
+def _on_leader(leader, timeout_s: float, method: str, *args):
+    """Call a method of the leader's replica (a Serve deployment handle) and wait for its answer; the leader's own
+    errors as it raised them (an InputError stays a 422), no answer (its replica is being replaced) as
+    UnavailableError (503)."""
+    from ray import exceptions as rex
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        return getattr(leader, method).remote(*args).result(timeout_s=timeout_s)
+    except rex.RayTaskError as e:
+        if isinstance(e.cause, FusionRAGError):
+            raise e.cause from None
+        raise
+    except (rex.RayError, RayServeException, TimeoutError) as e:
+        raise UnavailableError(f"the leading router did not answer ({type(e).__name__}): try again") from e
+
+
+class ViewBoard:
+    """The leader's latest view (ShardedIndex.view), where the router replicas read it: a plain Ray actor, so a
+    follower's call before a search (before a round of them: ShardedFollower.sync) is one actor call rather than
+    a Serve request through the leader (which cost the routers 3.7 ms and the leader 1.8 ms of CPU per query,
+    bench/results/sharded_routers_handle.md). The leader sets it before it answers a write, so a search that
+    starts after the answer reads a view that holds the write. It goes with the leader's replica that made it."""
+
+    def __init__(self):
+        self.view: dict | None = None
+
+    def set(self, view: dict) -> None:
+        v = self.view  # a newer view of the same leader, set concurrently, is not replaced by an older one
+        if v is None or v["epoch"] != view["epoch"] or v["version"] < view["version"]:
+            self.view = view
+
+    def get(self, epoch: str | None, version: int) -> dict | None:
+        v = self.view
+        return None if v is None or (v["epoch"] == epoch and v["version"] == version) else v
+
+
+def _led_deployment(index_dir: str, name: str, actor_options: dict | None, loopback: bool,
+                    call_timeout_s: float | None, heal_every_s: float, keys: KeyRing | None, routers: int):
+    """`routers` replicas of the router (retriever/sharded_follow.py), and a leader: a deployment of one replica
+    that opens the index, starts the shards as Ray actors of its own, keeps the write maps, restarts and merges
+    shards, and does every write. Each router replica follows it: vector searches on the replica, with the
+    leader's shards and write state (read from the leader's ViewBoard before each search, sent when changed),
+    everything else on the leader."""
+    import ray
+    from ray import serve
+
+    from fusionrag.retriever.sharded import ShardedIndex
+    from fusionrag.retriever.sharded_follow import FollowerCollection, ShardedFollower
+
+    leader_timeout_s = call_timeout_s or 30.0
+
+    @serve.deployment(name=LEADER, num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
+    class Leader:
+        def __init__(self):
+            if loopback:
+                _keep_replica_on_loopback()
+            self.index = ShardedIndex.open(index_dir, ray=True, actor_options=actor_options,
+                                           call_timeout_s=call_timeout_s)
+            self.coll = ShardedCollection(self.index, name)
+            self.board = ray.remote(ViewBoard).options(num_cpus=0).remote()
+            self.published: tuple[str | None, int] = (None, -1)
+            self.publishing = threading.Lock()
+            self.publish()
+            self.stop = threading.Event()
+            threading.Thread(target=_keep_healthy, args=(self.index, heal_every_s, self.stop, MERGE_FRESH_COUNT,
+                                                         self.publish), daemon=True, name="fusionrag-heal").start()
+
+        def publish(self) -> None:
+            """The index's view onto the board, where it changed since the last one published (in a thread)."""
+            with self.publishing:
+                view = self.index.view(*self.published)
+                if view is not None:
+                    ray.get(self.board.set.remote(view), timeout=leader_timeout_s)
+                    self.published = (view["epoch"], view["version"])
+
+        async def view_board(self):
+            return self.board
+
+        async def call(self, method: str, args: tuple, kwargs: dict):
+            # In a thread of its own: the replica's event loop goes on meanwhile. The view published before the
+            # answer (a write's, or a shard found down by a read).
+            try:
+                return await asyncio.to_thread(getattr(self.coll, method), *args, **kwargs)
+            finally:
+                await asyncio.to_thread(self.publish)
+
+        def __del__(self):
+            index = getattr(self, "index", None)
+            if index is not None:
+                self.stop.set()
+                index.close()
+
+    @serve.deployment(name=DEPLOYMENT, num_replicas=routers, ray_actor_options={"num_cpus": 0},
+                      max_ongoing_requests=64)
+    @serve.ingress()
+    class Router:
+        def __init__(self, leader):
+            if loopback:
+                _keep_replica_on_loopback()
+            self.leader, self.board = leader, None
+            # Serve runs this on the replica's event loop, where a handle's answer is not waited for: in a thread.
+            with ThreadPoolExecutor(1) as pool:
+                self.index = pool.submit(ShardedFollower.follow, index_dir, self._view,
+                                         call_timeout_s=call_timeout_s).result()
+
+        def _view(self, epoch: str | None, version: int) -> dict | None:
+            """The leader's view from its board, if newer than (epoch, version); the board asked of the leader
+            first, and again when it is gone (the leader's replica was replaced: a new board, a new epoch)."""
+            for _ in range(2):
+                if self.board is None:
+                    self.board = _on_leader(self.leader, leader_timeout_s, "view_board")
+                try:
+                    return ray.get(self.board.get.remote(epoch, version), timeout=leader_timeout_s)
+                except ray.exceptions.RayActorError:
+                    self.board = None
+                except ray.exceptions.GetTimeoutError as e:
+                    raise UnavailableError("the leading router's view did not come: try again") from e
+            raise UnavailableError("the leading router is being replaced: try again")
+
+        def _call(self, method: str, args: tuple, kwargs: dict):
+            return _on_leader(self.leader, leader_timeout_s, "call", method, args, kwargs)
+
+        def __serve_build_asgi_app__(self):
+            return create_app(FollowerCollection(self.index, name, self._call), keys, _replica_id())
+
+        def __del__(self):
+            index = getattr(self, "index", None)
+            if index is not None:
+                index.close()
+
+    return Router.bind(Leader.bind())
+
+
 def serve(address: str, index_dir, host: str = "127.0.0.1", port: int = 8000, name: str | None = None,
           actor_options: dict | None = None, proxy_location: str = "HeadOnly", call_timeout_s: float | None = 30.0,
-          heal_every_s: float = 5.0, block: bool = True, keys: KeyRing | None = None) -> str:
+          heal_every_s: float = 5.0, block: bool = True, keys: KeyRing | None = None, routers: int = 1) -> str:
     """Serve the sharded index at index_dir over HTTP on host:port, from the Ray cluster at `address` (Ray Serve
     starts its controller and an HTTP proxy there; the proxy listens on host:port). name: the collection's name
     (default: the directory's). proxy_location: Serve's (HeadOnly: one HTTP proxy, on the head node; EveryNode
@@ -286,12 +446,15 @@ def serve(address: str, index_dir, host: str = "127.0.0.1", port: int = 8000, na
     from their directories. keys: the API keys the /v1 routes require (server/auth.py; None: open), as
     `fusionrag serve` reads them (--api-keys-file, FUSIONRAG_API_KEYS). block: until SIGINT or SIGTERM, then the
     application is deleted and Serve shut down; else returns the base URL and leaves it running (serve.shutdown()
-    stops it)."""
+    stops it). routers: replicas of the router; more than one: a leader replica does every write and each router
+    replica follows it (_led_deployment, retriever/sharded_follow.py)."""
     import ray
     from ray import serve as rserve
 
     from fusionrag.retriever.sharded import is_sharded
 
+    if isinstance(routers, bool) or not isinstance(routers, int) or routers < 1:
+        raise InputError(f"routers must be a positive integer, got {routers!r}")
     index_dir = str(Path(index_dir).resolve())
     if not is_sharded(index_dir):
         raise InputError(f"{index_dir}: not a sharded index (build it with --shards)")
@@ -301,7 +464,7 @@ def serve(address: str, index_dir, host: str = "127.0.0.1", port: int = 8000, na
                  **({"_node_ip_address": host} if host in ("127.0.0.1", "localhost") else {}))
     rserve.start(proxy_location=proxy_location, http_options={"host": host, "port": port})
     loopback = host in ("127.0.0.1", "localhost", "::1")
-    rserve.run(_deployment(index_dir, name, actor_options, loopback, call_timeout_s, heal_every_s, keys),
+    rserve.run(_deployment(index_dir, name, actor_options, loopback, call_timeout_s, heal_every_s, keys, routers),
                name="fusionrag",
                route_prefix="/")
     url = f"http://{host}:{port}"
@@ -325,8 +488,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--name", default=None, help="the collection's name (default: the directory's)")
+    ap.add_argument("--routers", type=int, default=1, help="router replicas (more than one: they follow a leader)")
     a = ap.parse_args(argv)
-    serve(a.address, a.index, a.host, a.port, a.name)
+    serve(a.address, a.index, a.host, a.port, a.name, routers=a.routers)
 
 
 if __name__ == "__main__":

@@ -57,11 +57,11 @@ def _copy_logs(temp: str, logs_to: Path | None) -> None:
 
 
 @contextmanager
-def ray_cluster(nodes: int, logs_to: Path | None = None):
+def ray_cluster(nodes: int, logs_to: Path | None = None, env: dict | None = None):
     """`nodes` Ray nodes on 127.0.0.1 (`ray start` each, one CPU, a small object store), this process connected
     as the driver. On leaving: every Ray process stopped and the session directory removed; if the body raised,
-    its logs are first copied to logs_to (when given)."""
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    its logs are first copied to logs_to (when given). env: more environment for the nodes' processes."""
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **(env or {})}
     # The session directory holds Unix sockets, whose paths must stay short.
     temp = tempfile.mkdtemp(prefix="fr-ray-", dir="/tmp")
     common = ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--object-store-memory=80000000",

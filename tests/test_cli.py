@@ -88,7 +88,9 @@ def test_serve_ray_needs_a_sharded_index_and_says_so(tmp_path):
     run("build", tmp_path / "base.fbin", tmp_path / "idx", "--quiet")
     cases = [(["--ray", "127.0.0.1:1"], "serve --ray needs --index"),
              (["--ray", "127.0.0.1:1", "--index", tmp_path / "idx"], "not a sharded index (build it with --shards)"),
-             (["--index", tmp_path / "idx"], "--index and --name go with --ray")]
+             (["--ray", "127.0.0.1:1", "--index", tmp_path / "idx", "--routers", "0"],
+              "routers must be a positive integer, got 0"),
+             (["--index", tmp_path / "idx"], "--index, --name, --routers and --proxy-location go with --ray")]
     for argv, message in cases:
         p = run("serve", "--data-dir", tmp_path / "data", *argv, check=False)
         assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr

@@ -230,10 +230,11 @@ def _cmd_serve(args) -> int:
         from fusionrag.server.auth import KeyRing
 
         serve_on_ray(args.ray, args.index, host=config.host, port=config.port, name=args.name,
-                     keys=KeyRing.from_config(config.api_keys, config.api_keys_file))
+                     keys=KeyRing.from_config(config.api_keys, config.api_keys_file), routers=args.routers,
+                     proxy_location=args.proxy_location)
         return 0
-    if args.index or args.name:
-        raise ConfigError("--index and --name go with --ray (serving a sharded index); the service serves the "
+    if args.index or args.name or args.routers != 1 or args.proxy_location != "HeadOnly":
+        raise ConfigError("--index, --name, --routers and --proxy-location go with --ray (serving a sharded index); the service serves the "
                           "collections of --data-dir")
     try:
         from fusionrag.server.main import serve
@@ -335,6 +336,12 @@ def build_parser() -> argparse.ArgumentParser:
     ray.add_argument("--index", metavar="DIR", help="with --ray: the sharded index directory, on storage every "
                      "node sees")
     ray.add_argument("--name", help="with --ray: the collection's name (default: the directory's)")
+    ray.add_argument("--routers", type=int, default=1, metavar="N",
+                     help="with --ray: replicas of the router (default 1); more than one: vector searches on every "
+                          "replica, writes on one that leads")
+    ray.add_argument("--proxy-location", choices=("HeadOnly", "EveryNode"), default="HeadOnly",
+                     help="with --ray: Ray Serve's HTTP proxies: on the head node only (default), or one on every "
+                          "node (each node's clients then reach its own router replica)")
     v.set_defaults(run=_cmd_serve)
 
     from fusionrag.loadtests.runner import add_arguments as add_loadtest_arguments

@@ -3,7 +3,7 @@ test's own (as test_sharded.py's two-node test). Three nodes (`ray start` three 
 writes, one shard's actor process is killed and its shard restarted from its directory: no search fails, each says
 which lists it could not reach, and no acknowledged write is lost; the same when a whole worker node leaves (its
 raylet sent SIGTERM). (A node's raylet killed with SIGKILL is the child's `node` mode, run by hand: on this 2-core VM
-the head's GCS stalled in some runs, docs/sharded.md.) Two nodes: the index served over HTTP by Ray Serve."""
+the head's GCS stalled in some runs, docs/sharded.md.) Two nodes: the index served over HTTP by Ray Serve, with one router replica, and with two following a leader."""
 
 from pathlib import Path
 
@@ -17,6 +17,7 @@ from fusionrag.retriever.sharded import build_sharded
 
 FAULTS_CHILD = Path(__file__).with_name("sharded_ray_faults_child.py")
 SERVE_CHILD = Path(__file__).with_name("sharded_ray_serve_child.py")
+ROUTERS_CHILD = Path(__file__).with_name("sharded_ray_routers_child.py")
 @pytest.fixture
 def ray_namespace():
     pytest.importorskip("ray")
@@ -81,19 +82,24 @@ def test_a_worker_node_crashed_under_load_on_three_nodes(ray_namespace, tmp_path
     assert r["listening"] and all(a in LOOPBACK for a in r["listening"]), r["listening"]
 
 
-def test_served_over_http_with_the_router_a_ray_serve_deployment(ray_namespace, tmp_path):
+def two_shards_answered(work: Path) -> None:
+    """A two-shard index in work/idx, queries.npy, and expect.npz: their answers with the shards in this process."""
     from fusionrag.retriever.sharded import ShardedIndex
 
     base = clustered(3000, 16, 20, seed=5, spread=0.6)
     queries = clustered(30, 16, 20, seed=6, spread=0.6)
-    np.save(tmp_path / "queries.npy", queries)
-    build_sharded(base, tmp_path / "idx", 2, BuildConfig(threads=1, centroid_ratio=0.05), progress=False)
-    index = ShardedIndex.open(tmp_path / "idx")
+    np.save(work / "queries.npy", queries)
+    build_sharded(base, work / "idx", 2, BuildConfig(threads=1, centroid_ratio=0.05), progress=False)
+    index = ShardedIndex.open(work / "idx")
     try:
         res = index.search(queries, 10)
     finally:
         index.close()
-    np.savez(tmp_path / "expect.npz", ids=res.ids, distances=res.distances)
+    np.savez(work / "expect.npz", ids=res.ids, distances=res.distances)
+
+
+def test_served_over_http_with_the_router_a_ray_serve_deployment(ray_namespace, tmp_path):
+    two_shards_answered(tmp_path)
     r = in_namespace(SERVE_CHILD, tmp_path, 500)
     print(r)
     assert r["nodes"] == 2
@@ -112,4 +118,27 @@ def test_served_over_http_with_the_router_a_ray_serve_deployment(ray_namespace, 
     # A shard actor killed: every answer meanwhile a 200 (partial or whole), the router restarted it by itself.
     assert all(x.startswith("200 ") for x in r["statuses_while_down"]), r
     assert r["healed_s"] < 90 and r["after_heal"] == 200 and r["after_heal_equal"], r
+    assert r["listening"] and all(a in LOOPBACK for a in r["listening"]), r["listening"]
+
+
+def test_served_by_two_router_replicas_following_a_leader(ray_namespace, tmp_path):
+    two_shards_answered(tmp_path)
+    r = in_namespace(ROUTERS_CHILD, tmp_path, 500)
+    print(r)
+    assert r["ready"] == [200, {"status": "ready", "shards_alive": [True, True]}], r
+    assert r["routers"] == 2 and r["leaders"] == 1, r
+    # Both replicas answered searches, each as the index in one process does.
+    assert r["answered_by"] == 2 and r["all_equal"], r
+    # Each write, done by the leader, found by the next four searches, whichever replica ran them.
+    assert r["writes_seen_at_once"] == [True] * 6, r
+    assert r["text_first"] == "w3" and r["get"] == [{"id": "w2", "text": "write 2", "metadata": {}}], r
+    assert r["count"] == 3006 and r["bad"] == 422 and r["bad_write"] == 422, r
+    assert r["delete"] == [200, {"deleted": 1}] and r["deleted_gone"], r
+    # A router replica SIGKILLed: every search meanwhile answered; Serve replaced it.
+    assert set(r["router_statuses"]) == {"200"} and r["router_replaced"], r
+    # The leader SIGKILLed, its shards with it: searches answered whole once Serve's new leader opened the index
+    # (waiting for it, or 503), and every acknowledged write is there.
+    assert set(r["leader_statuses"]) <= {"200", "503"} and "200" in r["leader_statuses"], r
+    assert r["writes_after_leader_kill"][:5] == ["w0", "w1", "w2", "w3", "w4"], r
+    assert r["writes_after_leader_kill"][5] != "w5" and r["shards"] == 2, r
     assert r["listening"] and all(a in LOOPBACK for a in r["listening"]), r["listening"]
