@@ -13,21 +13,27 @@ the second half is searched at them: after one pass to warm the page buffer (siz
 raw vectors), the best of --passes timed passes.
 
     python bench/shard_service.py --sets synth100kx768 synth1mx768 --indexes bench/work/flat
+    python bench/shard_service.py --sets synth100kx768 --threads 2 --out bench/results/shard_service_threads.json
+
+--threads T also searches the report half from T threads at once, the settings chosen as above: queries/s against
+one thread's, what the paper's many-thread node rests on (the sets are built at the defaults where not there yet).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from datasets import load  # noqa: E402
+from datasets import load, prepare  # noqa: E402
 
 from fusionrag.retriever.calibrate import _climb, recall_at  # noqa: E402
 from fusionrag.retriever.config import SearchParams  # noqa: E402
@@ -50,7 +56,19 @@ def search(index, q: np.ndarray, params: SearchParams | None = None):
     return np.concatenate(ids), wall, {key: np.concatenate(v) for key, v in stats.items()}
 
 
-def measure(work: Path, index_dir: Path, name: str, targets: list[float], fraction: int, passes: int) -> dict:
+def threaded(index, q: np.ndarray, params: SearchParams, threads: int) -> float:
+    """Wall seconds for q searched by `threads` threads at once, each its share (every threads-th batch of BATCH),
+    as a shard's actor answers concurrent calls (ShardServer: one index, a thread per call)."""
+    parts = [np.concatenate([q[s:s + BATCH] for s in range(t * BATCH, len(q), threads * BATCH)])
+             for t in range(threads)]
+    with ThreadPoolExecutor(threads) as pool:
+        t0 = time.perf_counter()
+        list(pool.map(lambda part: search(index, part, params), parts))
+        return time.perf_counter() - t0
+
+
+def measure(work: Path, index_dir: Path, name: str, targets: list[float], fraction: int, passes: int,
+            threads: int = 1) -> dict:
     import fusionrag.retriever as fr
 
     base, queries, gt, meta = load(work, name)
@@ -96,6 +114,11 @@ def measure(work: Path, index_dir: Path, name: str, targets: list[float], fracti
                  "pages_buffered": round(float(st["pages_buffered"].mean()), 2)}
         # the router's share is the navigation; a shard's call is the rest
         point["shard_us"] = round(point["us_per_query"] - us["graph_s"], 1)
+        if threads > 1:  # the same queries from `threads` threads at once: queries/s against one thread's
+            threaded(index, report[0], params, threads)  # warm
+            wall_t = min(threaded(index, report[0], params, threads) for _ in range(passes))
+            point["threads"] = {"threads": threads, "qps": round(nq / wall_t, 1), "qps_one": round(nq / wall, 1),
+                                "speedup": round(wall / wall_t, 2)}
         out["points"].append(point)
         print(json.dumps({"set": name, **point}), flush=True)
     index.close()
@@ -111,12 +134,23 @@ def main() -> None:
     ap.add_argument("--targets", type=float, nargs="+", default=[0.90, 0.95])
     ap.add_argument("--buffer-fraction", type=int, default=64, help="page buffer = raw vectors / this")
     ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="also search the report half from this many threads "
+                    "at once (queries/s against one thread's)")
     ap.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
     args = ap.parse_args()
     root = args.indexes or args.work / "flat"
-    results = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": 1, "batch": BATCH},
-               "sets": [measure(args.work.resolve(), root / s, s, args.targets, args.buffer_fraction, args.passes)
-                        for s in args.sets]}
+    for name in args.sets:  # a set not built yet: prepared and built at the defaults, as `fusionrag build` builds
+        if not (root / name).exists():
+            from fusionrag.retriever.build import build_index
+            from fusionrag.retriever.config import BuildConfig
+
+            prepare(args.work.resolve(), name)
+            base, _, _, meta = load(args.work.resolve(), name)
+            build_index(base, root / name, BuildConfig(metric=meta["metric"]), progress=False)
+    results = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                           "threads": args.threads, "batch": BATCH},
+               "sets": [measure(args.work.resolve(), root / s, s, args.targets, args.buffer_fraction, args.passes,
+                                args.threads) for s in args.sets]}
     if args.out:
         args.out.write_text(json.dumps(results, indent=1) + "\n")
 

@@ -934,8 +934,13 @@ class ShardServer:
 
             node = ray.get_runtime_context().get_node_id()
         with self._reading() as (g, w):
+            mem = g.index.memory()
+            # The filter tier this shard's process runs: the GPU's where CUDA shows it one (Ray leaves
+            # CUDA_VISIBLE_DEVICES as the node has it for an actor that reserves no GPU), under this process's
+            # gpu_budget_bytes.
             return {"pid": os.getpid(), "node_id": node, "count": g.index.count, "path": self.path,
-                    "generation": g.number, **w.info()}
+                    "generation": g.number, "pq_tier": mem["pq_tier"], "pq_bytes": mem["pq_bytes"],
+                    "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES"), **w.info()}
 
     def close(self) -> None:
         self.closed = True

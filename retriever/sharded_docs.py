@@ -243,6 +243,9 @@ class ShardedCollection:
             count, fresh = ix.live_count(), len(ix.fresh_owner)
         return {"name": self.name, "dimension": self.dim, "metric": self.metric, "embedding": None, "state": "ready",
                 "count": count, "sharded": True, "shards": ix.n_shards, "shards_alive": ix.alive.tolist(),
+                # Each shard's filter tier as it opened ("gpu" where its node's GPU was visible to it).
+                "shards_tiers": [{key: w.get(key) for key in ("pq_tier", "pq_bytes", "visible_gpus")}
+                                 for w in ix.where],
                 "search_defaults": ix.params.to_dict(), "calibration": ix.manifest.get("calibration"),
                 "build_state": {"indexed": count - fresh, "fresh": fresh}}
 

@@ -74,7 +74,9 @@ def main() -> None:
     t0 = time.perf_counter()
     # Serve's HTTP proxy sends each request to a replica on its own node while that one has room; the test's
     # nodes are one machine, so it spreads them over both replicas instead (docs/sharded.md, "Serving on Ray").
-    with ray_cluster(2, env={"RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING": "0"}):
+    # CUDA_VISIBLE_DEVICES as a node with one GPU has it: the shard actors see it (they reserve no GPU of Ray's, which
+    # would leave it unchanged only for them), and, this machine having no CUDA, filter on the CPU.
+    with ray_cluster(2, env={"RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING": "0", "CUDA_VISIBLE_DEVICES": "0"}):
         from ray import serve as rserve
 
         from fusionrag.server.ray_serve import serve
@@ -108,7 +110,8 @@ def main() -> None:
         s, b, _ = call("POST", SEARCH, {"texts": ["write 3"], "mode": "text", "k": 1})
         report["text_first"] = b["results"][0][0]["id"] if s == 200 and b["results"][0] else s
         report["get"] = call("POST", "/v1/collections/docs/documents/get", {"ids": ["w2"]})[1].get("documents")
-        report["count"] = call("GET", "/v1/collections/docs")[1].get("count")
+        info = call("GET", "/v1/collections/docs")[1]
+        report["count"], report["tiers"] = info.get("count"), info.get("shards_tiers")
         report["bad"] = call("POST", SEARCH, {"vectors": [[0.0] * 3]})[0]
         report["bad_write"] = call("POST", "/v1/collections/docs/documents",
                                    {"documents": [{"id": "x", "vector": [0.0] * 3}]})[0]

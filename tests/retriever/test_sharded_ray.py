@@ -133,6 +133,8 @@ def test_served_by_two_router_replicas_following_a_leader(ray_namespace, tmp_pat
     assert r["writes_seen_at_once"] == [True] * 6, r
     assert r["text_first"] == "w3" and r["get"] == [{"id": "w2", "text": "write 2", "metadata": {}}], r
     assert r["count"] == 3006 and r["bad"] == 422 and r["bad_write"] == 422, r
+    # Each shard actor saw its node's GPU setting, and runs the CPU filter tier here (no CUDA).
+    assert [(t["visible_gpus"], t["pq_tier"]) for t in r["tiers"]] == [("0", "cpu")] * 2, r["tiers"]
     assert r["delete"] == [200, {"deleted": 1}] and r["deleted_gone"], r
     # A router replica SIGKILLed: every search meanwhile answered; Serve replaced it.
     assert set(r["router_statuses"]) == {"200"} and r["router_replaced"], r

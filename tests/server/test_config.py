@@ -137,8 +137,10 @@ def test_every_setting_is_a_serve_flag_with_its_help_and_environment_name():
         assert k.help and a.option_strings[0] == "--" + k.name.replace("_", "-") and a.default is None
         assert a.help.startswith(k.help) and f"env {ENV_PREFIX}{k.name.upper()}" in a.help
         assert isinstance(a, argparse.BooleanOptionalAction) if k.type is bool else a.type is k.type
-    # --ray, --index and --name serve a sharded index instead (flags only; docs/api.md says so).
-    assert set(actions) - {"help", "config", "ray", "index", "name"} == {k.name for k in KNOBS.values() if k.flag}
+    # --ray, --index, --name, --routers and --proxy-location serve a sharded index instead (flags only; docs/api.md
+    # says so).
+    sharded = {"ray", "index", "name", "routers", "proxy_location"}
+    assert set(actions) - {"help", "config"} - sharded == {k.name for k in KNOBS.values() if k.flag}
 
 
 def test_every_setting_is_in_the_api_page():
