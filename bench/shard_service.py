@@ -15,8 +15,9 @@ raw vectors), the best of --passes timed passes.
     python bench/shard_service.py --sets synth100kx768 synth1mx768 --indexes bench/work/flat
     python bench/shard_service.py --sets synth100kx768 --threads 2 --out bench/results/shard_service_threads.json
 
---threads T also searches the report half from T threads at once, the settings chosen as above: queries/s against
-one thread's, what the paper's many-thread node rests on (the sets are built at the defaults where not there yet).
+--threads T also searches the report half from T threads at once, and from T processes of one thread at once, the
+settings chosen as above: queries/s against one thread's (one process's), what the paper's many-thread node rests
+on (the sets are built at the defaults where not there yet).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -65,6 +67,31 @@ def threaded(index, q: np.ndarray, params: SearchParams, threads: int) -> float:
         t0 = time.perf_counter()
         list(pool.map(lambda part: search(index, part, params), parts))
         return time.perf_counter() - t0
+
+
+def processes_qps(work: Path, index_dir: Path, name: str, params: dict, fraction: int, passes: int,
+                  processes: int) -> list[float]:
+    """Queries/s of each of `processes` copies of this script searching the report half at once, one thread each,
+    each with its own page buffer (--one-process): what a node's cores give without sharing one process."""
+    cmd = [sys.executable, __file__, "--one-process", str(work), str(index_dir), name, json.dumps(params),
+           str(fraction), str(passes)]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(processes)]
+    return [float(json.loads(p.communicate()[0].strip().splitlines()[-1])["qps"]) for p in procs]
+
+
+def one_process(work: Path, index_dir: Path, name: str, params: dict, fraction: int, passes: int) -> None:
+    import fusionrag.retriever as fr
+
+    base, queries, _, _ = load(work, name)
+    n, dim = base.shape
+    index = fr.Index.open(str(index_dir), threads=1, filter_tier="cpu", buffer_bytes=n * dim * 4 // fraction)
+    q = np.ascontiguousarray(queries, dtype=np.float32)
+    report, p = q[len(q) // 2:], SearchParams(**params)
+    search(index, q[:len(q) // 2], p)  # warm, as measure() does
+    search(index, report, p)
+    wall = min(search(index, report, p)[1] for _ in range(passes))
+    index.close()
+    print(json.dumps({"qps": len(report) / wall}), flush=True)
 
 
 def measure(work: Path, index_dir: Path, name: str, targets: list[float], fraction: int, passes: int,
@@ -119,6 +146,13 @@ def measure(work: Path, index_dir: Path, name: str, targets: list[float], fracti
             wall_t = min(threaded(index, report[0], params, threads) for _ in range(passes))
             point["threads"] = {"threads": threads, "qps": round(nq / wall_t, 1), "qps_one": round(nq / wall, 1),
                                 "speedup": round(wall / wall_t, 2)}
+            # and as many processes of one thread, searching at once (the engine's Python between native calls
+            # shares one interpreter in a process; processes share only the machine)
+            alone = processes_qps(work, index_dir, name, chosen[t], fraction, passes, 1)
+            many = processes_qps(work, index_dir, name, chosen[t], fraction, passes, threads)
+            point["processes"] = {"processes": threads, "qps_each": [round(x, 1) for x in many],
+                                  "qps": round(sum(many), 1), "qps_one": round(alone[0], 1),
+                                  "speedup": round(sum(many) / alone[0], 2)}
         out["points"].append(point)
         print(json.dumps({"set": name, **point}), flush=True)
     index.close()
@@ -137,6 +171,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="also search the report half from this many threads "
                     "at once (queries/s against one thread's)")
     ap.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
+    if sys.argv[1:2] == ["--one-process"]:
+        w, d, name, params, fraction, passes = sys.argv[2:8]
+        return one_process(Path(w), Path(d), name, json.loads(params), int(fraction), int(passes))
     args = ap.parse_args()
     root = args.indexes or args.work / "flat"
     for name in args.sets:  # a set not built yet: prepared and built at the defaults, as `fusionrag build` builds
