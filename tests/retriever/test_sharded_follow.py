@@ -12,7 +12,7 @@ from conftest import clustered
 
 from fusionrag.retriever.collection import Document
 from fusionrag.retriever.config import BuildConfig
-from fusionrag.retriever.errors import ConfigError
+from fusionrag.retriever.errors import ConfigError, UnavailableError
 from fusionrag.retriever.sharded import ShardedIndex, build_sharded
 from fusionrag.retriever.sharded_docs import ShardedCollection
 from fusionrag.retriever.sharded_follow import FollowerCollection, ShardedFollower
@@ -171,3 +171,34 @@ def test_a_follower_collection_searches_here_and_writes_through_the_leader(route
     assert fcoll.info()["count"] == N + 1
     assert fcoll.delete(["note"]) == 1 and fcoll.search(v[None], 1).hits[0][0].id != "note"
     assert calls == ["upsert", "search", "get", "__len__", "info", "delete"]
+
+
+def test_a_leader_that_does_not_answer_fails_the_search_clearly_and_its_successor_is_followed(routers, tmp_path):
+    """No view (the leader's replica being replaced): the search is refused with UnavailableError (a 503), each
+    waiting search trying itself; a new leader on the same index (a new epoch, new shards) is then followed, with
+    the writes the old one acknowledged."""
+    leader, follower, view, q = routers
+    leader.upsert([N + 900], q[:1] + 0.001)
+    assert follower.search(q[:1] + 0.001, 1).ids[0, 0] == N + 900
+    leader.close()
+    gone = follower.leader_view
+
+    def down(epoch, version):
+        raise UnavailableError("the leading router is being replaced: try again")
+
+    follower.leader_view = down
+    with ThreadPoolExecutor(3) as pool:
+        fails = [pool.submit(follower.search, q[:2], K) for _ in range(3)]
+        for f in fails:
+            with pytest.raises(UnavailableError, match="being replaced"):
+                f.result()
+    successor = ShardedIndex.open(tmp_path / "idx")
+    try:
+        epoch = follower.seen[0]
+        follower.leader_view = CountingLeader(successor)
+        res = follower.search(q[:1] + 0.001, 1)
+        assert follower.seen[0] == successor.epoch != epoch and follower.shards == successor.shards
+        assert res.ids[0, 0] == N + 900 and not res.partial
+    finally:
+        follower.leader_view = gone
+        successor.close()
