@@ -225,8 +225,9 @@ def create_app(coll: ShardedCollection, keys: KeyRing | None = None, router: str
 def _keep_replica_on_loopback() -> None:
     """Ray Serve 2.60's replica opens its inter-deployment gRPC server on every interface ("[::]:0",
     ray/serve/_private/replica.py), whatever the HTTP host; when the service is to listen on loopback alone, that
-    server is bound to 127.0.0.1 instead (this deployment calls no other, so nothing dials it from elsewhere).
-    Runs in the replica, before Serve starts that server."""
+    server is bound to 127.0.0.1 instead. The router replicas call the leader (_led_deployment) through Serve
+    handles, which go as Ray actor calls unless RAY_SERVE_USE_GRPC_BY_DEFAULT=1, so nothing dials that server from
+    elsewhere. Runs in the replica, before Serve starts that server."""
     from ray.serve._private import replica
 
     add_port = replica.add_port_to_grpc_server
