@@ -195,13 +195,14 @@ def markdown(r: dict) -> str:
     lines = [f"# One router replica against two following a leader ({r['set']}, {r['count']:,} x {r['dim']}, "
              f"{r['shards']} shards)", "",
              f"`bench/sharded_routers.py`, {r['machine']}; two Ray nodes on one machine; one query per request over "
-             f"HTTP; runs in the order listed; the set's second half of queries ({r['queries_reported']}); loaded: {r['clients']} clients for "
-             f"{r['seconds']:.0f} s.", "",
+             f"HTTP; runs in the order listed; the set's second half of queries ({r['queries_reported']}); loaded: "
+             f"{r['clients']} clients for {r['seconds']:.0f} s.", "",
              "| routers | recall@10 | sequential p50 / p99 ms | loaded QPS | loaded p50 / p99 ms | replicas answering "
-             "| CPU ms per query: proxy / routers / leader / board / shards / client |", "|---|---|---|---|---|---|---|"]
+             "| CPU ms per query: proxy / routers / leader / board / shards / client |",
+             "|---|---|---|---|---|---|---|"]
     for x in r["runs"]:
-        c, ld = x["loaded"]["cpu_ms_per_query"], x["loaded"]
-        lines.append(f"| {x['routers']} | {x['recall@10']} | {x['sequential_ms']['p50']} / {x['sequential_ms']['p99']} | "
+        c, ld, seq = x["loaded"]["cpu_ms_per_query"], x["loaded"], x["sequential_ms"]
+        lines.append(f"| {x['routers']} | {x['recall@10']} | {seq['p50']} / {seq['p99']} | "
                      f"{ld['qps']} | {ld['p50_ms']} / {ld['p99_ms']} | {ld['replicas_answering']} | "
                      f"{c['proxy']} / {c['routers']} / {c['leader']} / {c['board']} / {c['shards']} / "
                      f"{c.get('client', 0)} |")

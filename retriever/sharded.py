@@ -1096,12 +1096,9 @@ class ShardedIndex(ManifestShape):
         queries per batch, each batch one call per shard it needs. call_timeout_s: a shard that has not answered a
         call by then is taken for down (its lists go to their replicas; heal() restarts it); None: wait as long as
         Ray takes to report a dead actor or node."""
-        if call_timeout_s is not None and not call_timeout_s > 0:
-            raise ConfigError(f"call_timeout_s must be positive, got {call_timeout_s}")
+        cls._check_options(call_timeout_s, batch_size)
         path = Path(path)
         config = config or EngineConfig()
-        if not 1 <= batch_size <= 65536:
-            raise ConfigError(f"batch_size must be in [1, 65536], got {batch_size}")
         m, names = cls._read_router(path, config, verify)
         try:
             parts = m["parts"]
@@ -1168,6 +1165,13 @@ class ShardedIndex(ManifestShape):
         out._load_write_maps()
         out.nav.model = load_probe_model(path, m)
         return out
+
+    @staticmethod
+    def _check_options(call_timeout_s: float | None, batch_size: int) -> None:
+        if call_timeout_s is not None and not call_timeout_s > 0:
+            raise ConfigError(f"call_timeout_s must be positive, got {call_timeout_s}")
+        if not 1 <= batch_size <= 65536:
+            raise ConfigError(f"batch_size must be in [1, 65536], got {batch_size}")
 
     @staticmethod
     def _read_router(path: Path, config: EngineConfig, verify: bool) -> tuple[dict, list[str]]:
@@ -1459,13 +1463,13 @@ class ShardedIndex(ManifestShape):
 
     def _count_upserts(self, to_list: np.ndarray, targets: list[tuple[int, ...]], acked: set[int]) -> None:
         """Count an upsert round's vectors for the replicas of their lists that took them (replica_writes)."""
-        self._changed()
         for lst, t in zip(to_list.tolist(), targets):
             if lst < 0:
                 continue
             for s in t:
                 if s in acked:
                     self.replica_writes[lst, 0 if self.list_shards[lst, 0] == s else 1] += 1
+        self._changed()  # after the counts: a view built at the new version holds them
 
     def _refuse_if_down(self, shards, what: str) -> None:
         down = sorted(s for s in shards if not self.alive[s])

@@ -54,10 +54,7 @@ class ShardedFollower(ShardedIndex):
                verify: bool = True, call_timeout_s: float | None = None) -> "ShardedFollower":
         """The router at path (its graph and list maps, checked as ShardedIndex.open checks them), following the
         leader whose view() leader_view calls (in another process: through Ray)."""
-        if call_timeout_s is not None and not call_timeout_s > 0:
-            raise ConfigError(f"call_timeout_s must be positive, got {call_timeout_s}")
-        if not 1 <= batch_size <= 65536:
-            raise ConfigError(f"batch_size must be in [1, 65536], got {batch_size}")
+        cls._check_options(call_timeout_s, batch_size)
         path, config = Path(path), config or EngineConfig()
         m, names = cls._read_router(path, config, verify)
         graph, list_shards, list_local, list_sizes, navigation = cls._router_tier(path, m, config)
@@ -74,7 +71,7 @@ class ShardedFollower(ShardedIndex):
         out.down_since = np.zeros(out.n_shards)  # monotonic time this follower found each shard down
         out.seen: tuple[str | None, int] = (None, -1)
         out._rounds = threading.Condition()  # sync's rounds of calls to the leader: started, done (ok), one asking
-        out._started, out._done, out._asking, out.calls = 0, 0, False, 0
+        out._started, out._done, out._asking = 0, 0, False
         out._apply(view)
         out.nav.model = load_probe_model(path, m)
         return out
@@ -127,7 +124,6 @@ class ShardedFollower(ShardedIndex):
                 self._asking = False
                 if ok:  # a failed round serves no one: each waiting search then asks (and fails) itself
                     self._done = mine
-                self.calls += 1
                 self._rounds.notify_all()
 
     def _mark_down(self, s: int) -> None:

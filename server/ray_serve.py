@@ -260,13 +260,34 @@ def _keep_healthy(index, every_s: float, stop: threading.Event, merge_fresh_coun
                 log.warning("fusionrag: publishing the router's view failed", exc_info=True)
 
 
+class _IndexOwner:
+    """A replica that opens the index with its shards as Ray actors of its own and keeps them healthy (the single
+    router, or the leader of several): the two deployments' shared part."""
+
+    def _open(self, index_dir: str, loopback: bool, actor_options: dict | None, call_timeout_s: float | None) -> None:
+        from fusionrag.retriever.sharded import ShardedIndex
+
+        if loopback:
+            _keep_replica_on_loopback()
+        self.index = ShardedIndex.open(index_dir, ray=True, actor_options=actor_options, call_timeout_s=call_timeout_s)
+        self.stop = threading.Event()
+
+    def _heal_every(self, every_s: float, after=None) -> None:
+        threading.Thread(target=_keep_healthy, args=(self.index, every_s, self.stop, MERGE_FRESH_COUNT, after),
+                         daemon=True, name="fusionrag-heal").start()
+
+    def __del__(self):
+        index = getattr(self, "index", None)
+        if index is not None:
+            self.stop.set()
+            index.close()
+
+
 def _deployment(index_dir: str, name: str, actor_options: dict | None, loopback: bool, call_timeout_s: float | None,
                 heal_every_s: float, keys: KeyRing | None = None, routers: int = 1):
     """The router as a Ray Serve deployment that serves create_app's routes. routers=1: one replica, which opens
     the index, starts the shards as Ray actors of its own and keeps the write maps. More: _led_deployment."""
     from ray import serve
-
-    from fusionrag.retriever.sharded import ShardedIndex
 
     if routers > 1:
         return _led_deployment(index_dir, name, actor_options, loopback, call_timeout_s, heal_every_s, keys, routers)
@@ -274,24 +295,13 @@ def _deployment(index_dir: str, name: str, actor_options: dict | None, loopback:
     @serve.deployment(name=DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0},
                       max_ongoing_requests=64)
     @serve.ingress()
-    class Router:
+    class Router(_IndexOwner):
         def __init__(self):
-            if loopback:
-                _keep_replica_on_loopback()
-            self.index = ShardedIndex.open(index_dir, ray=True, actor_options=actor_options,
-                                           call_timeout_s=call_timeout_s)
-            self.stop = threading.Event()
-            threading.Thread(target=_keep_healthy, args=(self.index, heal_every_s, self.stop), daemon=True,
-                             name="fusionrag-heal").start()
+            self._open(index_dir, loopback, actor_options, call_timeout_s)
+            self._heal_every(heal_every_s)
 
         def __serve_build_asgi_app__(self):
             return create_app(ShardedCollection(self.index, name), keys, _replica_id())
-
-        def __del__(self):
-            index = getattr(self, "index", None)
-            if index is not None:
-                self.stop.set()
-                index.close()
 
     return Router.bind()
 
@@ -349,26 +359,20 @@ def _led_deployment(index_dir: str, name: str, actor_options: dict | None, loopb
     import ray
     from ray import serve
 
-    from fusionrag.retriever.sharded import ShardedIndex
     from fusionrag.retriever.sharded_follow import FollowerCollection, ShardedFollower
 
     leader_timeout_s = call_timeout_s or 30.0
 
     @serve.deployment(name=LEADER, num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
-    class Leader:
+    class Leader(_IndexOwner):
         def __init__(self):
-            if loopback:
-                _keep_replica_on_loopback()
-            self.index = ShardedIndex.open(index_dir, ray=True, actor_options=actor_options,
-                                           call_timeout_s=call_timeout_s)
+            self._open(index_dir, loopback, actor_options, call_timeout_s)
             self.coll = ShardedCollection(self.index, name)
             self.board = ray.remote(ViewBoard).options(num_cpus=0).remote()
             self.published: tuple[str | None, int] = (None, -1)
             self.publishing = threading.Lock()
             self.publish()
-            self.stop = threading.Event()
-            threading.Thread(target=_keep_healthy, args=(self.index, heal_every_s, self.stop, MERGE_FRESH_COUNT,
-                                                         self.publish), daemon=True, name="fusionrag-heal").start()
+            self._heal_every(heal_every_s, self.publish)
 
         def publish(self) -> None:
             """The index's view onto the board, where it changed since the last one published (in a thread)."""
@@ -388,12 +392,6 @@ def _led_deployment(index_dir: str, name: str, actor_options: dict | None, loopb
                 return await asyncio.to_thread(getattr(self.coll, method), *args, **kwargs)
             finally:
                 await asyncio.to_thread(self.publish)
-
-        def __del__(self):
-            index = getattr(self, "index", None)
-            if index is not None:
-                self.stop.set()
-                index.close()
 
     @serve.deployment(name=DEPLOYMENT, num_replicas=routers, ray_actor_options={"num_cpus": 0},
                       max_ongoing_requests=64)

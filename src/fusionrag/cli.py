@@ -234,8 +234,8 @@ def _cmd_serve(args) -> int:
                      proxy_location=args.proxy_location)
         return 0
     if args.index or args.name or args.routers != 1 or args.proxy_location != "HeadOnly":
-        raise ConfigError("--index, --name, --routers and --proxy-location go with --ray (serving a sharded index); the service serves the "
-                          "collections of --data-dir")
+        raise ConfigError("--index, --name, --routers and --proxy-location go with --ray (serving a sharded index); "
+                          "the service serves the collections of --data-dir")
     try:
         from fusionrag.server.main import serve
     except ImportError as e:
