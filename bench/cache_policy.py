@@ -34,22 +34,25 @@ sys.path.insert(0, str(HERE))
 
 import datasets  # noqa: E402
 
+_PLAIN = {"pin_fraction": 0.0, "buffer_compression": "off"}  # no pinning, a buffer never compressed
 POLICIES = {  # name -> EngineConfig overrides
-    "clock": {"buffer_policy": "clock", "pin_fraction": 0.0, "record_cache": "off"},
-    "lfu": {"buffer_policy": "lfu", "pin_fraction": 0.0, "record_cache": "off"},
-    "clock+pin": {"buffer_policy": "clock", "pin_fraction": 0.25, "record_cache": "off"},
-    "lfu+pin": {"buffer_policy": "lfu", "pin_fraction": 0.25, "record_cache": "off"},
-    "auto": {"buffer_policy": "auto", "pin_fraction": 0.0, "record_cache": "off"},
-    "default": {},  # EngineConfig's defaults: buffer_policy auto, record_cache auto
+    "clock": {**_PLAIN, "buffer_policy": "clock", "record_cache": "off"},
+    "lfu": {**_PLAIN, "buffer_policy": "lfu", "record_cache": "off"},
+    "clock+pin": {**_PLAIN, "buffer_policy": "clock", "pin_fraction": 0.25, "record_cache": "off"},
+    "lfu+pin": {**_PLAIN, "buffer_policy": "lfu", "pin_fraction": 0.25, "record_cache": "off"},
+    "auto": {**_PLAIN, "buffer_policy": "auto", "record_cache": "off"},
+    "default": {},  # EngineConfig's defaults: buffer_policy auto, record_cache auto, buffer_compression auto
+    # the defaults with a plain buffer, as they were before buffer_compression (stop 49)
+    "plain": {"buffer_compression": "off"},
     # a share of the same bytes as a cache of single records (EngineConfig.record_cache, record_cache_share)
-    "lfu+rec25": {"buffer_policy": "lfu", "pin_fraction": 0.0, "record_cache": "on", "record_cache_share": 0.25},
-    "lfu+rec50": {"buffer_policy": "lfu", "pin_fraction": 0.0, "record_cache": "on", "record_cache_share": 0.5},
-    "lfu+rec100": {"buffer_policy": "lfu", "pin_fraction": 0.0, "record_cache": "on"},
-    "auto+rec50": {"buffer_policy": "auto", "pin_fraction": 0.0, "record_cache": "on", "record_cache_share": 0.5},
-    "auto+rec100": {"buffer_policy": "auto", "pin_fraction": 0.0, "record_cache": "on"},
+    "lfu+rec25": {**_PLAIN, "buffer_policy": "lfu", "record_cache": "on", "record_cache_share": 0.25},
+    "lfu+rec50": {**_PLAIN, "buffer_policy": "lfu", "record_cache": "on", "record_cache_share": 0.5},
+    "lfu+rec100": {**_PLAIN, "buffer_policy": "lfu", "record_cache": "on"},
+    "auto+rec50": {**_PLAIN, "buffer_policy": "auto", "record_cache": "on", "record_cache_share": 0.5},
+    "auto+rec100": {**_PLAIN, "buffer_policy": "auto", "record_cache": "on"},
     # the whole buffer as blocks or as records, whichever a miniature of both serves more now (record_cache 'auto'
     # since stop 43); before it, 'auto' was the byte rule alone: records where records_cache_denser, else blocks
-    "adapt": {"buffer_policy": "auto", "pin_fraction": 0.0, "record_cache": "auto"},
+    "adapt": {**_PLAIN, "buffer_policy": "auto", "record_cache": "auto"},
 }
 FRACTIONS = (64, 16, 4)
 STREAMS = ("uniform", "skewed", "drifting")

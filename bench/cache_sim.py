@@ -292,7 +292,8 @@ def record(idx_path: Path, q: np.ndarray, order: np.ndarray, batch: int, frac: i
     out = {}
     for policy in ("clock", "lfu"):
         index = Index.open(idx_path, EngineConfig(buffer_bytes=raw // frac, threads=1, filter_tier="cpu",
-                                                  manager_interval_s=0.0, buffer_policy=policy, record_cache="off"))
+                                                  manager_interval_s=0.0, buffer_policy=policy, record_cache="off",
+                                                  buffer_compression="off"))
         store = index.reranker.store
         warm = len(order) // 4
         read = buffered = 0

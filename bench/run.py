@@ -38,10 +38,12 @@ from report import write_report  # noqa: E402
 SYSTEMS = ["fusionrag", "fusionrag-halfbuf", "fusionrag-lean", "fusionrag-lean-halfbuf", "fusionrag-lean-fullbuf",
            "fusionrag-lean-noprefetch", "fusionrag-lean-halfbuf-noprefetch",
            "faiss-ivfpq-refine", "faiss-hnsw", "hnswlib", "diskann"]
-# Run only when named: fusionrag's build with the record cache off; fusionrag built to navigate by the graph.
-OPTIONAL = ["fusionrag-blocks", "fusionrag-graphnav"]
+# Run only when named: fusionrag's build with the record cache off, or with a plain (never compressed) page buffer;
+# fusionrag built to navigate by the graph.
+OPTIONAL = ["fusionrag-blocks", "fusionrag-plain", "fusionrag-graphnav"]
 # Variants that search another system's index with other engine settings (worker.py says which).
 BUILT_BY = {"fusionrag-halfbuf": "fusionrag", "fusionrag-lean-fullbuf": "fusionrag-lean", "fusionrag-blocks": "fusionrag",
+            "fusionrag-plain": "fusionrag",
             "fusionrag-lean-halfbuf": "fusionrag-lean", "fusionrag-lean-noprefetch": "fusionrag-lean",
             "fusionrag-lean-halfbuf-noprefetch": "fusionrag-lean"}
 SWEEPS = {

@@ -38,9 +38,10 @@ from datasets import load, prepare  # noqa: E402
 from run import stream_rows  # noqa: E402
 
 VARIANTS = {  # name -> `fusionrag serve` flags
-    "before": ["--buffer-policy", "clock", "--no-pipeline", "--record-cache", "off"],
-    "after": [],  # the defaults: --buffer-policy auto --record-cache auto --pipeline
+    "before": ["--buffer-policy", "clock", "--no-pipeline", "--record-cache", "off", "--buffer-compression", "off"],
+    "after": [],  # the defaults: --buffer-policy auto --record-cache auto --buffer-compression auto --pipeline
     "blocks": ["--record-cache", "off"],  # the defaults but the buffer holding blocks only
+    "plain": ["--buffer-compression", "off"],  # the defaults but a buffer never compressed
     "no-prefetch": ["--no-rerank-prefetch"],  # the defaults but the re-rank's read-ahead
     "one-job-pool": [],  # the defaults on the native pool as it was before 2026-11-27: one job at a time
 }

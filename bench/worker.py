@@ -229,6 +229,8 @@ SYSTEMS = {  # name: (build, open, the library, imported before the baseline RSS
     "fusionrag-lean-halfbuf-noprefetch": (None, with_engine(2, rerank_prefetch=False), "fusionrag.retriever"),
     # fusionrag's build with the page buffer holding blocks only (EngineConfig.record_cache off)
     "fusionrag-blocks": (None, with_engine(record_cache="off"), "fusionrag.retriever"),
+    # fusionrag's build with a page buffer never compressed (EngineConfig.buffer_compression off), as before stop 49
+    "fusionrag-plain": (None, with_engine(buffer_compression="off"), "fusionrag.retriever"),
     "fusionrag-graphnav": (fusionrag_graphnav_build, fusionrag_open, "fusionrag.retriever"),
     "faiss-ivfpq-refine": (ivfpq_build, ivfpq_open, "faiss"),
     "faiss-hnsw": (faiss_hnsw_build, faiss_hnsw_open, "faiss"),

@@ -85,6 +85,16 @@ class FrameMap {
   size_t mask_ = 0;
 };
 
+// A compressed page buffer's unit of memory: a block held there takes as many chunks as its coded bytes need.
+constexpr size_t kChunkBytes = 256;
+
+// Codes n bytes as tokens [zeros][literals][the literal bytes], each count a byte (0-255): zero runs of three or
+// more become a count, anything else is copied. Returns the coded length (dst needs room for n bytes), or 0 when
+// it would not be shorter than n (the bytes are better kept as they are).
+size_t zero_runs_encode(const uint8_t* src, size_t n, uint8_t* dst);
+// Decodes len bytes of zero_runs_encode's tokens into dst (the n bytes coded).
+void zero_runs_decode(const uint8_t* src, size_t len, uint8_t* dst);
+
 // How the page buffer picks a victim. Clock: CLOCK, a block read once gets no
 // second chance until it is hit again. Lfu: cache by use, for skewed query
 // streams: a small count-min sketch per shard counts every request for a block
@@ -106,12 +116,26 @@ BufferPolicy parse_buffer_policy(const std::string& name);
 // of 4 KiB is cheaper than pinning frames against eviction. Pinned blocks (the
 // pages of the hottest posting lists, chosen off the request path) are never
 // evicted; at most 3/4 of a shard's frames are pinned, so the rest still turn over.
+//
+// Compressed (compress_gain > 1): the same capacity x block_bytes of memory is cut into chunks of kChunkBytes and
+// each block is held zero-run coded (zero_runs_encode) in a chain of as many chunks as it needs, so that blocks
+// with many zero bytes (8-bit images, ReLU outputs) fit about compress_gain times as many. Victims are
+// swept as before until both an entry and enough chunks are free; entries are made for a quarter more blocks than
+// compress_gain promises. A block coded no shorter than its bytes is kept as it is, in block_bytes / kChunkBytes
+// chunks. Lookups decode into the caller's memory under the shard's lock.
 class PageBuffer {
  public:
   // active false: made off (set_active), its metadata not allocated until it is turned on.
-  PageBuffer(size_t capacity, size_t block_bytes, BufferPolicy policy = BufferPolicy::Clock, bool active = true);
+  PageBuffer(size_t capacity, size_t block_bytes, BufferPolicy policy = BufferPolicy::Clock, bool active = true,
+             double compress_gain = 0);
   ~PageBuffer();
+  // Blocks its memory holds uncompressed (its bytes are capacity() x block_bytes).
   size_t capacity() const { return capacity_; }
+  bool compressed() const { return compressed_; }
+  // Blocks it can hold at most: capacity(), or with compression its entries.
+  size_t entries() const;
+  // Bytes of coded blocks held now, chunks counted whole (compressed; 0 otherwise).
+  size_t chunk_bytes_held();
   BufferPolicy policy() const { return policy_; }
   // The mode it runs in now: Clock or Lfu (Auto switches between them).
   BufferPolicy mode() const { return lfu_now() ? BufferPolicy::Lfu : BufferPolicy::Clock; }
@@ -160,6 +184,13 @@ class PageBuffer {
     size_t hand = 0, num_pinned = 0;
     std::vector<uint8_t> sketch;  // Lfu and Auto: count-min, two counters per block
     uint64_t requests = 0;
+    // Compressed: the shard's memory (frames) as chunks; frame f's block starts at chunk head[f], coded in
+    // coded[f] bytes (block_bytes: as it is); next[c] is the chunk after c in its chain or in the free list.
+    size_t nominal = 0;  // blocks its memory holds uncompressed
+    std::vector<uint32_t> next, head;
+    std::vector<uint32_t> coded;
+    uint32_t free_head = kEmpty;
+    size_t free_chunks = 0;
   };
   // Auto: the two policies simulated on the sampled blocks, in shadows of
   // capacity / rate frames that hold no data; a period is that many sampled requests.
@@ -172,12 +203,20 @@ class PageBuffer {
   };
   size_t shard_index(uint32_t block) const { return (block * 0x9E3779B1u >> 16) % shards_.size(); }
   Shard& shard(uint32_t block) { return shards_[shard_index(block)]; }
-  size_t pin_limit(const Shard& s) const { return s.block_of.size() * 3 / 4; }
+  // Compressed: 3/4 of the blocks the memory holds uncompressed, so pinned chains leave a quarter of the chunks.
+  size_t pin_limit(const Shard& s) const { return (compressed_ ? s.nominal : s.block_of.size()) * 3 / 4; }
   void count(Shard& s, uint32_t block, uint32_t weight);
   uint32_t estimate(const Shard& s, uint32_t block) const;
   size_t victim(Shard& s);
   static void init(Shard& s, size_t frames, bool sketch);
   static void reset(Shard& s);
+  void init_chunks(Shard& s) const;  // every chunk free (compressed)
+  size_t chunks_for(size_t coded) const { return (coded + kChunkBytes - 1) / kChunkBytes; }
+  // Compressed: place()'s counterpart, freeing victims until an entry and `need` chunks are free.
+  size_t place_coded(Shard& s, uint32_t block, uint32_t weight, bool lfu, bool pin, size_t need, size_t* evicted);
+  void drop_frame(Shard& s, size_t f);  // frees f's entry (and chunks); its block leaves frame_of
+  void store_frame(Shard& s, size_t f, const uint8_t* data, const uint8_t* coded, size_t len);
+  void load_frame(const Shard& s, size_t f, uint8_t* out) const;
   void reset_miniature();
   bool lfu_now() const {
     return policy_ == BufferPolicy::Lfu || (policy_ == BufferPolicy::Auto && lfu_mode_.load(std::memory_order_relaxed));
@@ -190,6 +229,8 @@ class PageBuffer {
   }
 
   size_t capacity_, block_bytes_, arena_bytes_ = 0;
+  bool compressed_ = false;
+  double entry_factor_ = 1;  // compressed: entries a shard has per block its memory holds uncompressed
   BufferPolicy policy_;
   void* arena_ = nullptr;
   std::vector<Shard> shards_;
@@ -270,7 +311,8 @@ class PageStore {
  public:
   PageStore(const std::string& path, PageLayout layout, std::vector<uint32_t> block_crc, size_t buffer_blocks,
             const std::string& io_backend, const std::string& direct_io, int io_threads,
-            BufferPolicy policy = BufferPolicy::Clock, size_t record_cache_records = 0, bool adaptive_layout = false);
+            BufferPolicy policy = BufferPolicy::Clock, size_t record_cache_records = 0, bool adaptive_layout = false,
+            double compress_gain = 0);
   ~PageStore();
 
   // Copies blocks[i] to out + i * block_bytes (out 4096-aligned): from the page
@@ -352,6 +394,9 @@ class PageStore {
   const PageLayout& layout() const { return layout_; }
   size_t num_blocks() const { return crc_.size(); }
   size_t buffer_capacity() const { return buffer_.capacity(); }
+  bool buffer_compressed() const { return buffer_.compressed(); }
+  size_t buffer_entries() const { return buffer_.entries(); }
+  size_t buffer_chunk_bytes() { return buffer_.chunk_bytes_held(); }
   BufferPolicy buffer_policy() const { return buffer_.policy(); }
   BufferPolicy buffer_mode() const { return buffer_.mode(); }
   const char* backend() const { return reader_->name(); }

@@ -26,6 +26,7 @@ DirectIO = Literal["auto", "on", "off"]
 FilterTier = Literal["auto", "cpu", "gpu"]
 BufferPolicy = Literal["auto", "clock", "lfu"]
 RecordCache = Literal["auto", "on", "off"]
+BufferCompression = Literal["auto", "on", "off"]
 Probe = Literal["ratio", "learned"]
 Navigation = Literal["auto", "exact", "graph"]
 METRICS = get_args(Metric)
@@ -406,6 +407,15 @@ class EngineConfig(_Config):
                                               "records) or off (blocks)")] = "auto"
     record_cache_share: Annotated[float, knob("share of buffer_bytes the record cache takes when on",
                                               gt=0, le=1)] = 1.0
+    # Blocks held zero-run coded in 256-byte chunks of the same buffer bytes (native PageBuffer), so that records
+    # with many zero bytes (8-bit images, ReLU outputs) fit more blocks in the buffer. 'auto': where a
+    # sample of 64 blocks read at open codes to at most 0.8 of its bytes, chunks counted whole (the threshold was
+    # set before any measurement: below a 1.25x gain the coding's CPU is not worth it); float embeddings have
+    # almost no zero bytes and stay plain. A compressed buffer holds whole blocks: with record_cache 'auto' there
+    # is no record layout. Answers never depend on it. Measured: bench/results/buffer_compression.md.
+    buffer_compression: Annotated[BufferCompression, knob("hold the page buffer's blocks zero-run coded: auto (where "
+                                                          "a sample of blocks codes to 0.8 of its bytes or less), "
+                                                          "on or off")] = "auto"
     # Re-chosen by the index manager thread every manager_interval_s seconds, never on the request path;
     # results never depend on it. Off by default: bench/results/cache_policy.md.
     pin_fraction: Annotated[float, knob("share of the page buffer pinned to the pages of the most visited "

@@ -62,13 +62,42 @@ def records_cache_denser(layout) -> bool:
     return native.PageStore.records_denser(layout.record_bytes, layout.records_per_block, layout.pages_per_block)
 
 
-def split_buffer(buffer_bytes: int, config: EngineConfig, layout) -> tuple[int, int, bool]:
+# buffer_compression 'auto' codes the blocks where they fit at least this many times as many in the same bytes.
+COMPRESS_MIN_GAIN = 1.25
+COMPRESS_SAMPLE_BLOCKS = 64
+
+
+def buffer_gain(pages: Path, layout, config: EngineConfig) -> float:
+    """The page buffer's compress_gain: how many times as many blocks of this page file it holds zero-run coded
+    (native.zero_runs_gain of up to 64 blocks spread over the file), where config.buffer_compression asks for it
+    ('on': always, 'auto': from COMPRESS_MIN_GAIN up); 0.0 for a plain buffer."""
+    if config.buffer_compression == "off" or not config.buffer_bytes or layout.block_bytes % 256:
+        return 0.0
+    n = layout.num_blocks
+    picks = np.unique(np.linspace(0, n - 1, min(n, COMPRESS_SAMPLE_BLOCKS)).astype(np.int64)) if n else []
+    with open(pages, "rb") as f:
+        rows = [np.frombuffer(os.pread(f.fileno(), layout.block_bytes, int(b) * layout.block_bytes), np.uint8)
+                for b in picks]
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # searches read with O_DIRECT: not kept
+    rows = [r for r in rows if len(r) == layout.block_bytes]  # a short file fails the store's own size check
+    if not rows:
+        return 0.0
+    gain = native.zero_runs_gain(np.stack(rows))
+    if config.buffer_compression == "on":
+        return max(gain, 1.01)
+    return gain if gain >= COMPRESS_MIN_GAIN else 0.0
+
+
+def split_buffer(buffer_bytes: int, config: EngineConfig, layout, compressed: bool = False) -> tuple[int, int, bool]:
     """(page buffer blocks, record cache records, adaptive) of buffer_bytes. record_cache 'auto': all of it as
     blocks or as records, one at a time (adaptive: the store switches between the two by a miniature of both),
-    where it holds at least one of each; 'on': record_cache_share of it goes to records, each costing its bytes
-    and its metadata (native.PageStore.record_cache_overhead), the rest to blocks; 'off': blocks."""
+    where it holds at least one of each, and blocks alone where the buffer is compressed; 'on': record_cache_share
+    of it goes to records, each costing its bytes and its metadata (native.PageStore.record_cache_overhead), the
+    rest to blocks; 'off': blocks."""
     per_record = layout.record_bytes + native.PageStore.record_cache_overhead
     blocks, records = buffer_bytes // layout.block_bytes, buffer_bytes // per_record
+    if config.record_cache == "auto" and compressed:
+        return blocks, 0, False
     if config.record_cache == "auto" and blocks and records:
         return blocks, records, True
     on = config.record_cache == "on" or (config.record_cache == "auto" and records_cache_denser(layout))
@@ -152,12 +181,13 @@ class Index(ManifestShape):
             raise IndexFormatError(f"{path}: inconsistent index: " + "; ".join(problems))
         if params is None:  # the index's own defaults: what its build's calibration chose
             params = search_defaults(m, path)
-        buffer_blocks, cache_records, adaptive = split_buffer(config.buffer_bytes, config, layout)
         try:
+            gain = buffer_gain(path / "vectors.pages", layout, config)
+            buffer_blocks, cache_records, adaptive = split_buffer(config.buffer_bytes, config, layout, gain > 1)
             store = native.PageStore(str(path / "vectors.pages"), layout.record_bytes, layout.records_per_block,
                                      layout.pages_per_block, block_crc, buffer_blocks, config.io_backend,
                                      config.direct_io, config.io_threads, config.buffer_policy, cache_records,
-                                     adaptive)
+                                     adaptive, gain if buffer_blocks else 0.0)
         except (OSError, RuntimeError, ValueError) as e:
             raise IndexFormatError(f"{path}: cannot open the SSD tier: {e}") from e
         return cls(
@@ -183,6 +213,7 @@ class Index(ManifestShape):
             "pq_tier": f.name,
             "filter": f.describe(),
             "page_buffer_bytes": int(rr.store.buffer_bytes),
+            "page_buffer_compressed": bool(rr.store.buffer_compressed),
             "record_cache_bytes": int(rr.store.record_cache_bytes),
             "ssd_bytes": int((self.path / "vectors.pages").stat().st_size),
         }

@@ -16,7 +16,7 @@ from typing import Annotated, Literal, get_args
 
 from pydantic import AfterValidator, TypeAdapter, ValidationError, create_model
 
-from fusionrag.retriever.config import (BufferPolicy, EngineConfig, FilterTier, RecordCache, _Config, add_flags,
+from fusionrag.retriever.config import (BufferCompression, BufferPolicy, EngineConfig, FilterTier, RecordCache, _Config, add_flags,
                                        config_class, knob, knobs, problems)
 from fusionrag.retriever.config import flags_of as _flags_of
 from fusionrag.retriever.embedding import DEFAULT_MODEL, canonical_name
@@ -63,6 +63,9 @@ class ServerConfig(_Config):
     record_cache: Annotated[RecordCache, knob("the page buffer's bytes as single records or whole pages: auto "
                                               "(whichever serves more now, one at a time), on or off")
                             ] = EngineConfig.record_cache
+    buffer_compression: Annotated[BufferCompression, knob("hold the page buffer's blocks zero-run coded: auto (where "
+                                                          "a sample of blocks codes to 0.8 of its bytes or less), "
+                                                          "on or off")] = EngineConfig.buffer_compression
     pipeline: Annotated[bool, knob("overlap an engine batch's stages with the next batch's graph search")] = True
     rerank_prefetch: Annotated[bool, knob("read each query's next mini-batch of pages while the current one is "
                                           "scored")] = EngineConfig.rerank_prefetch

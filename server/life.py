@@ -25,6 +25,7 @@ log = logging.getLogger("fusionrag.server")
 def open_catalog(config: ServerConfig) -> Catalog:
     engine = EngineConfig(buffer_bytes=int(config.buffer_mb * (1 << 20)), filter_tier=config.filter_tier,
                           buffer_policy=config.buffer_policy, record_cache=config.record_cache,
+                          buffer_compression=config.buffer_compression,
                           pipeline=config.pipeline, rerank_prefetch=config.rerank_prefetch,
                           gpu_budget_bytes=int(config.gpu_budget_mb * (1 << 20)),
                           gpu_memory_utilization=config.gpu_memory_utilization,

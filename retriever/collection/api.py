@@ -751,7 +751,7 @@ class Collection:
         with self._reading() as snap:
             main = snap.main
             tiers = {"host_index_bytes": 0, "pq_bytes": 0, "pq_tier": "none", "page_buffer_bytes": 0,
-                     "record_cache_bytes": 0, "ssd_bytes": 0}
+                     "page_buffer_compressed": False, "record_cache_bytes": 0, "ssd_bytes": 0}
             if main.index is not None:
                 tiers.update(main.index.memory())
         tiers["fresh_bytes"] = int(snap.fresh.vectors.nbytes)

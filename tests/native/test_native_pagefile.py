@@ -5,6 +5,7 @@ import shutil
 
 import numpy as np
 import pytest
+from buffer_churn import churn
 from threads import run_threads
 
 from fusionrag import native
@@ -317,19 +318,7 @@ def test_buffer_finds_its_blocks_through_churn(page_file, policy):
     path, layout, crc = page_file
     data = np.fromfile(path, np.uint8).reshape(-1, PAGE)
     store = open_store(path, 400, layout, crc, buffer_blocks=48, buffer_policy=policy)
-    rng = np.random.default_rng(7)
-    hot = rng.choice(store.num_blocks, 12, replace=False)
-    for step in range(2500):
-        b = int(hot[step % 12] if rng.random() < 0.3 else rng.integers(store.num_blocks))
-        assert store.read_block(b) == data[b].tobytes(), (policy, step, b)
-        blocks = rng.choice(store.num_blocks, 5, replace=False).astype(np.uint32)
-        assert np.array_equal(store.read_blocks(blocks), data[blocks]), (policy, step)
-        if policy == "clock":
-            before = store.stats()
-            assert store.read_block(b) == data[b].tobytes()
-            after = store.stats()
-            assert (after["blocks_from_buffer"] - before["blocks_from_buffer"],
-                    after["blocks_read"] - before["blocks_read"]) == (1, 0), (step, b)
+    churn(store, data, policy)
     st = store.stats()
     assert st["evictions"] > 1000  # LFU admits fewer than CLOCK (1,300 here against 10,000)
     assert st["blocks_from_buffer"] > 0

@@ -90,6 +90,32 @@ def test_embedder_matches_sentence_transformers():
         get_embedder("word2vec")
 
 
+@pytest.mark.parametrize("mode", ["auto", "on", "off"])
+def test_service_buffer_compression_reaches_the_index(tmp_path, mode):
+    """--buffer-compression opens every collection's index with it: on vectors that are mostly zero (ReLU
+    outputs), 'auto' and 'on' hold the buffer's blocks coded, as the native store reports it, and the answers
+    are found."""
+    from fusionrag.retriever.collection import Document
+    from fusionrag.server.life import open_catalog
+
+    config = load_config(flags={"data_dir": str(tmp_path), "demo": False, "filter_tier": "cpu",
+                                "buffer_compression": mode}, environ={})
+    catalog = open_catalog(config)
+    try:
+        coll = catalog.create("c", dim=32, metric="l2")
+        vectors = np.maximum(np.random.default_rng(0).standard_normal((600, 32)) - 1.0, 0).astype(np.float32)
+        vectors[:, 0] = np.arange(600)  # every vector distinct
+        coll.upsert([Document(id=str(i), vector=v) for i, v in enumerate(vectors)])
+        coll.merge()
+        index = coll._main.index
+        store = index.reranker.store
+        assert store.buffer_compressed == (mode != "off")
+        assert coll.info()["tiers"]["page_buffer_compressed"] == (mode != "off")
+        assert (index.search(vectors[:100], 1).ids[:, 0] == np.arange(100)).all()
+    finally:
+        catalog.close()
+
+
 @pytest.mark.parametrize("policy,pipeline,records,prefetch", [("clock", False, "off", False), ("lfu", True, "on", True),
                                                               ("auto", True, "auto", True)])
 def test_service_engine_settings_reach_the_index(tmp_path, monkeypatch, policy, pipeline, records, prefetch):
