@@ -435,9 +435,10 @@ size_t zero_runs_encode(const uint8_t* src, size_t n, uint8_t* dst) {
 #if defined(__SSE2__)
     if (m == 64) {
       const __m128i z = _mm_setzero_si128();
-      for (int k = 0; k < 4; ++k)
-        v |= uint64_t(uint32_t(_mm_movemask_epi8(_mm_cmpeq_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p) + k), z))))
-             << (16 * k);
+      for (int k = 0; k < 4; ++k) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p) + k);
+        v |= uint64_t(uint32_t(_mm_movemask_epi8(_mm_cmpeq_epi8(bytes, z)))) << (16 * k);
+      }
     } else
 #endif
       for (size_t k = 0; k < m; ++k) v |= uint64_t(!p[k]) << k;
@@ -461,9 +462,24 @@ size_t zero_runs_encode(const uint8_t* src, size_t n, uint8_t* dst) {
   return o;
 }
 
-void zero_runs_decode(const uint8_t* src, size_t len, uint8_t* dst) {
+void zero_runs_decode(const uint8_t* src, size_t len, uint8_t* dst, size_t n) {
+  const uint8_t* const end = dst + n;
   for (size_t i = 0; i + 1 < len;) {
     const size_t z = src[i], l = src[i + 1];
+#if defined(__SSE2__)
+    // Away from both ends, whole 16-byte stores: a token writes up to 15 bytes past its own, which the next
+    // tokens overwrite (they cover every byte up to the end, and at least 32 are left).
+    if (size_t(end - dst) >= z + l + 32 && i + 2 + l + 16 <= len) {
+      const __m128i zero = _mm_setzero_si128();
+      for (size_t k = 0; k < z; k += 16) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + k), zero);
+      dst += z;
+      for (size_t k = 0; k < l; k += 16)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + k),
+                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 2 + k)));
+      dst += l, i += 2 + l;
+      continue;
+    }
+#endif
     std::memset(dst, 0, z);
     std::memcpy(dst + z, src + i + 2, l);
     dst += z + l, i += 2 + l;
@@ -765,7 +781,7 @@ void PageBuffer::load_frame(const Shard& s, size_t f, uint8_t* out) const {
   uint32_t c = s.head[f];
   for (size_t at = 0; at < len; at += kChunkBytes, c = s.next[c])
     std::memcpy(dst + at, s.frames + size_t(c) * kChunkBytes, std::min(kChunkBytes, len - at));
-  if (len != block_bytes_) zero_runs_decode(code.data(), len, out);
+  if (len != block_bytes_) zero_runs_decode(code.data(), len, out, block_bytes_);
 }
 
 // Auto: a request of a sampled block through both shadows; at the end of each
@@ -1341,7 +1357,7 @@ void bind_pagefile(nb::module_& m) {
         {
           nb::gil_scoped_release nogil;
           len = n ? zero_runs_encode(data.data(), n, code.data()) : 0;
-          if (len) zero_runs_decode(code.data(), len, back.data());
+          if (len) zero_runs_decode(code.data(), len, back.data(), n);
         }
         NumpyOut<uint8_t> coded({len}), decoded({len ? n : 0});
         std::copy(code.begin(), code.begin() + len, coded.data());

@@ -92,8 +92,8 @@ constexpr size_t kChunkBytes = 256;
 // more become a count, anything else is copied. Returns the coded length (dst needs room for n bytes), or 0 when
 // it would not be shorter than n (the bytes are better kept as they are).
 size_t zero_runs_encode(const uint8_t* src, size_t n, uint8_t* dst);
-// Decodes len bytes of zero_runs_encode's tokens into dst (the n bytes coded).
-void zero_runs_decode(const uint8_t* src, size_t len, uint8_t* dst);
+// Decodes len bytes of zero_runs_encode's tokens into dst, the n bytes they code.
+void zero_runs_decode(const uint8_t* src, size_t len, uint8_t* dst, size_t n);
 
 // How the page buffer picks a victim. Clock: CLOCK, a block read once gets no
 // second chance until it is hit again. Lfu: cache by use, for skewed query
