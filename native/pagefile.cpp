@@ -412,10 +412,10 @@ size_t pow2_at_least(size_t n) {
 }  // namespace
 
 namespace {
-// The index of the first set bit of bits at or after `from`, or `limit` if none is before it.
-inline size_t next_set(const uint64_t* bits, size_t from, size_t limit) {
+// The index of the first set bit of bits ^ flip at or after `from`, or `limit` if none is before it.
+inline size_t next_set(const uint64_t* bits, size_t from, size_t limit, uint64_t flip = 0) {
   for (size_t w = from / 64; w * 64 < limit; ++w) {
-    uint64_t v = bits[w];
+    uint64_t v = bits[w] ^ flip;
     if (w == from / 64) v &= ~uint64_t(0) << (from % 64);
     if (v) return std::min(limit, w * 64 + size_t(__builtin_ctzll(v)));
   }
@@ -424,10 +424,10 @@ inline size_t next_set(const uint64_t* bits, size_t from, size_t limit) {
 }  // namespace
 
 size_t zero_runs_encode(const uint8_t* src, size_t n, uint8_t* dst) {
-  // Bit i of zero: byte i is 0; of run3: bytes i, i + 1 and i + 2 are (past the end counts as 0); of nonzero: not 0.
+  // Bit i of zero: byte i is 0; of run3: bytes i, i + 1 and i + 2 are (past the end counts as 0).
   const size_t words = n / 64 + 2;
-  thread_local std::vector<uint64_t> zero, run3, nonzero;
-  zero.assign(words, ~uint64_t(0)), run3.resize(words), nonzero.resize(words);
+  thread_local std::vector<uint64_t> zero, run3;
+  zero.assign(words, ~uint64_t(0)), run3.resize(words);
   for (size_t w = 0; w * 64 < n; ++w) {
     uint64_t v = 0;
     const size_t m = std::min<size_t>(64, n - w * 64);
@@ -448,11 +448,10 @@ size_t zero_runs_encode(const uint8_t* src, size_t n, uint8_t* dst) {
   for (size_t w = 0; w < words; ++w) {
     const uint64_t a = zero[w], b = w + 1 < words ? zero[w + 1] : ~uint64_t(0);
     run3[w] = a & (a >> 1 | b << 63) & (a >> 2 | b << 62);
-    nonzero[w] = ~a;
   }
   size_t i = 0, o = 0;
   while (i < n) {
-    const size_t from = std::min(next_set(nonzero.data(), i, n), i + 255);
+    const size_t from = std::min(next_set(zero.data(), i, n, ~uint64_t(0)), i + 255);
     const size_t l = std::min(next_set(run3.data(), from, n), from + 255) - from;
     if (o + 2 + l >= n) return 0;
     dst[o] = uint8_t(from - i), dst[o + 1] = uint8_t(l);
@@ -683,48 +682,23 @@ void PageBuffer::hit(Shard& s, size_t frame, uint32_t weight, bool lfu) {
   uses = lfu ? uint8_t(std::min<uint32_t>(kMaxUses, uses + weight)) : 1;
 }
 
-// The frame a missed block takes, its victim evicted (*evicted says whether there
-// was one), or SIZE_MAX when Lfu's admission keeps the victim. Clock: a new block
-// earns its second chance only when it is hit again, so one scan of cold blocks
-// cannot flush the hot ones. Lfu: it was admitted for its requests, and starts
-// with one use.
-size_t PageBuffer::place(Shard& s, uint32_t block, uint32_t weight, bool lfu, bool pin, bool* evicted) {
-  const size_t f = victim(s);
-  *evicted = s.block_of[f] != kEmpty;
-  if (*evicted) {
-    // TinyLFU admission: a block requested no more often than the victim would
-    // only push out something as likely to come back.
-    if (lfu && !pin && estimate(s, block) <= estimate(s, s.block_of[f])) return SIZE_MAX;
-    s.frame_of.erase(s.block_of[f]);
-  }
-  s.block_of[f] = block;
-  s.uses[f] = lfu ? uint8_t(std::min<uint32_t>(kMaxUses, weight)) : 0;
-  s.frame_of.insert(block, uint32_t(f));
-  return f;
-}
-
-// Compressed: the frame a missed block takes, with `need` chunks free for it, or SIZE_MAX when Lfu's admission
-// keeps a victim (those freed before it stay free). The sweep is victim()'s: free entries are taken as they come,
-// every other unpinned frame spends a use, and one without uses is freed (*evicted counts them).
-size_t PageBuffer::place_coded(Shard& s, uint32_t block, uint32_t weight, bool lfu, bool pin, size_t need,
-                               size_t* evicted) {
+// The frame a missed block takes, with `need` chunks free for it (compressed; 0 otherwise), its victims evicted
+// (*evicted counts them), or SIZE_MAX when Lfu's admission keeps a victim (those evicted before it stay free).
+// Clock: a new block earns its second chance only when it is hit again, so one scan of cold blocks cannot flush
+// the hot ones. Lfu: it was admitted for its requests, and starts with one use.
+size_t PageBuffer::place(Shard& s, uint32_t block, uint32_t weight, bool lfu, bool pin, size_t need,
+                         size_t* evicted) {
   size_t entry = SIZE_MAX;
   *evicted = 0;
   while (entry == SIZE_MAX || s.free_chunks < need) {
-    const size_t f = s.hand;
-    s.hand = (s.hand + 1) % s.block_of.size();
-    if (s.block_of[f] == kEmpty) {
-      if (entry == SIZE_MAX) entry = f;
-      continue;
+    const size_t f = victim(s);
+    if (s.block_of[f] != kEmpty) {
+      // TinyLFU admission: a block requested no more often than the victim would
+      // only push out something as likely to come back.
+      if (lfu && !pin && estimate(s, block) <= estimate(s, s.block_of[f])) return SIZE_MAX;
+      drop_frame(s, f);
+      ++*evicted;
     }
-    if (s.pinned[f]) continue;
-    if (s.uses[f]) {
-      --s.uses[f];
-      continue;
-    }
-    if (lfu && !pin && estimate(s, block) <= estimate(s, s.block_of[f])) return SIZE_MAX;
-    drop_frame(s, f);
-    ++*evicted;
     if (entry == SIZE_MAX) entry = f;
   }
   s.block_of[entry] = block;
@@ -737,7 +711,7 @@ void PageBuffer::drop_frame(Shard& s, size_t f) {
   s.frame_of.erase(s.block_of[f]);
   s.block_of[f] = kEmpty, s.uses[f] = 0;
   if (s.pinned[f]) s.pinned[f] = 0, --s.num_pinned;
-  if (!compressed_) return;
+  if (s.head.empty()) return;  // no chunks: a plain buffer, or a shadow
   for (uint32_t c = s.head[f], n = uint32_t(chunks_for(s.coded[f])); n--;) {
     const uint32_t after = s.next[c];
     s.next[c] = s.free_head, s.free_head = c, ++s.free_chunks;
@@ -794,12 +768,12 @@ void PageBuffer::simulate(uint32_t block, uint32_t weight) {
     Shard& s = m.shadow[i];
     count(s, block, weight);
     const uint32_t f = s.frame_of.find(block);
-    bool evicted;
+    size_t evicted;
     if (f != FrameMap::kNone) {
       m.hits[i] += weight;
       hit(s, f, weight, i == 1);
     } else {
-      place(s, block, weight, i == 1, false, &evicted);
+      place(s, block, weight, i == 1, false, 0, &evicted);
     }
   }
   m.seen += weight;
@@ -846,14 +820,9 @@ bool PageBuffer::offer(uint32_t block, const uint8_t* data, uint32_t weight, boo
     if (pin && !s.pinned[held]) s.pinned[held] = 1, ++s.num_pinned;
     return true;
   }
-  size_t f, evicted = 0;
-  if (compressed_) {
-    f = place_coded(s, block, weight, lfu, pin, chunks_for(len ? len : block_bytes_), &evicted);
-  } else {
-    bool one;
-    f = place(s, block, weight, lfu, pin, &one);
-    evicted = one;
-  }
+  size_t evicted;
+  const size_t need = compressed_ ? chunks_for(len ? len : block_bytes_) : 0;
+  const size_t f = place(s, block, weight, lfu, pin, need, &evicted);
   if (evicted) evictions_.fetch_add(evicted, std::memory_order_relaxed);
   if (f == SIZE_MAX) return false;
   if (pin) s.pinned[f] = 1, ++s.num_pinned;
@@ -1341,7 +1310,7 @@ void bind_pagefile(nb::module_& m) {
         size_t held = 0;
         for (size_t i = 0; i < n; ++i) {
           const size_t len = zero_runs_encode(blocks.data() + i * bb, bb, code.data());
-          held += (len ? len + kChunkBytes - 1 : bb) / kChunkBytes * kChunkBytes;
+          held += chunks_for(len ? len : bb) * kChunkBytes;
         }
         return double(n * bb) / double(held);
       },

@@ -87,6 +87,7 @@ class FrameMap {
 
 // A compressed page buffer's unit of memory: a block held there takes as many chunks as its coded bytes need.
 constexpr size_t kChunkBytes = 256;
+inline size_t chunks_for(size_t bytes) { return (bytes + kChunkBytes - 1) / kChunkBytes; }
 
 // Codes n bytes as tokens [zeros][literals][the literal bytes], each count a byte (0-255): zero runs of three or
 // more become a count, anything else is copied. Returns the coded length (dst needs room for n bytes), or 0 when
@@ -211,9 +212,6 @@ class PageBuffer {
   static void init(Shard& s, size_t frames, bool sketch);
   static void reset(Shard& s);
   void init_chunks(Shard& s) const;  // every chunk free (compressed)
-  size_t chunks_for(size_t coded) const { return (coded + kChunkBytes - 1) / kChunkBytes; }
-  // Compressed: place()'s counterpart, freeing victims until an entry and `need` chunks are free.
-  size_t place_coded(Shard& s, uint32_t block, uint32_t weight, bool lfu, bool pin, size_t need, size_t* evicted);
   void drop_frame(Shard& s, size_t f);  // frees f's entry (and chunks); its block leaves frame_of
   void store_frame(Shard& s, size_t f, const uint8_t* data, const uint8_t* coded, size_t len);
   void load_frame(const Shard& s, size_t f, uint8_t* out) const;
@@ -222,7 +220,7 @@ class PageBuffer {
     return policy_ == BufferPolicy::Lfu || (policy_ == BufferPolicy::Auto && lfu_mode_.load(std::memory_order_relaxed));
   }
   void hit(Shard& s, size_t frame, uint32_t weight, bool lfu);
-  size_t place(Shard& s, uint32_t block, uint32_t weight, bool lfu, bool pin, bool* evicted);
+  size_t place(Shard& s, uint32_t block, uint32_t weight, bool lfu, bool pin, size_t need, size_t* evicted);
   void simulate(uint32_t block, uint32_t weight);
   bool mini_sampled(uint32_t block) const {
     return (((uint64_t(block) + 1) * 0xD6E8FEB86659FD93ull) >> 40) % mini_->rate == 0;

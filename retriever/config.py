@@ -412,7 +412,7 @@ class EngineConfig(_Config):
     # sample of 64 blocks read at open codes to at most 0.8 of its bytes, chunks counted whole (the threshold was
     # set before any measurement: below a 1.25x gain the coding's CPU is not worth it); float embeddings have
     # almost no zero bytes and stay plain. A compressed buffer holds whole blocks: with record_cache 'auto' there
-    # is no record layout. Answers never depend on it. Measured: bench/results/buffer_compression.md.
+    # is no record layout. Answers never depend on it. Measured: bench/results/buffer_compression_fashion.md.
     buffer_compression: Annotated[BufferCompression, knob("hold the page buffer's blocks zero-run coded: auto (where "
                                                           "a sample of blocks codes to 0.8 of its bytes or less), "
                                                           "on or off")] = "auto"

@@ -71,7 +71,7 @@ def buffer_gain(pages: Path, layout, config: EngineConfig) -> float:
     """The page buffer's compress_gain: how many times as many blocks of this page file it holds zero-run coded
     (native.zero_runs_gain of up to 64 blocks spread over the file), where config.buffer_compression asks for it
     ('on': always, 'auto': from COMPRESS_MIN_GAIN up); 0.0 for a plain buffer."""
-    if config.buffer_compression == "off" or not config.buffer_bytes or layout.block_bytes % 256:
+    if config.buffer_compression == "off" or not config.buffer_bytes:
         return 0.0
     n = layout.num_blocks
     picks = np.unique(np.linspace(0, n - 1, min(n, COMPRESS_SAMPLE_BLOCKS)).astype(np.int64)) if n else []
@@ -187,7 +187,7 @@ class Index(ManifestShape):
             store = native.PageStore(str(path / "vectors.pages"), layout.record_bytes, layout.records_per_block,
                                      layout.pages_per_block, block_crc, buffer_blocks, config.io_backend,
                                      config.direct_io, config.io_threads, config.buffer_policy, cache_records,
-                                     adaptive, gain if buffer_blocks else 0.0)
+                                     adaptive, gain)
         except (OSError, RuntimeError, ValueError) as e:
             raise IndexFormatError(f"{path}: cannot open the SSD tier: {e}") from e
         return cls(

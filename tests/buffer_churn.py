@@ -7,8 +7,8 @@ import numpy as np
 def churn(store, data: np.ndarray, policy: str, seed: int = 7, steps: int = 2500, each=None) -> np.ndarray:
     """`steps` rounds of one block (a hot one 30% of the time) and five random ones read through store: every
     block served is data's, and under CLOCK, which admits every block read, a block just read is served from
-    memory the next time (a lost table entry would read it again). each(): called after every round. Returns
-    the hot blocks."""
+    memory the next time (a lost table entry would read it again); the evictions counted match the blocks read
+    and held (the store must be new). each(): called after every round. Returns the hot blocks."""
     rng = np.random.default_rng(seed)
     hot = rng.choice(store.num_blocks, 12, replace=False)
     for step in range(steps):
@@ -24,4 +24,13 @@ def churn(store, data: np.ndarray, policy: str, seed: int = 7, steps: int = 2500
                     after["blocks_read"] - before["blocks_read"]) == (1, 0), (step, b)
         if each:
             each()
+    # Every block read was offered to the buffer once: held since, or placed and evicted later, or (lfu's
+    # admission, not CLOCK's) refused. So the evictions counted are the blocks read less those held now, less
+    # the refusals: a refusal counted as an eviction would show.
+    st = store.stats()
+    resident = int(store.resident(np.arange(store.num_blocks, dtype=np.uint32)).sum())
+    if policy == "clock":
+        assert st["evictions"] == st["blocks_read"] - resident, (st, resident)
+    else:
+        assert st["evictions"] < st["blocks_read"] - resident, (st, resident)
     return hot
