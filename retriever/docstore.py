@@ -534,6 +534,16 @@ class DocStore:
         con.execute("SELECT COUNT(*) FROM meta").fetchone()
         return con
 
+    def release(self) -> None:
+        """Close every connection while no call reads or writes; reopen() opens the writer again (readers open
+        as calls need them)."""
+        self.close()
+        self._writer = None
+
+    def reopen(self) -> None:
+        if self._writer is None:
+            self._writer = self._connect()
+
     def close(self) -> None:
         """Only once no call is reading (the collection waits for its calls to end first)."""
         with self._readers_lock:
@@ -541,4 +551,5 @@ class DocStore:
                 con.close()
             self._all.clear()
             self._idle.clear()
-        self._writer.close()
+        if self._writer is not None:
+            self._writer.close()

@@ -29,6 +29,10 @@ class ConflictError(FusionRAGError):
     """The request clashes with what exists: a collection name already taken, say."""
 
 
+class QuotaError(ConflictError):
+    """One more would pass a configured limit: collections in all or per key, snapshots of a collection."""
+
+
 class StorageError(FusionRAGError, OSError):
     """The disk refused a write (full, read-only, failing): the write was not applied and the
     collection stays readable."""

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from fusionrag.retriever import quota
 from fusionrag.retriever.build import build_index
 from fusionrag.retriever.errors import ConflictError, InputError
 from fusionrag.retriever.manifest import fsync_path
@@ -143,6 +144,9 @@ def _stage(col: Collection, documents: Path | None, vectors: Path | None, stagin
         count = src.count
     if not count:
         raise InputError("nothing to import: no documents")
+    # What it writes, about: the staged vectors, the index's pages, the doc store's copy of both and the texts.
+    need = 3 * count * col.dim * 4 + (os.path.getsize(documents) if documents is not None else 0)
+    quota.check_room(col.path, need, col.limits.disk_reserve_bytes, f"importing {count} documents")
     path = staging / "vectors.npy"
     out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(count, col.dim))
     with steps.step("checking vectors" if src is not None else "staging vectors", count) as update:
@@ -169,7 +173,13 @@ def _stage(col: Collection, documents: Path | None, vectors: Path | None, stagin
                             raise InputError(f"documents line {number}: a document needs a text, a vector, or both")
                         to_embed.append((j, text))
                         continue
-                    v = np.asarray(vec, dtype=np.float32) if isinstance(vec, list) else None
+                    try:
+                        with np.errstate(over="ignore"):
+                            v = np.asarray(vec, dtype=np.float32) if isinstance(vec, list) else None
+                    except OverflowError:  # an integer past float64's range: refused as not finite below
+                        v = np.full(col.dim, np.inf, np.float32) if len(vec) == col.dim else None
+                    except (TypeError, ValueError):
+                        v = None
                     if v is None or v.shape != (col.dim,):
                         raise InputError(f"documents line {number}: vector must be {col.dim} numbers")
                     out[row + j] = v

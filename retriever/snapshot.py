@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from fusionrag.retriever import quota
 from fusionrag.retriever.errors import IndexFormatError, InputError
 from fusionrag.retriever.manifest import fsync_path
 
@@ -110,29 +111,108 @@ def write(col: Collection, current: dict | None, dest: Path) -> dict:
     return {k: v for k, v in manifest.items() if k != "files"} | {"bytes": dest.stat().st_size}
 
 
-def extract(archive: IO[bytes], into: Path) -> dict:
+_PLAIN = (tarfile.REGTYPE, tarfile.AREGTYPE)
+# The PAX keys tarfile's writer may give a member of ours (a size past 8 GiB, say); any other (GNU.sparse.*,
+# a charset, a link) is not of a snapshot.
+_PAX_KEYS = frozenset({"path", "size", "mtime", "uid", "gid", "uname", "gname"})
+
+
+def _check_member(member: tarfile.TarInfo, seen) -> None:
+    """InputError unless member is one snapshot.write writes: a plain regular file (not sparse: its data would
+    expand to whatever size its header claims), named as a snapshot's member, and not seen before."""
+    name = member.name
+    if member.type not in _PLAIN or member.sparse is not None or set(member.pax_headers) - _PAX_KEYS:
+        kind = "sparse file" if member.sparse is not None or member.type == tarfile.GNUTYPE_SPARSE else \
+            f"tar member of type {member.type!r}" if member.type not in _PLAIN else "file with foreign PAX headers"
+        raise InputError(f"snapshot: member {name!r:.120} is a {kind}; a snapshot holds only plain files")
+    if (name != MANIFEST and not _MEMBER.fullmatch(name)) or name in seen:
+        raise InputError(f"snapshot: unexpected member {name!r:.120} (not a fusionrag snapshot, or altered)")
+
+
+def _read_manifest(tar: tarfile.TarFile, member: tarfile.TarInfo) -> dict:
+    if member.size >= (16 << 20):
+        raise InputError(f"snapshot: {MANIFEST} of {member.size} bytes is not a snapshot's")
+    try:
+        manifest = json.loads(tar.extractfile(member).read())
+    except ValueError as e:
+        raise InputError(f"snapshot: {MANIFEST} is not JSON ({e})") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise InputError(f"snapshot: {MANIFEST} is not a fusionrag snapshot's")
+    if not isinstance(manifest.get("format_version"), int) or manifest["format_version"] > FORMAT_VERSION:
+        raise InputError(f"snapshot: format version {manifest.get('format_version')!r} is newer than this "
+                         f"fusionrag reads ({FORMAT_VERSION}); upgrade fusionrag to restore it")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(
+            isinstance(v, dict) and type(v.get("bytes")) is int and v["bytes"] >= 0 for v in files.values()):
+        raise InputError(f"snapshot: {MANIFEST} does not list its members' sizes")
+    return manifest
+
+
+def _mismatch(files: dict, seen: dict, key) -> InputError:
+    missing = sorted(set(files) - set(seen))
+    wrong = sorted(n for n in seen if n not in files or key(files[n]) != key(seen[n]))
+    return InputError(f"snapshot: members do not match {MANIFEST} (missing {missing[:10]}, altered {wrong[:10]})")
+
+
+def _declared(archive: IO[bytes]) -> dict[str, int]:
+    """A first pass over a seekable archive's headers (its data skipped): each member's size, once every member
+    is of a snapshot and the sizes are those its manifest declares."""
+    start = archive.tell()
+    sizes: dict[str, int] = {}
+    manifest = None
+    with tarfile.open(fileobj=archive, mode="r:") as tar:
+        for member in tar:
+            _check_member(member, sizes)
+            if member.name == MANIFEST:
+                manifest = _read_manifest(tar, member)
+            else:
+                sizes[member.name] = member.size
+    archive.seek(start)
+    if manifest is None:
+        raise InputError(f"snapshot: no {MANIFEST} (not a fusionrag snapshot, or cut short)")
+    if set(manifest["files"]) != set(sizes) or any(manifest["files"][n]["bytes"] != b for n, b in sizes.items()):
+        raise _mismatch(manifest["files"], {n: {"bytes": b} for n, b in sizes.items()}, lambda v: v["bytes"])
+    return sizes
+
+
+def _seekable(f) -> bool:
+    try:
+        return f.seekable()
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def extract(archive: IO[bytes], into: Path, max_bytes: int = 0, reserve: int = 0) -> dict:
     """Unpack a snapshot into the empty directory `into`, checking every member against snapshot.json;
-    returns the manifest. Raises InputError for an archive that is not a whole, valid snapshot."""
+    returns the manifest. Raises InputError for an archive that is not a whole, valid snapshot or that would
+    write more than max_bytes (0: no limit), StorageError where it would leave less than `reserve` bytes free
+    on into's disk. A seekable archive's headers are read first, and nothing is written unless every member is
+    a plain file of a snapshot whose size its manifest declares and the total fits both bounds; a stream is
+    checked member by member, before each is written."""
     seen: dict[str, dict] = {}
     manifest = None
+    written = 0
     try:
+        declared = _declared(archive) if _seekable(archive) else None
+        if declared is not None:
+            _check_bytes(sum(declared.values()), max_bytes, into, reserve)
         with tarfile.open(fileobj=archive, mode="r|") as tar:  # a stream: members in order, nothing held
             for member in tar:
+                _check_member(member, seen if member.name != MANIFEST or manifest is None else {MANIFEST})
                 name = member.name
-                if name == MANIFEST and member.isfile() and member.size < (16 << 20):
-                    try:
-                        manifest = json.loads(tar.extractfile(member).read())
-                    except ValueError as e:
-                        raise InputError(f"snapshot: {MANIFEST} is not JSON ({e})") from e
+                if name == MANIFEST:
+                    manifest = _read_manifest(tar, member)
                     continue
-                if not (member.isfile() and _MEMBER.fullmatch(name)) or name in seen:
-                    raise InputError(f"snapshot: unexpected member {name!r} (not a fusionrag snapshot, or altered)")
+                if declared is not None and declared.get(name) != member.size:
+                    raise InputError(f"snapshot: member {name!r} changed while it was read")
+                written += member.size
+                _check_bytes(written, max_bytes, into, reserve, member.size)
                 path = into / name
                 path.parent.mkdir(parents=True, exist_ok=True)
                 sha, size = hashlib.sha256(), 0
                 src = tar.extractfile(member)
                 with open(path, "wb") as out:
-                    while chunk := src.read(_CHUNK):
+                    while size < member.size and (chunk := src.read(min(_CHUNK, member.size - size))):
                         sha.update(chunk)
                         size += len(chunk)
                         out.write(chunk)
@@ -141,34 +221,40 @@ def extract(archive: IO[bytes], into: Path) -> dict:
                 seen[name] = {"bytes": size, "sha256": sha.hexdigest()}
     except tarfile.TarError as e:
         raise InputError(f"snapshot: not a readable tar archive ({e})") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    if manifest is None:
         raise InputError(f"snapshot: no {MANIFEST} (not a fusionrag snapshot, or cut short)")
-    if not isinstance(manifest.get("format_version"), int) or manifest["format_version"] > FORMAT_VERSION:
-        raise InputError(f"snapshot: format version {manifest.get('format_version')!r} is newer than this "
-                         f"fusionrag reads ({FORMAT_VERSION}); upgrade fusionrag to restore it")
-    files = manifest.get("files")
-    if not isinstance(files, dict) or files != seen:
-        missing = sorted(set(files or {}) - set(seen))
-        wrong = sorted(n for n in seen if (files or {}).get(n) != seen[n])
-        raise InputError(f"snapshot: members do not match {MANIFEST} (missing {missing}, altered {wrong})")
+    files = manifest["files"]
+    if files != seen:
+        raise _mismatch(files, seen, lambda v: v)
     for p in sorted({p for p in into.rglob("*") if p.is_dir()}, key=lambda p: -len(p.parts)) + [into]:
         fsync_path(p)
     return manifest
 
 
-def rename_collection(into: Path, name: str) -> None:
-    """The restored collection takes the name it is restored under."""
+def _check_bytes(total: int, max_bytes: int, into: Path, reserve: int, now: int | None = None) -> None:
+    """The bounds of a restore: `total` bytes written in all (of which `now`, when given, are about to be)."""
+    if max_bytes and total > max_bytes:
+        raise InputError(f"snapshot: its members hold {'over ' if now is not None else ''}{total} bytes, more than "
+                         f"the {max_bytes} a restore may write (max_restore_bytes)")
+    quota.check_room(into, total if now is None else now, reserve, "restoring the snapshot")
+
+
+def rename_collection(into: Path, name: str) -> dict:
+    """The restored collection takes the name it is restored under; returns its collection.json."""
     path = into / "collection.json"
     try:
         desc = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise IndexFormatError(f"snapshot: collection.json is unreadable ({e})") from e
+    if not isinstance(desc, dict):
+        raise InputError("snapshot: collection.json is not an object")
     desc["name"] = name
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(desc))
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    return desc
 
 
 def remove(path: Path) -> None:

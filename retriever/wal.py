@@ -137,6 +137,14 @@ class WriteAheadLog:
     def bytes(self) -> int:
         return self.end
 
+    def release(self) -> None:
+        """Close the file while nothing is appended (every record durable); reopen() takes it up again."""
+        self.close()
+
+    def reopen(self) -> None:
+        if self._fd < 0:
+            self._fd = os.open(self.path, os.O_RDWR)
+
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)

@@ -59,7 +59,8 @@ def create_app(config: ServerConfig) -> FastAPI:
                   description="Retrieval for RAG over a FusionANNS-style index. Send `Authorization: Bearer <key>` "
                               "when the service has API keys.")
     app.state.fusionrag = state
-    app.add_middleware(BodyLimit, limit=config.max_body_bytes, upload_limit=config.max_upload_bytes)
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes, upload_limit=config.max_upload_bytes,
+                       timeout=config.body_timeout_s)
     app.add_middleware(ObserveMiddleware, metrics=state.metrics)
     install_handlers(app)
     app.include_router(v1)

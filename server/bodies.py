@@ -187,8 +187,11 @@ class Body:
                 raise HTTPException(422, f"{'.'.join(map(str, loc))}: {e}") from None
         if len(v) != dim:
             raise wrong_dim(len(v))
-        with np.errstate(over="ignore"):
-            a = np.asarray(v, dtype=np.float32)
+        try:
+            with np.errstate(over="ignore"):
+                a = np.asarray(v, dtype=np.float32)
+        except OverflowError:  # an integer past float64's range (10**400): json.loads keeps it an int
+            a = np.full(1, np.inf, np.float32)
         if not np.isfinite(a).all():
             raise HTTPException(422, f"{'.'.join(map(str, loc))}: holds a number that is not finite "
                                      "(NaN, infinity, or past float32's range)")

@@ -47,6 +47,22 @@ class ServerConfig(_Config):
     max_body_bytes: Annotated[int, knob("largest request body accepted", ge=1024)] = 16 << 20
     max_upload_bytes: Annotated[int, knob("largest upload accepted: a snapshot to restore or a file to import",
                                           ge=1024)] = 64 << 30
+    max_restore_bytes: Annotated[int, knob("bytes one restore may write at most (its archive's members)",
+                                           ge=1024)] = 64 << 30
+    max_collections: Annotated[int, knob("collections the service holds at most (0: no limit)", ge=0)] = 1000
+    max_collections_per_key: Annotated[int, knob("collections an API key restricted to some collections may "
+                                                 "hold at most, counting those its patterns cover (0: no limit)",
+                                                 ge=0)] = 100
+    max_open_collections: Annotated[int, knob("collections with their doc store and log open at most; idle ones "
+                                              "past it close their files until their next call",
+                                              ge=0, note="0 = from the open-files limit")] = 0
+    descriptor_reserve: Annotated[int, knob("open files the collections never take: kept for connections and logs",
+                                            ge=16)] = 128
+    disk_reserve_mb: Annotated[float, knob("free disk, MiB, that snapshots, imports and restores leave for the "
+                                           "collections' writes (they are refused first)", ge=0)] = 512.0
+    max_snapshots: Annotated[int, knob("snapshots kept per collection at most", ge=1)] = 8
+    max_snapshot_bytes: Annotated[int, knob("bytes one collection's snapshots may take on the data disk",
+                                            ge=0, note="0 = half the data disk")] = 0
     max_queries: Annotated[int, knob("queries (vectors or texts) per search request at most", ge=1)] = 256
     max_k: Annotated[int, knob("largest k of a search", ge=1, le=100_000)] = 1000
     max_text_chars: Annotated[int, knob("longest text accepted, per query or document", ge=1)] = 8192
@@ -89,6 +105,10 @@ class ServerConfig(_Config):
                                        "idle machine)", ge=0)] = 1
     log_level: Annotated[LogLevel, knob("how much to log")] = "info"
     log_format: Annotated[LogFormat, knob("log lines as JSON objects or text")] = "json"
+    header_timeout_s: Annotated[float, knob("a connection's request line and headers must arrive within this "
+                                            "many seconds, or it is closed", gt=0)] = 30.0
+    body_timeout_s: Annotated[float, knob("a request body that sends nothing for this many seconds is refused "
+                                          "(408)", gt=0)] = 60.0
     shutdown_timeout_s: Annotated[float, knob("on SIGTERM, how long in-flight requests may take to finish",
                                               ge=0)] = 30.0
 

@@ -3,12 +3,13 @@ collection, and the path convertors for ids."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Callable
 
 from fastapi import Depends, Path as PathParam, Request
 from starlette.convertors import Convertor, register_url_convertor
 
 from fusionrag.retriever.collection import NAME_RE, Collection
+from fusionrag.retriever.errors import QuotaError
 from fusionrag.server.auth import Key
 from fusionrag.server.schemas import NAME_PATTERN
 from fusionrag.server.errors import http_error
@@ -70,6 +71,21 @@ def allowed(name: Annotated[str, PathParam(json_schema_extra={"pattern": NAME_PA
     if key is not None and not key.allows(name):
         raise http_error(403, f"this API key has no rights to collection {name!r}")
     return name
+
+
+def collection_quota(request: Request, key: Key | None) -> Callable[[list[str]], None] | None:
+    """The check a create or restore by this key makes under the catalog's lock: a key restricted to some
+    collections may hold at most max_collections_per_key of those its patterns cover."""
+    limit = state_of(request).config.max_collections_per_key
+    if key is None or key.unrestricted or not limit:
+        return None
+
+    def allow(names: list[str]) -> None:
+        mine = sum(key.allows(n) for n in names)
+        if mine >= limit:
+            raise QuotaError(f"this API key's collections ({', '.join(key.patterns)}) number {mine}, its limit "
+                             "(max_collections_per_key): delete one before making another")
+    return allow
 
 
 def open_collection(request: Request, name: str = Depends(allowed)) -> Collection:

@@ -9,6 +9,7 @@ import shutil
 import threading
 
 
+from fusionrag.retriever import quota
 from fusionrag.retriever.collection import Catalog, CollectionConfig
 from fusionrag.retriever.config import BuildConfig, EngineConfig
 from fusionrag.retriever.embedding import get_embedder, set_threads
@@ -18,6 +19,7 @@ from fusionrag.server.batcher import MicroBatcher
 from fusionrag.server.config import ServerConfig, data_path
 from fusionrag.server.demo import ensure_demo
 from fusionrag.server.metrics import Metrics
+from fusionrag.server.snapshots import SnapshotShelf
 
 log = logging.getLogger("fusionrag.server")
 
@@ -30,8 +32,13 @@ def open_catalog(config: ServerConfig) -> Catalog:
                           gpu_budget_bytes=int(config.gpu_budget_mb * (1 << 20)),
                           gpu_memory_utilization=config.gpu_memory_utilization,
                           gpu_tiered_share=config.gpu_tiered_share)
+    limits = quota.Limits(max_collections=config.max_collections, max_open_collections=config.max_open_collections,
+                          descriptor_reserve=config.descriptor_reserve,
+                          disk_reserve_bytes=int(config.disk_reserve_mb * (1 << 20)),
+                          max_restore_bytes=config.max_restore_bytes)
     return Catalog(data_path(config), engine, CollectionConfig(min_index_count=config.min_index_count,
-                                                               build=BuildConfig(probe_model=config.probe_model)))
+                                                               build=BuildConfig(probe_model=config.probe_model)),
+                   limits)
 
 
 class State:
@@ -41,8 +48,11 @@ class State:
         self.config = config
         set_threads(config.embed_threads)
         self.keys = KeyRing.from_config(config.api_keys, config.api_keys_file)
+        self.open_files_limit = quota.raise_descriptor_limit()  # before the catalog sizes its pool of open files
         self.catalog = open_catalog(config)
         shutil.rmtree(data_path(config) / "uploads", ignore_errors=True)  # what a crash cut short
+        self.snapshots = SnapshotShelf(data_path(config) / "snapshots", config.max_snapshots,
+                                       config.max_snapshot_bytes, self.catalog.limits.disk_reserve_bytes)
         self.metrics = Metrics(self.collections_info)
         self.batcher = MicroBatcher(config.batch_wait_ms / 1000, config.batch_max_queries,
                                     config.search_threads, self.metrics)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import contextlib
 import signal
 
+import logging
+
 import uvicorn
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from uvicorn.server import HANDLED_SIGNALS
 
 from fusionrag.server.app import create_app
@@ -27,12 +30,67 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
+log = logging.getLogger("fusionrag.server")
+
+
+class _HeadDeadline(AutoHTTPProtocol):
+    """uvicorn's HTTP protocol (httptools', else h11's) with a deadline on each request's head: a connection that
+    has not sent a whole request line and headers within head_timeout seconds of connecting, or of starting its
+    next request, is closed (uvicorn's own timeouts cover only an idle keep-alive connection)."""
+
+    head_timeout = 30.0
+    _head_timer = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def on_message_begin(self) -> None:  # httptools: a request's first bytes
+        super().on_message_begin()
+        self._arm()
+
+    def on_headers_complete(self) -> None:  # httptools: its head is whole
+        self._disarm()
+        super().on_headers_complete()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        conn = getattr(self, "conn", None)  # h11: its parser says whether a head is still arriving
+        if conn is not None:
+            import h11
+            if conn.their_state is h11.IDLE and data:
+                self._arm()
+            else:
+                self._disarm()
+
+    def _arm(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.head_timeout, self._late)
+
+    def _disarm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _late(self) -> None:
+        self._head_timer = None
+        if not self.transport.is_closing():
+            log.warning("closed a connection whose request head took over %s s (header_timeout_s)",
+                        self.head_timeout, extra={"client": (self.client or ("",))[0]})
+            self.transport.close()
+
+
 def serve(config: ServerConfig) -> None:
     """Serve until SIGTERM or SIGINT; then stop accepting, let requests in flight finish, close the collections,
     and return (the process exits 0)."""
     setup_logging(config.log_level, config.log_format)
     app = create_app(config)
+    protocol = type("HTTPProtocol", (_HeadDeadline,), {"head_timeout": config.header_timeout_s})
     _Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_config=None, access_log=False, lifespan="on",
-        timeout_graceful_shutdown=config.shutdown_timeout_s,
+        timeout_graceful_shutdown=config.shutdown_timeout_s, http=protocol,
     )).run()

@@ -1,4 +1,4 @@
-"""ASGI middleware: body limits, and counting, timing and logging every request."""
+"""ASGI middleware: body limits and deadlines, and counting, timing and logging every request."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import logging
 import re
 import time
 
+import anyio
 from fastapi.exceptions import HTTPException
 from fastapi.responses import JSONResponse
 
@@ -20,10 +21,11 @@ _UPLOADS = re.compile(r"/v1/collections/[^/]+/(restore|import)")
 
 class BodyLimit:
     """413, with a message, for a body over the limit: at once when its declared length says so, else as soon as
-    the bytes read pass it (raised from `receive`, so the route answers it like any HTTPException)."""
+    the bytes read pass it; 408 for a body that sends nothing for `timeout` seconds (both raised from `receive`,
+    so the route answers them like any HTTPException)."""
 
-    def __init__(self, app, limit: int, upload_limit: int):
-        self.app, self.limit, self.upload_limit = app, limit, upload_limit
+    def __init__(self, app, limit: int, upload_limit: int, timeout: float = 60.0):
+        self.app, self.limit, self.upload_limit, self.timeout = app, limit, upload_limit, timeout
 
     @staticmethod
     def _message(size: int, exact: bool, limit: int, setting: str) -> str:
@@ -38,11 +40,19 @@ class BodyLimit:
         if declared.isdigit() and int(declared) > limit:
             return await JSONResponse({"detail": self._message(int(declared), True, limit, setting)},
                                       413)(scope, receive, send)
-        seen = 0
+        seen, whole = 0, False
 
         async def counted():
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, whole
+            if whole:  # after the body, receive() waits for the client to leave: no deadline on that
+                return await receive()
+            try:
+                with anyio.fail_after(self.timeout):
+                    message = await receive()
+            except TimeoutError:
+                raise HTTPException(408, f"the request body sent nothing for {self.timeout:g} s (body_timeout_s)",
+                                    {"Connection": "close"}) from None
+            whole = message["type"] != "http.request" or not message.get("more_body", False)
             seen += len(message.get("body", b""))
             if seen > limit:
                 raise HTTPException(413, self._message(seen, False, limit, setting))

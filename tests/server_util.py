@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -15,13 +16,16 @@ import httpx
 
 
 class ServerProcess:
-    def __init__(self, data_dir: Path, log_path: Path, *flags: str, env: dict | None = None):
+    def __init__(self, data_dir: Path, log_path: Path, *flags: str, env: dict | None = None,
+                 nofile: int | None = None):
+        """nofile: the server's soft and hard limit on open files (as `ulimit -n` sets both)."""
         self.data_dir, self.log_path = data_dir, log_path
         self._log = open(log_path, "w")
+        limit = None if nofile is None else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "fusionrag", "serve", "--port", "0", "--data-dir", str(data_dir),
              "--log-format", "json", *flags],
-            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, preexec_fn=limit)
         try:
             self.url = self._wait_for_port(60)
         except BaseException:
@@ -56,6 +60,10 @@ class ServerProcess:
 
     def log_lines(self) -> list[dict]:
         return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{")]
+
+    def open_files(self) -> int:
+        """Descriptors the server process holds now."""
+        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
 
     def stop(self, timeout: float = 60) -> int:
         if self.proc.poll() is None:

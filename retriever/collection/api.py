@@ -40,6 +40,7 @@ from fusionrag.retriever.fresh import FreshTier, FreshView, distances
 from fusionrag.retriever.index import STAT_KEYS, Index
 from fusionrag.retriever.queries import PreparedQueries, prepare_queries
 from fusionrag.retriever import importer, snapshot
+from fusionrag.retriever.quota import Limits, OpenFiles
 from fusionrag.retriever.vectors import vector_problems
 from fusionrag.retriever.wal import WriteAheadLog
 from fusionrag.retriever.collection import compaction
@@ -84,8 +85,13 @@ class Collection:
     """One collection, opened. Thread-safe: searches run concurrently with writes and a merge."""
 
     def __init__(self, path: Path, engine_config: EngineConfig | None = None,
-                 config: CollectionConfig | None = None):
+                 config: CollectionConfig | None = None, files: OpenFiles | None = None,
+                 limits: Limits | None = None):
+        """files: the pool of open collections this one takes part in (its doc store and log are closed while
+        it is idle and others are used; see quota.OpenFiles); None keeps them open until close. limits: the
+        catalog's (an import's disk reserve)."""
         self.path = Path(path)
+        self.limits = limits or Limits()
         self.engine_config = engine_config or EngineConfig()
         self.config = config or CollectionConfig()
         try:
@@ -109,6 +115,8 @@ class Collection:
         self._unsearchable = 0  # stored vectors the engine cannot use (written before they were refused)
         self._progress: dict | None = None  # the running merge's or import's step, for info()
         self._import: dict | None = None  # the last bulk import: its state, and what it did or why it failed
+        self._files = files
+        self._dormant = False  # its doc store and log are closed until its next call
 
         self._wal = WriteAheadLog(self.path / "wal.log")
         self._main = Generation(0, None, np.empty(0, np.int64), -1)
@@ -136,6 +144,7 @@ class Collection:
             self._next_lsn = max([applied] + [lsn for lsn, _ in records]) + 1
             self._last_appended = self._next_lsn - 1
             self._load_memory()
+            self._load_import_state()
         except BaseException:
             self._wal.close()
             if self.store is not None:
@@ -174,11 +183,47 @@ class Collection:
 
     # -- input checks --------------------------------------------------------------------------
     def _enter(self) -> None:
+        if self._dormant and self._files is not None:
+            self._files.make_room()
         with self._users_cv:
             if self._closed is not None:
                 cls, message = self._closed
                 raise cls(message)
+            woke = self._dormant
+            if woke:
+                self._wake()
             self._users += 1
+        if self._files is not None:
+            self._files.used(self, woke)
+
+    @property
+    def dormant(self) -> bool:
+        """Its doc store and log are closed while it is idle (reopened by its next call)."""
+        return self._dormant
+
+    def release_files(self) -> bool:
+        """Close the doc store and the log if nothing uses the collection now (no call, merge or import in
+        progress); its next call reopens them. True when they were closed."""
+        with self._users_cv:
+            if self._users or self._closed is not None or self._dormant or self._pending:
+                return False
+            self._wal.release()
+            self.store.release()
+            self._dormant = True
+            return True
+
+    def _wake(self) -> None:
+        """Reopen what release_files closed (caller holds _users_cv)."""
+        try:
+            self._wal.reopen()
+            try:
+                self.store.reopen()
+            except BaseException:
+                self._wal.release()
+                raise
+        except (OSError, sqlite3.Error) as e:
+            raise UnavailableError(f"collection {self.name!r} cannot reopen its files: {e}") from e
+        self._dormant = False
 
     def _leave(self) -> None:
         with self._users_cv:
@@ -217,7 +262,7 @@ class Collection:
 
     def _commit(self, w: Write) -> int:
         with self._lock:
-            if self._import is not None and self._import["state"] == "running":
+            if self._import is not None and self._import["state"] in self._IMPORT_ACTIVE:
                 raise ConflictError(f"collection {self.name!r} is importing documents: write once the import is "
                                     "done (its progress is in the collection's info)")
             w.lsn = self._next_lsn
@@ -577,29 +622,113 @@ class Collection:
             except (OSError, sqlite3.Error) as e:
                 raise StorageError(f"collection {self.name!r}: cannot write its snapshot: {e}") from e
 
+    # -- bulk import -----------------------------------------------------------------------------
+    # Its state, kept in import.json so that a restart reports an import it cut short: "uploading" (claimed
+    # by a request whose files are still arriving), "running", then "done" or "failed" (with the reason), or
+    # "interrupted" (the process ended meanwhile). Writes are refused while it is uploading or running.
+    _IMPORT_ACTIVE = ("uploading", "running")
+
+    def _load_import_state(self) -> None:
+        """The last import's state, as the previous process left it; staging an interrupted one left removed."""
+        for p in self.path.glob(".import-*"):
+            shutil.rmtree(p, ignore_errors=True)
+        try:
+            state = json.loads((self.path / "import.json").read_text())
+        except (OSError, ValueError):
+            return
+        if not isinstance(state, dict):
+            return
+        if state.get("state") in self._IMPORT_ACTIVE:
+            n = self.store.count()
+            state = {**state, "state": "interrupted", "reason": (
+                "the service stopped during the import: nothing of it was stored; import again" if not n else
+                f"the service stopped during the import, after its {n} documents were stored (the next merge "
+                "indexes them)")}
+            self._set_import(state)
+        self._import = state
+
+    def _set_import(self, state: dict | None) -> None:
+        self._import = state
+        try:
+            if state is None:
+                (self.path / "import.json").unlink(missing_ok=True)
+            else:
+                write_json_atomic(self.path / "import.json", state)
+        except OSError:  # the state stays known to this process; only a restart would not report it
+            log.exception("collection %r: cannot record its import's state", self.name)
+
+    def _public(self, text: str, *folders: Path) -> str:
+        """text without the service's paths: the collection's own, the data directory's, and `folders`."""
+        for folder in folders:
+            text = text.replace(f"{folder}{os.sep}", "").replace(str(folder), ".")
+        return text.replace(f"{self.path}{os.sep}", "").replace(str(self.path), ".") \
+            .replace(str(self.path.parent.parent), "<data-dir>")
+
     @_in_use
+    def claim_import(self) -> None:
+        """Reserve this empty collection for one bulk import before its files arrive (the service claims it,
+        then uploads): ConflictError if it holds documents or another import holds it. Writes are refused
+        until the import ends; import_files(claimed=True) runs it, release_import gives up a claim whose
+        upload failed."""
+        with self._lock:
+            importer.check_empty(self)
+            if self._import is not None and self._import["state"] in self._IMPORT_ACTIVE:
+                raise ConflictError(f"collection {self.name!r} is already importing documents (its progress is in "
+                                    "the collection's info)")
+            self._before_claim = self._import
+            self._set_import({"state": "uploading", "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+
+    def release_import(self) -> None:
+        """Give up a claim (its upload was refused, and the caller told so): the import state is as before it."""
+        with self._lock:
+            if self._import is not None and self._import["state"] == "uploading":
+                self._set_import(getattr(self, "_before_claim", None))
+
     def import_files(self, documents: str | os.PathLike | None = None, vectors: str | os.PathLike | None = None,
-                     progress: bool | None = None) -> dict:
+                     progress: bool | None = None, claimed: bool = False) -> dict:
         """Bulk-import documents into this empty collection from files, indexed by one build (see
-        retriever/importer.py); writes wait (ConflictError) until it is done. Returns what it did."""
+        retriever/importer.py); writes wait (ConflictError) until it is done. Returns what it did. claimed: the
+        caller claimed the collection first (claim_import). Whatever happens, the state ends "done" or
+        "failed" with the reason (info()'s build_state.import)."""
+        folders = [Path(p).resolve().parent for p in (documents, vectors) if p is not None]
+        ran: list[bool] = []  # set once this call has made the state "running": the state is its own
+        try:
+            return self._import_files(documents, vectors, progress, claimed, ran)
+        except BaseException as e:
+            with self._lock:
+                state = None if self._import is None else self._import["state"]
+                if self._closed is None and ((ran and state == "running") or (claimed and state == "uploading")):
+                    reason = self._public(str(e) if isinstance(e, FusionRAGError) else f"{type(e).__name__}: {e}",
+                                          *folders)
+                    self._set_import({**self._import, "state": "failed", "reason": reason})
+            if isinstance(e, OSError) and not isinstance(e, StorageError):
+                raise StorageError(f"collection {self.name!r}: the import could not write: {e}") from e
+            raise
+
+    @_in_use
+    def _import_files(self, documents, vectors, progress, claimed: bool, ran: list) -> dict:
         from fusionrag.retriever.embedding import get_embedder
 
         with self._merge_lock:  # no merge meanwhile: the import publishes the next generation itself
             with self._lock:
-                importer.check_empty(self)
-                self._import = {"state": "running", "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                state = None if self._import is None else self._import["state"]
+                if claimed and state != "uploading":
+                    raise ConflictError(f"collection {self.name!r}: the import's claim was lost")
+                if not claimed:
+                    importer.check_empty(self)
+                    if state in self._IMPORT_ACTIVE:
+                        raise ConflictError(f"collection {self.name!r} is already importing documents")
+                started = self._import["started"] if claimed else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+                self._set_import({"state": "running", "started": started})
+                ran.append(True)
             try:
                 embedder = get_embedder(self.embedding) if self.embedding else None
                 done = importer.import_files(self, None if documents is None else Path(documents),
                                              None if vectors is None else Path(vectors), progress, embedder)
-            except BaseException as e:
-                self._import = {**self._import, "state": "failed", "reason": str(e)}
-                if isinstance(e, OSError) and not isinstance(e, StorageError):
-                    raise StorageError(f"collection {self.name!r}: the import could not write: {e}") from e
-                raise
             finally:
                 self._progress = None
-            self._import = {**self._import, "state": "done", **done}
+            with self._lock:
+                self._set_import({**self._import, "state": "done", **done})
             return done
 
     def _publish_import(self, n: int, source: Path, documents, index_dir: Path | None, steps) -> int:
@@ -787,6 +916,8 @@ class Collection:
             while self._users:
                 self._users_cv.wait()
         # Nothing uses the collection now, and nothing can start to.
+        if self._files is not None:
+            self._files.forget(self)
         self._wal.close()
         self.store.close()
         with self._mem_lock:

@@ -11,22 +11,31 @@ import threading
 import uuid
 import weakref
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 from fusionrag.retriever.config import METRICS, EngineConfig
 from fusionrag.retriever.docstore import DocStore
-from fusionrag.retriever.errors import (ConflictError, FusionRAGError, InputError, NotFoundError, StorageError,
-                                       UnavailableError)
+from fusionrag.retriever.errors import (ConflictError, FusionRAGError, InputError, NotFoundError, QuotaError,
+                                       StorageError, UnavailableError)
 from fusionrag.retriever.manifest import fsync_path
-from fusionrag.retriever import dirlock, snapshot
+from fusionrag.retriever import dirlock, quota, snapshot
 from fusionrag.retriever.collection.api import Collection
 from fusionrag.retriever.collection.config import COLLECTION_FORMAT, NAME_RE, CollectionConfig
 from fusionrag.retriever.collection.generations import write_json_atomic
 
 log = logging.getLogger(__name__)
 
-log = logging.getLogger(__name__)
+
+def check_description(dim, metric, embedding) -> None:
+    """What a collection's description must hold, at create and at restore (InputError says what is wrong)."""
+    if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or not 1 <= dim <= 65536:
+        raise InputError(f"dim must be an integer in [1, 65536], got {dim!r:.80}")
+    if metric not in METRICS:
+        raise InputError(f"metric must be one of {METRICS}, got {metric!r:.80}")
+    if embedding is not None and not isinstance(embedding, str):
+        raise InputError(f"embedding must be a model name or None, got {embedding!r:.80}")
 
 
 class Catalog:
@@ -39,7 +48,7 @@ class Catalog:
     close or the process's end): two would append to the same logs and rebuild the same indexes."""
 
     def __init__(self, root: str | os.PathLike, engine_config: EngineConfig | None = None,
-                 collection_config: CollectionConfig | None = None):
+                 collection_config: CollectionConfig | None = None, limits: quota.Limits | None = None):
         self.root = Path(root)
         self.dir = self.root / "collections"
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -47,6 +56,8 @@ class Catalog:
         self._release = weakref.finalize(self, os.close, _hold(self.root / "catalog.lock"))
         self.engine_config = engine_config or EngineConfig()
         self.collection_config = collection_config or CollectionConfig()
+        self.limits = limits or quota.Limits()
+        self.files = quota.OpenFiles(self.limits)  # the collections whose files are open, most recently used last
         self._lock = threading.Lock()
         self._open: dict[str, Collection] = {}
         self._failed: dict[str, str] = {}  # name -> why it would not open
@@ -90,17 +101,16 @@ class Catalog:
         return UnavailableError(f"collection {name!r} failed to open: {self._failed[name]}; fix or restore its files "
                                 "and restart the service, or delete the collection")
 
-    def create(self, name: str, dim: int, metric: str = "cosine", embedding: str | None = None) -> Collection:
+    def create(self, name: str, dim: int, metric: str = "cosine", embedding: str | None = None,
+               allow: Callable[[list[str]], None] | None = None) -> Collection:
+        """allow(names): raises (QuotaError) when one more collection beside `names` would be too many for the
+        caller; called under the catalog's lock, so two creates cannot both pass it."""
         self._check_name(name)
-        if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or not 1 <= dim <= 65536:
-            raise InputError(f"dim must be an integer in [1, 65536], got {dim!r}")
-        if metric not in METRICS:
-            raise InputError(f"metric must be one of {METRICS}, got {metric!r}")
-        if embedding is not None and not isinstance(embedding, str):
-            raise InputError(f"embedding must be a model name or None, got {embedding!r}")
+        check_description(dim, metric, embedding)
+        self.files.make_room()
         with self._lock:
             final = self.dir / name
-            self._check_free(name)
+            self._check_free(name, allow)
             tmp = self.dir / f".create-{name}-{uuid.uuid4().hex}"
             published = False
             try:
@@ -113,8 +123,7 @@ class Catalog:
                 os.rename(tmp, final)
                 published = True
                 fsync_path(self.dir)
-                col = self._open[name] = Collection(final, self.engine_config, self.collection_config)
-                return col
+                return self._open_at(name, final)
             except (OSError, sqlite3.Error) as e:
                 with contextlib.suppress(OSError):
                     if published:
@@ -122,13 +131,20 @@ class Catalog:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise StorageError(f"cannot create collection {name!r}: {self._reason(e, tmp)}") from e
 
-    def check_free(self, name: str) -> None:
-        """ConflictError unless a collection `name` could be made now."""
+    def _open_at(self, name: str, path: Path) -> Collection:
+        """Open the collection at path as `name`, in the pool of open files (caller holds _lock)."""
+        col = self._open[name] = Collection(path, self.engine_config, self.collection_config, self.files,
+                                            self.limits)
+        self.files.used(col, True)
+        return col
+
+    def check_free(self, name: str, allow: Callable[[list[str]], None] | None = None) -> None:
+        """ConflictError unless a collection `name` could be made now (QuotaError: not one more)."""
         self._check_name(name)
         with self._lock:
-            self._check_free(name)
+            self._check_free(name, allow)
 
-    def _check_free(self, name: str) -> None:
+    def _check_free(self, name: str, allow: Callable[[list[str]], None] | None = None) -> None:
         """ConflictError unless `name` can be taken now (caller holds _lock)."""
         if name in self._dropping:
             raise ConflictError(f"collection {name!r} is being deleted; create it again once that is done")
@@ -136,30 +152,50 @@ class Catalog:
             raise ConflictError(f"collection {name!r} is being restored from a snapshot")
         if (self.dir / name).exists():
             raise ConflictError(f"collection {name!r} already exists")
+        taken = sorted({p.name for p in self.dir.iterdir() if NAME_RE.fullmatch(p.name)} | self._restoring)
+        if self.limits.max_collections and len(taken) >= self.limits.max_collections:
+            raise QuotaError(f"the service holds {len(taken)} collections, its limit (max_collections): delete one "
+                             "before making another")
+        if allow is not None:
+            allow(taken)
 
-    def restore(self, name: str, archive) -> Collection:
-        """A new collection `name` from a snapshot archive (a binary file object, read as a stream; see
-        Collection.snapshot). InputError for an archive that is not a whole, valid snapshot."""
+    def restore(self, name: str, archive, embedding_dim: Callable[[str], int] | None = None,
+                allow: Callable[[list[str]], None] | None = None) -> Collection:
+        """A new collection `name` from a snapshot archive (a binary file object; see Collection.snapshot).
+        InputError for an archive that is not a whole, valid snapshot. Its collection.json is checked as
+        create checks its arguments; embedding_dim(model): the dimension of an embedding model the caller
+        allows (raising for any other), checked against the collection's. allow: as for create."""
         self._check_name(name)
+        self.files.make_room()
         with self._lock:
-            self._check_free(name)
+            self._check_free(name, allow)
             self._restoring.add(name)
         tmp = self.dir / f".restore-{name}-{uuid.uuid4().hex}"
         final = self.dir / name
         try:
             tmp.mkdir()
-            snapshot.extract(archive, tmp)
-            snapshot.rename_collection(tmp, name)
+            snapshot.extract(archive, tmp, self.limits.max_restore_bytes, self.limits.disk_reserve_bytes)
+            desc = snapshot.rename_collection(tmp, name)
+            try:
+                check_description(desc.get("dim"), desc.get("metric"), desc.get("embedding"))
+                if desc.get("embedding") is not None and embedding_dim is not None:
+                    model_dim = embedding_dim(desc["embedding"])
+                    if model_dim != desc["dim"]:
+                        raise InputError(f"dimension {desc['dim']} does not fit embedding model {desc['embedding']!r} "
+                                         f"(dimension {model_dim})")
+            except FusionRAGError as e:
+                raise InputError(f"snapshot: collection.json: {e}") from e
             with self._lock:
                 os.rename(tmp, final)
                 try:
-                    self._open[name] = col = Collection(final, self.engine_config, self.collection_config)
+                    col = self._open_at(name, final)
                 except BaseException as e:
                     os.rename(final, tmp)
-                    if isinstance(e, FusionRAGError) and not isinstance(e, StorageError):
-                        raise InputError(f"snapshot: the restored collection does not open: "
-                                         f"{self._reason(e, final)}") from e
-                    raise
+                    if isinstance(e, OSError) or not isinstance(e, Exception):
+                        raise
+                    # It passed every check of its members, so what fails to open is what the archive holds.
+                    raise InputError(f"snapshot: the restored collection does not open: "
+                                     f"{self._reason(e, final)}") from e
                 fsync_path(self.dir)
             return col
         except OSError as e:
@@ -182,13 +218,13 @@ class Catalog:
             path = self.dir / name
             if name in self._dropping or not path.is_dir():
                 raise NotFoundError(f"collection {name!r} does not exist")
+            self.files.make_room()
             try:
-                col = self._open[name] = Collection(path, self.engine_config, self.collection_config)
+                return self._open_at(name, path)
             except Exception as e:  # noqa: BLE001 - whatever it was, this collection alone is set aside
                 self._failed[name] = self._reason(e, path)
                 log.error("collection %r failed to open: %s", name, self._failed[name], exc_info=e)
                 raise self._unavailable(name) from e
-            return col
 
     def drop(self, name: str) -> None:
         """Delete a collection: calls in progress on it finish first, later ones get NotFoundError."""

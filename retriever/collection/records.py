@@ -112,7 +112,10 @@ def upsert_record(docs: Sequence[Document], dim: int, metric: str) -> tuple[Writ
         except (TypeError, ValueError) as e:
             raise InputError(f"document {doc_id!r}: metadata is not JSON-serialisable ({e})") from e
         try:
-            v = None if isinstance(d.vector, (str, bytes)) else np.asarray(d.vector, dtype=np.float32)
+            with np.errstate(over="ignore"):
+                v = None if isinstance(d.vector, (str, bytes)) else np.asarray(d.vector, dtype=np.float32)
+        except OverflowError:  # an integer past float64's range: refused as past float32's below
+            v = np.full(dim, np.inf, np.float32) if len(d.vector) == dim else None
         except (TypeError, ValueError):
             v = None
         if v is None or v.shape != (dim,):

@@ -12,7 +12,7 @@ from fusionrag.retriever.errors import NotFoundError, UnavailableError
 from fusionrag.server.auth import Key
 from fusionrag.server.schemas import CreateCollection
 from fusionrag.server.errors import documented, http_error
-from fusionrag.server.deps import allowed, authenticate, check_name, open_collection, state_of
+from fusionrag.server.deps import allowed, authenticate, check_name, collection_quota, open_collection, state_of
 
 log = logging.getLogger("fusionrag.server")
 
@@ -52,7 +52,8 @@ def create_collection(body: CreateCollection, request: Request, key: Key | None 
         if dim is not None and dim != model_dim:
             raise http_error(422, f"dimension {dim} does not fit embedding model {embedding} (dimension {model_dim})")
         dim = model_dim
-    info = state_of(request).catalog.create(body.name, dim, body.metric, embedding).info()
+    info = state_of(request).catalog.create(body.name, dim, body.metric, embedding,
+                                            allow=collection_quota(request, key)).info()
     if embedding:  # loaded now, in the background, rather than by the first write or search that needs it
         threading.Thread(target=_preload, args=(embedding,), name="embedder-load", daemon=True).start()
     return info

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
 import shutil
 import threading
-import time
 import uuid
 from pathlib import Path
 
@@ -19,12 +16,15 @@ from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.concurrency import run_in_threadpool
 
+from fusionrag.retriever import quota
 from fusionrag.retriever.collection import Collection
-from fusionrag.retriever.errors import ConflictError, StorageError
+from fusionrag.retriever.embedding import canonical_name, get_embedder
+from fusionrag.retriever.errors import StorageError
 from fusionrag.retriever.vectors import EXTENSIONS as VECTOR_EXTENSIONS
 from fusionrag.server.config import data_path
 from fusionrag.server.errors import documented, http_error
-from fusionrag.server.deps import allowed, open_collection, state_of
+from fusionrag.server.auth import Key
+from fusionrag.server.deps import allowed, authenticate, collection_quota, open_collection, state_of
 
 log = logging.getLogger("fusionrag.server")
 
@@ -33,70 +33,53 @@ router = APIRouter(prefix="/v1")
 
 # -- snapshots ---------------------------------------------------------------------------------------
 
-SNAPSHOT_ID = re.compile(r"\d{8}T\d{6}Z-[0-9a-f]{8}")
 _TAR = {"application/x-tar": {"schema": {"type": "string", "format": "binary"}}}
 _BINARY = {"application/octet-stream": {"schema": {"type": "string", "format": "binary", "description": "the archive"}}}
 
 
-def _snapshots(request: Request, name: str) -> Path:
-    """Where a collection's snapshots are kept: beside the collections, so that they outlive a drop."""
-    return data_path(state_of(request).config) / "snapshots" / name
-
-
-def _snapshot_file(request: Request, name: str, snapshot_id: str) -> Path:
-    path = _snapshots(request, name) / f"{snapshot_id}.tar"
-    if not SNAPSHOT_ID.fullmatch(snapshot_id) or not path.is_file():
-        raise http_error(404, f"no snapshot {snapshot_id[:80]!r} of collection {name!r}")
-    return path
-
-
-@router.post("/collections/{name}/snapshots", status_code=201, responses=documented(400, 401, 403, 404, 422, 503, 507),
+@router.post("/collections/{name}/snapshots", status_code=201, responses=documented(400, 401, 403, 404, 409, 422, 503,
+                                                                                    507),
          summary="Write a snapshot of a collection (its state now, while writes go on); returns its id")
 def create_snapshot(request: Request, coll: Collection = Depends(open_collection)):
-    folder = _snapshots(request, coll.name)
-    snapshot_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:8]
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise StorageError(f"cannot make the snapshot folder: {e}") from e
-    info = {"id": snapshot_id, **coll.snapshot(folder / f"{snapshot_id}.tar")}
-    try:
-        (folder / f"{snapshot_id}.json").write_text(json.dumps(info))
-    except OSError as e:
-        (folder / f"{snapshot_id}.tar").unlink(missing_ok=True)
-        raise StorageError(f"cannot write the snapshot's description: {e}") from e
-    return info
+    return state_of(request).snapshots.take(coll)
 
 
 @router.get("/collections/{name}/snapshots", summary="The snapshots of a collection, oldest first",
         responses=documented(400, 401, 403, 422))
 def list_snapshots(request: Request, name: str = Depends(allowed)):
-    folder = _snapshots(request, name)
-    found = []
-    for desc in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-        if SNAPSHOT_ID.fullmatch(desc.stem) and desc.with_suffix(".tar").is_file():
-            try:
-                found.append(json.loads(desc.read_text()))
-            except (OSError, ValueError):  # a description cut short by a crash: the archive is still listed
-                found.append({"id": desc.stem, "bytes": desc.with_suffix(".tar").stat().st_size})
-    return {"snapshots": found}
+    return {"snapshots": state_of(request).snapshots.list(name)}
 
 
 @router.get("/collections/{name}/snapshots/{snapshot_id}", summary="Download a snapshot (a tar archive)",
         responses={200: {"content": _TAR, "description": "the archive"}, **documented(400, 401, 403, 404, 422)},
         response_class=FileResponse)
 def download_snapshot(request: Request, snapshot_id: str, name: str = Depends(allowed)):
-    return FileResponse(_snapshot_file(request, name, snapshot_id), media_type="application/x-tar",
+    return FileResponse(state_of(request).snapshots.path(name, snapshot_id), media_type="application/x-tar",
                         filename=f"{name}-{snapshot_id}.tar")
 
 
 @router.delete("/collections/{name}/snapshots/{snapshot_id}", summary="Delete a snapshot",
            responses=documented(400, 401, 403, 404, 422))
 def delete_snapshot(request: Request, snapshot_id: str, name: str = Depends(allowed)):
-    path = _snapshot_file(request, name, snapshot_id)
-    path.with_suffix(".json").unlink(missing_ok=True)
-    path.unlink(missing_ok=True)
+    state_of(request).snapshots.delete(name, snapshot_id)
     return {"deleted": snapshot_id}
+
+
+class _Room:
+    """Checks, as an upload is written, that the disk reserve stays free: before each few MiB (a statvfs), that
+    they fit above it."""
+
+    EVERY = 4 << 20
+
+    def __init__(self, request: Request, folder: Path):
+        self.folder, self.reserve = folder, state_of(request).catalog.limits.disk_reserve_bytes
+        self.left = 0  # bytes checked for and not yet written
+
+    def wrote(self, n: int) -> None:
+        if n > self.left:
+            quota.check_room(self.folder, max(n, self.EVERY), self.reserve, "the upload")
+            self.left = max(n, self.EVERY)
+        self.left -= n
 
 
 async def _spool(request: Request) -> Path:
@@ -107,8 +90,10 @@ async def _spool(request: Request) -> Path:
     size = 0
     try:
         folder.mkdir(parents=True, exist_ok=True)
+        room = _Room(request, folder)
         async with await anyio.open_file(path, "wb") as f:
             async for chunk in request.stream():
+                room.wrote(len(chunk))
                 size += len(chunk)
                 await f.write(chunk)
     except OSError as e:
@@ -134,10 +119,12 @@ async def _spool_parts(request: Request, folder: Path) -> dict[str, Path]:
     format by its file name's extension)."""
     ctype, params = parse_options_header(request.headers.get("content-type", ""))
     ctype = ctype.decode("latin-1").lower()
+    room = _Room(request, folder)
     if ctype in _JSONL:
         path = folder / "documents.jsonl"
         async with await anyio.open_file(path, "wb") as f:
             async for chunk in request.stream():
+                room.wrote(len(chunk))
                 await f.write(chunk)
         return {"documents": path}
     if ctype != "multipart/form-data" or not params.get(b"boundary"):
@@ -145,6 +132,7 @@ async def _spool_parts(request: Request, folder: Path) -> dict[str, Path]:
                           "parts 'documents' and 'vectors' (a .fvecs .fbin .npy ... file)")
     files: dict[str, Path] = {}
     part: dict = {}
+    ended = []  # the closing boundary was read
 
     def headers_finished() -> None:
         _, disposition = parse_options_header(part["headers"].get(b"content-disposition", b""))
@@ -175,10 +163,12 @@ async def _spool_parts(request: Request, folder: Path) -> dict[str, Path]:
         "on_headers_finished": headers_finished,
         "on_part_data": lambda d, s, e: part["file"].write(d[s:e]),
         "on_part_end": lambda: part["file"].close(),
+        "on_end": lambda: ended.append(True),
     }
     parser = MultipartParser(params[b"boundary"], callbacks)
     try:
         async for chunk in request.stream():
+            room.wrote(len(chunk))
             await anyio.to_thread.run_sync(parser.write, chunk)
         parser.finalize()
     except MultipartParseError as e:
@@ -186,6 +176,8 @@ async def _spool_parts(request: Request, folder: Path) -> dict[str, Path]:
     finally:
         if part.get("file") is not None:
             part["file"].close()
+    if not ended:
+        raise http_error(400, "malformed multipart body: it ends before its closing boundary (cut short?)")
     if not files:
         raise http_error(422, "the multipart body has neither a 'documents' nor a 'vectors' part")
     return files
@@ -193,7 +185,7 @@ async def _spool_parts(request: Request, folder: Path) -> dict[str, Path]:
 
 def _run_import(coll: Collection, files: dict[str, Path], folder: Path) -> None:
     try:
-        coll.import_files(files.get("documents"), files.get("vectors"), progress=False)
+        coll.import_files(files.get("documents"), files.get("vectors"), progress=False, claimed=True)
     except Exception:  # noqa: BLE001 - the collection's info says why; the log has the rest
         log.exception("import into collection %r failed", coll.name)
     finally:
@@ -210,37 +202,44 @@ def _run_import(coll: Collection, files: dict[str, Path], folder: Path) -> None:
                  "vectors": {"type": "string", "format": "binary"}}}}}}})
 async def import_documents(request: Request, coll: Collection = Depends(open_collection)):
     state = state_of(request)
-    if len(coll):  # before the upload, not after it
-        raise ConflictError(f"collection {coll.name!r} already holds documents: import into a new, empty collection")
+    # Claimed before the upload, not after it: a second import, or a write, is refused (409) while it arrives.
+    await run_in_threadpool(coll.claim_import)
     folder = data_path(state.config) / "uploads" / uuid.uuid4().hex
     try:
-        folder.mkdir(parents=True)
-        files = await _spool_parts(request, folder)
-    except OSError as e:
-        shutil.rmtree(folder, ignore_errors=True)
-        raise StorageError(f"cannot store the upload: {e}") from e
+        try:
+            folder.mkdir(parents=True)
+            files = await _spool_parts(request, folder)
+        except OSError as e:
+            raise StorageError(f"cannot store the upload: {e}") from e
+        sizes = {k: p.stat().st_size for k, p in files.items()}
+        if not any(sizes.values()):
+            raise http_error(422, "the upload is empty")
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
+        coll.release_import()
         raise
-    if not any(p.stat().st_size for p in files.values()):
-        shutil.rmtree(folder, ignore_errors=True)
-        raise http_error(422, "the upload is empty")
     threading.Thread(target=_run_import, args=(coll, files, folder), name=f"import-{coll.name}", daemon=True).start()
-    return JSONResponse({"collection": coll.name, "import": "started",
-                         "files": {k: p.stat().st_size for k, p in files.items()}}, 202)
+    return JSONResponse({"collection": coll.name, "import": "started", "files": sizes}, 202)
 
 
 @router.post("/collections/{name}/restore", status_code=201, summary="A new collection from a snapshot (the archive "
          "as the body, up to max_upload_bytes)", openapi_extra={"requestBody": {"required": True, "content": _BINARY}},
          responses=documented(400, 401, 403, 409, 413, 422, 503, 507))
-async def restore_collection(request: Request, name: str = Depends(allowed)):
+async def restore_collection(request: Request, name: str = Depends(allowed), key: Key | None = Depends(authenticate)):
     catalog = state_of(request).catalog
-    catalog.check_free(name)  # before the upload, not after it
+    allow = collection_quota(request, key)
+    catalog.check_free(name, allow)  # before the upload, not after it
     upload = await _spool(request)
     try:
         def restore() -> dict:
             with open(upload, "rb") as f:
-                return catalog.restore(name, f).info()
+                return catalog.restore(name, f, _model_dim, allow).info()
         return await run_in_threadpool(restore)
     finally:
         upload.unlink(missing_ok=True)
+
+
+def _model_dim(embedding: str) -> int:
+    """The dimension of an embedding model the service embeds with (a restored collection may name only those,
+    as a create may): ConfigError (422) for any other name."""
+    return get_embedder(canonical_name(embedding)).dim

@@ -300,8 +300,20 @@ def test_http_refuses_overflowing_vectors_with_422(tmp_path):
                 assert r.status_code == 422 and "[1]" in r.json()["detail"], r.text
                 r = c.post(f"/v1/collections/{name}/search", json={"vectors": [[1.0] * DIM], "k": 1})
                 assert r.status_code == 200 and r.json()["results"] == [[]]  # nothing was stored
+            # An integer past float64's range (#48: OverflowError, a 500), in a body and in the engine's own input.
+            huge = "1" + "0" * 400
+            row = "[" + ", ".join(["1.0"] * (DIM - 1) + [huge]) + "]"
+            for path, body in [("documents", '{"documents": [{"id": "h", "vector": %s}]}' % row),
+                               ("search", '{"vectors": [%s], "k": 1}' % row)]:
+                r = c.post(f"/v1/collections/p-l2/{path}", content=body, headers={"content-type": "application/json"})
+                assert r.status_code == 422 and "not finite" in r.text, r.text
     finally:
         _stop(srv)
+    cat = Catalog(tmp_path / "engine")
+    col = cat.create("c", DIM, "l2")
+    with pytest.raises(InputError, match="'h'"):
+        col.upsert([Document("h", None, [1.0] * (DIM - 1) + [10 ** 400])])
+    cat.close()
 
 
 # -- 3. read connections are bounded -------------------------------------------------------------

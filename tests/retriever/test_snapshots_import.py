@@ -3,6 +3,7 @@ import (files into an empty collection, indexed by one build): in the engine, ov
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import subprocess
@@ -17,9 +18,9 @@ import pytest
 from conftest import clustered, exact_knn, recall
 from server_util import ServerProcess
 
-from fusionrag.retriever import importer
+from fusionrag.retriever import importer, quota
 from fusionrag.retriever.collection import Catalog, CollectionConfig, Document
-from fusionrag.retriever.errors import ConflictError, InputError
+from fusionrag.retriever.errors import ConflictError, InputError, StorageError
 from fusionrag.retriever.vectors import write_bin
 
 DIM = 16
@@ -163,6 +164,159 @@ def test_a_damaged_archive_is_refused_and_leaves_nothing(source, tmp_path, damag
         assert len(other.restore("copy", f)) == 680  # the name was left free
     with open(tmp_path / "s.tar", "rb") as f, pytest.raises(ConflictError):
         other.restore("copy", f)
+    other.close()
+
+
+def _forge(members, changes: dict):
+    """The members with `changes` (name -> (TarInfo or None, data)) applied, and snapshot.json rewritten to
+    declare them, as someone who knows the format would forge an archive."""
+    out, files = [], {}
+    for m, data in members:
+        if m.name == "snapshot.json":
+            manifest = json.loads(data)
+            continue
+        info, data = changes.get(m.name, (m, data))
+        out.append((info or m, data))
+        files[m.name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    manifest["files"] = files
+    return out + [(tarfile.TarInfo("snapshot.json"), json.dumps(manifest).encode())]
+
+
+def _sparse(name: str, claims: int) -> tarfile.TarInfo:
+    """A GNU sparse member (PAX 0.1) of 1 stored byte whose data expands to `claims` bytes when read."""
+    info = tarfile.TarInfo(name)
+    info.pax_headers = {"GNU.sparse.size": str(claims), "GNU.sparse.numblocks": "1",
+                        "GNU.sparse.map": f"{claims - 1},1"}
+    return info
+
+
+def _write_pax(path, members):
+    """Like _write_tar, but a member's own size is kept where it is sparse (its header's claim)."""
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for m, data in members:
+            m.size = len(data)
+            tar.addfile(m, io.BytesIO(data))
+
+
+class _Stream(io.RawIOBase):
+    """A file read as a pipe is: no seeking."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def readable(self):
+        return True
+
+    def readinto(self, b):
+        return self.f.readinto(b)
+
+
+def _bytes_under(path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("seekable", [True, False])
+@pytest.mark.parametrize("member, words", [
+    (lambda: _sparse("docs.sqlite", 1 << 31), "sparse file"),
+    (lambda: tarfile.TarInfo("docs.sqlite"), None),  # a plain one: the control
+    (lambda: _link("docs.sqlite"), "tar member of type"),
+    (lambda: _fifo("docs.sqlite"), "tar member of type"),
+])
+def test_a_restore_refuses_members_a_snapshot_never_holds_before_writing_them(source, tmp_path, seekable, member,
+                                                                              words):
+    """A 1 KB member claiming 2 GiB as a GNU sparse file (#48: one 1.5 KB request wrote 2 GiB), a hard link or a
+    FIFO in place of docs.sqlite, snapshot.json declaring what it claims: refused, and the data directory holds
+    what it held before (for a seekable archive nothing is written at all: the headers are read first)."""
+    _, col, _ = source
+    col.snapshot(tmp_path / "s.tar")
+    members = _tar_members(tmp_path / "s.tar")
+    store = next(data for m, data in members if m.name == "docs.sqlite")
+    forged = _forge(members, {"docs.sqlite": (member(), store)})
+    _write_pax(tmp_path / "bad.tar", forged)
+    other = Catalog(tmp_path / "b")
+    before = _bytes_under(tmp_path / "b")
+    with open(tmp_path / "bad.tar", "rb") as f:
+        archive = f if seekable else _Stream(f)
+        if words is None:  # the same archive with a plain member restores
+            assert len(other.restore("copy", archive)) == 680
+            other.close()
+            return
+        with pytest.raises(InputError, match=words):
+            other.restore("copy", archive)
+    assert other.names() == [] and list((tmp_path / "b" / "collections").iterdir()) == []
+    assert _bytes_under(tmp_path / "b") - before < 1 << 20
+    other.close()
+
+
+def _link(name):
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = tarfile.LNKTYPE, "collection.json"
+    return info
+
+
+def _fifo(name):
+    info = tarfile.TarInfo(name)
+    info.type = tarfile.FIFOTYPE
+    return info
+
+
+@pytest.mark.parametrize("seekable", [True, False])
+def test_a_restore_writes_at_most_its_limit_and_never_into_the_disk_reserve(source, tmp_path, seekable):
+    """max_restore_bytes one byte short of the members' total, then a disk reserve larger than the disk's free
+    space: each refused (InputError, StorageError), nothing left behind; a seekable archive writes nothing."""
+    _, col, _ = source
+    col.snapshot(tmp_path / "s.tar")
+    members = _tar_members(tmp_path / "s.tar")
+    total = sum(len(data) for m, data in members if m.name != "snapshot.json")
+    for limits, error, words in [
+            (quota.Limits(max_restore_bytes=total - 1), InputError, "max_restore_bytes"),
+            (quota.Limits(disk_reserve_bytes=quota.free_bytes(tmp_path) + (1 << 30)), StorageError, "in reserve")]:
+        other = Catalog(tmp_path / "b", limits=limits)
+        with open(tmp_path / "s.tar", "rb") as f, pytest.raises(error, match=words):
+            other.restore("copy", f if seekable else _Stream(f))
+        assert list((tmp_path / "b" / "collections").iterdir()) == []
+        other.close()
+    other = Catalog(tmp_path / "b", limits=quota.Limits(max_restore_bytes=total))
+    with open(tmp_path / "s.tar", "rb") as f:
+        assert len(other.restore("copy", f if seekable else _Stream(f))) == 680
+    other.close()
+
+
+def test_sizes_that_disagree_with_the_manifest_are_refused_before_anything_is_written(source, tmp_path):
+    _, col, _ = source
+    col.snapshot(tmp_path / "s.tar")
+    members = _tar_members(tmp_path / "s.tar")
+    out = []
+    for m, data in members:
+        if m.name == "snapshot.json":
+            manifest = json.loads(data)
+            manifest["files"]["docs.sqlite"]["bytes"] += 1
+            data = json.dumps(manifest).encode()
+        out.append((m, data))
+    _write_tar(tmp_path / "bad.tar", out)
+    other = Catalog(tmp_path / "b")
+    with open(tmp_path / "bad.tar", "rb") as f, pytest.raises(InputError, match="do not match snapshot.json"):
+        other.restore("copy", f)
+    assert list((tmp_path / "b" / "collections").iterdir()) == []
+    other.close()
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"dim": 32}, "does not open"),  # disagrees with the stored vectors (#48: a 500)
+    ({"dim": "16"}, "dim must be an integer"),
+    ({"metric": "hamming"}, "metric must be one of"),
+    ({"embedding": 7}, "embedding must be a model name"),
+])
+def test_a_restored_description_is_checked_as_create_checks_it(source, tmp_path, change, words):
+    _, col, _ = source
+    col.snapshot(tmp_path / "s.tar")
+    members = _tar_members(tmp_path / "s.tar")
+    desc = json.loads(next(data for m, data in members if m.name == "collection.json"))
+    _write_tar(tmp_path / "bad.tar", _forge(members, {"collection.json": (None, json.dumps({**desc, **change}).encode())}))
+    other = Catalog(tmp_path / "b")
+    with open(tmp_path / "bad.tar", "rb") as f, pytest.raises(InputError, match=words):
+        other.restore("copy", f)
+    assert other.names() == [] and list((tmp_path / "b" / "collections").iterdir()) == []
     other.close()
 
 

@@ -1,0 +1,178 @@
+"""What one tenant may take from the others: room on the data disk, open files, and the counts that bound both.
+
+- Disk: writes (upserts, deletes, merges) may use the disk to its last byte, but a snapshot, an import and a
+  restore are refused (StorageError, 507) when they would leave less than a reserve free, so bulk operations
+  run out of room before a tenant's ordinary writes do. Each checks before it writes what it declares it
+  will write, and again as it writes.
+- Descriptors: the soft limit is raised to the hard one at start; collections keep their files open only
+  while they are among the most recently used (OpenFiles below; an idle one closes its doc store and log and
+  reopens them on its next call), and no collection opens files once fewer than a reserve of descriptors
+  is left, so the service can always accept a connection, answer and log.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import resource
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fusionrag.retriever.errors import StorageError, UnavailableError
+
+if TYPE_CHECKING:
+    from fusionrag.retriever.collection import Collection
+
+# Descriptors one collection holds at most while its files are open: the doc store's writer (database, -wal,
+# -shm), the log, up to docstore.MAX_READERS read connections (database and -wal each), a merge's snapshot
+# connection, and the index's page file with its io_uring ring.
+DESCRIPTORS_PER_COLLECTION = 3 + 1 + 2 * 8 + 2 + 2
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Limits:
+    """A catalog's bounds (0: none, or derived where said)."""
+
+    max_collections: int = 0  # collections in the data directory at most
+    max_open_collections: int = 0  # collections with their files open at most (0: derived from the fd limit)
+    descriptor_reserve: int = 64  # descriptors collections never take
+    disk_reserve_bytes: int = 0  # snapshots, imports and restores leave at least this free
+    max_restore_bytes: int = 0  # bytes one restore may write at most
+
+    def open_collections(self) -> int:
+        """max_open_collections, or what the descriptor limit allows past the reserve."""
+        if self.max_open_collections:
+            return self.max_open_collections
+        return max(4, (descriptor_limit() - self.descriptor_reserve) // DESCRIPTORS_PER_COLLECTION)
+
+
+# -- the disk ----------------------------------------------------------------------------------------
+
+def free_bytes(path: str | os.PathLike) -> int:
+    """Bytes an unprivileged writer may still write on path's file system."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def disk_bytes(path: str | os.PathLike) -> int:
+    st = os.statvfs(path)
+    return st.f_blocks * st.f_frsize
+
+
+def check_room(path: str | os.PathLike, need: int, reserve: int, what: str) -> None:
+    """StorageError unless writing `need` more bytes under `path` leaves `reserve` free."""
+    free = free_bytes(path)
+    if free - need < reserve:
+        raise StorageError(f"{what} needs {_size(need)} and the data disk has {_size(free)} free, of which "
+                           f"{_size(reserve)} is kept in reserve (disk_reserve_mb) for the collections' writes")
+
+
+def _size(n: int) -> str:
+    return f"{n / MiB:.1f} MiB" if n >= MiB else f"{n} bytes"
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of the files under path (0 where it is gone)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+# -- descriptors -------------------------------------------------------------------------------------
+
+def descriptor_limit() -> int:
+    """The soft limit on open files (an unlimited one counted as 2**20)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 1 << 20 if soft == resource.RLIM_INFINITY else soft
+
+
+def raise_descriptor_limit(cap: int = 1 << 20) -> int:
+    """The soft limit on open files raised to the hard limit (at most `cap`); returns the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = cap if hard == resource.RLIM_INFINITY else min(hard, cap)
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (OSError, ValueError):
+        return soft
+    return want
+
+
+def open_descriptors() -> int | None:
+    """Descriptors this process has open (None where /proc does not say)."""
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # less the one listdir opened
+    except OSError:
+        return None
+
+
+class OpenFiles:
+    """The collections whose files are open, least recently used first. Once more than `limit` are open, the
+    longest unused of those idle (no call in progress, no merge, no import) close their files; and before a
+    collection opens its files, idle ones close theirs until the process has a reserve of descriptors free,
+    else the call is refused with UnavailableError (503) rather than taking the last ones."""
+
+    def __init__(self, limits: Limits):
+        self.limit = limits.open_collections()
+        self.reserve = limits.descriptor_reserve
+        self._lock = threading.Lock()
+        self._lru: collections.OrderedDict[Collection, None] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._lru)
+
+    def used(self, col: Collection, opened: bool) -> None:
+        """col is in use; opened: it has just opened its files."""
+        with self._lock:
+            self._lru[col] = None
+            self._lru.move_to_end(col)
+            if not opened or len(self._lru) <= self.limit:
+                return
+            over = len(self._lru) - self.limit
+            idle = [c for c in self._lru if c is not col]
+        self._release(idle, lambda released: released >= over)
+
+    def forget(self, col: Collection) -> None:
+        with self._lock:
+            self._lru.pop(col, None)
+
+    def make_room(self) -> None:
+        """Before a collection opens its files: UnavailableError unless the process keeps `reserve` descriptors
+        free after they are open (idle collections close theirs first where that is needed)."""
+        limit = descriptor_limit()
+        room = limit - self.reserve - DESCRIPTORS_PER_COLLECTION
+        n = open_descriptors()
+        if n is None or n <= room:
+            return
+        with self._lock:
+            idle = list(self._lru)
+
+        def enough(_released: int) -> bool:
+            now = open_descriptors()
+            return now is None or now <= room
+
+        self._release(idle, enough)
+        if not enough(0):
+            raise UnavailableError(f"the service has {open_descriptors()} of its {limit} files open and keeps "
+                                   f"{self.reserve} for connections and logs: retry once calls in progress have ended")
+
+    def _release(self, candidates: list, done) -> None:
+        released = 0
+        for c in candidates:
+            if done(released):
+                return
+            if c.release_files():
+                released += 1
+                with self._lock:
+                    if c.dormant:
+                        self._lru.pop(c, None)

@@ -1,0 +1,510 @@
+"""No tenant may take the disk or the descriptors from another, or lose an import in silence (#48): the real
+service, in its own process, against each finding of the adversarial run, and one tenant doing all of it in a
+loop beside another tenant's searches and writes."""
+
+from __future__ import annotations
+
+import io
+import json
+import signal
+import socket
+import subprocess
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+from server_util import ServerProcess
+
+from fusionrag.retriever import quota
+
+DIM = 16
+KEYS = "key-a-000000 a-*\nkey-b-000000 b-*\n"
+A = {"Authorization": "Bearer key-a-000000"}
+B = {"Authorization": "Bearer key-b-000000"}
+
+
+def _docs(n, seed=0, prefix="d", text=True):
+    x = np.random.default_rng(seed).standard_normal((n, DIM)).round(4)
+    return [{"id": f"{prefix}{i}", "vector": v.tolist(),
+             **({"text": f"paragraph {i} on topic {i % 7}"} if text else {})} for i, v in enumerate(x)]
+
+
+def _keys(tmp_path: Path) -> Path:
+    path = tmp_path / "keys"
+    path.write_text(KEYS)
+    return path
+
+
+def _wait_import(c: httpx.Client, name: str, headers=None, timeout=120) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = c.get(f"/v1/collections/{name}", headers=headers).json()["build_state"]["import"]
+        if state and state["state"] not in ("uploading", "running"):
+            return state
+        time.sleep(0.05)
+    raise AssertionError(f"import into {name} did not end")
+
+
+def _sparse_archive() -> bytes:
+    """1.5 KB of tar whose one member expands to 2 GiB when read (a GNU sparse file, PAX 0.1)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo("docs.sqlite")
+        info.size = 1
+        info.pax_headers = {"GNU.sparse.size": str(1 << 31), "GNU.sparse.numblocks": "1",
+                            "GNU.sparse.map": f"{(1 << 31) - 1},1"}
+        tar.addfile(info, io.BytesIO(b"x"))
+    return buf.getvalue()
+
+
+# -- descriptors ------------------------------------------------------------------------------------
+
+def test_one_tenant_creating_collections_cannot_exhaust_the_descriptors(tmp_path):
+    """Under `ulimit -n 1024` (which #48's run exhausted with 166 creates of empty collections), tenant A creates
+    300 collections, its per-key limit, while tenant B searches and writes: every create is a 201 until the
+    limit's 409, B never sees an error, the server never holds more descriptors than its limit less the reserve
+    plus B's connection, and B's snapshot still gets its 201."""
+    srv = ServerProcess(tmp_path / "data", tmp_path / "log", "--no-demo", "--api-keys-file", str(_keys(tmp_path)),
+                        "--max-collections-per-key", "300", "--descriptor-reserve", "128", nofile=1024)
+    stop = threading.Event()
+    b_status: list[int] = []
+    most = [0]
+    try:
+        srv.wait_ready()
+        with srv.client(headers=B) as c:
+            r = c.post("/v1/collections", json={"name": "b-main", "dimension": DIM, "metric": "l2"})
+            assert r.status_code == 201
+            assert c.post("/v1/collections/b-main/documents", json={"documents": _docs(50)}).status_code == 200
+
+        def tenant_b():
+            rng = np.random.default_rng(1)
+            with srv.client(headers=B) as c:
+                i = 0
+                while not stop.is_set():
+                    q = rng.standard_normal((1, DIM)).tolist()
+                    b_status.append(c.post("/v1/collections/b-main/search", json={"vectors": q, "k": 3}).status_code)
+                    b_status.append(c.post("/v1/collections/b-main/documents",
+                                           json={"documents": _docs(2, seed=i, prefix=f"w{i}-")}).status_code)
+                    most[0] = max(most[0], srv.open_files())
+                    i += 1
+
+        t = threading.Thread(target=tenant_b)
+        t.start()
+        statuses = []
+        with srv.client(headers=A) as c:
+            for i in range(301):
+                r = c.post("/v1/collections", json={"name": f"a-{i}", "dimension": DIM, "metric": "l2"})
+                statuses.append(r.status_code)
+                if i % 10 == 0:
+                    most[0] = max(most[0], srv.open_files())
+            assert statuses == [201] * 300 + [409], [(i, s) for i, s in enumerate(statuses) if s != 201][:5]
+            assert "max_collections_per_key" in r.text
+            assert c.post("/v1/collections/a-0/documents", json={"documents": _docs(3)}).status_code == 200
+        stop.set()
+        t.join()
+        with srv.client(headers=B) as c:
+            assert c.post("/v1/collections/b-main/snapshots").status_code == 201
+        assert b_status and set(b_status) == {200}, sorted(set(b_status))
+        assert most[0] <= 1024 - 128 + 8, most[0]
+    finally:
+        stop.set()
+        srv.stop()
+
+
+# -- imports: decided before the 202, never dropped in silence ---------------------------------------
+
+def test_a_second_import_or_a_write_during_an_upload_is_refused_and_the_first_import_lands(tmp_path):
+    """#48: two imports into one empty collection, or writes landing during a long upload, made the later import
+    fail in its thread after its 202. Now the collection is claimed before the upload: both get 409 while it
+    arrives, and the first import is done with its own documents."""
+    srv = ServerProcess(tmp_path / "data", tmp_path / "log", "--no-demo")
+    try:
+        srv.wait_ready()
+        lines = [json.dumps(d) + "\n" for d in _docs(400, seed=2)]
+        proceed = threading.Event()
+
+        def body():
+            yield "".join(lines[:200]).encode()
+            proceed.wait(60)
+            yield "".join(lines[200:]).encode()
+
+        out = {}
+        with srv.client() as c:
+            assert c.post("/v1/collections", json={"name": "c", "dimension": DIM, "metric": "l2"}).status_code == 201
+            t = threading.Thread(target=lambda: out.update(r=c.post(
+                "/v1/collections/c/import", content=body(), headers={"content-type": "application/x-ndjson"})))
+            t.start()
+            with srv.client() as other:
+                deadline = time.monotonic() + 30
+                while (other.get("/v1/collections/c").json()["build_state"]["import"] or {}).get(
+                        "state") != "uploading":
+                    assert time.monotonic() < deadline
+                    time.sleep(0.02)
+                second = other.post("/v1/collections/c/import", content="".join(lines[:5]),
+                                    headers={"content-type": "application/x-ndjson"})
+                write = other.post("/v1/collections/c/documents", json={"documents": _docs(1, prefix="w")})
+            proceed.set()
+            t.join()
+            assert second.status_code == 409 and "already importing" in second.text
+            assert write.status_code == 409 and "importing" in write.text
+            assert out["r"].status_code == 202, out["r"].text
+            state = _wait_import(c, "c")
+            assert state["state"] == "done" and state["documents"] == 400
+            assert c.get("/v1/collections/c").json()["count"] == 400
+            assert c.post("/v1/collections/c/documents", json={"documents": _docs(1, prefix="w")}).status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_imports_that_fail_at_once_are_answered_and_recorded(tmp_path):
+    """#48: a quick failure removed the upload's files before the 202 was built (500 for 20 of 81). 30 imports of
+    a bad first line: each answered 202 with its files' sizes, each recorded as failed with its reason, no
+    server path in it; and a multipart body without its closing boundary is refused with 400."""
+    srv = ServerProcess(tmp_path / "data", tmp_path / "log", "--no-demo")
+    try:
+        srv.wait_ready()
+        bad = b'{"id": "x", "vector": [1, 2]}\n' + b"".join(json.dumps(d).encode() + b"\n" for d in _docs(20))
+        with srv.client() as c:
+            for i in range(30):
+                assert c.post("/v1/collections", json={"name": f"c{i}", "dimension": DIM}).status_code == 201
+                r = c.post(f"/v1/collections/c{i}/import", content=bad,
+                           headers={"content-type": "application/x-ndjson"})
+                assert r.status_code == 202 and r.json()["files"] == {"documents": len(bad)}, r.text
+            for i in range(30):
+                state = _wait_import(c, f"c{i}")
+                assert state["state"] == "failed" and "line 1" in state["reason"], state
+                assert str(srv.data_dir) not in json.dumps(state) and "/uploads/" not in state["reason"]
+            # a truncated vector file's reason names the file as the upload named it, not where the server put it
+            assert c.post("/v1/collections", json={"name": "v", "dimension": DIM}).status_code == 201
+            r = c.post("/v1/collections/v/import", files={"vectors": ("v.fvecs", b"\x10\0\0\0" + b"\0" * 30)})
+            assert r.status_code == 202, r.text
+            state = _wait_import(c, "v")
+            assert state["state"] == "failed" and str(srv.data_dir) not in state["reason"], state
+            assert c.post("/v1/collections", json={"name": "m", "dimension": DIM}).status_code == 201
+            cut = (b"--XyZ\r\nContent-Disposition: form-data; name=\"documents\"; filename=\"d.jsonl\"\r\n\r\n"
+                   + json.dumps(_docs(1)[0]).encode() + b"\n")
+            r = c.post("/v1/collections/m/import", content=cut,
+                       headers={"content-type": "multipart/form-data; boundary=XyZ"})
+            assert r.status_code == 400 and "closing boundary" in r.text, r.text
+            assert c.get("/v1/collections/m").json()["build_state"]["import"] is None
+    finally:
+        srv.stop()
+
+
+def test_a_sigkill_during_an_import_is_reported_and_its_staging_removed(tmp_path):
+    """#48: a SIGKILL during an import left the staged vectors inside the collection for good and the info said
+    nothing. Killed while the import builds: the next start removes the staging and the upload, reports the
+    import as interrupted, and takes writes."""
+    x = np.random.default_rng(3).standard_normal((60_000, 32)).astype(np.float32)
+    buf = io.BytesIO()
+    np.save(buf, x)
+    data = tmp_path / "data"
+    srv = ServerProcess(data, tmp_path / "log", "--no-demo")
+    try:
+        srv.wait_ready()
+        with srv.client() as c:
+            assert c.post("/v1/collections", json={"name": "c", "dimension": 32, "metric": "l2"}).status_code == 201
+            r = c.post("/v1/collections/c/import", files={"vectors": ("v.npy", buf.getvalue())})
+            assert r.status_code == 202, r.text
+            deadline = time.monotonic() + 120
+            while True:
+                info = c.get("/v1/collections/c").json()["build_state"]
+                state = (info["import"] or {}).get("state")
+                if state == "running" and list((data / "collections" / "c").glob(".import-*")):
+                    break
+                assert state in ("uploading", "running") and time.monotonic() < deadline, info
+                time.sleep(0.01)
+        srv.proc.send_signal(signal.SIGKILL)
+        srv.proc.wait()
+    finally:
+        srv.stop()
+    assert list((data / "collections" / "c").glob(".import-*"))  # what the kill left
+    srv = ServerProcess(data, tmp_path / "log2", "--no-demo")
+    try:
+        srv.wait_ready()
+        with srv.client() as c:
+            state = c.get("/v1/collections/c").json()["build_state"]["import"]
+            assert state["state"] == "interrupted" and "stopped during the import" in state["reason"], state
+            assert not list((data / "collections" / "c").glob(".import-*"))
+            assert not (data / "uploads").exists() or not list((data / "uploads").iterdir())
+            assert c.post("/v1/collections/c/documents", json={"documents": [
+                {"id": "after", "vector": [0.5] * 32}]}).status_code == 200
+    finally:
+        srv.stop()
+
+
+# -- restore, snapshots and the disk -------------------------------------------------------------------
+
+def test_restore_snapshots_and_imports_are_bounded_and_refused_before_writes_are(tmp_path):
+    """A sparse 1.5 KB restore (#48: it wrote 2 GiB) gets 422 and writes nothing; a restored collection.json
+    naming a local directory as its embedding gets 422 (as create does); snapshots stop at max_snapshots and at
+    max_snapshot_bytes (409);
+    listing during deletes never fails; and with the disk reserve above the free space, snapshots, imports and
+    restores get 507 while upserts and searches go on."""
+    data = tmp_path / "data"
+    srv = ServerProcess(data, tmp_path / "log", "--no-demo", "--max-snapshots", "3", "--max-snapshot-bytes",
+                        str(1 << 20))
+    try:
+        srv.wait_ready()
+        with srv.client() as c:
+            r = c.post("/v1/collections/x/restore", content=_sparse_archive())
+            assert r.status_code == 422 and "sparse" in r.text, r.text
+            assert quota.tree_bytes(data) < 4 << 20 and "x" not in [d["name"] for d in c.get("/v1/collections").json()[
+                "collections"]]
+            assert c.post("/v1/collections", json={"name": "c", "dimension": DIM, "metric": "l2"}).status_code == 201
+            assert c.post("/v1/collections/c/documents", json={"documents": _docs(30)}).status_code == 200
+            ids = [c.post("/v1/collections/c/snapshots").json()["id"] for _ in range(3)]
+            r = c.post("/v1/collections/c/snapshots")
+            assert r.status_code == 409 and "max_snapshots" in r.text
+            archive = c.get(f"/v1/collections/c/snapshots/{ids[0]}").content
+            assert c.post("/v1/collections", json={"name": "big", "dimension": DIM, "metric": "l2"}).status_code == 201
+            for i in range(5):
+                assert c.post("/v1/collections/big/documents", json={"documents": _docs(1000, seed=i, prefix=f"{i}-")}
+                              ).status_code == 200
+            r = c.post("/v1/collections/big/snapshots")
+            assert r.status_code == 409 and "max_snapshot_bytes" in r.text, r.text
+            model = tmp_path / "model"
+            model.mkdir()
+            (model / "modules.json").write_text("[]")
+            assert c.post("/v1/collections/r/restore", content=_with_description(archive, embedding=str(model))
+                          ).status_code == 422
+            assert c.post("/v1/collections/r/restore", content=archive).status_code == 201
+            # listing while snapshots are taken and deleted: never an error
+            stop = threading.Event()
+            listed = []
+
+            def lister():
+                with srv.client() as lc:
+                    while not stop.is_set():
+                        listed.append(lc.get("/v1/collections/c/snapshots").status_code)
+
+            t = threading.Thread(target=lister)
+            t.start()
+            for _ in range(15):
+                assert c.delete(f"/v1/collections/c/snapshots/{ids.pop(0)}").status_code == 200
+                r = c.post("/v1/collections/c/snapshots")
+                assert r.status_code == 201, r.text
+                ids.append(r.json()["id"])
+            stop.set()
+            t.join()
+            assert listed and set(listed) == {200}
+    finally:
+        srv.stop()
+    reserve_mb = (quota.free_bytes(data) >> 20) + 1024
+    srv = ServerProcess(data, tmp_path / "log2", "--no-demo", "--disk-reserve-mb", str(reserve_mb))
+    try:
+        srv.wait_ready()
+        with srv.client() as c:
+            r = c.post("/v1/collections/c/snapshots")
+            assert r.status_code == 507 and "reserve" in r.text, r.text
+            r = c.post("/v1/collections/r2/restore", content=archive)
+            assert r.status_code == 507 and "reserve" in r.text, r.text
+            assert c.post("/v1/collections", json={"name": "i", "dimension": DIM}).status_code == 201
+            r = c.post("/v1/collections/i/import", content=b"".join(json.dumps(d).encode() + b"\n" for d in _docs(10)),
+                       headers={"content-type": "application/x-ndjson"})
+            assert r.status_code == 507 and "reserve" in r.text, r.text
+            assert c.get("/v1/collections/i").json()["build_state"]["import"] is None
+            assert c.post("/v1/collections/c/documents", json={"documents": _docs(5, prefix="late")}).status_code == 200
+            assert c.post("/v1/collections/c/search", json={"vectors": [[0.1] * DIM], "k": 3}).status_code == 200
+            assert str(data) not in r.text
+    finally:
+        srv.stop()
+
+
+def _with_description(archive: bytes, **change) -> bytes:
+    """The archive with collection.json changed and snapshot.json declaring it (as a forger would)."""
+    import hashlib
+
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
+    out, files = io.BytesIO(), {}
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for m, data in members:
+            if m.name == "snapshot.json":
+                manifest = json.loads(data)
+                continue
+            if m.name == "collection.json":
+                data = json.dumps({**json.loads(data), **change}).encode()
+            m.size = len(data)
+            tar.addfile(m, io.BytesIO(data))
+            files[m.name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        data = json.dumps({**manifest, "files": files}).encode()
+        info = tarfile.TarInfo("snapshot.json")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
+def test_what_a_crash_leaves_of_a_snapshot_is_removed_at_start(tmp_path):
+    folder = tmp_path / "data" / "snapshots" / "c"
+    folder.mkdir(parents=True)
+    (folder / ".20261201T000000Z-0000abcd.tar.tmp").write_bytes(b"x" * 1000)
+    (folder / ".20261201T000000Z-0000abcd.tar.docs.sqlite").write_bytes(b"x" * 1000)
+    (folder / "20261201T000000Z-0000abcd.json").write_text("{}")
+    srv = ServerProcess(tmp_path / "data", tmp_path / "log", "--no-demo")
+    try:
+        srv.wait_ready()
+        assert list(folder.iterdir()) == []
+    finally:
+        srv.stop()
+
+
+# -- requests that take their time --------------------------------------------------------------------
+
+def test_unfinished_heads_are_closed_and_stalled_bodies_refused(tmp_path):
+    """No deadline let a client hold a connection with half a request head, or a body that stops, for ever."""
+    srv = ServerProcess(tmp_path / "data", tmp_path / "log", "--no-demo", "--header-timeout-s", "1",
+                        "--body-timeout-s", "1")
+    try:
+        srv.wait_ready()
+        host, port = srv.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(b"GET /readyz HTTP/1.1\r\nHost: x\r\n")  # the head never ends
+            t0 = time.monotonic()
+            assert s.recv(100) == b""  # closed by the server
+            assert time.monotonic() - t0 < 8
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(b"POST /v1/collections HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{\"name\": ")  # the body stops
+            answer = b""
+            while chunk := s.recv(1000):
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 408") and b"body_timeout_s" in answer, answer
+        with srv.client() as c:  # a patient client that sends its request in time is unaffected
+            assert c.get("/readyz").status_code == 200
+    finally:
+        srv.stop()
+
+
+# -- one tenant doing all of it beside another -------------------------------------------------------------
+
+def _small_disk(path: Path, size_mb: int):
+    """A tmpfs of size_mb where mounting is allowed (root, as CI runs), else None."""
+    path.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(path)], capture_output=True)
+    return path if r.returncode == 0 else None
+
+
+def test_a_tenant_that_creates_restores_imports_and_snapshots_in_a_loop_takes_nothing_from_another(tmp_path):
+    """Tenant A, for 25 s: creates collections past its key's limit (dropping its oldest when refused), fills
+    them, snapshots them past max_snapshots (deleting the oldest), restores them, imports a 6 MiB file into
+    new ones, and sends a sparse archive; tenant B searches and writes throughout. On a 96 MiB disk (a tmpfs;
+    a 96 MiB budget of the real disk where mounting is not allowed) with a 24 MiB reserve, 8 MiB of
+    snapshots per collection and 256 descriptors: B gets no error at all, A hits every bound with a clear 4xx/507 and never a
+    500, the server's descriptors stay under its limit, the snapshots within their bytes, the disk's free space
+    never below what B's writes need."""
+    disk = _small_disk(tmp_path / "disk", 96)
+    root = disk or tmp_path / "disk"
+    reserve_mb = 24 if disk else max(24, (quota.free_bytes(root) >> 20) - 72)
+    srv = ServerProcess(root / "data", tmp_path / "log", "--no-demo", "--api-keys-file", str(_keys(tmp_path)),
+                        "--max-collections-per-key", "8", "--max-snapshots", "2",
+                        "--max-snapshot-bytes", str(8 << 20), "--disk-reserve-mb", str(reserve_mb),
+                        "--descriptor-reserve", "64", "--buffer-mb", "4", nofile=256)
+    stop = threading.Event()
+    b_bad: list = []
+    a_seen: dict[int, int] = {}
+    lowest_free = [quota.free_bytes(root)]
+    most_fds = [0]
+    try:
+        srv.wait_ready()
+        with srv.client(headers=B) as c:
+            r = c.post("/v1/collections", json={"name": "b-main", "dimension": DIM, "metric": "l2"})
+            assert r.status_code == 201
+            assert c.post("/v1/collections/b-main/documents", json={"documents": _docs(200)}).status_code == 200
+
+        def tenant_b(seed):
+            rng = np.random.default_rng(seed)
+            with srv.client(headers=B) as c:
+                i = 0
+                while not stop.is_set():
+                    try:
+                        calls = [("search", lambda: c.post("/v1/collections/b-main/search", json={
+                                     "vectors": rng.standard_normal((2, DIM)).tolist(), "k": 5})),
+                                 ("text", lambda: c.post("/v1/collections/b-main/search", json={
+                                     "texts": ["topic 3"], "mode": "text", "k": 5})),
+                                 ("write", lambda: c.post("/v1/collections/b-main/documents", json={
+                                     "documents": _docs(5, seed=i, prefix=f"s{seed}-{i}-")}))]
+                        for what, call in calls:
+                            r = call()
+                            if r.status_code != 200:
+                                b_bad.append((what, r.status_code, r.text[:200]))
+                    except httpx.HTTPError as e:
+                        b_bad.append(("connection", repr(e)))
+                    i += 1
+
+        def watch():
+            while not stop.is_set():
+                lowest_free[0] = min(lowest_free[0], quota.free_bytes(root))
+                most_fds[0] = max(most_fds[0], srv.open_files())
+                time.sleep(0.05)
+
+        threads = [threading.Thread(target=tenant_b, args=(s,)) for s in (1, 2)] + [threading.Thread(target=watch)]
+        for t in threads:
+            t.start()
+        lines = b"".join(json.dumps(d).encode() + b"\n" for d in _docs(5000, seed=9))  # ~1.5 MiB
+        huge = bytes(80 << 20)
+        sparse = _sparse_archive()
+        mine: list[str] = []
+        taken: list[tuple[str, str]] = []
+        deadline = time.monotonic() + 25
+        with srv.client(headers=A) as c:
+
+            def note(r):
+                a_seen[r.status_code] = a_seen.get(r.status_code, 0) + 1
+                assert r.status_code < 500 or r.status_code == 507, (r.status_code, r.text)
+                return r
+
+            i = 0
+            while time.monotonic() < deadline:
+                name = f"a-{i}"
+                r = note(c.post(f"/v1/collections/{name}-s/restore", content=sparse))
+                assert r.status_code in (409, 422), r.text  # 409: no room for one more of A's collections
+                r = note(c.post("/v1/collections", json={"name": name, "dimension": DIM, "metric": "l2"}))
+                if r.status_code == 409:
+                    note(c.delete(f"/v1/collections/{mine.pop(0)}"))
+                    i += 1
+                    continue
+                mine.append(name)
+                note(c.post(f"/v1/collections/{name}/documents", json={"documents": _docs(300, seed=i)}))
+                for _ in range(3):
+                    r = note(c.post(f"/v1/collections/{name}/snapshots"))
+                    if r.status_code == 201:
+                        taken.append((name, r.json()["id"]))
+                    elif r.status_code == 409 and taken:  # its count, or the bytes of all: the oldest goes
+                        note(c.delete("/v1/collections/{}/snapshots/{}".format(*taken.pop(0))))
+                if taken:
+                    archive = c.get("/v1/collections/{}/snapshots/{}".format(*taken[-1])).content
+                    r = note(c.post(f"/v1/collections/{name}-r/restore", content=archive))
+                    if r.status_code == 201:
+                        mine.append(f"{name}-r")
+                r = note(c.post("/v1/collections", json={"name": f"{name}-i", "dimension": DIM}))
+                if r.status_code == 201:
+                    mine.append(f"{name}-i")
+                    if i % 2:  # an upload larger than the disk's room above the reserve
+                        r = note(c.post(f"/v1/collections/{name}-i/import", files={"vectors": ("v.npy", huge)}))
+                        assert r.status_code == 507, r.text
+                    else:
+                        note(c.post(f"/v1/collections/{name}-i/import", content=lines,
+                                    headers={"content-type": "application/x-ndjson"}))
+                i += 1
+        stop.set()
+        for t in threads:
+            t.join()
+        print("A saw", a_seen, "lowest free", lowest_free[0] >> 20, "MiB, fds", most_fds[0])
+        assert not b_bad, b_bad[:5]
+        assert a_seen.get(409) and a_seen.get(422) and a_seen.get(507) and a_seen.get(202), a_seen
+        assert most_fds[0] < 256, most_fds[0]
+        for folder in (root / "data" / "snapshots").iterdir():
+            assert quota.tree_bytes(folder) <= 8 << 20, folder.name
+        assert lowest_free[0] >= (reserve_mb - 1) << 20  # what B wrote into the reserve: far less than 1 MiB
+        with srv.client(headers=B) as c:
+            r = c.post("/v1/collections/b-main/snapshots")  # A's snapshots took nothing of B's allowance
+            assert r.status_code == 201, r.text
+    finally:
+        stop.set()
+        srv.stop()
+        if disk:
+            subprocess.run(["umount", "-l", str(disk)], check=False)
