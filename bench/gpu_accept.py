@@ -136,18 +136,32 @@ class Run:
                     filter=lambda info: None if info.size > FILE_MAX else info)
 
 
-# Issue 14's targets, judged from the steps' figures: a run whose every step passed can still miss them.
-# (name, step, what is measured, how it is read from the step's record, the test it must pass, the target)
+# Issue 47's targets (and 14's for co-location), judged from the steps' figures: a run whose every step passed can
+# still miss them. (name, step, what is measured, how it is read from the step's record, its test, the target)
 TARGETS = (
-    ("scan_bandwidth", "c", "ADC scan, fraction of the device's copy bandwidth",
-     lambda r: max((x for x in r.get("scan_fraction_of_bandwidth") or [] if x is not None), default=None),
-     lambda v: v >= 0.5, ">= 0.5"),
     ("gpu_over_cpu", "c", "GPU tier QPS over the CPU tier's at recall@10 >= 0.90",
      lambda r: r.get("gpu_over_cpu_at_0.90"), lambda v: v >= 5, ">= 5"),
-    ("memory_within_budget", "c", "process's GPU memory (NVML) within its budget, all and a third of the codes",
+    ("gpu_over_cpu_95", "c", "GPU tier QPS over the CPU tier's at recall@10 >= 0.95",
+     lambda r: r.get("gpu_over_cpu_at_0.95"), lambda v: v >= 5, ">= 5"),
+    ("gpu_over_exact", "c", "GPU tier QPS over brute force on the device at recall@10 >= 0.90",
+     lambda r: r.get("gpu_over_exact_at_0.90"), lambda v: v > 1, "> 1"),
+    ("tenth_resident_over_cpu", "c", "a tenth of the codes resident, no raw vectors: QPS over the CPU tier's at 0.90",
+     lambda r: r.get("tenth_resident_over_cpu_at_0.90"), lambda v: v >= 3, ">= 3"),
+    ("scan_bandwidth", "c", "ADC scan (list-ordered, streamed), fraction of the device's copy bandwidth",
+     lambda r: max((x for x in (r.get("stream_fraction_of_bandwidth") or []) + (r.get("scan_fraction_of_bandwidth")
+                                                                                or []) if x is not None),
+                   default=None),
+     lambda v: v >= 0.5, ">= 0.5"),
+    ("first_compile", "c", "kernel compile at the first open, seconds in all",
+     lambda r: None if not r.get("kernel_compile_seconds") else max(r["kernel_compile_seconds"].values()),
+     lambda v: v <= 5, "<= 5"),
+    ("second_open", "c", "kernels at a second open of the index (Triton's cache warm), seconds in all",
+     lambda r: None if not r.get("second_open_kernel_compile_seconds") else
+     max(r["second_open_kernel_compile_seconds"].values()), lambda v: v <= 1, "<= 1"),
+    ("memory_within_budget", "c", "process's GPU memory (NVML) within its budget, all and a tenth of the codes",
      lambda r: None if not r.get("gpu_memory") else bool(
          r["gpu_memory"].get("process_within_budget") and
-         (r.get("gpu_memory_third_codes_resident") or {}).get("process_within_budget")),
+         (r.get("gpu_memory_tenth_codes_resident") or {}).get("process_within_budget")),
      lambda v: v is True, "true"),
     ("retrieval_p99_beside_llm", "d", "retrieval p99 beside the decoder over alone",
      lambda r: (r.get("verdict") or {}).get("retrieval_p99_ratio"), lambda v: v <= 1.5, "<= 1.5"),
@@ -252,24 +266,24 @@ def bench_figures(r: dict) -> dict:
         return r
     e2e = r.get("end_to_end", {})
     best = {}
-    for tier in ("gpu_tier", "cpu_tier"):
+    for tier in ("gpu_tier", "cpu_tier", "lists_tier", "gpu_tier_raw_on_ssd", "gpu_tier_tenth_codes_resident"):
         for target in ("0.90", "0.95"):
             run = (e2e.get(tier) or {}).get(f"qps_at_recall_{target}")
-            best[f"{tier}_qps_at_recall_{target}"] = run and {k: run[k] for k in ("qps", "recall@10", "nprobe",
-                                                                                   "rerank")}
+            best[f"{tier}_qps_at_recall_{target}"] = run and {k: run[k] for k in (
+                "qps", "recall@10", "nprobe", "rerank", "device_busy", "bytes_per_query") if k in run}
+    ratios = {k: v for k, v in e2e.items() if "_over_" in k}
     return {
-        "bench_device": r.get("device"), "index": r.get("index"),
+        "bench_device": r.get("device"), "index": r.get("index"), "gpu_search": r.get("gpu_search"),
+        "raw_vectors_resident": r.get("raw_vectors_resident"),
         "measured_bandwidth_GBps": r.get("measured_bandwidth_GBps"),
         "scan_fraction_of_bandwidth": [s.get("scan_fraction_of_bandwidth") for s in r.get("scan", [])],
-        # kernels/adc_stream.py's experiment (codes in posting order, streamed): not a target's figure
         "stream_fraction_of_bandwidth": [s.get("stream_fraction_of_bandwidth") for s in r.get("scan_stream", [])],
         "kernel_compile_seconds": r.get("kernel_compile_seconds"), "gpu_tier_open_s": r.get("gpu_tier_open_s"),
-        **best, "exact_on_device": e2e.get("exact_on_device"),
-        "gpu_over_cpu_at_0.90": e2e.get("gpu_over_cpu_at_0.90"),
-        "gpu_over_cpu_at_0.95": e2e.get("gpu_over_cpu_at_0.95"),
+        "gpu_tier_second_open_s": r.get("gpu_tier_second_open_s"),
+        "second_open_kernel_compile_seconds": r.get("second_open_kernel_compile_seconds"),
+        **best, "exact_on_device": e2e.get("exact_on_device"), **ratios,
         "gpu_memory": r.get("gpu_memory"),
-        "third_codes_resident": e2e.get("gpu_tier_third_codes_resident"),
-        "gpu_memory_third_codes_resident": r.get("gpu_memory_third_codes_resident"),
+        "gpu_memory_tenth_codes_resident": r.get("gpu_memory_tenth_codes_resident"),
     }
 
 
@@ -320,11 +334,15 @@ def _short(v) -> str:
 MD_FIGURES = {
     "a": ("tests", "failures", "errors", "skipped", "failed"),
     "b": ("vectors", "dim", "after_first_merge", "after_second_merge", "checks", "gpu_memory", "phase_seconds"),
-    "c": ("index", "measured_bandwidth_GBps", "scan_fraction_of_bandwidth", "stream_fraction_of_bandwidth",
-          "kernel_compile_seconds",
+    "c": ("index", "gpu_search", "raw_vectors_resident", "measured_bandwidth_GBps", "scan_fraction_of_bandwidth",
+          "stream_fraction_of_bandwidth", "kernel_compile_seconds", "gpu_tier_open_s", "gpu_tier_second_open_s",
+          "second_open_kernel_compile_seconds",
           "gpu_tier_qps_at_recall_0.90", "gpu_tier_qps_at_recall_0.95", "cpu_tier_qps_at_recall_0.90",
-          "cpu_tier_qps_at_recall_0.95", "exact_on_device", "gpu_memory", "third_codes_resident",
-          "gpu_memory_third_codes_resident"),
+          "cpu_tier_qps_at_recall_0.95", "lists_tier_qps_at_recall_0.90", "gpu_tier_raw_on_ssd_qps_at_recall_0.90",
+          "gpu_tier_tenth_codes_resident_qps_at_recall_0.90", "exact_on_device", "gpu_over_cpu_at_0.90",
+          "gpu_over_cpu_at_0.95", "gpu_over_exact_at_0.90", "lists_over_cpu_at_0.90",
+          "tenth_resident_over_cpu_at_0.90", "raw_on_ssd_over_cpu_at_0.90", "gpu_memory",
+          "gpu_memory_tenth_codes_resident"),
     "d": ("verdict_passed", "verdict", "retrieval_p99_ms", "llm_tokens_per_s", "gpu_peak_bytes_by_process",
           "service_gpu_memory"),
 }
@@ -340,7 +358,7 @@ def markdown(s: dict) -> str:
         lines.append(f"| {name} | {r['title']} | {r['outcome']} | {r['seconds']} |")
     t = s.get("targets") or {}
     met = {True: "met", False: "NOT met", None: "not measured"}
-    lines += ["", f"Issue 14's targets: {sum(x['met'] is True for x in t.values())} of {len(t)} met.", "",
+    lines += ["", f"Issue 47's targets (14's for co-location): {sum(x['met'] is True for x in t.values())} of {len(t)} met.", "",
               "| target | measured | wanted | |", "|---|---|---|---|"]
     lines += [f"| {x['what']} | {_short(x['measured'])} | {x['target']} | {met[x['met']]} |" for x in t.values()]
     for name, r in s["steps"].items():

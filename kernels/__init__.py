@@ -6,6 +6,10 @@ Importing this package loads neither torch nor triton; its modules do.
 """
 
 import os
+import threading
+
+# Triton's interpreter patches triton.language process-wide while a kernel runs: under it, one launch at a time.
+INTERPRETER_LOCK = threading.Lock()
 
 
 def interpreted() -> bool:

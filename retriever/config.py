@@ -24,6 +24,7 @@ Metric = Literal["l2", "ip", "cosine"]
 IoBackend = Literal["auto", "io_uring", "pread"]
 DirectIO = Literal["auto", "on", "off"]
 FilterTier = Literal["auto", "cpu", "gpu"]
+GpuSearch = Literal["auto", "device", "lists"]
 BufferPolicy = Literal["auto", "clock", "lfu"]
 RecordCache = Literal["auto", "on", "off"]
 BufferCompression = Literal["auto", "on", "off"]
@@ -445,6 +446,12 @@ class EngineConfig(_Config):
     # codes in at most this fraction of what is left, so later indexes still start (1: all).
     gpu_tiered_share: Annotated[float, knob("an index whose PQ codes do not all fit takes at most this share of "
                                             "the budget left", gt=0, le=1)] = 0.5
+    # The GPU tier's two forms (docs/gpu.md): the whole batch on the device (device_tier.py: navigation, lists,
+    # scan, top-n, and the re-rank where the raw vectors fit), or the host navigating and gathering each
+    # query's candidate IDs for the device's scan (gpu_tier.py, which keeps only the hottest codes resident
+    # when they do not all fit).
+    gpu_search: Annotated[GpuSearch, knob("on the GPU tier: auto (the whole batch on the device where its parts fit "
+                                          "the budget, else lists), device or lists")] = "auto"
 
     def batch_for(self, filter_tier: str) -> int:
         """Queries per internal batch with this filter tier ('cpu' or 'gpu')."""

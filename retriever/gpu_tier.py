@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from fusionrag import native
+from fusionrag.kernels import INTERPRETER_LOCK
 from fusionrag.kernels import adc_scan as adc_scan_mod
 from fusionrag.kernels import pq_table as pq_table_mod
 from fusionrag.kernels import topn as topn_mod
@@ -78,7 +79,7 @@ class DeviceLuts:
     pool: BlockPool  # where the block goes back
 
 
-_INTERPRETER = threading.Lock()  # one batch at a time in Triton's interpreter (GpuFilterTier._on)
+_INTERPRETER = INTERPRETER_LOCK  # one batch at a time in Triton's interpreter (GpuFilterTier._on)
 
 # The process's one budget per device, shared by every GPU filter tier (see shared_account).
 _budgets: dict[torch.device, DeviceBudget] = {}

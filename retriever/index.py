@@ -18,11 +18,12 @@ from fusionrag.retriever.calibrate import search_defaults
 from fusionrag.retriever.config import (BuildConfig, EngineConfig, SearchOverrides, SearchParams, cpu_threads,
                                         resolve_params)
 from fusionrag.retriever.errors import IndexFormatError, InputError
-from fusionrag.retriever.layout import PageLayout
+from fusionrag.retriever.layout import PageLayout, raw_reader
 from fusionrag.retriever.learned_probe import load_probe_model
+from fusionrag.retriever.filtering import Candidates
 from fusionrag.retriever.manifest import ManifestShape, load_array, read_manifest
 from fusionrag.retriever.overlap import overlapped
-from fusionrag.retriever.pipeline import STAT_KEYS, QueryBatch, cut, open_filter_tier
+from fusionrag.retriever.pipeline import STAT_KEYS, DeviceParts, QueryBatch, cut, filter_kind, open_filter_tier
 from fusionrag.retriever.pq import ProductQuantizer
 from fusionrag.retriever.queries import checked_for_search
 from fusionrag.retriever.queries import prepare_queries as prepared
@@ -158,7 +159,9 @@ class Index(ManifestShape):
         offsets = load_array(path, "list_offsets.npy", np.int64, 1)
         list_ids = load_array(path, "list_ids.npy", np.uint32, 1)
         codebooks = load_array(path, "pq_codebooks.npy", np.float32, 3)
-        codes = load_array(path, "pq_codes.npy", np.uint8, 2)
+        # The GPU tiers copy the codes to the device (the lists tier keeps the cold ones in pinned memory): a memory
+        # map, not a second copy in the heap.
+        codes = load_array(path, "pq_codes.npy", np.uint8, 2, mmap=filter_kind(config) == "gpu")
         locations = load_array(path, "locations.npy", np.uint32, 1)
         block_crc = load_array(path, "block_crc.npy", np.uint32, 1)
         problems = [
@@ -181,6 +184,11 @@ class Index(ManifestShape):
             raise IndexFormatError(f"{path}: inconsistent index: " + "; ".join(problems))
         if params is None:  # the index's own defaults: what its build's calibration chose
             params = search_defaults(m, path)
+        device = None  # what the GPU's device tier takes beside the filter tier's arrays
+        if filter_kind(config) == "gpu":
+            stored = {v: k for k, v in STORAGE_DTYPES.items()}[dtype]
+            device = DeviceParts(graph.vectors, metric == "ip",
+                                 raw_reader(path / "vectors.pages", layout, locations, stored, dim), dim)
         try:
             gain = buffer_gain(path / "vectors.pages", layout, config)
             buffer_blocks, cache_records, adaptive = split_buffer(config.buffer_bytes, config, layout, gain > 1)
@@ -193,7 +201,7 @@ class Index(ManifestShape):
         return cls(
             path, m,
             NavigationTier(graph, metric == "ip", threads, navigation, load_probe_model(path, m), np.diff(offsets)),
-            open_filter_tier(config, offsets, list_ids, codes, codebooks, threads, str(path), engine_metric),
+            open_filter_tier(config, offsets, list_ids, codes, codebooks, threads, str(path), engine_metric, device),
             RerankTier(store, locations, dtype, engine_metric, threads, config.rerank_inflight, config.page_mates,
                        config.rerank_prefetch),
             config, params,
@@ -239,7 +247,11 @@ class Index(ManifestShape):
         p = resolve_params(params, self.params).with_overrides(**overrides)
         q, unit_pending = checked_for_search(queries, self.dim, self.metric)
         ids, dists, stats, batches = cut(q, k, p, exclude, self.filter.batch_size, unit_pending=unit_pending)
-        if len(batches) > 1 and self.filter.overlaps:
+        if getattr(self.filter, "navigates", False) and p.probe != "learned":
+            # The whole batch on the device; where the raw vectors are not there, the host re-ranks batch b
+            # while the device searches batch b+1.
+            overlapped(batches, lambda b: b.ready(), self._device_stage, self._rerank_or_done)
+        elif len(batches) > 1 and self.filter.overlaps:
             # The CPU searches the graph and re-ranks while the GPU filters the batch between; on the CPU
             # tier (pipeline), one batch's re-rank waits on the SSD while the next is scanned.
             overlapped(batches, self._graph_stage, self._filter_stage, self._rerank_stage,
@@ -289,6 +301,31 @@ class Index(ManifestShape):
         b.candidates = self.filter.topn(tables, b.lists, b.n, b.exclude)
         b.lists = None  # a call's batches live until it returns: what a batch is done with goes now
         return b
+
+    def _device_stage(self, b: QueryBatch) -> QueryBatch:
+        """Navigation, lists, scan, top-n and (where the raw vectors are on the device) the re-rank, on the device."""
+        d = self.filter.search(b.queries, b.params, b.n, b.k, b.exclude)
+        b.probed = d.probed
+        b.candidates = Candidates(d.ids, d.dists, d.gathered, d.unique, np.full(len(b.queries), d.seconds /
+                                                                                 max(1, len(b.queries))))
+        b.final = d.final
+        return b
+
+    def _rerank_or_done(self, b: QueryBatch) -> None:
+        if not b.final:
+            return self._rerank_stage(b)
+        cand, st = b.candidates, b.stats
+        k = b.ids.shape[1]
+        b.ids[:] = -1
+        b.distances[:] = np.inf
+        w = min(k, cand.ids.shape[1])
+        b.ids[:, :w], b.distances[:, :w] = cand.ids[:, :w], cand.pq_dists[:, :w]
+        st["centroids_probed"][:] = b.probed
+        st["candidates"][:] = cand.gathered
+        st["unique_candidates"][:] = cand.unique
+        st["reranked"][:] = np.minimum(cand.unique, b.n)
+        st["scan_s"][:] = cand.seconds
+        b.candidates = b.probed = b.queries = None
 
     def _rerank_stage(self, b: QueryBatch) -> None:
         """The refinement: exact distances from the SSD, written into the batch's rows of the results."""

@@ -151,3 +151,19 @@ def chain_order(bucket_of: np.ndarray, num_buckets: int, centers: np.ndarray, ve
             order[pos] = ids[rows[:, None], chain]
             progress(ids.size)
     return order
+
+
+def raw_reader(pages_path, layout: PageLayout, locations: np.ndarray, dtype: np.dtype, dim: int
+               ) -> Callable[[int, int], np.ndarray]:
+    """raw(start, stop): the stored vectors of ids start..stop-1 as float32, read from the page file's memory map
+    (the page cache, not the process's heap, holds them while a caller copies them: the device tier's upload)."""
+    pages = np.memmap(pages_path, dtype=np.uint8, mode="r", shape=(layout.file_bytes,))
+    per, width = layout.records_per_block, dim * np.dtype(dtype).itemsize
+    records = np.lib.stride_tricks.as_strided(pages, shape=(layout.num_blocks, per, width),
+                                              strides=(layout.block_bytes, layout.record_bytes, 1), writeable=False)
+
+    def read(start: int, stop: int) -> np.ndarray:
+        slots = locations[start:stop].astype(np.int64)
+        rows = records[slots // per, slots % per]
+        return np.ascontiguousarray(rows).view(dtype).reshape(len(slots), dim).astype(np.float32)
+    return read

@@ -189,10 +189,11 @@ def read_manifest(index_dir: Path, verify: bool = True, required: dict[str, bool
     return manifest
 
 
-def load_array(index_dir: Path, name: str, dtype, ndim: int) -> np.ndarray:
+def load_array(index_dir: Path, name: str, dtype, ndim: int, mmap: bool = False) -> np.ndarray:
+    """mmap: a read-only memory map of the file rather than a copy in the heap."""
     p = Path(index_dir) / name
     try:
-        arr = np.load(p, allow_pickle=False)
+        arr = np.load(p, allow_pickle=False, mmap_mode="r" if mmap else None)
     except (OSError, ValueError) as e:
         raise IndexFormatError(f"{p}: unreadable array ({e})") from e
     if arr.dtype != np.dtype(dtype) or arr.ndim != ndim:

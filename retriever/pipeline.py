@@ -6,10 +6,12 @@ tier when an index opens (open_filter_tier, the one module that knows both tiers
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 from fusionrag.retriever.config import EngineConfig, SearchParams
+from fusionrag.retriever.errors import ConfigError
 from fusionrag.retriever.filtering import Candidates, FilterTier
 from fusionrag.retriever.tiers import CpuFilterTier, _cuda_available
 from fusionrag.retriever.vectors import normalize
@@ -38,6 +40,7 @@ class QueryBatch:
     lut_s: float = 0.0  # the batch's PQ tables built before topn
     candidates: Candidates | None = None
     unit_pending: bool = False  # queries are the caller's rows, not yet unit length (cosine)
+    final: bool = False  # the device tier gave the exact top-k (candidates hold them): no host re-rank
 
     def ready(self) -> "QueryBatch":
         """The batch's queries in the engine's form, made now (its first stage calls it): a normalised copy
@@ -75,21 +78,50 @@ def cut(queries: np.ndarray, k: int, params: SearchParams, exclude: np.ndarray |
     return ids, dists, stats, batches
 
 
-def open_filter_tier(config: EngineConfig, list_offsets: np.ndarray, list_ids: np.ndarray, codes: np.ndarray,
-                     codebooks: np.ndarray, threads: int, owner: str, metric: str) -> FilterTier:
-    """config.filter_tier: 'gpu' when CUDA is there (and torch and triton installed) under 'auto'.
-    Either tier builds its tables for `metric` ('l2' or 'ip'). A GPU tier holds an account, named by
-    owner, in the process's one budget on its device, and compiles its kernels for that metric."""
+@dataclass
+class DeviceParts:
+    """What the device tier takes beside the filter tier's arrays: the navigation graph's centroids (augmented
+    for ip), and raw(start, stop), the stored vectors of those ids as float32 (device_tier.raw_reader)."""
+
+    centroids: Callable[[], np.ndarray]
+    augmented: bool
+    raw: Callable[[int, int], np.ndarray] | None
+    dim: int
+
+
+def filter_kind(config: EngineConfig) -> str:
+    """'cpu' or 'gpu': config.filter_tier, 'gpu' under 'auto' when CUDA is there (and torch and triton installed)."""
     kind = config.filter_tier
-    if kind == "auto":
-        kind = "gpu" if _cuda_available() else "cpu"
+    return ("gpu" if _cuda_available() else "cpu") if kind == "auto" else kind
+
+
+def open_filter_tier(config: EngineConfig, list_offsets: np.ndarray, list_ids: np.ndarray, codes: np.ndarray,
+                     codebooks: np.ndarray, threads: int, owner: str, metric: str,
+                     device: DeviceParts | None = None) -> FilterTier:
+    """The filter tier filter_kind(config) names. Either tier builds its tables for `metric` ('l2' or 'ip'). A GPU
+    tier holds an account, named by owner, in the process's one budget on its device, and compiles its kernels for
+    that metric; with `device` given and config.gpu_search 'auto' or 'device', it is the device tier (the whole
+    batch on the GPU) where its parts fit the budget, else (under 'auto') the lists tier."""
+    kind = filter_kind(config)
     if kind == "cpu":
         return CpuFilterTier(list_offsets, list_ids, codes, codebooks, threads, metric=metric,
                              batch_size=config.batch_for("cpu"), pipeline=config.pipeline,
                              batch_plan=config.batch_plan)
-    # Imported here, not above: the GPU tier imports torch, which a CPU-only process never needs.
+    # Imported here, not above: the GPU tiers import torch, which a CPU-only process never needs.
+    from fusionrag.kernels.pool import BudgetError
     from fusionrag.retriever.gpu_tier import GpuFilterTier, gpu_device, shared_account
 
     account = shared_account(gpu_device(), config.gpu_budget_bytes, config.gpu_memory_utilization, owner)
+    if device is not None and config.gpu_search != "lists":
+        from fusionrag.retriever.device_tier import DeviceTier
+
+        try:
+            return DeviceTier(device.centroids(), device.augmented, list_offsets, list_ids, codes, codebooks,
+                              account=account, metric=metric, batch_size=config.batch_for("gpu"), threads=threads,
+                              raw=device.raw, dim=device.dim, raw_share=config.gpu_tiered_share)
+        except BudgetError as e:
+            if config.gpu_search == "device":
+                raise ConfigError(f"{e}; raise gpu_budget_bytes, or set gpu_search 'auto' or 'lists'") from e
+            account = shared_account(gpu_device(), config.gpu_budget_bytes, config.gpu_memory_utilization, owner)
     return GpuFilterTier(list_offsets, list_ids, codes, codebooks, account=account, metric=metric,
                          batch_size=config.batch_for("gpu"), threads=threads, tiered_share=config.gpu_tiered_share)

@@ -16,8 +16,8 @@ from typing import Annotated, Literal, get_args
 
 from pydantic import AfterValidator, TypeAdapter, ValidationError, create_model
 
-from fusionrag.retriever.config import (BufferCompression, BufferPolicy, EngineConfig, FilterTier, RecordCache, _Config, add_flags,
-                                       config_class, knob, knobs, problems)
+from fusionrag.retriever.config import (BufferCompression, BufferPolicy, EngineConfig, FilterTier, GpuSearch,
+                                       RecordCache, _Config, add_flags, config_class, knob, knobs, problems)
 from fusionrag.retriever.config import flags_of as _flags_of
 from fusionrag.retriever.embedding import DEFAULT_MODEL, canonical_name
 from fusionrag.retriever.errors import ConfigError
@@ -95,6 +95,9 @@ class ServerConfig(_Config):
                                                   ge=0, lt=1)] = 0.9
     gpu_tiered_share: Annotated[float, knob("a collection whose PQ codes do not all fit the GPU takes at most this "
                                             "share of what is left", gt=0, le=1)] = 0.5
+    gpu_search: Annotated[GpuSearch, knob("on the GPU tier: auto (each batch's whole search on the device where "
+                                          "its parts fit the budget, else lists), device or lists (the host "
+                                          "navigates and gathers each query's candidates)")] = EngineConfig.gpu_search
     min_index_count: Annotated[int, knob("a merge builds the main index only for collections at least this large "
                                          "(smaller: exact search)", ge=1)] = 1
     probe_model: Annotated[bool, knob("each collection's index builds train learned pruning's model, so that "

@@ -31,7 +31,7 @@ def open_catalog(config: ServerConfig) -> Catalog:
                           pipeline=config.pipeline, rerank_prefetch=config.rerank_prefetch,
                           gpu_budget_bytes=int(config.gpu_budget_mb * (1 << 20)),
                           gpu_memory_utilization=config.gpu_memory_utilization,
-                          gpu_tiered_share=config.gpu_tiered_share)
+                          gpu_tiered_share=config.gpu_tiered_share, gpu_search=config.gpu_search)
     limits = quota.Limits(max_collections=config.max_collections, max_open_collections=config.max_open_collections,
                           descriptor_reserve=config.descriptor_reserve,
                           disk_reserve_bytes=int(config.disk_reserve_mb * (1 << 20)),

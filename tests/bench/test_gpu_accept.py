@@ -35,7 +35,11 @@ def test_gpu_accept_dry_run_runs_every_step_and_summarizes(tmp_path):
     assert c["outcome"] == "passed" and c["measured_bandwidth_GBps"] > 0 and c["kernel_compile_seconds"] == {}
     assert c["gpu_tier_qps_at_recall_0.90"]["recall@10"] >= 0.9 and c["cpu_tier_qps_at_recall_0.90"]["qps"] > 0
     assert c["exact_on_device"]["recall@10"] == 1.0
-    assert 0.2 < c["gpu_memory_third_codes_resident"]["resident_code_fraction"] < 0.5
+    assert c["gpu_search"] == "device" and c["raw_vectors_resident"] is True and c["gpu_tier_second_open_s"] >= 0
+    assert c["lists_tier_qps_at_recall_0.90"]["qps"] > 0 and c["gpu_tier_raw_on_ssd_qps_at_recall_0.90"]["qps"] > 0
+    # the device tier sends the queries and receives the answers: a few hundred bytes a query here (24-d, k=10)
+    assert c["gpu_tier_qps_at_recall_0.90"]["bytes_per_query"]["up"] <= 4 * 24 + 8
+    assert 0.05 < c["gpu_memory_tenth_codes_resident"]["resident_code_fraction"] < 0.2
     d = steps["d"]  # its verdict on two shared cores says nothing about a GPU: that it ran, and judged
     assert d["exit_status"] in (0, 1) and d["verdict_passed"] == (d["exit_status"] == 0)
     assert d["verdict"]["no_oom"] is True and d["verdict"]["retrieval_budget_held"] is None
@@ -58,7 +62,8 @@ def test_gpu_accept_dry_run_runs_every_step_and_summarizes(tmp_path):
     # misses a target by its figure, meets it by its figure, and leaves unmeasured what did not run.
     for scan, ratio, met in (([0.12, 0.61], 5.2, True), ([0.09, 0.107], 0.83, False)):
         fake = {**s, "steps": {**steps, "c": {**c, "outcome": "passed", "scan_fraction_of_bandwidth": scan,
-                                              "gpu_over_cpu_at_0.90": ratio}}}
+                                              "stream_fraction_of_bandwidth": [], "gpu_over_cpu_at_0.90": ratio,
+                                              "gpu_over_cpu_at_0.95": ratio}}}
         (tmp_path / "fake").mkdir(exist_ok=True)
         (tmp_path / "fake" / "gpu_accept.json").write_text(json.dumps(fake))
         subprocess.run([sys.executable, "bench/gpu_accept.py", "--merge", str(tmp_path / "fake"), "--out",

@@ -38,8 +38,11 @@ def device_allocations(monkeypatch):
     return made
 
 
-def test_the_budget_holds_what_the_tier_allocates_and_searches_allocate_nothing(tmp_path, monkeypatch,
-                                                                              device_allocations):
+@pytest.mark.parametrize("gpu_search", ["lists", "device"])
+def test_the_budget_holds_what_the_tier_allocates_and_searches_stay_within_it(tmp_path, monkeypatch,
+                                                                             device_allocations, gpu_search):
+    """The lists tier allocates nothing on the request path (its working blocks are carved); the device tier's
+    temporaries come from torch's allocator, chunk by chunk, within the working memory it reserved."""
     monkeypatch.setattr(gpu_tier_mod, "_budgets", {})  # this test's own process budget
     base = clustered(3000, 24, 30, seed=1)
     queries = clustered(4, 24, 30, seed=2)
@@ -49,8 +52,10 @@ def test_the_budget_holds_what_the_tier_allocates_and_searches_allocate_nothing(
         torch.cuda.empty_cache()
         reserved_before = torch.cuda.memory_reserved()
     # On CUDA the default: what an LLM server taking 90% leaves; the budget must hold the context too.
-    index = Index.open(tmp_path / "idx", filter_tier="gpu", gpu_budget_bytes=0 if CUDA else 64 << 20, batch_size=16)
+    index = Index.open(tmp_path / "idx", filter_tier="gpu", gpu_search=gpu_search,
+                       gpu_budget_bytes=0 if CUDA else 64 << 20, batch_size=16)
     tier, budget = index.filter, index.filter.account.budget
+    assert index.memory()["filter"].get("gpu_search", "lists") == gpu_search
     if CUDA:
         took = torch.cuda.memory_reserved() - reserved_before
     else:
@@ -60,6 +65,7 @@ def test_the_budget_holds_what_the_tier_allocates_and_searches_allocate_nothing(
     if CUDA:
         torch.cuda.reset_peak_memory_stats()
         peak_before = torch.cuda.max_memory_reserved()
+        allocated_before = torch.cuda.memory_allocated()
     made = len(device_allocations)
     drop = np.zeros(len(base), dtype=bool)
     drop[::5] = True
@@ -68,15 +74,22 @@ def test_the_budget_holds_what_the_tier_allocates_and_searches_allocate_nothing(
         for ex in (None, exclude):
             res = index.search(queries, exclude=ex, **kw)
             assert (res.ids >= 0).all()
+    work = tier.account.parts.get("working memory")
     if CUDA:
         torch.cuda.synchronize()
-        assert torch.cuda.max_memory_reserved() == peak_before  # nothing allocated on the request path
+        if gpu_search == "lists":
+            assert torch.cuda.max_memory_reserved() == peak_before  # nothing allocated on the request path
+        else:  # what searches held at once beyond the tier's parts: within the working memory reserved
+            assert torch.cuda.max_memory_allocated() - allocated_before <= work
         held = process_gpu_bytes(torch.device("cuda", torch.cuda.current_device()), nvidia_smi=True)
         info = index.memory()["filter"]
         if held is not None:  # the driver's count of the whole process, CUDA context included
             assert held <= info["gpu_reserved_bytes"] <= info["gpu_budget_bytes"]
             assert info["gpu_overhead_bytes"] > 0
-    else:
+    elif gpu_search == "lists":
         assert len(device_allocations) == made
+    else:  # no temporary of a search on the device exceeds the working memory reserved
+        during = device_allocations[made:]
+        assert during and max(during) <= work
     index.close()
     assert tier.account.used == 0

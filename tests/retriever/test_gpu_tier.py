@@ -32,7 +32,8 @@ from fusionrag.retriever.tiers import CpuFilterTier
 from fusionrag.retriever.vectors import open_vectors
 
 CUDA = torch.cuda.is_available()
-GPU = dict(filter_tier="gpu", gpu_budget_bytes=32 << 20, batch_size=16)
+# The lists tier (gpu_tier.py); the device tier has its own tests (test_device_tier.py).
+GPU = dict(filter_tier="gpu", gpu_search="lists", gpu_budget_bytes=32 << 20, batch_size=16)
 
 
 @pytest.fixture(autouse=True)
@@ -222,7 +223,7 @@ def test_a_query_larger_than_a_block_is_split(l2_index, monkeypatch):
 def test_budget_too_small_is_a_clear_startup_error(l2_index):
     _, _, path = l2_index
     with pytest.raises(ConfigError, match="GPU memory budget of 100000 bytes is too small.*gpu_budget_bytes"):
-        Index.open(path, filter_tier="gpu", gpu_budget_bytes=100_000)
+        Index.open(path, filter_tier="gpu", gpu_search="lists", gpu_budget_bytes=100_000)
 
 
 def test_tier_selection_and_config(l2_index, monkeypatch):
@@ -309,7 +310,7 @@ def test_indexes_share_one_budget_and_one_that_does_not_fit_fails(l2_index, seco
     base_a, queries, path_a = l2_index
     base_b, path_b = second_index
     budget = 6 << 20
-    kw = dict(filter_tier="gpu", gpu_budget_bytes=budget, batch_size=16)
+    kw = dict(filter_tier="gpu", gpu_search="lists", gpu_budget_bytes=budget, batch_size=16)
     a, b = Index.open(path_a, **kw), Index.open(path_b, **kw)
     shared = a.filter.account.budget
     assert b.filter.account.budget is shared and shared.owners == {str(path_a), str(path_b)}
@@ -344,7 +345,7 @@ def test_indexes_share_one_budget_and_one_that_does_not_fit_fails(l2_index, seco
 
 def test_close_gives_the_bytes_back(l2_index):
     _, queries, path = l2_index
-    kw = dict(filter_tier="gpu", gpu_budget_bytes=3 << 20, batch_size=16)  # holds one index, not two
+    kw = dict(filter_tier="gpu", gpu_search="lists", gpu_budget_bytes=3 << 20, batch_size=16)  # holds one index, not two
     first = Index.open(path, **kw)
     shared = first.filter.account.budget
     with pytest.raises(ConfigError, match="too small"):
@@ -367,7 +368,7 @@ def test_close_gives_the_bytes_back(l2_index):
 
 def test_catalog_collections_share_one_budget_and_merges_do_not_leak(tmp_path):
     budget = 16 << 20
-    engine = EngineConfig(filter_tier="gpu", gpu_budget_bytes=budget, batch_size=16)
+    engine = EngineConfig(filter_tier="gpu", gpu_search="lists", gpu_budget_bytes=budget, batch_size=16)
     catalog = Catalog(tmp_path, engine, CollectionConfig(min_index_count=100, background_merge=False))
     data = {}
     for name, seed in (("a", 11), ("b", 12)):

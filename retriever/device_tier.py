@@ -1,0 +1,379 @@
+"""A batch's whole search on the GPU (#47): navigation, posting lists, the PQ scan, top-n and, where the raw
+vectors fit, the exact re-rank, so the host sends queries and receives answers.
+
+The GPU filter tier (gpu_tier.py) left the host the graph search, the gathering of every query's ~10k candidate
+IDs and their upload, and the re-rank of every candidate from SSD: on an H100 it was 0.83x the CPU tier with the
+device idle 90% of a batch. Here, inside the same budget (kernels/pool.py), the device holds:
+
+- the centroids (float32) and their squared norms: a batch's query-to-centroid distances are one GEMM, its
+  probed lists a top-m, and the probe rule (ratio, with the lists that hold the re-rank's candidates) is applied
+  there, as NavigationTier.probe applies it on the host (exact navigation: at least the graph's recall);
+- the posting lists (CSR offsets and IDs) and every posting's PQ code in list order, so the scan streams each
+  probed list (kernels/adc_stream.py) instead of gathering codes by ID; a vector replicated in several lists
+  gives equal keys, removed at top-n;
+- top-n as two sorts of a batch's keys (by key, then stably by query) and a rank within each query, exact and
+  needing no kernel of its own to compile (the unrolled top-n kernel took 26-37 s to compile at open);
+- where they fit in gpu_tiered_share of what is left, every raw vector (float32, converted from how the page
+  file stores it, so the distances are the host re-rank's): candidates are re-ranked on the device and the
+  batch reads nothing from SSD. Otherwise the top-n go back to the host re-rank (a few KiB a query).
+
+Temporaries come from torch's allocator, in chunks of queries sized so that a batch's working memory stays
+within the `working memory` part reserved in the budget at open. A tier whose fixed parts do not fit is not
+made (BudgetError); open_filter_tier then opens the lists tier (gpu_tier.GpuFilterTier), which keeps only the
+hottest codes resident.
+
+Without CUDA the same code runs on CPU tensors with Triton's interpreter (TRITON_INTERPRET=1), as the tests run it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from fusionrag.kernels import INTERPRETER_LOCK
+from fusionrag.kernels import adc_stream as adc_stream_mod
+from fusionrag.kernels import pq_table as pq_table_mod
+from fusionrag.kernels.adc_stream import adc_stream
+from fusionrag.kernels.pool import ALIGN, OVERHEAD, BudgetAccount, BudgetError
+from fusionrag.kernels.pq_table import pq_tables
+from fusionrag.kernels.topn import EMPTY, unpack_keys
+from fusionrag.kernels.variants import Variant, compile_all
+from fusionrag.retriever.config import SearchParams
+from fusionrag.retriever.errors import InputError
+from fusionrag.retriever.filtering import Candidates
+
+MIN_WORK, MAX_WORK = 4 << 20, 1 << 30  # working memory a tier reserves: chunks of a batch fit in it
+ALLOCATOR_SLACK = 24 << 20  # as gpu_tier: room for the caching allocator's rounding in a measured budget
+# Bytes of working memory per posting of a chunk (keys, their sort's keys and orders, query index, masks and ranks)
+PER_POSTING = 128
+UPLOAD_CHUNK = 1 << 22  # rows of codes or vectors copied up at a time: no host copy of them all at once
+
+
+@dataclass
+class DeviceBatch:
+    """What one batch's device search gives back: ids and distances, best first, -1 / inf padded. final: they
+    are the exact top-k (raw vectors on the device); else the top-n PQ candidates, for the host's re-rank."""
+
+    ids: np.ndarray
+    dists: np.ndarray
+    final: bool
+    probed: np.ndarray  # int64 (q,): lists probed
+    gathered: np.ndarray  # int64 (q,): postings scanned, replicas included
+    unique: np.ndarray  # int64 (q,): distinct candidates (not excluded)
+    seconds: float  # the batch's wall time on the device side, uploads and downloads included
+    bytes_up: int  # host-to-device bytes of the batch
+    bytes_down: int  # device-to-host bytes of the batch
+
+
+def _aligned(n: int) -> int:
+    return -(-int(n) // ALIGN) * ALIGN
+
+
+def _host(array: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+class DeviceTier:
+    """See the module. Implements the filter tier's interface (tables, topn: the lists given, as a shard of a
+    sharded index or learned pruning gives them) and the device search (`navigates`: search)."""
+
+    name = "gpu"
+    overlaps = True
+    navigates = True
+    tiered = False
+    in_flight = 1
+
+    def __init__(self, centroids: np.ndarray, augmented: bool, list_offsets: np.ndarray, list_ids: np.ndarray,
+                 codes: np.ndarray, codebooks: np.ndarray, *, account: BudgetAccount, metric: str, batch_size: int,
+                 threads: int, raw: Callable[[int, int], np.ndarray] | None = None, dim: int | None = None,
+                 raw_share: float = 0.5, work_bytes: int = 0, compile_kernels: bool = True):
+        """centroids: the navigation graph's (graph.vectors(); augmented for ip). raw(start, stop): the raw vectors
+        of those ids as float32, read where they are kept, None to keep them off the device. raw_share: at most
+        this share of what the fixed parts leave goes to raw vectors."""
+        self.list_offsets, self.list_ids, self.threads, self.batch_size = list_offsets, list_ids, threads, batch_size
+        self.account, self.device = account, account.device
+        self._release = weakref.finalize(self, account.release)
+        # One batch at a time on the device; in Triton's interpreter, which patches triton.language while a kernel
+        # runs, one at a time in the process.
+        self._lock = threading.Lock() if account.device.type == "cuda" else INTERPRETER_LOCK
+        count, m = codes.shape
+        self.count, self.m, self.metric, self.augmented = count, m, metric, augmented
+        self.dim = dim or codebooks.shape[0] * codebooks.shape[2]
+        self.dsub = codebooks.shape[2]
+        n_lists, cdim = centroids.shape
+        postings = len(list_ids)
+        if count >= 1 << 31 or postings >= 1 << 31:
+            raise BudgetError(f"{count} vectors or {postings} postings: the device tier indexes them with int32")
+        cuda = self.device.type == "cuda"
+        budget = account.budget
+        fixed = {"PQ codebooks": codebooks.size * 4, "centroids": n_lists * cdim * 4 + n_lists * 4,
+                 "posting lists": (n_lists + 1) * 8 + postings * 4 + n_lists * 8, "PQ codes in list order": postings * m,
+                 "exclusion bitmap": (count + 7) // 8}
+        with budget.opening:
+            try:
+                slack = ALLOCATOR_SLACK if budget.measured else 0
+                budget.true_up()
+                self.compile_seconds = self._compile() if cuda and compile_kernels else {}
+                budget.true_up()
+                need = sum(_aligned(b) for b in fixed.values())
+                room = budget.left - slack - need
+                if room < MIN_WORK:
+                    raise BudgetError(f"the device tier needs {need + MIN_WORK} bytes of GPU memory "
+                                      f"({', '.join(f'{k} {v}' for k, v in fixed.items())}, working memory {MIN_WORK}) "
+                                      f"and {budget.left - slack} are left")
+                raw_bytes = count * self.dim * 4
+                self.raw_resident = raw is not None and raw_bytes <= (room - MIN_WORK) * raw_share
+                if not work_bytes:  # a quarter of what is left, and no more than a whole batch could use
+                    whole = batch_size * (postings * PER_POSTING + n_lists * 12 + 1024 * self.dim * 8)
+                    work_bytes = int(np.clip(min((room - (raw_bytes if self.raw_resident else 0)) // 4, whole),
+                                             MIN_WORK, MAX_WORK))
+                self.work_bytes = work_bytes // ALIGN * ALIGN
+                account.reserve("working memory", self.work_bytes)
+                self.codebooks = account.upload("PQ codebooks", _host(codebooks.astype(np.float32, copy=False)))
+                c = centroids.astype(np.float32, copy=False)
+                self.centroids = account.upload("centroids", _host(c))
+                self.centroid_norms = account.empty("centroid norms", (n_lists,), torch.float32)
+                self.centroid_norms.copy_(_host(np.einsum("ij,ij->i", c, c).astype(np.float32)))
+                self.offsets = account.upload("list offsets", _host(list_offsets.astype(np.int64, copy=False)))
+                self.sizes = account.upload("list sizes", _host(np.diff(list_offsets).astype(np.int64)))
+                self.ids = account.empty("list ids", (postings,), torch.int32)
+                self.codes = account.empty("PQ codes in list order", (postings, m), torch.uint8)
+                for s in range(0, postings, UPLOAD_CHUNK):  # codes gathered into list order a chunk at a time
+                    e = min(postings, s + UPLOAD_CHUNK)
+                    rows = np.asarray(list_ids[s:e], dtype=np.int64)
+                    self.ids[s:e].copy_(_host(rows.astype(np.uint32).view(np.int32)))
+                    self.codes[s:e].copy_(_host(np.asarray(codes[rows])))
+                self.bitmap = account.empty("exclusion bitmap", (max(1, (count + 7) // 8),), torch.uint8)
+                self._bitmap_host: np.ndarray | None = None  # what self.bitmap holds (None: nothing yet)
+                self.raw = None
+                if self.raw_resident:
+                    self.raw = account.empty("raw vectors", (count, self.dim), torch.float32)
+                    step = max(1, UPLOAD_CHUNK // max(1, self.dim))
+                    for s in range(0, count, step):
+                        e = min(count, s + step)
+                        self.raw[s:e].copy_(_host(np.asarray(raw(s, e), dtype=np.float32)))
+                budget.true_up()
+            except BaseException:
+                self._release()
+                raise
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        self.phases = {"device_s": 0.0, "batches": 0, "bytes_up": 0, "bytes_down": 0}
+
+    # -- compile ------------------------------------------------------------------------------------------
+    def variants(self) -> list[Variant]:
+        return [*pq_table_mod.variants(self.m, self.dsub, self.metric), *adc_stream_mod.variants(self.m)]
+
+    def _compile(self) -> dict[str, float]:
+        with torch.cuda.device(self.device):
+            seconds = compile_all(self.variants())
+        return {name: round(t, 3) for name, t in seconds.items()}
+
+    # -- the filter tier's interface ------------------------------------------------------------------------
+    def memory_bytes(self) -> int:
+        """Bytes of PQ codes held (on the device; the host keeps none once they are uploaded)."""
+        return 0 if self.codes is None else int(self.codes.numel())
+
+    def describe(self) -> dict:
+        cuda = self.device.type == "cuda"
+        budget = self.account.budget
+        return {
+            "filter_tier": self.name,
+            "gpu_search": "device",
+            "device": torch.cuda.get_device_name(self.device) if cuda else "cpu (Triton interpreter)",
+            "gpu_budget_bytes": budget.budget,
+            "gpu_reserved_bytes": budget.used,
+            "gpu_peak_bytes": budget.peak,
+            "gpu_overhead_bytes": budget.parts.get(OVERHEAD, 0),
+            "gpu_process_bytes": budget.process_bytes(),
+            "gpu_allocator_reserved_bytes": int(torch.cuda.memory_reserved(self.device)) if cuda else None,
+            "gpu_budget_holders": len(budget.owners),
+            "gpu_index_reserved_bytes": self.account.used,
+            "gpu_index_parts": dict(self.account.parts),
+            "resident_code_fraction": 1.0,
+            "raw_vectors_resident": bool(self.raw_resident),
+            "kernel_compile_seconds": dict(self.compile_seconds),
+        }
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._release.alive:
+                return
+            self.codebooks = self.centroids = self.centroid_norms = self.offsets = self.sizes = None
+            self.ids = self.codes = self.bitmap = self.raw = None
+            self._release()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def rebalance(self) -> None:  # every code is resident: nothing to re-place
+        pass
+
+    def tables(self, queries: np.ndarray) -> np.ndarray:
+        """The queries as they are: topn builds their tables on the device with the rest of the batch."""
+        return queries
+
+    def topn(self, queries, probe_lists: np.ndarray, n: int, exclude: np.ndarray | None = None) -> Candidates:
+        """Each query's top-n PQ candidates in the lists given (int (q, m), -1 where none); queries from
+        self.tables (float32 (q, dim), prepared)."""
+        if not isinstance(queries, np.ndarray) or queries.ndim != 2:
+            raise InputError("the device tier's topn takes the prepared queries (its tables() gives them)")
+        b = self.search(queries, None, n, n, exclude, lists=probe_lists, rerank=False)
+        seconds = np.full(len(queries), b.seconds / max(1, len(queries)))
+        return Candidates(b.ids, b.dists, b.gathered, b.unique, seconds)
+
+    # -- the device search --------------------------------------------------------------------------------------
+    def search(self, queries: np.ndarray, p: SearchParams | None, n: int, k: int, exclude: np.ndarray | None = None,
+               lists: np.ndarray | None = None, rerank: bool = True) -> DeviceBatch:
+        """One batch: queries float32 (q, dim), prepared. lists None: navigate by p (nprobe, and the probe rule);
+        else the lists given. rerank: re-rank on the device where the raw vectors are (else the top-n return)."""
+        if self.codes is None:
+            raise InputError(f"the device tier of {self.account.owner} is closed")
+        if n < 1:
+            raise InputError(f"n must be positive, got {n}")
+        t0 = time.perf_counter()
+        nq = len(queries)
+        up = down = 0
+        with self._lock:
+            q = _host(queries.astype(np.float32, copy=False)).to(self.device)
+            up += q.numel() * 4
+            if lists is None:
+                dev_lists = self._navigate(q, p)
+            else:
+                lists = np.ascontiguousarray(lists, dtype=np.int64)
+                if lists.ndim != 2 or len(lists) != nq:
+                    raise InputError(f"lists must be ({nq}, m), got {lists.shape}")
+                if lists.size and (lists.max() >= len(self.list_offsets) - 1):
+                    raise InputError("lists names a posting list the index does not have")
+                dev_lists = _host(lists).to(self.device)
+                up += lists.nbytes
+            if exclude is not None:
+                up += self._exclude(exclude)
+            excl = self.bitmap if exclude is not None else None
+            tables = pq_tables(q, self.codebooks, self.metric)
+            probed = (dev_lists >= 0).sum(1)
+            final = rerank and self.raw_resident
+            width = min(k, n) if final else n
+            out_ids = torch.full((nq, width), -1, dtype=torch.int64, device=self.device)
+            out_d = torch.full((nq, width), float("inf"), dtype=torch.float32, device=self.device)
+            gathered = torch.zeros(nq, dtype=torch.int64, device=self.device)
+            unique = torch.zeros(nq, dtype=torch.int64, device=self.device)
+            sizes = torch.where(dev_lists >= 0, self.sizes[dev_lists.clamp(min=0)], 0).sum(1)
+            for s, e in self._chunks(sizes.cpu().numpy(), n if final else 0):
+                ids, dists, gathered[s:e], unique[s:e] = self._top_n(tables[s:e], dev_lists[s:e], n, excl)
+                if final:
+                    ids, dists = self._rerank(q[s:e], ids, width)
+                out_ids[s:e], out_d[s:e] = ids, dists
+            down += nq * width * 12 + nq * 32  # results; per query probed, gathered, unique and its postings
+            result = (out_ids.cpu().numpy(), out_d.cpu().numpy(), probed.cpu().numpy(), gathered.cpu().numpy(),
+                      unique.cpu().numpy())
+        seconds = time.perf_counter() - t0
+        self.phases["device_s"] += seconds
+        self.phases["batches"] += 1
+        self.phases["bytes_up"] += up
+        self.phases["bytes_down"] += down
+        return DeviceBatch(*result[:2], final, *result[2:], seconds, up, down)
+
+    def _chunks(self, postings: np.ndarray, rerank_n: int):
+        """[start, stop) of query chunks whose working memory fits: the scan's PER_POSTING bytes a posting, and
+        the re-rank's n vectors a query (rerank_n)."""
+        per_query = postings * PER_POSTING + rerank_n * self.dim * 4 * 2 + 64
+        cost = np.cumsum(per_query)
+        s, nq = 0, len(postings)
+        while s < nq:
+            before = cost[s - 1] if s else 0
+            e = max(s + 1, int(np.searchsorted(cost, before + self.work_bytes, side="right")))
+            yield s, min(e, nq)
+            s = e
+
+    def _navigate(self, q: torch.Tensor, p: SearchParams) -> torch.Tensor:
+        """Each query's probed lists (int64 (q, m), -1 where the probe rule cuts): the nearest centroids by exact
+        distance, then the rule NavigationTier.probe applies."""
+        n_lists = self.centroids.shape[0]
+        m = min(p.nprobe, n_lists)
+        qa = torch.cat([q, torch.zeros(len(q), 1, dtype=q.dtype, device=q.device)], 1) if self.augmented else q
+        rows = max(1, self.work_bytes // (n_lists * 4 * 3))
+        lists = torch.empty((len(q), m), dtype=torch.int64, device=q.device)
+        dists = torch.empty((len(q), m), dtype=torch.float32, device=q.device)
+        for s in range(0, len(q), rows):
+            x = qa[s:s + rows]
+            d = torch.addmm(self.centroid_norms[None, :], x, self.centroids.T, alpha=-2.0)
+            d += (x * x).sum(1, keepdim=True)
+            dists[s:s + rows], lists[s:s + rows] = torch.topk(d, m, dim=1, largest=False, sorted=True)
+        if p.probe == "ratio" and p.probe_ratio > 0 and not self.augmented and m > 1:
+            r = dists.clamp(min=0).sqrt()
+            keep = r <= (1 + p.probe_ratio) * r[:, :1]
+            sizes = self.sizes[lists]
+            keep |= (torch.cumsum(sizes, 1) - sizes) < p.rerank
+            lists = torch.where(keep, lists, torch.full_like(lists, -1))
+        return lists
+
+    def _exclude(self, exclude: np.ndarray) -> int:
+        """The device bitmap made equal to `exclude`, uploading what changed since the last batch's; bytes sent."""
+        need = (self.count + 7) // 8
+        if exclude.shape != (need,) or exclude.dtype != np.uint8:
+            raise InputError(f"exclude must be a uint8 bitmap of ceil(N/8) = {need} bytes, got {exclude.dtype} "
+                             f"{exclude.shape}")
+        held = self._bitmap_host
+        if held is not None and np.array_equal(held, exclude):
+            return 0
+        if held is None:
+            lo, hi = 0, need
+        else:
+            diff = np.flatnonzero(held != exclude)
+            lo, hi = int(diff[0]), int(diff[-1]) + 1
+        self.bitmap[lo:hi].copy_(_host(exclude[lo:hi]))
+        self._bitmap_host = exclude.copy()
+        return hi - lo
+
+    def _top_n(self, tables: torch.Tensor, lists: torch.Tensor, n: int, excl: torch.Tensor | None):
+        """The n best distinct candidates of each query's lists: (ids int64 (q, n), PQ distances, postings
+        scanned, distinct candidates not excluded)."""
+        nq = len(lists)
+        valid = lists >= 0
+        at = lists.clamp(min=0)
+        starts = torch.where(valid, self.offsets[at], 0)
+        ends = torch.where(valid, self.offsets[at + 1], 0)
+        keys, seg = adc_stream(tables.contiguous(), torch.stack([starts, ends], -1), self.ids, self.codes)
+        counts = seg[1:] - seg[:-1]
+        out = torch.full((nq, n), EMPTY, dtype=torch.int64, device=lists.device)
+        if keys.numel():
+            if excl is not None:
+                vid = keys & 0xFFFFFFFF
+                bit = (excl[vid >> 3].to(torch.int64) >> (vid & 7)) & 1
+                keys = torch.where(bit == 1, torch.full_like(keys, EMPTY), keys)
+            qidx = torch.repeat_interleave(torch.arange(nq, device=lists.device), counts)
+            order = torch.argsort(keys)  # by (distance, id), then stably by query: each query's keys, ascending
+            qs = qidx[order]
+            regroup = torch.sort(qs, stable=True).indices
+            k2, q2 = keys[order][regroup], qs[regroup]
+            live = k2 != EMPTY
+            live[1:] &= (k2[1:] != k2[:-1]) | (q2[1:] != q2[:-1])  # a replica's key equals its first copy's
+            seen = torch.cumsum(live, 0)  # live keys up to and including each position
+            before = torch.cat([torch.zeros(1, dtype=seen.dtype, device=seen.device), seen])[seg[:-1]]
+            rank = seen - 1 - before[q2]  # among its query's live keys
+            take = live & (rank < n)
+            out[q2[take], rank[take]] = k2[take]
+            unique = torch.bincount(q2[live], minlength=nq)
+        else:
+            unique = torch.zeros(nq, dtype=torch.int64, device=lists.device)
+        ids, dists = unpack_keys(out)
+        return ids, dists, counts, unique
+
+    def _rerank(self, q: torch.Tensor, ids: torch.Tensor, k: int):
+        """Exact top-k of the candidates from the raw vectors on the device: squared l2, or -dot for ip, as the
+        host re-rank computes them."""
+        x = self.raw[ids.clamp(min=0)]
+        if self.metric == "ip":
+            d = -torch.einsum("qnd,qd->qn", x, q)
+        else:
+            d = ((x - q[:, None, :]) ** 2).sum(-1)
+        d = torch.where(ids >= 0, d, torch.full_like(d, float("inf")))
+        vals, pos = torch.topk(d, min(k, d.shape[1]), dim=1, largest=False, sorted=True)
+        out = ids.gather(1, pos)
+        return torch.where(torch.isinf(vals), torch.full_like(out, -1), out), vals
