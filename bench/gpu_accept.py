@@ -9,7 +9,8 @@ copy of the repository that carries the wheels of `make gpu-wheels` (.whl/, git-
   c        bench/gpu_tier.py on 1M x 128 clustered vectors made there: scan bandwidth against the measured
            copy bandwidth, QPS at recall@10 0.90 and 0.95 (GPU tier, CPU tier, exact on the GPU), each
            kernel's first compile (an empty Triton cache), the process's GPU memory against its budget,
-           and the same with a third of the codes resident
+           the same with a tenth of the codes resident, and filter_tier auto against each tier alone at
+           calls of 1, 8, 64 and 1024 queries
   d        the co-location run: loadtests/colocate.py --device cuda, the ~1B decoder holding 40% of the
            GPU from the start, the service a 4 GiB budget, with its verdict
 
@@ -163,6 +164,9 @@ TARGETS = (
          r["gpu_memory"].get("process_within_budget") and
          (r.get("gpu_memory_tenth_codes_resident") or {}).get("process_within_budget")),
      lambda v: v is True, "true"),
+    ("auto_never_slower", "c", "filter_tier auto (each call to the tier measured cheaper): its call time over the "
+     "faster of the CPU and the GPU tier alone, worst of 1, 8, 64 and 1024 queries a call",
+     lambda r: r.get("auto_over_best_worst"), lambda v: v <= 1.15, "<= 1.15"),
     ("retrieval_p99_beside_llm", "d", "retrieval p99 beside the decoder over alone",
      lambda r: (r.get("verdict") or {}).get("retrieval_p99_ratio"), lambda v: v <= 1.5, "<= 1.5"),
     ("llm_tokens_beside_retrieval", "d", "decoder tokens/s beside retrieval over alone",
@@ -282,6 +286,7 @@ def bench_figures(r: dict) -> dict:
         "gpu_tier_second_open_s": r.get("gpu_tier_second_open_s"),
         "second_open_kernel_compile_seconds": r.get("second_open_kernel_compile_seconds"),
         **best, "exact_on_device": e2e.get("exact_on_device"), **ratios,
+        "by_call_size": e2e.get("by_call_size"), "crossover": r.get("crossover"),
         "gpu_memory": r.get("gpu_memory"),
         "gpu_memory_tenth_codes_resident": r.get("gpu_memory_tenth_codes_resident"),
     }
@@ -341,7 +346,8 @@ MD_FIGURES = {
           "cpu_tier_qps_at_recall_0.95", "lists_tier_qps_at_recall_0.90", "gpu_tier_raw_on_ssd_qps_at_recall_0.90",
           "gpu_tier_tenth_codes_resident_qps_at_recall_0.90", "exact_on_device", "gpu_over_cpu_at_0.90",
           "gpu_over_cpu_at_0.95", "gpu_over_exact_at_0.90", "lists_over_cpu_at_0.90",
-          "tenth_resident_over_cpu_at_0.90", "raw_on_ssd_over_cpu_at_0.90", "gpu_memory",
+          "tenth_resident_over_cpu_at_0.90", "raw_on_ssd_over_cpu_at_0.90", "by_call_size", "crossover",
+          "auto_over_best_worst", "gpu_memory",
           "gpu_memory_tenth_codes_resident"),
     "d": ("verdict_passed", "verdict", "retrieval_p99_ms", "llm_tokens_per_s", "gpu_peak_bytes_by_process",
           "service_gpu_memory"),

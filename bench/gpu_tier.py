@@ -215,6 +215,41 @@ def sweep(index: Index, queries, gt, grid, repeat: int = 3) -> list[dict]:
     return runs
 
 
+def by_call_size(auto: Index, cpu: Index, queries, point: tuple[int, int], sizes, calls: int) -> dict:
+    """filter_tier auto (both tiers open, each call to the one measured cheaper: #47 part 7) against the CPU tier
+    alone and the GPU tier alone (the same index with its choice set aside), calls of each size: median call
+    milliseconds, and which tier auto's calls went to. auto first measures both tiers at each size (untimed)."""
+    nprobe, rerank = point
+    out = {}
+    for n in sizes:
+        qs = queries[:n]
+
+        def median_ms(index: Index, tiers: list | None = None) -> float:
+            walls = []
+            for _ in range(calls):
+                t = time.perf_counter()
+                res = index.search(qs, k=10, nprobe=nprobe, rerank=rerank)
+                walls.append(time.perf_counter() - t)
+                if tiers is not None:
+                    tiers.append(res.info["filter_tier"])
+            return round(1000 * float(np.median(walls)), 3)
+
+        for _ in range(6):  # each tier's first call (not counted) and its first figures at this size
+            auto.search(qs, k=10, nprobe=nprobe, rerank=rerank)
+        tiers: list[str] = []
+        row = {"auto_ms": median_ms(auto, tiers), "cpu_ms": median_ms(cpu)}
+        choice, auto.choice = auto.choice, None  # every call on the GPU tier
+        try:
+            row["gpu_ms"] = median_ms(auto)
+        finally:
+            auto.choice = choice
+        row["auto_served"] = {t: tiers.count(t) for t in sorted(set(tiers))}
+        row["auto_over_best"] = round(row["auto_ms"] / min(row["cpu_ms"], row["gpu_ms"]), 2)
+        out[str(n)] = row
+        print(json.dumps({"call_size": n, **row}), flush=True)
+    return out
+
+
 def best_at(runs: list[dict]) -> dict:
     out = {}
     for target in TARGETS:
@@ -398,6 +433,17 @@ def main() -> int:
     e2e["cpu_tier"] = {"runs": sweep(cpu, queries, gt, grid)}
     e2e["cpu_tier"].update(best_at(e2e["cpu_tier"]["runs"]))
     e2e["exact_on_device"] = exact_search(base.astype(np.float32), queries, gt, device)
+    save()
+    # The tier chosen by cost per call (#47 part 7), at the GPU tier's point for recall 0.90: calls of 1 to 1024
+    # queries on filter_tier auto, the CPU tier alone and the GPU tier alone.
+    point = e2e["gpu_tier"]["qps_at_recall_0.90"] or best95
+    auto = Index.open(path, filter_tier="auto", batch_size=batch, **budget_kw)
+    e2e["by_call_size"] = by_call_size(auto, cpu, queries, (point["nprobe"], point["rerank"]),
+                                       (1, 8, 64, 1024) if CUDA else (1, 8), 40 if CUDA else 2)
+    e2e["auto_over_best_worst"] = max(r["auto_over_best"] for r in e2e["by_call_size"].values())
+    results["crossover"] = auto.crossover()
+    auto.close()
+    del auto
     for target in TARGETS:
         c = e2e["cpu_tier"][f"qps_at_recall_{target:.2f}"]
         for tier, key in (("gpu_tier", "gpu_over_cpu"), ("lists_tier", "lists_over_cpu"),

@@ -67,6 +67,23 @@ class ShapeConfig:
         in_burst = (t % self.burst_every_s) >= self.burst_every_s - self.burst_seconds
         return self.users if in_burst else self.start_users
 
+    def peak_users(self) -> int:
+        """The most users the shape reaches within the run: a step ramp too slow for its length stops short."""
+        if self.kind != "step":
+            return self.users
+        steps = math.ceil(self.seconds / self.step_seconds) - 1  # the last step that starts before the end
+        return min(self.users, self.start_users + self.step_users * steps)
+
+    def short_of_peak(self) -> str | None:
+        """A sentence when the run ends before the shape reaches its users, else None."""
+        peak = self.peak_users()
+        if peak >= self.users:
+            return None
+        need = self.step_seconds * math.ceil((self.users - self.start_users) / self.step_users)
+        return (f"the step ramp reaches {peak} of {self.users} users in {self.seconds:g} s (one step of "
+                f"{self.step_users} every {self.step_seconds:g} s): --seconds {need + self.step_seconds:g} reaches "
+                f"all of them")
+
     def rate(self) -> float:
         # Bursts must arrive at once to be bursts; otherwise ramp as asked.
         return float(self.spawn_rate or self.users)

@@ -221,6 +221,7 @@ def markdown(report: dict) -> str:
     """The report as a short Markdown page."""
     lines = [f"# Load test: {'PASSED' if report['passed'] else 'FAILED'}", ""]
     lines += [f"- {k}: {v}" for k, v in report["verdict"].items()]
+    lines += [f"- **warning**: {w}" for w in report.get("warnings", [])]
     lines += ["", "| request | count | failures | per s | p50 ms | p95 ms | p99 ms | recall |",
               "|---|---|---|---|---|---|---|---|"]
     req = report["requests"]

@@ -93,10 +93,11 @@ class Child:
         return self.proc.returncode
 
 
-def start_service(data_dir: Path, out: Path, server_args: list[str], env: dict | None = None) -> tuple[Child, str]:
-    """Start `fusionrag serve` on the data directory (`env` adds to this process's environment); wait for it with
-    `wait_http(url + "/readyz")`."""
-    port = free_port()
+def start_service(data_dir: Path, out: Path, server_args: list[str], env: dict | None = None,
+                  port: int = 0) -> tuple[Child, str]:
+    """Start `fusionrag serve` on the data directory (`env` adds to this process's environment), on `port` (0: a
+    free one); wait for it with `wait_http(url + "/readyz")`."""
+    port = port or free_port()
     argv = [sys.executable, "-m", "fusionrag", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--data-dir", str(data_dir), "--no-demo", "--log-level", "warning", *server_args]
     return (Child("the retrieval service", argv, out / "service.log", env={**os.environ, **env} if env else None),
@@ -274,6 +275,8 @@ def run(args) -> dict:
                         start_users=min(args.start_users, args.max_users), step_users=args.step_users,
                         step_seconds=args.step_seconds, burst_every_s=args.burst_every,
                         burst_seconds=args.burst_seconds)
+    if (short := shape.short_of_peak()) is not None:
+        print(f"fusionrag loadtest: {short}", file=sys.stderr)
     plugin = args.rag_route == "plugin"
     if plugin and (args.url or args.llm in ("none", "builtin") or args.llm.startswith(("http://", "https://"))):
         raise ConfigError("--rag-route plugin starts vLLM itself, with fusionrag's plugin serving the run's "
@@ -293,7 +296,7 @@ def run(args) -> dict:
             data_dir = Path(tempfile.mkdtemp(prefix="fusionrag-loadtest-"))
             vector_qs, text_qs, prep = prepare(args, data_dir, weights)
             if not plugin:  # with the plugin, vLLM serves the collections
-                service, url = start_service(data_dir, out, args.server_arg)
+                service, url = start_service(data_dir, out, args.server_arg, port=args.port)
                 children.append(service)
         for qs in (vector_qs, text_qs):
             if qs is not None:
@@ -347,7 +350,8 @@ def run(args) -> dict:
               and mean_recall is not None and mean_recall >= args.target_recall and verdict["servers_alive_at_end"])
     report = {
         "passed": passed, "verdict": verdict, "seconds": round(seconds, 3),
-        "shape": asdict(shape), "weights": weights, "k": args.k, "user_rate": args.user_rate,
+        "shape": asdict(shape) | {"peak_users": shape.peak_users()},
+        "warnings": [w for w in (shape.short_of_peak(),) if w], "weights": weights, "k": args.k, "user_rate": args.user_rate,
         "min_recall_per_answer": args.min_recall, "collections": prep,
         "llm": asdict(llm) if llm else None,
         "requests": requests,
@@ -398,6 +402,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--embedding", default="all-MiniLM-L6-v2")
     g = p.add_argument_group("service")
     g.add_argument("--url", help="load a running service instead of starting one (no collections are built)")
+    g.add_argument("--port", type=int, default=0, help="port of the service it starts, on 127.0.0.1 (0: a free one)")
     g.add_argument("--vector-query-set", help="with --url: known vector queries (a queries-vectors.json "
                                               "written by an earlier run)")
     g.add_argument("--text-query-set", help="with --url: known text queries")

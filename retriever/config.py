@@ -434,7 +434,10 @@ class EngineConfig(_Config):
     # Results do not depend on it; measured: bench/results/batch_plan.md.
     batch_plan: Annotated[bool, knob("CPU filter tier: scan posting lists shared by a batch's queries once per "
                                      "group of queries, not once per query")] = False
-    filter_tier: Annotated[FilterTier, knob("PQ filter tier: auto (GPU when CUDA is there), cpu or gpu")] = "auto"
+    # auto with CUDA: both tiers open (the CPU one over the same host parts) and each call goes to the one whose
+    # measured cost for its size is lower (tier_choice.py); gpu: every call on the GPU tier; cpu: on the CPU.
+    filter_tier: Annotated[FilterTier, knob("PQ filter tier: auto (with CUDA, the GPU and the CPU tier both, each "
+                                            "call to the cheaper by measured cost), cpu or gpu")] = "auto"
     # Codes, codebooks and working blocks; 0: what an LLM server on the same GPU leaves,
     # (1 - gpu_memory_utilization) of the device, at most what is free.
     gpu_budget_bytes: Annotated[int, knob("GPU memory the filter tiers of the process share (0: what the LLM "

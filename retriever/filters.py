@@ -18,6 +18,7 @@ compound of more than SQLite's 500 terms is split.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 
 from fusionrag.retriever.errors import InputError
@@ -49,12 +50,21 @@ def field_value(value) -> tuple[str, object] | None:
     return None
 
 
-def field_rows(metadata: dict) -> list[tuple[str, str, object]]:
-    """(key, type, value) rows of the field table for one document's metadata: its scalar values, and each
-    distinct scalar element of its list values (other values, such as objects, are kept but not filterable)."""
+NESTED_DEPTH = 8  # keys in the longest dotted path ("a.b.c" is 3) of an object's value that filters see
+
+
+def field_rows(metadata: dict, prefix: str = "", depth: int = 0) -> list[tuple[str, str, object]]:
+    """(key, type, value) rows of the field table for one document's metadata: its scalar values, each distinct
+    scalar element of its list values, and the same of objects' values under their dotted path ("a.b" for
+    {"a": {"b": 1}}, paths of at most NESTED_DEPTH keys); lists of objects and nested lists are kept but not
+    filterable."""
     out = []
     for key, value in metadata.items():
-        if isinstance(value, list):
+        key = prefix + key
+        if isinstance(value, dict):
+            if depth + 1 < NESTED_DEPTH:
+                out += field_rows(value, key + ".", depth + 1)
+        elif isinstance(value, list):
             elements = dict.fromkeys(tv for tv in map(field_value, value) if tv is not None)
             out += [(key, _ELEMENT + t, v) for t, v in elements]
         else:
@@ -187,16 +197,29 @@ def _names(types: set[str]) -> str:
     return " and ".join(_TYPE_NAMES[t] for t in TYPES if t in types)
 
 
-def filter_warnings(f: dict, stored_types: Callable[[str], set[str]]) -> list[str]:
-    """For each field of a (valid) filter that the documents hold, but only as values of types its comparisons
+def filter_warnings(f: dict, stored_types: Callable[[str], set[str]],
+                    known_fields: Callable[[], list[str]] | None = None) -> list[str]:
+    """For each field of a (valid) filter that no document holds, or holds only as values of types its comparisons
     never match, a sentence saying so: those comparisons match no stored value, silently otherwise.
-    stored_types(field) gives the types stored under a field (TYPES' codes)."""
+    stored_types(field) gives the types stored under a field (TYPES' codes); known_fields() the fields stored,
+    from which a missing one's near names are suggested."""
     q = _Query()
     _node(q, f, 0)
     out = []
     for field, wanted in q.types.items():
         have = stored_types(field)
-        if not have or have & wanted:
+        if not have:
+            known = known_fields() if known_fields is not None else []
+            by_lower = {k.lower(): k for k in known}
+            near = [by_lower[k] for k in difflib.get_close_matches(field.lower(), by_lower, 3)]
+            inner = [k for k in known if k.startswith(field + ".")][:3]
+            out.append(f"filter on {field!r}: no document holds a string, number or bool under it, so only $ne and "
+                       f"$nin match (a misspelled field?"
+                       + (f" the documents hold {', '.join(map(repr, near))})" if near else ")")
+                       + (f"; it holds objects: filter their values by dotted path, {', '.join(map(repr, inner))}"
+                          if inner else ""))
+            continue
+        if have & wanted:
             continue
         held, sought = ({t.startswith(_ELEMENT) for t in ts} for ts in (have, wanted))  # lists' elements?
         hint = ""

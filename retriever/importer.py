@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from fusionrag.retriever.collection import Collection
 
 CHUNK = 4096  # documents read, checked, embedded and stored at a time
+EMBED_BATCH = 256  # texts embedded at a time: the progress moves as each batch is done (CPU: seconds each)
 _KEYS = {"id", "text", "metadata", "vector"}
 
 
@@ -149,7 +150,9 @@ def _stage(col: Collection, documents: Path | None, vectors: Path | None, stagin
     quota.check_room(col.path, need, col.limits.disk_reserve_bytes, f"importing {count} documents")
     path = staging / "vectors.npy"
     out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(count, col.dim))
-    with steps.step("checking vectors" if src is not None else "staging vectors", count) as update:
+    name = "checking vectors" if src is not None else "staging vectors" if embedder is None else \
+        "staging vectors (embedding texts)"
+    with steps.step(name, count) as update:
         if src is not None:
             for s in range(0, count, CHUNK):
                 block = np.asarray(src[s:s + CHUNK], dtype=np.float32)
@@ -187,13 +190,15 @@ def _stage(col: Collection, documents: Path | None, vectors: Path | None, stagin
                     if embedder is None:
                         raise InputError(f"collection {col.name!r} has no embedding model, so every document needs a "
                                          f"vector (line {chunk[to_embed[0][0]][0]} has none)")
-                    emb = embedder.embed([t for _, t in to_embed])
-                    for (j, _), v in zip(to_embed, emb):
-                        out[row + j] = v
+                    for s in range(0, len(to_embed), EMBED_BATCH):
+                        part = to_embed[s:s + EMBED_BATCH]
+                        for (j, _), v in zip(part, embedder.embed([t for _, t in part])):
+                            out[row + j] = v
+                        update(len(part))  # documents staged: their vectors are ready
                 _check_block(np.asarray(out[row:row + len(chunk)]), col.metric, 0,
                              "documents line", [number for number, _ in chunk])
                 row += len(chunk)
-                update(len(chunk))
+                update(len(chunk) - len(to_embed))
     out.flush()
     del out
     fsync_path(path)

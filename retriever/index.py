@@ -8,6 +8,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -27,8 +28,9 @@ from fusionrag.retriever.pipeline import STAT_KEYS, DeviceParts, QueryBatch, cut
 from fusionrag.retriever.pq import ProductQuantizer
 from fusionrag.retriever.queries import checked_for_search
 from fusionrag.retriever.queries import prepare_queries as prepared
-from fusionrag.retriever.tiers import NavigationTier, RerankTier, recorded_navigation
-from fusionrag.retriever.vectors import STORAGE_DTYPES
+from fusionrag.retriever.tier_choice import TierChoice
+from fusionrag.retriever.tiers import CpuFilterTier, NavigationTier, RerankTier, recorded_navigation
+from fusionrag.retriever.vectors import STORAGE_DTYPES, normalize
 
 # The files an index is read from, and whether each is checksummed whole (the page file is too large:
 # its per-block CRC table is, and each block is checked as it is read).
@@ -110,10 +112,18 @@ class Index(ManifestShape):
     """A built index, opened. Thread-safe for concurrent `search` calls."""
 
     def __init__(self, path: Path, manifest: dict, nav: NavigationTier, filter_tier, rerank: RerankTier,
-                 config: EngineConfig, params: SearchParams):
+                 config: EngineConfig, params: SearchParams, codes: np.ndarray | None = None,
+                 cpu_beside: CpuFilterTier | None = None):
         self.path, self.manifest = path, manifest
         self.nav, self.filter, self.reranker = nav, filter_tier, rerank
+        # Under filter_tier 'auto' with CUDA, the CPU tier beside the GPU one, and the measured costs that choose
+        # between them call by call (tier_choice.py).
+        self.cpu_beside = cpu_beside
+        self.choice = TierChoice((filter_tier.name, "cpu")) if cpu_beside is not None else None
         self.config, self.params = config, params
+        # The PQ codes on the host (the CPU tier's own array; a memory map under the GPU tiers) and laid-out
+        # codebooks, for search_among: taken when first asked for.
+        self._codes, self._among_codebooks = codes, None
         # Per posting list: queries that had it among their HOT_PROBES nearest, since opening. Kept only when
         # pages are pinned; racy under concurrent searches, and harmless: it only orders the pinning.
         self.visits = np.zeros(len(filter_tier.list_offsets) - 1, np.int64) if config.pin_fraction > 0 else None
@@ -198,13 +208,19 @@ class Index(ManifestShape):
                                      adaptive, gain)
         except (OSError, RuntimeError, ValueError) as e:
             raise IndexFormatError(f"{path}: cannot open the SSD tier: {e}") from e
+        filter_tier = open_filter_tier(config, offsets, list_ids, codes, codebooks, threads, str(path), engine_metric,
+                                       device)
+        cpu_beside = None
+        if config.filter_tier == "auto" and filter_tier.name != "cpu":  # a GPU box is never slower than its CPUs
+            cpu_beside = open_filter_tier(config.with_overrides(filter_tier="cpu"), offsets, list_ids, codes,
+                                          codebooks, threads, str(path), engine_metric)
         return cls(
             path, m,
             NavigationTier(graph, metric == "ip", threads, navigation, load_probe_model(path, m), np.diff(offsets)),
-            open_filter_tier(config, offsets, list_ids, codes, codebooks, threads, str(path), engine_metric, device),
+            filter_tier,
             RerankTier(store, locations, dtype, engine_metric, threads, config.rerank_inflight, config.page_mates,
                        config.rerank_prefetch),
-            config, params,
+            config, params, codes, cpu_beside,
         )
 
     def __len__(self) -> int:
@@ -224,7 +240,11 @@ class Index(ManifestShape):
             "page_buffer_compressed": bool(rr.store.buffer_compressed),
             "record_cache_bytes": int(rr.store.record_cache_bytes),
             "ssd_bytes": int((self.path / "vectors.pages").stat().st_size),
-        }
+        } | ({} if self.cpu_beside is None else {
+            # The CPU tier beside a GPU one scans the codes file memory-mapped: page cache, resident as it reads.
+            "cpu_beside_pq_mapped_bytes": int(self.cpu_beside.memory_bytes()),
+            "filter_choice": self.choice.describe(),
+        })
 
     @property
     def pq(self) -> ProductQuantizer:
@@ -246,22 +266,33 @@ class Index(ManifestShape):
             raise InputError(f"k must be a positive integer, got {k!r}")
         p = resolve_params(params, self.params).with_overrides(**overrides)
         q, unit_pending = checked_for_search(queries, self.dim, self.metric)
-        ids, dists, stats, batches = cut(q, k, p, exclude, self.filter.batch_size, unit_pending=unit_pending)
-        if getattr(self.filter, "navigates", False) and p.probe != "learned":
+        chosen = self.choice.choose(len(q)) if self.choice is not None else 0
+        f = self.filter if chosen == 0 else self.cpu_beside
+        t = time.perf_counter()
+        ids, dists, stats, batches = cut(q, k, p, exclude, f.batch_size, unit_pending=unit_pending)
+        if getattr(f, "navigates", False) and p.probe != "learned":
             # The whole batch on the device; where the raw vectors are not there, the host re-ranks batch b
             # while the device searches batch b+1.
             overlapped(batches, lambda b: b.ready(), self._device_stage, self._rerank_or_done)
-        elif len(batches) > 1 and self.filter.overlaps:
+        elif len(batches) > 1 and f.overlaps:
             # The CPU searches the graph and re-ranks while the GPU filters the batch between; on the CPU
             # tier (pipeline), one batch's re-rank waits on the SSD while the next is scanned.
-            overlapped(batches, self._graph_stage, self._filter_stage, self._rerank_stage,
-                       middle_workers=self.filter.in_flight)
+            overlapped(batches, self._graph_stage, partial(self._filter_stage, f=f), self._rerank_stage,
+                       middle_workers=f.in_flight)
         else:
             for b in batches:
-                self._rerank_stage(self._filter_stage(self._graph_stage(b)))
-        info = {**self.filter.describe(), "io_backend": self.reranker.store.backend,
+                self._rerank_stage(self._filter_stage(self._graph_stage(b), f))
+        info = {**f.describe(), "io_backend": self.reranker.store.backend,
                 "direct_io": bool(self.reranker.store.direct), "buffer_policy": self.reranker.store.buffer_policy}
+        if self.choice is not None:
+            self.choice.record(chosen, len(q), time.perf_counter() - t)
+            info["chosen_by_cost"] = True
         return self._result(ids, dists, stats, info)
+
+    def crossover(self) -> int | None:
+        """Under filter_tier 'auto' with CUDA: the call size from which the GPU tier is measured cheaper per query
+        than the CPU tier beside it (TierChoice.crossover); None otherwise, or until measured."""
+        return None if self.choice is None else self.choice.crossover()
 
     def search_lists(self, queries, lists, k: int = 10, params: SearchParams | SearchOverrides | dict | None = None,
                      exclude: np.ndarray | None = None, **overrides) -> SearchResult:
@@ -280,6 +311,60 @@ class Index(ManifestShape):
             self._rerank_stage(self._filter_stage(b))
         return self._result(ids, dists, stats, dict(self.filter.describe()))
 
+    def search_among(self, queries, ids, k: int = 10, params: SearchParams | SearchOverrides | dict | None = None,
+                     **overrides) -> SearchResult:
+        """Top-k of each query among the given vector ids only (a metadata filter's passing vectors): every one
+        of them scored by PQ from the codes in host RAM, then each query's best n (params.rerank, at least k)
+        re-ranked exactly from the SSD as a search's candidates are (its mini-batches and early stop). No list
+        is probed, so none of them is lost to the probe, and where n >= len(ids) the answer is exact. Its cost
+        grows with len(ids) (~1 ns a PQ sub-code), a search's does not: for the filters few vectors pass."""
+        if not isinstance(k, (int, np.integer)) or k < 1:
+            raise InputError(f"k must be a positive integer, got {k!r}")
+        p = resolve_params(params, self.params).with_overrides(**overrides)
+        q, unit_pending = checked_for_search(queries, self.dim, self.metric)
+        if unit_pending:
+            q = normalize(q)
+        ids = np.asarray(ids)
+        if ids.ndim != 1 or ids.dtype.kind not in "iu" or (len(ids) and (ids.min() < 0 or ids.max() >= self.count)):
+            raise InputError(f"ids must be vector ids in [0, {self.count}), one dimension")
+        ids = np.unique(ids).astype(np.int64)
+        nq, n = len(q), min(max(p.rerank, k), len(ids))
+        out_ids = np.full((nq, k), -1, np.int64)
+        out_d = np.full((nq, k), np.inf, np.float32)
+        stats = {key: np.zeros(nq, dtype=np.float64 if key.endswith("_s") else np.int64) for key in STAT_KEYS}
+        info = {"filter_tier": "cpu", "among": True}  # PQ on the host, whatever tier the index's searches use
+        if n == 0:
+            return self._result(out_ids, out_d, stats, info)
+        codes, codebooks = self._among_parts()
+        t = time.perf_counter()
+        luts = native.pq_luts(q, codebooks, self.manifest["internal_metric"], self.nav.threads)
+        lut_s = time.perf_counter() - t
+        cand = np.empty((nq, n), np.int64)
+        for i in range(nq):  # one query's distances at a time: (1, len(ids)), not a (q, len(ids)) copy of the ids
+            d = native.pq_distances(luts[i:i + 1], ids[None, :], codes, self.nav.threads)[0]
+            best = np.argpartition(d, n - 1)[:n] if n < len(ids) else np.arange(len(ids))
+            cand[i] = ids[best[np.argsort(d[best], kind="stable")]]
+        scan_s = time.perf_counter() - t - lut_s
+        got, dists, rstats, rsec = self.reranker.rerank(q, cand, k, p)
+        out_ids[:], out_d[:] = got, dists
+        stats["candidates"][:] = stats["unique_candidates"][:] = len(ids)
+        stats["minibatches"][:], stats["reranked"][:] = rstats[:, 0], rstats[:, 1]
+        for j, key in enumerate(("pages_read", "pages_buffered", "page_mates", "resident_scored", "records_cached")):
+            stats[key][:] = rstats[:, 2 + j]
+        stats["lut_s"][:], stats["scan_s"][:], stats["rerank_s"][:] = lut_s / nq, scan_s / nq, rsec
+        return self._result(out_ids, out_d, stats, info)
+
+    def _among_parts(self):
+        """(host PQ codes, laid-out codebooks) for search_among: the CPU tier's own; under a GPU tier, which holds
+        them on the device, the codes file memory-mapped and the codebooks laid out once."""
+        if self._among_codebooks is None:
+            if self._codes is None:
+                self._codes = load_array(self.path, "pq_codes.npy", np.uint8, 2, mmap=True)
+            own = getattr(self.filter, "codebooks", None)
+            self._among_codebooks = own if isinstance(own, native.PqCodebooks) else native.PqCodebooks(
+                load_array(self.path, "pq_codebooks.npy", np.float32, 3))
+        return self._codes, self._among_codebooks
+
     def _result(self, ids, dists, stats, info) -> SearchResult:
         if self.metric == "cosine":
             dists /= 2  # squared L2 between unit vectors is 2 - 2cos
@@ -290,15 +375,16 @@ class Index(ManifestShape):
         b.lists, b.probed, b.graph_s = self.nav.probe(b.ready().queries, b.params)
         return b
 
-    def _filter_stage(self, b: QueryBatch) -> QueryBatch:
-        """The codec: PQ tables, then each query's top-n candidates in its lists."""
+    def _filter_stage(self, b: QueryBatch, f=None) -> QueryBatch:
+        """The codec: PQ tables, then each query's top-n candidates in its lists (on f, else the filter tier)."""
+        f = f or self.filter
         if self.visits is not None:
             near = b.lists[:, :HOT_PROBES]
             self.visits += np.bincount(near[near >= 0], minlength=len(self.visits))
         t = time.perf_counter()
-        tables = self.filter.tables(b.ready().queries)
+        tables = f.tables(b.ready().queries)
         b.lut_s = time.perf_counter() - t
-        b.candidates = self.filter.topn(tables, b.lists, b.n, b.exclude)
+        b.candidates = f.topn(tables, b.lists, b.n, b.exclude)
         b.lists = None  # a call's batches live until it returns: what a batch is done with goes now
         return b
 

@@ -5,7 +5,11 @@ queries wait, whichever comes first. Requests are then grouped by what the engin
 call (collection, k, filter, tuning, whether hits carry vectors); texts are embedded together, one model
 call per batch; each group is one `Collection.search`, whose rows are handed back to the requests they came from. While
 every engine thread is busy, new requests keep queueing and join the next batch, so batches grow with
-the load instead of the wait.
+the load instead of the wait. A collection whose index serves calls from a size on from the GPU
+(`Collection.crossover`: filter_tier auto with CUDA, the size from which the GPU is measured cheaper) has its
+batch held open up to `gpu_wait_s` longer to reach that size, only while other requests keep arriving fast
+enough to fill it in the time left (their rate since the batch's first request): under load the device gets the
+batches it needs, and a lone client, whose next query waits for this answer, waits no longer than before.
 """
 
 from __future__ import annotations
@@ -64,9 +68,9 @@ class ServiceClosing(RuntimeError):
 
 
 class MicroBatcher:
-    def __init__(self, max_wait_s: float, max_queries: int, threads: int, metrics: Metrics):
+    def __init__(self, max_wait_s: float, max_queries: int, threads: int, metrics: Metrics, gpu_wait_s: float = 0.0):
         self.max_wait_s, self.max_queries, self.threads = max_wait_s, max_queries, threads
-        self.metrics = metrics
+        self.metrics, self.gpu_wait_s = metrics, gpu_wait_s
         self._pending: deque[_Request] = deque()
         self._queued = 0  # queries in _pending
         self._closing = False
@@ -111,7 +115,8 @@ class MicroBatcher:
                     return
                 self._wake.clear()
                 await self._wake.wait()
-            deadline = loop.time() + self.max_wait_s
+            opened = loop.time()
+            deadline = opened + self.max_wait_s
             while self._queued < self.max_queries and not self._closing:
                 left = deadline - loop.time()
                 if left <= 0:
@@ -121,11 +126,44 @@ class MicroBatcher:
                     await asyncio.wait_for(self._wake.wait(), left)
                 except asyncio.TimeoutError:
                     break
+            await self._wait_for_the_device(loop, opened)
             # Requests arriving while we wait for a free thread join this batch.
             await self._slots.acquire()
             task = asyncio.create_task(self._execute(self._take()))
             self._inflight.add(task)
             task.add_done_callback(self._finished)
+
+    def _rate(self) -> float:
+        """Queries a second that joined the waiting batch after its first request (0 with that one alone)."""
+        if len(self._pending) < 2:
+            return 0.0
+        later = self._queued - self._pending[0].size
+        return later / max(1e-6, time.perf_counter() - self._pending[0].enqueued)
+
+    async def _wait_for_the_device(self, loop, opened: float) -> None:
+        """Hold the batch open (until gpu_wait_s after it opened) while it is below the size from which its
+        collection's GPU serves a call cheaper, and queries arrive fast enough to reach that size in time."""
+        if self.gpu_wait_s <= 0 or not self._pending or self._closing:
+            return
+        crossover = getattr(self._pending[0].collection, "crossover", None)
+        want = crossover() if crossover is not None else None
+        if not want:
+            return
+        want = min(want, self.max_queries)
+        end = opened + self.gpu_wait_s
+        held = False
+        while self._queued < want and not self._closing:
+            left = end - loop.time()
+            if left <= 0 or self._rate() * left < want - self._queued:
+                return
+            if not held:
+                held = True
+                self.metrics.batches_held.inc()
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), left)
+            except asyncio.TimeoutError:
+                return
 
     def _finished(self, task: asyncio.Task) -> None:
         self._inflight.discard(task)

@@ -71,6 +71,11 @@ class ServerConfig(_Config):
     batch_wait_ms: Annotated[float, knob("how long a search waits for others to share its engine batch",
                                          ge=0, le=10_000)] = 2.0
     batch_max_queries: Annotated[int, knob("queries per engine batch at most", ge=1)] = 256
+    # A collection whose index serves a call from the GPU once it is large enough (filter_tier auto with CUDA,
+    # Index.crossover): under load its batch is held open up to this long to reach that size, when queries
+    # arrive fast enough to fill it in time.
+    gpu_batch_wait_ms: Annotated[float, knob("under load, how long a batch may wait to reach the size from which "
+                                             "the GPU serves it cheaper than the CPU", ge=0)] = 5.0
     search_threads: Annotated[int, knob("engine batches running at once", ge=1, le=64)] = 2
     buffer_mb: Annotated[float, knob("DRAM page buffer per collection, MiB", ge=0)] = 64.0
     buffer_policy: Annotated[BufferPolicy, knob("page buffer replacement: auto (lfu or clock, whichever serves more "
@@ -85,8 +90,9 @@ class ServerConfig(_Config):
     pipeline: Annotated[bool, knob("overlap an engine batch's stages with the next batch's graph search")] = True
     rerank_prefetch: Annotated[bool, knob("read each query's next mini-batch of pages while the current one is "
                                           "scored")] = EngineConfig.rerank_prefetch
-    filter_tier: Annotated[FilterTier, knob("where PQ candidates are filtered: auto (the GPU when there is one), "
-                                            "cpu or gpu")] = "auto"
+    filter_tier: Annotated[FilterTier, knob("where PQ candidates are filtered: auto (with a GPU, the GPU and the "
+                                            "CPU tier both, each call to the one measured cheaper for its size), "
+                                            "cpu or gpu (every call)")] = "auto"
     gpu_budget_mb: Annotated[float, knob("GPU memory the filter tiers of all collections share, MiB, the service's "
                                          "CUDA context and kernels included (0: what the LLM server leaves)",
                                          ge=0, note="0 = automatic")] = 0.0

@@ -29,7 +29,7 @@ class _AnyText(Convertor):
 
 # The verbs under /documents/ (POST …/documents/get and …/delete): concrete paths before templated ones, as
 # OpenAPI matches them, so a GET there is a 405, not the document of that id (POST …/documents/get reads it).
-DOCUMENT_VERBS = ("get", "delete")
+DOCUMENT_VERBS = ("get", "delete", "count", "metadata")
 
 
 class _DocumentId(_AnyText):

@@ -55,7 +55,7 @@ class State:
                                        config.max_snapshot_bytes, self.catalog.limits.disk_reserve_bytes)
         self.metrics = Metrics(self.collections_info)
         self.batcher = MicroBatcher(config.batch_wait_ms / 1000, config.batch_max_queries,
-                                    config.search_threads, self.metrics)
+                                    config.search_threads, self.metrics, config.gpu_batch_wait_ms / 1000)
         self.ready = threading.Event()
         self.demo_error: str | None = None
         self.building: set[str] = set()

@@ -65,6 +65,11 @@ class Metrics:
         self.batch_queries = Histogram("fusionrag_batch_queries", "Queries in one engine call",
                                        buckets=_SIZES, registry=r)
         self.queries = Counter("fusionrag_queries", "Queries searched", ["collection"], registry=r)
+        self.batches_held = Counter("fusionrag_batches_held_for_gpu", "Micro-batches held open (gpu_batch_wait_ms) "
+                                    "to reach the size from which the GPU serves them cheaper", registry=r)
+        self.tier_queries = Counter("fusionrag_filter_tier_queries", "Queries whose main-index search a filter tier "
+                                    "served (cpu or gpu; under filter_tier auto with CUDA, each call the cheaper)",
+                                    ["collection", "tier"], registry=r)
         self.pages_read = Counter("fusionrag_ssd_pages_read", "Pages read from the SSD tier",
                                   ["collection"], registry=r)
         self.pages_buffered = Counter("fusionrag_page_buffer_hits", "Pages served by the DRAM page buffer",
@@ -79,6 +84,12 @@ class Metrics:
         read = sum(int(s.get("pages_read", 0)) for s in stats)
         buffered = sum(int(s.get("pages_buffered", 0)) for s in stats)
         self.queries.labels(collection).inc(len(stats))
+        tiers: dict[str, int] = {}
+        for s in stats:
+            if "filter_tier" in s:
+                tiers[s["filter_tier"]] = tiers.get(s["filter_tier"], 0) + 1
+        for tier, n in tiers.items():
+            self.tier_queries.labels(collection, tier).inc(n)
         self.pages_read.labels(collection).inc(read)
         self.pages_buffered.labels(collection).inc(buffered)
         with self._lock:

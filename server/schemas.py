@@ -128,6 +128,26 @@ class DocumentsPage(Documents):
     warnings: list[str] = Field(None, description="why the filter can match nothing, as search says it")
 
 
+class MetadataIn(_Body):
+    id: DocId
+    metadata: dict[str, Any] = Field(description="merge: an RFC 7386 merge patch (a key given null is removed, "
+                                                 "objects merge key by key); else the whole new metadata")
+
+
+class MetadataRequest(_Body):
+    documents: list[MetadataIn] = Field(min_length=1, description="unknown ids are skipped")
+    merge: bool = Field(True, description="merge into the stored metadata (false: replace it)")
+
+
+class Updated(BaseModel):
+    updated: int = Field(description="documents whose metadata changed")
+
+
+class Counted(BaseModel):
+    count: int = Field(description="documents the filter passes (all of them without one)")
+    warnings: list[str] = Field(None, description="why the filter can match nothing, as search says it")
+
+
 class Deleted(BaseModel):
     deleted: int = Field(description="documents deleted")
 

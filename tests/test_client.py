@@ -6,6 +6,7 @@ in one request where they made one per document."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -116,6 +117,96 @@ def test_documents_written_read_paged_and_deleted(service):
         client.drop_collection("team-rw")
         with pytest.raises(NotFoundError):
             client.info("team-rw")
+
+
+def test_upsert_splits_what_exceeds_a_request_into_batches_with_progress(service):
+    """#49: upsert refused more than max_documents in one call; now it sends batches of at most batch_size
+    documents and about batch_bytes of JSON, in order, reporting progress; an error stops at its batch, the ones
+    before it written. The service is run with --max-documents 1024 (its default): 3,000 documents go in 3+."""
+    srv, _ = service
+    rng = np.random.default_rng(3)
+    docs = [Document(f"b{i}", f"text {i}", rng.standard_normal(4).astype(np.float32), {"i": i}) for i in range(3000)]
+    with Client(srv.url, ADMIN) as client:
+        client.create_collection("team-batched", 4, metric="l2")
+        progress = []
+        assert client.upsert("team-batched", docs, on_progress=lambda done, n: progress.append((done, n))) == \
+            [d.id for d in docs]
+        assert progress[-1] == (3000, 3000) and len(progress) == 6  # UPSERT_BATCH 512
+        assert client.count("team-batched") == 3000
+        progress.clear()
+        ids = client.upsert("team-batched", docs[:100], batch_bytes=2000, on_progress=lambda d, n: progress.append(d))
+        assert ids == [d.id for d in docs[:100]] and len(progress) >= 100 * 90 // 2000 and progress[-1] == 100
+        bad = docs[:10] + [Document("bad", "t", [1.0, 2.0])] + docs[10:20]  # the 2nd batch holds a wrong dimension
+        with pytest.raises(InputError, match="dimension"):
+            client.upsert("team-batched", bad, batch_size=10)
+        assert client.upsert("team-batched", []) == []
+        with pytest.raises(InputError, match="positive"):
+            client.upsert("team-batched", docs[:1], batch_size=0)
+        client.drop_collection("team-batched")
+
+
+def test_snapshot_download_restore_and_import_through_the_client(service, tmp_path):
+    """#49: the client's snapshot, list, download, restore, delete and import calls (files streamed both ways), on
+    the real service; sync and async alike. The restored collection answers as the original; the imports (JSON
+    lines alone, and a vector file with its JSON-lines sidecar) land in the collection's info."""
+    srv, _ = service
+    rng = np.random.default_rng(4)
+    vecs = rng.standard_normal((50, 4)).astype(np.float32)
+    with Client(srv.url, ADMIN) as client:
+        client.create_collection("team-snap", 4, metric="l2")
+        client.upsert("team-snap", [Document(f"s{i}", f"t{i}", vecs[i], {"i": i}) for i in range(50)])
+        taken = client.snapshot("team-snap")
+        assert taken["id"] in [s["id"] for s in client.snapshots("team-snap")]
+        path = client.download_snapshot("team-snap", taken["id"], tmp_path / "snap.tar")
+        assert path == tmp_path / "snap.tar" and path.stat().st_size > 0 and not (tmp_path / "snap.tar.part").exists()
+        with pytest.raises(NotFoundError):
+            client.download_snapshot("team-snap", "20990101T000000Z-00000000", tmp_path / "none.tar")
+        assert not (tmp_path / "none.tar").exists()
+        restored = client.restore("team-snap-copy", path)
+        assert restored.name == "team-snap-copy" and restored.count == 50
+        q = vecs[7]
+        assert [h.id for h in client.search("team-snap-copy", q, k=3).hits[0]] == \
+            [h.id for h in client.search("team-snap", q, k=3).hits[0]]
+        client.delete_snapshot("team-snap", taken["id"])
+        assert taken["id"] not in [s["id"] for s in client.snapshots("team-snap")]
+        lines = tmp_path / "docs.jsonl"
+        lines.write_text("".join(json.dumps({"id": f"j{i}", "text": f"line {i}", "vector": vecs[i].tolist()}) + "\n"
+                                 for i in range(20)))
+        client.create_collection("team-import", 4, metric="l2")
+        started = client.import_documents("team-import", lines)
+        assert started["files"]["documents"] == lines.stat().st_size
+        np.save(tmp_path / "v.npy", vecs[:20])
+        side = tmp_path / "side.jsonl"
+        side.write_text("".join(json.dumps({"id": f"n{i}", "metadata": {"i": i}}) + "\n" for i in range(20)))
+        client.create_collection("team-import2", 4, metric="l2")
+        assert set(client.import_documents("team-import2", side, tmp_path / "v.npy")["files"]) == {"documents",
+                                                                                                   "vectors"}
+        for name in ("team-import", "team-import2"):
+            for _ in range(300):
+                state = (client.info(name).build_state or {}).get("import") or {}
+                if state.get("state") in ("done", "failed"):
+                    break
+                time.sleep(0.1)
+            assert state.get("state") == "done" and client.count(name) == 20, (name, state)
+        assert client.get("team-import2", ["n3"])[0].metadata == {"i": 3}
+
+    async def async_calls():
+        async with AsyncClient(srv.url, ADMIN) as client:
+            taken = await client.snapshot("team-snap")
+            path = await client.download_snapshot("team-snap", taken["id"], tmp_path / "async.tar")
+            info = await client.restore("team-snap-async", path)
+            return path, info
+
+    path, info = asyncio.run(async_calls())
+    assert path.read_bytes()[:100] and info.count == 50
+    with Client(srv.url, ADMIN) as client:
+        for name in ("team-snap", "team-snap-copy", "team-snap-async", "team-import", "team-import2"):
+            client.drop_collection(name)
+
+
+def test_a_dict_in_the_vector_slot_is_refused_with_a_clear_error():
+    with pytest.raises(InputError, match="third field is the vector"):
+        Document("a", "text", {"lang": "en"})
 
 
 def test_errors_are_the_engines_classes_with_the_status(service, tmp_path):

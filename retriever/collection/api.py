@@ -27,7 +27,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -36,7 +36,7 @@ from fusionrag.retriever.docstore import DocStore
 from fusionrag.retriever.errors import (ConflictError, FusionRAGError, IndexFormatError, InputError, StorageError,
                                        UnavailableError)
 from fusionrag.retriever.filters import compile_filter, filter_warnings
-from fusionrag.retriever.fresh import FreshTier, FreshView, distances
+from fusionrag.retriever.fresh import FreshTier, distances
 from fusionrag.retriever.index import STAT_KEYS, Index
 from fusionrag.retriever.queries import PreparedQueries, prepare_queries
 from fusionrag.retriever import importer, snapshot
@@ -48,8 +48,8 @@ from fusionrag.retriever.collection.config import (CURRENT_FORMAT, DEFAULT_TEXT_
                                                    MERGE_RETRY_S, RRF_K, CollectionConfig, check_search)
 from fusionrag.retriever.collection.generations import (Generation, ReadView, load_published, rows_digest,
                                                         write_json_atomic, write_rows)
-from fusionrag.retriever.collection.records import (QUERY_WORDS, CollectionSearch, Document, Hit, Write,
-                                                    engine_form, upsert_record)
+from fusionrag.retriever.collection.records import (METADATA_OPS, QUERY_WORDS, CollectionSearch, Document, Hit,
+                                                    Write, engine_form, metadata_record, upsert_record)
 
 log = logging.getLogger(__name__)
 
@@ -257,6 +257,15 @@ class Collection:
         return self._commit(Write("delete_where", filter=json.dumps(filter, separators=(",", ":"), allow_nan=False)))
 
     @_in_use
+    def set_metadata(self, updates: Mapping[str, dict], merge: bool = True) -> int:
+        """Change documents' metadata alone, as Qdrant's set_payload and Chroma's update do: their text, vector and
+        place in the index stay (nothing is re-indexed). updates maps an id to its metadata: with merge, an RFC
+        7386 merge patch over the stored metadata (a key given None is removed; objects merge key by key), else
+        the whole new metadata. One durable write; unknown ids are skipped; returns how many were updated."""
+        w = metadata_record(updates, merge)
+        return self._commit(w) if w.ids else 0
+
+    @_in_use
     def clear(self) -> None:
         self._commit(Write("clear"))
 
@@ -331,17 +340,20 @@ class Collection:
         self.store.begin()
         try:
             for w in batch:
+                updated = None
                 if w.op == "clear":
                     gone = self.store.remove_all()
                 elif w.op == "delete_where":
                     gone = self.store.remove_where(*compile_filter(json.loads(w.filter)))
+                elif w.op in METADATA_OPS:
+                    gone, updated = [], self.store.update_metadata(w.ids, w.metas, w.op == "merge_metadata")
                 else:
                     gone = self.store.remove(w.ids)
                 if w.op == "upsert":
                     self.store.insert(w.rows, w.ids, w.texts, w.metas, w.vectors)
                     self._applied_next_row = max(self._applied_next_row, int(w.rows[-1]) + 1)
                     self._next_row = max(self._next_row, self._applied_next_row)
-                w.result = len(gone)
+                w.result = len(gone) if updated is None else updated
                 removed.append(gone)
             self.store.commit(batch[-1].lsn, self._next_row)
         except BaseException:
@@ -378,6 +390,19 @@ class Collection:
     @_in_use
     def __len__(self) -> int:
         return self.store.count()
+
+    def crossover(self) -> int | None:
+        """The call size from which the main index serves a search from the GPU, measured cheaper there than on
+        the CPU tier beside it (filter_tier auto with CUDA; Index.crossover); None otherwise."""
+        index = getattr(self._main, "index", None)  # read once: a merge may publish another meanwhile
+        return index.crossover() if index is not None else None
+
+    @_in_use
+    def count(self, filter: dict | None = None) -> int:
+        """How many documents the filter passes (all of them without one)."""
+        if filter is None:
+            return self.store.count()
+        return len(self.store.rows_where(*compile_filter(filter)))
 
     @_in_use
     def get(self, ids: Sequence[str], with_vectors: bool = False) -> list[Document]:
@@ -428,9 +453,10 @@ class Collection:
 
     @_in_use
     def filter_warnings(self, filter: dict) -> list[str]:
-        """Why parts of a filter match nothing: each field it compares only with types of values that the
-        documents do not hold it as ("3" against numbers, a scalar against lists); none when all can match."""
-        return filter_warnings(filter, self.store.field_types)
+        """Why parts of a filter match nothing: each field it names that no document holds (with the stored fields
+        nearest its name), or compares only with types of values that the documents do not hold it as ("3"
+        against numbers, a scalar against lists); none when all can match."""
+        return filter_warnings(filter, self.store.field_types, self.store.field_names)
 
     @_in_use
     def search(self, vectors=None, k: int = 10, filter: dict | None = None,
@@ -492,18 +518,18 @@ class Collection:
         nq = len(q)
         stats = [{key: 0 for key in STAT_KEYS} | {"fresh_candidates": 0, "filtered_exact": False}
                  for _ in range(nq)]
-        allowed = None
+        allowed, among = None, False
         if where is not None:
+            # A filter few documents pass: every one is a candidate (search_among: PQ over their codes, the best
+            # re-ranked exactly), none lost to the lists probed; else the index searches with the rest excluded.
             allowed = self.store.rows_where(*where)
-            if len(allowed) <= self.config.filter_exact_max:
-                rows, dists = self._exact(q.vectors, k, where)
-                for s in stats:
-                    s["filtered_exact"] = True
-                return rows, dists, stats
+            among = len(allowed) <= self.config.filter_exact_max
+            for s in stats:
+                s["filtered_exact"] = among
         parts_rows, parts_d = [], []
         main = snap.main
-        if main.index is not None and len(main.rows) > snap.tomb_count:
-            r, d = self._search_main(q, k, params, snap, allowed, stats)
+        if main.index is not None and len(main.rows) > snap.tomb_count and (allowed is None or len(allowed)):
+            r, d = self._search_main(q, k, params, snap, allowed, among, stats)
             parts_rows.append(r)
             parts_d.append(d)
         fr = snap.fresh
@@ -516,7 +542,7 @@ class Collection:
         parts_d.append(d)
         return np.concatenate(parts_rows, axis=1), np.concatenate(parts_d, axis=1), stats
 
-    def _search_main(self, q: PreparedQueries, k, params, snap: ReadView, allowed, stats):
+    def _search_main(self, q: PreparedQueries, k, params, snap: ReadView, allowed, among: bool, stats):
         main = snap.main
         n = len(main.rows)
         if allowed is None:
@@ -528,30 +554,28 @@ class Collection:
             ok[pos[main.rows[pos] == allowed[:len(pos)]]] = True
             ok &= ~np.unpackbits(snap.tomb, count=n, bitorder="little").astype(bool)
             exclude, live = np.packbits(~ok, bitorder="little"), int(ok.sum())
-        res = main.index.search(q, k, params, exclude=exclude)
-        ids, dists = res.ids, res.distances
-        # Excluded vectors can empty the probed lists: probe them all for queries left short.
-        short = np.flatnonzero((ids >= 0).sum(1) < min(k, live))
-        if short.size:
-            # Every list: the ratio rule would still cut those beyond twice the nearest one's distance.
-            p = resolve_params(params, main.index.params).with_overrides(
-                nprobe=main.index.nav.graph.size, probe="ratio", probe_ratio=0.0)
-            again = main.index.search(q.rows(short), k, p, exclude=exclude)
-            ids[short], dists[short] = again.ids, again.distances
+        if among:
+            res = main.index.search_among(q, np.flatnonzero(ok), k, params)
+            ids, dists = res.ids, res.distances
+        else:
+            res = main.index.search(q, k, params, exclude=exclude)
+            ids, dists = res.ids, res.distances
+            # Excluded vectors can empty the probed lists: probe them all for queries left short.
+            short = np.flatnonzero((ids >= 0).sum(1) < min(k, live))
+            if short.size:
+                # Every list: the ratio rule would still cut those beyond twice the nearest one's distance.
+                p = resolve_params(params, main.index.params).with_overrides(
+                    nprobe=main.index.nav.graph.size, probe="ratio", probe_ratio=0.0)
+                again = main.index.search(q.rows(short), k, p, exclude=exclude)
+                ids[short], dists[short] = again.ids, again.distances
+        tier = res.info.get("filter_tier")
         for i, s in enumerate(stats):
             for key in STAT_KEYS:
                 v = res.stats[key][i]
                 s[key] = float(v) if key.endswith("_s") else int(v)
+            s["filter_tier"] = tier  # which tier served (under filter_tier auto with CUDA, the cheaper)
         rows = np.where(ids >= 0, main.rows[np.maximum(ids, 0)] if n else -1, -1)
         return rows, np.where(ids >= 0, dists, np.inf).astype(np.float32)
-
-    def _exact(self, q, k, where: tuple[str, list]):
-        """Exact top-k over the documents a filter passes, vectors read from the doc store."""
-        rows, vecs = self.store.vectors_where(*where)
-        if len(rows) == 0:
-            return np.full((len(q), 0), -1, np.int64), np.empty((len(q), 0), np.float32)
-        view = FreshView(x := engine_form(vecs, self.metric), (x * x).sum(1), rows, np.ones(len(rows), bool))
-        return view.search(q, k, self.metric)
 
     def _hits(self, rows: np.ndarray, dists: np.ndarray, stats, k: int, with_vectors: bool,
               score=None) -> CollectionSearch:

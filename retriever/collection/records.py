@@ -8,7 +8,7 @@ import json
 import struct
 import uuid
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -24,6 +24,12 @@ class Document:
     text: str | None = None
     vector: np.ndarray | list[float] | None = None
     metadata: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if isinstance(self.vector, dict):  # Document(id, text, {...}): the third field is the vector
+            raise InputError(f"document {self.id!r}: its third field is the vector, and a dict was given there; "
+                             "pass metadata by name: Document(id, text, metadata={...}) or "
+                             "Document(id, text, vector, {...})")
 
 
 @dataclass
@@ -46,7 +52,7 @@ class CollectionSearch:
 
 @dataclass
 class Write:
-    op: str  # "upsert" | "delete" | "delete_where" | "clear"
+    op: str  # "upsert" | "delete" | "delete_where" | "clear" | "set_metadata" | "merge_metadata"
     ids: list[str] = field(default_factory=list)
     texts: list = field(default_factory=list)
     metas: list[str] = field(default_factory=list)  # JSON text
@@ -135,6 +141,28 @@ def upsert_record(docs: Sequence[Document], dim: int, metric: str) -> tuple[Writ
     vectors = np.stack([vecs[j] for j in keep]) if keep else np.empty((0, dim), np.float32)
     return Write("upsert", [ids[j] for j in keep], [texts[j] for j in keep], [metas[j] for j in keep],
                   vectors), out
+
+
+METADATA_OPS = ("set_metadata", "merge_metadata")
+
+
+def metadata_record(updates: Mapping[str, dict], merge: bool) -> Write:
+    """The log record of a metadata-only update: ids and their new metadata (merged into the stored one as an RFC
+    7386 merge patch, or replacing it), each checked as upsert checks a document's."""
+    if not isinstance(updates, Mapping):
+        raise InputError("set_metadata takes a mapping of ids to metadata dicts")
+    ids, metas = [], []
+    for doc_id, meta in updates.items():
+        if not isinstance(doc_id, str) or not doc_id or len(doc_id) > MAX_ID_CHARS:
+            raise InputError(f"id must be a non-empty string of at most {MAX_ID_CHARS} characters, got {doc_id!r:.80}")
+        if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
+            raise InputError(f"document {doc_id!r}: metadata must be a dict with string keys")
+        try:
+            metas.append(json.dumps(meta, separators=(",", ":"), allow_nan=False))
+        except (TypeError, ValueError) as e:
+            raise InputError(f"document {doc_id!r}: metadata is not JSON-serialisable ({e})") from e
+        ids.append(doc_id)
+    return Write("merge_metadata" if merge else "set_metadata", ids, [], metas)
 
 
 def engine_form(vecs: np.ndarray, metric: str) -> np.ndarray:

@@ -10,8 +10,8 @@ from starlette.concurrency import run_in_threadpool
 
 from fusionrag.retriever.collection import Collection, Document
 from fusionrag.server.bodies import Body, validate
-from fusionrag.server.schemas import (Deleted, DeleteRequest, Documents, DocumentsPage, GetRequest,
-                                      UpsertRequest)
+from fusionrag.server.schemas import (Counted, Deleted, DeleteRequest, Documents, DocumentsPage, GetRequest,
+                                      MetadataRequest, Updated, UpsertRequest)
 from fusionrag.server.errors import documented, http_error, json_body
 from fusionrag.server.deps import DOCUMENT_VERBS, open_collection, state_of
 from fusionrag.server.responses import VectorJSON, document_json
@@ -107,6 +107,17 @@ def query_filter(request: Request) -> dict | None:
         raise http_error(e.status_code, f"the filter query parameter: {e.detail}") from None
 
 
+@router.get("/collections/{name}/documents/count", summary="How many documents a filter passes (all without one)",
+        openapi_extra={"parameters": [_FILTER_PARAMETER]},
+        responses={200: {"model": Counted}, **documented(400, 401, 403, 404, 413, 422, 503)})
+def count_documents(request: Request, coll: Collection = Depends(open_collection)):
+    flt = query_filter(request)
+    out = {"count": coll.count(flt)}
+    if flt is not None and (warnings := coll.filter_warnings(flt)):
+        out["warnings"] = warnings
+    return out
+
+
 @router.get("/collections/{name}/documents", summary="Page through the documents (those a filter passes) in a stable "
         "order: each page's next_cursor gives the next", openapi_extra={"parameters": [_FILTER_PARAMETER]},
         responses={200: {"model": DocumentsPage}, **documented(400, 401, 403, 404, 413, 422, 503)})
@@ -129,6 +140,22 @@ def page_answer(coll, limit: int, cursor: str | None, flt: dict | None, with_vec
     if flt is not None and (warnings := coll.filter_warnings(flt)):
         out["warnings"] = warnings
     return VectorJSON(out)
+
+
+@router.post("/collections/{name}/documents/metadata", summary="Change documents' metadata alone (their text, vector "
+         "and place in the index stay), merged or replaced, in one write", openapi_extra=json_body(MetadataRequest),
+         responses={200: {"model": Updated}, **documented(400, 401, 403, 404, 413, 422, 503, 507)})
+async def set_metadata(request: Request, coll: Collection = Depends(open_collection)):
+    cfg = state_of(request).config
+    too_many = over_limit("documents", cfg.max_documents, "max_documents")
+    data = await read_json(request, lambda b: {
+        "documents": lambda i: b.array(i, 1, lambda n, j: b.value(j, 2), cfg.max_documents, too_many)})
+    body = validate(MetadataRequest, data)
+    updates = {d.id: d.metadata for d in body.documents}
+    if len(updates) < len(body.documents):
+        twice = next(d.id for i, d in enumerate(body.documents) if d.id in {e.id for e in body.documents[:i]})
+        raise http_error(422, f"document {twice!r} is given twice: send one metadata for each id")
+    return {"updated": await run_in_threadpool(coll.set_metadata, updates, body.merge)}
 
 
 @router.post("/collections/{name}/documents/delete", summary="Delete documents by id (unknown ids are ignored) or by "

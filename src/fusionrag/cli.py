@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--overwrite", action="store_true", help="replace an existing index (atomically)")
     b.add_argument("--quiet", action="store_true", help="no progress bars (they are drawn when stderr is a terminal)")
     b.add_argument("--shards", type=int, default=0, help="build a sharded index of this many shard parts "
-                   "(README, Sharded mode)")
+                   "(docs/sharded.md)")
     b.add_argument("--placement", default="hotness", choices=list(PLACEMENTS),
                    help="with --shards: lists placed by expected work (hotness, SmartANNS), by region of "
                    "centroid space with work balanced (locality), or round-robin")

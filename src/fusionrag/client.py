@@ -15,11 +15,14 @@ status as `.status`); 401 and 403 `AuthError`, any other `RemoteError`. Network 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
+import os
 import time
-from collections.abc import Callable, Coroutine, Generator, Sequence
+from collections.abc import Callable, Coroutine, Generator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 from urllib.parse import quote
 
@@ -35,6 +38,8 @@ T = TypeVar("T")
 P = ParamSpec("P")
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+UPSERT_BATCH = 512  # documents a request of upsert at most (the service's --max-documents: 1024)
+UPSERT_BYTES = 8 << 20  # JSON bytes of a request of upsert, about (the service's --max-body-bytes: 16 MiB)
 
 
 class RemoteError(FusionRAGError):
@@ -101,6 +106,10 @@ class Request:
     json: Any = None
     params: dict | None = None
     safe: bool = False  # a read: may be sent again after a 503 with Retry-After
+    upload: Path | None = None  # a file streamed as the body, of upload_type
+    upload_type: str | None = None
+    files: dict[str, Path] | None = None  # multipart/form-data parts, each a file streamed
+    save_to: Path | None = None  # the answer's body streamed into this file (the answer is then its path)
 
 
 Op = Generator[Request, Any, T]
@@ -161,11 +170,38 @@ class Ops:
         yield Request("DELETE", _path(collection))
 
     @staticmethod
-    def upsert(collection: str, documents: Sequence[Document]) -> Op[list[str]]:
-        """Add or replace (same id) documents, in one request (at most the service's max_documents); a
-        document without a vector has its text embedded by the collection's model. Their ids, in order."""
-        body = {"documents": [_document_json(d) for d in documents]}
-        return (yield Request("POST", _path(collection, "/documents"), body))["ids"]
+    def upsert(collection: str, documents: Sequence[Document], *, batch_size: int = UPSERT_BATCH,
+               batch_bytes: int = UPSERT_BYTES, on_progress: Callable[[int, int], None] | None = None
+               ) -> Op[list[str]]:
+        """Add or replace (same id) documents; a document without a vector has its text embedded by the
+        collection's model. Their ids, in order. Sent in requests of at most `batch_size` documents and about
+        `batch_bytes` of JSON (keep both within the service's --max-documents and --max-body-bytes), one after
+        the other, each durable when answered: an error stops at its batch, the ones before it written.
+        on_progress(documents written, documents in all) after each."""
+        if isinstance(documents, Document) or not isinstance(documents, Sequence):
+            raise InputError("upsert takes a sequence of Document")
+        if not isinstance(batch_size, int) or batch_size < 1 or not isinstance(batch_bytes, int) or batch_bytes < 1:
+            raise InputError("batch_size and batch_bytes must be positive integers")
+        ids: list[str] = []
+        batch: list[dict] = []
+        size = 0
+        for i, d in enumerate(documents):
+            if not isinstance(d, Document):
+                raise InputError(f"document {i}: expected a Document, got {type(d).__name__}")
+            doc = _document_json(d)
+            cost = len(json.dumps(doc, separators=(",", ":"))) + 1
+            if batch and (len(batch) == batch_size or size + cost > batch_bytes):
+                ids += (yield Request("POST", _path(collection, "/documents"), {"documents": batch}))["ids"]
+                if on_progress is not None:
+                    on_progress(len(ids), len(documents))
+                batch, size = [], 0
+            batch.append(doc)
+            size += cost
+        if batch:
+            ids += (yield Request("POST", _path(collection, "/documents"), {"documents": batch}))["ids"]
+            if on_progress is not None:
+                on_progress(len(ids), len(documents))
+        return ids
 
     @staticmethod
     def get(collection: str, ids: Sequence[str], *, with_vectors: bool = False) -> Op[list[Document]]:
@@ -190,12 +226,65 @@ class Ops:
         return Page([_document(d) for d in data["documents"]], data["next_cursor"], data.get("warnings", []))
 
     @staticmethod
+    def set_metadata(collection: str, updates: Mapping[str, dict], *, merge: bool = True) -> Op[int]:
+        """Change documents' metadata alone (text, vector and index place stay): updates maps an id to a merge
+        patch (a key given None is removed) or, with merge=False, to its whole new metadata. How many changed."""
+        body = {"documents": [{"id": i, "metadata": m} for i, m in updates.items()], "merge": merge}
+        return (yield Request("POST", _path(collection, "/documents/metadata"), body))["updated"]
+
+    @staticmethod
+    def count(collection: str, *, filter: dict | None = None) -> Op[int]:
+        """How many documents the filter passes (all of them without one)."""
+        params = {} if filter is None else {"filter": json.dumps(filter, separators=(",", ":"))}
+        return (yield Request("GET", _path(collection, "/documents/count"), params=params, safe=True))["count"]
+
+    @staticmethod
     def delete(collection: str, ids: Sequence[str] | None = None, *, filter: dict | None = None) -> Op[int]:
         """Delete by id (unknown ids are ignored) or every document a filter passes (one write); how many."""
         if (ids is None) == (filter is None):
             raise InputError("give exactly one of ids and filter")
         body: dict[str, Any] = {"ids": list(ids)} if ids is not None else {"filter": filter}
         return (yield Request("POST", _path(collection, "/documents/delete"), body))["deleted"]
+
+    @staticmethod
+    def snapshot(collection: str) -> Op[dict]:
+        """Write a snapshot of the collection (its state now, while writes go on): its id and what it holds."""
+        return (yield Request("POST", _path(collection, "/snapshots")))
+
+    @staticmethod
+    def snapshots(collection: str) -> Op[list[dict]]:
+        """The collection's snapshots (each with its "id" and what it holds), oldest first."""
+        return (yield Request("GET", _path(collection, "/snapshots"), safe=True))["snapshots"]
+
+    @staticmethod
+    def download_snapshot(collection: str, snapshot_id: str, path: str | os.PathLike) -> Op[Path]:
+        """A snapshot's archive (a tar file) written to `path` (whole, or not at all); returns the path."""
+        data = yield Request("GET", _path(collection, f"/snapshots/{quote(snapshot_id, safe='')}"), safe=True,
+                             save_to=Path(path))
+        return Path(data["path"])
+
+    @staticmethod
+    def delete_snapshot(collection: str, snapshot_id: str) -> Op[None]:
+        yield Request("DELETE", _path(collection, f"/snapshots/{quote(snapshot_id, safe='')}"))
+
+    @staticmethod
+    def restore(collection: str, archive: str | os.PathLike) -> Op[CollectionInfo]:
+        """A new collection, named `collection`, from a snapshot's archive (a file, streamed up)."""
+        return CollectionInfo.from_json((yield Request("POST", _path(collection, "/restore"), upload=Path(archive),
+                                                       upload_type="application/octet-stream")))
+
+    @staticmethod
+    def import_documents(collection: str, documents: str | os.PathLike,
+                         vectors: str | os.PathLike | None = None) -> Op[dict]:
+        """Bulk import into an empty collection: `documents` a JSON-lines file (one document an object), and
+        optionally `vectors` a vector file (.fvecs, .npy, ...) for them in order; both streamed up. The import
+        runs in the background once they have arrived: its progress and outcome are in
+        `info(collection).build_state["import"]`. Returns what the service took (the files' sizes)."""
+        if vectors is None:
+            return (yield Request("POST", _path(collection, "/import"), upload=Path(documents),
+                                  upload_type="application/x-ndjson"))
+        return (yield Request("POST", _path(collection, "/import"),
+                              files={"documents": Path(documents), "vectors": Path(vectors)}))
 
     @staticmethod
     def search(collection: str, vectors=None, *, texts: Sequence[str] | None = None, k: int = 10,
@@ -239,6 +328,44 @@ def _answer(resp: httpx.Response) -> Any:
     if isinstance(msg, dict):  # vLLM's error shape, when the API is served by the vLLM plugin
         msg = msg.get("message", msg)
     return error_for(resp.status_code, msg if isinstance(msg, str) else str(msg))
+
+
+UPLOAD_CHUNK = 1 << 20
+
+
+def _body(req: Request, stack: contextlib.ExitStack, sync: bool) -> dict:
+    """httpx's keywords for the request's body: JSON, a file streamed, or multipart parts (files streamed)."""
+    if req.files is not None:
+        return {"files": {name: (path.name, stack.enter_context(open(path, "rb")), "application/octet-stream")
+                          for name, path in req.files.items()}}
+    if req.upload is not None:
+        f = stack.enter_context(open(req.upload, "rb"))
+        headers = {"Content-Type": req.upload_type or "application/octet-stream",
+                   "Content-Length": str(os.fstat(f.fileno()).st_size)}
+        if sync:
+            return {"content": iter(lambda: f.read(UPLOAD_CHUNK), b""), "headers": headers}
+
+        async def chunks():
+            while chunk := f.read(UPLOAD_CHUNK):
+                yield chunk
+        return {"content": chunks(), "headers": headers}
+    return {} if req.json is None else {"json": req.json}
+
+
+@contextlib.contextmanager
+def _saving(path: Path):
+    """A file to write a download into: beside `path`, renamed onto it once whole, removed if cut short."""
+    part = path.with_name(path.name + ".part")
+    try:
+        with open(part, "wb") as out:
+            yield out
+        os.replace(part, path)
+    finally:
+        part.unlink(missing_ok=True)
+
+
+def _saved(path: Path) -> httpx.Response:
+    return httpx.Response(200, json={"path": str(path)})
 
 
 def _step(op: Op[T], answer: Any) -> Request:
@@ -304,8 +431,16 @@ class _Api:
     upsert = _Operation(Ops.upsert)
     get = _Operation(Ops.get)
     scroll = _Operation(Ops.scroll)
+    count = _Operation(Ops.count)
+    set_metadata = _Operation(Ops.set_metadata)
     delete = _Operation(Ops.delete)
     search = _Operation(Ops.search)
+    snapshot = _Operation(Ops.snapshot)
+    snapshots = _Operation(Ops.snapshots)
+    download_snapshot = _Operation(Ops.download_snapshot)
+    delete_snapshot = _Operation(Ops.delete_snapshot)
+    restore = _Operation(Ops.restore)
+    import_documents = _Operation(Ops.import_documents)
 
 
 class Client(_Api):
@@ -331,7 +466,15 @@ class Client(_Api):
     def _send(self, req: Request) -> httpx.Response:
         attempt = 0
         while True:
-            resp = self._http.request(req.method, req.path, json=req.json, params=req.params)
+            with contextlib.ExitStack() as stack:
+                kw = _body(req, stack, sync=True)
+                with self._http.stream(req.method, req.path, params=req.params, **kw) as resp:
+                    if req.save_to is not None and resp.status_code < 400:
+                        with _saving(req.save_to) as out:
+                            for chunk in resp.iter_bytes(1 << 20):
+                                out.write(chunk)
+                        return _saved(req.save_to)
+                    resp.read()
             wait = self._retries.wait(req, resp, attempt)
             if wait is None:
                 return resp
@@ -370,7 +513,15 @@ class AsyncClient(_Api):
     async def _send(self, req: Request) -> httpx.Response:
         attempt = 0
         while True:
-            resp = await self._http.request(req.method, req.path, json=req.json, params=req.params)
+            with contextlib.ExitStack() as stack:
+                kw = _body(req, stack, sync=False)
+                async with self._http.stream(req.method, req.path, params=req.params, **kw) as resp:
+                    if req.save_to is not None and resp.status_code < 400:
+                        with _saving(req.save_to) as out:
+                            async for chunk in resp.aiter_bytes(1 << 20):
+                                out.write(chunk)
+                        return _saved(req.save_to)
+                    await resp.aread()
             wait = self._retries.wait(req, resp, attempt)
             if wait is None:
                 return resp

@@ -40,6 +40,9 @@ def test_gpu_accept_dry_run_runs_every_step_and_summarizes(tmp_path):
     # the device tier sends the queries and receives the answers: a few hundred bytes a query here (24-d, k=10)
     assert c["gpu_tier_qps_at_recall_0.90"]["bytes_per_query"]["up"] <= 4 * 24 + 8
     assert 0.05 < c["gpu_memory_tenth_codes_resident"]["resident_code_fraction"] < 0.2
+    # filter_tier auto without CUDA is the CPU tier alone: every call there, no crossover
+    assert set(c["by_call_size"]) == {"1", "8"} and c["crossover"] is None
+    assert all(r["auto_served"] == {"cpu": 2} and r["auto_ms"] > 0 < r["gpu_ms"] for r in c["by_call_size"].values())
     d = steps["d"]  # its verdict on two shared cores says nothing about a GPU: that it ran, and judged
     assert d["exit_status"] in (0, 1) and d["verdict_passed"] == (d["exit_status"] == 0)
     assert d["verdict"]["no_oom"] is True and d["verdict"]["retrieval_budget_held"] is None

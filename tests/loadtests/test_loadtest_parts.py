@@ -185,3 +185,15 @@ def test_request_summary_and_latency_plot(tmp_path):
     png = tmp_path / "latency.png"
     plot_latency(rows, ShapeConfig(kind="step", users=4, seconds=4, step_seconds=1), 100.0, png, "test")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_a_step_ramp_too_slow_for_its_run_says_how_far_it_gets():
+    """#49: a step ramp that reached 3 of 8 users in 30 s did not say so."""
+    slow = ShapeConfig(kind="step", users=8, seconds=30, start_users=1, step_users=1, step_seconds=10)
+    assert slow.peak_users() == 3 == max(slow.users_at(t / 10) for t in range(300))
+    assert "reaches 3 of 8 users in 30 s" in slow.short_of_peak() and "--seconds 80" in slow.short_of_peak()
+    fixed = ShapeConfig(kind="step", users=8, seconds=80, start_users=1, step_users=1, step_seconds=10)
+    assert fixed.peak_users() == 8 == max(fixed.users_at(t / 10) for t in range(800)) and fixed.short_of_peak() is None
+    for shape in (ShapeConfig(kind="steady", users=5, seconds=10),
+                  ShapeConfig(kind="step", users=4, seconds=31, start_users=1, step_users=1, step_seconds=10)):
+        assert shape.peak_users() == max(shape.users_at(t / 10) for t in range(int(shape.seconds * 10)))

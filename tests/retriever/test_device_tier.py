@@ -210,3 +210,45 @@ def test_a_collection_on_the_device_tier_answers_as_on_the_cpu(tmp_path):
             assert not [i for i in ib if int(i[1:]) < 2000 and int(i[1:]) % 7 == 0]
     for h in (h for hits in out["gpu"][1].hits for h in hits):
         assert h.metadata["n"] in (1, 2)
+
+
+def test_auto_opens_both_tiers_and_sends_each_call_to_the_cheaper_one(built, monkeypatch):
+    """#47 part 7: under filter_tier 'auto' with CUDA both tiers are open, over the same host parts; each call
+    goes to the tier measured cheaper for its size (TierChoice), says which served it, and answers as that tier
+    alone does. The costs are set here (the interpreter's are not a GPU's): the device cheaper from 8 queries."""
+    from fusionrag.retriever import pipeline
+
+    _, base, queries, path = built
+    monkeypatch.setattr(pipeline, "_cuda_available", lambda: True)
+    auto = Index.open(path, EngineConfig(**{**DEVICE, "filter_tier": "auto"}))
+    cpu = Index.open(path, EngineConfig(filter_tier="cpu"))
+    assert isinstance(auto.filter, DeviceTier) and auto.cpu_beside is not None
+    assert auto.cpu_beside.codes is auto._codes  # the same codes (a memory map), no second copy
+    first = [auto.search(queries[:n], 10).info["filter_tier"] for n in (1, 1, 1, 1)]
+    assert first == ["gpu", "gpu", "cpu", "cpu"]  # each tier measured first (its first call, once-only, not counted)
+    choice = auto.choice
+    choice.explore, choice.alpha = 2, 0.0  # the set costs stay (the interpreter's calls are not a GPU's)
+    for b in range(choice.per_query.shape[1]):  # the device: 1 ms a call; the CPU: 0.2 ms a query
+        choice.per_query[0, b], choice.per_query[1, b] = 1e-3 / (1 << b), 2e-4
+        choice.calls[:, b] = 1
+    assert auto.crossover() == 8
+    served = {n: [] for n in (1, 16)}
+    for _ in range(choice.explore):
+        for n in served:
+            res = auto.search(queries[:n], 10)
+            served[n].append(res.info["filter_tier"])
+            alone = (cpu if res.info["filter_tier"] == "cpu" else None)
+            if alone is not None:
+                np.testing.assert_array_equal(res.ids, alone.search(queries[:n], 10).ids)
+    for n, tiers in served.items():
+        usual = "gpu" if n >= 8 else "cpu"
+        assert tiers.count(usual) == choice.explore - 1, (n, tiers)  # and once the other, to measure it again
+    mem = auto.memory()
+    assert mem["pq_tier"] == "gpu" and mem["cpu_beside_pq_mapped_bytes"] >= auto._codes.nbytes
+    assert sum(mem["filter_choice"]["calls_served"].values()) == 4 + len(served) * choice.explore
+    auto.close()
+    cpu.close()
+    forced = Index.open(path, EngineConfig(**DEVICE))  # filter_tier 'gpu': every call there, nothing beside
+    assert forced.cpu_beside is None and forced.crossover() is None
+    assert forced.search(queries[:1], 10).info["filter_tier"] == "gpu"
+    forced.close()

@@ -466,3 +466,33 @@ def test_batch_plan_changes_no_answer(small):
             assert off.stats["unique_candidates"].sum() > 0
     for index in indexes.values():
         index.close()
+
+
+@pytest.mark.parametrize("metric", ["l2", "ip", "cosine"])
+def test_search_among_scores_every_given_vector_and_reranks_the_best(tmp_path, metric):
+    """#49: a filter's passing vectors searched as a set of their own: none lost to the lists probed (none is
+    probed), every one scored by PQ, the best n re-ranked exactly. Exact where n covers them all; near it beyond,
+    against numpy's exact answer over the same subset; never a vector outside it."""
+    base = clustered(4000, 20, 25, seed=11)
+    queries = clustered(30, 20, 25, seed=12)
+    Index.build(base, tmp_path / "idx", BuildConfig(metric=metric), progress=False)
+    index = Index.open(tmp_path / "idx")
+    rng = np.random.default_rng(13)
+    for size, rerank in ((150, 200), (1200, 200), (1200, 1200)):
+        ids = np.sort(rng.choice(len(base), size, replace=False))
+        res = index.search_among(queries, ids[::-1], k=10, rerank=rerank)  # any order
+        truth = ids[exact_knn(base[ids], queries, 10, metric)]
+        assert set(res.ids.ravel().tolist()) <= set(ids.tolist())
+        assert np.all(res.stats["centroids_probed"] == 0) and np.all(res.stats["candidates"] == size)
+        assert np.all(res.stats["reranked"] <= min(size, rerank))
+        assert recall(res.ids, truth) >= (1.0 if rerank >= size else 0.97), (size, rerank, recall(res.ids, truth))
+        assert np.all(np.diff(res.distances, axis=1) >= 0)
+        whole = index.search(queries, k=10, **EXHAUSTIVE)  # the same distance for the same vector
+        same = res.ids[:, :1] == whole.ids[:, :1]
+        np.testing.assert_allclose(res.distances[:, :1][same], whole.distances[:, :1][same], rtol=1e-5, atol=1e-5)
+    empty = index.search_among(queries[:2], np.empty(0, np.int64), k=5)
+    assert np.all(empty.ids == -1) and np.all(np.isinf(empty.distances))
+    for bad in (np.array([len(base)]), np.array([-1]), np.zeros((2, 2), np.int64), np.array([0.5])):
+        with pytest.raises(InputError, match="vector ids"):
+            index.search_among(queries[:1], bad, k=5)
+    index.close()

@@ -437,6 +437,42 @@ def test_import_of_json_lines_later_lines_win_and_a_model_embeds_texts(tmp_path)
     cat.close()
 
 
+def test_import_progress_moves_as_texts_are_embedded(tmp_path, monkeypatch):
+    """#49: progress sat at "staging vectors 0/5000" for minutes while a chunk of 4,096 texts was embedded; it now
+    moves by each batch of EMBED_BATCH texts embedded (the steps seen by the collection's progress, as its info
+    reports them)."""
+    from fusionrag.retriever import importer
+    from fusionrag.retriever.collection import api
+
+    rng = np.random.default_rng(2)
+    n = 700
+    lines = [{"id": f"d{i}", "text": f"text {i}"} if i % 7 else {"id": f"d{i}", "vector": rng.standard_normal(16)
+                                                                  .tolist()} for i in range(n)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+    class Embedder:  # the model's shape, without the model: each call's size recorded
+        dim, calls = 16, []
+
+        def embed(self, texts):
+            self.calls.append(len(texts))
+            return rng.standard_normal((len(texts), 16)).astype(np.float32)
+
+    monkeypatch.setattr(importer, "EMBED_BATCH", 64)
+    cat = Catalog(tmp_path / "data", collection_config=CollectionConfig(min_index_count=2))
+    col = cat.create("c", 16, "l2")
+    monkeypatch.setattr("fusionrag.retriever.embedding.get_embedder", lambda name: Embedder())
+    col.embedding = "fake"
+    seen = []
+    step = api.Collection._merge_step
+    monkeypatch.setattr(api.Collection, "_merge_step", lambda self, *a: (seen.append(a), step(self, *a)))
+    done = col.import_files(tmp_path / "docs.jsonl", progress=False)
+    assert done["stored"] == n and max(Embedder.calls) == 64 and sum(Embedder.calls) == n - len(range(0, n, 7))
+    staged = [d for name, d, total in seen if name == "staging vectors (embedding texts)"]
+    assert staged[0] == 0 and staged[-1] == n and len(staged) >= n // 64
+    assert max(b - a for a, b in zip(staged, staged[1:])) <= n // 7 + 64  # never more than a batch (+ the vectors)
+    cat.close()
+
+
 @pytest.mark.parametrize("lines, vectors, words", [
     (['{"id": "x", "vector": [1, 2]}'], False, "line 1: vector must be 16 numbers"),
     (['{"vector": ' + json.dumps([0.0] * 15 + [1e20]) + '}'], False, "line 1: vector has squared norm"),

@@ -205,6 +205,7 @@ def test_keys_scoped_to_other_collections_get_403(service, admin):
     _create(admin, "other")
     calls = [("POST", "/v1/collections/{}/documents/get", {"json": {"ids": ["a"]}}),
              ("GET", "/v1/collections/{}/documents", {}),
+             ("GET", "/v1/collections/{}/documents/count", {}),
              ("POST", "/v1/collections/{}/documents/delete", {"json": {"filter": {"a": 1}}}),
              ("DELETE", "/v1/collections/{}/documents", {"json": {"filter": {"a": 1}}})]
     with service.client(headers={"Authorization": f"Bearer {TEAM}"}) as team, service.client() as anonymous:
@@ -238,6 +239,38 @@ def test_openapi_document_declares_the_new_routes(service):
     assert [b["required"] for b in schemas["DeleteRequest"]["oneOf"]] == [["ids"], ["filter"]]
     assert schemas["DeleteRequest"]["properties"]["ids"]["maxItems"] == MAX_DOCS
     assert schemas["SearchRequest"]["properties"]["with_vectors"]["type"] == "boolean"
+    count = paths["/v1/collections/{name}/documents/count"]["get"]
+    assert ref(count) == "Counted" and {p["name"] for p in count["parameters"]} >= {"filter", "name"}
+
+
+def test_count_nested_fields_and_a_misspelled_field_over_http(admin, service):
+    """#49: a count with a filter, filters on an object's values by dotted path, and a warning (with the nearest
+    stored name) when a filter names a field no document holds, on search, scroll and count alike."""
+    _create(admin, "counted")
+    docs = [{"id": f"c{i}", "text": f"text {i}", "vector": _vec(i),
+             "metadata": {"src": {"page": i % 4, "file": "a.md" if i < 6 else "b.md"}, "n": i}} for i in range(10)]
+    _write(admin, "counted", docs)
+    base = "/v1/collections/counted/documents"
+    assert admin.get(f"{base}/count").json() == {"count": 10}
+    page = json.dumps({"src.page": {"$gte": 2}})
+    assert admin.get(f"{base}/count", params={"filter": page}).json() == {"count": 4}
+    listed = admin.get(base, params={"filter": json.dumps({"src.file": "b.md"})}).json()["documents"]
+    assert sorted(d["id"] for d in listed) == ["c6", "c7", "c8", "c9"]
+    found = admin.post("/v1/collections/counted/search",
+                       json={"vectors": [_vec(3)], "k": 3, "filter": {"src.page": 3, "n": {"$lt": 5}}}).json()
+    assert [h["id"] for h in found["results"][0]] == ["c3"] and "warnings" not in found
+    typo = admin.get(f"{base}/count", params={"filter": json.dumps({"src.pgae": 1})}).json()
+    assert typo["count"] == 0 and "'src.page'" in typo["warnings"][0] and "no document holds" in typo["warnings"][0]
+    found = admin.post("/v1/collections/counted/search", json={"vectors": [_vec(3)], "k": 3, "filter": {"N": 1}}).json()
+    assert found["results"] == [[]] and "'n'" in found["warnings"][0]
+    assert admin.get(f"{base}/count", params={"filter": "[1]"}).status_code == 422
+    assert admin.get(f"{base}/count", params={"filter": json.dumps({"n": {"$regex": 1}})}).status_code == 422
+    assert admin.get("/v1/collections/nope/documents/count").status_code == 404
+    assert admin.get(f"{base}/c3").json()["id"] == "c3"  # ids still read; "count" is the route's
+    from fusionrag.client import Client
+
+    with Client(service.url, ADMIN) as client:
+        assert client.count("counted") == 10 and client.count("counted", filter={"src.file": "a.md"}) == 6
 
 
 CRASH_CHILD = """
@@ -267,3 +300,37 @@ def test_delete_where_is_replayed_at_its_place_in_the_log(tmp_path):
         assert col.delete_where({"kind": "final"}) == 3 and len(col) == 1
     finally:
         cat.close()
+
+
+def test_set_metadata_over_http_and_the_client(admin, service):
+    _create(admin, "meta")
+    _write(admin, "meta", _docs(["m0", "m1", "m2"], kind="draft"))
+    url = "/v1/collections/meta/documents/metadata"
+    r = admin.post(url, json={"documents": [{"id": "m0", "metadata": {"kind": "final", "name": None}},
+                                            {"id": "zz", "metadata": {}}]})
+    assert r.status_code == 200 and r.json() == {"updated": 1}
+    assert admin.get("/v1/collections/meta/documents/m0").json()["metadata"] == {"kind": "final"}
+    r = admin.post(url, json={"documents": [{"id": "m1", "metadata": {"x": 1}}], "merge": False})
+    assert r.json() == {"updated": 1} and admin.get("/v1/collections/meta/documents/m1").json()["metadata"] == {"x": 1}
+    count = admin.get("/v1/collections/meta/documents/count", params={"filter": json.dumps({"kind": "draft"})})
+    assert count.json()["count"] == 1
+    found = admin.post("/v1/collections/meta/search", json={"vectors": [_vec(zlib.crc32(b"m0"))], "k": 1,
+                                                            "filter": {"kind": "final"}}).json()["results"][0]
+    assert [h["id"] for h in found] == ["m0"] and found[0]["text"] == "text of m0"
+    for body, status in (({"documents": []}, 422), ({"documents": [{"id": "m0"}]}, 422),
+                         ({"documents": [{"id": "m0", "metadata": [1]}]}, 422),
+                         ({"documents": [{"id": "m0", "metadata": {}}] * 2}, 422),
+                         ({"documents": [{"id": f"d{i}", "metadata": {}} for i in range(MAX_DOCS + 1)]}, 422),
+                         ({"documents": [{"id": "m0", "metadata": {}}], "merge": "yes"}, 422)):
+        r = admin.post(url, json=body)
+        assert r.status_code == status, (body, r.text)
+    assert admin.get("/v1/collections/meta/documents/m0").json()["metadata"] == {"kind": "final"}  # none applied
+    with service.client(headers={"Authorization": f"Bearer {TEAM}"}) as team:
+        assert team.post(url, json={"documents": [{"id": "m0", "metadata": {}}]}).status_code == 403
+    from fusionrag.client import Client
+
+    with Client(service.url, ADMIN) as client:
+        assert client.set_metadata("meta", {"m2": {"kind": None, "tag": "t"}}) == 1
+        assert client.get("meta", ["m2"])[0].metadata == {"name": "m2", "tag": "t"}
+        assert client.set_metadata("meta", {"m2": {"only": True}}, merge=False) == 1
+        assert client.count("meta", filter={"only": True}) == 1

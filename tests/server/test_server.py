@@ -602,6 +602,31 @@ def test_web_page_searches_and_shows_live_figures(server, browser):
     assert "422" in browser.find_element(By.ID, "error").text and "max_k" in browser.find_element(By.ID, "error").text
 
 
+def test_web_page_memory_table_stays_in_its_box_with_many_collections(server, browser, client):
+    """#49: the memory table overflowed the page at 1280 px with nine collections: it now scrolls inside its box,
+    and the page itself never scrolls sideways."""
+    from selenium.webdriver.common.by import By
+
+    names = [f"a-rather-long-collection-name-{i:02d}" for i in range(9)]
+    for name in names:
+        assert client.post("/v1/collections", json={"name": name, "dimension": 4, "metric": "l2"}).status_code == 201
+    try:
+        wait = _open_page(server, browser)
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#tiers tbody tr")) >= 10)
+        box = browser.execute_script(
+            "const t = document.getElementById('tiers'), w = t.parentElement, a = document.getElementById('figures');"
+            "const r = x => x.getBoundingClientRect();"
+            "return {page: document.documentElement.scrollWidth, view: window.innerWidth, table_right: r(t).right,"
+            "        aside_right: r(a).right, aside_scroll: a.scrollWidth, aside_client: a.clientWidth,"
+            "        clipped: w !== a && getComputedStyle(w).overflowX === 'auto'};")
+        assert box["page"] <= box["view"], box  # nothing spills past the window
+        assert box["aside_scroll"] <= box["aside_client"], box  # nor past the panel: the table scrolls inside it
+        assert box["table_right"] <= box["aside_right"] or box["clipped"], box
+    finally:
+        for name in names:
+            client.delete(f"/v1/collections/{name}")
+
+
 def test_web_page_text_and_hybrid_modes(server, browser):
     """The page's mode selector reaches the service: text mode by words alone, hybrid by both."""
     from selenium.webdriver.common.by import By
