@@ -20,7 +20,8 @@ from fusionrag.server.middleware import BodyLimit, ObserveMiddleware
 from fusionrag.server.routes import v1
 from fusionrag.server.routes.documents import DEFAULT_PAGE
 from fusionrag.server.routes.ops import router as ops
-from fusionrag.server.schemas import DeleteRequest, Error, GetRequest, SearchRequest, UpsertRequest
+from fusionrag.server.schemas import (CountRequest, DeleteRequest, Error, GetRequest, MetadataRequest, SearchRequest,
+                                      UpsertRequest)
 
 __all__ = ["Service", "State", "create_app"]
 
@@ -35,6 +36,7 @@ def _document_limits(schemas: dict, config: ServerConfig) -> None:
     schemas["UpsertRequest"]["properties"]["documents"]["maxItems"] = config.max_documents
     schemas["DeleteRequest"]["properties"]["ids"]["maxItems"] = config.max_documents
     schemas["GetRequest"]["properties"]["ids"]["maxItems"] = config.max_documents
+    schemas["MetadataRequest"]["properties"]["documents"]["maxItems"] = config.max_documents
 
 
 def _document_page_limit(paths: dict, config: ServerConfig) -> None:
@@ -70,7 +72,8 @@ def create_app(config: ServerConfig) -> FastAPI:
         if app.openapi_schema is None:
             schemas = FastAPI.openapi(app)["components"]["schemas"]
             _, read_by_routes = models_json_schema(
-                [(m, "validation") for m in (SearchRequest, UpsertRequest, DeleteRequest, GetRequest, Error)],
+                [(m, "validation") for m in (SearchRequest, UpsertRequest, DeleteRequest, GetRequest, MetadataRequest,
+                                             CountRequest, Error)],
                 ref_template="#/components/schemas/{model}")
             schemas.update(read_by_routes["$defs"])
             _document_limits(schemas, config)

@@ -39,9 +39,9 @@ def documented(*statuses: int) -> dict:
         "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}} for status in statuses}
 
 
-def json_body(model) -> dict:
+def json_body(model, required: bool = True) -> dict:
     """The body of a route that reads it itself (server/bodies.py), declared as FastAPI would declare it."""
-    return {"requestBody": {"required": True, "content": {
+    return {"requestBody": {"required": required, "content": {
         "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 

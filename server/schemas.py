@@ -143,6 +143,11 @@ class Updated(BaseModel):
     updated: int = Field(description="documents whose metadata changed")
 
 
+class CountRequest(_Body):
+    filter: dict[str, Any] = Field(None, description="count the documents this metadata filter passes (all of them "
+                                                     "without one)")
+
+
 class Counted(BaseModel):
     count: int = Field(description="documents the filter passes (all of them without one)")
     warnings: list[str] = Field(None, description="why the filter can match nothing, as search says it")

@@ -9,13 +9,13 @@ from fastapi.exceptions import HTTPException
 from starlette.concurrency import run_in_threadpool
 
 from fusionrag.retriever.collection import Collection, Document
-from fusionrag.server.bodies import Body, validate
-from fusionrag.server.schemas import (Counted, Deleted, DeleteRequest, Documents, DocumentsPage, GetRequest,
+from fusionrag.server.bodies import Body, read_body, validate
+from fusionrag.server.schemas import (Counted, CountRequest, Deleted, DeleteRequest, Documents, DocumentsPage, GetRequest,
                                       MetadataRequest, Updated, UpsertRequest)
 from fusionrag.server.errors import documented, http_error, json_body
 from fusionrag.server.deps import DOCUMENT_VERBS, open_collection, state_of
 from fusionrag.server.responses import VectorJSON, document_json
-from fusionrag.server.requests import check_texts, embedder_of, read_json, over_limit
+from fusionrag.server.requests import check_texts, embedder_of, over_limit, read_json
 
 
 router = APIRouter(prefix="/v1")
@@ -107,15 +107,20 @@ def query_filter(request: Request) -> dict | None:
         raise http_error(e.status_code, f"the filter query parameter: {e.detail}") from None
 
 
-@router.get("/collections/{name}/documents/count", summary="How many documents a filter passes (all without one)",
-        openapi_extra={"parameters": [_FILTER_PARAMETER]},
-        responses={200: {"model": Counted}, **documented(400, 401, 403, 404, 413, 422, 503)})
-def count_documents(request: Request, coll: Collection = Depends(open_collection)):
-    flt = query_filter(request)
-    out = {"count": coll.count(flt)}
-    if flt is not None and (warnings := coll.filter_warnings(flt)):
-        out["warnings"] = warnings
-    return out
+@router.post("/collections/{name}/documents/count", summary="How many documents a filter passes (all without one)",
+         openapi_extra=json_body(CountRequest, required=False),
+         responses={200: {"model": Counted}, **documented(400, 401, 403, 404, 413, 422, 503)})
+async def count_documents(request: Request, coll: Collection = Depends(open_collection)):
+    body = Body(await read_body(request))
+    data = body.document({}) if body.b.strip() else {}  # no body: count them all
+    flt = validate(CountRequest, data).filter
+
+    def count() -> dict:
+        out = {"count": coll.count(flt)}
+        if flt is not None and (warnings := coll.filter_warnings(flt)):
+            out["warnings"] = warnings
+        return out
+    return await run_in_threadpool(count)
 
 
 @router.get("/collections/{name}/documents", summary="Page through the documents (those a filter passes) in a stable "

@@ -235,8 +235,8 @@ class Ops:
     @staticmethod
     def count(collection: str, *, filter: dict | None = None) -> Op[int]:
         """How many documents the filter passes (all of them without one)."""
-        params = {} if filter is None else {"filter": json.dumps(filter, separators=(",", ":"))}
-        return (yield Request("GET", _path(collection, "/documents/count"), params=params, safe=True))["count"]
+        body = {} if filter is None else {"filter": filter}
+        return (yield Request("POST", _path(collection, "/documents/count"), body, safe=True))["count"]
 
     @staticmethod
     def delete(collection: str, ids: Sequence[str] | None = None, *, filter: dict | None = None) -> Op[int]:

@@ -205,7 +205,7 @@ def test_keys_scoped_to_other_collections_get_403(service, admin):
     _create(admin, "other")
     calls = [("POST", "/v1/collections/{}/documents/get", {"json": {"ids": ["a"]}}),
              ("GET", "/v1/collections/{}/documents", {}),
-             ("GET", "/v1/collections/{}/documents/count", {}),
+             ("POST", "/v1/collections/{}/documents/count", {"json": {}}),
              ("POST", "/v1/collections/{}/documents/delete", {"json": {"filter": {"a": 1}}}),
              ("DELETE", "/v1/collections/{}/documents", {"json": {"filter": {"a": 1}}})]
     with service.client(headers={"Authorization": f"Bearer {TEAM}"}) as team, service.client() as anonymous:
@@ -239,8 +239,11 @@ def test_openapi_document_declares_the_new_routes(service):
     assert [b["required"] for b in schemas["DeleteRequest"]["oneOf"]] == [["ids"], ["filter"]]
     assert schemas["DeleteRequest"]["properties"]["ids"]["maxItems"] == MAX_DOCS
     assert schemas["SearchRequest"]["properties"]["with_vectors"]["type"] == "boolean"
-    count = paths["/v1/collections/{name}/documents/count"]["get"]
-    assert ref(count) == "Counted" and {p["name"] for p in count["parameters"]} >= {"filter", "name"}
+    count = paths["/v1/collections/{name}/documents/count"]["post"]
+    assert ref(count) == "Counted" and count["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(
+        "/CountRequest") and "filter" in schemas["CountRequest"]["properties"]
+    metadata = paths["/v1/collections/{name}/documents/metadata"]["post"]
+    assert schemas["MetadataRequest"]["properties"]["documents"]["maxItems"] == MAX_DOCS and ref(metadata) == "Updated"
 
 
 def test_count_nested_fields_and_a_misspelled_field_over_http(admin, service):
@@ -251,21 +254,23 @@ def test_count_nested_fields_and_a_misspelled_field_over_http(admin, service):
              "metadata": {"src": {"page": i % 4, "file": "a.md" if i < 6 else "b.md"}, "n": i}} for i in range(10)]
     _write(admin, "counted", docs)
     base = "/v1/collections/counted/documents"
-    assert admin.get(f"{base}/count").json() == {"count": 10}
-    page = json.dumps({"src.page": {"$gte": 2}})
-    assert admin.get(f"{base}/count", params={"filter": page}).json() == {"count": 4}
+    assert admin.post(f"{base}/count", json={}).json() == {"count": 10}
+    assert admin.post(f"{base}/count").json() == {"count": 10}  # no body: all of them
+    assert admin.post(f"{base}/count", json={"filter": {"src.page": {"$gte": 2}}}).json() == {"count": 4}
+    assert admin.get(f"{base}/count").status_code == 405  # "count" is not a document id
     listed = admin.get(base, params={"filter": json.dumps({"src.file": "b.md"})}).json()["documents"]
     assert sorted(d["id"] for d in listed) == ["c6", "c7", "c8", "c9"]
     found = admin.post("/v1/collections/counted/search",
                        json={"vectors": [_vec(3)], "k": 3, "filter": {"src.page": 3, "n": {"$lt": 5}}}).json()
     assert [h["id"] for h in found["results"][0]] == ["c3"] and "warnings" not in found
-    typo = admin.get(f"{base}/count", params={"filter": json.dumps({"src.pgae": 1})}).json()
+    typo = admin.post(f"{base}/count", json={"filter": {"src.pgae": 1}}).json()
     assert typo["count"] == 0 and "'src.page'" in typo["warnings"][0] and "no document holds" in typo["warnings"][0]
     found = admin.post("/v1/collections/counted/search", json={"vectors": [_vec(3)], "k": 3, "filter": {"N": 1}}).json()
     assert found["results"] == [[]] and "'n'" in found["warnings"][0]
-    assert admin.get(f"{base}/count", params={"filter": "[1]"}).status_code == 422
-    assert admin.get(f"{base}/count", params={"filter": json.dumps({"n": {"$regex": 1}})}).status_code == 422
-    assert admin.get("/v1/collections/nope/documents/count").status_code == 404
+    assert admin.post(f"{base}/count", json={"filter": [1]}).status_code == 422
+    assert admin.post(f"{base}/count", json={"filter": {"n": {"$regex": 1}}}).status_code == 422
+    assert admin.post(f"{base}/count", json={"where": {}}).status_code == 422
+    assert admin.post("/v1/collections/nope/documents/count", json={}).status_code == 404
     assert admin.get(f"{base}/c3").json()["id"] == "c3"  # ids still read; "count" is the route's
     from fusionrag.client import Client
 
@@ -312,7 +317,7 @@ def test_set_metadata_over_http_and_the_client(admin, service):
     assert admin.get("/v1/collections/meta/documents/m0").json()["metadata"] == {"kind": "final"}
     r = admin.post(url, json={"documents": [{"id": "m1", "metadata": {"x": 1}}], "merge": False})
     assert r.json() == {"updated": 1} and admin.get("/v1/collections/meta/documents/m1").json()["metadata"] == {"x": 1}
-    count = admin.get("/v1/collections/meta/documents/count", params={"filter": json.dumps({"kind": "draft"})})
+    count = admin.post("/v1/collections/meta/documents/count", json={"filter": {"kind": "draft"}})
     assert count.json()["count"] == 1
     found = admin.post("/v1/collections/meta/search", json={"vectors": [_vec(zlib.crc32(b"m0"))], "k": 1,
                                                             "filter": {"kind": "final"}}).json()["results"][0]
