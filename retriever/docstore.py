@@ -194,14 +194,18 @@ class DocStore:
         self._readers_lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_readers)
 
+    def _set_fields(self, row: int, metadata: dict) -> None:
+        """The field table's rows of one document made those of this metadata (in the writer's transaction)."""
+        self._writer.execute("DELETE FROM fields WHERE row = ?", (row,))
+        self._writer.executemany("INSERT INTO fields (row, key, t, v) VALUES (?, ?, ?, ?)",
+                                 [(row, *f) for f in field_rows(metadata)])
+
     def _index_fields(self, like: str, done: str) -> None:
         """The field table's rows again for the documents whose metadata's JSON is `like`; then meta[done] is set."""
         self._writer.execute("BEGIN IMMEDIATE")
         try:
             for row, m in self._writer.execute(f"SELECT row, metadata FROM docs WHERE metadata LIKE {like}").fetchall():
-                self._writer.execute("DELETE FROM fields WHERE row = ?", (row,))
-                self._writer.executemany("INSERT INTO fields (row, key, t, v) VALUES (?, ?, ?, ?)",
-                                         [(row, *f) for f in field_rows(json.loads(m))])
+                self._set_fields(row, json.loads(m))
             self._writer.execute("INSERT OR REPLACE INTO meta VALUES (?, 1)", (done,))
             self._writer.execute("COMMIT")
         finally:
@@ -346,9 +350,7 @@ class DocStore:
                 text = json.dumps(new, separators=(",", ":"), allow_nan=False)
                 stored[ids[j]] = (row, text)  # an id given twice: the second patch applies over the first
                 self._writer.execute("UPDATE docs SET metadata = ? WHERE row = ?", (text, row))
-                self._writer.execute("DELETE FROM fields WHERE row = ?", (row,))
-                self._writer.executemany("INSERT INTO fields (row, key, t, v) VALUES (?, ?, ?, ?)",
-                                         [(row, *f) for f in field_rows(new)])
+                self._set_fields(row, new)
                 n += 1
         return n
 
@@ -454,12 +456,15 @@ class DocStore:
         if con is None and rows.nbytes <= FILTER_CACHE_BYTES:
             rows.flags.writeable = False  # shared by the callers that ask again
             with self._passing_lock:
-                self._passing[key] = (commits, rows)
-                self._passing.move_to_end(key)
+                now = self._commits
+                for stale in [k for k, (c, _) in self._passing.items() if c != now]:
+                    del self._passing[stale]
+                if commits == now:  # else a commit came meanwhile: these rows may be older than it
+                    self._passing[key] = (commits, rows)
+                    self._passing.move_to_end(key)
                 held = sum(r.nbytes for _, r in self._passing.values())
-                while held > FILTER_CACHE_BYTES or any(c != self._commits for c, _ in self._passing.values()):
-                    stale = next((k for k, (c, _) in self._passing.items() if c != self._commits), None)
-                    _, dropped = self._passing.pop(next(iter(self._passing)) if stale is None else stale)
+                while held > FILTER_CACHE_BYTES:  # the least recently used first
+                    _, (_, dropped) = self._passing.popitem(last=False)
                     held -= dropped.nbytes
         return rows
 

@@ -51,6 +51,16 @@ class SearchResult:
 
 
 
+# The columns of native.rerank's stats, in order.
+RERANK_STATS = ("minibatches", "reranked", "pages_read", "pages_buffered", "page_mates", "resident_scored",
+                "records_cached")
+
+
+def _rerank_stats(stats: dict[str, np.ndarray], rstats: np.ndarray) -> None:
+    for j, key in enumerate(RERANK_STATS):
+        stats[key][:] = rstats[:, j]
+
+
 def prepare_queries(queries, dim: int, metric: str) -> np.ndarray:
     """Query vectors as an index searches them: a non-empty (count, dim) float32 matrix of usable vectors,
     normalised for cosine; InputError saying what is wrong (queries.check_queries, in the index's words).
@@ -348,9 +358,7 @@ class Index(ManifestShape):
         got, dists, rstats, rsec = self.reranker.rerank(q, cand, k, p)
         out_ids[:], out_d[:] = got, dists
         stats["candidates"][:] = stats["unique_candidates"][:] = len(ids)
-        stats["minibatches"][:], stats["reranked"][:] = rstats[:, 0], rstats[:, 1]
-        for j, key in enumerate(("pages_read", "pages_buffered", "page_mates", "resident_scored", "records_cached")):
-            stats[key][:] = rstats[:, 2 + j]
+        _rerank_stats(stats, rstats)
         stats["lut_s"][:], stats["scan_s"][:], stats["rerank_s"][:] = lut_s / nq, scan_s / nq, rsec
         return self._result(out_ids, out_d, stats, info)
 
@@ -421,9 +429,7 @@ class Index(ManifestShape):
         st["centroids_probed"][:] = b.probed
         st["candidates"][:] = cand.gathered
         st["unique_candidates"][:] = cand.unique
-        st["minibatches"][:], st["reranked"][:] = rstats[:, 0], rstats[:, 1]
-        st["pages_read"][:], st["pages_buffered"][:], st["page_mates"][:] = rstats[:, 2], rstats[:, 3], rstats[:, 4]
-        st["resident_scored"][:], st["records_cached"][:] = rstats[:, 5], rstats[:, 6]
+        _rerank_stats(st, rstats)
         # Graph search and tables built before topn are timed per batch; their share is spread
         # evenly. Tables the filter tier builds inside topn (CPU) are timed per query.
         st["graph_s"][:] = b.graph_s / len(b.queries)

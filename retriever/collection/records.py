@@ -94,6 +94,16 @@ QUERY_WORDS = QueryWords(
 )
 
 
+def metadata_json(doc_id: str, metadata) -> str:
+    """A document's metadata as the log and the doc store keep it, checked: a dict with string keys, JSON."""
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) for k in metadata):
+        raise InputError(f"document {doc_id!r}: metadata must be a dict with string keys")
+    try:
+        return json.dumps(metadata, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise InputError(f"document {doc_id!r}: metadata is not JSON-serialisable ({e})") from e
+
+
 def upsert_record(docs: Sequence[Document], dim: int, metric: str) -> tuple[Write, list[str]]:
     """The log record of an upsert, every document checked (an id given twice: the last one wins), and the ids
     in input order (made up where a document has none)."""
@@ -111,12 +121,7 @@ def upsert_record(docs: Sequence[Document], dim: int, metric: str) -> tuple[Writ
             raise InputError(f"document {doc_id!r}: text must be a string or None")
         if d.vector is None:
             raise InputError(f"document {doc_id!r}: a vector is required")
-        if not isinstance(d.metadata, dict) or not all(isinstance(k, str) for k in d.metadata):
-            raise InputError(f"document {doc_id!r}: metadata must be a dict with string keys")
-        try:
-            meta = json.dumps(d.metadata, separators=(",", ":"), allow_nan=False)
-        except (TypeError, ValueError) as e:
-            raise InputError(f"document {doc_id!r}: metadata is not JSON-serialisable ({e})") from e
+        meta = metadata_json(doc_id, d.metadata)
         try:
             with np.errstate(over="ignore"):
                 v = None if isinstance(d.vector, (str, bytes)) else np.asarray(d.vector, dtype=np.float32)
@@ -155,12 +160,7 @@ def metadata_record(updates: Mapping[str, dict], merge: bool) -> Write:
     for doc_id, meta in updates.items():
         if not isinstance(doc_id, str) or not doc_id or len(doc_id) > MAX_ID_CHARS:
             raise InputError(f"id must be a non-empty string of at most {MAX_ID_CHARS} characters, got {doc_id!r:.80}")
-        if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
-            raise InputError(f"document {doc_id!r}: metadata must be a dict with string keys")
-        try:
-            metas.append(json.dumps(meta, separators=(",", ":"), allow_nan=False))
-        except (TypeError, ValueError) as e:
-            raise InputError(f"document {doc_id!r}: metadata is not JSON-serialisable ({e})") from e
+        metas.append(metadata_json(doc_id, meta))
         ids.append(doc_id)
     return Write("merge_metadata" if merge else "set_metadata", ids, [], metas)
 

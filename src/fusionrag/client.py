@@ -183,6 +183,12 @@ class Ops:
         if not isinstance(batch_size, int) or batch_size < 1 or not isinstance(batch_bytes, int) or batch_bytes < 1:
             raise InputError("batch_size and batch_bytes must be positive integers")
         ids: list[str] = []
+
+        def send(batch: list[dict]) -> Op[None]:
+            ids.extend((yield Request("POST", _path(collection, "/documents"), {"documents": batch}))["ids"])
+            if on_progress is not None:
+                on_progress(len(ids), len(documents))
+
         batch: list[dict] = []
         size = 0
         for i, d in enumerate(documents):
@@ -191,16 +197,12 @@ class Ops:
             doc = _document_json(d)
             cost = len(json.dumps(doc, separators=(",", ":"))) + 1
             if batch and (len(batch) == batch_size or size + cost > batch_bytes):
-                ids += (yield Request("POST", _path(collection, "/documents"), {"documents": batch}))["ids"]
-                if on_progress is not None:
-                    on_progress(len(ids), len(documents))
+                yield from send(batch)
                 batch, size = [], 0
             batch.append(doc)
             size += cost
         if batch:
-            ids += (yield Request("POST", _path(collection, "/documents"), {"documents": batch}))["ids"]
-            if on_progress is not None:
-                on_progress(len(ids), len(documents))
+            yield from send(batch)
         return ids
 
     @staticmethod
