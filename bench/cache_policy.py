@@ -117,7 +117,7 @@ def built_set(work: Path, name: str) -> tuple[Path, np.ndarray, np.ndarray, int]
 
 def streams(queries: np.ndarray, length: int, seed: int) -> dict[str, np.ndarray]:
     """Row numbers into queries for each stream."""
-    from fusionrag.retriever.kmeans import kmeans
+    from fusionrag.retriever.engine.kmeans import kmeans
 
     rng = np.random.default_rng(seed)
     c = min(CLUSTERS, len(queries) // 4)

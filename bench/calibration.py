@@ -1,4 +1,4 @@
-"""What build-time calibration (BuildConfig.calibrate, retriever/calibrate.py) chooses, and what it buys.
+"""What build-time calibration (BuildConfig.calibrate, retriever/engine/calibrate.py) chooses, and what it buys.
 
     python bench/calibration.py SET [--index DIR] [--threads T] [--recalibrate] [--suffix S]
 
@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from datasets import load, prepare  # noqa: E402
 
 import fusionrag.retriever as fr  # noqa: E402
-from fusionrag.retriever.build import internal_metric  # noqa: E402
-from fusionrag.retriever.calibrate import calibrate, recall_at  # noqa: E402
-from fusionrag.retriever.config import cpu_threads  # noqa: E402
+from fusionrag.retriever.engine.build import internal_metric  # noqa: E402
+from fusionrag.retriever.engine.calibrate import calibrate, recall_at  # noqa: E402
+from fusionrag.retriever.engine.config import cpu_threads  # noqa: E402
 
 
 def main() -> None:

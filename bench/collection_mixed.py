@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from fusionrag.retriever.collection import Catalog, CollectionConfig, Document
-from fusionrag.retriever.vectors import open_vectors
+from fusionrag.retriever.engine.vectors import open_vectors
 
 HERE = Path(__file__).resolve().parent
 DATA = Path(os.environ.get("FUSIONRAG_DATA", HERE.parents[1] / "shared" / "data")) / "glove-6b-50d-angular"

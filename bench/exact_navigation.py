@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from fusionrag.native import Graph, dot_isa
-from fusionrag.retriever.tiers import exhaustive_is_cheap, nearest_exhaustive
+from fusionrag.retriever.engine.tiers import exhaustive_is_cheap, nearest_exhaustive
 
 sys.path.insert(0, str(Path(__file__).parent))
 from graph_sq8 import engine_queries, status_kib  # noqa: E402

@@ -35,9 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fusionrag.retriever import docstore
-from fusionrag.retriever.collection import Catalog, CollectionConfig, Document
-from fusionrag.retriever.fresh import FreshView
+from fusionrag.retriever.collection import Catalog, CollectionConfig, Document, docstore
+from fusionrag.retriever.collection.fresh import FreshView
 from fusionrag.retriever.collection.records import engine_form
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,7 +147,7 @@ def main() -> int:
     ap.add_argument("--repeat-before", type=int, default=1)
     ap.add_argument("--out")
     args = ap.parse_args()
-    from fusionrag.retriever.filters import compile_filter
+    from fusionrag.retriever.collection.filters import compile_filter
 
     rows = []
     rng = np.random.default_rng(0)

@@ -1,9 +1,9 @@
 """What the GPU path costs the host per query, the lists tier against the device tier (#47; not a test; runs on any
 machine, no GPU needed).
 
-The lists tier (retriever/gpu_tier.py) leaves the host the graph search, the gathering of every probed list's IDs
+The lists tier (retriever/engine/gpu_tier.py) leaves the host the graph search, the gathering of every probed list's IDs
 into pinned staging memory (sent up, 4 bytes each), and the re-rank of the top-n from SSD. The device tier
-(retriever/device_tier.py) sends each batch's queries and receives its answers; where the raw vectors do not fit
+(retriever/engine/device_tier.py) sends each batch's queries and receives its answers; where the raw vectors do not fit
 on the device it receives the top-n and the host re-ranks them. Measured here, on one index (bench/gpu_tier.py's
 1M x 128 clustered set by default, built if missing), on the report half of its held-out queries, in batches of
 1,024 (the GPU batch):
@@ -59,7 +59,8 @@ class _Ops(TorchDispatchMode):
 def device_ops_per_batch(work: Path) -> dict:
     """Operations the device tier issues for one batch (q queries, one chunk), and the Triton launches among them,
     on a small index: the same code path, whatever the index's size, but for the number of chunks."""
-    from fusionrag.kernels import adc_stream as adc_stream_mod, pq_table as pq_table_mod
+    from fusionrag.kernels import adc_stream as adc_stream_mod
+    from fusionrag.kernels import pq_table as pq_table_mod
 
     x = synthetic_vectors(6000, 32)
     path = work / "gpu_host_cost_small"

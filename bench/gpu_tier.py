@@ -50,7 +50,7 @@ from fusionrag.kernels.pool import OVERHEAD, process_gpu_bytes  # noqa: E402
 from fusionrag.kernels.topn import topn  # noqa: E402
 from fusionrag.loadtests.queryset import synthetic_vectors  # noqa: E402
 from fusionrag.retriever import BuildConfig, Index  # noqa: E402
-from fusionrag.retriever.gpu_tier import ALLOCATOR_SLACK, GpuFilterTier, shared_account  # noqa: E402
+from fusionrag.retriever.engine.gpu_tier import ALLOCATOR_SLACK, GpuFilterTier, shared_account  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = (0.90, 0.95)

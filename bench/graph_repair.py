@@ -29,7 +29,7 @@ sys.path.insert(0, str(HERE))
 
 from fusionrag import native  # noqa: E402
 from fusionrag.retriever import BuildConfig, Index  # noqa: E402
-from fusionrag.retriever import build as build_module  # noqa: E402
+from fusionrag.retriever.engine import build as build_module  # noqa: E402
 
 
 def load_set(name: str):

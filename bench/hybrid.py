@@ -30,7 +30,7 @@ import numpy as np
 
 from fusionrag.retriever.collection import DEFAULT_TEXT_WEIGHT, HYBRID_DEPTH, Catalog, Document
 from fusionrag.retriever.collection import api as collection_module  # where searches read HYBRID_DEPTH
-from fusionrag.retriever.embedding import get_embedder
+from fusionrag.retriever.collection.embedding import get_embedder
 
 ROOT = Path(__file__).resolve().parent
 SOURCE = ROOT.parents[1] / "shared" / "data" / "python311-docs-paragraphs" / "paragraphs.jsonl.gz"

@@ -32,7 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hybrid  # noqa: E402  (bench/hybrid.py: the labelled set and its collection)
 
-from fusionrag.retriever import docstore  # noqa: E402
+from fusionrag.retriever.collection import docstore  # noqa: E402
 
 K = 10
 # Words of English questions that Lucene's list keeps: asked in nearly every question, they rank FAQ titles

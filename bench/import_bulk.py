@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "tests"))
 from server_util import ServerProcess  # noqa: E402
 
-from fusionrag.retriever.vectors import write_bin  # noqa: E402
+from fusionrag.retriever.engine.vectors import write_bin  # noqa: E402
 
 SHARED = ROOT.parents[1] / "shared" / "data"
 BATCH = 1024
@@ -103,7 +103,7 @@ def by_import(srv: ServerProcess, vectors: Path, sidecar: Path | None, dim: int,
 
 
 def by_endpoint(srv: ServerProcess, vectors: Path, sidecar: Path | None, dim: int, metric: str, limit_s: float) -> dict:
-    from fusionrag.retriever.vectors import open_vectors
+    from fusionrag.retriever.engine.vectors import open_vectors
 
     src = open_vectors(vectors)
     lines = open(sidecar) if sidecar is not None else None

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from datasets import load_as_searched  # noqa: E402
 
 import fusionrag.retriever as fr  # noqa: E402
-from fusionrag.retriever.layout import chain_order, plan_layout  # noqa: E402
+from fusionrag.retriever.engine.layout import chain_order, plan_layout  # noqa: E402
 
 
 def replay(X, q, gt, orders, loc, rpb, mb, beta, mates="no", slot2id=None, k=10):

@@ -96,7 +96,7 @@ def main() -> None:
         print(json.dumps({"round": r, "load": os.getloadavg()[0], **{k: round(v, 4) for k, v in row.items()}}),
               flush=True)
     print(json.dumps({"median": {k: round(statistics.median(r[k] for r in rounds), 4) for k in rounds[0]},
-                      "dataset": args.dataset, "nprobe": args.nprobe, "code": sys.modules["fusionrag.retriever.index"].__file__}),
+                      "dataset": args.dataset, "nprobe": args.nprobe, "code": sys.modules["fusionrag.retriever.engine.index"].__file__}),
           flush=True)
 
 

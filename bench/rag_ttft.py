@@ -46,8 +46,8 @@ KINDS = ("plain", "prompt", "rag")
 def demo_collection(root: Path, name: str) -> list[str]:
     """The demo corpus as a collection under root; returns a question per entry."""
     from fusionrag.retriever.collection import Catalog, Document
-    from fusionrag.retriever.config import EngineConfig
-    from fusionrag.retriever.embedding import get_embedder
+    from fusionrag.retriever.collection.embedding import get_embedder
+    from fusionrag.retriever.engine.config import EngineConfig
     from fusionrag.server.demo import corpus
 
     docs = corpus()

@@ -16,8 +16,8 @@ import time
 import numpy as np
 
 from fusionrag.retriever import Index
-from fusionrag.retriever.pipeline import cut
-from fusionrag.retriever.vectors import open_vectors
+from fusionrag.retriever.engine.pipeline import cut
+from fusionrag.retriever.engine.vectors import open_vectors
 
 
 def read_bytes() -> int:

@@ -7,7 +7,7 @@ thread, in batches of 64 (a router's micro-batch), gives both: the navigation's 
 the rest (the shard's share), per query.
 
 For each index: the query set's first half chooses, the second half reports. For each target the settings are
-chosen as a build's calibration chooses them (calibrate._climb: the (rerank, beta) ladder, then narrower graph
+chosen as a build's calibration chooses them (calibrate.climb: the (rerank, beta) ladder, then narrower graph
 beams where the index navigates by its graph), but on the first half's queries against their ground truth; then
 the second half is searched at them: after one pass to warm the page buffer (sized at 1/--buffer-fraction of the
 raw vectors), the best of --passes timed passes.
@@ -37,8 +37,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from datasets import load, prepare  # noqa: E402
 
-from fusionrag.retriever.calibrate import _climb, recall_at  # noqa: E402
-from fusionrag.retriever.config import SearchParams  # noqa: E402
+from fusionrag.retriever.engine.calibrate import climb, recall_at  # noqa: E402
+from fusionrag.retriever.engine.config import SearchParams  # noqa: E402
 
 K = 10
 BATCH = 64
@@ -112,7 +112,7 @@ def measure(work: Path, index_dir: Path, name: str, targets: list[float], fracti
     chosen = {}
     for t in targets:  # as a build's calibration chooses (the ladder, then a narrower beam where the graph
         # navigates), on the first half's own queries against their ground truth
-        tried, params = _climb(lambda qq, p: search(index, qq, p)[0], tune[0], tune[1][:, :K], t,
+        tried, params = climb(lambda qq, p: search(index, qq, p)[0], tune[0], tune[1][:, :K], t,
                                graph=not index.nav.exhaustive)
         out["ladder"].append({"target": t, "tried": tried})
         print(json.dumps({"set": name, "target": t, "tried": tried}), flush=True)
@@ -178,8 +178,8 @@ def main() -> None:
     root = args.indexes or args.work / "flat"
     for name in args.sets:  # a set not built yet: prepared and built at the defaults, as `fusionrag build` builds
         if not (root / name).exists():
-            from fusionrag.retriever.build import build_index
-            from fusionrag.retriever.config import BuildConfig
+            from fusionrag.retriever.engine.build import build_index
+            from fusionrag.retriever.engine.config import BuildConfig
 
             prepare(args.work.resolve(), name)
             base, _, _, meta = load(args.work.resolve(), name)

@@ -33,11 +33,12 @@ from pathlib import Path
 
 import numpy as np
 
-from fusionrag.retriever.build import build_index
-from fusionrag.retriever.config import BuildConfig, SearchParams
-from fusionrag.retriever.index import Index
-from fusionrag.retriever.kmeans import kmeans
-from fusionrag.retriever.sharded import ShardedIndex, build_sharded
+from fusionrag.retriever.engine.build import build_index
+from fusionrag.retriever.engine.config import BuildConfig, SearchParams
+from fusionrag.retriever.engine.index import Index
+from fusionrag.retriever.engine.kmeans import kmeans
+from fusionrag.retriever.sharded.build import build_sharded
+from fusionrag.retriever.sharded.router import ShardedIndex
 
 HERE = Path(__file__).resolve().parent
 
@@ -205,7 +206,7 @@ def offline(index_dir: Path, base, queries: np.ndarray, uniform: np.ndarray, ske
     shards a query reaches: those of its probed lists (the ratio rule), and of its first m lists in probe
     order (what learned pruning's smaller counts probe). Replicas count as reached only if no copy's shard is
     already reached (the router sends a list to one replica)."""
-    from fusionrag.retriever.sharded import place_lists, sample_visits
+    from fusionrag.retriever.sharded.placement import place_lists, sample_visits
 
     single = Index.open(index_dir)
     p = SearchParams()

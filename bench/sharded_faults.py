@@ -24,8 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fusionrag.retriever.config import BuildConfig
-from fusionrag.retriever.sharded import ShardedIndex, build_sharded
+from fusionrag.retriever.engine.config import BuildConfig
+from fusionrag.retriever.sharded.build import build_sharded
+from fusionrag.retriever.sharded.router import ShardedIndex
 
 HERE = Path(__file__).resolve().parent
 

@@ -161,8 +161,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         return child(args)
-    from fusionrag.retriever.config import BuildConfig
-    from fusionrag.retriever.sharded import build_sharded
+    from fusionrag.retriever.engine.config import BuildConfig
+    from fusionrag.retriever.sharded.build import build_sharded
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)

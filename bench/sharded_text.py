@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 from hybrid import SOURCE, half, load
 
-from fusionrag.retriever.docstore import DocStore
-from fusionrag.retriever.sharded import best_text_hits, sum_text_stats
+from fusionrag.retriever.collection.docstore import DocStore
+from fusionrag.retriever.sharded.shard import best_text_hits, sum_text_stats
 
 ROOT = Path(__file__).resolve().parent
 K = 10

@@ -21,7 +21,7 @@ import numpy as np
 from fusionrag.client import AsyncClient, Client, CollectionInfo, Op, Ops
 from fusionrag.client import RemoteError  # noqa: F401 - where callers have imported it from
 from fusionrag.retriever.collection import DEFAULT_TEXT_WEIGHT, Catalog, Collection, Document, Hit
-from fusionrag.retriever.config import METRICS, SearchOverrides
+from fusionrag.retriever.engine.config import METRICS, SearchOverrides
 from fusionrag.retriever.errors import ConfigError, ConflictError, FusionRAGError, InputError, NotFoundError
 
 

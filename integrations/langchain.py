@@ -21,15 +21,15 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
+from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
 from langchain_core.documents import Document as LCDocument
 from langchain_core.embeddings import Embeddings
-from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
 from langchain_core.vectorstores import VectorStore, VectorStoreRetriever
 from langchain_core.vectorstores.utils import maximal_marginal_relevance
 
 from fusionrag.integrations.backend import open_backend
 from fusionrag.retriever.collection import DEFAULT_TEXT_WEIGHT, Document, Hit
-from fusionrag.retriever.embedding import DEFAULT_MODEL, get_embedder, known_name
+from fusionrag.retriever.collection.embedding import DEFAULT_MODEL, get_embedder, known_name
 from fusionrag.retriever.errors import InputError
 
 

@@ -31,7 +31,7 @@ from llama_index.core.vector_stores.utils import metadata_dict_to_node, node_to_
 
 from fusionrag.integrations.backend import EmbeddedBackend, RemoteBackend, open_backend
 from fusionrag.retriever.collection import DEFAULT_TEXT_WEIGHT, Document, Hit
-from fusionrag.retriever.embedding import DEFAULT_MODEL, Embedder, get_embedder, known_name
+from fusionrag.retriever.collection.embedding import DEFAULT_MODEL, Embedder, get_embedder, known_name
 from fusionrag.retriever.errors import InputError
 
 NODE_ID_KEY = "_node_id"

@@ -3,7 +3,7 @@
 For query q and sub-space m the table holds the distance from q's m-th slice to each of the
 256 sub-centroids: squared L2 ('l2') or negative inner product ('ip'). One program computes
 one (query, sub-space) row of 256 entries from a [256, dsub] tile of the codebook. L2 uses
-|x|^2 - 2<x, c> + |c|^2, the formula of the CPU reference (retriever/pq.py), so both tiers see
+|x|^2 - 2<x, c> + |c|^2, the formula of the CPU reference (retriever/engine/pq.py), so both tiers see
 the same tables up to rounding.
 
 The tables stay in GPU memory for the scan (adc_scan.py): q x M x 1 KiB, where copying the

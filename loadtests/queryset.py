@@ -60,7 +60,7 @@ def synthetic_vectors(n: int, dim: int, seed: int = 0) -> np.ndarray:
 def load_vectors(path: str | None, count: int, dim: int, seed: int = 0) -> np.ndarray:
     if path is None:
         return synthetic_vectors(count, dim, seed)
-    from fusionrag.retriever.vectors import open_vectors
+    from fusionrag.retriever.engine.vectors import open_vectors
 
     vf = open_vectors(path)
     return np.ascontiguousarray(vf[: min(count, len(vf))], dtype=np.float32)
@@ -133,7 +133,7 @@ def query_phrase(text: str, words: int = 12) -> str:
 def build_text_collection(catalog: Catalog, texts: list[tuple[str, str]], n_queries: int, k: int,
                           embedding: str, name: str = TEXT_COLLECTION, seed: int = 2) -> QuerySet:
     """A cosine collection of the texts embedded here; queries are phrases from some of them."""
-    from fusionrag.retriever.embedding import get_embedder
+    from fusionrag.retriever.collection.embedding import get_embedder
 
     embedder = get_embedder(embedding)
     vectors = embedder.embed([t for _, t in texts])

@@ -28,8 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from fusionrag.loadtests import queryset
-from fusionrag.loadtests.plan import (PLAN_ENV, RAG_ROUTES, SHAPES, LLMTarget, Plan, QuerySet, ShapeConfig,
-                                      parse_weights)
+from fusionrag.loadtests.plan import PLAN_ENV, RAG_ROUTES, SHAPES, LLMTarget, Plan, QuerySet, ShapeConfig, parse_weights
 from fusionrag.loadtests.report import (markdown, parse_prometheus, plot_latency, read_request_log,
                                         summarize_llm_metrics, summarize_metrics, summarize_requests)
 from fusionrag.retriever.errors import ConfigError, FusionRAGError
@@ -196,7 +195,7 @@ def _wait_external(url: str, timeout: float) -> bytes:
 def prepare(args, data_dir: Path, weights: dict) -> tuple[QuerySet | None, QuerySet | None, dict]:
     """Build the collections with known answers into `data_dir` (before the service opens it)."""
     from fusionrag.retriever.collection import Catalog
-    from fusionrag.retriever.config import EngineConfig
+    from fusionrag.retriever.engine.config import EngineConfig
 
     # On the CPU tier: the files are the same, and on a GPU only the service then holds GPU memory.
     catalog = Catalog(data_dir, EngineConfig(filter_tier="cpu"))

@@ -1,12 +1,24 @@
-"""The engine: build pipeline, index directory format, the query path over the three tiers."""
+"""The retriever, in three layers (docs/design.md, "Code map"), each importing only those below it:
 
-from fusionrag.retriever.config import BuildConfig, EngineConfig, SearchParams
-from fusionrag.retriever.errors import (ConfigError, ConflictError, FusionRAGError, IndexFormatError, InputError,
-                                       NotFoundError, StorageError, VectorFileError)
-from fusionrag.retriever.index import Index, SearchResult
-from fusionrag.retriever.vectors import open_vectors
+- engine/: one index: the build, the index directory, the three tiers, the query pipeline, merge, calibration;
+- collection/: mutable collections over an index: documents, the log, the fresh tier, filters, import, snapshots;
+- sharded/: one collection over S shards, on Ray or in one process.
+
+Beside them, what all three use: errors, progress, process, dirlock; and directory, which tells a single index
+directory from a sharded one (above both). The names below are imported on first use (fusionrag.lazy), so
+importing this package, or fusionrag.client, loads no engine.
+"""
+
+from fusionrag.lazy import face
 
 __all__ = [
-    "BuildConfig", "ConfigError", "ConflictError", "EngineConfig", "FusionRAGError", "Index", "IndexFormatError", "InputError", "NotFoundError",
-    "SearchParams", "SearchResult", "StorageError", "VectorFileError", "open_vectors",
+    "BuildConfig", "ConfigError", "ConflictError", "EngineConfig", "FusionRAGError", "Index", "IndexFormatError",
+    "InputError", "NotFoundError", "SearchParams", "SearchResult", "StorageError", "VectorFileError", "open_vectors",
 ]
+__getattr__, __dir__ = face(__name__, {
+    **dict.fromkeys(["BuildConfig", "EngineConfig", "SearchParams"], "engine.config"),
+    **dict.fromkeys(["ConfigError", "ConflictError", "FusionRAGError", "IndexFormatError", "InputError",
+                     "NotFoundError", "StorageError", "VectorFileError"], "errors"),
+    **dict.fromkeys(["Index", "SearchResult"], "engine.index"),
+    "open_vectors": "engine.vectors",
+})

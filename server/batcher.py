@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from fusionrag.retriever.collection import DEFAULT_TEXT_WEIGHT, Collection, CollectionSearch
-from fusionrag.retriever.config import SearchOverrides, SearchParams
-from fusionrag.retriever.embedding import get_embedder
-from fusionrag.retriever.queries import PreparedQueries
+from fusionrag.retriever.collection.embedding import get_embedder
+from fusionrag.retriever.engine.config import SearchOverrides, SearchParams
+from fusionrag.retriever.engine.queries import PreparedQueries
 from fusionrag.server.metrics import Metrics
 
 

@@ -3,7 +3,7 @@ environment, then flags.
 
 Every setting can be set in all three places: `port = 8001` in the TOML file, FUSIONRAG_PORT=8001, or
 `--port 8001`; a later source wins (flags > environment > file > defaults). pydantic-settings reads and layers
-the sources; the flags, their help and the checks come from the declarations (retriever/config.py).
+the sources; the flags, their help and the checks come from the declarations (retriever/engine/config.py).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from typing import Annotated, Literal, get_args
 
 from pydantic import AfterValidator, TypeAdapter, ValidationError, create_model
 
-from fusionrag.retriever.config import (BufferCompression, BufferPolicy, EngineConfig, FilterTier, GpuSearch,
-                                       RecordCache, _Config, add_flags, config_class, knob, knobs, problems)
-from fusionrag.retriever.config import flags_of as _flags_of
-from fusionrag.retriever.embedding import DEFAULT_MODEL, canonical_name
+from fusionrag.retriever.collection.embedding import DEFAULT_MODEL, canonical_name
+from fusionrag.retriever.engine.config import (BufferCompression, BufferPolicy, ConfigBase, EngineConfig, FilterTier,
+                                               GpuSearch, RecordCache, add_flags, config_class, knob, knobs, problems)
+from fusionrag.retriever.engine.config import flags_of as _flags_of
 from fusionrag.retriever.errors import ConfigError
 
 ENV_PREFIX = "FUSIONRAG_"
@@ -30,7 +30,7 @@ LOG_FORMATS = get_args(LogFormat)
 
 
 @config_class
-class ServerConfig(_Config):
+class ServerConfig(ConfigBase):
     """The service's settings. Each is a flag (--max-k), an environment variable (FUSIONRAG_MAX_K) and a key
     of the TOML file (max_k), all from this one declaration."""
 

@@ -10,7 +10,7 @@ import re
 from importlib import resources
 
 from fusionrag.retriever.collection import Catalog, Collection, Document
-from fusionrag.retriever.embedding import get_embedder
+from fusionrag.retriever.collection.embedding import get_embedder
 
 DEMO = "demo"
 MAX_CHUNK_CHARS = 900

@@ -8,11 +8,9 @@ import logging
 import shutil
 import threading
 
-
-from fusionrag.retriever import quota
-from fusionrag.retriever.collection import Catalog, CollectionConfig
-from fusionrag.retriever.config import BuildConfig, EngineConfig
-from fusionrag.retriever.embedding import get_embedder, set_threads
+from fusionrag.retriever.collection import Catalog, CollectionConfig, quota
+from fusionrag.retriever.collection.embedding import get_embedder, set_threads
+from fusionrag.retriever.engine.config import BuildConfig, EngineConfig
 from fusionrag.retriever.errors import NotFoundError, UnavailableError
 from fusionrag.server.auth import KeyRing
 from fusionrag.server.batcher import MicroBatcher

@@ -2,7 +2,7 @@
 router as a Ray Serve deployment and the shards as Ray actors.
 
 The routes are the service's under the same paths and bodies (docs/api.md), for one collection named after the index
-directory (or --name), a ShardedCollection (retriever/sharded_docs.py): search by vectors under a metadata filter,
+directory (or --name), a ShardedCollection (retriever/sharded/docs.py): search by vectors under a metadata filter,
 upsert documents (any string id, text, metadata, and a vector: nothing is embedded), get, page through and delete them
 by id or filter, the collection's info, health. The built vectors are documents "0", "1", ... (their source rows),
 with no text or metadata. Text search (mode "text") ranks the documents' texts by BM25 on every shard; hybrid search
@@ -15,7 +15,7 @@ is down.
         [--routers N]
 
 With --routers N above 1, N router replicas run vector searches and follow a leader replica that does the writes
-(_led_deployment, retriever/sharded_follow.py).
+(_led_deployment, retriever/sharded/follow.py).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pydantic import Field
 
 from fusionrag.retriever.collection import CollectionConfig, Document
 from fusionrag.retriever.errors import FusionRAGError, InputError, UnavailableError
-from fusionrag.retriever.sharded_docs import ShardedCollection
+from fusionrag.retriever.sharded.docs import ShardedCollection
 from fusionrag.server.auth import KeyRing
 from fusionrag.server.config import ServerConfig
 from fusionrag.server.errors import http_error, install_handlers
@@ -265,7 +265,7 @@ class _IndexOwner:
     router, or the leader of several): the two deployments' shared part."""
 
     def _open(self, index_dir: str, loopback: bool, actor_options: dict | None, call_timeout_s: float | None) -> None:
-        from fusionrag.retriever.sharded import ShardedIndex
+        from fusionrag.retriever.sharded.router import ShardedIndex
 
         if loopback:
             _keep_replica_on_loopback()
@@ -351,7 +351,7 @@ class ViewBoard:
 
 def _led_deployment(index_dir: str, name: str, actor_options: dict | None, loopback: bool,
                     call_timeout_s: float | None, heal_every_s: float, keys: KeyRing | None, routers: int):
-    """`routers` replicas of the router (retriever/sharded_follow.py), and a leader: a deployment of one replica
+    """`routers` replicas of the router (retriever/sharded/follow.py), and a leader: a deployment of one replica
     that opens the index, starts the shards as Ray actors of its own, keeps the write maps, restarts and merges
     shards, and does every write. Each router replica follows it: vector searches on the replica, with the
     leader's shards and write state (read from the leader's ViewBoard before each search, sent when changed),
@@ -359,7 +359,7 @@ def _led_deployment(index_dir: str, name: str, actor_options: dict | None, loopb
     import ray
     from ray import serve
 
-    from fusionrag.retriever.sharded_follow import FollowerCollection, ShardedFollower
+    from fusionrag.retriever.sharded.follow import FollowerCollection, ShardedFollower
 
     leader_timeout_s = call_timeout_s or 30.0
 
@@ -446,11 +446,11 @@ def serve(address: str, index_dir, host: str = "127.0.0.1", port: int = 8000, na
     `fusionrag serve` reads them (--api-keys-file, FUSIONRAG_API_KEYS). block: until SIGINT or SIGTERM, then the
     application is deleted and Serve shut down; else returns the base URL and leaves it running (serve.shutdown()
     stops it). routers: replicas of the router; more than one: a leader replica does every write and each router
-    replica follows it (_led_deployment, retriever/sharded_follow.py)."""
+    replica follows it (_led_deployment, retriever/sharded/follow.py)."""
     import ray
     from ray import serve as rserve
 
-    from fusionrag.retriever.sharded import is_sharded
+    from fusionrag.retriever.sharded.parts import is_sharded
 
     if isinstance(routers, bool) or not isinstance(routers, int) or routers < 1:
         raise InputError(f"routers must be a positive integer, got {routers!r}")

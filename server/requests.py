@@ -11,10 +11,10 @@ from fastapi import Request
 from fastapi.exceptions import HTTPException
 
 from fusionrag.retriever.collection import Collection
-from fusionrag.retriever.config import SearchOverrides, SearchParams
-from fusionrag.retriever.embedding import get_embedder
+from fusionrag.retriever.collection.embedding import get_embedder
+from fusionrag.retriever.engine.config import SearchOverrides, SearchParams
+from fusionrag.retriever.engine.queries import PreparedQueries, QueryWords, prepare_queries
 from fusionrag.retriever.errors import InputError
-from fusionrag.retriever.queries import PreparedQueries, QueryWords, prepare_queries
 from fusionrag.server.bodies import Body, read_body
 from fusionrag.server.errors import http_error
 

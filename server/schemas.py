@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from fusionrag.retriever.collection import DEFAULT_TEXT_WEIGHT, NAME_RE
-from fusionrag.retriever.embedding import model_names
+from fusionrag.retriever.collection.embedding import model_names
 
 NAME_PATTERN = f"^{NAME_RE.pattern}$"
 

@@ -1,4 +1,4 @@
-"""The service's snapshots: snapshots/<collection>/<id>.tar (the archive, retriever/snapshot.py) and <id>.json (what
+"""The service's snapshots: snapshots/<collection>/<id>.tar (the archive, retriever/collection/snapshot.py) and <id>.json (what
 it holds), beside the collections so that they outlive a drop. Bounded: at most max_snapshots per collection, a
 collection's within max_snapshot_bytes (so a tenant's are bounded by its collections), and none written into the
 disk reserve."""
@@ -12,8 +12,7 @@ import time
 import uuid
 from pathlib import Path
 
-from fusionrag.retriever import quota
-from fusionrag.retriever.collection import Collection
+from fusionrag.retriever.collection import Collection, quota
 from fusionrag.retriever.errors import NotFoundError, QuotaError, StorageError
 
 SNAPSHOT_ID = re.compile(r"\d{8}T\d{6}Z-[0-9a-f]{8}")

@@ -65,8 +65,8 @@ def sharded_copy(built: Path, dest: Path):
     """A ShardedCollection over a copy of a built sharded index (writes leave the original as built)."""
     import shutil
 
-    from fusionrag.retriever.sharded import ShardedIndex
-    from fusionrag.retriever.sharded_docs import ShardedCollection
+    from fusionrag.retriever.sharded.docs import ShardedCollection
+    from fusionrag.retriever.sharded.router import ShardedIndex
 
     shutil.copytree(built, dest)
     return ShardedCollection(ShardedIndex.open(dest), "docs")

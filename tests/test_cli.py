@@ -7,7 +7,7 @@ import sys
 import numpy as np
 from conftest import clustered, exact_knn
 
-from fusionrag.retriever.vectors import write_bin, write_vecs
+from fusionrag.retriever.engine.vectors import write_bin, write_vecs
 
 
 def run(*args, check=True):

@@ -29,7 +29,7 @@ def rag_chat(llm, collection: Collection, questions: Sequence[str], *, k: int = 
              sampling_params=None, embedder=None, template: str = RAG_TEMPLATE,
              passage_template: str = PASSAGE_TEMPLATE, system: str | None = None) -> list[RAGAnswer]:
     """Answer each question from its top-k hits in `collection` (a Collection, or a ShardedCollection:
-    retriever/sharded_docs.py) with the `vllm.LLM` engine `llm`.
+    retriever/sharded/docs.py) with the `vllm.LLM` engine `llm`.
 
     Questions are embedded by `embedder` (anything with `.embed(texts)`), by default the
     collection's own embedding model. `system` is an optional system message put before the passages.
@@ -40,7 +40,7 @@ def rag_chat(llm, collection: Collection, questions: Sequence[str], *, k: int = 
     if embedder is None:
         if not collection.embedding:
             raise InputError(f"collection {collection.name!r} has no embedding model: pass embedder=")
-        from fusionrag.retriever.embedding import get_embedder
+        from fusionrag.retriever.collection.embedding import get_embedder
 
         embedder = get_embedder(collection.embedding)
     vectors = np.asarray(embedder.embed(questions), dtype=np.float32)

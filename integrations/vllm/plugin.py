@@ -44,12 +44,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from fusionrag.integrations.vllm.memory import plan_plugin_split
 from fusionrag.integrations.vllm.prompt import augment, question_of
 from fusionrag.retriever.errors import ConfigError, FusionRAGError, InputError, NotFoundError, UnavailableError
+from fusionrag.server.auth import Key
+from fusionrag.server.config import ServerConfig, load_config
 from fusionrag.server.deps import authenticate
 from fusionrag.server.errors import engine_error
 from fusionrag.server.life import Service, State
 from fusionrag.server.routes import v1
-from fusionrag.server.auth import Key
-from fusionrag.server.config import ServerConfig, load_config
 
 # Under vLLM's logger: its handler prints these lines in vLLM's own log.
 log = logging.getLogger("vllm.fusionrag")
@@ -163,7 +163,7 @@ def _device_sizes() -> tuple[int, int]:
     Triton's interpreter stands in for a GPU (tests)."""
     import torch
 
-    from fusionrag.retriever.gpu_tier import gpu_device
+    from fusionrag.retriever.engine.gpu_tier import gpu_device
 
     device = gpu_device()
     if device.type == "cuda":
@@ -176,9 +176,9 @@ def _device_sizes() -> tuple[int, int]:
 def budget_beside_vllm(config: ServerConfig, args: Namespace) -> ServerConfig:
     """`config` with the GPU tier's budget checked against what vLLM holds, and when 0 set to the largest
     that fits; ConfigError saying what to set when they cannot fit. Off the GPU tier, `config` as it is."""
-    from fusionrag.retriever.tiers import _cuda_available
+    from fusionrag.retriever.engine.tiers import cuda_available
 
-    if config.filter_tier == "cpu" or (config.filter_tier == "auto" and not _cuda_available()):
+    if config.filter_tier == "cpu" or (config.filter_tier == "auto" and not cuda_available()):
         return config
     import vllm.envs as envs
 

@@ -31,25 +31,24 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from fusionrag.retriever.config import EngineConfig, SearchOverrides, SearchParams, resolve_params
-from fusionrag.retriever.docstore import DocStore
-from fusionrag.retriever.errors import (ConflictError, FusionRAGError, IndexFormatError, InputError, StorageError,
-                                       UnavailableError)
-from fusionrag.retriever.filters import compile_filter, filter_warnings
-from fusionrag.retriever.fresh import FreshTier, distances
-from fusionrag.retriever.index import STAT_KEYS, Index
-from fusionrag.retriever.queries import PreparedQueries, prepare_queries
-from fusionrag.retriever import importer, snapshot
-from fusionrag.retriever.quota import Limits, OpenFiles
-from fusionrag.retriever.vectors import vector_problems
-from fusionrag.retriever.wal import WriteAheadLog
-from fusionrag.retriever.collection import compaction
-from fusionrag.retriever.collection.config import (CURRENT_FORMAT, DEFAULT_TEXT_WEIGHT, HYBRID_DEPTH,
-                                                   MERGE_RETRY_S, RRF_K, CollectionConfig, check_search)
+from fusionrag.retriever.collection import compaction, importer, snapshot
+from fusionrag.retriever.collection.config import (CURRENT_FORMAT, DEFAULT_TEXT_WEIGHT, HYBRID_DEPTH, MERGE_RETRY_S,
+                                                   RRF_K, CollectionConfig, check_search)
+from fusionrag.retriever.collection.docstore import DocStore
+from fusionrag.retriever.collection.filters import compile_filter, filter_warnings
+from fusionrag.retriever.collection.fresh import FreshTier, distances
 from fusionrag.retriever.collection.generations import (Generation, ReadView, load_published, rows_digest,
                                                         write_json_atomic, write_rows)
-from fusionrag.retriever.collection.records import (METADATA_OPS, QUERY_WORDS, CollectionSearch, Document, Hit,
-                                                    Write, engine_form, metadata_record, upsert_record)
+from fusionrag.retriever.collection.quota import Limits, OpenFiles
+from fusionrag.retriever.collection.records import (METADATA_OPS, QUERY_WORDS, CollectionSearch, Document, Hit, Write,
+                                                    engine_form, metadata_record, upsert_record)
+from fusionrag.retriever.collection.wal import WriteAheadLog
+from fusionrag.retriever.engine.config import EngineConfig, SearchOverrides, SearchParams, resolve_params
+from fusionrag.retriever.engine.index import STAT_KEYS, Index
+from fusionrag.retriever.engine.queries import PreparedQueries, prepare_queries
+from fusionrag.retriever.engine.vectors import vector_problems
+from fusionrag.retriever.errors import (ConflictError, FusionRAGError, IndexFormatError, InputError, StorageError,
+                                        UnavailableError)
 
 log = logging.getLogger(__name__)
 
@@ -636,7 +635,7 @@ class Collection:
 
     @_in_use
     def snapshot(self, dest: str | os.PathLike) -> dict:
-        """Write the collection's state as of now to the archive `dest` (retriever/snapshot.py), while
+        """Write the collection's state as of now to the archive `dest` (retriever/collection/snapshot.py), while
         writes go on; a merge waits until it is written. Returns what the archive holds."""
         with self._merge_lock:  # the published generation stays while its files are read
             cur = self.path / "CURRENT"
@@ -711,7 +710,7 @@ class Collection:
     def import_files(self, documents: str | os.PathLike | None = None, vectors: str | os.PathLike | None = None,
                      progress: bool | None = None, claimed: bool = False) -> dict:
         """Bulk-import documents into this empty collection from files, indexed by one build (see
-        retriever/importer.py); writes wait (ConflictError) until it is done. Returns what it did. claimed: the
+        retriever/collection/importer.py); writes wait (ConflictError) until it is done. Returns what it did. claimed: the
         caller claimed the collection first (claim_import). Whatever happens, the state ends "done" or
         "failed" with the reason (info()'s build_state.import)."""
         folders = [Path(p).resolve().parent for p in (documents, vectors) if p is not None]
@@ -731,7 +730,7 @@ class Collection:
 
     @_in_use
     def _import_files(self, documents, vectors, progress, claimed: bool, ran: list) -> dict:
-        from fusionrag.retriever.embedding import get_embedder
+        from fusionrag.retriever.collection.embedding import get_embedder
 
         with self._merge_lock:  # no merge meanwhile: the import publishes the next generation itself
             with self._lock:

@@ -15,15 +15,16 @@ from typing import Callable
 
 import numpy as np
 
-from fusionrag.retriever.config import METRICS, EngineConfig
-from fusionrag.retriever.docstore import DocStore
-from fusionrag.retriever.errors import (ConflictError, FusionRAGError, InputError, NotFoundError, QuotaError,
-                                       StorageError, UnavailableError)
-from fusionrag.retriever.manifest import fsync_path
-from fusionrag.retriever import dirlock, quota, snapshot
+from fusionrag.retriever import dirlock
+from fusionrag.retriever.collection import quota, snapshot
 from fusionrag.retriever.collection.api import Collection
 from fusionrag.retriever.collection.config import COLLECTION_FORMAT, NAME_RE, CollectionConfig
+from fusionrag.retriever.collection.docstore import DocStore
 from fusionrag.retriever.collection.generations import write_json_atomic
+from fusionrag.retriever.engine.config import METRICS, EngineConfig
+from fusionrag.retriever.engine.manifest import fsync_path
+from fusionrag.retriever.errors import (ConflictError, FusionRAGError, InputError, NotFoundError, QuotaError,
+                                        StorageError, UnavailableError)
 
 log = logging.getLogger(__name__)
 

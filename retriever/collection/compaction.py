@@ -10,12 +10,12 @@ from pathlib import Path
 
 import numpy as np
 
-from fusionrag.retriever.build import build_index
 from fusionrag.retriever.collection.config import CURRENT_FORMAT, CollectionConfig
 from fusionrag.retriever.collection.generations import Generation, rows_digest, write_rows
-from fusionrag.retriever.config import BuildConfig, EngineConfig
-from fusionrag.retriever.index import Index
-from fusionrag.retriever.merge import can_store, merge_index
+from fusionrag.retriever.engine.build import build_index
+from fusionrag.retriever.engine.config import BuildConfig, EngineConfig
+from fusionrag.retriever.engine.index import Index
+from fusionrag.retriever.engine.merge import can_store, merge_index
 
 
 def can_grow(config: CollectionConfig, old: Generation, live: int, fresh_vecs: np.ndarray) -> bool:

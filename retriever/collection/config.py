@@ -8,9 +8,8 @@ from typing import Annotated, Sequence
 
 import numpy as np
 
-from fusionrag.retriever.config import BuildConfig, _Config, config_class, knob
+from fusionrag.retriever.engine.config import BuildConfig, ConfigBase, config_class, knob
 from fusionrag.retriever.errors import InputError
-
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 MAX_ID_CHARS = 512
@@ -46,7 +45,7 @@ def check_search(k, mode: str, texts, vectors, text_weight) -> int:
 
 
 @config_class
-class CollectionConfig(_Config):
+class CollectionConfig(ConfigBase):
     """How collections fold writes into their main index and answer filtered searches."""
 
     # A merge starts in the background once the fresh tier holds this many vectors or bytes.

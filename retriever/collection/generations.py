@@ -13,12 +13,12 @@ from pathlib import Path
 
 import numpy as np
 
-from fusionrag.retriever.config import EngineConfig
-from fusionrag.retriever.errors import IndexFormatError
-from fusionrag.retriever.fresh import FreshView
-from fusionrag.retriever.index import Index
-from fusionrag.retriever.manifest import fsync_path
 from fusionrag.retriever.collection.config import CURRENT_FORMAT
+from fusionrag.retriever.collection.fresh import FreshView
+from fusionrag.retriever.engine.config import EngineConfig
+from fusionrag.retriever.engine.index import Index
+from fusionrag.retriever.engine.manifest import fsync_path
+from fusionrag.retriever.errors import IndexFormatError
 
 log = logging.getLogger(__name__)
 

@@ -12,10 +12,10 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from fusionrag.retriever.errors import InputError
-from fusionrag.retriever.queries import QueryWords
-from fusionrag.retriever.vectors import normalize, vector_problems
 from fusionrag.retriever.collection.config import MAX_ID_CHARS
+from fusionrag.retriever.engine.queries import QueryWords
+from fusionrag.retriever.engine.vectors import normalize, vector_problems
+from fusionrag.retriever.errors import InputError
 
 
 @dataclass

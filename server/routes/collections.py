@@ -7,12 +7,12 @@ import threading
 
 from fastapi import APIRouter, Depends, Request
 
-from fusionrag.retriever.embedding import canonical_name, get_embedder
+from fusionrag.retriever.collection.embedding import canonical_name, get_embedder
 from fusionrag.retriever.errors import NotFoundError, UnavailableError
 from fusionrag.server.auth import Key
-from fusionrag.server.schemas import CreateCollection
-from fusionrag.server.errors import documented, http_error
 from fusionrag.server.deps import allowed, authenticate, check_name, collection_quota, open_collection, state_of
+from fusionrag.server.errors import documented, http_error
+from fusionrag.server.schemas import CreateCollection
 
 log = logging.getLogger("fusionrag.server")
 

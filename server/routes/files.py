@@ -16,15 +16,14 @@ from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.concurrency import run_in_threadpool
 
-from fusionrag.retriever import quota
-from fusionrag.retriever.collection import Collection
-from fusionrag.retriever.embedding import canonical_name, get_embedder
+from fusionrag.retriever.collection import Collection, quota
+from fusionrag.retriever.collection.embedding import canonical_name, get_embedder
+from fusionrag.retriever.engine.vectors import EXTENSIONS as VECTOR_EXTENSIONS
 from fusionrag.retriever.errors import StorageError
-from fusionrag.retriever.vectors import EXTENSIONS as VECTOR_EXTENSIONS
-from fusionrag.server.config import data_path
-from fusionrag.server.errors import documented, http_error
 from fusionrag.server.auth import Key
+from fusionrag.server.config import data_path
 from fusionrag.server.deps import allowed, authenticate, collection_quota, open_collection, state_of
+from fusionrag.server.errors import documented, http_error
 
 log = logging.getLogger("fusionrag.server")
 

@@ -10,16 +10,15 @@ from fastapi.exceptions import HTTPException
 from starlette.concurrency import run_in_threadpool
 
 from fusionrag.retriever.collection import Collection
-from fusionrag.retriever.filters import compile_filter
+from fusionrag.retriever.collection.filters import compile_filter
 from fusionrag.server.batcher import ServiceClosing
 from fusionrag.server.bodies import validate
-from fusionrag.server.schemas import SearchRequest
-from fusionrag.server.errors import documented, http_error, json_body
 from fusionrag.server.deps import open_collection, state_of
-from fusionrag.server.responses import VectorJSON, hit_json, plain
+from fusionrag.server.errors import documented, http_error, json_body
 from fusionrag.server.requests import (check_texts, check_vectors, embedder_of, over_limit, query_words, read_json,
                                        search_params, search_queries)
-
+from fusionrag.server.responses import VectorJSON, hit_json, plain
+from fusionrag.server.schemas import SearchRequest
 
 router = APIRouter(prefix="/v1")
 

@@ -9,17 +9,19 @@ import time
 
 import numpy as np
 
-from fusionrag.retriever.config import METRICS, BuildConfig, EngineConfig, SearchParams, add_flags, flags_of, knobs
+from fusionrag.retriever.engine.config import (METRICS, BuildConfig, EngineConfig, SearchParams, add_flags, flags_of,
+                                               knobs)
 from fusionrag.retriever.errors import ConfigError, FusionRAGError
-from fusionrag.retriever.sharded import PLACEMENTS
+from fusionrag.retriever.sharded.parts import PLACEMENTS
+
 
 def _cmd_build(args) -> int:
-    from fusionrag.retriever.build import build_index
+    from fusionrag.retriever.engine.build import build_index
 
     config = BuildConfig().with_overrides(**flags_of(args, BuildConfig))
     if args.shards:
         return _build_sharded(args, config)
-    from fusionrag.retriever.vectors import open_vectors
+    from fusionrag.retriever.engine.vectors import open_vectors
 
     sample = open_vectors(args.sample_queries)[:] if args.sample_queries else None
     m = build_index(args.source, args.index_dir, config, progress=False if args.quiet else None,
@@ -33,16 +35,16 @@ def _cmd_build(args) -> int:
 
 def _connect_ray(address: str | None) -> None:
     if address:
-        from fusionrag.retriever.sharded import _ray
+        from fusionrag.retriever.sharded.actors import require_ray
 
-        ray = _ray()
+        ray = require_ray()
         if not ray.is_initialized():
             ray.init(address=address, log_to_driver=False)
 
 
 def _build_sharded(args, config: BuildConfig) -> int:
-    from fusionrag.retriever.sharded import build_sharded
-    from fusionrag.retriever.vectors import open_vectors
+    from fusionrag.retriever.engine.vectors import open_vectors
+    from fusionrag.retriever.sharded.build import build_sharded
 
     _connect_ray(args.ray)
     sample = open_vectors(args.sample_queries)[:] if args.sample_queries else None
@@ -59,7 +61,7 @@ def _build_sharded(args, config: BuildConfig) -> int:
 
 
 def _search_sharded(args, engine: dict, given: dict, queries: np.ndarray) -> tuple[np.ndarray, dict]:
-    from fusionrag.retriever.sharded import ShardedIndex
+    from fusionrag.retriever.sharded.router import ShardedIndex
 
     _connect_ray(args.ray)
     index = ShardedIndex.open(args.index_dir, EngineConfig().with_overrides(**engine), ray=bool(args.ray))
@@ -82,7 +84,7 @@ def _search_sharded(args, engine: dict, given: dict, queries: np.ndarray) -> tup
 
 
 def _read_ids(path: str) -> np.ndarray:
-    from fusionrag.retriever.vectors import open_vectors
+    from fusionrag.retriever.engine.vectors import open_vectors
 
     return np.asarray(open_vectors(path)[:], dtype=np.int64)
 
@@ -95,7 +97,7 @@ def _cmd_search(args) -> int:
         engine["buffer_bytes"] = int(args.buffer_mb * (1 << 20))
     given = flags_of(args, SearchParams)  # over the index's own defaults (what its build's calibration chose)
     params = SearchParams().with_overrides(**given)  # checked before anything opens
-    from fusionrag.retriever.sharded import is_sharded
+    from fusionrag.retriever.directory import is_sharded
 
     sharded = is_sharded(args.index_dir)
     if args.ray and not sharded:
@@ -134,7 +136,8 @@ def _cmd_search(args) -> int:
 
 def _cmd_info(args) -> int:
     from fusionrag.retriever import Index
-    from fusionrag.retriever.sharded import ShardedIndex, is_sharded
+    from fusionrag.retriever.directory import is_sharded
+    from fusionrag.retriever.sharded.router import ShardedIndex
 
     if is_sharded(args.index_dir):  # the router's manifest, and what each shard (opened here) holds in memory
         engine = EngineConfig().with_overrides(verify=not args.no_verify, filter_tier=args.filter_tier)
@@ -155,8 +158,8 @@ def _cmd_info(args) -> int:
 
 
 def _cmd_calibrate(args) -> int:
-    from fusionrag.retriever.calibrate import recalibrate
-    from fusionrag.retriever.vectors import open_vectors
+    from fusionrag.retriever.directory import recalibrate
+    from fusionrag.retriever.engine.vectors import open_vectors
 
     log = open_vectors(args.sample_queries)[:] if args.sample_queries else None
     cal = recalibrate(args.index_dir, log, args.calibrate_queries, args.target_recall, args.threads)
@@ -198,11 +201,11 @@ def _cmd_import(args) -> int:
         else:  # made for the import: its dimension from the vector file, the model, or --dimension
             dim = args.dimension
             if dim is None and args.vectors:
-                from fusionrag.retriever.vectors import open_vectors
+                from fusionrag.retriever.engine.vectors import open_vectors
 
                 dim = open_vectors(args.vectors).dim
             if dim is None and args.embedding:
-                from fusionrag.retriever.embedding import get_embedder
+                from fusionrag.retriever.collection.embedding import get_embedder
 
                 dim = get_embedder(args.embedding).dim
             if dim is None:

@@ -31,7 +31,7 @@ import numpy as np
 
 from fusionrag import __version__
 from fusionrag.retriever.collection import DEFAULT_TEXT_WEIGHT, Document, Hit
-from fusionrag.retriever.config import SearchOverrides, SearchParams
+from fusionrag.retriever.engine.config import SearchOverrides, SearchParams
 from fusionrag.retriever.errors import FusionRAGError, InputError, error_class
 
 T = TypeVar("T")

@@ -6,6 +6,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from integration_helpers import API_KEY, drop_collection, running_service
 from llama_index.core import Document, StorageContext, VectorStoreIndex
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.node_parser import SentenceSplitter
@@ -14,10 +15,8 @@ from llama_index.core.vector_stores.types import (FilterCondition, FilterOperato
                                                   VectorStoreQuery)
 
 from fusionrag.integrations.llamaindex import FusionRAGVectorStore, to_collection_filter
-from fusionrag.retriever.embedding import get_embedder
+from fusionrag.retriever.collection.embedding import get_embedder
 from fusionrag.retriever.errors import InputError
-from integration_helpers import API_KEY, drop_collection, running_service
-
 
 _EMBEDDED: dict[str, list[float]] = {}
 

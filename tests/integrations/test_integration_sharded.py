@@ -14,14 +14,14 @@ from conftest import clustered
 from integration_helpers import serving
 from langchain_core.embeddings import DeterministicFakeEmbedding
 from llama_index.core.schema import NodeRelationship, RelatedNodeInfo, TextNode
-from llama_index.core.vector_stores.types import (MetadataFilter, MetadataFilters, VectorStoreQuery,
-                                                  VectorStoreQueryMode)
+from llama_index.core.vector_stores.types import MetadataFilter, MetadataFilters, VectorStoreQuery, VectorStoreQueryMode
 
 from fusionrag.integrations.langchain import FusionRAGVectorStore as LangChainStore
 from fusionrag.integrations.llamaindex import FusionRAGVectorStore as LlamaIndexStore
-from fusionrag.retriever.config import BuildConfig
-from fusionrag.retriever.sharded import ShardedIndex, build_sharded
-from fusionrag.retriever.sharded_docs import ShardedCollection
+from fusionrag.retriever.engine.config import BuildConfig
+from fusionrag.retriever.sharded.build import build_sharded
+from fusionrag.retriever.sharded.docs import ShardedCollection
+from fusionrag.retriever.sharded.router import ShardedIndex
 from fusionrag.server.auth import KeyRing, parse_entries
 from fusionrag.server.ray_serve import MAX_DOCUMENTS, create_app
 

@@ -72,8 +72,8 @@ def indexed_kb(vllm_data) -> IndexedKB:
     """Written and merged into the data directory before vLLM starts (a merge through the API needs
     merge_fresh_count writes: 20000 MiniLM vectors cost a minute to index on this machine)."""
     from fusionrag.retriever.collection import Catalog, Document
-    from fusionrag.retriever.config import EngineConfig
-    from fusionrag.retriever.embedding import get_embedder
+    from fusionrag.retriever.collection.embedding import get_embedder
+    from fusionrag.retriever.engine.config import EngineConfig
 
     real = get_embedder("all-MiniLM-L6-v2").embed(list(PASSAGES.values()))
     rng = np.random.default_rng(0)
@@ -296,7 +296,7 @@ HONEY = {"id": "honey", "text": "Bees make honey from the nectar they gather fro
 
 
 def test_rag_retrieval_runs_through_the_index(vllm_server, tiny_llm, indexed_kb):
-    from fusionrag.retriever.embedding import get_embedder
+    from fusionrag.retriever.collection.embedding import get_embedder
 
     with _client(vllm_server) as c:
         state = c.get(f"/v1/collections/{indexed_kb.name}").json()["build_state"]
@@ -328,9 +328,10 @@ def test_rag_retrieval_runs_through_the_index(vllm_server, tiny_llm, indexed_kb)
 
 
 def test_langchain_store_through_the_plugin_reaches_the_index(vllm_server):
-    from fusionrag.integrations.langchain import FusionRAGVectorStore
-    from indexed_helpers import (DELETED, K, N_BEFORE, Lookup, check_index_path, corpus, remote_info, remote_search,
+    from indexed_helpers import (DELETED, N_BEFORE, K, Lookup, check_index_path, corpus, remote_info, remote_search,
                                  wait_merged)
+
+    from fusionrag.integrations.langchain import FusionRAGVectorStore
 
     data = corpus(seed=1)
     store = FusionRAGVectorStore(embedding=Lookup(data), url=vllm_server, api_key=KEY, collection="big", metric="l2")
@@ -378,7 +379,7 @@ def _advised_utilization(message: str) -> float:
 def gpu_tier(tmp_path, monkeypatch) -> Path:
     """A data directory with one indexed collection, opened by the plugin on the GPU tier."""
     from fusionrag.retriever.collection import Catalog, Document
-    from fusionrag.retriever.config import EngineConfig
+    from fusionrag.retriever.engine.config import EngineConfig
 
     catalog = Catalog(tmp_path, EngineConfig(filter_tier="cpu"))
     try:
@@ -395,7 +396,7 @@ def gpu_tier(tmp_path, monkeypatch) -> Path:
 
 
 def _budgets_held() -> list:
-    from fusionrag.retriever import gpu_tier
+    from fusionrag.retriever.engine import gpu_tier
 
     return [b for b in gpu_tier._budgets.values() if b.owners]
 
@@ -480,7 +481,7 @@ def test_offline_batch_rag(tiny_llm, tmp_path, monkeypatch):
 
     from fusionrag.integrations.vllm import rag_chat
     from fusionrag.retriever.collection import Catalog, Document
-    from fusionrag.retriever.embedding import get_embedder
+    from fusionrag.retriever.collection.embedding import get_embedder
     from fusionrag.retriever.errors import InputError
 
     catalog = Catalog(tmp_path)
@@ -522,9 +523,10 @@ def test_offline_batch_rag(tiny_llm, tmp_path, monkeypatch):
 def _sharded_kb(path: Path, vectors: np.ndarray):
     """DOCS written to a sharded collection over a built index of 3000 unit vectors near theirs."""
     from fusionrag.retriever.collection import Document
-    from fusionrag.retriever.config import BuildConfig
-    from fusionrag.retriever.sharded import ShardedIndex, build_sharded
-    from fusionrag.retriever.sharded_docs import ShardedCollection
+    from fusionrag.retriever.engine.config import BuildConfig
+    from fusionrag.retriever.sharded.build import build_sharded
+    from fusionrag.retriever.sharded.docs import ShardedCollection
+    from fusionrag.retriever.sharded.router import ShardedIndex
 
     rng = np.random.default_rng(0)
     base = np.asarray(vectors, np.float32)[rng.integers(0, len(vectors), 3000)] + \

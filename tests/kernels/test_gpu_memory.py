@@ -12,8 +12,8 @@ from conftest import clustered
 
 from fusionrag.kernels.pool import process_gpu_bytes
 from fusionrag.retriever import BuildConfig, Index
-from fusionrag.retriever import gpu_tier as gpu_tier_mod
-from fusionrag.retriever.gpu_tier import gpu_device
+from fusionrag.retriever.engine import gpu_tier as gpu_tier_mod
+from fusionrag.retriever.engine.gpu_tier import gpu_device
 
 CUDA = torch.cuda.is_available()
 ALLOCATING = ("empty", "zeros", "ones", "full", "empty_like", "zeros_like", "full_like", "arange", "tensor")

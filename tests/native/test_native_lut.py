@@ -8,9 +8,9 @@ from conftest import recall, tiny_lists
 
 from fusionrag.native import PqCodebooks, pq_luts, scan_topn_pq
 from fusionrag.retriever import BuildConfig, Index
-from fusionrag.retriever.pq import ProductQuantizer
-from fusionrag.retriever.tiers import BatchTables, CpuFilterTier
-from fusionrag.retriever.vectors import open_vectors
+from fusionrag.retriever.engine.pq import ProductQuantizer
+from fusionrag.retriever.engine.tiers import BatchTables, CpuFilterTier
+from fusionrag.retriever.engine.vectors import open_vectors
 
 EPS = np.finfo(np.float32).eps
 

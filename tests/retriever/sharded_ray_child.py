@@ -24,8 +24,9 @@ def main() -> None:
     with ray_cluster(2):
         import ray
 
-        from fusionrag.retriever.config import BuildConfig
-        from fusionrag.retriever.sharded import ShardedIndex, build_sharded
+        from fusionrag.retriever.engine.config import BuildConfig
+        from fusionrag.retriever.sharded.build import build_sharded
+        from fusionrag.retriever.sharded.router import ShardedIndex
 
         report["nodes"] = sum(1 for n in ray.nodes() if n["Alive"])
         base, queries = np.load(work / "base.npy"), np.load(work / "queries.npy")
@@ -51,7 +52,7 @@ def main() -> None:
         # with every list probed and every candidate re-ranked, the same answers before and after.
         import threading
 
-        from fusionrag.retriever.config import SearchParams
+        from fusionrag.retriever.engine.config import SearchParams
 
         everything = SearchParams(rerank=len(base) + 500, beta=0, nprobe=1 << 16, probe_ratio=0)
         rng = np.random.default_rng(4)

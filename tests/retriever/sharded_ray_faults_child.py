@@ -29,7 +29,7 @@ KILLED = 1  # the shard whose actor is killed
 
 def load(index, base, queries, stop, report, lock, written):
     """Two searchers and a writer until stop is set; what they saw goes into report."""
-    from fusionrag.retriever.config import SearchParams
+    from fusionrag.retriever.engine.config import SearchParams
     from fusionrag.retriever.errors import UnavailableError
 
     n = len(base)
@@ -152,7 +152,7 @@ def kill_a_node(index, base, queries, written, all_found, sig: int = signal.SIGK
 
 def kill_an_actor(index, base, queries, written, all_found, report) -> None:
     """Shard KILLED's actor process killed (SIGKILL) under load, restarted from its directory 4 s later."""
-    from fusionrag.retriever.config import SearchParams
+    from fusionrag.retriever.engine.config import SearchParams
 
     sole = np.flatnonzero((index.list_shards[:, 0] == KILLED) & (index.list_shards[:, 1] < 0))
     stop, lock = threading.Event(), threading.Lock()
@@ -192,8 +192,8 @@ def main() -> None:
     with ray_cluster(NODES, logs_to=work / "ray-logs"):  # the cluster's logs beside the stderr, should it fail
         import ray
 
-        from fusionrag.retriever.config import SearchParams
-        from fusionrag.retriever.sharded import ShardedIndex
+        from fusionrag.retriever.engine.config import SearchParams
+        from fusionrag.retriever.sharded.router import ShardedIndex
 
         report["nodes"] = sum(1 for n in ray.nodes() if n["Alive"])
         report["cluster_start_s"] = time.perf_counter() - t0

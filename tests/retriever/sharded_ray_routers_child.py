@@ -1,6 +1,6 @@
 """Run inside a network and PID namespace of its own (tests/retriever/test_sharded_ray.py): a two-node Ray cluster on
 127.0.0.1, the sharded index served by fusionrag.server.ray_serve with two router replicas following a leader
-(retriever/sharded_follow.py), asked over real HTTP. Prints one JSON line of what it saw; stops every Ray process it
+(retriever/sharded/follow.py), asked over real HTTP. Prints one JSON line of what it saw; stops every Ray process it
 started.
 
 usage: sharded_ray_routers_child.py WORKDIR   (WORKDIR holds queries.npy, idx/ and expect.npz, the in-process answers)

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from conftest import clustered
 
+from fusionrag.retriever.engine.kmeans import assign, hierarchical_balanced_kmeans, kmeans
+from fusionrag.retriever.engine.layout import PAGE, block_shape, chain_order, plan_layout
+from fusionrag.retriever.engine.manifest import FORMAT_VERSION, read_manifest, writing_index
+from fusionrag.retriever.engine.pq import ProductQuantizer, auto_m
 from fusionrag.retriever.errors import IndexFormatError
-from fusionrag.retriever.kmeans import assign, hierarchical_balanced_kmeans, kmeans
-from fusionrag.retriever.layout import PAGE, block_shape, chain_order, plan_layout
-from fusionrag.retriever.manifest import FORMAT_VERSION, read_manifest, writing_index
-from fusionrag.retriever.pq import ProductQuantizer, auto_m
 
 
 def test_balanced_kmeans_caps_cluster_size():

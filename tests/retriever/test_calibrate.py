@@ -1,4 +1,4 @@
-"""Build-time calibration of an index's default search settings (BuildConfig.calibrate, retriever/calibrate.py).
+"""Build-time calibration of an index's default search settings (BuildConfig.calibrate, retriever/engine/calibrate.py).
 
 Recall is measured here against brute force on held-out queries (not the rows calibration sampled), and the
 settings a search ran with are read from what it did (mini-batches re-ranked), not from the index's record."""
@@ -11,10 +11,10 @@ from conftest import exact_knn, recall
 
 from fusionrag.cli import main as cli_main
 from fusionrag.retriever import BuildConfig, Index
-from fusionrag.retriever.calibrate import LADDER
-from fusionrag.retriever.config import SearchOverrides, SearchParams
+from fusionrag.retriever.engine.calibrate import LADDER
+from fusionrag.retriever.engine.config import SearchOverrides, SearchParams
+from fusionrag.retriever.engine.vectors import write_bin
 from fusionrag.retriever.errors import ConfigError, IndexFormatError
-from fusionrag.retriever.vectors import write_bin
 from fusionrag.server.requests import search_params
 
 N, DIM = 12000, 96
@@ -130,7 +130,7 @@ def test_small_collections_skip_calibration(tmp_path):
 def test_a_merge_calibrates_again_once_the_index_has_grown(built, tmp_path):
     """A collection's incremental merges grow its index up to 4x before a rebuild: a generation that has grown
     past what its calibration measured is measured again, on its own rows; a small merge keeps the settings."""
-    from fusionrag.retriever.merge import merge_index
+    from fusionrag.retriever.engine.merge import merge_index
 
     config = BuildConfig(threads=1, pq_m=8)
     small, grown = built["base"][:1500], built["base"][1500:]
@@ -176,7 +176,7 @@ def test_a_graph_navigated_index_gets_the_narrowest_beam_that_holds_its_recall(b
     (against brute force) keep what the full beam gave them and a search at the defaults probes no more lists than
     the narrow beam allows; on the flat data, whose neighbours spread over many lists, the full beam. Exactly
     navigated indexes are not narrowed (their lists cost the same at any nprobe)."""
-    from fusionrag.retriever.calibrate import BEAM_SLACK, BEAMS
+    from fusionrag.retriever.engine.calibrate import BEAM_SLACK, BEAMS
 
     base, q = (clustered(N, 1), clustered(400, 2)) if data == "clustered" else (built["base"], built["queries"])
     m = Index.build(base, tmp_path / "g", BuildConfig(threads=1, navigation="graph"), progress=False)
@@ -240,7 +240,8 @@ def test_bad_overrides_are_refused_when_made():
 def test_a_sharded_build_calibrates_its_router_and_requests_apply_over_it(built, tmp_path, capsys):
     """The router measures rows searched across its shards (each row's own id dropped from what is found, as a
     sharded search has no exclude bitmap); ShardedIndex.open takes the choice, and knobs apply over it."""
-    from fusionrag.retriever.sharded import ShardedIndex, build_sharded
+    from fusionrag.retriever.sharded.build import build_sharded
+    from fusionrag.retriever.sharded.router import ShardedIndex
 
     # 4 PQ bytes: each of the 2 shards re-ranks its own 200 candidates, so at 8 the defaults already reach 0.97.
     m = build_sharded(built["base"], tmp_path / "sh", 2, BuildConfig(threads=1, pq_m=4), progress=False)
@@ -310,7 +311,7 @@ def test_a_collections_info_says_which_search_settings_its_index_uses(built, tmp
 def test_an_index_built_without_calibration_is_calibrated_afterwards_as_its_build_would(built, tmp_path, capsys):
     """fusionrag calibrate: the stored rows, read back from the page file, measure what the build's source rows
     did; on a query log it measures the log; the rewritten manifest still verifies."""
-    from fusionrag.retriever.calibrate import recalibrate
+    from fusionrag.retriever.engine.calibrate import recalibrate
     from fusionrag.retriever.errors import InputError
 
     path = tmp_path / "later"
@@ -343,8 +344,9 @@ def test_a_sharded_index_is_calibrated_afterwards_across_its_shards_with_its_wri
     by brute force on each shard (built and written vectors), merged at the router, measure what the build's
     source rows did; writes join the truth; a served index (its shards' locks held) and a shard part are
     refused, leaving the manifests as they were. A merge that grows it past its calibration measures again."""
-    from fusionrag.retriever.calibrate import recalibrate
-    from fusionrag.retriever.sharded import ShardedIndex, build_sharded
+    from fusionrag.retriever.directory import recalibrate
+    from fusionrag.retriever.sharded.build import build_sharded
+    from fusionrag.retriever.sharded.router import ShardedIndex
 
     config = BuildConfig(threads=1, pq_m=4)
     at_build = build_sharded(built["base"], tmp_path / "on", 2, config, progress=False)["calibration"]

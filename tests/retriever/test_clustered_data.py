@@ -14,8 +14,8 @@ from conftest import clustered, exact_knn, recall, status_bytes
 
 from fusionrag.retriever import BuildConfig, EngineConfig, Index
 from fusionrag.retriever.collection import Catalog, CollectionConfig, Document
-from fusionrag.retriever.kmeans import sq_dists
-from fusionrag.retriever.tiers import exhaustive_is_cheap
+from fusionrag.retriever.engine.kmeans import sq_dists
+from fusionrag.retriever.engine.tiers import exhaustive_is_cheap
 
 N, DIM = 20000, 128
 
@@ -97,7 +97,7 @@ def test_a_collection_answers_every_query_in_full(tmp_path):
 def test_exact_nearest_in_chunks_of_queries_is_the_same(monkeypatch):
     """A batch larger than a chunk (a GPU tier's 1024 queries) is cut into chunks of queries: the same lists and
     distances as one pass, checked against a full sort of the distances computed apart."""
-    import fusionrag.retriever.tiers as tiers
+    import fusionrag.retriever.engine.tiers as tiers
 
     rng = np.random.default_rng(3)
     centroids = rng.standard_normal((500, 16)).astype(np.float32)
@@ -117,8 +117,8 @@ def test_exact_navigation_holds_no_copy_of_the_centroids(tmp_path):
     peak resident set while 1,024 queries navigate in the CPU tier's batches of 64, against 8,000 x 256 centroids
     (an 8 MiB copy), and checked against brute force over the decoded codes."""
     from fusionrag import native
-    from fusionrag.retriever.config import SearchParams
-    from fusionrag.retriever.tiers import NavigationTier
+    from fusionrag.retriever.engine.config import SearchParams
+    from fusionrag.retriever.engine.tiers import NavigationTier
 
     cents = clustered(8000, 256, 400, seed=11)
     g = native.Graph(256, "l2", M=4, ef_construction=8, seed=1)  # never searched: exact navigation
@@ -186,7 +186,7 @@ def test_a_build_records_how_its_rows_found_their_lists_and_its_queries_go_so(tm
     """BuildConfig.navigation: 'graph' assigns rows by the graph, as queries then find lists, even where exact
     distances are cheap; 'exact' assigns them exactly, and queries go exactly, even beyond auto's limit. The
     choice is the manifest's, not the rule's of the day: a build whose rows went one way is searched that way."""
-    from fusionrag.retriever import tiers
+    from fusionrag.retriever.engine import tiers
 
     x = clustered(N, DIM, N // 100, seed=3)
     # One build thread: a graph built on two depends on how their insertions interleave (rows held by their
@@ -222,9 +222,9 @@ def test_an_index_without_the_record_navigates_as_its_build_did_and_a_merge_reco
     record, so that lists split later do not move it across the limit. A garbled record is refused by name."""
     import json
 
-    from fusionrag.retriever import tiers
+    from fusionrag.retriever.engine import tiers
+    from fusionrag.retriever.engine.merge import merge_index
     from fusionrag.retriever.errors import IndexFormatError
-    from fusionrag.retriever.merge import merge_index
 
     x = clustered(4000, 16, 40, seed=8)  # 400 centroids x 16
     Index.build(x, tmp_path / "old", BuildConfig(metric="l2"), progress=False)

@@ -8,8 +8,8 @@ import pytest
 from conftest import clustered, exact_knn, recall
 
 from fusionrag.retriever.collection import Catalog, CollectionConfig, Document
+from fusionrag.retriever.collection.wal import WriteAheadLog
 from fusionrag.retriever.errors import ConflictError, InputError, NotFoundError
-from fusionrag.retriever.wal import WriteAheadLog
 
 DIM = 16
 

@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 from conftest import clustered, exact_knn, recall
 
-from fusionrag.retriever.collection import Catalog, CollectionConfig, Document
+from fusionrag.retriever.collection import Catalog, CollectionConfig, Document, docstore
+from fusionrag.retriever.collection.filters import compile_filter
 from fusionrag.retriever.errors import InputError
-from fusionrag.retriever import docstore
-from fusionrag.retriever.filters import compile_filter
 
 DIM = 16
 META = [

@@ -7,9 +7,9 @@ import pytest
 from conftest import clustered, exact_knn, recall
 
 from fusionrag.retriever import BuildConfig, Index
-from fusionrag.retriever.vectors import normalize
 from fusionrag.retriever.collection import Catalog, CollectionConfig, Document
-from fusionrag.retriever.merge import merge_index
+from fusionrag.retriever.engine.merge import merge_index
+from fusionrag.retriever.engine.vectors import normalize
 
 DIM = 12  # 48-byte records: 85 to a block, which leaves 16 bytes of it unused
 

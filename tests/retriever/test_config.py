@@ -12,7 +12,7 @@ import pytest
 
 from fusionrag.cli import build_parser, main
 from fusionrag.retriever.collection.config import CollectionConfig
-from fusionrag.retriever.config import BuildConfig, EngineConfig, SearchParams, knobs
+from fusionrag.retriever.engine.config import BuildConfig, EngineConfig, SearchParams, knobs
 from fusionrag.retriever.errors import ConfigError
 
 CONFIGS = (BuildConfig, SearchParams, EngineConfig, CollectionConfig)

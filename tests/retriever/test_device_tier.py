@@ -1,4 +1,4 @@
-"""The device tier (retriever/device_tier.py: a batch's navigation, lists, scan, top-n and re-rank on the GPU)
+"""The device tier (retriever/engine/device_tier.py: a batch's navigation, lists, scan, top-n and re-rank on the GPU)
 against the CPU tier on real indexes. Without a GPU it runs on CPU tensors through Triton's interpreter
 (conftest.py sets TRITON_INTERPRET=1), holding its parts as tensors of its device and crossing to it only through
 its uploads, as on a GPU.
@@ -14,11 +14,11 @@ from conftest import clustered, exact_knn, recall
 
 from fusionrag.kernels.pool import DeviceBudget
 from fusionrag.retriever import BuildConfig, ConfigError, EngineConfig, Index
-from fusionrag.retriever import device_tier as device_tier_mod
-from fusionrag.retriever import gpu_tier as gpu_tier_mod
 from fusionrag.retriever.collection import Catalog, CollectionConfig, Document
-from fusionrag.retriever.device_tier import DeviceTier
-from fusionrag.retriever.gpu_tier import GpuFilterTier
+from fusionrag.retriever.engine import device_tier as device_tier_mod
+from fusionrag.retriever.engine import gpu_tier as gpu_tier_mod
+from fusionrag.retriever.engine.device_tier import DeviceTier
+from fusionrag.retriever.engine.gpu_tier import GpuFilterTier
 
 DIM = 24
 DEVICE = dict(filter_tier="gpu", gpu_search="device", gpu_budget_bytes=128 << 20, batch_size=16)
@@ -216,10 +216,10 @@ def test_auto_opens_both_tiers_and_sends_each_call_to_the_cheaper_one(built, mon
     """#47 part 7: under filter_tier 'auto' with CUDA both tiers are open, over the same host parts; each call
     goes to the tier measured cheaper for its size (TierChoice), says which served it, and answers as that tier
     alone does. The costs are set here (the interpreter's are not a GPU's): the device cheaper from 8 queries."""
-    from fusionrag.retriever import pipeline
+    from fusionrag.retriever.engine import pipeline
 
     _, base, queries, path = built
-    monkeypatch.setattr(pipeline, "_cuda_available", lambda: True)
+    monkeypatch.setattr(pipeline, "cuda_available", lambda: True)
     auto = Index.open(path, EngineConfig(**{**DEVICE, "filter_tier": "auto"}))
     cpu = Index.open(path, EngineConfig(filter_tier="cpu"))
     assert isinstance(auto.filter, DeviceTier) and auto.cpu_beside is not None

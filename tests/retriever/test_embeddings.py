@@ -14,20 +14,20 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from integration_helpers import API_KEY, running_service
 from langchain_core.embeddings import DeterministicFakeEmbedding, Embeddings
 from llama_index.core import Document as LIDocument
 from llama_index.core import StorageContext, VectorStoreIndex
 from llama_index.core.base.embeddings.base import BaseEmbedding
+from terminal import run_on_terminal
 from transformers import AutoModel, AutoTokenizer
 
 from fusionrag.integrations import langchain as lc
 from fusionrag.integrations import llamaindex as li
 from fusionrag.retriever.collection import Catalog
-from fusionrag.retriever.embedding import get_embedder
+from fusionrag.retriever.collection.embedding import get_embedder
 from fusionrag.retriever.errors import ConfigError
 from fusionrag.server.demo import corpus
-from integration_helpers import API_KEY, running_service
-from terminal import run_on_terminal
 
 MODEL = "all-MiniLM-L6-v2"
 LONG = " ".join(f"word{i}" for i in range(600))  # far past the model's 256 tokens: cut the same way

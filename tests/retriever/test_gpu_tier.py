@@ -24,12 +24,12 @@ from fusionrag.kernels import adc_scan, pq_table, topn
 from fusionrag.kernels.pool import DeviceBudget
 from fusionrag.kernels.variants import launched
 from fusionrag.retriever import BuildConfig, ConfigError, EngineConfig, Index
-from fusionrag.retriever import gpu_tier as gpu_tier_mod
 from fusionrag.retriever.collection import Catalog, CollectionConfig, Document
-from fusionrag.retriever.gpu_tier import CHUNK, GpuFilterTier, default_budget, gpu_device
-from fusionrag.retriever.overlap import overlapped
-from fusionrag.retriever.tiers import CpuFilterTier
-from fusionrag.retriever.vectors import open_vectors
+from fusionrag.retriever.engine import gpu_tier as gpu_tier_mod
+from fusionrag.retriever.engine.gpu_tier import CHUNK, GpuFilterTier, default_budget, gpu_device
+from fusionrag.retriever.engine.overlap import overlapped
+from fusionrag.retriever.engine.tiers import CpuFilterTier
+from fusionrag.retriever.engine.vectors import open_vectors
 
 CUDA = torch.cuda.is_available()
 # The lists tier (gpu_tier.py); the device tier has its own tests (test_device_tier.py).

@@ -13,8 +13,8 @@ import pytest
 from conftest import clustered, exact_knn, recall
 
 from fusionrag.retriever import BuildConfig, ConfigError, Index, IndexFormatError, InputError
-from fusionrag.retriever.manifest import FORMAT_VERSION
-from fusionrag.retriever.vectors import open_vectors, write_bin
+from fusionrag.retriever.engine.manifest import FORMAT_VERSION
+from fusionrag.retriever.engine.vectors import open_vectors, write_bin
 
 EXHAUSTIVE = dict(nprobe=100000, probe_ratio=0, rerank=100000, beta=0)
 
@@ -175,7 +175,7 @@ def test_single_query_and_batching(small):
 
 
 def test_batch_size_zero_picks_per_tier(small):
-    from fusionrag.retriever.config import CPU_BATCH, GPU_BATCH, EngineConfig
+    from fusionrag.retriever.engine.config import CPU_BATCH, GPU_BATCH, EngineConfig
 
     assert EngineConfig().batch_for("cpu") == CPU_BATCH and EngineConfig().batch_for("gpu") == GPU_BATCH
     assert EngineConfig(batch_size=5).batch_for("gpu") == 5
@@ -190,7 +190,7 @@ def test_cpu_only_search_never_imports_torch(small):
     base, queries, path = small
     code = (
         "import sys, numpy as np\n"
-        "import fusionrag.retriever.tiers as tiers\n"
+        "import fusionrag.retriever.engine.tiers as tiers\n"
         "tiers.GPU_DEVICE_NODES = ('/nonexistent/nvidiactl',)\n"
         "from fusionrag.retriever import Index\n"
         f"index = Index.open({str(path)!r})\n"
@@ -444,7 +444,7 @@ def test_killed_build_leaves_no_index(tmp_path):
 def test_batch_plan_changes_no_answer(small):
     """EngineConfig.batch_plan: the CPU filter tier scans shared lists once per group of queries; the
     candidates, answers and per-query counts are those of the per-query scan, with and without exclusions."""
-    from fusionrag.retriever.config import EngineConfig
+    from fusionrag.retriever.engine.config import EngineConfig
 
     assert EngineConfig().batch_plan is False and "batch_plan" in EngineConfig.__dataclass_fields__
     _, queries, path = small

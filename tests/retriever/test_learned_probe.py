@@ -13,10 +13,10 @@ from conftest import clustered, exact_knn, recall
 from fusionrag.cli import main as cli_main
 from fusionrag.retriever import BuildConfig, Index
 from fusionrag.retriever.collection import Catalog, CollectionConfig, Document
-from fusionrag.retriever.config import SearchParams
+from fusionrag.retriever.engine.config import SearchParams
+from fusionrag.retriever.engine.learned_probe import MODEL_FILE, N_FEATURES, ProbeModel
+from fusionrag.retriever.engine.merge import merge_index
 from fusionrag.retriever.errors import ConfigError, IndexFormatError, InputError
-from fusionrag.retriever.learned_probe import MODEL_FILE, N_FEATURES, ProbeModel
-from fusionrag.retriever.merge import merge_index
 
 N, DIM = 6000, 24
 CONFIG = BuildConfig(threads=1, centroid_ratio=0.05, probe_model=True)

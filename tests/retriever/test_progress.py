@@ -13,7 +13,7 @@ from conftest import clustered
 from terminal import run_on_terminal
 
 from fusionrag.retriever.collection import Catalog, CollectionConfig, Document
-from fusionrag.retriever.pq import auto_m
+from fusionrag.retriever.engine.pq import auto_m
 
 BUILD_STEPS = ["clustering", "graph", "pq training", "assigning", "ordering pages", "writing pages", "calibrating"]
 MERGE_STEPS = ["assigning", "copying pages", "splitting lists", "pq encoding", "calibrating"]

@@ -9,12 +9,12 @@ import pytest
 from conftest import clustered
 
 from fusionrag.retriever import BuildConfig, Index, InputError
-from fusionrag.retriever import index as index_mod
-from fusionrag.retriever import queries as queries_mod
 from fusionrag.retriever.collection import Catalog, CollectionConfig, Document
-from fusionrag.retriever.pipeline import QueryBatch
-from fusionrag.retriever.queries import PreparedQueries, check_queries, prepare_queries
-from fusionrag.retriever.tiers import CpuFilterTier
+from fusionrag.retriever.engine import index as index_mod
+from fusionrag.retriever.engine import queries as queries_mod
+from fusionrag.retriever.engine.pipeline import QueryBatch
+from fusionrag.retriever.engine.queries import PreparedQueries, check_queries, prepare_queries
+from fusionrag.retriever.engine.tiers import CpuFilterTier
 
 RETRIEVER = Path(index_mod.__file__).resolve().parent
 DIM = 16
@@ -40,9 +40,9 @@ def imports_of(module: Path) -> set[str]:
 
 
 def test_neither_filter_tier_module_imports_the_other():
-    assert "fusionrag.retriever.gpu_tier" not in imports_of(RETRIEVER / "tiers.py")
-    assert "fusionrag.retriever.tiers" not in imports_of(RETRIEVER / "gpu_tier.py")
-    assert "fusionrag.retriever.filtering" in imports_of(RETRIEVER / "tiers.py") & imports_of(RETRIEVER / "gpu_tier.py")
+    assert "fusionrag.retriever.engine.gpu_tier" not in imports_of(RETRIEVER / "tiers.py")
+    assert "fusionrag.retriever.engine.tiers" not in imports_of(RETRIEVER / "gpu_tier.py")
+    assert "fusionrag.retriever.engine.filtering" in imports_of(RETRIEVER / "tiers.py") & imports_of(RETRIEVER / "gpu_tier.py")
 
 
 def test_the_cpu_tier_says_what_it_can_do(cosine_index):

@@ -1,4 +1,4 @@
-"""What one tenant may take from the others, in the engine (retriever/quota.py): collections that close their files
+"""What one tenant may take from the others, in the engine (retriever/collection/quota.py): collections that close their files
 while idle, a reserve of descriptors no collection takes, caps on how many collections there are, and a bulk
 import that is claimed before its files arrive, so that it is never dropped in silence (#48)."""
 
@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 from conftest import clustered
 
-from fusionrag.retriever import quota
-from fusionrag.retriever.collection import Catalog, CollectionConfig, Document
+from fusionrag.retriever.collection import Catalog, CollectionConfig, Document, quota
 from fusionrag.retriever.errors import ConflictError, QuotaError, StorageError, UnavailableError
 
 DIM = 8

@@ -21,7 +21,7 @@ from conftest import clustered
 from server_util import ServerProcess
 
 from fusionrag.retriever.collection import Catalog, CollectionConfig, Document
-from fusionrag.retriever.docstore import MAX_READERS, DocStore
+from fusionrag.retriever.collection.docstore import MAX_READERS, DocStore
 from fusionrag.retriever.errors import ConflictError, InputError, NotFoundError, UnavailableError
 
 DIM = 16

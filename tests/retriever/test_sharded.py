@@ -1,4 +1,4 @@
-"""Sharded mode (retriever/sharded.py): a router part and S shard parts; placement by expected work with
+"""Sharded mode (retriever/sharded/): a router part and S shard parts; placement by expected work with
 replicas of the hottest lists; the query path in this process and through Ray actors on a two-node
 cluster on 127.0.0.1, in a network namespace of the test's own."""
 
@@ -12,12 +12,15 @@ from conftest import clustered, exact_knn, recall
 from ray_namespace import LOOPBACK, in_namespace, netns_works
 
 from fusionrag.cli import main as cli_main
-from fusionrag.retriever.build import build_index
-from fusionrag.retriever.config import BuildConfig, SearchParams
+from fusionrag.retriever.engine.build import build_index
+from fusionrag.retriever.engine.config import BuildConfig, SearchParams
+from fusionrag.retriever.engine.index import Index
 from fusionrag.retriever.errors import ConfigError, IndexFormatError, InputError
-from fusionrag.retriever.index import Index
-from fusionrag.retriever.sharded import (ShardedIndex, ShardServer, build_sharded, is_sharded, part_name,
-                                         place_lists)
+from fusionrag.retriever.sharded.build import build_sharded
+from fusionrag.retriever.sharded.parts import is_sharded, part_name
+from fusionrag.retriever.sharded.placement import place_lists
+from fusionrag.retriever.sharded.router import ShardedIndex
+from fusionrag.retriever.sharded.shard import ShardServer
 
 CHILD = Path(__file__).with_name("sharded_ray_child.py")
 N, DIM = 4000, 24
@@ -376,7 +379,7 @@ def test_the_probe_model_is_sklearns_trees_as_arrays():
     """The stored trees predict what the scikit-learn model they came from predicts."""
     from sklearn.ensemble import GradientBoostingRegressor
 
-    from fusionrag.retriever.learned_probe import N_FEATURES, ProbeModel
+    from fusionrag.retriever.engine.learned_probe import N_FEATURES, ProbeModel
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((600, N_FEATURES)).astype(np.float32)
@@ -431,7 +434,7 @@ def test_a_restarted_shard_goes_to_a_node_whose_raylet_answers_and_not_where_it_
     another node than the one it died on while another answers."""
     import socket
 
-    from fusionrag.retriever import sharded
+    from fusionrag.retriever.sharded import actors as sharded
 
     a, b, c, d = (f"{i:02x}" * 28 for i in range(1, 5))  # node ids as Ray writes them (56 hex digits)
 
@@ -464,20 +467,20 @@ def test_a_restarted_shard_goes_to_a_node_whose_raylet_answers_and_not_where_it_
                     return "actor"
             return Options()
 
-    monkeypatch.setattr(sharded, "_ray", lambda: FakeRay)
+    monkeypatch.setattr(sharded, "require_ray", lambda: FakeRay)
     try:
-        assert sharded._reachable_nodes(FakeRay) == [a, c]
+        assert sharded.reachable_nodes(FakeRay) == [a, c]
         for s in range(4):  # shard s on the s-th answering node: never b (refuses), never d (dead)
-            sharded._start_actor("p", None, None, {}, s)
+            sharded.start_actor("p", None, None, {}, s)
         assert [p.node_id for p in placed] == [a, c, a, c] and not any(p.soft for p in placed)
         placed.clear()
-        sharded._start_actor("p", None, None, {}, 0, avoid=a)  # died on a: c, though a answers
-        sharded._start_actor("p", None, None, {}, 1, avoid=c)
+        sharded.start_actor("p", None, None, {}, 0, avoid=a)  # died on a: c, though a answers
+        sharded.start_actor("p", None, None, {}, 1, avoid=c)
         # Hard: a soft affinity let a raylet hand a restart on to a node that had died (the node-crash test).
         assert [p.node_id for p in placed] == [c, a] and not any(p.soft for p in placed)
         for sock in listening:
             sock.close()
-        assert sharded._reachable_nodes(FakeRay) == [a, b, c]  # none answers: every node Ray counts alive
+        assert sharded.reachable_nodes(FakeRay) == [a, b, c]  # none answers: every node Ray counts alive
     finally:
         for sock in listening:
             sock.close()

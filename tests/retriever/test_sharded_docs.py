@@ -1,4 +1,4 @@
-"""Documents in sharded mode (retriever/sharded_docs.py): string ids, texts, metadata and filters over a sharded
+"""Documents in sharded mode (retriever/sharded/docs.py): string ids, texts, metadata and filters over a sharded
 index, shards in this process. Answers are checked against exact search in numpy over the documents a filter passes
 (the filter evaluated here, in Python, not by the engine), and the documents against what was written; they survive
 a shard's restart, the router's reopening, and a doc store that lags its shard's log."""
@@ -10,11 +10,13 @@ import pytest
 from conftest import clustered, sharded_copy
 
 from fusionrag.retriever.collection import Document
-from fusionrag.retriever.config import BuildConfig, SearchParams
+from fusionrag.retriever.engine.config import BuildConfig, SearchParams
 from fusionrag.retriever.errors import InputError, UnavailableError
-from fusionrag.retriever.sharded import NAMED_IDS, ShardedIndex, build_sharded
-from fusionrag.retriever.sharded_docs import ShardedCollection, numeric_id
-from fusionrag.retriever.sharded_writes import DOCS
+from fusionrag.retriever.sharded.build import build_sharded
+from fusionrag.retriever.sharded.docs import ShardedCollection, numeric_id
+from fusionrag.retriever.sharded.parts import NAMED_IDS
+from fusionrag.retriever.sharded.router import ShardedIndex
+from fusionrag.retriever.sharded.writes import DOCS
 
 N, DIM, K = 3000, 16, 10
 CONFIG = BuildConfig(threads=1, centroid_ratio=0.05)
@@ -310,8 +312,8 @@ def test_bm25_with_given_statistics_is_sqlites_own(tmp_path):
     import json
     import sqlite3
 
-    from fusionrag.retriever.docstore import DocStore
-    from fusionrag.retriever.filters import compile_filter
+    from fusionrag.retriever.collection.docstore import DocStore
+    from fusionrag.retriever.collection.filters import compile_filter
 
     rng = np.random.default_rng(8)
     n = 300
@@ -353,7 +355,7 @@ def test_text_search_scores_with_every_shards_statistics(unreplicated, base, tmp
     the reference); each shard's own counts score them otherwise."""
     import json
 
-    from fusionrag.retriever.docstore import DocStore
+    from fusionrag.retriever.collection.docstore import DocStore
 
     c = sharded_copy(unreplicated, tmp_path / "idx")
     try:
@@ -409,7 +411,7 @@ def reference_store(path, docs):
     """One SQLite store holding each of these documents once: SQLite's own bm25() over it is the reference."""
     import json
 
-    from fusionrag.retriever.docstore import DocStore
+    from fusionrag.retriever.collection.docstore import DocStore
 
     ref = DocStore(path, DIM, create=True)
     ref.begin()
@@ -485,7 +487,7 @@ def test_a_logged_document_keeps_its_owner_and_a_garbled_one_is_refused():
     import json
 
     from fusionrag.retriever.errors import IndexFormatError
-    from fusionrag.retriever.sharded_writes import UPSERT_DOCS, decode, encode
+    from fusionrag.retriever.sharded.writes import UPSERT_DOCS, decode, encode
 
     ids, vecs = np.array([5, 9]), np.ones((2, 3), np.float32)
     docs = [("a", "x y", "{}"), ("b", None, '{"k": 1}', 2)]

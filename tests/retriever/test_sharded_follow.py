@@ -1,4 +1,4 @@
-"""More than one router (retriever/sharded_follow.py): followers search with the leader's shards and write state,
+"""More than one router (retriever/sharded/follow.py): followers search with the leader's shards and write state,
 shards in this process (the same over Ray Serve: test_sharded_ray.py). A follower answers as the leader does, sees
 each write the leader acknowledged from its next search on, fails over when a shard is down, takes a restarted
 shard back, and refuses writes."""
@@ -11,11 +11,12 @@ import pytest
 from conftest import clustered
 
 from fusionrag.retriever.collection import Document
-from fusionrag.retriever.config import BuildConfig
+from fusionrag.retriever.engine.config import BuildConfig
 from fusionrag.retriever.errors import ConfigError, UnavailableError
-from fusionrag.retriever.sharded import ShardedIndex, build_sharded
-from fusionrag.retriever.sharded_docs import ShardedCollection
-from fusionrag.retriever.sharded_follow import FollowerCollection, ShardedFollower
+from fusionrag.retriever.sharded.build import build_sharded
+from fusionrag.retriever.sharded.docs import ShardedCollection
+from fusionrag.retriever.sharded.follow import FollowerCollection, ShardedFollower
+from fusionrag.retriever.sharded.router import ShardedIndex
 
 N, DIM, K = 3000, 16, 10
 

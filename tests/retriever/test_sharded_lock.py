@@ -14,9 +14,12 @@ import numpy as np
 import pytest
 from conftest import clustered
 
-from fusionrag.retriever.config import BuildConfig
+from fusionrag.retriever.engine.config import BuildConfig
 from fusionrag.retriever.errors import ConflictError
-from fusionrag.retriever.sharded import ShardedIndex, ShardServer, build_sharded, part_name
+from fusionrag.retriever.sharded.build import build_sharded
+from fusionrag.retriever.sharded.parts import part_name
+from fusionrag.retriever.sharded.router import ShardedIndex
+from fusionrag.retriever.sharded.shard import ShardServer
 
 DIM = 16
 
@@ -34,7 +37,7 @@ def _holder(shard_dir, hold_s: float) -> subprocess.Popen:
     code = textwrap.dedent(f"""
         import sys, time
         import numpy as np
-        from fusionrag.retriever.sharded import ShardServer
+        from fusionrag.retriever.sharded.shard import ShardServer
         shard = ShardServer({str(shard_dir)!r})
         shard.upsert(np.array([777_001]), np.ones((1, {DIM}), np.float32))
         print("open", flush=True)
@@ -52,7 +55,7 @@ def test_a_second_router_is_turned_away_and_a_failed_open_lets_go_of_every_shard
         with pytest.raises(ConflictError, match=f"already open \\(process {os.getpid()} on "):
             ShardedIndex.open(sharded)
         # Another process is turned away too, naming this one.
-        p = subprocess.run([sys.executable, "-c", f"from fusionrag.retriever.sharded import ShardServer; "
+        p = subprocess.run([sys.executable, "-c", f"from fusionrag.retriever.sharded.shard import ShardServer; "
                             f"ShardServer({str(sharded / part_name(1))!r})"], capture_output=True, text=True)
         assert p.returncode != 0 and f"process {os.getpid()} on" in p.stderr, p.stderr[-2000:]
     finally:

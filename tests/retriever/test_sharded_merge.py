@@ -1,4 +1,4 @@
-"""A shard's fresh tier and tombstones merged into a new generation of its index (retriever/sharded_merge.py,
+"""A shard's fresh tier and tombstones merged into a new generation of its index (retriever/sharded/generations.py,
 ShardServer.merge), shards in this process: with every list probed and every candidate re-ranked the answers are
 the same before and after, id for id and distance for distance, and so after the index is reopened or a shard
 restarted; at the defaults a merged vector is found by its own vector; writes made while a merge runs are kept;
@@ -11,14 +11,16 @@ import numpy as np
 import pytest
 from conftest import clustered, sharded_copy
 
-import fusionrag.retriever.merge as merge_module
-import fusionrag.retriever.sharded as sharded_module
+import fusionrag.retriever.engine.merge as merge_module
+import fusionrag.retriever.sharded.shard as sharded_module
 from fusionrag.retriever.collection import Document
-from fusionrag.retriever.config import BuildConfig, SearchParams
+from fusionrag.retriever.engine.config import BuildConfig, SearchParams
 from fusionrag.retriever.errors import IndexFormatError
-from fusionrag.retriever.sharded import NAMED_IDS, ShardedIndex, build_sharded
-from fusionrag.retriever.sharded_docs import ShardedCollection
-from fusionrag.retriever.sharded_merge import CURRENT, current_part, load_global_ids
+from fusionrag.retriever.sharded.build import build_sharded
+from fusionrag.retriever.sharded.docs import ShardedCollection
+from fusionrag.retriever.sharded.generations import CURRENT, current_part, load_global_ids
+from fusionrag.retriever.sharded.parts import NAMED_IDS
+from fusionrag.retriever.sharded.router import ShardedIndex
 
 N, DIM, K = 3000, 16, 10
 CONFIG = BuildConfig(threads=1, centroid_ratio=0.05)

@@ -12,8 +12,8 @@ import pytest
 from conftest import clustered
 from ray_namespace import LOOPBACK, in_namespace, netns_works
 
-from fusionrag.retriever.config import BuildConfig
-from fusionrag.retriever.sharded import build_sharded
+from fusionrag.retriever.engine.config import BuildConfig
+from fusionrag.retriever.sharded.build import build_sharded
 
 FAULTS_CHILD = Path(__file__).with_name("sharded_ray_faults_child.py")
 SERVE_CHILD = Path(__file__).with_name("sharded_ray_serve_child.py")
@@ -84,7 +84,7 @@ def test_a_worker_node_crashed_under_load_on_three_nodes(ray_namespace, tmp_path
 
 def two_shards_answered(work: Path) -> None:
     """A two-shard index in work/idx, queries.npy, and expect.npz: their answers with the shards in this process."""
-    from fusionrag.retriever.sharded import ShardedIndex
+    from fusionrag.retriever.sharded.router import ShardedIndex
 
     base = clustered(3000, 16, 20, seed=5, spread=0.6)
     queries = clustered(30, 16, 20, seed=6, spread=0.6)

@@ -1,4 +1,4 @@
-"""Writes to a sharded index (retriever/sharded.py, sharded_writes.py) and its faults, shards in this process: each
+"""Writes to a sharded index (retriever/sharded/, sharded/writes.py) and its faults, shards in this process: each
 shard's own log and fresh tier, failover to replicas, missing lists reported, a shard restarted from its directory.
 The same on a Ray cluster: test_sharded_ray.py."""
 
@@ -8,12 +8,14 @@ import numpy as np
 import pytest
 from conftest import clustered
 
-from fusionrag.retriever.build import build_index
-from fusionrag.retriever.config import BuildConfig, SearchParams
+from fusionrag.retriever.collection.fresh import distances
+from fusionrag.retriever.engine.build import build_index
+from fusionrag.retriever.engine.config import BuildConfig, SearchParams
+from fusionrag.retriever.engine.index import Index
 from fusionrag.retriever.errors import InputError, UnavailableError
-from fusionrag.retriever.fresh import distances
-from fusionrag.retriever.index import Index
-from fusionrag.retriever.sharded import ShardedIndex, _merge, build_sharded
+from fusionrag.retriever.sharded.build import build_sharded
+from fusionrag.retriever.sharded.parts import merge_topk
+from fusionrag.retriever.sharded.router import ShardedIndex
 
 N, DIM, K = 3000, 16, 10
 CONFIG = BuildConfig(threads=1, centroid_ratio=0.05)
@@ -63,7 +65,7 @@ class Reference:
             d = distances(q, x, (x * x).sum(1), "l2").astype(np.float32)
             order = np.argsort(d, axis=1, kind="stable")[:, :k]
             parts.append((ids[order], np.take_along_axis(d, order, 1)))
-        return _merge(parts, k)
+        return merge_topk(parts, k)
 
 
 def assert_same(res, ref_ids, ref_d):
@@ -243,7 +245,8 @@ def test_searches_beside_writes_with_a_shard_down(data):
 def test_a_shard_that_does_not_answer_in_time_is_taken_for_down_and_healed(data, monkeypatch):
     import time
 
-    from fusionrag.retriever.sharded import ShardServer, part_name
+    from fusionrag.retriever.sharded.parts import part_name
+    from fusionrag.retriever.sharded.shard import ShardServer
 
     path = fresh_copy(data, "w4", replicate=0.3)
     q = data["queries"]

@@ -18,10 +18,9 @@ import pytest
 from conftest import clustered, exact_knn, recall
 from server_util import ServerProcess
 
-from fusionrag.retriever import importer, quota
-from fusionrag.retriever.collection import Catalog, CollectionConfig, Document
+from fusionrag.retriever.collection import Catalog, CollectionConfig, Document, importer, quota
+from fusionrag.retriever.engine.vectors import write_bin
 from fusionrag.retriever.errors import ConflictError, InputError, StorageError
-from fusionrag.retriever.vectors import write_bin
 
 DIM = 16
 
@@ -421,7 +420,7 @@ def test_import_of_vectors_and_sidecar_builds_the_index_directly(files):
 
 
 def test_import_of_json_lines_later_lines_win_and_a_model_embeds_texts(tmp_path):
-    from fusionrag.retriever.embedding import get_embedder
+    from fusionrag.retriever.collection.embedding import get_embedder
 
     lines = [{"id": "a", "text": "the first version"}, {"id": "b", "text": "asyncio runs event loops"},
              {"id": "a", "text": "tombstones keep deleted documents out of results"}, {"text": "no id given"}]
@@ -441,8 +440,7 @@ def test_import_progress_moves_as_texts_are_embedded(tmp_path, monkeypatch):
     """#49: progress sat at "staging vectors 0/5000" for minutes while a chunk of 4,096 texts was embedded; it now
     moves by each batch of EMBED_BATCH texts embedded (the steps seen by the collection's progress, as its info
     reports them)."""
-    from fusionrag.retriever import importer
-    from fusionrag.retriever.collection import api
+    from fusionrag.retriever.collection import api, importer
 
     rng = np.random.default_rng(2)
     n = 700
@@ -460,7 +458,7 @@ def test_import_progress_moves_as_texts_are_embedded(tmp_path, monkeypatch):
     monkeypatch.setattr(importer, "EMBED_BATCH", 64)
     cat = Catalog(tmp_path / "data", collection_config=CollectionConfig(min_index_count=2))
     col = cat.create("c", 16, "l2")
-    monkeypatch.setattr("fusionrag.retriever.embedding.get_embedder", lambda name: Embedder())
+    monkeypatch.setattr("fusionrag.retriever.collection.embedding.get_embedder", lambda name: Embedder())
     col.embedding = "fake"
     seen = []
     step = api.Collection._merge_step

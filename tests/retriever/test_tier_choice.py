@@ -1,4 +1,4 @@
-"""The choice of filter tier per call (retriever/tier_choice.py), from measured costs: each size measured on each
+"""The choice of filter tier per call (retriever/engine/tier_choice.py), from measured costs: each size measured on each
 tier first, the cheaper chosen after, the other tried once in EXPLORE calls, first calls not counted, and the
 crossover the service's micro-batcher waits for."""
 
@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from fusionrag.retriever.tier_choice import BUCKETS, TierChoice, bucket
+from fusionrag.retriever.engine.tier_choice import BUCKETS, TierChoice, bucket
 
 
 def test_call_sizes_fall_in_power_of_two_buckets():

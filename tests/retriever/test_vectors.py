@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
+from fusionrag.retriever.engine.vectors import open_vectors, write_bin, write_vecs
 from fusionrag.retriever.errors import VectorFileError
-from fusionrag.retriever.vectors import open_vectors, write_bin, write_vecs
 
 
 @pytest.mark.parametrize("ext,dtype", [(".fbin", np.float32), (".u8bin", np.uint8), (".i8bin", np.int8),

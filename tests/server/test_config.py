@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fusionrag.cli import build_parser
-from fusionrag.retriever.config import knobs
+from fusionrag.retriever.engine.config import knobs
 from fusionrag.retriever.errors import ConfigError
 from fusionrag.server.config import ENV_PREFIX, ServerConfig, load_config
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fusionrag.retriever.embedding import get_embedder
+from fusionrag.retriever.collection.embedding import get_embedder
 from fusionrag.retriever.errors import ConfigError
 from fusionrag.server.auth import KeyRing
 from fusionrag.server.config import ServerConfig, load_config
@@ -122,7 +122,7 @@ def test_service_engine_settings_reach_the_index(tmp_path, monkeypatch, policy, 
     """--buffer-policy, --record-cache, --pipeline and --rerank-prefetch open every collection's index with them:
     the policy as the native page buffer reports it, the record cache as the native store sizes it, whether a
     call's batches overlapped as the engine's batch loop ran them, and whether the store read blocks ahead."""
-    import fusionrag.retriever.index as index_module
+    import fusionrag.retriever.engine.index as index_module
     from fusionrag.retriever.collection import Document
     from fusionrag.server.life import open_catalog
 

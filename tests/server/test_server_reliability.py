@@ -299,7 +299,7 @@ expected-statuses = ["2xx", "401", "403", "404", "409", "422"]
 def test_a_search_checks_and_normalises_its_queries_once(app_client, monkeypatch):
     """The route checks the vectors (a bad query fails its own request, not its batch) and hands them on
     prepared: neither the collection nor its index checks or normalises them again."""
-    from fusionrag.retriever import queries as queries_mod
+    from fusionrag.retriever.engine import queries as queries_mod
 
     with app_client() as c:
         assert c.app.state.fusionrag.ready.wait(30)

@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 from server_util import ServerProcess
 
-from fusionrag.retriever import quota
+from fusionrag.retriever.collection import quota
 
 DIM = 16
 KEYS = "key-a-000000 a-*\nkey-b-000000 b-*\n"

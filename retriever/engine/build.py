@@ -19,20 +19,20 @@ import numpy as np
 
 from fusionrag import __version__
 from fusionrag.native import Graph, PageWriter
-from fusionrag.retriever.calibrate import calibrate, calibrate_build
-from fusionrag.retriever.config import BuildConfig, cpu_threads
+from fusionrag.retriever.engine.calibrate import calibrate, calibrate_build
+from fusionrag.retriever.engine.config import BuildConfig, cpu_threads
+from fusionrag.retriever.engine.kmeans import hierarchical_balanced_kmeans
+from fusionrag.retriever.engine.layout import chain_order, plan_layout
+from fusionrag.retriever.engine.learned_probe import csr_lists_of, save_probe_model, train_probe_model
+from fusionrag.retriever.engine.manifest import writing_index
+from fusionrag.retriever.engine.pq import ProductQuantizer, auto_m
+from fusionrag.retriever.engine.tiers import build_navigation, nearest_exhaustive
+from fusionrag.retriever.engine.vectors import (STORAGE_DTYPES, VectorFile, as_source, check_vectors, normalize,
+                                                storage_dtype)
 from fusionrag.retriever.errors import ConfigError, InputError
-from fusionrag.retriever.kmeans import hierarchical_balanced_kmeans
-from fusionrag.retriever.learned_probe import csr_lists_of, save_probe_model, train_probe_model
-from fusionrag.retriever.layout import chain_order, plan_layout
-from fusionrag.retriever.manifest import writing_index
-from fusionrag.retriever.pq import ProductQuantizer, auto_m
 from fusionrag.retriever.progress import OnProgress, Progress
-from fusionrag.retriever.tiers import build_navigation, nearest_exhaustive
-from fusionrag.retriever.vectors import (STORAGE_DTYPES, VectorFile, as_source, check_vectors, normalize,
-                                        storage_dtype)
 
-_CHUNK = 65536
+CHUNK_ROWS = 65536
 
 
 def internal_metric(metric: str) -> str:
@@ -62,7 +62,7 @@ def save_index_files(w, block_crc, graph, list_offsets, list_ids, codebooks, cod
     w.save_array("locations.npy", np.asarray(locations, dtype=np.uint32))
 
 
-class _IntegralCheck:
+class IntegralCheck:
     """Float data whose every value is an integer in a byte's range (SIFT, say) is stored as
     bytes: exactly the same distances, a quarter of the SSD reads."""
 
@@ -83,7 +83,7 @@ class _IntegralCheck:
         return None
 
 
-class _Rows:
+class Rows:
     """Vectors of the source as the engine sees them: float32, unit length under cosine."""
 
     def __init__(self, src: VectorFile, metric: str):
@@ -191,8 +191,8 @@ def write_pages(w, stored, n: int, dim: int, store_dtype: np.dtype, primary: np.
                         layout.pages_per_block)
     by_slot = np.argsort(slots, kind="stable")
     with steps.step("writing pages", n) as update:
-        for s in range(0, n, _CHUNK):
-            ids = by_slot[s:s + _CHUNK]
+        for s in range(0, n, CHUNK_ROWS):
+            ids = by_slot[s:s + CHUNK_ROWS]
             read_order = np.argsort(ids)  # read the source in file order, write in slot order
             recs = np.empty((len(ids), dim), dtype=store_dtype)
             recs[read_order] = stored(ids[read_order])
@@ -245,8 +245,8 @@ def train_single_probe(graph, rows, n: int, list_offsets: np.ndarray, list_ids: 
                        threads: int, navigation: str, sample_queries: np.ndarray | None = None):
     """(model, manifest entry) of learned pruning for a single index: up to config.probe_queries of the sample
     queries (a query log, in the engine's form), else of the data's rows, probed as SearchParams() probes."""
-    from fusionrag.retriever.config import SearchParams
-    from fusionrag.retriever.tiers import NavigationTier
+    from fusionrag.retriever.engine.config import SearchParams
+    from fusionrag.retriever.engine.tiers import NavigationTier
 
     nav = NavigationTier(graph, config.metric == "ip", threads, navigation)
     rng = np.random.default_rng(config.seed + 2)
@@ -286,8 +286,8 @@ def build_index(source, out_dir, config: BuildConfig = BuildConfig(), progress: 
         sample_queries = sample_query_matrix(sample_queries, dim, metric)
     threads = cpu_threads(config.threads)
     rng = np.random.default_rng(config.seed)
-    rows = _Rows(src, metric)
-    integral = _IntegralCheck(src.dtype, metric)
+    rows = Rows(src, metric)
+    integral = IntegralCheck(src.dtype, metric)
     timings = {}
     steps = Progress(progress, on_progress)
 
@@ -302,8 +302,8 @@ def build_index(source, out_dir, config: BuildConfig = BuildConfig(), progress: 
     primary = np.empty(n, dtype=np.int64)
     pair_lists, pair_ids = [], []
     with steps.step("assigning", n) as update:
-        for s in range(0, n, _CHUNK):
-            ids = np.arange(s, min(n, s + _CHUNK))
+        for s in range(0, n, CHUNK_ROWS):
+            ids = np.arange(s, min(n, s + CHUNK_ROWS))
             x = rows(ids)
             integral.update(x)
             primary[ids], lists, members, codes[ids] = assign_rows(assign_graph, pq, ids, x, config, threads, exact)

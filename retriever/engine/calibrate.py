@@ -31,10 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
-from fusionrag.retriever.config import EngineConfig, SearchParams
+from fusionrag.retriever.engine.config import EngineConfig, SearchParams
+from fusionrag.retriever.engine.learned_probe import exact_topk
+from fusionrag.retriever.engine.manifest import MANIFEST, rewrite_manifest
 from fusionrag.retriever.errors import ConfigError, IndexFormatError
-from fusionrag.retriever.learned_probe import exact_topk
-from fusionrag.retriever.manifest import MANIFEST, rewrite_manifest
 
 K = 10
 # (rerank, beta): the class defaults first, then about 1.5x the candidates and the patience a rung (on the 1M
@@ -70,7 +70,7 @@ def search_defaults(manifest: dict, path) -> SearchParams:
         raise IndexFormatError(f"{path}: the manifest's search_defaults are not search settings ({e})") from e
 
 
-def _sample(rows, n: int, queries: int, seed: int, sample_queries: np.ndarray | None):
+def sample_for_calibration(rows, n: int, queries: int, seed: int, sample_queries: np.ndarray | None):
     """(rows sampled: their ids, or None for a query log; the queries; what they are)."""
     rng = np.random.default_rng(seed + 3)
     if sample_queries is None:
@@ -79,7 +79,7 @@ def _sample(rows, n: int, queries: int, seed: int, sample_queries: np.ndarray | 
     return None, sample_queries[rng.permutation(len(sample_queries))[:queries]], "sample queries"
 
 
-def _climb(search, q: np.ndarray, truth: np.ndarray, target: float, graph: bool = False) -> tuple[list, dict]:
+def climb(search, q: np.ndarray, truth: np.ndarray, target: float, graph: bool = False) -> tuple[list, dict]:
     """LADDER's rungs up to the first whose recall (search(q, params) -> ids) reaches target: (tried, chosen).
     graph (the lists are found by the navigation graph): then the beam narrowed (_narrow)."""
     tried, chosen = [], {}
@@ -111,7 +111,7 @@ def _narrow(search, q: np.ndarray, truth: np.ndarray, target: float, full: float
     return chosen
 
 
-def _entry(q, source: str, target: float, tried: list, chosen: dict, t0: float, n: int) -> dict:
+def calibration_entry(q, source: str, target: float, tried: list, chosen: dict, t0: float, n: int) -> dict:
     return {"queries": int(len(q)), "source": source, "target_recall": target, "tried": tried,
             "params": chosen, "count": int(n), "seconds": round(time.perf_counter() - t0, 2)}
 
@@ -131,7 +131,7 @@ def merge_remeasures(old: dict, count: int, calibrate_on: bool) -> bool:
     return max(count / measured, measured / max(1, count)) >= REMEASURE_GROWTH
 
 
-def _engine(threads: int) -> EngineConfig:
+def calibration_engine(threads: int) -> EngineConfig:
     return EngineConfig(filter_tier="cpu", manager_interval_s=0, threads=threads, verify=False)
 
 
@@ -153,12 +153,12 @@ def calibrate(index_dir: Path, rows, n: int, engine_metric: str, queries: int, t
               threads: int, sample_queries: np.ndarray | None = None) -> dict:
     """The manifest's "calibration" entry for the complete (not yet published) index in index_dir: recall of each
     rung tried, and "params", the SearchParams fields of the one chosen (empty: the class defaults)."""
-    from fusionrag.retriever.index import Index
+    from fusionrag.retriever.engine.index import Index
 
     t0 = time.perf_counter()
     if sample_queries is None and n < MIN_ROWS:
         return {"skipped": f"fewer than {MIN_ROWS} rows", "params": {}, "count": int(n)}
-    own, q, source = _sample(rows, n, queries, seed, sample_queries)
+    own, q, source = sample_for_calibration(rows, n, queries, seed, sample_queries)
     exclude = None
     if own is None:
         truth = exact_topk(rows, n, q, K, engine_metric)
@@ -168,83 +168,27 @@ def calibrate(index_dir: Path, rows, n: int, engine_metric: str, queries: int, t
         exclude = np.packbits(mask, bitorder="little")
         wide = exact_topk(rows, n, q, K + len(own), engine_metric)
         truth = np.array([t[(t >= 0) & ~mask[np.maximum(t, 0)]][:K] for t in wide])
-    index = Index.open(index_dir, _engine(threads))
+    index = Index.open(index_dir, calibration_engine(threads))
     try:
-        tried, chosen = _climb(lambda q, p: index.search(q, K, p, exclude=exclude).ids, q, truth, target,
+        tried, chosen = climb(lambda q, p: index.search(q, K, p, exclude=exclude).ids, q, truth, target,
                                graph=not index.nav.exhaustive)
     finally:
         index.close()
-    return _entry(q, source, target, tried, chosen, t0, n)
+    return calibration_entry(q, source, target, tried, chosen, t0, n)
 
 
-def _sharded_found(index, self_id: np.ndarray, own: bool):
-    """search(q, params) -> ids over an open ShardedIndex, as calibration reads them: where the queries are rows
-    of the data (own), each searched for with K + 1 and its own id (self_id) dropped from what is found, since a
-    sharded search has no exclude bitmap."""
-    k = K + 1 if own else K
-
-    def found(q: np.ndarray, p: SearchParams) -> np.ndarray:
-        ids = index.search(q, k, p, partial=False).ids
-        return np.array([r[r != s][:K] for r, s in zip(ids, self_id)])
-
-    return found
 
 
-def calibrate_sharded(index_dir: Path, rows, n: int, engine_metric: str, queries: int, target: float, seed: int,
-                      threads: int, sample_queries: np.ndarray | None = None) -> dict:
-    """calibrate() for a sharded index's router (staged in index_dir), its shards opened here, in this process,
-    and the build's rows at hand for the truth. A sampled row is searched for with K + 1 and its own id dropped
-    from what is found, as from the truth; the other sampled rows stay in the data."""
-    from fusionrag.retriever.sharded import ShardedIndex
-
-    t0 = time.perf_counter()
-    if sample_queries is None and n < MIN_ROWS:
-        return {"skipped": f"fewer than {MIN_ROWS} rows", "params": {}, "count": int(n)}
-    own, q, source = _sample(rows, n, queries, seed, sample_queries)
-    self_id = np.full(len(q), -1, np.int64) if own is None else own.astype(np.int64)
-    truth = exact_topk(rows, n, q, K, engine_metric, exclude=None if own is None else self_id)
-    index = ShardedIndex.open(index_dir, _engine(threads), verify=False)
-    try:
-        tried, chosen = _climb(_sharded_found(index, self_id, own is not None), q, truth, target,
-                               graph=not index.nav.exhaustive)
-    finally:
-        index.close()
-    return _entry(q, source, target, tried, chosen, t0, n)
 
 
-def calibrate_open_sharded(index, queries: int, target: float, seed: int,
-                           sample_queries: np.ndarray | None = None) -> dict:
-    """calibrate() through an open ShardedIndex (its shards threads of this process or Ray actors), after it was
-    built: rows sampled from its live vectors, built and written since (each shard's live ids; the sample's
-    vectors fetched as its documents' are), or a query log; their truth by brute force on each shard over what
-    it holds (ShardServer.exact), merged at the router. Nothing is gathered whole at the router."""
-    from fusionrag.retriever.sharded import _merge
-
-    t0 = time.perf_counter()
-    live = np.unique(np.concatenate(index._every_shard("live_ids", (), "listing live ids")).astype(np.int64))
-    n = len(live)
-    if sample_queries is None and n < MIN_ROWS:
-        return {"skipped": f"fewer than {MIN_ROWS} rows", "params": {}, "count": int(n)}
-
-    def rows(pos: np.ndarray) -> np.ndarray:
-        ids = live[pos]
-        docs = index.documents(ids, with_vectors=True)
-        return np.stack([np.asarray(docs[int(i)][3], np.float32) for i in ids])
-
-    own, q, source = _sample(rows, n, queries, seed, sample_queries)
-    self_id = np.full(len(q), -1, np.int64) if own is None else live[own]
-    truth = _merge(index._every_shard("exact", (q, K, self_id), "brute force for calibration"), K)[0]
-    tried, chosen = _climb(_sharded_found(index, self_id, own is not None), q, truth, target,
-                           graph=not index.nav.exhaustive)
-    return _entry(q, source, target, tried, chosen, t0, n)
 
 
 def page_rows(index):
     """rows(ids) over an opened index's page file: the stored vectors (float32, as the index holds them: unit
     length under cosine), gathered through a read-only memory map, for the brute-force truth of an index already
     built. Holds its own copy of the slot map, so it outlives the index's closing."""
-    from fusionrag.retriever.layout import PageLayout
-    from fusionrag.retriever.vectors import STORAGE_DTYPES
+    from fusionrag.retriever.engine.layout import PageLayout
+    from fusionrag.retriever.engine.vectors import STORAGE_DTYPES
 
     layout = PageLayout(**index.manifest["pages"])
     dtype = np.dtype({v: k for k, v in STORAGE_DTYPES.items()}[index.reranker.dtype])
@@ -269,15 +213,12 @@ def recalibrate(index_dir, sample_queries=None, queries: int | None = None, targ
     as a build does. For an index built before calibration, or one whose build's sample does not stand for the
     queries it gets. queries, target: calibrate_queries and target_recall (the build's, where None). An index
     opened elsewhere keeps the settings it opened with until it is opened again. Returns the calibration."""
-    from fusionrag.retriever.build import internal_metric, sample_query_matrix
-    from fusionrag.retriever.config import cpu_threads
-    from fusionrag.retriever.index import Index
-    from fusionrag.retriever.sharded import is_sharded
+    from fusionrag.retriever.engine.build import internal_metric, sample_query_matrix
+    from fusionrag.retriever.engine.config import cpu_threads
+    from fusionrag.retriever.engine.index import Index
 
     path = Path(index_dir)
     threads = cpu_threads(threads)
-    if is_sharded(path):
-        return _recalibrate_sharded(path, sample_queries, queries, target, threads)
     index = Index.open(path, EngineConfig(filter_tier="cpu", manager_interval_s=0, threads=threads))
     try:
         m = index.manifest
@@ -304,22 +245,9 @@ def write_calibration(path: Path, cal: dict) -> dict:
 def config_of(m: dict, queries: int | None, target: float | None):
     """The BuildConfig a recalibration measures with: the build's calibrate_queries and target_recall where not
     given (the class defaults for an older build)."""
-    from fusionrag.retriever.config import BuildConfig
+    from fusionrag.retriever.engine.config import BuildConfig
 
     built, d = m.get("build_config") or {}, BuildConfig()
     return d.with_overrides(
         calibrate_queries=built.get("calibrate_queries", d.calibrate_queries) if queries is None else queries,
         target_recall=built.get("target_recall", d.target_recall) if target is None else target), built
-
-
-def _recalibrate_sharded(path: Path, sample_queries, queries: int | None, target: float | None,
-                         threads: int) -> dict:
-    """recalibrate() for a sharded index: its shards opened here (refused while another process serves them:
-    each shard part's lock), measured through them (ShardedIndex.calibrate)."""
-    from fusionrag.retriever.sharded import ShardedIndex
-
-    index = ShardedIndex.open(path, _engine(threads))
-    try:
-        return index.calibrate(sample_queries, queries, target)
-    finally:
-        index.close()

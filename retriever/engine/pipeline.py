@@ -10,11 +10,11 @@ from typing import Callable
 
 import numpy as np
 
-from fusionrag.retriever.config import EngineConfig, SearchParams
+from fusionrag.retriever.engine.config import EngineConfig, SearchParams
+from fusionrag.retriever.engine.filtering import Candidates, FilterTier
+from fusionrag.retriever.engine.tiers import CpuFilterTier, cuda_available
+from fusionrag.retriever.engine.vectors import normalize
 from fusionrag.retriever.errors import ConfigError
-from fusionrag.retriever.filtering import Candidates, FilterTier
-from fusionrag.retriever.tiers import CpuFilterTier, _cuda_available
-from fusionrag.retriever.vectors import normalize
 
 STAT_KEYS = ("centroids_probed", "candidates", "unique_candidates", "minibatches", "reranked",
              "page_mates", "resident_scored", "records_cached", "pages_read", "pages_buffered", "graph_s", "lut_s", "scan_s", "rerank_s")
@@ -92,7 +92,7 @@ class DeviceParts:
 def filter_kind(config: EngineConfig) -> str:
     """'cpu' or 'gpu': config.filter_tier, 'gpu' under 'auto' when CUDA is there (and torch and triton installed)."""
     kind = config.filter_tier
-    return ("gpu" if _cuda_available() else "cpu") if kind == "auto" else kind
+    return ("gpu" if cuda_available() else "cpu") if kind == "auto" else kind
 
 
 def open_filter_tier(config: EngineConfig, list_offsets: np.ndarray, list_ids: np.ndarray, codes: np.ndarray,
@@ -109,11 +109,11 @@ def open_filter_tier(config: EngineConfig, list_offsets: np.ndarray, list_ids: n
                              batch_plan=config.batch_plan)
     # Imported here, not above: the GPU tiers import torch, which a CPU-only process never needs.
     from fusionrag.kernels.pool import BudgetError
-    from fusionrag.retriever.gpu_tier import GpuFilterTier, gpu_device, shared_account
+    from fusionrag.retriever.engine.gpu_tier import GpuFilterTier, gpu_device, shared_account
 
     account = shared_account(gpu_device(), config.gpu_budget_bytes, config.gpu_memory_utilization, owner)
     if device is not None and config.gpu_search != "lists":
-        from fusionrag.retriever.device_tier import DeviceTier
+        from fusionrag.retriever.engine.device_tier import DeviceTier
 
         try:
             return DeviceTier(device.centroids(), device.augmented, list_offsets, list_ids, codes, codebooks,

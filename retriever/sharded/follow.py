@@ -34,12 +34,13 @@ from typing import Any
 
 import numpy as np
 
-from fusionrag.retriever.config import EngineConfig, SearchParams, cpu_threads
+from fusionrag.retriever.engine.config import EngineConfig, SearchParams, cpu_threads
+from fusionrag.retriever.engine.learned_probe import load_probe_model
+from fusionrag.retriever.engine.tiers import NavigationTier
 from fusionrag.retriever.errors import ConfigError
-from fusionrag.retriever.learned_probe import load_probe_model
-from fusionrag.retriever.sharded import ShardedIndex, ShardServer
-from fusionrag.retriever.sharded_docs import ShardedCollection, ShardedSearch
-from fusionrag.retriever.tiers import NavigationTier
+from fusionrag.retriever.sharded.docs import ShardedCollection, ShardedSearch
+from fusionrag.retriever.sharded.router import ShardedIndex
+from fusionrag.retriever.sharded.shard import ShardServer
 
 FOLLOWER_RECHECK_S = 2.0  # a shard this follower found down, while the leader counts it alive: tried again after
 

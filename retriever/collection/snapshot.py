@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-from fusionrag.retriever import quota
+from fusionrag.retriever.collection import quota
+from fusionrag.retriever.engine.manifest import fsync_path
 from fusionrag.retriever.errors import IndexFormatError, InputError
-from fusionrag.retriever.manifest import fsync_path
 
 if TYPE_CHECKING:
     from fusionrag.retriever.collection import Collection

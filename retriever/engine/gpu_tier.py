@@ -41,8 +41,8 @@ from fusionrag.kernels.pool import ALIGN, OVERHEAD, BlockPool, BudgetAccount, Bu
 from fusionrag.kernels.pq_table import KSUB, pq_tables
 from fusionrag.kernels.topn import topn as select_topn
 from fusionrag.kernels.variants import Variant, compile_all
+from fusionrag.retriever.engine.filtering import Candidates
 from fusionrag.retriever.errors import ConfigError, InputError
-from fusionrag.retriever.filtering import Candidates
 
 # Working memory per block beyond the batch's tables: a few MiB hold a batch of typical queries
 # (~50 bytes per gathered ID); more only lets a huge batch go in fewer passes.

@@ -1,15 +1,15 @@
 """Writes to one shard of a sharded index (docs/sharded.md, "Writes"): the shard's own log and fresh tier.
 
-A shard part's directory gains `wal.log` (the collection's log format, retriever/wal.py) at its first
+A shard part's directory gains `wal.log` (the collection's log format, retriever/collection/wal.py) at its first
 write. Each record is an upsert (ids, vectors in the engine's form) or a delete (ids); a write is
 appended and fsynced before the shard acknowledges it, and replayed in order when the shard is opened
 again (after a crash, or when its actor is re-created from its directory). In memory:
 
-- the fresh tier (retriever/fresh.py): vectors upserted to this shard, searched exactly;
+- the fresh tier (retriever/collection/fresh.py): vectors upserted to this shard, searched exactly;
 - tombstones: the shard index's own vectors deleted or replaced since the build (a bitmap the filter
   tier skips, as a collection's tombstones are);
-- the documents' names, texts and metadata (`docs.sqlite`, a collection's doc store, retriever/docstore.py, its
-  rows the index's ids), for the documents written with them (sharded_docs.py): made at the first such write,
+- the documents' names, texts and metadata (`docs.sqlite`, a collection's doc store, retriever/collection/docstore.py, its
+  rows the index's ids), for the documents written with them (sharded/docs.py): made at the first such write,
   each write applied to it in the write's own transaction with the log sequence number it applied, so replay
   after a crash applies exactly the records it lacks.
 
@@ -25,10 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-from fusionrag.retriever.docstore import DocStore
+from fusionrag.retriever.collection.docstore import DocStore
+from fusionrag.retriever.collection.fresh import FreshTier, FreshView
+from fusionrag.retriever.collection.wal import WriteAheadLog
 from fusionrag.retriever.errors import IndexFormatError, InputError, StorageError
-from fusionrag.retriever.fresh import FreshTier, FreshView
-from fusionrag.retriever.wal import WriteAheadLog
 
 WAL = "wal.log"
 DOCS = "docs.sqlite"

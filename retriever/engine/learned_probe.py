@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from fusionrag.retriever.engine.kmeans import sq_dists
+from fusionrag.retriever.engine.manifest import load_array
 from fusionrag.retriever.errors import ConfigError, IndexFormatError
-from fusionrag.retriever.kmeans import sq_dists
-from fusionrag.retriever.manifest import load_array
 
 MODEL_FILE = "probe_model.npy"
 _ROWS = 65536  # data rows at a time in exact_topk

@@ -44,9 +44,9 @@ from fusionrag.kernels.pool import ALIGN, OVERHEAD, BudgetAccount, BudgetError
 from fusionrag.kernels.pq_table import pq_tables
 from fusionrag.kernels.topn import EMPTY, unpack_keys
 from fusionrag.kernels.variants import Variant, compile_all
-from fusionrag.retriever.config import SearchParams
+from fusionrag.retriever.engine.config import SearchParams
+from fusionrag.retriever.engine.filtering import Candidates
 from fusionrag.retriever.errors import InputError
-from fusionrag.retriever.filtering import Candidates
 
 MIN_WORK, MAX_WORK = 4 << 20, 1 << 30  # working memory a tier reserves: chunks of a batch fit in it
 ALLOCATOR_SLACK = 24 << 20  # as gpu_tier: room for the caching allocator's rounding in a measured budget

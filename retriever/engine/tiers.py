@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from fusionrag import native
-from fusionrag.retriever.config import EngineConfig, SearchParams
+from fusionrag.retriever.engine.config import EngineConfig, SearchParams
+from fusionrag.retriever.engine.filtering import Candidates
+from fusionrag.retriever.engine.kmeans import sq_dists
+from fusionrag.retriever.engine.learned_probe import ProbeModel, probe_features
 from fusionrag.retriever.errors import ConfigError, IndexFormatError
-from fusionrag.retriever.filtering import Candidates
-from fusionrag.retriever.kmeans import sq_dists
-from fusionrag.retriever.learned_probe import ProbeModel, probe_features
 
 
 @dataclass(frozen=True)
@@ -210,7 +210,7 @@ class CpuFilterTier:
 GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd")
 
 
-def _cuda_available() -> bool:
+def cuda_available() -> bool:
     """Without a GPU driver's device nodes there is no CUDA: say so without importing torch,
     which alone would add ~200 MB to the resident memory of a CPU-only search process."""
     if "torch" not in sys.modules:

@@ -172,7 +172,7 @@ def _field_validator(cls, name: str) -> TypeAdapter:
     return adapter
 
 
-class _Config:
+class ConfigBase:
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -242,7 +242,7 @@ def flags_of(args: argparse.Namespace, cls, skip=()) -> dict:
 # --- the engine's configs --------------------------------------------------------------------------------
 
 @config_class
-class BuildConfig(_Config):
+class BuildConfig(ConfigBase):
     """How an index is built. Defaults are meant to be good on real data without tuning."""
 
     metric: Annotated[Metric, knob("distance: l2, ip (inner product) or cosine")] = "l2"
@@ -267,7 +267,7 @@ class BuildConfig(_Config):
                                            "to every centroid), graph, or auto (exact where it is as cheap)")] = "auto"
     threads: Annotated[int, knob("build threads (0: all cores)", ge=0)] = 0
     seed: Annotated[int, knob("random seed of the build (k-means, the graph, samples)")] = 0
-    # Learned pruning (retriever/learned_probe.py): a quantile regression of how many lists, in probe order, hold
+    # Learned pruning (retriever/engine/learned_probe.py): a quantile regression of how many lists, in probe order, hold
     # a query's true top-10, fitted on rows of the data as queries (search with probe='learned'). Needs
     # scikit-learn at build time only. Measured against the ratio rule: docs/tuning.md.
     probe_model: Annotated[bool, knob("train learned pruning's model (search --probe learned; needs scikit-learn "
@@ -275,7 +275,7 @@ class BuildConfig(_Config):
     probe_queries: Annotated[int, knob("rows of the data the probe model is trained on", ge=10, le=100_000)] = 1000
     probe_quantile: Annotated[float, knob("the probe model predicts the lists enough for this share of queries",
                                           gt=0, lt=1)] = 0.9
-    # Build-time calibration (retriever/calibrate.py): recall@10 of sample queries at the default search settings,
+    # Build-time calibration (retriever/engine/calibrate.py): recall@10 of sample queries at the default search settings,
     # and, where it falls short of target_recall (flat data), the re-rank raised until it does; the index keeps
     # the result as its default SearchParams. Measured: docs/tuning.md#calibration, bench/results/calibration_*.md.
     calibrate: Annotated[bool, knob("measure recall@10 at the default search settings on sample queries and raise "
@@ -291,7 +291,7 @@ class BuildConfig(_Config):
 
 
 @config_class
-class SearchParams(_Config):
+class SearchParams(ConfigBase):
     """Per-request knobs of the query path (steps 3-6 of the design)."""
 
     # m: the distance-ratio rule may probe fewer per query. How the default was chosen: docs/tuning.md.
@@ -351,7 +351,7 @@ def resolve_params(params: "SearchParams | SearchOverrides | dict | None", base:
 
 
 @config_class
-class EngineConfig(_Config):
+class EngineConfig(ConfigBase):
     """How an opened index uses the machine. What each knob was measured to do: docs/tuning.md,
     docs/engine.md and bench/results/."""
 

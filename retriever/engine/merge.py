@@ -30,16 +30,16 @@ from pathlib import Path
 import numpy as np
 
 from fusionrag import native
-from fusionrag.retriever.build import internal_metric, nearest_rows, save_index_files
-from fusionrag.retriever.calibrate import calibrate, calibrate_build, merge_remeasures
-from fusionrag.retriever.config import BuildConfig, cpu_threads
-from fusionrag.retriever.index import Index
-from fusionrag.retriever.kmeans import kmeans
-from fusionrag.retriever.layout import PageLayout
-from fusionrag.retriever.learned_probe import MODEL_FILE
-from fusionrag.retriever.manifest import load_array, writing_index
+from fusionrag.retriever.engine.build import internal_metric, nearest_rows, save_index_files
+from fusionrag.retriever.engine.calibrate import calibrate, calibrate_build, merge_remeasures
+from fusionrag.retriever.engine.config import BuildConfig, cpu_threads
+from fusionrag.retriever.engine.index import Index
+from fusionrag.retriever.engine.kmeans import kmeans
+from fusionrag.retriever.engine.layout import PageLayout
+from fusionrag.retriever.engine.learned_probe import MODEL_FILE
+from fusionrag.retriever.engine.manifest import load_array, writing_index
+from fusionrag.retriever.engine.vectors import STORAGE_DTYPES
 from fusionrag.retriever.progress import OnProgress, Progress
-from fusionrag.retriever.vectors import STORAGE_DTYPES
 
 _DTYPES = {v: k for k, v in STORAGE_DTYPES.items()}
 _NEIGHBOURS = 8  # lists around a split whose vectors may join the new centroid

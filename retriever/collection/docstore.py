@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fusionrag.retriever.collection.filters import TYPES, field_rows
 from fusionrag.retriever.errors import IndexFormatError, StorageError
-from fusionrag.retriever.filters import TYPES, field_rows
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS docs (

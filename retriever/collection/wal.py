@@ -19,7 +19,7 @@ import threading
 import zlib
 from pathlib import Path
 
-from fusionrag.retriever.manifest import fsync_path
+from fusionrag.retriever.engine.manifest import fsync_path
 
 _HEADER = struct.Struct("<IIQ")  # payload bytes, crc32(lsn || payload), lsn
 _MAX_PAYLOAD = 1 << 30

@@ -7,10 +7,10 @@ that is an id's decimal digits ("17", below 2**62) names that id, so the built v
 rows, are the documents "0", "1", ... (no text, no metadata). Any other name gets the next free id from 2**62 up,
 kept by the router (ShardedIndex.named) and rebuilt from the shards' doc stores whenever it loads its write maps.
 Each shard keeps the name, text and metadata of the documents it holds in a doc store of its own
-(sharded_writes.py), written from the same log record as the vector: a shard restarted from its directory has
+(sharded/writes.py), written from the same log record as the vector: a shard restarted from its directory has
 them all back.
 
-Filters are a collection's (retriever/filters.py), evaluated by each shard over its own doc store: a search under a
+Filters are a collection's (retriever/collection/filters.py), evaluated by each shard over its own doc store: a search under a
 filter is answered, on every shard, from the vectors whose documents pass it. Text search asks every live shard for
 its best BM25 matches (each shard's full-text index, with its own term statistics, as a search engine's shards rank
 unless asked for global ones) and keeps the best; hybrid search fuses that ranking with the vector one by reciprocal
@@ -28,12 +28,14 @@ import numpy as np
 from fusionrag.retriever.collection import CollectionSearch, Document, Hit
 from fusionrag.retriever.collection.api import fuse_ranks
 from fusionrag.retriever.collection.config import DEFAULT_TEXT_WEIGHT, HYBRID_DEPTH, check_search
+from fusionrag.retriever.collection.filters import compile_filter, filter_warnings
+from fusionrag.retriever.collection.fresh import distances
 from fusionrag.retriever.collection.records import engine_form, upsert_record
-from fusionrag.retriever.config import SearchParams
+from fusionrag.retriever.engine.config import SearchParams
 from fusionrag.retriever.errors import InputError, UnavailableError
-from fusionrag.retriever.filters import compile_filter, filter_warnings
-from fusionrag.retriever.fresh import distances
-from fusionrag.retriever.sharded import NAMED_IDS, ShardedIndex, ShardReads, part_name
+from fusionrag.retriever.sharded.parts import NAMED_IDS, part_name
+from fusionrag.retriever.sharded.router import ShardedIndex
+from fusionrag.retriever.sharded.shard import ShardReads
 
 
 def numeric_id(name: str) -> int | None:

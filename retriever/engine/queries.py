@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fusionrag.retriever.engine.vectors import normalize, vector_problems
 from fusionrag.retriever.errors import InputError
-from fusionrag.retriever.vectors import normalize, vector_problems
 
 
 @dataclass(frozen=True)

@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fusionrag.retriever import quota
-from fusionrag.retriever.build import build_index
+from fusionrag.retriever.collection import quota
+from fusionrag.retriever.engine.build import build_index
+from fusionrag.retriever.engine.manifest import fsync_path
+from fusionrag.retriever.engine.vectors import open_vectors, vector_problems
 from fusionrag.retriever.errors import ConflictError, InputError
-from fusionrag.retriever.manifest import fsync_path
 from fusionrag.retriever.progress import Progress
-from fusionrag.retriever.vectors import open_vectors, vector_problems
 
 if TYPE_CHECKING:
     from fusionrag.retriever.collection import Collection

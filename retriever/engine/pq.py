@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fusionrag.retriever.kmeans import kmeans, sq_dists
+from fusionrag.retriever.engine.kmeans import kmeans, sq_dists
 
 KSUB = 256
 

@@ -14,23 +14,22 @@ from pathlib import Path
 import numpy as np
 
 from fusionrag import native
-from fusionrag.retriever.build import build_index
-from fusionrag.retriever.calibrate import search_defaults
-from fusionrag.retriever.config import (BuildConfig, EngineConfig, SearchOverrides, SearchParams, cpu_threads,
-                                        resolve_params)
+from fusionrag.retriever.engine.calibrate import search_defaults
+from fusionrag.retriever.engine.config import (BuildConfig, EngineConfig, SearchOverrides, SearchParams, cpu_threads,
+                                               resolve_params)
+from fusionrag.retriever.engine.filtering import Candidates
+from fusionrag.retriever.engine.layout import PageLayout, raw_reader
+from fusionrag.retriever.engine.learned_probe import load_probe_model
+from fusionrag.retriever.engine.manifest import ManifestShape, load_array, read_manifest
+from fusionrag.retriever.engine.overlap import overlapped
+from fusionrag.retriever.engine.pipeline import STAT_KEYS, DeviceParts, QueryBatch, cut, filter_kind, open_filter_tier
+from fusionrag.retriever.engine.pq import ProductQuantizer
+from fusionrag.retriever.engine.queries import checked_for_search
+from fusionrag.retriever.engine.queries import prepare_queries as prepared
+from fusionrag.retriever.engine.tier_choice import TierChoice
+from fusionrag.retriever.engine.tiers import CpuFilterTier, NavigationTier, RerankTier, recorded_navigation
+from fusionrag.retriever.engine.vectors import STORAGE_DTYPES, normalize
 from fusionrag.retriever.errors import IndexFormatError, InputError
-from fusionrag.retriever.layout import PageLayout, raw_reader
-from fusionrag.retriever.learned_probe import load_probe_model
-from fusionrag.retriever.filtering import Candidates
-from fusionrag.retriever.manifest import ManifestShape, load_array, read_manifest
-from fusionrag.retriever.overlap import overlapped
-from fusionrag.retriever.pipeline import STAT_KEYS, DeviceParts, QueryBatch, cut, filter_kind, open_filter_tier
-from fusionrag.retriever.pq import ProductQuantizer
-from fusionrag.retriever.queries import checked_for_search
-from fusionrag.retriever.queries import prepare_queries as prepared
-from fusionrag.retriever.tier_choice import TierChoice
-from fusionrag.retriever.tiers import CpuFilterTier, NavigationTier, RerankTier, recorded_navigation
-from fusionrag.retriever.vectors import STORAGE_DTYPES, normalize
 
 # The files an index is read from, and whether each is checksummed whole (the page file is too large:
 # its per-block CRC table is, and each block is checked as it is read).
@@ -151,6 +150,9 @@ class Index(ManifestShape):
     @staticmethod
     def build(source, out_dir, config: BuildConfig | None = None, progress: bool | None = None,
               overwrite: bool = False, sample_queries=None) -> dict:
+        """build.build_index (imported here only: a search never loads the build)."""
+        from fusionrag.retriever.engine.build import build_index
+
         return build_index(source, out_dir, config or BuildConfig(), progress, overwrite,
                            sample_queries=sample_queries)
 

@@ -1,5 +1,5 @@
 """A shard's index generations (docs/sharded.md, "Merging a shard"): its fresh tier and tombstones folded into a
-new generation of its index part, as a collection's merge does (retriever/merge.py), while it goes on serving.
+new generation of its index part, as a collection's merge does (retriever/engine/merge.py), while it goes on serving.
 
 A shard part's directory holds generation 0, the build's files, itself. A merge writes generation g to
 `gen-00000g/` (merge.merge_index with no list split, so the router's list numbers stay the shard's: the same
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fusionrag.retriever.engine.manifest import MANIFEST, fsync_path, load_array
 from fusionrag.retriever.errors import IndexFormatError
-from fusionrag.retriever.manifest import MANIFEST, fsync_path, load_array
 
 CURRENT = "CURRENT.json"
 LIST_WRITES = "list_writes.npy"  # (n, 2) int64: router list, upserts to it the generation holds

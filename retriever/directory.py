@@ -1,0 +1,38 @@
+"""Any index directory, single or sharded: the one place above both layers that tells them apart (engine/ knows
+nothing of shards; sharded/ builds on engine/), so each of them imports only what lies below it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fusionrag.retriever.sharded.parts import is_sharded
+
+__all__ = ["is_sharded", "open_index", "recalibrate"]
+
+
+def open_index(path, config=None, **options):
+    """The index directory at path opened for search: a ShardedIndex (its shards in this process, or on Ray with
+    ray=True) where its manifest says sharded, else an Index. options go to the open of that kind."""
+    if is_sharded(path):
+        from fusionrag.retriever.sharded.router import ShardedIndex
+
+        return ShardedIndex.open(path, config, **options)
+    from fusionrag.retriever.engine.index import Index
+
+    return Index.open(path, config, **options)
+
+
+def recalibrate(index_dir, sample_queries=None, queries: int | None = None, target: float | None = None,
+                threads: int = 0) -> dict:
+    """Measure the default search settings of an index already built again and write them into its manifest
+    (engine.calibrate.recalibrate; a sharded index's through its shards, sharded.calibrate.recalibrate_sharded).
+    Returns the calibration."""
+    from fusionrag.retriever.engine.config import cpu_threads
+
+    if is_sharded(Path(index_dir)):
+        from fusionrag.retriever.sharded.calibrate import recalibrate_sharded
+
+        return recalibrate_sharded(Path(index_dir), sample_queries, queries, target, cpu_threads(threads))
+    from fusionrag.retriever.engine.calibrate import recalibrate as recalibrate_index
+
+    return recalibrate_index(index_dir, sample_queries, queries, target, threads)

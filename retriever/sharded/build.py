@@ -1,0 +1,307 @@
+"""The sharded build (docs/sharded.md, "Build"): train once at the driver, assign and encode in chunks, write one
+shard part per task (Ray tasks when Ray is initialised, this process otherwise)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from fusionrag import native
+from fusionrag.retriever.engine.build import (
+    CHUNK_ROWS,
+    IntegralCheck,
+    Rows,
+    assign_rows,
+    index_manifest,
+    internal_metric,
+    mips_augment,
+    open_source,
+    postings,
+    sample_query_matrix,
+    save_index_files,
+    train_index,
+    write_pages,
+)
+from fusionrag.retriever.engine.calibrate import calibrate_build
+from fusionrag.retriever.engine.config import BuildConfig, SearchParams, cpu_threads
+from fusionrag.retriever.engine.learned_probe import lists_of_pairs, save_probe_model, train_probe_model
+from fusionrag.retriever.engine.manifest import MANIFEST, writing_index
+from fusionrag.retriever.engine.pq import ProductQuantizer
+from fusionrag.retriever.engine.tiers import NavigationTier, build_navigation
+from fusionrag.retriever.engine.vectors import STORAGE_DTYPES, as_source
+from fusionrag.retriever.errors import ConfigError, InputError
+from fusionrag.retriever.progress import OnProgress, Progress
+from fusionrag.retriever.sharded.actors import ray_active, require_ray
+from fusionrag.retriever.sharded.parts import KIND, PLACEMENTS, part_name
+from fusionrag.retriever.sharded.placement import place_lists, sample_visits
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# Build
+
+
+def _assign_range(source, metric: str, graph_path: str, codebooks: np.ndarray, dim: int, config: BuildConfig,
+                  lo: int, hi: int, threads: int):
+    """Step 4 of the build for rows lo..hi-1 (a Ray task, or called in this process)."""
+    rows = Rows(as_source(source), metric)
+    graph = native.Graph.load(graph_path)
+    # As the router's queries find lists (build.assign_rows); config.navigation is the build's resolved one.
+    exact = graph.vectors() if build_navigation(config.navigation, graph.size, graph.dim) == "exact" else None
+    pq = ProductQuantizer(codebooks, dim)
+    integral = IntegralCheck(rows.src.dtype, metric)
+    out = []
+    for s in range(lo, hi, CHUNK_ROWS):
+        ids = np.arange(s, min(hi, s + CHUNK_ROWS))
+        x = rows(ids)
+        integral.update(x)
+        out.append(assign_rows(graph, pq, ids, x, config, threads, exact))
+    primary, lists, members, codes = (np.concatenate(parts) for parts in zip(*out))
+    return primary, lists, members, codes, (integral.possible, integral.lo, integral.hi)
+
+
+@dataclass
+class _ShardPlan:
+    """What one shard part holds, in its own numbering."""
+    index: int
+    lists: np.ndarray  # int32: the router's number of each of the shard's lists
+    global_ids: np.ndarray  # uint32, ascending: the source row of each of the shard's vectors
+    bucket: np.ndarray  # int64: the shard list each vector is stored with (its nearest the shard owns)
+    list_offsets: np.ndarray
+    list_ids: np.ndarray  # uint32: shard vector numbers
+
+
+def _plan_shard(s: int, owner: np.ndarray, pair_lists: np.ndarray, pair_ids: np.ndarray,
+                n_lists: int) -> _ShardPlan:
+    """pair_lists/pair_ids: every (list, vector) posting, vector after vector, each vector's lists
+    nearest first (as assign_rows gives them); owner: bool (lists,), the lists shard s holds."""
+    lists = np.flatnonzero(owner).astype(np.int32)
+    local_of = np.full(n_lists, -1, dtype=np.int64)
+    local_of[lists] = np.arange(len(lists))
+    mine = owner[pair_lists]
+    pl, pi = pair_lists[mine], pair_ids[mine]
+    global_ids, first = np.unique(pi, return_index=True)  # the first posting of a vector is its nearest list
+    local_vec = np.searchsorted(global_ids, pi).astype(np.uint32)
+    offsets, members = postings(local_of[pl], local_vec, len(lists))
+    return _ShardPlan(s, lists, global_ids.astype(np.uint32), local_of[pl[first]], offsets, members)
+
+
+def _write_shard(part_dir: str, plan: _ShardPlan, source, metric: str, store_dtype: str, centroids: np.ndarray,
+                 codebooks: np.ndarray, codes: np.ndarray, config: BuildConfig, threads: int, n_shards: int,
+                 ) -> dict:
+    """One shard part: an ordinary index directory of the shard's lists (a Ray task, or called here)."""
+    t = time.perf_counter()
+    src = as_source(source)
+    rows = Rows(src, metric)
+    rows.dtype = dtype = np.dtype({v: k for k, v in STORAGE_DTYPES.items()}[store_dtype])
+    dim = src.dim
+    pq = ProductQuantizer(codebooks, dim)
+    mine = centroids[plan.lists]
+    graph = native.Graph(dim + (metric == "ip"), "l2", config.graph_m, config.graph_ef_construction, config.seed)
+    graph.add(mips_augment(mine) if metric == "ip" else np.ascontiguousarray(mine, dtype=np.float32), threads)
+    n = len(plan.global_ids)
+    with writing_index(Path(part_dir)) as w:
+        layout, slots, block_crc = write_pages(w, lambda ids: rows.stored(plan.global_ids[ids].astype(np.int64)), n,
+                                               dim, dtype, plan.bucket, mine, pq, codes, Progress(False))
+        save_index_files(w, block_crc, graph, plan.list_offsets, plan.list_ids, codebooks, codes, slots)
+        w.save_array("global_ids.npy", plan.global_ids)
+        w.save_array("lists.npy", plan.lists)
+        # As the router's rows went (config.navigation is the build's resolved one), if it is opened alone.
+        navigation = build_navigation(config.navigation, graph.size, graph.dim)
+        manifest = index_manifest(n, dim, metric, store_dtype, src, len(plan.lists), len(plan.list_ids), pq, config,
+                                  {"total_s": time.perf_counter() - t}, navigation=navigation, pages=layout,
+                                  shard={"index": plan.index, "of": n_shards})
+        w.publish(manifest)
+    return manifest
+
+
+def _ray_source(source):
+    """What Ray tasks read the vectors from: a file's path (every node reads it), else the array."""
+    src = as_source(source)
+    return src.path if isinstance(source, (str, Path)) else src.data
+
+
+def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfig(), placement: str = "hotness",
+                  replicate: float = 0.02, sample_queries=None, num_sample_queries: int = 2000,
+                  params: SearchParams = SearchParams(), use_ray: bool | None = None,
+                  progress: bool | None = None, overwrite: bool = False,
+                  on_progress: OnProgress | None = None, probe_model: bool = True) -> dict:
+    """Build a sharded index of `source` (a vector file path or a 2-D array) with `shards` shard parts.
+
+    placement: 'hotness' (SmartANNS), 'locality' (regions of centroid space, work balanced) or 'round-robin';
+    replicate: the fraction of lists, hottest first, that get a replica on a second shard (not round-robin).
+    sample_queries: queries (a query log) whose probing
+    measures how hot each list is; None draws num_sample_queries rows of the source. params: the search
+    settings the sample queries are probed with. probe_model: train learned pruning's model (learned_probe.py)
+    on up to config.probe_queries of the sample queries, fitted to config.probe_quantile (a router has one
+    unless told not to; config.probe_model is a single index's). use_ray: run the assign and write steps as Ray tasks
+    (None: when Ray is initialised in this process); the index directory must then be on storage every
+    node sees. Returns the router's manifest."""
+    t_start = time.perf_counter()
+    if not isinstance(shards, (int, np.integer)) or shards < 1:
+        raise ConfigError(f"shards must be a positive integer, got {shards!r}")
+    if placement not in PLACEMENTS:
+        raise ConfigError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    if not 0 <= replicate <= 1:
+        raise ConfigError(f"replicate must be in [0, 1], got {replicate}")
+    if num_sample_queries < 1:
+        raise ConfigError(f"num_sample_queries must be >= 1, got {num_sample_queries}")
+    use_ray = ray_active() if use_ray is None else use_ray
+    ray = require_ray() if use_ray else None
+    if use_ray and not ray.is_initialized():
+        raise ConfigError("use_ray: connect to a Ray cluster first (ray.init(address=...))")
+    src = open_source(source)
+    n, dim = src.count, src.dim
+    metric = config.metric
+    threads = cpu_threads(config.threads)
+    rng = np.random.default_rng(config.seed)
+    rows = Rows(src, metric)
+    timings: dict = {}
+    steps = Progress(progress, on_progress)
+
+    centroids, graph, assign_graph, pq = train_index(rows, n, dim, config, rng, threads, steps, timings)
+    n_lists = len(centroids)
+    navigation = build_navigation(config.navigation, graph.size, graph.dim)
+    part_config = config.with_overrides(navigation=navigation)  # what assigning and the parts follow
+    if shards > n_lists:
+        raise ConfigError(f"shards ({shards}) exceed the {n_lists} posting lists of {n} vectors")
+
+    with writing_index(Path(out_dir), overwrite) as w:
+        # 4. Assign and encode, chunks of the source in parallel.
+        t = time.perf_counter()
+        integral = IntegralCheck(src.dtype, metric)
+        graph_path = str(w.path("assign-graph.tmp"))
+        assign_graph.save(graph_path)
+        del assign_graph
+        bounds = list(range(0, n, CHUNK_ROWS)) + [n]
+        if use_ray:
+            per = max(1, -(-(len(bounds) - 1) // max(1, int(ray.cluster_resources().get("CPU", 1)))))
+            ranges = [(bounds[i], bounds[min(i + per, len(bounds) - 1)]) for i in range(0, len(bounds) - 1, per)]
+        else:
+            ranges = [(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+        results = {}
+        with steps.step("assigning", n) as update:
+            if use_ray:
+                task = ray.remote(_assign_range).options(num_cpus=1)
+                src_ref = ray.put(_ray_source(source))
+                cb_ref = ray.put(pq.codebooks)
+                pending = {task.remote(src_ref, metric, graph_path, cb_ref, dim, part_config, lo, hi, 1): (lo, hi)
+                           for lo, hi in ranges}
+                while pending:
+                    done, _ = ray.wait(list(pending), num_returns=1)
+                    lo, hi = pending.pop(done[0])
+                    results[lo] = ray.get(done[0])
+                    update(hi - lo)
+            else:
+                for lo, hi in ranges:
+                    results[lo] = _assign_range(source, metric, graph_path, pq.codebooks, dim, part_config, lo, hi,
+                                                threads)
+                    update(hi - lo)
+        Path(graph_path).unlink()
+        primary, pair_lists, pair_ids, codes = (np.concatenate(parts) for parts in
+                                                zip(*(results[lo][:4] for lo, _ in ranges)))
+        for possible, lo, hi in (results[lo][4] for lo, _ in ranges):
+            integral.possible &= possible
+            integral.lo, integral.hi = min(integral.lo, lo), max(integral.hi, hi)
+        del results
+        list_offsets, _ = postings(pair_lists, pair_ids, n_lists)
+        sizes = np.diff(list_offsets)
+        timings["assign_s"] = time.perf_counter() - t
+
+        # Placement from the expected work of each list.
+        t = time.perf_counter()
+        nav = NavigationTier(graph, metric == "ip", threads, navigation, None, sizes)
+        sample = None
+        if sample_queries is None:
+            sample = np.sort(np.random.default_rng(config.seed + 1).choice(n, min(n, num_sample_queries),
+                                                                           replace=False))
+            queries = rows(sample)
+        else:
+            queries = sample_query_matrix(sample_queries, dim, metric)
+        visits = sample_visits(nav, queries, n_lists, params)
+        plan = place_lists(sizes, visits, shards, placement, replicate, centroids=centroids)
+        local = np.full((n_lists, 2), -1, dtype=np.int32)
+        shard_plans = []
+        for s in range(shards):
+            owner = (plan.shards == s).any(axis=1)
+            sp = _plan_shard(s, owner, pair_lists, pair_ids, n_lists)
+            if not len(sp.global_ids):
+                raise InputError(f"shard {s} would hold no vectors: fewer shards, please")
+            for j in (0, 1):
+                on = plan.shards[:, j] == s
+                local[on, j] = np.searchsorted(sp.lists, np.flatnonzero(on))
+            shard_plans.append(sp)
+        timings["placement_s"] = time.perf_counter() - t
+        probe_info = None
+        if probe_model:
+            t = time.perf_counter()
+            pick = np.random.default_rng(config.seed + 2).permutation(len(queries))[:config.probe_queries]
+            model, probe_info = train_probe_model(
+                nav, rows, n, queries[pick], None if sample is None else sample[pick],
+                lists_of_pairs(pair_lists, pair_ids),
+                internal_metric(metric), params, config.probe_quantile, seed=config.seed)
+            save_probe_model(w, model, probe_info)
+            timings["probe_model_s"] = time.perf_counter() - t
+        del pair_lists, pair_ids
+
+        # 5-6. The shard parts, in parallel.
+        t = time.perf_counter()
+        store_dtype = STORAGE_DTYPES[integral.dtype() or rows.dtype]
+        shard_manifests = {}
+        with steps.step("writing shards", shards, "shard") as update:
+            args = (metric, store_dtype, centroids, pq.codebooks)
+            if use_ray:
+                task = ray.remote(_write_shard).options(num_cpus=1)
+                shared = [ray.put(a) for a in (_ray_source(source), centroids, pq.codebooks)]
+                pending = {task.remote(str(w.dir / part_name(sp.index)), sp, shared[0], metric, store_dtype,
+                                       shared[1], shared[2], codes[sp.global_ids], part_config, 1, shards): sp.index
+                           for sp in shard_plans}
+                while pending:
+                    done, _ = ray.wait(list(pending), num_returns=1)
+                    shard_manifests[pending.pop(done[0])] = ray.get(done[0])
+                    update(1)
+            else:
+                for sp in shard_plans:
+                    shard_manifests[sp.index] = _write_shard(str(w.dir / part_name(sp.index)), sp, source, *args,
+                                                             codes[sp.global_ids], part_config, threads, shards)
+                    update(1)
+        timings["write_s"] = time.perf_counter() - t
+
+        graph.save(str(w.path("graph.bin")))
+        w.add_file("graph.bin")
+        w.save_array("pq_codebooks.npy", pq.codebooks)
+        w.save_array("list_shards.npy", plan.shards)
+        w.save_array("list_local.npy", local)
+        w.save_array("list_sizes.npy", sizes)
+        w.save_array("list_visits.npy", visits)
+        timings["total_s"] = time.perf_counter() - t_start
+        expected = plan.shard_work(shards)
+        manifest = index_manifest(
+            n, dim, metric, store_dtype, src, n_lists, list_offsets[-1], pq, config, timings, navigation=navigation,
+            kind=KIND, shards=shards,
+            placement={"kind": placement, "replicate": replicate if placement != "round-robin" else 0.0,
+                       "replicated_lists": int((plan.shards[:, 1] >= 0).sum()),
+                       "sample_queries": int(len(queries)), "probe": params.to_dict(),
+                       "expected_work": [float(x) for x in expected],
+                       "expected_imbalance": float(expected.max() / expected.mean()),
+                       "built_with": "ray" if use_ray else "local"},
+            parts={part_name(s): {"manifest_sha256": hashlib.sha256(
+                (w.dir / part_name(s) / MANIFEST).read_bytes()).hexdigest(),
+                "count": shard_manifests[s]["count"], "lists": shard_manifests[s]["centroids"]}
+                for s in range(shards)})
+        if probe_info is not None:
+            manifest["probe_model"] = probe_info
+        if config.calibrate:  # the router's default search settings, measured on the sharded index as written
+            from fusionrag.retriever.sharded.calibrate import calibrate_sharded
+
+            calibrate_build(manifest, w, steps, timings, t_start, lambda d: calibrate_sharded(
+                d, rows, n, internal_metric(metric), config.calibrate_queries, config.target_recall, config.seed,
+                threads, None if sample_queries is None else queries))
+        w.publish(manifest)
+    return manifest
