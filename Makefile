@@ -51,11 +51,11 @@ DISKANN_VENV := bench/work/diskann-venv
 bench:
 	$(MAKE) setup EXTRAS=test,server,gpu,bench
 	test -x $(DISKANN_VENV)/bin/python || python3 -m venv $(DISKANN_VENV)
-	$(DISKANN_VENV)/bin/pip install -q -r bench/requirements-diskann.txt
-	$(PY) bench/run.py --scaling 100k 1m
+	$(DISKANN_VENV)/bin/pip install -q -r bench/harness/requirements-diskann.txt
+	$(PY) -m bench.harness.runner --scaling 100k 1m
 
 # The GPU acceptance (docs/gpu.md, "Acceptance on a GPU"). Here, where a package registry answers:
-# `make gpu-wheels` puts the Python 3.12 wheels the GPU machine lacks (bench/gpu-wheels.txt) and the
+# `make gpu-wheels` puts the Python 3.12 wheels the GPU machine lacks (bench/gpu/gpu-wheels.txt) and the
 # data sets its tests read into .whl/ (git-ignored). There, with .whl/ carried:
 # `make gpu-accept OUT=dir [STEPS=install,a,b,c,d] [DEADLINE=seconds]`; anywhere without CUDA the same
 # command is a dry run at toy size (tests/bench/test_gpu_accept.py).
@@ -65,8 +65,8 @@ STEPS ?= install,a,b,c,d
 DEADLINE ?= 1500
 
 gpu-wheels:
-	$(ACCEPT_PY) bench/gpu_accept.py --wheels .whl
+	$(ACCEPT_PY) -m bench.gpu.gpu_accept --wheels .whl
 
 gpu-accept:
 	@test -n "$(OUT)" || { echo "make gpu-accept: OUT= names the folder for gpu_accept.json and .md" >&2; exit 2; }
-	$(ACCEPT_PY) bench/gpu_accept.py --out "$(OUT)" --steps "$(STEPS)" --deadline "$(DEADLINE)"
+	$(ACCEPT_PY) -m bench.gpu.gpu_accept --out "$(OUT)" --steps "$(STEPS)" --deadline "$(DEADLINE)"

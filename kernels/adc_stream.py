@@ -1,4 +1,4 @@
-"""An ADC scan over codes laid out in posting-list order: an experiment, measured by bench/gpu_tier.py
+"""An ADC scan over codes laid out in posting-list order: an experiment, measured by bench/gpu/gpu_tier.py
 (`scan_stream`), not used by the engine.
 
 The engine's scan (adc_scan.py) takes each query's gathered vector IDs and reads each ID's code from a table

@@ -114,7 +114,7 @@ def _cores() -> int:
 # a process woken on that core then waited seconds for it (bench/results/vllm_binding/: clients leaving
 # streams of 7,992 tokens after 3 chunks, 5 of 60 had every token generated; unpinned with 1 OpenMP thread, none
 # ran past 2). Unpinned with OpenMP's default of every core, steps fight the other processes: time to first token
-# p90 44-47 ms against auto's 30 (bench/rag_ttft.py, two runs each); with one thread, 28-29.
+# p90 44-47 ms against auto's 30 (bench/service/rag_ttft.py, two runs each); with one thread, 28-29.
 VLLM_OFFLINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                     "OMP_NUM_THREADS": str(max(1, _cores() - 1))}

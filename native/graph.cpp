@@ -37,7 +37,7 @@ namespace {
 constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
 constexpr int kMaxLevel = 32;
 // select_neighbours' alpha for graphs made without one, and for every graph loaded from a file (only add() uses
-// it): chosen on the centroids of clustered and real sets, bench/graph_links.py.
+// it): chosen on the centroids of clustered and real sets, bench/peers/graph_links.py.
 constexpr float kAlpha = 1.0f;
 constexpr int64_t kMaxDim = 1 << 20, kMaxM = 4096;  // bounds that keep file-size arithmetic from overflowing
 constexpr char kMagic[8] = {'F', 'R', 'G', 'R', 'A', 'P', 'H', '\0'};
@@ -354,7 +354,7 @@ class Graph {
     // nodes inserted at once do not find each other, and a full list's heuristic then drops one for the other
     // (the link that would have joined them never made), leaving nodes out of reach. Builds add centroids near
     // ones together, so taken node by node the threads' nodes were neighbours: on Fashion-MNIST's centroids, 2
-    // threads left 7% out of reach against 0.02% on 1 (bench/results/graph_threads.md). One block a thread, not
+    // threads left 7% out of reach against 0.02% on 1 (bench/results/peers/graph_threads.md). One block a thread, not
     // more handed out as threads come free: a thread starting block b while another ends block b - 1 would
     // insert neighbours at once again, at every boundary.
     size_t blocks = std::max<size_t>(1, std::min({threads, n, ThreadPool::instance().size()}));
@@ -709,7 +709,7 @@ class Graph {
   // RobustPrune is: keep a candidate unless a candidate kept so far is nearer to it, by a factor alpha, than
   // the base is (alpha 1: HNSW's rule, the default). Links then spread across directions; alpha > 1 keeps more,
   // longer ones: measured on clustered centroids it found fewer of a row's nearest at the same beam, and left
-  // more nodes out of reach for reconnect() to link (bench/graph_links.py, bench/results/graph_links.md).
+  // more nodes out of reach for reconnect() to link (bench/peers/graph_links.py, bench/results/peers/graph_links.md).
   void select_neighbours(std::vector<Cand>& c, size_t m) const {
     if (c.size() <= m) return;
     size_t kept = 0;

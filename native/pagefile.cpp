@@ -1524,7 +1524,7 @@ void bind_pagefile(nb::module_& m) {
       .def("reset_buffer", &PageStore::reset_buffer, nb::call_guard<nb::gil_scoped_release>(),
            "Empties the page buffer.")
       .def("set_trace", &PageStore::set_trace, "on"_a,
-           "Record every block asked of the store, in order, with its weight (bench/cache_sim.py).")
+           "Record every block asked of the store, in order, with its weight (bench/cache/cache_sim.py).")
       .def(
           "take_trace",
           [](PageStore& s) {

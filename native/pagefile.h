@@ -171,7 +171,7 @@ class PageBuffer {
   static constexpr uint8_t kMaxUses = 15;  // bounds a sweep to 16 turns of the hand
   // Requests per frame between two halvings of the counts. 20, not TinyLFU's usual 10: chosen on
   // the tuning halves of three sets' query streams by replaying their block traces
-  // (bench/cache_sim.py, bench/results/cache_sim.md); 10 forgot a skewed stream's hot pages too soon.
+  // (bench/cache/cache_sim.py, bench/results/cache/cache_sim.md); 10 forgot a skewed stream's hot pages too soon.
   static constexpr size_t kAgingRequests = 20;
   struct Shard {
     std::mutex mutex;
@@ -381,7 +381,7 @@ class PageStore {
   }
   bool record_cached(uint32_t slot) { return records_.resident(slot); }
   // Records every block fetch() is asked for, in order, with its weight (for offline
-  // replays of buffer policies: bench/cache_sim.py). Off: one relaxed load per fetch.
+  // replays of buffer policies: bench/cache/cache_sim.py). Off: one relaxed load per fetch.
   void set_trace(bool on);
   // [kTraceCall, n, then n x (block, weight)] per fetch() call, oldest first; clears it.
   std::vector<uint32_t> take_trace();

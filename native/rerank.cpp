@@ -406,7 +406,7 @@ struct Scratch {
 // Re-rank scratch kept between calls: a call takes one per worker and gives them back, so that a round's buffers
 // (its blocks, the read-ahead's) are allocated once, not on every call. Allocated per call, they were freed into the
 // malloc arenas of whichever threads had run the call, and the process's peak RSS grew with the churn: MiniLM, the
-// lean build with half its page buffer, 2 threads, bench/run.py's sweep, 13.8 MiB net peak with read-ahead on
+// lean build with half its page buffer, 2 threads, bench/harness/runner.py's sweep, 13.8 MiB net peak with read-ahead on
 // against 9.8 off; kept, 10.6 against 9.9. At most kIdle are kept, of at most kIdleBytes together; a fetch buffer
 // above kKeepBytes is freed when given back. give() allocates nothing (idle_ is reserved): a lease's destructor
 // calls it.

@@ -392,7 +392,7 @@ auto scan_topn(Array<float> luts, Array<int32_t> probe_lists, Array<int64_t> lis
 // gathered and unique counts, the same keys, so the same top-n. De-duplication stays per
 // query: a mask of a bit per query of the group, per vector, says which queries already hold it
 // (N bytes per scanning thread, kept between calls). Off by default: not faster on the CPU
-// (bench/results/batch_plan.md).
+// (bench/results/pipeline/batch_plan.md).
 using PlanMask = uint8_t;                             // a bit per query of a group (8: half the
 constexpr size_t kPlanGroup = 8 * sizeof(PlanMask);  // mask memory of 16)
 constexpr size_t kPlanTableBytes = 1 << 20;          // the group's tables held at once, at most

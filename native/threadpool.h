@@ -35,7 +35,7 @@ class ThreadPool {
   // and the caller works on its own job until every item is handed out, so a call
   // never waits for another's. That is what lets a pipeline's stages overlap: a
   // re-rank whose threads wait on the SSD leaves the cores to the graph search and
-  // the PQ scan of the next batches (bench/results/pool_overlap.md), where one job
+  // the PQ scan of the next batches (bench/results/pipeline/pool_overlap.md), where one job
   // at a time had made a stage that waits hold every core. FUSIONRAG_POOL_JOBS=one
   // (read once, at the pool's start) brings that back, for benchmarks to compare.
   void parallel_for(size_t n, size_t threads, const std::function<void(size_t, size_t)>& fn) {

@@ -333,7 +333,7 @@ class ViewBoard:
     """The leader's latest view (ShardedIndex.view), where the router replicas read it: a plain Ray actor, so a
     follower's call before a search (before a round of them: ShardedFollower.sync) is one actor call rather than
     a Serve request through the leader (which cost the routers 3.7 ms and the leader 1.8 ms of CPU per query,
-    bench/results/sharded_routers_handle.md). The leader sets it before it answers a write, so a search that
+    bench/results/sharded/sharded_routers_handle.md). The leader sets it before it answers a write, so a search that
     starts after the answer reads a view that holds the write. It goes with the leader's replica that made it."""
 
     def __init__(self):

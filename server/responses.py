@@ -20,7 +20,7 @@ def hit_json(h, with_vector: bool = False) -> dict:
 
 class VectorJSON(JSONResponse):
     """JSON by orjson, vectors given as float32 arrays: the floats' text is most of what an answer with vectors
-    costs, and orjson writes them far faster than json.dumps (bench/remote_reads.py measures the answer's
+    costs, and orjson writes them far faster than json.dumps (bench/cache/remote_reads.py measures the answer's
     cost), in float32's shortest digits: half the bytes, read back to the same float32."""
 
     def render(self, content) -> bytes:

@@ -19,7 +19,7 @@ MERGE_RETRY_S = 30  # a failed background merge (a full disk, say) waits this lo
 SEARCH_MODES = ("vector", "text", "hybrid")
 # Hybrid search: each ranking is taken this deep (or k) before fusion, and fused by reciprocal rank
 # with the usual constant (Cormack et al., 2009); the text ranking's weight by default. Chosen on half of
-# a labelled question set of the Python docs (bench/hybrid.py).
+# a labelled question set of the Python docs (bench/service/hybrid.py).
 HYBRID_DEPTH = 20
 RRF_K = 60
 DEFAULT_TEXT_WEIGHT = 0.5

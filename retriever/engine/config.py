@@ -313,7 +313,7 @@ class SearchParams(ConfigBase):
                               note="0 disables early stop")] = 2
     # A query's first mini-batch also scores its later candidates whose blocks are in the DRAM page buffer
     # then: no read, and the top-k starts nearer its end, so it holds still after fewer SSD pages. Measured:
-    # bench/results/resident_first.md.
+    # bench/results/cache/resident_first.md.
     resident_first: Annotated[bool, knob("re-rank: score first the candidates whose pages are in the page buffer "
                                          "now (no read)")] = False
 
@@ -362,12 +362,12 @@ class EngineConfig(ConfigBase):
     threads: Annotated[int, knob("worker threads (0: all cores)", ge=0)] = 0
     # Queries each re-rank thread keeps in flight: their mini-batches' SSD reads go out together, so I/O
     # latency overlaps instead of being waited out one mini-batch at a time. Results do not depend on it.
-    # Memory: rerank_inflight x minibatch blocks per thread (bench/results/rerank_inflight.md).
+    # Memory: rerank_inflight x minibatch blocks per thread (bench/results/cache/rerank_inflight.md).
     rerank_inflight: Annotated[int, knob("queries each re-rank thread keeps in flight, their SSD reads overlapped "
                                          "(1: one at a time)", ge=1, le=1024,
                                          note="1: one query at a time")] = 16
     # 0 picks by filter tier (batch_for): small on the CPU, where a batch's PQ tables are most of a search's
-    # working memory and small batches cost no speed (bench/results/lut_scan.md); the GPU wants big ones.
+    # working memory and small batches cost no speed (bench/results/pipeline/lut_scan.md); the GPU wants big ones.
     batch_size: Annotated[int, knob("queries per internal batch (0: 64 on the CPU filter tier, 1024 on the GPU)",
                                     ge=0, le=65536, note="0 = automatic")] = 0
     verify: Annotated[bool, knob("check every file against the manifest's checksums when opening")] = True
@@ -383,7 +383,7 @@ class EngineConfig(ConfigBase):
     # fallback's helper threads); a query one stable mini-batch from stopping is not read ahead, so at beta >= 2
     # nothing is read that the search would not read. On by default since the read-ahead went two rounds deep
     # (stop 44): +10-21% q/s for single-query calls on GloVe, Fashion-MNIST and MiniLM (tuning halves, a cold 1/64
-    # buffer, bench/results/rerank_prefetch.md), -3% to +4% for calls of 16 (report halves). It holds up to 2 x 128 KiB
+    # buffer, bench/results/cache/rerank_prefetch.md), -3% to +4% for calls of 16 (report halves). It holds up to 2 x 128 KiB
     # of blocks in flight per search thread (measured: -0.2 to +0.6 MiB peak RSS on GloVe and MiniLM with 2 threads
     # since the re-rank keeps its scratch between calls, +1-3 MiB before); off where every MiB counts.
     rerank_prefetch: Annotated[bool, knob("read each query's next mini-batch of pages while the current one is "
@@ -391,7 +391,7 @@ class EngineConfig(ConfigBase):
     # 'clock' (CLOCK), or 'lfu', cache by use: requests counted per block (weighted by how many queries asked,
     # halved every 20 requests a frame), a missed block admitted only if asked for more often than the block it
     # would evict (TinyLFU); or 'auto', either, whichever a miniature simulation of both on a sample of the
-    # blocks finds serving more now. Measured: bench/results/cache_policy_auto.md.
+    # blocks finds serving more now. Measured: bench/results/cache/cache_policy_auto.md.
     buffer_policy: Annotated[BufferPolicy, knob("page buffer replacement: auto (lfu or clock, whichever serves more "
                                                 "now), lfu (counts use, weighted by the queries asking, aged) or "
                                                 "clock")] = "auto"
@@ -402,7 +402,7 @@ class EngineConfig(ConfigBase):
     # record costs fewer bytes cached alone than its share of a block (384- and 768-d float32 embeddings), with
     # blocks elsewhere, and switches when the other layout's shadow serves 10% more (a switch to records takes the
     # most used blocks' records along). 'on': record_cache_share of the buffer always holds records, the rest
-    # blocks; 'off': blocks only. Measured: bench/results/cache_policy_adapt.md.
+    # blocks; 'off': blocks only. Measured: bench/results/cache/ (cache_policy_records*.md).
     record_cache: Annotated[RecordCache, knob("the buffer's bytes as single records or whole blocks: auto (whichever "
                                               "serves more now, one at a time), on (record_cache_share of it as "
                                               "records) or off (blocks)")] = "auto"
@@ -413,12 +413,12 @@ class EngineConfig(ConfigBase):
     # sample of 64 blocks read at open codes to at most 0.8 of its bytes, chunks counted whole (the threshold was
     # set before any measurement: below a 1.25x gain the coding's CPU is not worth it); float embeddings have
     # almost no zero bytes and stay plain. A compressed buffer holds whole blocks: with record_cache 'auto' there
-    # is no record layout. Answers never depend on it. Measured: bench/results/buffer_compression_fashion.md.
+    # is no record layout. Answers never depend on it. Measured: bench/results/cache/buffer_compression_fashion.md.
     buffer_compression: Annotated[BufferCompression, knob("hold the page buffer's blocks zero-run coded: auto (where "
                                                           "a sample of blocks codes to 0.8 of its bytes or less), "
                                                           "on or off")] = "auto"
     # Re-chosen by the index manager thread every manager_interval_s seconds, never on the request path;
-    # results never depend on it. Off by default: bench/results/cache_policy.md.
+    # results never depend on it. Off by default: bench/results/cache/cache_policy.md.
     pin_fraction: Annotated[float, knob("share of the page buffer pinned to the pages of the most visited "
                                         "posting lists (0: none)", ge=0, le=0.75)] = 0.0
     # The manager re-pins hot pages and, on a GPU tier that holds only its hottest lists' codes, calls
@@ -426,12 +426,12 @@ class EngineConfig(ConfigBase):
     manager_interval_s: Annotated[float, knob("how often the index manager thread re-chooses pinned pages and "
                                               "GPU-resident codes, seconds (0: no thread)", ge=0)] = 1.0
     # On the CPU filter tier, batch b+1's graph search, batch b's PQ scan and batch b-1's re-rank at once, as the
-    # GPU tier always does. Results do not depend on it; measured: bench/results/cpu_pipeline.md.
+    # GPU tier always does. Results do not depend on it; measured: bench/results/pipeline/cpu_pipeline.md.
     pipeline: Annotated[bool, knob("overlap a call's batches: the graph search of batch b+1 runs while batch b "
                                    "is filtered")] = True
     # On the CPU filter tier, a batch's queries that probe the same posting lists are scanned together (Aether's
     # batch plan): each list read once per group of queries, each code scored against every asking query's table.
-    # Results do not depend on it; measured: bench/results/batch_plan.md.
+    # Results do not depend on it; measured: bench/results/pipeline/batch_plan.md.
     batch_plan: Annotated[bool, knob("CPU filter tier: scan posting lists shared by a batch's queries once per "
                                      "group of queries, not once per query")] = False
     # auto with CUDA: both tiers open (the CPU one over the same host parts) and each call goes to the one whose

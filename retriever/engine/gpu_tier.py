@@ -130,7 +130,7 @@ class GpuFilterTier:
         count, m = codes.shape
         self.metric, self.m, self.dsub = metric, m, codebooks.shape[2]
         self.visits = np.zeros(len(list_offsets) - 1, dtype=np.int64)
-        # Where topn's time goes, summed over calls (bench/gpu_tier.py reads it around a sweep point): the IDs
+        # Where topn's time goes, summed over calls (bench/gpu/gpu_tier.py reads it around a sweep point): the IDs
         # gathered on the host (into the blocks' pinned memory), the rest of a pass staged there, and the
         # device's part from the first upload to the results back on the host; and how many passes it took.
         self.phases = {"gather_s": 0.0, "stage_s": 0.0, "device_s": 0.0, "passes": 0}

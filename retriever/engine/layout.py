@@ -119,7 +119,7 @@ def chain_order(bucket_of: np.ndarray, num_buckets: int, centers: np.ndarray, ve
 
     On the benchmark's Fashion-MNIST index (5 records per page) the true top-10 of a query lie on
     7.5 pages instead of 8.1 in id order, and the pages a re-rank touches at the same recall fall
-    by 8-10%, 20% with page-mate scoring (bench/results/page_order.md).
+    by 8-10%, 20% with page-mate scoring (bench/results/peers/page_order.md).
 
     progress(n) is called as n more ids have their place.
     """

@@ -42,7 +42,7 @@ def exhaustive_is_cheap(centroids: int, dim: int, max_floats: int | None = None)
     query's cluster however long it searches (Gaussian clusters of 100 in 128-d, 5,208 centroids: 14% of them
     out of reach at ef 256 before the graph linked every node into reach; 200k such vectors reached recall@10
     0.93 at nprobe 256 by the graph then, 0.998 exactly). Exact costs a pass over every centroid whatever the lists wanted, the graph about m of them: at
-    MiniLM's 3,550 x 384, 35 us a query at m 64 against the graph's 66 (bench/results/exact_navigation.md,
+    MiniLM's 3,550 x 384, 35 us a query at m 64 against the graph's 66 (bench/results/peers/exact_navigation.md,
     batches of 64, one thread). Beyond 3M floats the graph is the cheaper where real data is searched: on
     Fashion-MNIST's 5,954 x 784, recall@10 0.90 is reached at nprobe 16, where exact took 122 us a query and the
     graph 37 (exact_navigation_fashion.md), and exactly navigated builds found the same recall at each

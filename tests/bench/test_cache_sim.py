@@ -1,8 +1,6 @@
-"""bench/cache_sim.py: the page store's block trace, and its replays of the native buffer policies, checked
+"""bench/cache/cache_sim.py: the page store's block trace, and its replays of the native buffer policies, checked
 against what the native buffer did on the same requests (the reads the kernel saw, and the engine's counts)."""
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,8 +9,7 @@ from conftest import clustered
 from fusionrag import native
 from fusionrag.retriever import BuildConfig, EngineConfig, Index
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import cache_sim  # noqa: E402
+from bench.cache import cache_sim
 
 RECORD = 4096
 

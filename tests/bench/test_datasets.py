@@ -1,19 +1,16 @@
-"""bench/datasets.py's embedding-like synthetic sets (synth<N>x<DIM>): what the docstring claims of them, measured
+"""bench/harness/sets.py's embedding-like synthetic sets (synth<N>x<DIM>): what the docstring claims of them, measured
 on a small one: unit rows, a low intrinsic dimension, and ground truth that brute force agrees with."""
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import datasets  # noqa: E402
+from bench.harness import sets
 
 
-def _knn_float32(base, queries, k=datasets.GT_K):
-    """datasets.exact_knn without faiss (a bench extra, not installed for the tests): float32 brute force."""
+def _knn_float32(base, queries, k=sets.GT_K):
+    """sets.exact_knn without faiss (a bench extra, not installed for the tests): float32 brute force."""
     b = np.asarray(base, np.float32)
     d = (b ** 2).sum(1)[None] - 2 * queries @ b.T
     return np.argsort(d, axis=1, kind="stable")[:, :k].astype(np.int32)
@@ -23,9 +20,9 @@ def test_latent_set(tmp_path, monkeypatch):
     import importlib.util
 
     if importlib.util.find_spec("faiss") is None:  # a bench extra
-        monkeypatch.setattr(datasets, "exact_knn", _knn_float32)
-    d = datasets.prepare(tmp_path, "synth3kx256")
-    base, queries, gt, meta = datasets.load(tmp_path, "synth3kx256")
+        monkeypatch.setattr(sets, "exact_knn", _knn_float32)
+    d = sets.prepare(tmp_path, "synth3kx256")
+    base, queries, gt, meta = sets.load(tmp_path, "synth3kx256")
     assert base.shape == (3000, 256) and queries.shape == (1000, 256)
     assert meta["metric"] == "cosine" and json.loads((d / "meta.json").read_text())["dim"] == 256
     x = np.asarray(base, np.float64)
@@ -43,6 +40,6 @@ def test_latent_set(tmp_path, monkeypatch):
 
 
 def test_names(tmp_path):
-    assert datasets._count("1m") == 1_000_000 and datasets._count("300k") == 300_000
+    assert sets._count("1m") == 1_000_000 and sets._count("300k") == 300_000
     with pytest.raises(SystemExit, match="synth<N>x<DIM>"):
-        datasets.prepare(tmp_path, "nosuchset")
+        sets.prepare(tmp_path, "nosuchset")

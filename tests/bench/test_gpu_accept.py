@@ -57,7 +57,7 @@ def test_gpu_accept_dry_run_runs_every_step_and_summarizes(tmp_path):
         (tmp_path / part).mkdir()
         (tmp_path / part / "gpu_accept.json").write_text(json.dumps({**s, "steps": {
             k: v for k, v in steps.items() if k in keep}}))
-    merged = subprocess.run([sys.executable, "bench/gpu_accept.py", "--merge", str(tmp_path / "first"),
+    merged = subprocess.run([sys.executable, "-m", "bench.gpu.gpu_accept", "--merge", str(tmp_path / "first"),
                              str(tmp_path / "second"), "--out", str(tmp_path / "merged")], cwd=ROOT)
     m = json.loads((tmp_path / "merged" / "gpu_accept.json").read_text())
     assert m["steps"] == steps and m["passed"] == s["passed"] and merged.returncode == (0 if s["passed"] else 1)
@@ -69,7 +69,7 @@ def test_gpu_accept_dry_run_runs_every_step_and_summarizes(tmp_path):
                                               "gpu_over_cpu_at_0.95": ratio}}}
         (tmp_path / "fake").mkdir(exist_ok=True)
         (tmp_path / "fake" / "gpu_accept.json").write_text(json.dumps(fake))
-        subprocess.run([sys.executable, "bench/gpu_accept.py", "--merge", str(tmp_path / "fake"), "--out",
+        subprocess.run([sys.executable, "-m", "bench.gpu.gpu_accept", "--merge", str(tmp_path / "fake"), "--out",
                         str(tmp_path / "judged")], cwd=ROOT, capture_output=True)
         t = json.loads((tmp_path / "judged" / "gpu_accept.json").read_text())["targets"]
         assert (t["scan_bandwidth"]["measured"], t["scan_bandwidth"]["met"]) == (max(scan), met)
@@ -79,7 +79,7 @@ def test_gpu_accept_dry_run_runs_every_step_and_summarizes(tmp_path):
     only_a = tmp_path / "only_a"
     only_a.mkdir()
     (only_a / "gpu_accept.json").write_text(json.dumps({**s, "steps": {"a": a}}))
-    subprocess.run([sys.executable, "bench/gpu_accept.py", "--merge", str(only_a), "--out", str(tmp_path / "half")],
+    subprocess.run([sys.executable, "-m", "bench.gpu.gpu_accept", "--merge", str(only_a), "--out", str(tmp_path / "half")],
                    cwd=ROOT, capture_output=True)
     half = json.loads((tmp_path / "half" / "gpu_accept.json").read_text())
     assert half["targets_met"] is None and all(x["met"] is None for x in half["targets"].values())

@@ -133,7 +133,7 @@ def test_adc_scan_matches_reference(placement, with_exclude):
 
 
 def test_adc_stream_over_lists_in_posting_order_matches_reference():
-    """The experiment bench/gpu_tier.py measures (kernels/adc_stream.py): codes in posting order, each query's
+    """The experiment bench/gpu/gpu_tier.py measures (kernels/adc_stream.py): codes in posting order, each query's
     probed lists streamed, IDs with the top bit set among them, lists empty and longer than a tile."""
     g = gen(5)
     postings, m, q = 2500, 9, 4

@@ -171,7 +171,7 @@ def test_a_graph_built_on_two_threads_places_rows_as_one_threads_does(tmp_path):
     out node by node, two threads inserted neighbours at once (a build numbers centroids near ones together),
     which did not find each other; a full list's heuristic then dropped one for the other, and nodes fell out of
     reach: on this data 0.984-0.995 of the rows were held by their exact nearest list from run to run, against
-    0.9993 on one thread; with a block a thread, 0.9942-0.99995 in 16 runs (bench/results/graph_threads.md)."""
+    0.9993 on one thread; with a block a thread, 0.9942-0.99995 in 16 runs (bench/results/peers/graph_threads.md)."""
     x = clustered(N, DIM, N // 100, seed=3)
     Index.build(x, tmp_path / "two", BuildConfig(navigation="graph", metric="l2", threads=2, calibrate=False),
                 progress=False)

@@ -192,7 +192,7 @@ def test_batch_larger_than_a_block_goes_in_passes(l2_index, monkeypatch):
     want, got = cpu.topn(luts, lists, 30), gpu.topn(luts, lists, 30)
     assert len(passes) > 1
     same_candidates(got, want)
-    # The tier's own phase count (bench/gpu_tier.py reports it) agrees with the passes counted from outside.
+    # The tier's own phase count (bench/gpu/gpu_tier.py reports it) agrees with the passes counted from outside.
     assert gpu.phases["passes"] - before["passes"] == len(passes)
     assert all(gpu.phases[k] > before[k] for k in ("gather_s", "stage_s", "device_s"))
 

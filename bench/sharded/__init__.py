@@ -1,0 +1,1 @@
+"""Studies of one topic: see README.md here."""
