@@ -7,19 +7,7 @@ from pathlib import Path
 
 from fusionrag.retriever.sharded.parts import is_sharded
 
-__all__ = ["is_sharded", "open_index", "recalibrate"]
-
-
-def open_index(path, config=None, **options):
-    """The index directory at path opened for search: a ShardedIndex (its shards in this process, or on Ray with
-    ray=True) where its manifest says sharded, else an Index. options go to the open of that kind."""
-    if is_sharded(path):
-        from fusionrag.retriever.sharded.router import ShardedIndex
-
-        return ShardedIndex.open(path, config, **options)
-    from fusionrag.retriever.engine.index import Index
-
-    return Index.open(path, config, **options)
+__all__ = ["is_sharded", "recalibrate"]
 
 
 def recalibrate(index_dir, sample_queries=None, queries: int | None = None, target: float | None = None,

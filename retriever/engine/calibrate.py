@@ -171,7 +171,7 @@ def calibrate(index_dir: Path, rows, n: int, engine_metric: str, queries: int, t
     index = Index.open(index_dir, calibration_engine(threads))
     try:
         tried, chosen = climb(lambda q, p: index.search(q, K, p, exclude=exclude).ids, q, truth, target,
-                               graph=not index.nav.exhaustive)
+                              graph=not index.nav.exhaustive)
     finally:
         index.close()
     return calibration_entry(q, source, target, tried, chosen, t0, n)

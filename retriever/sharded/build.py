@@ -12,21 +12,9 @@ from pathlib import Path
 import numpy as np
 
 from fusionrag import native
-from fusionrag.retriever.engine.build import (
-    CHUNK_ROWS,
-    IntegralCheck,
-    Rows,
-    assign_rows,
-    index_manifest,
-    internal_metric,
-    mips_augment,
-    open_source,
-    postings,
-    sample_query_matrix,
-    save_index_files,
-    train_index,
-    write_pages,
-)
+from fusionrag.retriever.engine.build import (CHUNK_ROWS, IntegralCheck, Rows, assign_rows, index_manifest,
+                                              internal_metric, mips_augment, open_source, postings, sample_query_matrix,
+                                              save_index_files, train_index, write_pages)
 from fusionrag.retriever.engine.calibrate import calibrate_build
 from fusionrag.retriever.engine.config import BuildConfig, SearchParams, cpu_threads
 from fusionrag.retriever.engine.learned_probe import lists_of_pairs, save_probe_model, train_probe_model

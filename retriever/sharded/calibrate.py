@@ -9,15 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fusionrag.retriever.engine.calibrate import (
-    MIN_ROWS,
-    K,
-    calibration_engine,
-    calibration_entry,
-    climb,
-    exact_topk,
-    sample_for_calibration,
-)
+from fusionrag.retriever.engine.calibrate import (MIN_ROWS, K, calibration_engine, calibration_entry, climb, exact_topk,
+                                                  sample_for_calibration)
 from fusionrag.retriever.engine.config import SearchParams
 from fusionrag.retriever.sharded.parts import merge_topk
 from fusionrag.retriever.sharded.router import ShardedIndex
@@ -41,7 +34,6 @@ def calibrate_sharded(index_dir: Path, rows, n: int, engine_metric: str, queries
     """calibrate() for a sharded index's router (staged in index_dir), its shards opened here, in this process,
     and the build's rows at hand for the truth. A sampled row is searched for with K + 1 and its own id dropped
     from what is found, as from the truth; the other sampled rows stay in the data."""
-
     t0 = time.perf_counter()
     if sample_queries is None and n < MIN_ROWS:
         return {"skipped": f"fewer than {MIN_ROWS} rows", "params": {}, "count": int(n)}
@@ -51,7 +43,7 @@ def calibrate_sharded(index_dir: Path, rows, n: int, engine_metric: str, queries
     index = ShardedIndex.open(index_dir, calibration_engine(threads), verify=False)
     try:
         tried, chosen = climb(sharded_found(index, self_id, own is not None), q, truth, target,
-                               graph=not index.nav.exhaustive)
+                              graph=not index.nav.exhaustive)
     finally:
         index.close()
     return calibration_entry(q, source, target, tried, chosen, t0, n)
@@ -63,7 +55,6 @@ def calibrate_open_sharded(index, queries: int, target: float, seed: int,
     built: rows sampled from its live vectors, built and written since (each shard's live ids; the sample's
     vectors fetched as its documents' are), or a query log; their truth by brute force on each shard over what
     it holds (ShardServer.exact), merged at the router. Nothing is gathered whole at the router."""
-
     t0 = time.perf_counter()
     live = np.unique(np.concatenate(index.every_shard("live_ids", (), "listing live ids")).astype(np.int64))
     n = len(live)
@@ -79,7 +70,7 @@ def calibrate_open_sharded(index, queries: int, target: float, seed: int,
     self_id = np.full(len(q), -1, np.int64) if own is None else live[own]
     truth = merge_topk(index.every_shard("exact", (q, K, self_id), "brute force for calibration"), K)[0]
     tried, chosen = climb(sharded_found(index, self_id, own is not None), q, truth, target,
-                           graph=not index.nav.exhaustive)
+                          graph=not index.nav.exhaustive)
     return calibration_entry(q, source, target, tried, chosen, t0, n)
 
 

@@ -24,15 +24,8 @@ from fusionrag.retriever.engine.learned_probe import exact_topk
 from fusionrag.retriever.engine.queries import PreparedQueries
 from fusionrag.retriever.errors import IndexFormatError
 from fusionrag.retriever.sharded.actors import ray_active
-from fusionrag.retriever.sharded.generations import (
-    LIST_WRITES,
-    NO_SPLIT_FACTOR,
-    current_part,
-    gen_dir_name,
-    load_global_ids,
-    manifest_sha,
-    publish,
-)
+from fusionrag.retriever.sharded.generations import (LIST_WRITES, NO_SPLIT_FACTOR, current_part, gen_dir_name,
+                                                     load_global_ids, manifest_sha, publish)
 from fusionrag.retriever.sharded.parts import FILTER_EXACT_MAX, SHARD_LOCK, ShardDown, merge_topk
 from fusionrag.retriever.sharded.writes import DELETE, UPSERT, UPSERT_DOCS, ShardWrites
 
