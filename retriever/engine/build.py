@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from functools import partial
 from pathlib import Path
@@ -21,7 +22,7 @@ from fusionrag import __version__
 from fusionrag.native import Graph, PageWriter
 from fusionrag.retriever.engine.calibrate import calibrate, calibrate_build
 from fusionrag.retriever.engine.config import BuildConfig, cpu_threads
-from fusionrag.retriever.engine.kmeans import hierarchical_balanced_kmeans
+from fusionrag.retriever.engine.kmeans import cluster_cap, hierarchical_balanced_kmeans
 from fusionrag.retriever.engine.layout import chain_order, plan_layout
 from fusionrag.retriever.engine.learned_probe import csr_lists_of, save_probe_model, train_probe_model
 from fusionrag.retriever.engine.manifest import writing_index
@@ -33,6 +34,15 @@ from fusionrag.retriever.errors import ConfigError, InputError
 from fusionrag.retriever.progress import OnProgress, Progress
 
 CHUNK_ROWS = 65536
+
+
+def rows_per_chunk(budget: int | None, dim: int) -> int:
+    """Rows a build's pass takes at a time within budget bytes: CHUNK_ROWS, or fewer where a chunk's rows (float32),
+    their PQ encoding's distances (256 floats a row) and their graph search would take more than a sixteenth of
+    the budget; at least 1024."""
+    if budget is None:
+        return CHUNK_ROWS
+    return int(min(CHUNK_ROWS, max(1024, budget // 16 // (4 * dim * 3 + 256 * 4 + 256))))
 
 
 def internal_metric(metric: str) -> str:
@@ -103,16 +113,22 @@ class Rows:
 
 
 def train_index(rows, n: int, dim: int, config: BuildConfig, rng: np.random.Generator, threads: int,
-                steps: Progress, timings: dict):
-    """Steps 1-3: (centroids, navigation graph, l2 graph of the plain centroids for assigning, PQ)."""
+                steps: Progress, timings: dict, budget: int | None = None, scratch: Path | None = None):
+    """Steps 1-3: (centroids, navigation graph, l2 graph of the plain centroids for assigning, PQ). budget: the
+    clustering's top-level clusters sized to it (kmeans.cluster_cap); scratch: a directory the centroids go to
+    (a read-only memory map of them is returned), so the graph is built beside one copy of them, its own."""
     metric = config.metric
     # 1. Posting-list centroids.
     t = time.perf_counter()
     target = 1.0 / config.centroid_ratio
+    cap = (1 << 18) if budget is None else cluster_cap(budget, dim, config.kmeans_branching)
     with steps.step("clustering", n) as update:
         centroids = hierarchical_balanced_kmeans(
             rows, n, target, max(1, int(target * config.max_list_factor)), config.kmeans_branching,
-            config.kmeans_iters, rng, progress=update)
+            config.kmeans_iters, rng, progress=update, top_cluster_cap=cap)
+    if scratch is not None:
+        np.save(scratch / "centroids.npy", centroids)
+        centroids = np.load(scratch / "centroids.npy", mmap_mode="r")
     timings["cluster_s"] = time.perf_counter() - t
 
     # 2. Navigation graph. It is always an l2 graph: cosine is l2 over unit vectors, and for ip
@@ -178,17 +194,70 @@ def postings(lists: np.ndarray, ids: np.ndarray, n_lists: int) -> tuple[np.ndarr
     return offsets, ids[order]
 
 
+class PairSpill:
+    """Step 4's (list, id) pairs of boundary replication, appended a chunk at a time to two files beside the index
+    being written (list numbers int32, ids uint32) and counted per list; grouped() then writes the CSR list ids
+    (postings()'s, the same order: a list's ids in the order they came) a chunk at a time, so neither the pairs nor
+    a sort of them is ever whole in memory."""
+
+    def __init__(self, where: Path, n_lists: int):
+        self.lists_path, self.ids_path = where / "pair_lists.bin", where / "pair_ids.bin"
+        self.lists_file, self.ids_file = open(self.lists_path, "wb"), open(self.ids_path, "wb")
+        self.counts = np.zeros(n_lists, np.int64)
+        self.total = 0
+
+    def add(self, lists: np.ndarray, ids: np.ndarray) -> None:
+        np.ascontiguousarray(lists, np.int32).tofile(self.lists_file)
+        np.ascontiguousarray(ids, np.uint32).tofile(self.ids_file)
+        self.counts += np.bincount(lists, minlength=len(self.counts))
+        self.total += len(lists)
+
+    def grouped(self, out: Path, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+        """(list_offsets, list_ids): list_ids a memory map of the .npy file out, written chunk pairs at a time."""
+        self.lists_file.close()
+        self.ids_file.close()
+        offsets = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
+        list_ids = np.lib.format.open_memmap(out, "w+", np.uint32, (self.total,))
+        cursor = offsets[:-1].copy()
+        if self.total:
+            lists = np.memmap(self.lists_path, np.int32, "r")
+            ids = np.memmap(self.ids_path, np.uint32, "r")
+            for s in range(0, self.total, chunk):
+                lab = np.asarray(lists[s:s + chunk])
+                order = np.argsort(lab, kind="stable")
+                lab = lab[order]
+                starts = np.flatnonzero(np.concatenate([[True], lab[1:] != lab[:-1]]))
+                first = np.repeat(starts, np.diff(np.append(starts, len(lab))))  # each pair's run's first
+                list_ids[cursor[lab] + np.arange(len(lab)) - first] = ids[s:s + chunk][order]
+                cursor += np.bincount(lab, minlength=len(cursor))
+            del lists, ids
+        self.lists_path.unlink()
+        self.ids_path.unlink()
+        list_ids.flush()
+        return offsets, list_ids
+
+
 def write_pages(w, stored, n: int, dim: int, store_dtype: np.dtype, primary: np.ndarray, centroids: np.ndarray,
-                pq: ProductQuantizer, codes: np.ndarray, steps: Progress):
+                pq: ProductQuantizer, codes: np.ndarray, steps: Progress, budget: int | None = None,
+                scratch: Path | None = None):
     """Steps 5-6's page file, into the index being written (w): rows 0..n-1 (stored(ids), in store_dtype,
-    asked for in ascending order), each in the bucket of its list `primary`. Returns (layout, slots, block CRCs)."""
+    asked for in ascending order), each in the bucket of its list `primary`. Returns (layout, slots, block CRCs).
+    Where the rows are more than budget bytes and scratch is given, they are read once in file order and spilled
+    to scratch in ranges of slots (_spilled_pages), not read in slot order: a source larger than the memory a
+    process has is then read sequentially, once, instead of a page of it for every few rows."""
     record_bytes = dim * store_dtype.itemsize
     # Within a bucket, near vectors share pages; PQ reconstructions are near enough to order them.
+    chunk_floats = 1 << 24 if budget is None else int(min(1 << 24, max(1 << 18, budget // 16)))
     with steps.step("ordering pages", n) as update:
-        order = chain_order(primary, len(centroids), centroids, lambda ids: pq.decode(codes[ids]), progress=update)
+        order = chain_order(primary, len(centroids), centroids, lambda ids: pq.decode(codes[ids]),
+                            chunk_floats=chunk_floats, progress=update)
     layout, slots = plan_layout(primary, len(centroids), record_bytes, order)
+    del order
     writer = PageWriter(str(w.path("vectors.pages")), record_bytes, layout.records_per_block,
                         layout.pages_per_block)
+    if budget is not None and scratch is not None and n * record_bytes > budget:
+        _spilled_pages(writer, stored, n, dim, store_dtype, slots, budget, scratch, steps)
+        return layout, slots, writer.close()
     by_slot = np.argsort(slots, kind="stable")
     with steps.step("writing pages", n) as update:
         for s in range(0, n, CHUNK_ROWS):
@@ -199,6 +268,47 @@ def write_pages(w, stored, n: int, dim: int, store_dtype: np.dtype, primary: np.
             writer.write(slots[ids], recs.view(np.uint8).reshape(len(ids), record_bytes))
             update(len(ids))
     return layout, slots, writer.close()
+
+
+def _spilled_pages(writer, stored, n: int, dim: int, store_dtype: np.dtype, slots: np.ndarray, budget: int,
+                   scratch: Path, steps: Progress) -> None:
+    """The page file written through scratch: the rows read in file order, a chunk at a time, each appended
+    (with its slot) to the file of its range of slots, ranges of at most half the budget; then each range read
+    back, sorted by slot and written. The source is read once, in order; memory holds one range."""
+    record_bytes = dim * store_dtype.itemsize
+    per_range = max(1, (budget // 2) // (record_bytes + 4))
+    n_ranges = int(slots.max()) // per_range + 1 if n else 0
+    paths = [(scratch / f"pages-{r}.rec", scratch / f"pages-{r}.slot") for r in range(n_ranges)]
+    files = [(open(a, "wb"), open(b, "wb")) for a, b in paths]
+    chunk = rows_per_chunk(budget, dim)
+    try:
+        with steps.step("spilling pages", n) as update:
+            for s in range(0, n, chunk):
+                ids = np.arange(s, min(n, s + chunk))
+                recs = np.ascontiguousarray(stored(ids), dtype=store_dtype)
+                sl = slots[ids]
+                r = sl // per_range
+                order = np.argsort(r, kind="stable")
+                r_sorted = r[order]
+                bounds = np.searchsorted(r_sorted, np.arange(n_ranges + 1))
+                for j in np.flatnonzero(np.diff(bounds)):
+                    part = order[bounds[j]:bounds[j + 1]]
+                    recs[part].tofile(files[j][0])
+                    np.ascontiguousarray(sl[part], np.uint32).tofile(files[j][1])
+                update(len(ids))
+    finally:
+        for a, b in files:
+            a.close()
+            b.close()
+    with steps.step("writing pages", n) as update:
+        for rec_path, slot_path in paths:
+            sl = np.fromfile(slot_path, np.uint32)
+            recs = np.fromfile(rec_path, np.uint8).reshape(len(sl), record_bytes)
+            order = np.argsort(sl, kind="stable")
+            writer.write(sl[order], recs[order])
+            rec_path.unlink()
+            slot_path.unlink()
+            update(len(sl))
 
 
 def index_manifest(count: int, dim: int, metric: str, storage_dtype: str, src, centroids: int, postings: int,
@@ -290,54 +400,65 @@ def build_index(source, out_dir, config: BuildConfig = BuildConfig(), progress: 
     integral = IntegralCheck(src.dtype, metric)
     timings = {}
     steps = Progress(progress, on_progress)
+    budget = config.memory_budget()
 
-    # 1-3. Centroids, navigation graph, PQ codebooks.
-    centroids, graph, assign_graph, pq = train_index(rows, n, dim, config, rng, threads, steps, timings)
-
-    # 4. One pass over all vectors: nearest centroids, replicas, PQ codes (and NaN checks).
-    t = time.perf_counter()
-    navigation = build_navigation(config.navigation, graph.size, graph.dim)
-    exact = centroids if navigation == "exact" else None  # and queries will go as rows went (NavigationTier)
-    codes = np.empty((n, pq.m), dtype=np.uint8)
-    primary = np.empty(n, dtype=np.int64)
-    pair_lists, pair_ids = [], []
-    with steps.step("assigning", n) as update:
-        for s in range(0, n, CHUNK_ROWS):
-            ids = np.arange(s, min(n, s + CHUNK_ROWS))
-            x = rows(ids)
-            integral.update(x)
-            primary[ids], lists, members, codes[ids] = assign_rows(assign_graph, pq, ids, x, config, threads, exact)
-            pair_lists.append(lists)
-            pair_ids.append(members)
-            update(len(ids))
-    del assign_graph
-    list_offsets, list_ids = postings(np.concatenate(pair_lists), np.concatenate(pair_ids), len(centroids))
-    del pair_lists, pair_ids
-    timings["assign_s"] = time.perf_counter() - t
-
-    # Learned pruning's model, on rows of the data as queries (each not its own neighbour).
-    probe_model = None
-    if config.probe_model:
-        t = time.perf_counter()
-        with steps.step("probe model", 1, "model") as update:
-            probe_model = train_single_probe(graph, rows, n, list_offsets, list_ids, config, threads, navigation,
-                                             sample_queries)
-            update(1)
-        timings["probe_model_s"] = time.perf_counter() - t
-
-    # 5-6. SSD layout and page file, then everything else.
-    t = time.perf_counter()
-    rows.dtype = store_dtype = integral.dtype() or rows.dtype
+    # Written from the start into the index's temporary directory (manifest.writing_index): what grows with the
+    # count (the codes, each row's list, the postings) goes to files there as it is made, and the build's
+    # scratch (the centroids, the pairs, the spilled pages) to scratch/, which is gone before it is published.
     with writing_index(Path(out_dir), overwrite) as w:
+        scratch = w.path("scratch")
+        scratch.mkdir()
+        # 1-3. Centroids, navigation graph, PQ codebooks.
+        centroids, graph, assign_graph, pq = train_index(rows, n, dim, config, rng, threads, steps, timings,
+                                                         budget, scratch)
+
+        # 4. One pass over all vectors: nearest centroids, replicas, PQ codes (and NaN checks).
+        t = time.perf_counter()
+        navigation = build_navigation(config.navigation, graph.size, graph.dim)
+        exact = centroids if navigation == "exact" else None  # and queries will go as rows went (NavigationTier)
+        codes = np.lib.format.open_memmap(w.path("pq_codes.npy"), "w+", np.uint8, (n, pq.m))
+        primary = np.lib.format.open_memmap(scratch / "primary.npy", "w+", np.int32, (n,))
+        pairs = PairSpill(scratch, len(centroids))
+        chunk = rows_per_chunk(budget, dim)
+        with steps.step("assigning", n) as update:
+            for s in range(0, n, chunk):
+                ids = np.arange(s, min(n, s + chunk))
+                x = rows(ids)
+                integral.update(x)
+                primary[ids], lists, members, codes[ids] = assign_rows(assign_graph, pq, ids, x, config, threads,
+                                                                       exact)
+                pairs.add(lists, members)
+                update(len(ids))
+        del assign_graph
+        list_offsets, list_ids = pairs.grouped(w.path("list_ids.npy"), max(CHUNK_ROWS, budget // 32))
+        timings["assign_s"] = time.perf_counter() - t
+
+        # Learned pruning's model, on rows of the data as queries (each not its own neighbour).
+        probe_model = None
+        if config.probe_model:
+            t = time.perf_counter()
+            with steps.step("probe model", 1, "model") as update:
+                probe_model = train_single_probe(graph, rows, n, list_offsets, list_ids, config, threads,
+                                                 navigation, sample_queries)
+                update(1)
+            timings["probe_model_s"] = time.perf_counter() - t
+
+        # 5-6. SSD layout and page file, then everything else.
+        t = time.perf_counter()
+        rows.dtype = store_dtype = integral.dtype() or rows.dtype
         layout, slots, block_crc = write_pages(w, rows.stored, n, dim, store_dtype, primary, centroids, pq, codes,
-                                               steps)
+                                               steps, budget, scratch)
+        n_centroids = len(centroids)
+        del primary, centroids, exact
         save_index_files(w, block_crc, graph, list_offsets, list_ids, pq.codebooks, codes, slots)
-        extra = {}
+        del graph, codes, list_ids, slots  # what calibration opens is the index as written, not these
+        shutil.rmtree(scratch)
+        extra = {"build_memory_budget_bytes": int(budget)}
         if probe_model is not None:
             extra["probe_model"] = save_probe_model(w, *probe_model)
         timings["write_s"] = time.perf_counter() - t
         timings["total_s"] = time.perf_counter() - t_start
-        manifest = index_manifest(n, dim, metric, STORAGE_DTYPES[store_dtype], src, len(centroids), len(list_ids),
+        manifest = index_manifest(n, dim, metric, STORAGE_DTYPES[store_dtype], src, n_centroids, int(list_offsets[-1]),
                                   pq, config, timings, navigation=navigation, pages=layout, **extra)
         if config.calibrate:  # the default search settings, measured on the index as written
             calibrate_build(manifest, w, steps, timings, t_start, lambda d: calibrate(

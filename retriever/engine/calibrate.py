@@ -131,8 +131,18 @@ def merge_remeasures(old: dict, count: int, calibrate_on: bool) -> bool:
     return max(count / measured, measured / max(1, count)) >= REMEASURE_GROWTH
 
 
+SLICE = 64  # queries a calibration search takes at a time: its working memory, not the sample's, is what it holds
+
+
+def in_slices(search, q: np.ndarray) -> np.ndarray:
+    """search(queries) -> ids, over q SLICE queries at a time (recall is the same; the memory a slice's)."""
+    return np.concatenate([search(q[i:i + SLICE]) for i in range(0, len(q), SLICE)]) if len(q) else search(q)
+
+
 def calibration_engine(threads: int) -> EngineConfig:
-    return EngineConfig(filter_tier="cpu", manager_interval_s=0, threads=threads, verify=False)
+    """How calibration opens the index it measures: recall does not depend on the page buffer, so a small one
+    (8 MiB), leaving a budgeted build's memory to the index itself."""
+    return EngineConfig(filter_tier="cpu", manager_interval_s=0, threads=threads, verify=False, buffer_bytes=8 << 20)
 
 
 def calibrate_build(manifest: dict, w, steps, timings: dict, t_start: float, measure) -> None:
@@ -170,8 +180,8 @@ def calibrate(index_dir: Path, rows, n: int, engine_metric: str, queries: int, t
         truth = np.array([t[(t >= 0) & ~mask[np.maximum(t, 0)]][:K] for t in wide])
     index = Index.open(index_dir, calibration_engine(threads))
     try:
-        tried, chosen = climb(lambda q, p: index.search(q, K, p, exclude=exclude).ids, q, truth, target,
-                              graph=not index.nav.exhaustive)
+        tried, chosen = climb(lambda q, p: in_slices(lambda s: index.search(s, K, p, exclude=exclude).ids, q), q,
+                              truth, target, graph=not index.nav.exhaustive)
     finally:
         index.close()
     return calibration_entry(q, source, target, tried, chosen, t0, n)

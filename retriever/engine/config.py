@@ -241,6 +241,9 @@ def flags_of(args: argparse.Namespace, cls, skip=()) -> dict:
 
 # --- the engine's configs --------------------------------------------------------------------------------
 
+MIN_BUILD_BUDGET = 32 << 20
+
+
 @config_class
 class BuildConfig(ConfigBase):
     """How an index is built. Defaults are meant to be good on real data without tuning."""
@@ -267,6 +270,12 @@ class BuildConfig(ConfigBase):
                                            "to every centroid), graph, or auto (exact where it is as cheap)")] = "auto"
     threads: Annotated[int, knob("build threads (0: all cores)", ge=0)] = 0
     seed: Annotated[int, knob("random seed of the build (k-means, the graph, samples)")] = 0
+    # The build's working memory (#51): k-means' top-level clusters, the page file's write, brute force for
+    # calibration, in pieces of at most this; what is proportional to the count (codes, assignments, postings) on
+    # disk beside the index being written. The index's own in-RAM tiers (the navigation graph) come on top.
+    memory_budget_bytes: Annotated[int, knob("build working memory, bytes (0: a quarter of what the process may use: "
+                                             "its cgroup's memory limit, else the machine's memory)", ge=0,
+                                             note="0 = automatic")] = 0
     # Learned pruning (retriever/engine/learned_probe.py): a quantile regression of how many lists, in probe order, hold
     # a query's true top-10, fitted on rows of the data as queries (search with probe='learned'). Needs
     # scikit-learn at build time only. Measured against the ratio rule: docs/tuning.md.
@@ -288,6 +297,15 @@ class BuildConfig(ConfigBase):
     def __post_init__(self):
         if self.graph_ef_construction < self.graph_m:
             raise ConfigError("graph_ef_construction must be >= graph_m")
+
+    def memory_budget(self) -> int:
+        """memory_budget_bytes, or where 0 a quarter of what this process may use (process.memory_limit); at
+        least 32 MiB."""
+        if self.memory_budget_bytes:
+            return max(self.memory_budget_bytes, MIN_BUILD_BUDGET)
+        from fusionrag.retriever.process import memory_limit
+
+        return max(memory_limit() // 4, MIN_BUILD_BUDGET)
 
 
 @config_class

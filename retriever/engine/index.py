@@ -100,6 +100,23 @@ def buffer_gain(pages: Path, layout, config: EngineConfig) -> float:
     return gain if gain >= COMPRESS_MIN_GAIN else 0.0
 
 
+BUFFER_SHARE = 8  # a page buffer takes at most this fraction (1/8) of the memory the process may use
+
+
+def fitted_buffer(buffer_bytes: int, path=None) -> int:
+    """buffer_bytes, or an eighth of what this process may use (process.memory_limit: its cgroup's limit, else the
+    machine's memory) where that is less, so a buffer sized for a server does not take a container's memory
+    (#51). Logged when cut."""
+    from fusionrag.retriever.process import memory_limit
+
+    room = memory_limit() // BUFFER_SHARE
+    if buffer_bytes > room:
+        log.warning("%s: page buffer of %d MiB cut to %d MiB, an eighth of the %d MiB this process may use",
+                    path or "index", buffer_bytes >> 20, room >> 20, memory_limit() >> 20)
+        return room
+    return buffer_bytes
+
+
 def split_buffer(buffer_bytes: int, config: EngineConfig, layout, compressed: bool = False) -> tuple[int, int, bool]:
     """(page buffer blocks, record cache records, adaptive) of buffer_bytes. record_cache 'auto': all of it as
     blocks or as records, one at a time (adaptive: the store switches between the two by a miniature of both),
@@ -213,7 +230,8 @@ class Index(ManifestShape):
                                  raw_reader(path / "vectors.pages", layout, locations, stored, dim), dim)
         try:
             gain = buffer_gain(path / "vectors.pages", layout, config)
-            buffer_blocks, cache_records, adaptive = split_buffer(config.buffer_bytes, config, layout, gain > 1)
+            buffer_blocks, cache_records, adaptive = split_buffer(fitted_buffer(config.buffer_bytes, path), config,
+                                                                  layout, gain > 1)
             store = native.PageStore(str(path / "vectors.pages"), layout.record_bytes, layout.records_per_block,
                                      layout.pages_per_block, block_crc, buffer_blocks, config.io_backend,
                                      config.direct_io, config.io_threads, config.buffer_policy, cache_records,

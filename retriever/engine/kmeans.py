@@ -67,7 +67,8 @@ def kmeans(x: np.ndarray, k: int, iters: int, rng: np.random.Generator, balance:
     capacity = int(np.ceil(n / k * (1 + balance))) if balance > 0 else n
     labels = np.full(n, -1, dtype=np.int64)
     for it in range(iters):
-        new_labels = _capacitated_assign(sq_dists(x, centers), capacity)
+        # Unbalanced (PQ codebooks): the nearest centre, in chunks, never the whole (n, k) distance matrix.
+        new_labels = assign(x, centers)[0] if capacity >= n else _capacitated_assign(sq_dists(x, centers), capacity)
         if np.array_equal(new_labels, labels):
             break
         labels = new_labels
@@ -111,12 +112,15 @@ def _capacitated_assign(d: np.ndarray, capacity: int) -> np.ndarray:
 
 
 def _segment_sums(x: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
-    """Per-cluster sums of x in float64 (sort once, then one segmented reduction)."""
-    sizes = np.bincount(labels, minlength=k)
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    """Per-cluster sums of x in float64: rows sorted by cluster, then reduced a chunk at a time, so no float64
+    copy of all of x is made (a top-level cluster of a budgeted build is most of its working memory)."""
+    order = np.argsort(labels, kind="stable")
+    sorted_labels = labels[order]
     sums = np.zeros((k, x.shape[1]), dtype=np.float64)
-    nonempty = sizes > 0
-    sums[nonempty] = np.add.reduceat(x[np.argsort(labels, kind="stable")].astype(np.float64), starts[nonempty], axis=0)
+    for s in range(0, len(order), _CHUNK):
+        lab = sorted_labels[s:s + _CHUNK]
+        starts = np.flatnonzero(np.concatenate([[True], lab[1:] != lab[:-1]]))
+        sums[lab[starts]] += np.add.reduceat(x[order[s:s + _CHUNK]].astype(np.float64), starts, axis=0)
     return sums
 
 
@@ -136,7 +140,9 @@ def hierarchical_balanced_kmeans(
     rows(ids) returns float32 vectors for sorted ids. The top level is trained on a sample and
     assigned in a streaming pass, so only one top-level cluster at a time is in memory; below it
     each node of more than max_size vectors is split into min(branching, size / target) balanced
-    clusters until every leaf fits. progress(n) is called as n vectors reach their leaf.
+    clusters until every leaf fits. progress(n) is called as n vectors reach their leaf. top_cluster_cap: the
+    most rows a top-level cluster holds (more top-level clusters where the count needs it): a budgeted build
+    sets it from its memory budget (cluster_cap), as a cluster and its split are the clustering's working memory.
     """
     leaves: list[np.ndarray] = []
     k_top = max(min(branching, int(np.ceil(count / target))), int(np.ceil(count / top_cluster_cap)))
@@ -147,17 +153,28 @@ def hierarchical_balanced_kmeans(
         return np.concatenate(leaves).astype(np.float32)
     sample_ids = np.sort(rng.choice(count, min(count, 256 * k_top), replace=False))
     top, _ = kmeans(rows(sample_ids), k_top, iters, rng, balance=0.25)
-    labels = np.empty(count, dtype=np.int64)
+    labels = np.empty(count, dtype=np.int32)
     for s in range(0, count, 65536):
         ids = np.arange(s, min(count, s + 65536))
         labels[ids], _ = assign(rows(ids), top)
-    order = np.argsort(labels, kind="stable")
+    order = np.argsort(labels, kind="stable").astype(np.uint32 if count < 2**32 else np.int64)
     bounds = np.searchsorted(labels[order], np.arange(k_top + 1))
+    del labels
     for j in range(k_top):
-        ids = order[bounds[j]:bounds[j + 1]]
+        ids = order[bounds[j]:bounds[j + 1]].astype(np.int64)
         if len(ids):
-            _split(rows(ids), target, max_size, branching, iters, rng, leaves, progress)
+            mine: list[np.ndarray] = []
+            _split(rows(ids), target, max_size, branching, iters, rng, mine, progress)
+            leaves.append(np.concatenate(mine).astype(np.float32))  # one array a top-level cluster, not one a leaf
     return np.concatenate(leaves).astype(np.float32)
+
+
+def cluster_cap(budget: int, dim: int, branching: int) -> int:
+    """The most rows of dim float32 dimensions whose split by hierarchical_balanced_kmeans fits in budget bytes:
+    the cluster (read once), its children (copies), k-means' distances, preferences and sorts (per row, branching
+    floats and int64s and a few int64s), with a third to spare; at least 4096 rows, at most 2^18."""
+    per_row = 3 * 4 * dim + branching * (4 + 8) + 64
+    return int(min(1 << 18, max(4096, budget * 2 // 3 // per_row)))
 
 
 def _split(x: np.ndarray, target: float, max_size: int, branching: int, iters: int,

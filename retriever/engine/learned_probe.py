@@ -20,7 +20,7 @@ from fusionrag.retriever.engine.manifest import load_array
 from fusionrag.retriever.errors import ConfigError, IndexFormatError
 
 MODEL_FILE = "probe_model.npy"
-_ROWS = 65536  # data rows at a time in exact_topk
+_ROWS = 16384  # data rows at a time in exact_topk
 
 FEATURE_RANKS = (2, 4, 8, 16, 32, 64, 128, 256)
 RATIOS = (1.1, 1.25, 1.5, 2.0)
@@ -138,7 +138,8 @@ def exact_topk(rows, n: int, queries: np.ndarray, k: int, metric: str, exclude: 
     (ids, their distances: inf where -1) instead of the ids alone."""
     best_d = np.full((len(queries), k), np.inf, dtype=np.float32)
     best_i = np.full((len(queries), k), -1, dtype=np.int64)
-    step = 256  # queries at a time: a (256, _ROWS) block of distances
+    # Queries at a time: their (step, k + _ROWS) distances, ids and sorts (~24 bytes an entry) in at most 24 MiB.
+    step = int(max(8, min(256, (24 << 20) // ((k + _ROWS) * 24))))
     for lo in range(0, n, _ROWS):
         ids = np.arange(lo, min(n, lo + _ROWS))
         x = rows(ids)

@@ -101,8 +101,13 @@ class IndexWriter:
         return self.dir / name
 
     def save_array(self, name: str, arr: np.ndarray) -> None:
-        with open(self.path(name), "wb") as f:
-            np.save(f, np.ascontiguousarray(arr), allow_pickle=False)
+        """arr saved as the .npy file name; an array already memory-mapped from that file (a build writes its
+        largest arrays so) is flushed, not copied."""
+        if isinstance(arr, np.memmap) and arr.filename and Path(arr.filename).resolve() == self.path(name).resolve():
+            arr.flush()
+        else:
+            with open(self.path(name), "wb") as f:
+                np.save(f, np.ascontiguousarray(arr), allow_pickle=False)
         self.add_file(name)
 
     def add_file(self, name: str, hashed: bool = True) -> None:

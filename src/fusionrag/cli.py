@@ -277,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True, help="where to write the int64 (queries x k) ids, .npy")
     s.add_argument("--groundtruth", help="ground-truth ids (.ivecs, .ibin or .npy) to report recall@k")
     s.add_argument("--limit", type=int, default=0, help="use only the first N queries")
-    s.add_argument("--buffer-mb", type=float, default=None, help="DRAM page buffer, MiB (default 64)")
+    s.add_argument("--buffer-mb", type=float, default=None, help="DRAM page buffer, MiB (default 64, at most an eighth of the memory the process may use)")
     s.add_argument("--ray", metavar="ADDRESS", help="a sharded index: its shards as actors on this Ray cluster "
                    "(default: in this process)")
     add_flags(s, SearchParams)
@@ -355,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.run in (_cmd_search, _cmd_serve):
+    if args.run in (_cmd_build, _cmd_search, _cmd_serve, _cmd_import, _cmd_calibrate):
         from fusionrag.retriever.process import return_freed_memory
 
         return_freed_memory()
