@@ -125,10 +125,8 @@ def train_index(rows, n: int, dim: int, config: BuildConfig, rng: np.random.Gene
     with steps.step("clustering", n) as update:
         centroids = hierarchical_balanced_kmeans(
             rows, n, target, max(1, int(target * config.max_list_factor)), config.kmeans_branching,
-            config.kmeans_iters, rng, progress=update, top_cluster_cap=cap)
-    if scratch is not None:
-        np.save(scratch / "centroids.npy", centroids)
-        centroids = np.load(scratch / "centroids.npy", mmap_mode="r")
+            config.kmeans_iters, rng, progress=update, top_cluster_cap=cap,
+            out=None if scratch is None else scratch / "centroids.f32")
     timings["cluster_s"] = time.perf_counter() - t
 
     # 2. Navigation graph. It is always an l2 graph: cosine is l2 over unit vectors, and for ip

@@ -5,11 +5,13 @@ Plain NumPy on BLAS: the build is offline, and the matrix products are where the
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
 _CHUNK = 16384
+_MAX_PASSES = 4  # streaming passes over a top-level cluster before it is read whole
 
 
 def sq_dists(x: np.ndarray, c: np.ndarray, c_sq: np.ndarray | None = None) -> np.ndarray:
@@ -134,6 +136,7 @@ def hierarchical_balanced_kmeans(
     rng: np.random.Generator,
     progress: Callable[[int], None] = lambda n: None,
     top_cluster_cap: int = 1 << 18,
+    out: Path | None = None,
 ) -> np.ndarray:
     """Centroids of posting lists of at most max_size vectors and about `target` on average.
 
@@ -143,30 +146,68 @@ def hierarchical_balanced_kmeans(
     clusters until every leaf fits. progress(n) is called as n vectors reach their leaf. top_cluster_cap: the
     most rows a top-level cluster holds (more top-level clusters where the count needs it): a budgeted build
     sets it from its memory budget (cluster_cap), as a cluster and its split are the clustering's working memory.
+    A top-level cluster the streaming assignment left larger than that (the sample's clusters are balanced, the
+    nearest-centre pass is not) is split by another streaming pass over its rows before it is read whole.
+    out: a file the centroids are appended to as each top-level cluster is done (a read-only memory map of them
+    is returned), so that the centroids, a tenth of the vectors' count, are not in memory beside the clustering.
     """
-    leaves: list[np.ndarray] = []
-    k_top = max(min(branching, int(np.ceil(count / target))), int(np.ceil(count / top_cluster_cap)))
+    leaves = _Leaves(out)
     if count <= max_size:
-        all_ids = np.arange(count)
-        leaves.append(rows(all_ids).mean(axis=0, keepdims=True))
+        leaves.add(rows(np.arange(count)).mean(axis=0, keepdims=True))
         progress(count)
-        return np.concatenate(leaves).astype(np.float32)
-    sample_ids = np.sort(rng.choice(count, min(count, 256 * k_top), replace=False))
-    top, _ = kmeans(rows(sample_ids), k_top, iters, rng, balance=0.25)
-    labels = np.empty(count, dtype=np.int32)
-    for s in range(0, count, 65536):
-        ids = np.arange(s, min(count, s + 65536))
-        labels[ids], _ = assign(rows(ids), top)
-    order = np.argsort(labels, kind="stable").astype(np.uint32 if count < 2**32 else np.int64)
-    bounds = np.searchsorted(labels[order], np.arange(k_top + 1))
-    del labels
-    for j in range(k_top):
-        ids = order[bounds[j]:bounds[j + 1]].astype(np.int64)
-        if len(ids):
+        return leaves.done()
+    cap = max(top_cluster_cap, max_size)
+    k_top = max(min(branching, int(np.ceil(count / target))), int(np.ceil(count / cap)))
+    id_type = np.uint32 if count < 2**32 else np.int64  # the parts' ids: a 4-byte id a row, as the labels
+    pending = [(np.arange(count, dtype=id_type), 0)]  # (sorted ids, streaming passes they came through)
+    while pending:
+        ids, depth = pending.pop()
+        if depth and (len(ids) <= cap or depth >= _MAX_PASSES):
             mine: list[np.ndarray] = []
-            _split(rows(ids), target, max_size, branching, iters, rng, mine, progress)
-            leaves.append(np.concatenate(mine).astype(np.float32))  # one array a top-level cluster, not one a leaf
-    return np.concatenate(leaves).astype(np.float32)
+            _split(rows(ids.astype(np.int64)), target, max_size, branching, iters, rng, mine, progress)
+            leaves.add(np.concatenate(mine))  # one array a top-level cluster, not one a leaf
+            continue
+        k = k_top if not depth else max(2, min(branching, 2 * int(np.ceil(len(ids) / cap))))
+        parts = _streamed_split(rows, ids, k, iters, rng)
+        # a pass that cannot part them (identical rows) leaves one part: it is read whole after the next
+        pending.extend((part, _MAX_PASSES if len(parts) == 1 and depth else depth + 1) for part in reversed(parts))
+    return leaves.done()
+
+
+def _streamed_split(rows, ids: np.ndarray, k: int, iters: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """ids (sorted) parted among k centres trained on a sample of their rows, each row to its nearest centre,
+    read 65,536 rows at a time; the non-empty parts, each sorted."""
+    sample = np.sort(rng.choice(ids, min(len(ids), 256 * k), replace=False))
+    top, _ = kmeans(rows(sample.astype(np.int64)), k, iters, rng, balance=0.25)
+    labels = np.empty(len(ids), dtype=np.int32)
+    for s in range(0, len(ids), 65536):
+        labels[s:s + 65536], _ = assign(rows(ids[s:s + 65536].astype(np.int64)), top)
+    order = np.argsort(labels, kind="stable")
+    bounds = np.searchsorted(labels[order], np.arange(k + 1))
+    del labels
+    return [ids[order[bounds[j]:bounds[j + 1]]] for j in range(k) if bounds[j + 1] > bounds[j]]
+
+
+class _Leaves:
+    """The centroids as they are made: in memory, or appended to a file (out) and mapped back when done."""
+
+    def __init__(self, out: Path | None):
+        self.out, self.parts, self.rows, self.dim = out, [], 0, None
+        self.f = open(out, "wb") if out is not None else None
+
+    def add(self, c: np.ndarray) -> None:
+        c = np.ascontiguousarray(c, dtype=np.float32)
+        self.rows, self.dim = self.rows + len(c), c.shape[1]
+        if self.f is None:
+            self.parts.append(c)
+        else:
+            c.tofile(self.f)
+
+    def done(self) -> np.ndarray:
+        if self.f is None:
+            return np.concatenate(self.parts)
+        self.f.close()
+        return np.memmap(self.out, np.float32, "r", shape=(self.rows, self.dim))
 
 
 def cluster_cap(budget: int, dim: int, branching: int) -> int:

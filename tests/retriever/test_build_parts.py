@@ -190,3 +190,28 @@ def test_manifest_publish_and_checks(tmp_path):
     (target / "manifest.json").unlink()
     with pytest.raises(IndexFormatError, match="no manifest.json"):
         read_manifest(target)
+
+
+def test_a_top_cluster_past_its_cap_is_split_again_before_it_is_read_whole(tmp_path, monkeypatch):
+    """Nine rows in ten round three tight centres: the sample's balanced top clusters leave the nearest-centre
+    pass parts far past the cap. No cluster is read whole (handed to the in-memory split) past the cap, the
+    clusters read whole partition the rows, the lists stay bounded, and centroids written to a file are the same."""
+    from fusionrag.retriever.engine import kmeans as km
+    rng = np.random.default_rng(3)
+    x = np.concatenate([clustered(4500, 8, 3, seed=4, spread=0.05), clustered(500, 8, 20, seed=5)])
+    x = x[rng.permutation(len(x))]
+    cap, whole, leaves = 400, [], []
+    split = km._split
+    monkeypatch.setattr(km, "_split", lambda c, *a: (whole.append(len(c)), split(c, *a)))
+    plain = km.hierarchical_balanced_kmeans(lambda ids: x[ids], len(x), 10, 20, 16, 5, np.random.default_rng(0),
+                                            progress=leaves.append)
+    assert max(whole) > cap  # without the cap, the pass leaves clusters past it
+    whole.clear(), leaves.clear()
+    cents = km.hierarchical_balanced_kmeans(lambda ids: x[ids], len(x), 10, 20, 16, 5, np.random.default_rng(0),
+                                            progress=leaves.append, top_cluster_cap=cap)
+    assert max(whole) <= cap and sum(whole) == len(x)
+    assert sum(leaves) == len(x) and max(leaves) <= 20 and abs(len(cents) - len(plain)) < len(plain) // 5
+    assert np.bincount(assign(x, cents)[0], minlength=len(cents)).max() <= 2 * 20
+    spilled = km.hierarchical_balanced_kmeans(lambda ids: x[ids], len(x), 10, 20, 16, 5, np.random.default_rng(0),
+                                              top_cluster_cap=cap, out=tmp_path / "c.f32")
+    assert isinstance(spilled, np.memmap) and np.array_equal(spilled, cents)
