@@ -224,9 +224,8 @@ class PairSpill:
                 lab = np.asarray(lists[s:s + chunk])
                 order = np.argsort(lab, kind="stable")
                 lab = lab[order]
-                starts = np.flatnonzero(np.concatenate([[True], lab[1:] != lab[:-1]]))
-                first = np.repeat(starts, np.diff(np.append(starts, len(lab))))  # each pair's run's first
-                list_ids[cursor[lab] + np.arange(len(lab)) - first] = ids[s:s + chunk][order]
+                rank = np.arange(len(lab)) - np.searchsorted(lab, lab)  # each pair's place among its list's here
+                list_ids[cursor[lab] + rank] = ids[s:s + chunk][order]
                 cursor += np.bincount(lab, minlength=len(cursor))
             del lists, ids
         self.lists_path.unlink()

@@ -109,10 +109,11 @@ def fitted_buffer(buffer_bytes: int, path=None) -> int:
     (#51). Logged when cut."""
     from fusionrag.retriever.process import memory_limit
 
-    room = memory_limit() // BUFFER_SHARE
+    limit = memory_limit()
+    room = limit // BUFFER_SHARE
     if buffer_bytes > room:
         log.warning("%s: page buffer of %d MiB cut to %d MiB, an eighth of the %d MiB this process may use",
-                    path or "index", buffer_bytes >> 20, room >> 20, memory_limit() >> 20)
+                    path or "index", buffer_bytes >> 20, room >> 20, limit >> 20)
         return room
     return buffer_bytes
 
