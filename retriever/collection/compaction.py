@@ -48,7 +48,8 @@ def next_generation(path: Path, old: Generation, dead: np.ndarray, fresh_rows: n
     else:
         rows, vecs, unsearchable = read_all()
         if len(rows) >= min_index_count:
-            build_index(vecs, gdir / "index", build_config, progress, on_progress=on_step)
+            build_index(vecs, gdir / "index", build_config, progress, on_progress=on_step,
+                        resume=False)  # the generation's recovery is the collection's
         else:
             rows, max_row = np.empty(0, np.int64), -1
     index = None

@@ -99,7 +99,8 @@ def import_files(col: Collection, documents: Path | None, vectors: Path | None, 
         index_dir = staging / "index"
         indexed = n >= col.config.min_index_count
         if indexed:
-            build_index(str(source), index_dir, col._build_config, progress, on_progress=col._merge_step)
+            build_index(str(source), index_dir, col._build_config, progress, on_progress=col._merge_step,
+                            resume=False)  # staging is the import's own: a killed import starts over
         stored = col._publish_import(n, source, lambda: _documents(documents, n, vectors is not None),
                                      index_dir if indexed else None, steps)
     finally:

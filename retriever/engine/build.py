@@ -23,9 +23,9 @@ from fusionrag.native import Graph, PageWriter
 from fusionrag.retriever.engine.calibrate import calibrate, calibrate_build
 from fusionrag.retriever.engine.config import BuildConfig, cpu_threads
 from fusionrag.retriever.engine.kmeans import cluster_cap, hierarchical_balanced_kmeans
-from fusionrag.retriever.engine.layout import chain_order, plan_layout
+from fusionrag.retriever.engine.layout import PageLayout, chain_order, plan_layout
 from fusionrag.retriever.engine.learned_probe import csr_lists_of, save_probe_model, train_probe_model
-from fusionrag.retriever.engine.manifest import writing_index
+from fusionrag.retriever.engine.manifest import resumable_index, writing_index
 from fusionrag.retriever.engine.pq import ProductQuantizer, auto_m
 from fusionrag.retriever.engine.tiers import build_navigation, nearest_exhaustive
 from fusionrag.retriever.engine.vectors import (STORAGE_DTYPES, VectorFile, as_source, check_vectors, normalize,
@@ -113,44 +113,68 @@ class Rows:
 
 
 def train_index(rows, n: int, dim: int, config: BuildConfig, rng: np.random.Generator, threads: int,
-                steps: Progress, timings: dict, budget: int | None = None, scratch: Path | None = None):
+                steps: Progress, timings: dict, budget: int | None = None, scratch: Path | None = None, w=None):
     """Steps 1-3: (centroids, navigation graph, l2 graph of the plain centroids for assigning, PQ). budget: the
     clustering's top-level clusters sized to it (kmeans.cluster_cap); scratch: a directory the centroids go to
-    (a read-only memory map of them is returned), so the graph is built beside one copy of them, its own."""
+    (a read-only memory map of them is returned), so the graph is built beside one copy of them, its own.
+    w: the index being written, where it records steps (manifest.ResumableWriter, with scratch): each of the three
+    is recorded as it finishes, with its results in scratch, and one it recorded before is read back, not run."""
     metric = config.metric
+    done = {} if w is None or scratch is None else w.steps
     # 1. Posting-list centroids.
-    t = time.perf_counter()
-    target = 1.0 / config.centroid_ratio
-    cap = (1 << 18) if budget is None else cluster_cap(budget, dim, config.kmeans_branching)
-    with steps.step("clustering", n) as update:
-        centroids = hierarchical_balanced_kmeans(
-            rows, n, target, max(1, int(target * config.max_list_factor)), config.kmeans_branching,
-            config.kmeans_iters, rng, progress=update, top_cluster_cap=cap,
-            out=None if scratch is None else scratch / "centroids.f32")
-    timings["cluster_s"] = time.perf_counter() - t
+    if "clustering" in done:
+        centroids = np.memmap(scratch / "centroids.f32", np.float32, "r", shape=(done["clustering"]["centroids"], dim))
+    else:
+        t = time.perf_counter()
+        target = 1.0 / config.centroid_ratio
+        cap = (1 << 18) if budget is None else cluster_cap(budget, dim, config.kmeans_branching)
+        with steps.step("clustering", n) as update:
+            centroids = hierarchical_balanced_kmeans(
+                rows, n, target, max(1, int(target * config.max_list_factor)), config.kmeans_branching,
+                config.kmeans_iters, rng, progress=update, top_cluster_cap=cap,
+                out=None if scratch is None else scratch / "centroids.f32")
+        timings["cluster_s"] = time.perf_counter() - t
+        if w is not None and scratch is not None:
+            w.step_done("clustering", {"centroids": len(centroids)}, [scratch / "centroids.f32"], rng, timings)
 
     # 2. Navigation graph. It is always an l2 graph: cosine is l2 over unit vectors, and for ip
     # the centroids gain one coordinate that turns inner-product order into l2 order (HNSW
     # graphs built on inner products leave nodes unreachable). Replicas are chosen by l2.
-    t = time.perf_counter()
-    with steps.step("graph", len(centroids) * (2 if metric == "ip" else 1), "centroid") as update:
-        assign_graph = Graph(dim, "l2", config.graph_m, config.graph_ef_construction, config.seed)
-        assign_graph.add(centroids, threads)
-        update(len(centroids))
-        graph = assign_graph
-        if metric == "ip":
-            graph = Graph(dim + 1, "l2", config.graph_m, config.graph_ef_construction, config.seed)
-            graph.add(mips_augment(centroids), threads)
+    if "graph" in done:
+        assign_graph = Graph.load(str(scratch / "assign_graph.bin"))
+        graph = Graph.load(str(scratch / "graph.bin")) if metric == "ip" else assign_graph
+    else:
+        t = time.perf_counter()
+        with steps.step("graph", len(centroids) * (2 if metric == "ip" else 1), "centroid") as update:
+            assign_graph = Graph(dim, "l2", config.graph_m, config.graph_ef_construction, config.seed)
+            assign_graph.add(centroids, threads)
             update(len(centroids))
-    timings["graph_s"] = time.perf_counter() - t
+            graph = assign_graph
+            if metric == "ip":
+                graph = Graph(dim + 1, "l2", config.graph_m, config.graph_ef_construction, config.seed)
+                graph.add(mips_augment(centroids), threads)
+                update(len(centroids))
+        timings["graph_s"] = time.perf_counter() - t
+        if w is not None and scratch is not None:
+            saved = [scratch / "assign_graph.bin"] + ([scratch / "graph.bin"] if metric == "ip" else [])
+            assign_graph.save(str(saved[0]))
+            if metric == "ip":
+                graph.save(str(saved[1]))
+            w.step_done("graph", {}, saved, rng, timings)
 
     # 3. PQ codebooks from a sample.
-    t = time.perf_counter()
-    sample = np.sort(rng.choice(n, min(n, config.pq_train_size), replace=False))
-    pq_m = config.pq_m or auto_m(dim)
-    with steps.step("pq training", pq_m, "sub-space") as update:
-        pq = ProductQuantizer.train(rows(sample), pq_m, config.kmeans_iters, rng, progress=update)
-    timings["pq_train_s"] = time.perf_counter() - t
+    if "pq training" in done:
+        pq = ProductQuantizer(np.load(scratch / "pq_codebooks.npy", allow_pickle=False), dim)
+    else:
+        t = time.perf_counter()
+        sample = np.sort(rng.choice(n, min(n, config.pq_train_size), replace=False))
+        pq_m = config.pq_m or auto_m(dim)
+        with steps.step("pq training", pq_m, "sub-space") as update:
+            pq = ProductQuantizer.train(rows(sample), pq_m, config.kmeans_iters, rng, progress=update)
+        timings["pq_train_s"] = time.perf_counter() - t
+        if w is not None and scratch is not None:
+            np.save(scratch / "pq_codebooks.npy", pq.codebooks, allow_pickle=False)
+            w.step_done("pq training", {}, [scratch / "pq_codebooks.npy"], rng, timings)
     return centroids, graph, assign_graph, pq
 
 
@@ -375,13 +399,42 @@ def open_source(source):
     return src
 
 
+def build_key(src: VectorFile, config: BuildConfig, sample_queries: np.ndarray | None) -> dict:
+    """What a killed build must match for a rerun to resume it (manifest.ResumableWriter): fusionrag's version, the
+    source (a file by its resolved path, size, modification time and shape; an array by a hash of its contents),
+    the sample queries' hash, and every setting but the memory budget and the threads, which change how a step
+    runs, not its result (a build killed for memory may be resumed with a smaller budget)."""
+    import hashlib
+
+    def digest(arr) -> str:
+        h = hashlib.sha256(str((arr.shape, str(arr.dtype))).encode())
+        for s in range(0, len(arr), 1 << 16):
+            h.update(np.ascontiguousarray(arr[s:s + (1 << 16)]).tobytes())
+        return h.hexdigest()
+
+    if src.path == "<array>":
+        source = {"array_sha256": digest(src.data)}
+    else:
+        st = Path(src.path).stat()
+        source = {"path": str(Path(src.path).resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
+                  "count": src.count, "dim": src.dim, "dtype": str(src.dtype)}
+    settings = {k: v for k, v in config.to_dict().items() if k not in ("memory_budget_bytes", "threads")}
+    return {"fusionrag_version": __version__, "source": source, "config": settings,
+            "sample_queries": None if sample_queries is None else digest(sample_queries)}
+
+
 def build_index(source, out_dir, config: BuildConfig = BuildConfig(), progress: bool | None = None,
-                overwrite: bool = False, on_progress: OnProgress | None = None, sample_queries=None) -> dict:
+                overwrite: bool = False, on_progress: OnProgress | None = None, sample_queries=None,
+                resume: bool = True) -> dict:
     """Build an index of `source` (a vector file path or a 2-D array) into the directory out_dir.
 
     progress: a bar per step on stderr (None: when stderr is a terminal); on_progress(step, done, total)
     is told the same as the steps advance. sample_queries: queries like those the index will serve (a query
-    log) that config.probe_model's model is trained on and calibration measures, instead of rows of the data."""
+    log) that config.probe_model's model is trained on and calibration measures, instead of rows of the data.
+    resume: a build of out_dir killed before it finished (its `.NAME.partial` directory beside out_dir) with the
+    same source and settings goes on from its last finished step, and its steps are the manifest's
+    build_resumed; False: start over (what such a build left is removed). A build that fails on its input or
+    settings leaves nothing; one interrupted otherwise (a full disk, Ctrl-C) leaves what it finished to resume."""
     t_start = time.perf_counter()
     src = open_source(source)
     n, dim = src.count, src.dim
@@ -395,68 +448,108 @@ def build_index(source, out_dir, config: BuildConfig = BuildConfig(), progress: 
     rng = np.random.default_rng(config.seed)
     rows = Rows(src, metric)
     integral = IntegralCheck(src.dtype, metric)
-    timings = {}
     steps = Progress(progress, on_progress)
     budget = config.memory_budget()
 
-    # Written from the start into the index's temporary directory (manifest.writing_index): what grows with the
-    # count (the codes, each row's list, the postings) goes to files there as it is made, and the build's
-    # scratch (the centroids, the pairs, the spilled pages) to scratch/, which is gone before it is published.
-    with writing_index(Path(out_dir), overwrite) as w:
+    # Written from the start into the index's partial directory (manifest.ResumableWriter; a temporary one,
+    # manifest.writing_index, where it is not to resume): what grows with the count (the codes, each row's list,
+    # the postings) goes to files there as it is made, and the build's scratch (the centroids, the pairs, the
+    # spilled pages, each finished step's results) to scratch/, which is gone before it is published. Each step
+    # is recorded as it finishes; a resumed build reads back what its recorded steps left instead of running them.
+    if resume:
+        writer = resumable_index(Path(out_dir), overwrite, build_key(src, config, sample_queries), True,
+                                 discard=(InputError, ConfigError))
+    else:
+        writer = writing_index(Path(out_dir), overwrite)
+    with writer as w:
+        done = dict(w.steps)  # the steps a killed build of the same key finished (none where it starts afresh)
+        timings = w.timings
+        t_start -= w.elapsed_before
+        w.restore_rng(rng)
         scratch = w.path("scratch")
-        scratch.mkdir()
-        # 1-3. Centroids, navigation graph, PQ codebooks.
-        centroids, graph, assign_graph, pq = train_index(rows, n, dim, config, rng, threads, steps, timings,
-                                                         budget, scratch)
+        scratch.mkdir(exist_ok=True)
+        if "pages" not in done:
+            # 1-3. Centroids, navigation graph, PQ codebooks.
+            centroids, graph, assign_graph, pq = train_index(rows, n, dim, config, rng, threads, steps, timings,
+                                                             budget, scratch, w)
+        n_centroids = done["clustering"]["centroids"] if "pages" in done else len(centroids)
+        navigation = build_navigation(config.navigation, n_centroids, dim + (metric == "ip"))
 
         # 4. One pass over all vectors: nearest centroids, replicas, PQ codes (and NaN checks).
-        t = time.perf_counter()
-        navigation = build_navigation(config.navigation, graph.size, graph.dim)
-        exact = centroids if navigation == "exact" else None  # and queries will go as rows went (NavigationTier)
-        codes = np.lib.format.open_memmap(w.path("pq_codes.npy"), "w+", np.uint8, (n, pq.m))
-        primary = np.lib.format.open_memmap(scratch / "primary.npy", "w+", np.int32, (n,))
-        pairs = PairSpill(scratch, len(centroids))
-        chunk = rows_per_chunk(budget, dim)
-        with steps.step("assigning", n) as update:
-            for s in range(0, n, chunk):
-                ids = np.arange(s, min(n, s + chunk))
-                x = rows(ids)
-                integral.update(x)
-                primary[ids], lists, members, codes[ids] = assign_rows(assign_graph, pq, ids, x, config, threads,
-                                                                       exact)
-                pairs.add(lists, members)
-                update(len(ids))
-        del assign_graph
-        list_offsets, list_ids = pairs.grouped(w.path("list_ids.npy"), max(CHUNK_ROWS, budget // 32))
-        timings["assign_s"] = time.perf_counter() - t
+        if "assigning" in done:
+            codes = np.load(w.path("pq_codes.npy"), mmap_mode="r", allow_pickle=False)
+            if "pages" not in done:
+                primary = np.load(scratch / "primary.npy", mmap_mode="r", allow_pickle=False)
+            list_offsets = np.load((w.path("list_offsets.npy") if "pages" in done else scratch / "list_offsets.npy"),
+                                   allow_pickle=False)
+            list_ids = np.load(w.path("list_ids.npy"), mmap_mode="r", allow_pickle=False)
+            store_dtype = np.dtype(done["assigning"]["store_dtype"])
+        else:
+            t = time.perf_counter()
+            exact = centroids if navigation == "exact" else None  # and queries will go as rows went (NavigationTier)
+            codes = np.lib.format.open_memmap(w.path("pq_codes.npy"), "w+", np.uint8, (n, pq.m))
+            primary = np.lib.format.open_memmap(scratch / "primary.npy", "w+", np.int32, (n,))
+            pairs = PairSpill(scratch, len(centroids))
+            chunk = rows_per_chunk(budget, dim)
+            with steps.step("assigning", n) as update:
+                for s in range(0, n, chunk):
+                    ids = np.arange(s, min(n, s + chunk))
+                    x = rows(ids)
+                    integral.update(x)
+                    primary[ids], lists, members, codes[ids] = assign_rows(assign_graph, pq, ids, x, config,
+                                                                           threads, exact)
+                    pairs.add(lists, members)
+                    update(len(ids))
+            del exact
+            list_offsets, list_ids = pairs.grouped(w.path("list_ids.npy"), max(CHUNK_ROWS, budget // 32))
+            store_dtype = integral.dtype() or rows.dtype
+            timings["assign_s"] = time.perf_counter() - t
+            codes.flush()
+            primary.flush()
+            np.save(scratch / "list_offsets.npy", list_offsets, allow_pickle=False)
+            w.step_done("assigning", {"store_dtype": store_dtype.name},
+                        [w.path("pq_codes.npy"), scratch / "primary.npy", scratch / "list_offsets.npy",
+                         w.path("list_ids.npy")], rng, timings)
+        if "pages" not in done:
+            del assign_graph
+        rows.dtype = store_dtype
 
         # Learned pruning's model, on rows of the data as queries (each not its own neighbour).
-        probe_model = None
-        if config.probe_model:
+        probe_entry = (done.get("probe model") or {}).get("entry")
+        if config.probe_model and "probe model" not in done:
             t = time.perf_counter()
             with steps.step("probe model", 1, "model") as update:
                 probe_model = train_single_probe(graph, rows, n, list_offsets, list_ids, config, threads,
                                                  navigation, sample_queries)
                 update(1)
             timings["probe_model_s"] = time.perf_counter() - t
+            probe_entry = None if probe_model is None else save_probe_model(w, *probe_model)
+            w.step_done("probe model", {"entry": probe_entry}, (), rng, timings)
 
         # 5-6. SSD layout and page file, then everything else.
-        t = time.perf_counter()
-        rows.dtype = store_dtype = integral.dtype() or rows.dtype
-        layout, slots, block_crc = write_pages(w, rows.stored, n, dim, store_dtype, primary, centroids, pq, codes,
-                                               steps, budget, scratch)
-        n_centroids = len(centroids)
-        del primary, centroids, exact
-        save_index_files(w, block_crc, graph, list_offsets, list_ids, pq.codebooks, codes, slots)
-        del graph, codes, list_ids, slots  # what calibration opens is the index as written, not these
+        if "pages" in done:
+            layout = PageLayout(**done["pages"]["layout"])
+        else:
+            t = time.perf_counter()
+            layout, slots, block_crc = write_pages(w, rows.stored, n, dim, store_dtype, primary, centroids, pq,
+                                                   codes, steps, budget, scratch)
+            del primary, centroids
+            save_index_files(w, block_crc, graph, list_offsets, list_ids, pq.codebooks, codes, slots)
+            del graph, slots  # what calibration opens is the index as written, not these
+            timings["write_s"] = time.perf_counter() - t
+            w.step_done("pages", {"layout": layout.to_dict()}, (), rng, timings)
+        del codes, list_ids
         shutil.rmtree(scratch)
         extra = {"build_memory_budget_bytes": int(budget)}
-        if probe_model is not None:
-            extra["probe_model"] = save_probe_model(w, *probe_model)
-        timings["write_s"] = time.perf_counter() - t
+        if done:
+            extra["build_resumed"] = list(done)
+        if probe_entry is not None:
+            extra["probe_model"] = probe_entry
         timings["total_s"] = time.perf_counter() - t_start
-        manifest = index_manifest(n, dim, metric, STORAGE_DTYPES[store_dtype], src, n_centroids, int(list_offsets[-1]),
-                                  pq, config, timings, navigation=navigation, pages=layout, **extra)
+        pq_shape = ProductQuantizer(np.load(w.path("pq_codebooks.npy"), allow_pickle=False), dim)
+        manifest = index_manifest(n, dim, metric, STORAGE_DTYPES[store_dtype], src, n_centroids,
+                                  int(list_offsets[-1]), pq_shape, config, timings, navigation=navigation,
+                                  pages=layout, **extra)
         if config.calibrate:  # the default search settings, measured on the index as written
             calibrate_build(manifest, w, steps, timings, t_start, lambda d: calibrate(
                 d, rows, n, internal_metric(metric), config.calibrate_queries, config.target_recall, config.seed,

@@ -167,12 +167,12 @@ class Index(ManifestShape):
 
     @staticmethod
     def build(source, out_dir, config: BuildConfig | None = None, progress: bool | None = None,
-              overwrite: bool = False, sample_queries=None) -> dict:
+              overwrite: bool = False, sample_queries=None, resume: bool = True) -> dict:
         """build.build_index (imported here only: a search never loads the build)."""
         from fusionrag.retriever.engine.build import build_index
 
         return build_index(source, out_dir, config or BuildConfig(), progress, overwrite,
-                           sample_queries=sample_queries)
+                           sample_queries=sample_queries, resume=resume)
 
     @classmethod
     def open(cls, path, config: EngineConfig | None = None, params: SearchParams | None = None,

@@ -141,6 +141,24 @@ class IndexWriter:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+    # A writer whose build cannot resume records no steps (ResumableWriter records them).
+    elapsed_before = 0.0  # seconds earlier runs of the build spent on the steps recorded
+
+    @property
+    def steps(self) -> dict:
+        return {}
+
+    @property
+    def timings(self) -> dict:
+        return {}
+
+    def step_done(self, name: str, payload: dict | None = None, paths=(), rng=None, timings=None) -> None:
+        """A build's step `name` finished (see ResumableWriter); nothing to record here."""
+
+    def restore_rng(self, rng) -> None:
+        """Nothing was recorded, so nothing to restore (see ResumableWriter)."""
+
+
 @contextmanager
 def writing_index(final_dir: Path, overwrite: bool = False):
     w = IndexWriter(final_dir, overwrite)
@@ -148,6 +166,122 @@ def writing_index(final_dir: Path, overwrite: bool = False):
         yield w
     except BaseException:
         w.abort()
+        raise
+
+
+BUILD_STATE = "build_state.json"
+BUILD_STATE_VERSION = 1
+
+
+class ResumableWriter(IndexWriter):
+    """An index written in `.NAME.partial` beside its target, with a record of the build's finished steps
+    (build_state.json: the build's key, each finished step's figures, the files recorded so far, the random
+    generator's state and the timings after it), so a build killed however it was (SIGKILL, the OOM killer, a lost
+    machine) resumes from its last finished step when it is run again with the same key (the source, as a
+    fingerprint of its file or its contents, and the build's settings). Another key, or resume=False, starts over
+    in the same directory. The partial directory has no manifest until calibration stages one, and never the
+    target's name, so it is never taken for a whole index. While a build runs it holds an exclusive flock on the
+    partial directory: a second build of the same target is refused (ConflictError), and the lock goes with its
+    process however it ends."""
+
+    def __init__(self, final_dir: Path, overwrite: bool, key: dict, resume: bool = True):
+        import fcntl
+
+        from fusionrag.retriever.errors import ConflictError
+
+        self.final_dir = Path(final_dir)
+        if self.final_dir.exists() and not overwrite:
+            raise FileExistsError(f"{self.final_dir} already exists (pass overwrite to replace it)")
+        self.final_dir.parent.mkdir(parents=True, exist_ok=True)
+        _remove_abandoned(self.final_dir)
+        self.dir = self.final_dir.with_name(f".{self.final_dir.name}.partial")
+        self.dir.mkdir(exist_ok=True)
+        self._lock = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock)
+            raise ConflictError(f"{self.final_dir}: another process is building this index now ({self.dir})") from None
+        self.key = json.loads(json.dumps(key))  # as it reads back
+        state = self._read_state() if resume else None
+        if state is None or state.get("key") != self.key:
+            for child in self.dir.iterdir():  # what a build of another key (or a fresh start) left
+                shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+            state = {"version": BUILD_STATE_VERSION, "key": self.key, "steps": {}, "files": {}, "timings": {}}
+        self.state = state
+        self.files = dict(state["files"])
+        self.elapsed_before = float(state.get("elapsed_s", 0.0))
+        self._started = time.perf_counter()
+
+    def _read_state(self) -> dict | None:
+        try:
+            state = json.loads((self.dir / BUILD_STATE).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            return None
+        if not isinstance(state, dict) or state.get("version") != BUILD_STATE_VERSION:
+            return None
+        return state
+
+    def step_done(self, name: str, payload: dict | None = None, paths=(), rng=None, timings=None) -> None:
+        """Record step `name` as finished: its files (paths, and those add_file recorded) fsynced first, then the
+        state written beside the old one, fsynced and renamed over it; payload: what a resumed build needs of the
+        step's results; rng: the generator whose state later steps continue from; timings: the build's so far."""
+        for p in paths:
+            fsync_path(Path(p))
+        self.steps[name] = dict(payload or {})
+        if rng is not None:
+            self.state["rng"] = rng.bit_generator.state
+        if timings is not None:
+            self.state["timings"] = dict(timings)
+        self.state["elapsed_s"] = self.elapsed_before + time.perf_counter() - self._started
+        self.state["files"] = dict(self.files)
+        tmp = self.dir / (BUILD_STATE + ".tmp")
+        tmp.write_text(json.dumps(self.state))
+        fsync_path(tmp)
+        os.replace(tmp, self.dir / BUILD_STATE)
+        fsync_path(self.dir)
+
+    def restore_rng(self, rng) -> None:
+        """rng set to the state the last finished step left it in (where one recorded it)."""
+        if "rng" in self.state:
+            rng.bit_generator.state = self.state["rng"]
+
+    @property
+    def steps(self) -> dict:
+        return self.state["steps"]
+
+    @property
+    def timings(self) -> dict:
+        return dict(self.state.get("timings", {}))
+
+    def publish(self, manifest: dict) -> None:
+        (self.dir / BUILD_STATE).unlink(missing_ok=True)
+        super().publish(manifest)
+        self.release()
+
+    def release(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
+
+    def abort(self) -> None:
+        super().abort()
+        self.release()
+
+
+@contextmanager
+def resumable_index(final_dir: Path, overwrite: bool, key: dict, resume: bool = True, discard=()):
+    """A ResumableWriter for the duration of a build. An exception of a type in discard (bad input, bad settings:
+    a rerun would meet it again) removes the partial directory; any other (an interrupt, a full disk) keeps it
+    for a rerun to resume."""
+    w = ResumableWriter(final_dir, overwrite, key, resume)
+    try:
+        yield w
+    except BaseException as e:
+        if isinstance(e, tuple(discard)):
+            w.abort()
+        else:
+            w.release()
         raise
 
 

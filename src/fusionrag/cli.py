@@ -25,8 +25,9 @@ def _cmd_build(args) -> int:
 
     sample = open_vectors(args.sample_queries)[:] if args.sample_queries else None
     m = build_index(args.source, args.index_dir, config, progress=False if args.quiet else None,
-                    overwrite=args.overwrite, sample_queries=sample)
+                    overwrite=args.overwrite, sample_queries=sample, resume=args.resume)
     print(json.dumps({"index": args.index_dir, "count": m["count"], "dim": m["dim"], "metric": m["metric"],
+                      "resumed_after": m.get("build_resumed", []),
                       "centroids": m["centroids"], "postings": m["postings"], "pq_m": m["pq"]["m"],
                       "blocks": m["pages"]["num_blocks"], "build_seconds": round(m["build_timings"]["total_s"], 3),
                       "timings": {k: round(v, 3) for k, v in m["build_timings"].items()}}))
@@ -256,6 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("index_dir")
     b.add_argument("--overwrite", action="store_true", help="replace an existing index (atomically)")
     b.add_argument("--quiet", action="store_true", help="no progress bars (they are drawn when stderr is a terminal)")
+    b.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
+                   help="go on from the last finished step of a build of the same source and settings into this "
+                   "index_dir that was killed (its .NAME.partial directory beside it; the default); --no-resume "
+                   "starts over")
     b.add_argument("--shards", type=int, default=0, help="build a sharded index of this many shard parts "
                    "(docs/sharded.md)")
     b.add_argument("--placement", default="hotness", choices=list(PLACEMENTS),
