@@ -95,3 +95,12 @@ def memory_limit() -> int:
     """The memory this process may use, bytes: its cgroup's limit where it has one, else the machine's memory."""
     limit, total = cgroup_memory_limit(), machine_memory()
     return min(limit, total) if limit else total
+
+
+def anonymous_bytes() -> int:
+    """This process's resident anonymous memory (RssAnon: its heaps and arrays, not its mapped files), bytes; 0
+    where /proc does not say."""
+    for line in (_read(Path("/proc/self/status")) or "").splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    return 0

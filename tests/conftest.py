@@ -3,6 +3,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cgroup import cgroup_factory  # noqa: F401 (a fixture: a memory cgroup of the test's own, tests/cgroup.py)
 
 # Without a GPU the Triton kernels run in Triton's interpreter, which reads this variable when
 # triton is first imported: set it before any test module imports the kernels.

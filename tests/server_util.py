@@ -17,11 +17,17 @@ import httpx
 
 class ServerProcess:
     def __init__(self, data_dir: Path, log_path: Path, *flags: str, env: dict | None = None,
-                 nofile: int | None = None):
-        """nofile: the server's soft and hard limit on open files (as `ulimit -n` sets both)."""
+                 nofile: int | None = None, cgroup=None):
+        """nofile: the server's soft and hard limit on open files (as `ulimit -n` sets both); cgroup: a
+        tests/cgroup.py Cgroup the server runs in (moved there before it starts)."""
         self.data_dir, self.log_path = data_dir, log_path
         self._log = open(log_path, "w")
-        limit = None if nofile is None else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)))
+
+        def limit():
+            if nofile is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+            if cgroup is not None:
+                cgroup.enter()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "fusionrag", "serve", "--port", "0", "--data-dir", str(data_dir),
              "--log-format", "json", *flags],

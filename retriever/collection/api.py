@@ -32,8 +32,8 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from fusionrag.retriever.collection import compaction, importer, snapshot
-from fusionrag.retriever.collection.config import (CURRENT_FORMAT, DEFAULT_TEXT_WEIGHT, HYBRID_DEPTH, MERGE_RETRY_S,
-                                                   RRF_K, CollectionConfig, check_search)
+from fusionrag.retriever.collection.config import (CURRENT_FORMAT, DEFAULT_TEXT_WEIGHT, FRESH_HOLD, FRESH_SHARE,
+                                                   HYBRID_DEPTH, MERGE_RETRY_S, RRF_K, CollectionConfig, check_search)
 from fusionrag.retriever.collection.docstore import DocStore
 from fusionrag.retriever.collection.filters import compile_filter, filter_warnings
 from fusionrag.retriever.collection.fresh import FreshTier, distances
@@ -45,8 +45,10 @@ from fusionrag.retriever.collection.records import (METADATA_OPS, QUERY_WORDS, C
 from fusionrag.retriever.collection.wal import WriteAheadLog
 from fusionrag.retriever.engine.config import EngineConfig, SearchOverrides, SearchParams, resolve_params
 from fusionrag.retriever.engine.index import STAT_KEYS, Index
+from fusionrag.retriever.engine.manifest import ArrayFileWriter
 from fusionrag.retriever.engine.queries import PreparedQueries, prepare_queries
 from fusionrag.retriever.engine.vectors import vector_problems
+from fusionrag.retriever.process import memory_limit
 from fusionrag.retriever.errors import (ConflictError, FusionRAGError, IndexFormatError, InputError, StorageError,
                                         UnavailableError)
 
@@ -93,6 +95,7 @@ class Collection:
         self.limits = limits or Limits()
         self.engine_config = engine_config or EngineConfig()
         self.config = config or CollectionConfig()
+        self._memory_limit: int | None = None  # what the process may use, once a write asks (_fresh_limit)
         try:
             desc = json.loads((self.path / "collection.json").read_text())
             self.name, self.dim, self.metric = desc["name"], int(desc["dim"]), desc["metric"]
@@ -179,6 +182,22 @@ class Collection:
         keep = np.ones(len(rows), bool)
         keep[bad] = False
         return rows[keep], vecs[keep], len(bad)
+
+    def _stage_stored(self, con, staged: Path) -> tuple[np.ndarray, np.ndarray, int]:
+        """The live stored vectors as of con's read transaction that the engine can use (_usable), written a
+        chunk at a time to the memory-mapped float32 file `staged` in row order, so a rebuild holds none of them
+        whole: (their rows, the file's rows that hold them, how many stored vectors could not be used)."""
+        n = self.store.live_count(con)
+        out = ArrayFileWriter(staged, np.float32, (n, self.dim))
+        rows = np.empty(n, np.int64)
+        k = unusable = 0
+        for r, v in self.store.iter_rows_and_vectors(-1, con):
+            r, v, bad = self._usable(r, v)
+            out.write(v)
+            rows[k:k + len(r)] = r
+            k += len(r)
+            unusable += bad
+        return rows[:k], out.array()[:k], unusable
 
     # -- input checks --------------------------------------------------------------------------
     def _enter(self) -> None:
@@ -273,6 +292,11 @@ class Collection:
             if self._import is not None and self._import["state"] in self._IMPORT_ACTIVE:
                 raise ConflictError(f"collection {self.name!r} is importing documents: write once the import is "
                                     "done (its progress is in the collection's info)")
+            if w.op == "upsert" and self._merging and self._fresh.bytes >= FRESH_HOLD * self._fresh_limit():
+                # The fresh tier holds its vectors in RAM until the merge running now and the next fold them in:
+                # past this it would grow with the write rate for as long as the merge takes. A 503, retried.
+                raise UnavailableError(f"collection {self.name!r} holds {self._fresh.bytes >> 20} MiB of writes in "
+                                       "memory while a merge runs: retry once it is done")
             w.lsn = self._next_lsn
             self._next_lsn += 1
             if w.op == "upsert":
@@ -605,7 +629,7 @@ class Collection:
         if not cfg.background_merge or self._closed is not None or time.monotonic() < self._merge_retry_at:
             return
         # Deletes alone also call for a merge: tombstones cost scan time and the log grows.
-        if (f.live_count < cfg.merge_fresh_count and f.bytes < cfg.merge_fresh_bytes
+        if (f.live_count < cfg.merge_fresh_count and f.bytes < self._fresh_limit()
                 and self._tomb_count < cfg.merge_fresh_count and self._wal.bytes < cfg.merge_fresh_bytes):
             return
         with self._mem_lock:
@@ -618,6 +642,13 @@ class Collection:
             self._merge_thread = threading.Thread(target=self._background_merge, name=f"merge-{self.name}",
                                                   daemon=True)
             self._merge_thread.start()
+
+    def _fresh_limit(self) -> int:
+        """The fresh tier's bytes at which a merge starts: merge_fresh_bytes, or a sixteenth of what the process
+        may use (its cgroup's limit, else the machine's memory) where that is less (#51)."""
+        if self._memory_limit is None:  # read once: it is a few files of /sys, and every write asks
+            self._memory_limit = memory_limit()
+        return min(self.config.merge_fresh_bytes, max(1 << 20, self._memory_limit // FRESH_SHARE))
 
     def _background_merge(self) -> None:
         try:
@@ -841,9 +872,9 @@ class Collection:
                 snap_con = None if incremental else self.store.snapshot()
                 self._merging, self._merge_removed = True, []
 
-        def read_all():  # a rebuild reads the stored vectors as of the snapshot taken above
+        def read_all(staged: Path):  # a rebuild reads the stored vectors as of the snapshot taken above
             try:
-                return self._usable(*self.store.rows_and_vectors(-1, snap_con))
+                return self._stage_stored(snap_con, staged)
             finally:
                 snap_con.close()
 

@@ -30,15 +30,17 @@ def can_grow(config: CollectionConfig, old: Generation, live: int, fresh_vecs: n
 
 
 def next_generation(path: Path, old: Generation, dead: np.ndarray, fresh_rows: np.ndarray, fresh_vecs: np.ndarray,
-                    max_row: int, read_all: Callable[[], tuple[np.ndarray, np.ndarray, int]] | None,
+                    max_row: int, read_all: Callable[[Path], tuple[np.ndarray, np.ndarray, int]] | None,
                     build_config: BuildConfig, engine_config: EngineConfig, min_index_count: int,
                     progress: bool | None, on_step: Callable[[str, int, int], None]) -> tuple[Generation, dict]:
     """Write generation old + 1 into path/gen-NNNNNN and open it: without `read_all`, grown from `old` (its
-    `dead` vector ids dropped, the fresh rows and vectors added); with it, rebuilt from what read_all() gives
-    (rows, vectors, how many stored vectors were unusable), or left unindexed below `min_index_count`.
+    `dead` vector ids dropped, the fresh rows and vectors added); with it, rebuilt from what read_all(staged)
+    gives (rows, their vectors as written to the memory-mapped file `staged`, how many stored vectors were
+    unusable), or left unindexed below `min_index_count`.
     Returns the generation, not yet published, and the record CURRENT is to hold for it."""
     gen = old.generation + 1
     gdir = path / f"gen-{gen:06d}"
+    build_config = build_config.beside_resident()  # the service's open indexes and buffers hold memory too
     shutil.rmtree(gdir, ignore_errors=True)
     gdir.mkdir()
     unsearchable = None
@@ -46,19 +48,25 @@ def next_generation(path: Path, old: Generation, dead: np.ndarray, fresh_rows: n
         merge_index(old.index, dead, fresh_vecs, gdir / "index", build_config, progress, on_step)
         rows = np.concatenate([old.rows[~dead], fresh_rows])
     else:
-        rows, vecs, unsearchable = read_all()
-        if len(rows) >= min_index_count:
-            build_index(vecs, gdir / "index", build_config, progress, on_progress=on_step,
-                        resume=False)  # the generation's recovery is the collection's
-        else:
-            rows, max_row = np.empty(0, np.int64), -1
+        staged = gdir / "staged.npy"  # the stored vectors, memory-mapped: a rebuild reads them in passes
+        try:
+            rows, vecs, unsearchable = read_all(staged)
+            if len(rows) >= min_index_count:
+                build_index(vecs, gdir / "index", build_config, progress, on_progress=on_step,
+                            resume=False)  # the generation's recovery is the collection's
+            else:
+                rows, max_row = np.empty(0, np.int64), -1
+            del vecs
+        finally:
+            staged.unlink(missing_ok=True)
     index = None
     current = {"format": CURRENT_FORMAT, "generation": gen, "indexed": bool(len(rows)), "max_row": max_row}
     if len(rows):
         rows = np.ascontiguousarray(rows, np.int64)
         write_rows(gdir, rows)
         current["rows_sha256"] = rows_digest(rows)
-        index = Index.open(gdir / "index", engine_config)
+        # Grown without splits, it shares the open generation's graph (Index.open graph_of)
+        index = Index.open(gdir / "index", engine_config, graph_of=old.index if read_all is None else None)
     new = Generation(gen, index, rows, max_row)
     new.unsearchable = unsearchable
     return new, current

@@ -16,6 +16,11 @@ MAX_ID_CHARS = 512
 COLLECTION_FORMAT = 1
 CURRENT_FORMAT = 2  # 2: CURRENT holds the digest of its generation's rows.npy
 MERGE_RETRY_S = 30  # a failed background merge (a full disk, say) waits this long to retry
+# The fresh tier's vectors are in RAM: a merge starts at merge_fresh_bytes or a sixteenth of what the process may
+# use, whichever is less, and while one runs, upserts are refused (503) past FRESH_HOLD times that: the merge holds a
+# copy of the fresh vectors it folds in, so the fresh vectors take at most about three sixteenths of the limit.
+FRESH_SHARE = 16
+FRESH_HOLD = 2
 SEARCH_MODES = ("vector", "text", "hybrid")
 # Hybrid search: each ranking is taken this deep (or k) before fusion, and fused by reciprocal rank
 # with the usual constant (Cormack et al., 2009); the text ranking's weight by default. Chosen on half of

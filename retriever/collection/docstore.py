@@ -611,13 +611,23 @@ class DocStore:
 
     def rows_and_vectors(self, above: int = -1, con: sqlite3.Connection | None = None):
         """(rows int64 sorted, vectors float32 (n, dim)) of the live documents with row > above."""
-        rows, blobs = [], []
+        parts = list(self.iter_rows_and_vectors(above, con))
+        if not parts:
+            return np.empty(0, np.int64), np.empty((0, self.dim), np.float32)
+        return np.concatenate([r for r, _ in parts]), np.concatenate([v for _, v in parts])
+
+    def iter_rows_and_vectors(self, above: int = -1, con: sqlite3.Connection | None = None, chunk: int = 4096):
+        """rows_and_vectors a chunk of rows at a time (row order), so a caller holds none of them whole."""
         with contextlib.nullcontext(con) if con is not None else self._reader() as c:
-            for r, v in c.execute("SELECT row, vector FROM docs WHERE row > ? ORDER BY row", (above,)):
-                rows.append(r)
-                blobs.append(v)
-        vecs = np.frombuffer(b"".join(blobs), dtype=np.float32).reshape(len(rows), self.dim)
-        return np.asarray(rows, dtype=np.int64), vecs
+            cur = c.execute("SELECT row, vector FROM docs WHERE row > ? ORDER BY row", (above,))
+            while got := cur.fetchmany(chunk):
+                rows = np.fromiter((r for r, _ in got), np.int64, len(got))
+                yield rows, np.frombuffer(b"".join(v for _, v in got), np.float32).reshape(len(got), self.dim)
+
+    def live_count(self, con: sqlite3.Connection | None = None) -> int:
+        """How many documents are stored (as of con's read transaction, where given)."""
+        with contextlib.nullcontext(con) if con is not None else self._reader() as c:
+            return int(c.execute("SELECT COUNT(*) FROM docs").fetchone()[0])
 
     def names(self) -> tuple[np.ndarray, list[str]]:
         """(rows, ids) of every live document, in row order."""

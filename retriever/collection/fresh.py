@@ -1,6 +1,6 @@
 """The fresh tier: vectors written since the last merge, in RAM, searched exactly.
 
-Append-only buffers that grow by doubling: a search takes views of the first n slots, and
+Append-only buffers that grow by a quarter at a time: a search takes views of the first n slots, and
 later appends write past n (or into a new buffer), so a view never changes under a search.
 Removals clear a slot's live flag; searches copy the flags when they take their snapshot.
 """
@@ -61,7 +61,7 @@ class FreshTier:
         cap = len(self._rows)
         if need <= cap:
             return
-        cap = max(need, 2 * cap)
+        cap = max(need, cap + cap // 4)  # by a quarter, not doubling: the old and new buffers are held at once
         for name in ("_vecs", "_sq", "_rows", "_live"):
             old = getattr(self, name)
             new = np.zeros((cap,) + old.shape[1:], old.dtype)

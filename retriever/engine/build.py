@@ -60,10 +60,14 @@ def mips_augment(centroids: np.ndarray) -> np.ndarray:
 
 def save_index_files(w, block_crc, graph, list_offsets, list_ids, codebooks, codes, locations) -> None:
     """Every file of an index directory but the manifest, into the index being written (w), once
-    the page file is complete: one place for the format a build and a merge both write."""
+    the page file is complete: one place for the format a build and a merge both write. graph: a native Graph,
+    or the path of a graph file to copy."""
     w.add_file("vectors.pages", hashed=False)
     w.save_array("block_crc.npy", block_crc)
-    graph.save(str(w.path("graph.bin")))
+    if isinstance(graph, Path):  # an unchanged graph's file (a merge without splits)
+        shutil.copyfile(graph, w.path("graph.bin"))
+    else:
+        graph.save(str(w.path("graph.bin")))
     w.add_file("graph.bin")
     w.save_array("list_offsets.npy", list_offsets)
     w.save_array("list_ids.npy", list_ids)

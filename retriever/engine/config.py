@@ -10,6 +10,7 @@ validation (pydantic) with a `ConfigError` naming the knob and what it allows, t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 from dataclasses import asdict, dataclass
@@ -28,6 +29,7 @@ GpuSearch = Literal["auto", "device", "lists"]
 BufferPolicy = Literal["auto", "clock", "lfu"]
 RecordCache = Literal["auto", "on", "off"]
 BufferCompression = Literal["auto", "on", "off"]
+MapArrays = Literal["auto", "on", "off"]
 Probe = Literal["ratio", "learned"]
 Navigation = Literal["auto", "exact", "graph"]
 METRICS = get_args(Metric)
@@ -307,6 +309,18 @@ class BuildConfig(ConfigBase):
 
         return max(memory_limit() // 4, MIN_BUILD_BUDGET)
 
+    def beside_resident(self) -> BuildConfig:
+        """This config for a build or merge in a process that already holds memory (a service, its open indexes):
+        where memory_budget_bytes is 0, the budget is a quarter of what the process may use or half of what it has
+        left beside its resident anonymous memory now, whichever is less (at least 32 MiB)."""
+        if self.memory_budget_bytes:
+            return self
+        from fusionrag.retriever.process import anonymous_bytes, memory_limit
+
+        limit = memory_limit()
+        left = max(0, limit - anonymous_bytes())
+        return dataclasses.replace(self, memory_budget_bytes=max(min(limit // 4, left // 2), MIN_BUILD_BUDGET))
+
 
 @config_class
 class SearchParams(ConfigBase):
@@ -435,6 +449,16 @@ class EngineConfig(ConfigBase):
     buffer_compression: Annotated[BufferCompression, knob("hold the page buffer's blocks zero-run coded: auto (where "
                                                           "a sample of blocks codes to 0.8 of its bytes or less), "
                                                           "on or off")] = "auto"
+    # The index's largest arrays, the PQ codes and the posting lists' IDs (and the vectors' slots), through read-only
+    # memory maps of their files rather than copies in the heap (#51): resident as they are read, but page cache the
+    # kernel may reclaim under pressure (and read again from the file), not anonymous memory a process under a
+    # cgroup's limit is killed for. 'auto': mapped where the index's in-RAM files (codes, IDs, slots, graph) would
+    # take more than an eighth of what the process may use (its cgroup's limit, else the machine's memory); the
+    # GPU tiers always map the codes (they copy them to the device).
+    map_arrays: Annotated[MapArrays, knob("read the PQ codes, list IDs and slots through memory maps of their files "
+                                          "(page cache the kernel may reclaim) rather than heap copies: auto (where "
+                                          "the index's in-RAM files exceed an eighth of what the process may use), "
+                                          "on or off")] = "auto"
     # Re-chosen by the index manager thread every manager_interval_s seconds, never on the request path;
     # results never depend on it. Off by default: bench/results/cache/cache_policy.md.
     pin_fraction: Annotated[float, knob("share of the page buffer pinned to the pages of the most visited "

@@ -118,6 +118,32 @@ def fitted_buffer(buffer_bytes: int, path=None) -> int:
     return buffer_bytes
 
 
+def _shared_graph(other: "Index | None", manifest: dict, config: EngineConfig, navigation: str):
+    """other's graph where this index's graph file is the same and would be loaded the same way, else None."""
+    if other is None:
+        return None
+    mine, theirs = manifest.get("files", {}).get("graph.bin", {}), other.manifest.get("files", {}).get("graph.bin", {})
+    g = other.nav.graph
+    if (mine.get("sha256") is None or mine.get("sha256") != theirs.get("sha256")
+            or g.quantized != config.graph_sq8 or g.linked != (navigation != "exact")):
+        return None
+    return g
+
+
+IN_RAM_FILES = ("pq_codes.npy", "list_ids.npy", "locations.npy", "graph.bin")
+MAP_ARRAYS_SHARE = 8  # map_arrays "auto": mapped where the in-RAM files exceed 1/this of what the process may use
+
+
+def arrays_mapped(config: EngineConfig, path: Path) -> bool:
+    """Whether the codes, list IDs and slots are read through memory maps (EngineConfig.map_arrays)."""
+    if config.map_arrays != "auto":
+        return config.map_arrays == "on"
+    from fusionrag.retriever.process import memory_limit
+
+    wanted = sum((Path(path) / name).stat().st_size for name in IN_RAM_FILES)
+    return wanted > memory_limit() // MAP_ARRAYS_SHARE
+
+
 def split_buffer(buffer_bytes: int, config: EngineConfig, layout, compressed: bool = False) -> tuple[int, int, bool]:
     """(page buffer blocks, record cache records, adaptive) of buffer_bytes. record_cache 'auto': all of it as
     blocks or as records, one at a time (adaptive: the store switches between the two by a miniature of both),
@@ -176,9 +202,12 @@ class Index(ManifestShape):
 
     @classmethod
     def open(cls, path, config: EngineConfig | None = None, params: SearchParams | None = None,
-             **engine_overrides) -> "Index":
+             graph_of: "Index | None" = None, **engine_overrides) -> "Index":
         """params: the index's default search settings (self.params); None: those its build's calibration
-        chose (the manifest's search_defaults), else the class defaults."""
+        chose (the manifest's search_defaults), else the class defaults. graph_of: an open index (the generation a
+        merge grew this one out of) whose navigation graph this one shares, not loads again, where both graph
+        files are the same (by their manifests' SHA-256) and were loaded alike: a merge without splits keeps it,
+        and a second copy was the largest thing a service held while a merge was published."""
         config = (config or EngineConfig()).with_overrides(**engine_overrides)
         path = Path(path)
         m = read_manifest(path, config.verify, REQUIRED_FILES)
@@ -191,18 +220,20 @@ class Index(ManifestShape):
             raise IndexFormatError(f"{path}: manifest lacks or garbles a field ({e!r})") from e
         threads = cpu_threads(config.threads)
         navigation = recorded_navigation(m, n_lists, dim + (metric == "ip"), path)
+        graph = _shared_graph(graph_of, m, config, navigation)
         try:  # an index that navigates exactly never follows the graph's links: they stay on disk
-            graph = native.Graph.load(str(path / "graph.bin"), quantize=config.graph_sq8,
-                                      links=navigation != "exact")
+            graph = graph or native.Graph.load(str(path / "graph.bin"), quantize=config.graph_sq8,
+                                               links=navigation != "exact")
         except ValueError as e:
             raise IndexFormatError(str(e)) from e
+        mapped = arrays_mapped(config, path)
         offsets = load_array(path, "list_offsets.npy", np.int64, 1)
-        list_ids = load_array(path, "list_ids.npy", np.uint32, 1)
+        list_ids = load_array(path, "list_ids.npy", np.uint32, 1, mmap=mapped)
         codebooks = load_array(path, "pq_codebooks.npy", np.float32, 3)
         # The GPU tiers copy the codes to the device (the lists tier keeps the cold ones in pinned memory): a memory
         # map, not a second copy in the heap.
-        codes = load_array(path, "pq_codes.npy", np.uint8, 2, mmap=filter_kind(config) == "gpu")
-        locations = load_array(path, "locations.npy", np.uint32, 1)
+        codes = load_array(path, "pq_codes.npy", np.uint8, 2, mmap=filter_kind(config) == "gpu" or mapped)
+        locations = load_array(path, "locations.npy", np.uint32, 1, mmap=mapped)
         block_crc = load_array(path, "block_crc.npy", np.uint32, 1)
         problems = [
             graph.size != n_lists and f"graph has {graph.size} nodes, manifest says {n_lists}",
@@ -266,6 +297,9 @@ class Index(ManifestShape):
             "host_index_bytes": int(host),
             "pq_bytes": int(f.memory_bytes()),
             "pq_tier": f.name,
+            # The codes and list IDs through memory maps (EngineConfig.map_arrays): page cache, not heap.
+            "pq_mapped": isinstance(getattr(f, "codes", None), np.memmap),
+            "lists_mapped": isinstance(f.list_ids, np.memmap),
             "filter": f.describe(),
             "page_buffer_bytes": int(rr.store.buffer_bytes),
             "page_buffer_compressed": bool(rr.store.buffer_compressed),

@@ -62,6 +62,75 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+# A large file a merge writes (a copy of the page file, the codes, the stored vectors of a rebuild) is made durable
+# and dropped from the page cache every this many bytes: a memory cgroup counts dirty page cache, and v1 cannot
+# throttle a writer by it, so a process near its limit was killed while copying a page file it could not write
+# back fast enough (#51).
+DIRTY_BYTES = 32 << 20
+
+
+def _written_back(fd: int, upto: int) -> None:
+    os.fdatasync(fd)
+    os.posix_fadvise(fd, 0, upto, os.POSIX_FADV_DONTNEED)
+
+
+def copy_file(src: Path, dst: Path, every: int = DIRTY_BYTES) -> None:
+    """src copied to dst (copy_file_range: in-kernel, a reflink where the file system has them; read and write
+    where it cannot), at most `every` bytes of it dirty in the page cache at a time; src's pages are dropped from
+    the cache as they are copied (an index reads its page file with O_DIRECT, not through the cache)."""
+    with open(src, "rb") as fi, open(dst, "wb") as fo:
+        size, done = os.fstat(fi.fileno()).st_size, 0
+        kernel = hasattr(os, "copy_file_range")
+        while done < size:
+            n = min(every, size - done)
+            got = 0
+            if kernel:
+                try:
+                    got = os.copy_file_range(fi.fileno(), fo.fileno(), n, done, done)
+                except OSError:  # another file system, or a kernel without it
+                    kernel = False
+            if not kernel:
+                data = os.pread(fi.fileno(), n, done)
+                got = os.pwrite(fo.fileno(), data, done)
+            if got <= 0:
+                raise OSError(f"{src}: copy stopped at {done} of {size} bytes")
+            done += got
+            _written_back(fo.fileno(), done)
+            os.posix_fadvise(fi.fileno(), 0, done, os.POSIX_FADV_DONTNEED)
+
+
+class ArrayFileWriter:
+    """A .npy file of a known shape written row chunks at a time, in order, at most DIRTY_BYTES of it dirty at a
+    time (see copy_file); array() then maps it, read-only."""
+
+    def __init__(self, path: Path, dtype, shape: tuple):
+        self.path = Path(path)
+        header = np.lib.format.open_memmap(self.path, mode="w+", dtype=dtype, shape=shape)
+        self.offset, self.dtype, self.shape = header.offset, np.dtype(dtype), shape
+        del header
+        self._f = open(self.path, "r+b")
+        self._f.seek(self.offset)
+        self._dirty = 0
+        self.rows = 0
+
+    def write(self, rows: np.ndarray) -> None:
+        data = np.ascontiguousarray(rows, dtype=self.dtype)
+        self._f.write(data.data)
+        self.rows += len(data)
+        self._dirty += data.nbytes
+        if self._dirty >= DIRTY_BYTES:
+            self._f.flush()
+            _written_back(self._f.fileno(), self._f.tell())
+            self._dirty = 0
+
+    def array(self) -> np.ndarray:
+        """The file, memory-mapped read-only (its rows past those written are zeros)."""
+        self._f.flush()
+        _written_back(self._f.fileno(), self._f.tell())
+        self._f.close()
+        return np.load(self.path, mmap_mode="r", allow_pickle=False)
+
+
 def rewrite_manifest(index_dir: Path, manifest: dict, sync_dir: bool = True) -> None:
     """Write an index's manifest whole: beside the old one, fsynced and renamed over it, so a reader sees the old
     one or the new one. Its files are not touched (the manifest lists them, not itself)."""

@@ -21,7 +21,7 @@ on it until the new generation is published.
 
 from __future__ import annotations
 
-import shutil
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,13 +37,20 @@ from fusionrag.retriever.engine.index import Index
 from fusionrag.retriever.engine.kmeans import kmeans
 from fusionrag.retriever.engine.layout import PageLayout
 from fusionrag.retriever.engine.learned_probe import MODEL_FILE
-from fusionrag.retriever.engine.manifest import load_array, writing_index
+from fusionrag.retriever.engine.manifest import ArrayFileWriter, copy_file, load_array, writing_index
 from fusionrag.retriever.engine.vectors import STORAGE_DTYPES
 from fusionrag.retriever.progress import OnProgress, Progress
 
+log = logging.getLogger(__name__)
 _DTYPES = {v: k for k, v in STORAGE_DTYPES.items()}
 _NEIGHBOURS = 8  # lists around a split whose vectors may join the new centroid
-_CHUNK = 65536  # new vectors assigned and encoded at a time: a step of the progress shown
+_CHUNK = 65536  # new vectors assigned at a time: a step of the progress shown
+_CHUNK_BYTES = 8 << 20  # rows of vectors a step of the merge holds at once (and a few temporaries of that size)
+
+
+def _rows_of(dim: int) -> int:
+    """Vectors of this dimension in _CHUNK_BYTES."""
+    return max(256, _CHUNK_BYTES // (4 * dim))
 
 
 @dataclass
@@ -53,6 +60,7 @@ class MergeStats:
     splits: int
     slots_reused: int
     blocks_appended: int
+    splits_deferred: int = 0  # oversized lists left for a later merge: no room for a second copy of the graph
 
 
 def can_store(index: Index, vectors: np.ndarray) -> bool:
@@ -83,26 +91,23 @@ class _Records:
         self.view[slots // self.per, slots % self.per] = data
 
 
-class _Lists:
-    """Posting lists as (list, id) pairs while they change; CSR at the end."""
+def _int_for(n: int):
+    """The narrowest signed integer type that holds 0..n (a merge's per-posting arrays: 4 bytes, not 8)."""
+    return np.int32 if n < 2**31 else np.int64
 
-    def __init__(self, lists: np.ndarray, ids: np.ndarray):
-        self.lists, self.ids = lists, ids
+
+class _Lists:
+    """(list, id) pairs: the new vectors' postings, and those of the vectors a split places again; the other
+    postings stay in the old CSR lists until _stream_lists writes the new ones. Held as the narrowest integers that
+    hold the lists and the ids."""
+
+    def __init__(self, lists: np.ndarray, ids: np.ndarray, count: int):
+        self.list_type, self.id_type = _int_for(2**31 - 1), _int_for(count)
+        self.lists, self.ids = lists.astype(self.list_type, copy=False), ids.astype(self.id_type, copy=False)
 
     def add(self, lists: np.ndarray, ids: np.ndarray) -> None:
-        self.lists = np.concatenate([self.lists, lists.astype(np.int64)])
-        self.ids = np.concatenate([self.ids, ids.astype(np.int64)])
-
-    def members(self) -> Callable[[int], np.ndarray]:
-        """list -> its ids, as the lists stand now (later changes are not seen)."""
-        order = np.argsort(self.lists, kind="stable")
-        ids, offsets = self.ids[order], np.searchsorted(self.lists[order], np.arange(int(self.lists.max(initial=-1)) + 2))
-        return lambda lst: ids[offsets[lst]:offsets[lst + 1]] if lst + 1 < len(offsets) else ids[:0]
-
-    def csr(self, num_lists: int) -> tuple[np.ndarray, np.ndarray]:
-        order = np.lexsort((self.ids, self.lists))  # ids ascending within a list, as the build has them
-        offsets = np.concatenate([[0], np.cumsum(np.bincount(self.lists, minlength=num_lists))]).astype(np.int64)
-        return offsets, self.ids[order].astype(np.uint32)
+        self.lists = np.concatenate([self.lists, lists.astype(self.list_type)])
+        self.ids = np.concatenate([self.ids, ids.astype(self.id_type)])
 
 
 def merge_index(old: Index, dead: np.ndarray, new_vectors: np.ndarray, out_dir: Path,
@@ -126,16 +131,24 @@ def merge_index(old: Index, dead: np.ndarray, new_vectors: np.ndarray, out_dir: 
     rng = np.random.default_rng(config.seed + int(m_old.get("generation", 0)) + 1)
     alive = ~dead
     n_keep, n_new = int(alive.sum()), len(new_vectors)
-    renum = np.full(len(alive), -1, np.int64)
-    renum[alive] = np.arange(n_keep)
+    ids_type = _int_for(n_keep + n_new)
+    renum = (np.cumsum(alive, dtype=ids_type) - 1)  # a survivor's new id (a dead one's is never read)
     new_ids = np.arange(n_keep, n_keep + n_new)
 
-    graph = native.Graph.load(str(old.path / "graph.bin"))  # a private copy: the old one is in use
-    centroids = graph.vectors()[:, :dim].copy()
+    # The new vectors are placed by the open index's own graph (read only, maybe SQ8 codes: its candidates are
+    # ranked again by exact l2 to the full centroids) and the old centroids memory-mapped from its graph file; a
+    # private copy of the graph, which a split adds nodes to, is loaded only where a list splits. A copy of the
+    # graph and the centroids as an array were the merge's largest arrays: at lists of ~10 vectors and 128-d, 64
+    # and 51 bytes a vector, on top of the index the service holds.
+    shared = old.nav.graph
+    centroids = _Centroids(old.path / "graph.bin", dim)
+    graph = None
+    n_lists = shared.size
     f = old.filter
-    old_lists = np.repeat(np.arange(len(f.list_offsets) - 1), np.diff(f.list_offsets))
-    keep = alive[f.list_ids]
-    lists = _Lists(old_lists[keep], renum[f.list_ids[keep]])
+    # The survivors' postings stay in the old index's lists, read a block of lists at a time: (list, id) pairs of
+    # every posting (8 bytes each, ~1.2-4 postings a vector) are made only where a list splits.
+    kept_per_list = _kept_counts(f.list_offsets, f.list_ids, alive)
+    new_pairs = _Lists(np.empty(0, np.int32), np.empty(0, ids_type), n_keep + n_new)
 
     # New vectors to their nearest lists, with the build's boundary replication.
     x = np.ascontiguousarray(new_vectors, dtype=np.float32)
@@ -143,8 +156,8 @@ def merge_index(old: Index, dead: np.ndarray, new_vectors: np.ndarray, out_dir: 
     with steps.step("assigning", n_new) as update:
         for s in range(0, n_new, _CHUNK):
             part = slice(s, min(n_new, s + _CHUNK))
-            near, sqd = _nearest(x[part], centroids, graph, metric, min(config.max_replicas, len(centroids)), threads,
-                                 old.nav.exhaustive)
+            kk = min(config.max_replicas, n_lists)
+            near, sqd = _nearest(x[part], centroids, shared, metric, kk, threads, old.nav.exhaustive)
             dist = np.sqrt(np.maximum(sqd, 0))
             take = (dist <= (1 + config.replica_eps) * dist[:, :1]) & (near >= 0)
             take[:, 0] = True
@@ -152,7 +165,7 @@ def merge_index(old: Index, dead: np.ndarray, new_vectors: np.ndarray, out_dir: 
                 given = assign[part] >= 0
                 near[given, 0] = assign[part][given]
                 take[given, 1:] = False
-            lists.add(near[take], np.broadcast_to(new_ids[part, None], near.shape)[take])
+            new_pairs.add(near[take], np.broadcast_to(new_ids[part, None], near.shape)[take])
             primary[part] = near[:, 0]
             update(len(near))
 
@@ -161,9 +174,9 @@ def merge_index(old: Index, dead: np.ndarray, new_vectors: np.ndarray, out_dir: 
         # free slots (dead vectors' first), then new blocks.
         pages = w.path("vectors.pages")
         with steps.step("copying pages", layout.num_blocks, "block") as update:
-            shutil.copyfile(old.path / "vectors.pages", pages)
+            copy_file(old.path / "vectors.pages", pages)
             update(layout.num_blocks)
-        locations = old.reranker.locations[alive].astype(np.int64)
+        locations = old.reranker.locations[alive]  # uint32, as locations.npy holds them
         per = layout.records_per_block
         used = np.zeros(layout.num_blocks * per, bool)
         used[locations] = True
@@ -188,29 +201,54 @@ def merge_index(old: Index, dead: np.ndarray, new_vectors: np.ndarray, out_dir: 
                                     np.zeros(extra_blocks, np.uint32)])
         for b in np.unique(np.concatenate([new_slots, dead_slots]) // per).tolist():
             block_crc[b] = native.crc32c(np.ascontiguousarray(blocks[b]))
-        locations = np.concatenate([locations, new_slots])
+        locations = np.concatenate([locations, new_slots.astype(np.uint32)])
 
         # Oversized lists split; their vectors come from the new page file.
         def vectors_of(ids: np.ndarray) -> np.ndarray:
-            return records[locations[ids]].view(dtype).reshape(len(ids), dim).astype(np.float32)
+            return records[locations[ids].astype(np.int64)].view(dtype).reshape(len(ids), dim).astype(np.float32)
 
-        sizes = np.bincount(lists.lists, minlength=len(centroids))
+        sizes = kept_per_list + np.bincount(new_pairs.lists, minlength=n_lists)
         bound = max(16, int(2 * config.max_list_factor * len(f.list_ids) / max(1, len(f.list_offsets) - 1)))
         oversized = np.flatnonzero(sizes > bound).tolist()
-        # Each split offers its new list the vectors of the lists around it as they stood before any
-        # split: offers seen by later splits would snowball (each offering the last one's offers again).
-        members = lists.members()
+        deferred = 0
+        if oversized and not _room_for_graph(old.path / "graph.bin"):
+            # A split adds a node to a private copy of the graph, beside the one the open index searches: where
+            # the process has no room for it, the lists stay oversized (slower to scan, never wrong) until a merge
+            # that has, or a rebuild.
+            deferred, oversized = len(oversized), []
+            log.warning("%s: %d oversized posting lists left unsplit: no room for a second copy of the %d MiB "
+                        "graph beside the open index", old.path, deferred,
+                        (old.path / "graph.bin").stat().st_size >> 20)
+        # Each split offers its new list the vectors of the lists around it as they stood before any split
+        # (offers seen by later splits would snowball, each offering the last one's offers again): read from the
+        # old lists and the new pairs, not from a copy of every pair.
+        members = _members(f.list_offsets, f.list_ids, alive, renum, new_pairs)
+        if oversized:
+            graph = native.Graph.load(str(old.path / "graph.bin"))  # whole, with its links: it is saved
         with steps.step("splitting lists", len(oversized), "list") as update:
             affected, offered_to = [], []
             for lst in oversized:
                 new_id, cand = _split(lst, members, centroids, graph, vectors_of, metric, config, rng, threads)
-                affected.append(cand)
-                offered_to.append(np.full(len(cand), new_id))
+                affected.append(cand.astype(ids_type))
+                offered_to.append(np.full(len(cand), new_id, np.int32))
                 update(1)
-        centroids = graph.vectors()[:, :dim]
+        if graph is not None:
+            n_lists = graph.size
+        # The vectors splits touched are placed again by the replication rule over every list they are in or were
+        # offered; every other posting stays where it was.
+        moved = np.zeros(n_keep + n_new, bool)
+        placed = _Lists(np.empty(0, np.int32), np.empty(0, ids_type), n_keep + n_new)
         if affected:
-            lists.add(np.concatenate(offered_to), np.concatenate(affected))
-            _reassign(lists, np.unique(np.concatenate(affected)), centroids, vectors_of, config)
+            touched = np.unique(np.concatenate(affected))
+            moved[touched] = True
+            placed = _pairs_of(moved, f.list_offsets, f.list_ids, alive, renum, new_pairs, n_keep + n_new)
+            placed.add(np.concatenate(offered_to), np.concatenate(affected))
+            del affected, offered_to
+            _reassign(placed, touched, centroids, vectors_of, config)
+        stay = ~moved[new_pairs.ids]
+        placed.add(new_pairs.lists[stay], new_pairs.ids[stay])
+        kept_old = alive & ~moved[np.maximum(renum, 0)]  # the old postings that stay as they are
+        del moved, members
         splits = len(oversized)
 
         # From the index's own file, not the filter tier: on the GPU its codes are a device tensor, and
@@ -219,34 +257,36 @@ def merge_index(old: Index, dead: np.ndarray, new_vectors: np.ndarray, out_dir: 
         pq = old.pq
         new_codes = np.empty((n_new, pq.m), np.uint8)
         with steps.step("pq encoding", n_new) as update:
-            for s in range(0, n_new, _CHUNK):
-                part = x[s:s + _CHUNK]
+            for s in range(0, n_new, _rows_of(dim)):  # the encoder's tables are several times the rows
+                part = x[s:s + _rows_of(dim)]
                 new_codes[s:s + len(part)] = pq.encode(part)
                 update(len(part))
-        codes = np.concatenate([old_codes[alive], new_codes])
-        offsets, list_ids = lists.csr(len(centroids))
+        new_of = None
         if order is not None:
             order = np.asarray(order, dtype=np.int64)
-            if sorted(order.tolist()) != list(range(n_keep + n_new)):
+            if len(order) != n_keep + n_new or not np.array_equal(np.sort(order), np.arange(n_keep + n_new)):
                 raise ValueError("order must be a permutation of the new generation's vectors")
             new_of = np.empty_like(order)
             new_of[order] = np.arange(len(order))
-            of_list = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
-            moved = new_of[list_ids]
-            list_ids = moved[np.lexsort((moved, of_list))].astype(list_ids.dtype)  # ascending within a list again
-            codes, locations = codes[order], locations[order]
-        save_index_files(w, block_crc, graph, offsets, list_ids, pq.codebooks, codes, locations)
+            locations = locations[order]
+        offsets, list_ids = _stream_lists(w, f.list_offsets, f.list_ids, kept_old, renum, placed, n_lists, new_of)
+        del renum, new_pairs, placed, kept_old
+        codes = _write_codes(w, old_codes, alive, new_codes, order)
+        del centroids
+        # Unsplit, the graph is the old one's: its file copied (in-kernel), not a copy in memory saved.
+        save_index_files(w, block_crc, graph if graph is not None else old.path / "graph.bin", offsets, list_ids,
+                         pq.codebooks, codes, locations)
         if old.nav.model is not None:
             # Its features are distances to the nearest centroids, which a split only refines: kept.
             w.save_array(MODEL_FILE, old.nav.model.trees)
         if extra is not None:
             extra(w)
-        stats = MergeStats(int(dead.sum()), n_new, splits, reuse, extra_blocks)
+        stats = MergeStats(int(dead.sum()), n_new, splits, reuse, extra_blocks, deferred)
         manifest = {k: v for k, v in m_old.items() if k not in ("format", "format_version", "files")}
         manifest.update({
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "count": n_keep + n_new,
-            "centroids": len(centroids),
+            "centroids": n_lists,
             # Kept through splits, and recorded for an index built before the record: queries go as rows went.
             "list_navigation": "exact" if old.nav.exhaustive else "graph",
             "postings": int(len(list_ids)),
@@ -267,18 +307,193 @@ def merge_index(old: Index, dead: np.ndarray, new_vectors: np.ndarray, out_dir: 
     return stats
 
 
-def _nearest(x, centroids, graph, metric: str, k: int, threads: int, exact: bool):
-    """The k nearest centroids by l2 (what the build's replication uses), ids and squared dists: by the
-    graph, or exactly where the index navigates so (its list_navigation: queries look where rows went)."""
-    if metric != "ip" and not exact:
-        near, sqd = graph.search(x, k, max(32, 2 * k), threads)
-        return near.astype(np.int64), sqd
-    # The ip graph orders by inner product; l2 neighbours come from the centroids directly.
-    near, sqd = nearest_rows(x, centroids, k)
-    return near.astype(np.int64), sqd
+def _list_blocks(offsets: np.ndarray, postings: int = 1 << 20):
+    """(a, b): consecutive ranges of lists holding about `postings` postings each (at least one list)."""
+    n, a = len(offsets) - 1, 0
+    while a < n:
+        b = int(np.searchsorted(offsets, offsets[a] + postings, side="right")) - 1
+        b = min(max(b, a + 1), n)
+        yield a, b
+        a = b
 
 
-def _split(lst: int, members: Callable[[int], np.ndarray], centroids: np.ndarray, graph, vectors_of, metric: str,
+def _kept_counts(offsets: np.ndarray, list_ids: np.ndarray, alive: np.ndarray) -> np.ndarray:
+    """Surviving postings per list, a block of lists at a time."""
+    out = np.zeros(len(offsets) - 1, np.int64)
+    for a, b in _list_blocks(offsets):
+        kept = np.concatenate([[0], np.cumsum(alive[list_ids[offsets[a]:offsets[b]]], dtype=np.int64)])
+        out[a:b] = np.diff(kept[offsets[a:b + 1] - offsets[a]])
+    return out
+
+
+def _block_pairs(offsets, list_ids, alive, renum, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+    """(list, new id) of the surviving postings of lists a..b-1."""
+    ids = np.asarray(list_ids[offsets[a]:offsets[b]])
+    keep = alive[ids]
+    lst = np.repeat(np.arange(a, b, dtype=np.int32), np.diff(offsets[a:b + 1]))[keep]
+    return lst, renum[ids[keep]]
+
+
+def _members(offsets, list_ids, alive, renum, new: _Lists) -> Callable[[int], np.ndarray]:
+    """list -> its ids as the lists stand before any split: its surviving old postings (renumbered), then the new
+    vectors it took; none for a list a split made."""
+    o = np.argsort(new.lists, kind="stable")
+    nl, ni = new.lists[o], new.ids[o]
+    n_old = len(offsets) - 1
+
+    def of(lst: int) -> np.ndarray:
+        if lst >= n_old:
+            return ni[:0]
+        ids = np.asarray(list_ids[offsets[lst]:offsets[lst + 1]])
+        s, e = np.searchsorted(nl, [lst, lst + 1])
+        return np.concatenate([renum[ids[alive[ids]]], ni[s:e]])
+    return of
+
+
+def _pairs_of(wanted: np.ndarray, offsets, list_ids, alive, renum, new: _Lists, count: int) -> _Lists:
+    """The (list, id) pairs of the vectors flagged in wanted (by new id): their surviving old postings, read a
+    block of lists at a time, and their new ones."""
+    out = _Lists(np.empty(0, np.int32), np.empty(0, renum.dtype), count)
+    for a, b in _list_blocks(offsets):
+        lst, ids = _block_pairs(offsets, list_ids, alive, renum, a, b)
+        sel = wanted[ids]
+        out.add(lst[sel], ids[sel])
+    sel = wanted[new.ids]
+    out.add(new.lists[sel], new.ids[sel])
+    return out
+
+
+def _stream_lists(w, offsets, list_ids, kept: np.ndarray, renum, add: _Lists, n_lists: int,
+                  new_of: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """The new generation's CSR lists (n_lists of them, the old ones first), written to list_ids.npy a block of
+    lists at a time: each list's old postings flagged in kept (by old id; renumbered) and the pairs of add, ids
+    ascending within a list (after new_of, where given), as _Lists.csr orders them; no pair per posting is ever
+    whole in memory. Returns (offsets, the ids memory-mapped)."""
+    n_old = len(offsets) - 1
+    sizes = np.zeros(n_lists, np.int64)
+    sizes[:n_old] = _kept_counts(offsets, list_ids, kept)
+    sizes += np.bincount(add.lists, minlength=n_lists)
+    new_offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    out = ArrayFileWriter(w.path("list_ids.npy"), np.uint32, (int(new_offsets[-1]),))
+    o = np.lexsort((add.ids, add.lists))
+    nl, ni = add.lists[o], add.ids[o]
+    blocks = list(_list_blocks(offsets)) + ([(n_old, n_lists)] if n_lists > n_old else [])
+    for a, b in blocks:
+        lst, ids = _block_pairs(offsets, list_ids, kept, renum, a, b) if a < n_old else (nl[:0], ni[:0])
+        s, e = np.searchsorted(nl, [a, b])
+        lst, ids = np.concatenate([lst, nl[s:e]]), np.concatenate([ids, ni[s:e]])
+        if new_of is not None:
+            ids = new_of[ids]
+        out.write(ids[np.lexsort((ids, lst))])
+    return new_offsets, out.array()
+
+
+def _write_codes(w, old_codes: np.ndarray, alive: np.ndarray, new_codes: np.ndarray,
+                 order: np.ndarray | None) -> np.ndarray:
+    """The new generation's pq_codes.npy, written a chunk at a time (the survivors' codes, then the new ones; with
+    order, gathered into that order), so the merge holds no copy of them: returns it, memory-mapped."""
+    n, m = int(alive.sum()) + len(new_codes), old_codes.shape[1]
+    out = ArrayFileWriter(w.path("pq_codes.npy"), np.uint8, (n, m))
+    if order is None:
+        for s in range(0, len(alive), _CHUNK):
+            out.write(np.asarray(old_codes[s:s + _CHUNK])[alive[s:s + _CHUNK]])
+        out.write(new_codes)
+        return out.array()
+    survivors = np.flatnonzero(alive)
+    for s in range(0, n, _CHUNK):
+        j = order[s:s + _CHUNK]  # new ids: survivors first, then the new vectors
+        part = np.empty((len(j), m), np.uint8)
+        old_j = j < len(survivors)
+        part[old_j] = old_codes[survivors[j[old_j]]]
+        part[~old_j] = new_codes[j[~old_j] - len(survivors)]
+        out.write(part)
+    return out.array()
+
+
+class _Centroids:
+    """The centroids a merge reads (without the ip coordinate): the old ones memory-mapped from the old graph's
+    file (native/graph.cpp: a 64-byte header, a level byte per node, then the nodes' vectors), and those splits
+    add, appended: not the graph's whole copy in the heap (at lists of ~10 vectors and 128-d, 51 bytes a vector)."""
+
+    def __init__(self, graph_file: Path, dim: int):
+        header = np.fromfile(graph_file, np.dtype([("magic", "S8"), ("version", "<u4"), ("metric", "<u4"),
+                                                   ("dim", "<u8"), ("M", "<u8"), ("efc", "<u8"), ("seed", "<u8"),
+                                                   ("size", "<u8"), ("entry", "<u4"), ("max_level", "<i4")]), 1)[0]
+        self.n_old, gdim = int(header["size"]), int(header["dim"])
+        self.full = np.memmap(graph_file, np.float32, "r", offset=64 + self.n_old, shape=(self.n_old, gdim))
+        self.dim = dim
+        self.added: list[np.ndarray] = []
+
+    def __len__(self) -> int:
+        return self.n_old + len(self.added)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return len(self), self.dim
+
+    def append(self, centroid: np.ndarray) -> None:
+        self.added.append(np.asarray(centroid, np.float32)[:self.dim])
+
+    def __getitem__(self, idx):
+        if np.ndim(idx) == 0:
+            i = int(idx)
+            return np.asarray(self.full[i, :self.dim]) if i < self.n_old else self.added[i - self.n_old]
+        idx = np.asarray(idx)
+        out = np.empty(idx.shape + (self.dim,), np.float32)
+        old = idx < self.n_old
+        out[old] = self.full[idx[old], :self.dim]
+        if not old.all():
+            out[~old] = np.stack(self.added)[idx[~old] - self.n_old]
+        return out
+
+    def array(self) -> np.ndarray:
+        """All of them, in memory (ip's exact nearest centroids read every one for each vector)."""
+        return np.ascontiguousarray(np.concatenate([self.full[:, :self.dim]] + [a[None] for a in self.added]))
+
+
+def _room_for_graph(graph_file: Path) -> bool:
+    """Whether a copy of this graph (about its file's bytes in the heap) fits in half of what the process has left
+    beside its resident anonymous memory (process.memory_limit: its cgroup's limit, else the machine's memory)."""
+    from fusionrag.retriever.process import anonymous_bytes, memory_limit
+
+    return graph_file.stat().st_size <= (memory_limit() - anonymous_bytes()) // 2
+
+
+def _nearest(x: np.ndarray, centroids: _Centroids, graph, metric: str, k: int, threads: int, exact: bool):
+    """The k nearest centroids by exact l2 (what the build's replication uses), ids and squared dists. l2 and
+    cosine: the graph's 4k nearest (by its exact search where the index navigates so: queries look where rows
+    went), ranked again by their full centroids; ip (whose graph orders by inner product): every centroid, a
+    chunk of the memory-mapped ones at a time."""
+    if metric != "ip":
+        m = min(len(centroids), max(4 * k, 32))
+        cand, _ = graph.exact_search(x, m, threads) if exact else graph.search(x, m, max(2 * m, 64), threads)
+        cand = cand.astype(np.int64)
+        near = np.empty((len(x), k), np.int64)
+        sqd = np.empty((len(x), k), np.float32)
+        rows = max(1, _CHUNK_BYTES // (4 * m * x.shape[1]))
+        for s in range(0, len(x), rows):
+            c = cand[s:s + rows]
+            d = ((x[s:s + rows, None, :] - centroids[np.maximum(c, 0)]) ** 2).sum(-1)
+            d[c < 0] = np.inf
+            o = np.argsort(d, axis=1, kind="stable")[:, :k]
+            near[s:s + rows] = np.where(np.isfinite(np.take_along_axis(d, o, 1)), np.take_along_axis(c, o, 1), -1)
+            sqd[s:s + rows] = np.take_along_axis(d, o, 1)
+        return near, sqd
+    step = max(1024, _CHUNK_BYTES // (4 * centroids.dim))
+    best_i, best_d = None, None
+    for lo in range(0, len(centroids), step):
+        block = np.ascontiguousarray(centroids.full[lo:lo + step, :centroids.dim])
+        i, d = nearest_rows(x, block, min(k, len(block)))
+        i = i.astype(np.int64) + lo
+        if best_i is not None:
+            i, d = np.concatenate([best_i, i], 1), np.concatenate([best_d, d], 1)
+            o = np.argsort(d, axis=1, kind="stable")[:, :k]
+            i, d = np.take_along_axis(i, o, 1), np.take_along_axis(d, o, 1)
+        best_i, best_d = i, d
+    return best_i, best_d
+
+
+def _split(lst: int, members: Callable[[int], np.ndarray], centroids: _Centroids, graph, vectors_of, metric: str,
            config: BuildConfig, rng: np.random.Generator, threads: int) -> tuple[int, np.ndarray]:
     """Split list lst (SPFresh): 2-means over its vectors; the centre farther from the old centroid
     becomes a new centroid (graph node). Returns it and its candidates, the list's vectors and those
@@ -289,29 +504,34 @@ def _split(lst: int, members: Callable[[int], np.ndarray], centroids: np.ndarray
     new_c = centers[int(np.argmax(((centers - c) ** 2).sum(1)))].astype(np.float32)
     node = new_c[None]
     if metric == "ip":  # the augmented coordinate keeps the graph's l2 order = inner-product order
-        r_sq = float((graph.vectors()[0] ** 2).sum())
+        r_sq = float((np.asarray(centroids.full[0], np.float64) ** 2).sum())  # every node's augmented norm
         node = np.hstack([node, [[np.sqrt(max(r_sq - float(new_c @ new_c), 0.0))]]]).astype(np.float32)
     new_id = graph.size
     graph.add(np.ascontiguousarray(node, dtype=np.float32), threads)
+    centroids.append(new_c)
     hood, _ = graph.search(node, min(_NEIGHBOURS + 1, graph.size), max(32, 2 * _NEIGHBOURS), threads)
     cand = np.unique(np.concatenate([ids] + [members(nb) for nb in hood[0].tolist()
                                              if nb >= 0 and nb not in (lst, new_id)]))
     return new_id, cand
 
 
-def _reassign(lists: _Lists, ids: np.ndarray, centroids: np.ndarray, vectors_of, config: BuildConfig) -> None:
+def _reassign(lists: _Lists, ids: np.ndarray, centroids: _Centroids, vectors_of, config: BuildConfig) -> None:
     """The build's replication rule again for these vectors over the lists they are in or were
     offered: keep list l if dist(v, c_l) <= (1 + eps) * the nearest such distance, at most
     max_replicas lists, the nearest always."""
-    sel = np.isin(lists.ids, ids)
-    pairs = np.unique(np.stack([lists.ids[sel], lists.lists[sel]], axis=1), axis=0)  # sorted by id
-    pid, pl = pairs[:, 0], pairs[:, 1]
-    x = vectors_of(ids)
-    at = np.searchsorted(ids, pid)
+    mark = np.zeros(int(max(lists.ids.max(initial=-1), ids.max(initial=-1))) + 1, bool)
+    mark[ids] = True
+    sel = mark[lists.ids]  # (np.isin sorts a copy of every pair)
+    del mark
+    n_lists = int(lists.lists.max(initial=-1)) + 1
+    key = np.unique(lists.ids[sel].astype(np.int64) * n_lists + lists.lists[sel])  # the pairs, by id then list
+    pid, pl = (key // n_lists).astype(lists.id_type), (key % n_lists).astype(lists.list_type)
+    del key
     d = np.empty(len(pid), np.float32)
-    for s in range(0, len(pid), _CHUNK):  # (pairs, dim) at once could be gigabytes
-        e = s + _CHUNK
-        d[s:e] = np.sqrt(((x[at[s:e]] - centroids[pl[s:e]]) ** 2).sum(1))
+    rows = _rows_of(centroids.shape[1])
+    for s in range(0, len(pid), rows):  # (pairs, dim) at once could be gigabytes; the vectors read as needed
+        e = s + rows
+        d[s:e] = np.sqrt(((vectors_of(pid[s:e]) - centroids[pl[s:e]]) ** 2).sum(1))
     order = np.lexsort((d, pid))
     pid, pl, d = pid[order], pl[order], d[order]
     start = np.flatnonzero(np.concatenate([[True], pid[1:] != pid[:-1]]))

@@ -2,16 +2,13 @@
 does differently (postings grouped on disk, the page file written through spilled ranges) checked against the
 in-memory forms they replace, and a build and a search inside a real memory cgroup capped below the raw vectors.
 
-The cgroup tests use cgroup v1's memory controller (/sys/fs/cgroup/memory, as on the development and CI machines):
-a child cgroup of the test's own, the process under test moved into it, removed afterwards."""
+The cgroup tests use cgroup v1's memory controller (tests/cgroup.py, the cgroup_factory fixture): a child cgroup of
+the test's own, the process under test moved into it, removed afterwards."""
 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-import time
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -23,49 +20,6 @@ from fusionrag.retriever.engine.kmeans import kmeans
 from fusionrag.retriever.engine.pq import ProductQuantizer
 from fusionrag.retriever.process import cgroup_memory_limit, memory_limit
 from fusionrag.retriever.progress import Progress
-
-CGROUP_V1 = Path("/sys/fs/cgroup/memory")
-
-
-class Cgroup:
-    """A cgroup v1 memory cgroup with a limit and no swap, for a child process: prefix() is the command that
-    moves a shell into it before exec'ing the command."""
-
-    def __init__(self, limit: int):
-        self.path = CGROUP_V1 / f"fusionrag-test-{uuid.uuid4().hex[:8]}"
-        self.path.mkdir()
-        (self.path / "memory.limit_in_bytes").write_text(str(limit))
-        swap = self.path / "memory.memsw.limit_in_bytes"
-        if swap.exists():
-            swap.write_text(str(limit))
-
-    def run(self, cmd: list[str], **kw) -> subprocess.CompletedProcess:
-        shell = f'echo $$ > {self.path}/cgroup.procs && exec "$@"'
-        return subprocess.run(["sh", "-c", shell, "sh", *cmd], **kw)
-
-    def value(self, name: str) -> int:
-        return int((self.path / name).read_text())
-
-    def remove(self) -> None:
-        for _ in range(50):
-            try:
-                self.path.rmdir()
-                return
-            except OSError:
-                time.sleep(0.1)
-
-
-@pytest.fixture
-def cgroup_factory():
-    made = []
-
-    def make(limit: int) -> Cgroup:
-        made.append(Cgroup(limit))
-        return made[-1]
-
-    yield make
-    for c in made:
-        c.remove()
 
 
 def test_a_cgroup_limit_is_read_from_v1_and_v2_trees(tmp_path):

@@ -1,6 +1,7 @@
 """Incremental merge: tombstones out, new vectors in, oversized lists split, old generation untouched."""
 
 import hashlib
+import time
 
 import numpy as np
 import pytest
@@ -145,3 +146,123 @@ def test_a_merge_that_doubles_the_index_holds_memory_by_its_data(tmp_path):
     vecs = np.concatenate([base, new])
     q = clustered(50, 64, 40, seed=3)
     assert recall(idx.search(q, 10).ids, exact_knn(vecs, q, 10)) >= 0.95
+
+
+def test_writes_are_refused_while_a_merge_runs_once_the_fresh_tier_is_full(tmp_path, monkeypatch):
+    """The fresh tier holds its vectors in RAM until a merge folds them in: while a merge runs, upserts past
+    FRESH_HOLD times the merge's threshold are refused (UnavailableError: a 503 the client retries), deletes are
+    not, and once the merge is done upserts are taken again."""
+    import threading
+
+    from fusionrag.retriever.collection import compaction
+    from fusionrag.retriever.collection.config import FRESH_HOLD
+    from fusionrag.retriever.errors import UnavailableError
+
+    vec_bytes = DIM * 4 + 4 + 8 + 1  # the fresh tier's bytes per vector (FreshTier.bytes)
+    cfg = CollectionConfig(min_index_count=200, merge_fresh_bytes=300 * vec_bytes, merge_fresh_count=10**6)
+    cat = Catalog(tmp_path, collection_config=cfg)
+    col = cat.create("c", DIM, "l2")
+    x = clustered(3000, DIM, 40, seed=5)
+    release, started = threading.Event(), threading.Event()
+    real = compaction.next_generation
+
+    def held(*args, **kwargs):
+        started.set()
+        assert release.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compaction, "next_generation", held)
+    col.add([Document(str(i), None, v) for i, v in enumerate(x[:300])])  # at the threshold: a merge starts
+    assert started.wait(30)
+    taken = 300
+    with pytest.raises(UnavailableError, match="while a merge runs"):
+        while taken < 3000:
+            col.add([Document(str(taken + j), None, x[taken + j]) for j in range(50)])
+            taken += 50
+    assert FRESH_HOLD * 300 <= taken < FRESH_HOLD * 300 + 50  # refused once the fresh tier held FRESH_HOLD times it
+    assert col.delete(["0"]) == 1  # a delete holds no vector: taken
+    release.set()
+    while col.info()["build_state"]["merging"] or col.info()["build_state"]["generation"] < 1:
+        time.sleep(0.05)
+    col.add([Document(str(taken), None, x[taken])])  # taken again once the merge is done
+    assert col.count() == taken
+    cat.close()
+
+
+@pytest.mark.parametrize("reorder", [False, True])
+def test_lists_written_a_block_at_a_time_are_those_the_pairs_give(tmp_path, reorder, monkeypatch):
+    """A merge writes the new lists from the old CSR a block of lists at a time (no pair per posting is ever whole
+    in memory): the same offsets and ids as grouping every (list, id) pair gives, with lists a split made (past the
+    old ones), empty lists, dropped postings and a reordering of the ids."""
+    from fusionrag.retriever.engine import merge
+    from fusionrag.retriever.engine.manifest import IndexWriter
+
+    real = merge._list_blocks
+    monkeypatch.setattr(merge, "_list_blocks", lambda offsets, postings=0: real(offsets, 97))  # many small blocks
+    rng = np.random.default_rng(4)
+    n_old, n_lists, n_new, n_split = 3000, 120, 400, 5
+    sizes = rng.integers(0, 60, n_lists)
+    sizes[[3, 50, 51]] = 0  # empty lists, a run of them too
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    list_ids = np.concatenate([np.sort(rng.choice(n_old, s, replace=False)) for s in sizes]).astype(np.uint32)
+    kept = rng.random(n_old) > 0.2
+    n_keep = int(kept.sum())
+    renum = np.cumsum(kept, dtype=np.int32) - 1
+    add = merge._Lists(rng.integers(0, n_lists + n_split, 3 * n_new),
+                       np.repeat(np.arange(n_keep, n_keep + n_new), 3), n_keep + n_new)
+    of_list = np.repeat(np.arange(n_lists), sizes)
+    lists = np.concatenate([of_list[kept[list_ids]], add.lists])
+    ids = np.concatenate([renum[list_ids[kept[list_ids]]], add.ids])
+    new_of = rng.permutation(n_keep + n_new) if reorder else np.arange(n_keep + n_new)
+    ids = new_of[ids]
+    o = np.lexsort((ids, lists))
+    want_offsets = np.concatenate([[0], np.cumsum(np.bincount(lists, minlength=n_lists + n_split))])
+    w = IndexWriter(tmp_path / "idx")
+    got_offsets, got_ids = merge._stream_lists(w, offsets, list_ids, kept, renum, add, n_lists + n_split,
+                                               new_of if reorder else None)
+    assert np.array_equal(got_offsets, want_offsets)
+    assert got_ids.dtype == np.uint32 and np.array_equal(got_ids, ids[o])
+    w.abort()
+
+
+@pytest.mark.parametrize("metric", ["l2", "ip"])
+def test_the_centroids_a_merge_maps_from_the_graph_file_are_the_graphs(tmp_path, metric):
+    """A merge reads the old centroids through a memory map of graph.bin rather than the graph's copy in the heap:
+    the same rows as the graph's own vectors (without ip's augmented coordinate), and those splits append after."""
+    from fusionrag import native
+    from fusionrag.retriever.engine.merge import _Centroids
+
+    Index.build(clustered(1500, DIM, 30, seed=1), tmp_path / "g", BuildConfig(metric=metric), progress=False)
+    vectors = native.Graph.load(str(tmp_path / "g" / "graph.bin")).vectors()[:, :DIM]
+    c = _Centroids(tmp_path / "g" / "graph.bin", DIM)
+    assert len(c) == len(vectors) and c.shape == (len(vectors), DIM)
+    idx = np.random.default_rng(0).integers(0, len(vectors), 50)
+    assert np.array_equal(c[idx], vectors[idx]) and np.array_equal(c[int(idx[0])], vectors[idx[0]])
+    extra = np.arange(DIM, dtype=np.float32)
+    c.append(extra)
+    assert np.array_equal(c[[len(vectors), 3]], np.stack([extra, vectors[3]]))
+    assert np.array_equal(c.array(), np.vstack([vectors, extra]))
+
+
+def test_splits_are_deferred_where_a_second_graph_does_not_fit(tmp_path, monkeypatch):
+    """Where the process has no room for a private copy of the graph (a split adds a node to it beside the one the
+    open index searches), the merge leaves the oversized lists whole and says so; they still hold every vector."""
+    from fusionrag.retriever.engine import merge
+
+    base = clustered(1200, DIM, 30, seed=1)
+    Index.build(base, tmp_path / "g1", BuildConfig(), progress=False)
+    old = Index.open(tmp_path / "g1")
+    rng = np.random.default_rng(2)
+    new = (base[7] + 0.3 * rng.standard_normal((900, DIM))).astype(np.float32)  # crowds one region: lists split
+    dead = np.zeros(len(base), bool)
+    assert merge_index(old, dead, new, tmp_path / "split", BuildConfig()).splits > 0
+    monkeypatch.setattr(merge, "_room_for_graph", lambda graph_file: False)
+    stats = merge_index(old, dead, new, tmp_path / "g2", BuildConfig())
+    assert stats.splits == 0 and stats.splits_deferred > 0
+    idx = Index.open(tmp_path / "g2")
+    assert idx.manifest["merge"]["splits_deferred"] == stats.splits_deferred
+    assert idx.manifest["centroids"] == old.manifest["centroids"]
+    vecs = np.concatenate([base, new])
+    q = (base[7] + 0.3 * rng.standard_normal((20, DIM))).astype(np.float32)
+    truth = exact_knn(vecs, q, 10, "l2")
+    assert recall(idx.search(q, 10, nprobe=10**6, rerank=10**4, beta=0).ids, truth) == 1.0
