@@ -624,13 +624,17 @@ class Collection:
         return 1.0 - d if self.metric == "cosine" else -d
 
     # -- merge ---------------------------------------------------------------------------------
-    def _maybe_merge(self) -> None:
+    def _merge_due(self) -> bool:
         f, cfg = self._fresh, self.config
+        # Deletes alone also call for a merge: tombstones cost scan time and the log grows.
+        return not (f.live_count < cfg.merge_fresh_count and f.bytes < self._fresh_limit()
+                    and self._tomb_count < cfg.merge_fresh_count and self._wal.bytes < cfg.merge_fresh_bytes)
+
+    def _maybe_merge(self) -> None:
+        cfg = self.config
         if not cfg.background_merge or self._closed is not None or time.monotonic() < self._merge_retry_at:
             return
-        # Deletes alone also call for a merge: tombstones cost scan time and the log grows.
-        if (f.live_count < cfg.merge_fresh_count and f.bytes < self._fresh_limit()
-                and self._tomb_count < cfg.merge_fresh_count and self._wal.bytes < cfg.merge_fresh_bytes):
+        if not self._merge_due():
             return
         with self._mem_lock:
             if self._merge_thread is not None and self._merge_thread.is_alive():
@@ -652,8 +656,12 @@ class Collection:
 
     def _background_merge(self) -> None:
         try:
-            with self._merge_lock:
-                self._merge()
+            while True:
+                with self._merge_lock:
+                    self._merge()
+                # Writes that came while it ran may be past the threshold already: merged now, not at the next write.
+                if self._closed is not None or not self._merge_due():
+                    break
         except Exception:
             if self._closed is not None:
                 log.info("collection %r: merge given up, the collection is closing", self.name)

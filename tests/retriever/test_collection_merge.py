@@ -230,11 +230,11 @@ def test_the_centroids_a_merge_maps_from_the_graph_file_are_the_graphs(tmp_path,
     """A merge reads the old centroids through a memory map of graph.bin rather than the graph's copy in the heap:
     the same rows as the graph's own vectors (without ip's augmented coordinate), and those splits append after."""
     from fusionrag import native
-    from fusionrag.retriever.engine.merge import _Centroids
+    from fusionrag.retriever.engine import merge
 
     Index.build(clustered(1500, DIM, 30, seed=1), tmp_path / "g", BuildConfig(metric=metric), progress=False)
     vectors = native.Graph.load(str(tmp_path / "g" / "graph.bin")).vectors()[:, :DIM]
-    c = _Centroids(tmp_path / "g" / "graph.bin", DIM)
+    c = merge._Centroids(tmp_path / "g" / "graph.bin", DIM)
     assert len(c) == len(vectors) and c.shape == (len(vectors), DIM)
     idx = np.random.default_rng(0).integers(0, len(vectors), 50)
     assert np.array_equal(c[idx], vectors[idx]) and np.array_equal(c[int(idx[0])], vectors[idx[0]])
