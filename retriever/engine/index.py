@@ -101,19 +101,22 @@ def buffer_gain(pages: Path, layout, config: EngineConfig) -> float:
 
 
 BUFFER_SHARE = 8  # a page buffer takes at most this fraction (1/8) of the memory the process may use
+# ... and 1/16 where the index's arrays are memory-mapped for want of room (map_arrays): the codes a scan reads
+# every query are worth more of it than the vectors a re-rank may find cached.
+MAPPED_BUFFER_SHARE = 16
 
 
-def fitted_buffer(buffer_bytes: int, path=None) -> int:
-    """buffer_bytes, or an eighth of what this process may use (process.memory_limit: its cgroup's limit, else the
+def fitted_buffer(buffer_bytes: int, path=None, share: int = BUFFER_SHARE) -> int:
+    """buffer_bytes, or 1/share of what this process may use (process.memory_limit: its cgroup's limit, else the
     machine's memory) where that is less, so a buffer sized for a server does not take a container's memory
     (#51). Logged when cut."""
     from fusionrag.retriever.process import memory_limit
 
     limit = memory_limit()
-    room = limit // BUFFER_SHARE
+    room = limit // share
     if buffer_bytes > room:
-        log.warning("%s: page buffer of %d MiB cut to %d MiB, an eighth of the %d MiB this process may use",
-                    path or "index", buffer_bytes >> 20, room >> 20, limit >> 20)
+        log.warning("%s: page buffer of %d MiB cut to %d MiB, 1/%d of the %d MiB this process may use",
+                    path or "index", buffer_bytes >> 20, room >> 20, share, limit >> 20)
         return room
     return buffer_bytes
 
@@ -262,8 +265,8 @@ class Index(ManifestShape):
                                  raw_reader(path / "vectors.pages", layout, locations, stored, dim), dim)
         try:
             gain = buffer_gain(path / "vectors.pages", layout, config)
-            buffer_blocks, cache_records, adaptive = split_buffer(fitted_buffer(config.buffer_bytes, path), config,
-                                                                  layout, gain > 1)
+            room = fitted_buffer(config.buffer_bytes, path, MAPPED_BUFFER_SHARE if mapped else BUFFER_SHARE)
+            buffer_blocks, cache_records, adaptive = split_buffer(room, config, layout, gain > 1)
             store = native.PageStore(str(path / "vectors.pages"), layout.record_bytes, layout.records_per_block,
                                      layout.pages_per_block, block_crc, buffer_blocks, config.io_backend,
                                      config.direct_io, config.io_threads, config.buffer_policy, cache_records,
