@@ -294,7 +294,8 @@ class Collection:
                                     "done (its progress is in the collection's info)")
             if w.op == "upsert" and self._merging and self._fresh.bytes >= FRESH_HOLD * self._fresh_limit():
                 # The fresh tier holds its vectors in RAM until the merge running now and the next fold them in:
-                # past this it would grow with the write rate for as long as the merge takes. A 503, retried.
+                # past this it would grow with the write rate for as long as the merge takes. A 503: the caller
+                # sends it again (the client does not resend writes itself).
                 raise UnavailableError(f"collection {self.name!r} holds {self._fresh.bytes >> 20} MiB of writes in "
                                        "memory while a merge runs: retry once it is done")
             w.lsn = self._next_lsn

@@ -378,8 +378,7 @@ class DocStore:
         commits, (at, n) = self._commits, self._counted
         if at == commits:
             return n
-        with self._reader() as con:
-            n = con.execute("SELECT COUNT(*) FROM docs").fetchone()[0]
+        n = self.live_count()
         self._counted = (commits, n)  # as the filter cache: a count at least as new as the commits it carries
         return n
 

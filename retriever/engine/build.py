@@ -25,7 +25,7 @@ from fusionrag.retriever.engine.config import BuildConfig, cpu_threads
 from fusionrag.retriever.engine.kmeans import cluster_cap, hierarchical_balanced_kmeans
 from fusionrag.retriever.engine.layout import PageLayout, chain_order, plan_layout
 from fusionrag.retriever.engine.learned_probe import csr_lists_of, save_probe_model, train_probe_model
-from fusionrag.retriever.engine.manifest import resumable_index, writing_index
+from fusionrag.retriever.engine.manifest import copy_file, resumable_index, writing_index
 from fusionrag.retriever.engine.pq import ProductQuantizer, auto_m
 from fusionrag.retriever.engine.tiers import build_navigation, nearest_exhaustive
 from fusionrag.retriever.engine.vectors import (STORAGE_DTYPES, VectorFile, as_source, check_vectors, normalize,
@@ -65,7 +65,7 @@ def save_index_files(w, block_crc, graph, list_offsets, list_ids, codebooks, cod
     w.add_file("vectors.pages", hashed=False)
     w.save_array("block_crc.npy", block_crc)
     if isinstance(graph, Path):  # an unchanged graph's file (a merge without splits)
-        shutil.copyfile(graph, w.path("graph.bin"))
+        copy_file(graph, w.path("graph.bin"))
     else:
         graph.save(str(w.path("graph.bin")))
     w.add_file("graph.bin")

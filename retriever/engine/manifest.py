@@ -77,7 +77,8 @@ def _written_back(fd: int, upto: int) -> None:
 def copy_file(src: Path, dst: Path, every: int = DIRTY_BYTES) -> None:
     """src copied to dst (copy_file_range: in-kernel, a reflink where the file system has them; read and write
     where it cannot), at most `every` bytes of it dirty in the page cache at a time; src's pages are dropped from
-    the cache as they are copied (an index reads its page file with O_DIRECT, not through the cache)."""
+    the cache as they are copied (an index reads its page file with O_DIRECT and its graph file once, at open, not
+    through the cache)."""
     with open(src, "rb") as fi, open(dst, "wb") as fo:
         size, done = os.fstat(fi.fileno()).st_size, 0
         kernel = hasattr(os, "copy_file_range")

@@ -102,7 +102,7 @@ class _Lists:
     hold the lists and the ids."""
 
     def __init__(self, lists: np.ndarray, ids: np.ndarray, count: int):
-        self.list_type, self.id_type = _int_for(2**31 - 1), _int_for(count)
+        self.list_type, self.id_type = np.int32, _int_for(count)
         self.lists, self.ids = lists.astype(self.list_type, copy=False), ids.astype(self.id_type, copy=False)
 
     def add(self, lists: np.ndarray, ids: np.ndarray) -> None:
@@ -257,8 +257,9 @@ def merge_index(old: Index, dead: np.ndarray, new_vectors: np.ndarray, out_dir: 
         pq = old.pq
         new_codes = np.empty((n_new, pq.m), np.uint8)
         with steps.step("pq encoding", n_new) as update:
-            for s in range(0, n_new, _rows_of(dim)):  # the encoder's tables are several times the rows
-                part = x[s:s + _rows_of(dim)]
+            rows = _rows_of(dim)  # the encoder's tables are several times the rows
+            for s in range(0, n_new, rows):
+                part = x[s:s + rows]
                 new_codes[s:s + len(part)] = pq.encode(part)
                 update(len(part))
         new_of = None
@@ -367,8 +368,8 @@ def _stream_lists(w, offsets, list_ids, kept: np.ndarray, renum, add: _Lists, n_
                   new_of: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     """The new generation's CSR lists (n_lists of them, the old ones first), written to list_ids.npy a block of
     lists at a time: each list's old postings flagged in kept (by old id; renumbered) and the pairs of add, ids
-    ascending within a list (after new_of, where given), as _Lists.csr orders them; no pair per posting is ever
-    whole in memory. Returns (offsets, the ids memory-mapped)."""
+    ascending within a list (after new_of, where given), as a build orders them; no pair per posting is ever whole
+    in memory. Returns (offsets, the ids memory-mapped)."""
     n_old = len(offsets) - 1
     sizes = np.zeros(n_lists, np.int64)
     sizes[:n_old] = _kept_counts(offsets, list_ids, kept)

@@ -119,4 +119,5 @@ def test_a_collection_served_in_a_cgroup_smaller_than_its_vectors_answers_takes_
     finally:
         srv.stop()
     assert cg.oom_kills() == 0
-    assert cg.value("memory.max_usage_in_bytes") <= CAP
+    # The server's memory was charged to this cgroup (so the cap above applied to it): more than its open index.
+    assert cg.value("memory.max_usage_in_bytes") > 64 << 20
