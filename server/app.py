@@ -62,7 +62,7 @@ def create_app(config: ServerConfig) -> FastAPI:
                               "when the service has API keys.")
     app.state.fusionrag = state
     app.add_middleware(BodyLimit, limit=config.max_body_bytes, upload_limit=config.max_upload_bytes,
-                       timeout=config.body_timeout_s)
+                       timeout=config.body_timeout_s, file_limit=config.max_file_bytes)
     app.add_middleware(ObserveMiddleware, metrics=state.metrics)
     install_handlers(app)
     app.include_router(v1)

@@ -16,7 +16,7 @@ from typing import Annotated, Literal, get_args
 
 from pydantic import AfterValidator, TypeAdapter, ValidationError, create_model
 
-from fusionrag.retriever.collection.embedding import DEFAULT_MODEL, canonical_name
+from fusionrag.retriever.collection.embedding import DEFAULT_MODEL, canonical_name, register_models
 from fusionrag.retriever.engine.config import (BufferCompression, BufferPolicy, ConfigBase, EngineConfig, FilterTier,
                                                GpuSearch, RecordCache, add_flags, config_class, knob, knobs, problems)
 from fusionrag.retriever.engine.config import flags_of as _flags_of
@@ -27,6 +27,11 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["json", "text"]
 LOG_LEVELS = get_args(LogLevel)
 LOG_FORMATS = get_args(LogFormat)
+
+
+def _registered(spec: str) -> str:
+    register_models(spec)
+    return spec
 
 
 @config_class
@@ -47,6 +52,12 @@ class ServerConfig(ConfigBase):
     max_body_bytes: Annotated[int, knob("largest request body accepted", ge=1024)] = 16 << 20
     max_upload_bytes: Annotated[int, knob("largest upload accepted: a snapshot to restore or a file to import",
                                           ge=1024)] = 64 << 30
+    max_file_bytes: Annotated[int, knob("largest file uploaded for a vector store (the OpenAI API's /v1/files)",
+                                        ge=1024)] = 512 << 20
+    max_files_per_key: Annotated[int, knob("files (the OpenAI API's) one API key restricted to some collections, "
+                                           "or the service's keys together, may hold at most", ge=1)] = 10000
+    max_file_bytes_per_key: Annotated[int, knob("bytes those files may take on the data disk at most",
+                                                ge=1024)] = 8 << 30
     max_restore_bytes: Annotated[int, knob("bytes one restore may write at most (its archive's members)",
                                            ge=1024)] = 64 << 30
     max_collections: Annotated[int, knob("collections the service holds at most (0: no limit)", ge=0)] = 1000
@@ -108,6 +119,12 @@ class ServerConfig(ConfigBase):
                                          "(smaller: exact search)", ge=1)] = 1
     probe_model: Annotated[bool, knob("each collection's index builds train learned pruning's model, so that "
                                       "searches may ask for params probe 'learned' (docs/tuning.md)")] = False
+    # Before `embedding`: its models are registered as this is checked, so `embedding` may name one of them.
+    embedding_models: Annotated[str, knob("more embedding models for collections to name: 'NAME=DIR' (a "
+                                          "sentence-transformers model directory) or 'NAME=URL#MODEL' (an "
+                                          "OpenAI-compatible /v1/embeddings API; its key in "
+                                          "FUSIONRAG_EMBEDDING_API_KEY), entries separated by ';'"),
+                                AfterValidator(_registered)] = ""
     embedding: Annotated[str, knob("embedding model of the demo collection and the default for new text "
                                    "collections"), AfterValidator(canonical_name)] = DEFAULT_MODEL
     embed_threads: Annotated[int, knob("CPU threads that embed texts (0: every core; more than one pays only on an "

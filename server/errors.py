@@ -45,20 +45,37 @@ def json_body(model, required: bool = True) -> dict:
         "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 
+def _openai(path: str) -> bool:
+    return path.startswith(("/v1/files", "/v1/vector_stores"))
+
+
+def shaped(path: str, content: dict, status: int) -> dict:
+    """An error's JSON: {"detail"} (and more) as the service answers, with OpenAI's {"error": {"message", "type"}}
+    beside it on the OpenAI API's paths, which its SDK reads."""
+    if not _openai(path):
+        return content
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {**content, "error": {"message": content.get("detail"), "type": kind, "param": None, "code": str(status)}}
+
+
+def answer(request: Request, content: dict, status: int, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(shaped(request.url.path, content, status), status, headers)
+
+
 def validation_response(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     bad_json = next((e for e in errors if e.get("type") == "json_invalid"), None)
     if bad_json:
         pos = bad_json["loc"][-1]
-        return JSONResponse({"detail": f"malformed JSON at character {pos}: {bad_json['ctx']['error']}"}, 400)
+        return answer(request, {"detail": f"malformed JSON at character {pos}: {bad_json['ctx']['error']}"}, 400)
     parts = []
     for e in errors:
         loc = ".".join(str(p) for p in e["loc"] if p != "body") or "body"
         parts.append(f"{loc}: {e['msg']}")
     more = f" (and {len(parts) - 10} more)" if len(parts) > 10 else ""
-    return JSONResponse({"detail": "; ".join(parts[:10]) + more,
-                         "errors": [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in errors[:50]]},
-                        422)
+    return answer(request, {"detail": "; ".join(parts[:10]) + more,
+                            "errors": [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in errors[:50]]},
+                  422)
 
 
 def engine_error(request: Request, exc: FusionRAGError) -> JSONResponse:
@@ -70,9 +87,9 @@ def engine_error(request: Request, exc: FusionRAGError) -> JSONResponse:
     detail = str(exc).replace(root, word)
     status = http_status(exc)
     if status is not None:
-        return JSONResponse({"detail": detail}, status, {"Retry-After": "5"} if status == 503 else None)
+        return answer(request, {"detail": detail}, status, {"Retry-After": "5"} if status == 503 else None)
     log.error("engine error", exc_info=exc)
-    return JSONResponse({"detail": f"{type(exc).__name__}: {detail}"}, 500)
+    return answer(request, {"detail": f"{type(exc).__name__}: {detail}"}, 500)
 
 
 def unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -87,6 +104,8 @@ async def http_error_handler(request: Request, exc: StarletteHTTPException) -> R
         methods = [m for m in ("DELETE", "GET", "HEAD", "PATCH", "POST", "PUT")
                    if any(r.matches({**request.scope, "method": m})[0] == Match.FULL for r in routes)]
         exc = StarletteHTTPException(405, exc.detail, {"Allow": ", ".join(methods)})
+    if _openai(request.url.path) and exc.status_code >= 400:
+        return answer(request, {"detail": exc.detail}, exc.status_code, getattr(exc, "headers", None))
     return await http_exception_handler(request, exc)
 
 

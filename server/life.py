@@ -18,6 +18,7 @@ from fusionrag.server.config import ServerConfig, data_path
 from fusionrag.server.demo import ensure_demo
 from fusionrag.server.metrics import Metrics
 from fusionrag.server.snapshots import SnapshotShelf
+from fusionrag.server.vector_stores import FileLimits, VectorStores
 
 log = logging.getLogger("fusionrag.server")
 
@@ -51,6 +52,10 @@ class State:
         shutil.rmtree(data_path(config) / "uploads", ignore_errors=True)  # what a crash cut short
         self.snapshots = SnapshotShelf(data_path(config) / "snapshots", config.max_snapshots,
                                        config.max_snapshot_bytes, self.catalog.limits.disk_reserve_bytes)
+        self.vector_stores = VectorStores(
+            data_path(config) / "openai", self.catalog, config.embedding,
+            FileLimits(config.max_files_per_key, config.max_file_bytes_per_key, config.max_collections_per_key,
+                       self.catalog.limits.disk_reserve_bytes))
         self.metrics = Metrics(self.collections_info)
         self.batcher = MicroBatcher(config.batch_wait_ms / 1000, config.batch_max_queries,
                                     config.search_threads, self.metrics, config.gpu_batch_wait_ms / 1000)
@@ -85,6 +90,7 @@ class State:
                 pass
             except Exception:  # noqa: BLE001 - its text queries will fail with the reason; vectors still work
                 log.exception("loading the embedding model of collection %r failed", name)
+        self.vector_stores.start()  # after the collections: it takes up the files a stop left in progress
         self.ready.set()
         log.info("ready", extra={"collections": self.catalog.names(), "failed": failed})
 
@@ -123,5 +129,6 @@ class Service:
         await self.state.batcher.stop()
         if self._loader is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._loader.join)
+        await asyncio.get_running_loop().run_in_executor(None, self.state.vector_stores.stop)
         self.state.catalog.close()
         log.info("stopped")

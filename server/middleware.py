@@ -11,12 +11,15 @@ from fastapi.exceptions import HTTPException
 from fastapi.responses import JSONResponse
 
 from fusionrag.server.metrics import Metrics
+from fusionrag.server.errors import shaped
 
 log = logging.getLogger("fusionrag.server")
 
 
-# Routes whose body is a file, written to disk as it arrives: they take max_upload_bytes.
+# Routes whose body is a file, written to disk as it arrives: a restore and an import take max_upload_bytes, an
+# OpenAI file upload (a document for a vector store) max_file_bytes.
 _UPLOADS = re.compile(r"/v1/collections/[^/]+/(restore|import)")
+_FILES = re.compile(r"/v1/files")
 
 
 class BodyLimit:
@@ -24,8 +27,9 @@ class BodyLimit:
     the bytes read pass it; 408 for a body that sends nothing for `timeout` seconds (both raised from `receive`,
     so the route answers them like any HTTPException)."""
 
-    def __init__(self, app, limit: int, upload_limit: int, timeout: float = 60.0):
+    def __init__(self, app, limit: int, upload_limit: int, timeout: float = 60.0, file_limit: int | None = None):
         self.app, self.limit, self.upload_limit, self.timeout = app, limit, upload_limit, timeout
+        self.file_limit = upload_limit if file_limit is None else file_limit
 
     @staticmethod
     def _message(size: int, exact: bool, limit: int, setting: str) -> str:
@@ -34,11 +38,12 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        upload = _UPLOADS.fullmatch(scope["path"]) is not None
-        limit, setting = (self.upload_limit, "max_upload_bytes") if upload else (self.limit, "max_body_bytes")
+        path = scope["path"]
+        limit, setting = (self.upload_limit, "max_upload_bytes") if _UPLOADS.fullmatch(path) else (
+            (self.file_limit, "max_file_bytes") if _FILES.fullmatch(path) else (self.limit, "max_body_bytes"))
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > limit:
-            return await JSONResponse({"detail": self._message(int(declared), True, limit, setting)},
+            return await JSONResponse(shaped(path, {"detail": self._message(int(declared), True, limit, setting)}, 413),
                                       413)(scope, receive, send)
         seen, whole = 0, False
 

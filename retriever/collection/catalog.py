@@ -184,6 +184,8 @@ class Catalog:
                     if model_dim != desc["dim"]:
                         raise InputError(f"dimension {desc['dim']} does not fit embedding model {desc['embedding']!r} "
                                          f"(dimension {model_dim})")
+            except UnavailableError:  # the model's endpoint, asked its dimension, did not answer: try again later
+                raise
             except FusionRAGError as e:
                 raise InputError(f"snapshot: collection.json: {e}") from e
             with self._lock:

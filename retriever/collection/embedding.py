@@ -1,4 +1,6 @@
-"""Text embedding for collections that take text. Models run offline, from PyPI packages that carry them.
+"""Text embedding for collections that take text. Models run offline, from PyPI packages that carry them, or
+from a sentence-transformers model directory on disk, or on an OpenAI-compatible `/v1/embeddings` endpoint (vLLM,
+TEI and others serve embedding models so): the service names the last two (`register_models`).
 
 Embedding happens above the collection: callers turn texts into vectors here, then hand vectors to
 `Collection.upsert` / `Collection.search`. Models run in sentence-transformers, on the CPU: the GPU's memory is
@@ -8,6 +10,7 @@ the LLM server's and the PQ tier's, by budget.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 from collections.abc import Sequence
@@ -15,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fusionrag.retriever.errors import ConfigError, InputError
+from fusionrag.retriever.errors import ConfigError, InputError, UnavailableError
 from fusionrag.retriever.progress import bars_wanted
 
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
@@ -61,11 +64,64 @@ _MODELS = {"all-MiniLM-L6-v2": (384, _load_minilm)}
 _ALIASES = {"sentence-transformers/all-MiniLM-L6-v2": "all-MiniLM-L6-v2"}
 
 
+class _Endpoint:
+    """An embedding model served by an OpenAI-compatible API (`POST {url}/embeddings` with {"model", "input"}),
+    with the parts of a SentenceTransformer an Embedder uses. Its key, where it wants one, is
+    FUSIONRAG_EMBEDDING_API_KEY. It has no tokenizer here: a text's tokens are counted as its words and
+    punctuation marks, and it reads at most max_seq_length of them (512, as most such models do)."""
+
+    max_seq_length = 514  # 512 besides the two special tokens Embedder.max_tokens leaves out
+    tokenizer = None
+    BATCH = 64
+    TIMEOUT_S = 60.0
+
+    def __init__(self, url: str, model: str):
+        self.url, self.model = url.rstrip("/"), model
+
+    def encode(self, texts, batch_size: int = 64, normalize_embeddings: bool = True, **_) -> np.ndarray:
+        import httpx
+
+        key = os.environ.get("FUSIONRAG_EMBEDDING_API_KEY")
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        out = []
+        for lo in range(0, len(texts), self.BATCH):
+            part = list(texts[lo:lo + self.BATCH])
+            try:
+                r = httpx.post(f"{self.url}/embeddings", json={"model": self.model, "input": part}, headers=headers,
+                               timeout=self.TIMEOUT_S)
+            except httpx.HTTPError as e:
+                raise UnavailableError(f"embedding endpoint {self.url} (model {self.model}) did not answer: "
+                                       f"{type(e).__name__}: {e}") from e
+            if r.status_code != 200:
+                raise UnavailableError(f"embedding endpoint {self.url} (model {self.model}) answered "
+                                       f"{r.status_code}: {r.text[:300]}")
+            try:
+                data = sorted(r.json()["data"], key=lambda d: d["index"])
+                vectors = np.asarray([d["embedding"] for d in data], dtype=np.float32)
+            except (ValueError, KeyError, TypeError) as e:
+                raise UnavailableError(f"embedding endpoint {self.url} answered what is not OpenAI's embeddings "
+                                       f"shape: {r.text[:200]}") from e
+            if vectors.ndim != 2 or len(vectors) != len(part) or not np.isfinite(vectors).all():
+                raise UnavailableError(f"embedding endpoint {self.url} answered {vectors.shape} for {len(part)} "
+                                       "texts, or non-finite numbers")
+            out.append(vectors)
+        v = np.concatenate(out)
+        if normalize_embeddings:
+            v /= np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
+        return v
+
+    def get_embedding_dimension(self) -> int:
+        return int(self.encode(["dimension"]).shape[1])
+
+
+_WORDS = re.compile(r"\w+|[^\w\s]")
+
+
 class Embedder:
     """One sentence-embedding model. Loaded on first use; thread-safe. Output vectors are unit-length."""
 
-    def __init__(self, name: str, dim: int, loader):
-        self.name, self.dim = name, dim
+    def __init__(self, name: str, dim: int | None, loader):
+        self.name, self._dim = name, dim  # None: known once loaded (a model on disk, an endpoint asked)
         self._loader = loader
         self._model = None
         # One forward pass at a time: on a few cores, parallel passes only fight over them.
@@ -78,6 +134,31 @@ class Embedder:
     def _load_locked(self) -> None:
         if self._model is None:
             self._model = self._loader()
+
+    @property
+    def dim(self) -> int:
+        if self._dim is None:
+            with self._lock:
+                self._load_locked()
+                if self._dim is None:
+                    self._dim = int(self._model.get_embedding_dimension())
+        return self._dim
+
+    @property
+    def max_tokens(self) -> int:
+        """Tokens of a text the model reads at most (past them a text is cut), its special tokens left out."""
+        self.load()
+        return int(self._model.max_seq_length) - 2
+
+    def token_spans(self, text: str) -> list[tuple[int, int]]:
+        """(start, end) characters of each of the text's tokens, by the model's own tokenizer."""
+        with self._lock:
+            self._load_locked()
+            if self._model.tokenizer is None:  # an endpoint: words and punctuation
+                return [m.span() for m in _WORDS.finditer(text)]
+            enc = self._model.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True,
+                                        return_attention_mask=False, return_token_type_ids=False, verbose=False)
+        return [tuple(o) for o in enc["offset_mapping"]]
 
     def embed(self, texts: Sequence[str], batch_size: int = 64, progress: bool | None = False) -> np.ndarray:
         """float32 (len(texts), dim), L2-normalised. progress: a bar on stderr (None: when it is a terminal)."""
@@ -107,6 +188,43 @@ def canonical_name(name: str) -> str:
     if name not in _MODELS:
         raise ConfigError(f"unknown embedding model {name!r}; known: {', '.join(model_names())}")
     return name
+
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
+
+
+def register_models(spec: str) -> list[str]:
+    """The service's own models beside the packaged ones: 'NAME=DIR' (a sentence-transformers model directory)
+    or 'NAME=URL#MODEL' (an OpenAI-compatible API at URL, e.g. http://host:8001/v1, serving MODEL; NAME when
+    no #MODEL), entries separated by ';'. Collections then name them. Registering the same again is a no-op;
+    ConfigError for a malformed entry, a directory that holds no model, or a name taken by another model."""
+    names = []
+    for entry in filter(None, (e.strip() for e in spec.split(";"))):
+        name, sep, source = (part.strip() for part in entry.partition("="))
+        if not sep or not NAME.fullmatch(name) or not source:
+            raise ConfigError(f"embedding model entry {entry[:80]!r}: write NAME=DIR or NAME=URL#MODEL (a name of "
+                              "letters, digits, '.', '_', '-', '/')")
+        if source.startswith(("http://", "https://")):
+            url, _, model = source.partition("#")
+            key = ("endpoint", url.rstrip("/"), model or name)
+            make = lambda url=url, model=model or name: _Endpoint(url, model)  # noqa: E731
+        else:
+            path = Path(source).expanduser().resolve()
+            if not (path / "modules.json").is_file():
+                raise ConfigError(f"embedding model {name!r}: {source} is not a sentence-transformers model "
+                                  "directory (no modules.json)")
+            key, make = ("dir", str(path)), (lambda path=path: _sentence_transformer(path))
+        known = _SOURCES.get(name)
+        if known is not None and known != key or (known is None and known_name(name) is not None):
+            raise ConfigError(f"embedding model name {name!r} is taken by another model")
+        if known is None:
+            _MODELS[name] = (None, make)
+            _SOURCES[name] = key
+        names.append(name)
+    return names
+
+
+_SOURCES: dict[str, tuple] = {}  # the registered models' sources, by name
 
 
 def known_name(name: str) -> str | None:

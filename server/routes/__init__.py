@@ -3,11 +3,11 @@
 from fastapi import APIRouter, Depends
 
 from fusionrag.server.deps import authenticate
-from fusionrag.server.routes import collections, documents, files, search
+from fusionrag.server.routes import collections, documents, files, openai, search
 
 # Each part has the /v1 prefix itself, so that its routes' paths are whole (the metrics label requests by them).
 v1 = APIRouter(dependencies=[Depends(authenticate)])
-for part in (collections, files, search, documents):
+for part in (collections, files, search, documents, openai):
     v1.include_router(part.router)
 
 __all__ = ["v1"]

@@ -1,0 +1,628 @@
+"""OpenAI's files and vector stores over the service's collections, so that code written against the OpenAI SDK's
+`client.files` and `client.vector_stores` runs unchanged against fusionrag (routes: server/routes/openai.py).
+
+- A file is its bytes and a JSON record under <data-dir>/openai/files/, owned by the API key that uploaded it
+  (the service's, without keys); one key sees its own files and stores, a key unrestricted sees all.
+- A vector store is a collection named by its id (`vs_` and 24 hex digits), cosine, embedded by the service's
+  embedding model, with a JSON record under <data-dir>/openai/stores/ holding its name, metadata and files.
+- Adding a file to a store queues it; a worker thread chunks its text by the embedding model's own tokens
+  (a static strategy's window and overlap, or `auto`: the model's window, half of it overlapping, as OpenAI's
+  auto is 800 and 400), embeds the chunks and upserts them as documents `<file id>#<n>` with metadata
+  {"file_id", "filename", "attributes"}. A file's status goes in_progress -> completed (or failed, with the
+  reason); a restart takes up the files still in progress. Removing a file from a store deletes its chunks by
+  filter; attributes changed later reach the chunks as a metadata update (nothing re-embedded).
+- Records are written whole and renamed into place (fsynced), so a crash leaves the old record or the new one.
+  A store being deleted is marked first, its collection dropped, then its record removed: a restart finishes
+  what a crash cut short.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import queue
+import re
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import json
+
+from fusionrag.retriever.collection import Document
+from fusionrag.retriever.collection.embedding import get_embedder
+from fusionrag.retriever.collection.generations import write_json_atomic
+from fusionrag.retriever.collection.quota import check_room
+from fusionrag.retriever.errors import (ConflictError, FusionRAGError, InputError, NotFoundError, QuotaError)
+
+log = logging.getLogger("fusionrag.server")
+
+FILE_RE = re.compile(r"file-[0-9a-f]{24}")
+STORE_RE = re.compile(r"vs_[0-9a-f]{24}")
+BATCH_RE = re.compile(r"vsfb_[0-9a-f]{24}")
+PURPOSES = ("assistants", "batch", "fine-tune", "vision", "user_data", "evals")
+MAX_PAIRS, MAX_KEY, MAX_VALUE = 16, 64, 512  # OpenAI's bounds on metadata and attributes
+STATIC_MAX, STATIC_MIN = 4096, 100  # OpenAI's bounds on a static strategy's max_chunk_size_tokens
+AUTO_MAX = 800
+EMBED_BATCH = 64
+_TOKENIZE_PIECE = 50_000  # characters tokenized at a time (a file may be far longer)
+_FILTER_OPS = {"eq": "$eq", "ne": "$ne", "gt": "$gt", "gte": "$gte", "lt": "$lt", "lte": "$lte", "in": "$in",
+               "nin": "$nin"}
+
+
+def new_id(prefix: str) -> str:
+    return prefix + secrets.token_hex(12)
+
+
+def check_pairs(pairs, what: str, values: tuple = (str,)) -> dict:
+    """OpenAI's metadata (string values) or attributes (strings, numbers, bools): at most 16 pairs, keys of at
+    most 64 characters, strings of at most 512."""
+    if pairs is None:
+        return {}
+    if not isinstance(pairs, dict):
+        raise InputError(f"{what} must be an object of at most {MAX_PAIRS} key-value pairs")
+    if len(pairs) > MAX_PAIRS:
+        raise InputError(f"{what} has {len(pairs)} pairs, at most {MAX_PAIRS} allowed")
+    for k, v in pairs.items():
+        if not k or len(k) > MAX_KEY or "." in k:
+            raise InputError(f"{what}: key {k[:80]!r} must be 1-{MAX_KEY} characters without '.'")
+        if not isinstance(v, values) or (isinstance(v, float) and not math.isfinite(v)) or (
+                isinstance(v, bool) and bool not in values):
+            kinds = "a string" if values == (str,) else "a string, a number or a boolean"
+            raise InputError(f"{what}: the value of {k!r} must be {kinds}")
+        if isinstance(v, str) and len(v) > MAX_VALUE:
+            raise InputError(f"{what}: the value of {k!r} is {len(v)} characters, at most {MAX_VALUE} allowed")
+    return dict(pairs)
+
+
+def check_attributes(attributes) -> dict:
+    return check_pairs(attributes, "attributes", (str, int, float, bool))
+
+
+def chunking(strategy, model_tokens: int) -> dict:
+    """OpenAI's chunking strategy as stored: {"type": "static", "static": {max_chunk_size_tokens,
+    chunk_overlap_tokens}}; auto (or none given) is the model's window, or 800 tokens where it is longer, half
+    of it overlapping."""
+    if strategy is None or (isinstance(strategy, dict) and strategy.get("type") == "auto"):
+        size = min(AUTO_MAX, model_tokens)
+        return {"type": "static", "static": {"max_chunk_size_tokens": size, "chunk_overlap_tokens": size // 2}}
+    if not isinstance(strategy, dict) or strategy.get("type") != "static" or not isinstance(
+            strategy.get("static"), dict):
+        raise InputError("chunking_strategy must be {\"type\": \"auto\"} or {\"type\": \"static\", \"static\": "
+                         "{\"max_chunk_size_tokens\": ..., \"chunk_overlap_tokens\": ...}}")
+    s = strategy["static"]
+    size, overlap = s.get("max_chunk_size_tokens"), s.get("chunk_overlap_tokens")
+    if not isinstance(size, int) or isinstance(size, bool) or not STATIC_MIN <= size <= STATIC_MAX:
+        raise InputError(f"max_chunk_size_tokens must be an integer from {STATIC_MIN} to {STATIC_MAX}")
+    if not isinstance(overlap, int) or isinstance(overlap, bool) or not 0 <= overlap <= size // 2:
+        raise InputError("chunk_overlap_tokens must be an integer from 0 to half of max_chunk_size_tokens")
+    return {"type": "static", "static": {"max_chunk_size_tokens": size, "chunk_overlap_tokens": overlap}}
+
+
+def chunk_text(text: str, spans: Callable[[str], list[tuple[int, int]]], size: int, overlap: int) -> list[str]:
+    """The text cut into windows of `size` tokens, each starting `size - overlap` tokens after the one before;
+    spans(text) gives each token's (start, end) characters. Each chunk is the text from its first token's start
+    to its last one's end, so nothing between them is lost."""
+    starts: list[int] = []
+    ends: list[int] = []
+    pos = 0
+    while pos < len(text):  # tokenized a piece at a time, each cut at whitespace
+        stop = len(text) if len(text) - pos <= _TOKENIZE_PIECE else pos + _TOKENIZE_PIECE
+        if stop < len(text):
+            ws = max(text.rfind(" ", pos, stop), text.rfind("\n", pos, stop))
+            stop = ws + 1 if ws > pos else stop
+        for a, b in spans(text[pos:stop]):
+            if b > a:
+                starts.append(pos + a)
+                ends.append(pos + b)
+        pos = stop
+    out = []
+    step = max(1, size - overlap)
+    for i in range(0, len(starts), step):
+        j = min(len(starts), i + size)
+        out.append(text[starts[i]:ends[j - 1]])
+        if j == len(starts):
+            break
+    return out
+
+
+def translate_filter(f) -> dict:
+    """OpenAI's attribute filter (comparison {type, key, value}, compound {type: and/or, filters}) as the
+    collection's filter over the chunks' `attributes`."""
+    if not isinstance(f, dict):
+        raise InputError("a filter must be an object: {\"type\": \"eq\", \"key\": ..., \"value\": ...} or "
+                         "{\"type\": \"and\", \"filters\": [...]}")
+    kind = f.get("type")
+    if kind in ("and", "or"):
+        parts = f.get("filters")
+        if not isinstance(parts, list) or not parts:
+            raise InputError(f"an {kind!r} filter needs a non-empty list of filters")
+        return {f"${kind}": [translate_filter(p) for p in parts]}
+    if kind not in _FILTER_OPS:
+        raise InputError(f"unknown filter type {str(kind)[:40]!r}: one of {', '.join([*_FILTER_OPS, 'and', 'or'])}")
+    key, value = f.get("key"), f.get("value")
+    if not isinstance(key, str) or not key or "." in key:
+        raise InputError("a comparison filter's key must be an attribute's name (a non-empty string without '.')")
+    if (kind in ("in", "nin")) != isinstance(value, list):
+        raise InputError(f"filter {kind!r} takes {'a list' if kind in ('in', 'nin') else 'a single value'}")
+    return {f"attributes.{key}": {_FILTER_OPS[kind]: value}}
+
+
+def _page(items: list[dict], limit: int, order: str, after: str | None, before: str | None,
+          made: dict[str, int]) -> dict:
+    """OpenAI's cursor page: {"object": "list", "data", "first_id", "last_id", "has_more"}, in the order the
+    objects were made (made: each id's creation time in ns; created_at is in whole seconds)."""
+    if order not in ("asc", "desc"):
+        raise InputError("order must be 'asc' or 'desc'")
+    items = sorted(items, key=lambda o: (made.get(o["id"], 0), o["id"]), reverse=order == "desc")
+    ids = [o["id"] for o in items]
+    lo, hi = 0, len(items)
+    if after is not None:
+        if after not in ids:
+            raise InputError(f"after: no object {after[:60]!r} in this list")
+        lo = ids.index(after) + 1
+    if before is not None:
+        if before not in ids:
+            raise InputError(f"before: no object {before[:60]!r} in this list")
+        hi = ids.index(before)
+    data = items[lo:hi][:limit]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": lo + len(data) < hi}
+
+
+@dataclass(frozen=True)
+class FileLimits:
+    max_files: int  # files one owner may hold
+    max_bytes: int  # bytes of files one owner may hold
+    max_stores: int  # vector stores one restricted key may own (0: no limit)
+    reserve: int  # the disk reserve an upload must leave free
+
+
+class VectorStores:
+    """The files and vector stores of one service (see the module's docstring)."""
+
+    def __init__(self, root: Path, catalog, embedding: str, limits: FileLimits):
+        self.root, self.catalog, self.embedding, self.limits = root, catalog, embedding, limits
+        self.files_dir, self.stores_dir = root / "files", root / "stores"
+        self._lock = threading.RLock()
+        self._queue: queue.Queue = queue.Queue()
+        self._worker: threading.Thread | None = None
+        self._closing = threading.Event()
+        self._files: dict[str, dict] = {}
+        self._stores: dict[str, dict] = {}
+        self.files_dir.mkdir(parents=True, exist_ok=True)
+        self.stores_dir.mkdir(parents=True, exist_ok=True)
+        for p in self.files_dir.glob("file-*.json"):
+            self._files[p.stem] = json.loads(p.read_text())
+        for p in self.files_dir.glob("*.part"):  # an upload a crash cut short
+            p.unlink(missing_ok=True)
+        for p in self.stores_dir.glob("vs_*.json"):
+            self._stores[p.stem] = json.loads(p.read_text())
+
+    # -- life ----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """After the catalog is open: finishes deletes a crash cut short, queues the files still in progress,
+        and starts the worker."""
+        for vsid, s in list(self._stores.items()):
+            if s.get("deleting"):
+                self._finish_delete(vsid)
+            else:
+                for fid, entry in s["files"].items():
+                    if entry["status"] == "in_progress":
+                        self._queue.put((vsid, fid))
+        self._worker = threading.Thread(target=self._work, name="fusionrag-vector-stores", daemon=True)
+        self._worker.start()
+
+    def stop(self) -> None:
+        self._closing.set()
+        self._queue.put(None)
+        if self._worker is not None:
+            self._worker.join()
+
+    # -- files ---------------------------------------------------------------------------------------
+    def _visible(self, obj: dict, owner: str | None) -> bool:
+        return owner is None or obj["owner"] == owner
+
+    def upload_path(self) -> Path:
+        return self.files_dir / f"{secrets.token_hex(8)}.part"
+
+    def check_upload_room(self, owner: str | None, size: int) -> None:
+        """Refused (QuotaError) where one more file of `size` bytes would pass the owner's limits; StorageError
+        where it would write into the disk reserve."""
+        mine = [f for f in self._files.values() if f["owner"] == (owner or "")]
+        if len(mine) >= self.limits.max_files:
+            raise QuotaError(f"this key holds {len(mine)} files, its limit (max_files_per_key): delete one first")
+        held = sum(f["bytes"] for f in mine)
+        if held + size > self.limits.max_bytes:
+            raise QuotaError(f"this key's files take {held:,} bytes; {size:,} more would pass its limit of "
+                             f"{self.limits.max_bytes:,} (max_file_bytes_per_key)")
+        check_room(self.files_dir, size, self.limits.reserve, "the upload")
+
+    def add_file(self, owner: str | None, spooled: Path, filename: str, purpose: str) -> dict:
+        if purpose not in PURPOSES:
+            spooled.unlink(missing_ok=True)
+            raise InputError(f"purpose must be one of {', '.join(PURPOSES)}")
+        size = spooled.stat().st_size
+        with self._lock:
+            try:
+                self.check_upload_room(owner, size)
+            except BaseException:
+                spooled.unlink(missing_ok=True)
+                raise
+            fid = new_id("file-")
+            rec = {"id": fid, "object": "file", "bytes": size, "created_at": int(time.time()),
+                   "made_ns": time.time_ns(),
+                   "filename": (os.path.basename(filename) or "upload")[:255], "purpose": purpose,
+                   "status": "processed", "expires_at": None, "status_details": None, "owner": owner or ""}
+            os.replace(spooled, self.files_dir / f"{fid}.data")
+            write_json_atomic(self.files_dir / f"{fid}.json", rec)
+            self._files[fid] = rec
+        return rec
+
+    def file(self, owner: str | None, fid: str) -> dict:
+        rec = self._files.get(fid) if FILE_RE.fullmatch(fid) else None
+        if rec is None or not self._visible(rec, owner):
+            raise NotFoundError(f"no file {fid[:60]!r}")
+        return rec
+
+    def file_data(self, owner: str | None, fid: str) -> Path:
+        self.file(owner, fid)
+        return self.files_dir / f"{fid}.data"
+
+    def list_files(self, owner: str | None, purpose: str | None, limit: int, order: str, after: str | None) -> dict:
+        items = [f for f in self._files.values() if self._visible(f, owner) and purpose in (None, f["purpose"])]
+        return _page(items, limit, order, after, None, {f["id"]: f.get("made_ns", 0) for f in items})
+
+    def delete_file(self, owner: str | None, fid: str) -> dict:
+        """The file itself; as OpenAI's, its chunks stay in the vector stores it was added to."""
+        with self._lock:
+            self.file(owner, fid)
+            (self.files_dir / f"{fid}.json").unlink()
+            (self.files_dir / f"{fid}.data").unlink(missing_ok=True)
+            del self._files[fid]
+        return {"id": fid, "object": "file", "deleted": True}
+
+    # -- stores --------------------------------------------------------------------------------------
+    def _store(self, owner: str | None, vsid: str) -> dict:
+        s = self._stores.get(vsid) if STORE_RE.fullmatch(vsid) else None
+        if s is None or s.get("deleting") or not self._visible(s, owner):
+            raise NotFoundError(f"no vector store {vsid[:60]!r}")
+        return s
+
+    def _save(self, s: dict) -> None:
+        write_json_atomic(self.stores_dir / f"{s['id']}.json", s)
+
+    def model_tokens(self) -> int:
+        return get_embedder(self.embedding).max_tokens
+
+    def create_store(self, owner: str | None, restricted: bool, name: str | None, metadata, file_ids,
+                     strategy, expires_after, description: str | None = None) -> dict:
+        metadata = check_pairs(metadata, "metadata")
+        expires_after = _check_expiry(expires_after)
+        file_ids = list(file_ids or [])
+        plan = chunking(strategy, self.model_tokens())
+        with self._lock:
+            for fid in file_ids:
+                self.file(owner, fid)
+            if restricted and self.limits.max_stores:
+                mine = sum(1 for s in self._stores.values() if s["owner"] == owner and not s.get("deleting"))
+                if mine >= self.limits.max_stores:
+                    raise QuotaError(f"this API key owns {mine} vector stores, its limit (max_collections_per_key): "
+                                     "delete one before making another")
+            vsid = new_id("vs_")
+            dim = get_embedder(self.embedding).dim
+            self.catalog.create(vsid, dim, "cosine", self.embedding)
+            now = int(time.time())
+            s = {"id": vsid, "object": "vector_store", "created_at": now, "made_ns": time.time_ns(),
+                 "name": name or "", "metadata": metadata,
+                 "description": description, "expires_after": expires_after, "last_active_at": now,
+                 "owner": owner or "", "files": {}, "batches": {}}
+            self._save(s)
+            self._stores[vsid] = s
+            for fid in file_ids:
+                self._attach(s, fid, {}, plan)
+            self._save(s)
+        return self.store_view(s)
+
+    def store(self, owner: str | None, vsid: str) -> dict:
+        return self.store_view(self._store(owner, vsid))
+
+    def store_view(self, s: dict) -> dict:
+        counts = {k: 0 for k in ("in_progress", "completed", "failed", "cancelled")}
+        for e in s["files"].values():
+            counts[e["status"]] += 1
+        counts["total"] = len(s["files"])
+        expires_at = None
+        if s["expires_after"]:
+            expires_at = s["last_active_at"] + 86400 * s["expires_after"]["days"]
+        status = "expired" if expires_at is not None and time.time() > expires_at else (
+            "in_progress" if counts["in_progress"] else "completed")
+        return {"id": s["id"], "object": "vector_store", "created_at": s["created_at"], "name": s["name"],
+                "description": s.get("description"), "usage_bytes": sum(e["usage_bytes"] for e in s["files"].values()),
+                "file_counts": counts, "status": status, "last_active_at": s["last_active_at"],
+                "metadata": s["metadata"], "expires_after": s["expires_after"], "expires_at": expires_at}
+
+    def list_stores(self, owner: str | None, limit: int, order: str, after: str | None, before: str | None) -> dict:
+        mine = [s for s in self._stores.values() if not s.get("deleting") and self._visible(s, owner)]
+        return _page([self.store_view(s) for s in mine], limit, order, after, before,
+                     {s["id"]: s.get("made_ns", 0) for s in mine})
+
+    def update_store(self, owner: str | None, vsid: str, body: dict) -> dict:
+        with self._lock:
+            s = self._store(owner, vsid)
+            if "name" in body:
+                if body["name"] is not None and not isinstance(body["name"], str):
+                    raise InputError("name must be a string")
+                s["name"] = body["name"] or ""
+            if "metadata" in body:
+                s["metadata"] = check_pairs(body["metadata"], "metadata")
+            if "expires_after" in body:
+                s["expires_after"] = _check_expiry(body["expires_after"])
+            s["last_active_at"] = int(time.time())
+            self._save(s)
+            return self.store_view(s)
+
+    def delete_store(self, owner: str | None, vsid: str) -> dict:
+        with self._lock:
+            s = self._store(owner, vsid)
+            s["deleting"] = True
+            self._save(s)
+        self._finish_delete(vsid)
+        return {"id": vsid, "object": "vector_store.deleted", "deleted": True}
+
+    def _finish_delete(self, vsid: str) -> None:
+        try:
+            self.catalog.drop(vsid)
+        except NotFoundError:
+            pass
+        with self._lock:
+            (self.stores_dir / f"{vsid}.json").unlink(missing_ok=True)
+            self._stores.pop(vsid, None)
+
+    def collection(self, owner: str | None, vsid: str):
+        """The store's collection, for a search; an expired store is refused."""
+        s = self._store(owner, vsid)
+        if self.store_view(s)["status"] == "expired":
+            raise InputError(f"vector store {vsid} has expired (expires_after); update it to use it again")
+        now = int(time.time())
+        if now - s["last_active_at"] >= 60:  # kept a minute at a time: not a write per search
+            with self._lock:
+                s["last_active_at"] = now
+                self._save(s)
+        return self.catalog.get(vsid)
+
+    # -- a store's files -----------------------------------------------------------------------------
+    def _attach(self, s: dict, fid: str, attributes: dict, plan: dict, batch: str | None = None) -> dict:
+        entry = {"id": fid, "created_at": int(time.time()), "made_ns": time.time_ns(), "status": "in_progress",
+                 "last_error": None,
+                 "usage_bytes": 0, "attributes": attributes, "chunking_strategy": plan, "chunks": 0,
+                 "filename": self._files[fid]["filename"], "batch": batch}
+        s["files"][fid] = entry
+        self._queue.put((s["id"], fid))
+        return entry
+
+    def add_store_file(self, owner: str | None, vsid: str, fid: str, attributes, strategy) -> dict:
+        attributes = check_attributes(attributes)
+        plan = chunking(strategy, self.model_tokens())
+        with self._lock:
+            s = self._store(owner, vsid)
+            self.file(owner, fid)
+            if fid in s["files"] and s["files"][fid]["status"] == "in_progress":
+                raise ConflictError(f"file {fid} is being added to vector store {vsid} already")
+            entry = self._attach(s, fid, attributes, plan)
+            self._save(s)
+            return self.file_view(s, entry)
+
+    def add_batch(self, owner: str | None, vsid: str, body: dict) -> dict:
+        plan = chunking(body.get("chunking_strategy"), self.model_tokens())
+        common = check_attributes(body.get("attributes"))
+        given = body.get("files")
+        if given is not None:
+            if body.get("file_ids") is not None or not isinstance(given, list):
+                raise InputError("give file_ids or files (a list of {file_id, attributes}), not both")
+            pairs = [(g.get("file_id") if isinstance(g, dict) else None,
+                      check_attributes(g.get("attributes")) if isinstance(g, dict) and "attributes" in g else common)
+                     for g in given]
+        else:
+            ids = body.get("file_ids")
+            if not isinstance(ids, list) or not ids:
+                raise InputError("file_ids must be a non-empty list of file ids")
+            pairs = [(fid, common) for fid in ids]
+        if len(pairs) > 2000:
+            raise InputError(f"{len(pairs)} files in one batch, at most 2000 allowed")
+        with self._lock:
+            s = self._store(owner, vsid)
+            for fid, _ in pairs:
+                if not isinstance(fid, str):
+                    raise InputError("each file_id must be a string")
+                self.file(owner, fid)
+            bid = new_id("vsfb_")
+            s["batches"][bid] = {"id": bid, "created_at": int(time.time()), "file_ids": [f for f, _ in pairs],
+                                 "cancelled": False}
+            for fid, attrs in pairs:
+                self._attach(s, fid, attrs, plan, bid)
+            self._save(s)
+            return self.batch_view(s, bid)
+
+    def _batch(self, owner: str | None, vsid: str, bid: str) -> tuple[dict, dict]:
+        s = self._store(owner, vsid)
+        b = s["batches"].get(bid) if BATCH_RE.fullmatch(bid) else None
+        if b is None:
+            raise NotFoundError(f"no file batch {bid[:60]!r} in vector store {vsid}")
+        return s, b
+
+    def batch_view(self, s: dict, bid: str) -> dict:
+        b = s["batches"][bid]
+        entries = [s["files"][f] for f in b["file_ids"] if f in s["files"] and s["files"][f]["batch"] == bid]
+        counts = {k: sum(e["status"] == k for e in entries)
+                  for k in ("in_progress", "completed", "failed", "cancelled")}
+        counts["total"] = len(entries)
+        status = "in_progress" if counts["in_progress"] else ("cancelled" if b["cancelled"] else (
+            "failed" if counts["failed"] and not counts["completed"] else "completed"))
+        return {"id": bid, "object": "vector_store.files_batch", "created_at": b["created_at"],
+                "vector_store_id": s["id"], "status": status, "file_counts": counts}
+
+    def batch(self, owner: str | None, vsid: str, bid: str) -> dict:
+        s, _ = self._batch(owner, vsid, bid)
+        return self.batch_view(s, bid)
+
+    def cancel_batch(self, owner: str | None, vsid: str, bid: str) -> dict:
+        with self._lock:
+            s, b = self._batch(owner, vsid, bid)
+            b["cancelled"] = True
+            for fid in b["file_ids"]:
+                e = s["files"].get(fid)
+                if e is not None and e["batch"] == bid and e["status"] == "in_progress":
+                    e["status"] = "cancelled"
+            self._save(s)
+            return self.batch_view(s, bid)
+
+    def file_view(self, s: dict, e: dict) -> dict:
+        return {"id": e["id"], "object": "vector_store.file", "created_at": e["created_at"],
+                "usage_bytes": e["usage_bytes"],
+                "vector_store_id": s["id"], "status": e["status"], "last_error": e["last_error"],
+                "attributes": e["attributes"], "chunking_strategy": e["chunking_strategy"]}
+
+    def _entry(self, owner: str | None, vsid: str, fid: str) -> tuple[dict, dict]:
+        s = self._store(owner, vsid)
+        e = s["files"].get(fid)
+        if e is None:
+            raise NotFoundError(f"no file {fid[:60]!r} in vector store {vsid}")
+        return s, e
+
+    def store_file(self, owner: str | None, vsid: str, fid: str) -> dict:
+        return self.file_view(*self._entry(owner, vsid, fid))
+
+    def list_store_files(self, owner: str | None, vsid: str, status: str | None, limit: int, order: str,
+                         after: str | None, before: str | None, batch: str | None = None) -> dict:
+        if status not in (None, "in_progress", "completed", "failed", "cancelled"):
+            raise InputError("filter must be one of in_progress, completed, failed, cancelled")
+        if batch is not None:
+            s, _ = self._batch(owner, vsid, batch)
+        else:
+            s = self._store(owner, vsid)
+        entries = [e for e in s["files"].values() if status in (None, e["status"]) and batch in (None, e["batch"])]
+        return _page([self.file_view(s, e) for e in entries], limit, order, after, before,
+                     {e["id"]: e.get("made_ns", 0) for e in entries})
+
+    def update_store_file(self, owner: str | None, vsid: str, fid: str, attributes) -> dict:
+        attributes = check_attributes(attributes)
+        with self._lock:
+            s, e = self._entry(owner, vsid, fid)
+            e["attributes"] = attributes
+            self._save(s)
+            chunks, done = e["chunks"], e["status"] == "completed"
+        if done and chunks:  # metadata alone: replaced whole, nothing re-embedded (in progress: it takes them)
+            meta = {"file_id": fid, "filename": e["filename"], "attributes": attributes}
+            self.catalog.get(vsid).set_metadata({f"{fid}#{i}": meta for i in range(chunks)}, merge=False)
+        return self.file_view(s, e)
+
+    def delete_store_file(self, owner: str | None, vsid: str, fid: str) -> dict:
+        with self._lock:
+            s, _ = self._entry(owner, vsid, fid)
+            del s["files"][fid]
+            self._save(s)
+        self.catalog.get(vsid).delete_where({"file_id": fid})
+        return {"id": fid, "object": "vector_store.file.deleted", "deleted": True}
+
+    def store_file_chunks(self, owner: str | None, vsid: str, fid: str) -> list[str]:
+        _, e = self._entry(owner, vsid, fid)
+        docs = self.catalog.get(vsid).get([f"{fid}#{i}" for i in range(e["chunks"])])
+        return [d.text for d in docs]
+
+    # -- the worker ----------------------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None or self._closing.is_set():
+                return
+            try:
+                self._process(*job)
+            except Exception:  # noqa: BLE001 - the file's status says it failed; the log has the rest
+                log.exception("adding file %s to vector store %s failed", job[1], job[0])
+                self._finish(job[0], job[1], 0, 0, {"code": "server_error", "message": "internal error; see the "
+                                                                                       "service's log"})
+
+    def _process(self, vsid: str, fid: str) -> None:
+        with self._lock:
+            s = self._stores.get(vsid)
+            e = None if s is None or s.get("deleting") else s["files"].get(fid)
+            if e is None or e["status"] != "in_progress":
+                return
+            plan, attributes, filename = e["chunking_strategy"]["static"], e["attributes"], e["filename"]
+            rec = self._files.get(fid)
+        path = self.files_dir / f"{fid}.data"
+        try:
+            raw = path.read_bytes() if rec is not None else None
+        except FileNotFoundError:
+            raw = None
+        if raw is None:
+            return self._finish(vsid, fid, 0, 0, {"code": "invalid_file", "message": "the file was deleted"})
+        try:
+            text = raw.decode("utf-8-sig")
+        except UnicodeDecodeError as err:
+            return self._finish(vsid, fid, 0, 0, {"code": "unsupported_file", "message": "not UTF-8 text (byte "
+                                                  f"{err.start}); fusionrag reads text files only"})
+        if "\x00" in text:
+            return self._finish(vsid, fid, 0, 0, {"code": "unsupported_file", "message": "a binary file (it holds "
+                                                  "NUL characters); fusionrag reads text files only"})
+        embedder = get_embedder(self.embedding)
+        chunks = chunk_text(text, embedder.token_spans, plan["max_chunk_size_tokens"], plan["chunk_overlap_tokens"])
+        if not chunks:
+            return self._finish(vsid, fid, 0, 0, {"code": "invalid_file", "message": "the file holds no text"})
+        coll = self.catalog.get(vsid)
+        try:
+            coll.delete_where({"file_id": fid})  # what an earlier add of the same file left
+            meta = {"file_id": fid, "filename": filename, "attributes": attributes}
+            for lo in range(0, len(chunks), EMBED_BATCH):
+                if self._closing.is_set():
+                    return  # still in progress: taken up again at the next start
+                if not self._still_wanted(vsid, fid):
+                    return self._finish(vsid, fid, 0, 0, None)  # removed or cancelled meanwhile: its chunks go
+                part = chunks[lo:lo + EMBED_BATCH]
+                vectors = embedder.embed(part)
+                coll.upsert([Document(f"{fid}#{lo + i}", t, v, meta) for i, (t, v) in enumerate(zip(part, vectors))])
+        except FusionRAGError as err:
+            return self._finish(vsid, fid, 0, 0, {"code": "server_error", "message": str(err)})
+        usage = sum(len(c.encode()) for c in chunks) + len(chunks) * embedder.dim * 4
+        self._finish(vsid, fid, len(chunks), usage, None)
+
+    def _still_wanted(self, vsid: str, fid: str) -> bool:
+        s = self._stores.get(vsid)
+        e = None if s is None or s.get("deleting") else s["files"].get(fid)
+        return e is not None and e["status"] == "in_progress"
+
+    def _finish(self, vsid: str, fid: str, chunks: int, usage: int, error: dict | None) -> None:
+        with self._lock:
+            s = self._stores.get(vsid)
+            e = None if s is None or s.get("deleting") else s["files"].get(fid)
+            if e is None or e["status"] != "in_progress":
+                removed = True
+            else:
+                removed = False
+                e.update(status="failed" if error else "completed", last_error=error, chunks=chunks, usage_bytes=usage)
+                self._save(s)
+        if removed and s is not None and not s.get("deleting"):
+            # Removed (or cancelled) while it was embedded: what it wrote goes too.
+            try:
+                self.catalog.get(vsid).delete_where({"file_id": fid})
+            except FusionRAGError:
+                log.exception("removing the chunks of file %s from vector store %s failed", fid, vsid)
+
+    def idle(self) -> bool:
+        """No file in progress in any store."""
+        with self._lock:
+            return not any(e["status"] == "in_progress" for s in self._stores.values() for e in s["files"].values())
+
+
+def _check_expiry(expires_after):
+    if expires_after is None:
+        return None
+    if not isinstance(expires_after, dict) or expires_after.get("anchor") != "last_active_at" or not isinstance(
+            expires_after.get("days"), int) or isinstance(expires_after.get("days"), bool) or not (
+            1 <= expires_after["days"] <= 365):
+        raise InputError("expires_after must be {\"anchor\": \"last_active_at\", \"days\": 1-365}")
+    return {"anchor": "last_active_at", "days": expires_after["days"]}
