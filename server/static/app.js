@@ -71,7 +71,79 @@ function renderHits(hits) {
     text.className = "hit-text";
     text.textContent = h.text || "";
     li.append(head, text);
+    li.addEventListener("click", () => openDocument(h.id));
     list.append(li);
+  }
+}
+
+// -- the document browser: a page of the documents a filter passes, and one document opened ---------------
+let browsing = null; // {name, filter, cursor}: what "More" goes on with
+
+function collectionPath(name) {
+  return `/v1/collections/${encodeURIComponent(name)}`;
+}
+
+async function browse(event) {
+  event.preventDefault();
+  showError("");
+  const name = $("collection").value;
+  if (!name) return showError("no collection to browse");
+  const text = $("filter").value.trim();
+  let filter = null;
+  if (text) {
+    try { filter = JSON.parse(text); } catch (e) { return showError(`the filter is not JSON: ${e.message}`); }
+  }
+  browsing = { name, filter, cursor: null };
+  $("documents").replaceChildren();
+  $("document").hidden = true;
+  try {
+    const counted = await api(`${collectionPath(name)}/documents/count`, filter ? { filter } : {});
+    const warn = (counted.warnings || []).join("; ");
+    $("browse-summary").textContent = `${counted.count} documents${filter ? " pass the filter" : ""}` +
+      (warn ? ` · ${warn}` : "");
+    await morePage();
+  } catch (e) {
+    $("browse-summary").textContent = "";
+    showError(e.message);
+  }
+}
+
+async function morePage() {
+  const b = browsing;
+  const params = new URLSearchParams(); // a page of the service's default size
+  if (b.filter) params.set("filter", JSON.stringify(b.filter));
+  if (b.cursor !== null) params.set("cursor", String(b.cursor));
+  const data = await api(`${collectionPath(b.name)}/documents?${params}`);
+  const list = $("documents");
+  for (const d of data.documents) {
+    const li = document.createElement("li");
+    li.dataset.id = d.id;
+    const id = document.createElement("span");
+    id.className = "hit-id";
+    id.textContent = d.id;
+    const text = document.createElement("span");
+    text.className = "doc-snippet";
+    text.textContent = (d.text || "").slice(0, 120);
+    li.append(id, text);
+    li.addEventListener("click", () => openDocument(d.id));
+    list.append(li);
+  }
+  b.cursor = data.next_cursor;
+  $("more").hidden = data.next_cursor === null || data.next_cursor === undefined;
+}
+
+async function openDocument(id) {
+  showError("");
+  const name = $("collection").value;
+  try {
+    const d = await api(`${collectionPath(name)}/documents/${encodeURIComponent(id)}`);
+    $("doc-id").textContent = d.id;
+    $("doc-meta").textContent = JSON.stringify(d.metadata || {}, null, 2);
+    $("doc-text").textContent = d.text || "";
+    $("document").hidden = false;
+    $("document").scrollIntoView({ block: "nearest" });
+  } catch (e) {
+    showError(e.message);
   }
 }
 
@@ -179,6 +251,8 @@ $("apikey").addEventListener("change", () => {
   refreshFigures();
 });
 $("search-form").addEventListener("submit", search);
+$("browse-form").addEventListener("submit", browse);
+$("more").addEventListener("click", () => morePage().catch((e) => showError(e.message)));
 loadCollections().catch((e) => showError(e.message));
 refreshFigures();
 setInterval(refreshFigures, 2000);

@@ -535,3 +535,28 @@ def _sharded_kb(path: Path, vectors: np.ndarray):
     coll = ShardedCollection(ShardedIndex.open(path), "kb")
     coll.upsert([Document(d["id"], d["text"], v, d["metadata"]) for d, v in zip(DOCS, vectors)])
     return coll
+
+
+def test_openai_vector_stores_through_vllms_url(vllm_server):
+    """The OpenAI SDK's vector stores against vLLM's own URL: the plugin serves the same routes as the service."""
+    import openai
+
+    c = openai.OpenAI(base_url=f"{vllm_server}/v1", api_key=KEY, max_retries=0, timeout=120)
+    text = ("Olympus Mons on Mars is the tallest volcano of the solar system. " * 3 +
+            "Sourdough bread rises slowly with wild yeast. " * 3)
+    f = c.files.create(file=("notes.txt", text.encode()), purpose="assistants")
+    store = c.vector_stores.create(name="vllm-notes")
+    try:
+        done = c.vector_stores.files.create_and_poll(vector_store_id=store.id, file_id=f.id, attributes={"k": "v"},
+                                                     chunking_strategy={"type": "static", "static": {
+                                                         "max_chunk_size_tokens": 100, "chunk_overlap_tokens": 0}},
+                                                     poll_interval_ms=100)
+        assert done.status == "completed", done
+        hits = list(c.vector_stores.search(store.id, query="the highest volcano", max_num_results=2,
+                                           filters={"type": "eq", "key": "k", "value": "v"}))
+        assert hits and hits[0].file_id == f.id and "Olympus" in hits[0].content[0].text
+        with pytest.raises(openai.NotFoundError):
+            c.vector_stores.retrieve("vs_" + "0" * 24)
+    finally:
+        c.vector_stores.delete(store.id)
+        c.files.delete(f.id)

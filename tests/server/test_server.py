@@ -646,6 +646,57 @@ def test_web_page_text_and_hybrid_modes(server, browser):
         assert "matched by words" in browser.find_element(By.ID, "summary").text
 
 
+def test_web_page_browses_documents_with_a_filter_and_opens_one(server, browser):
+    """#49: the page's document browser: the documents a filter passes, page after page, one opened whole; a
+    filter that is not JSON, or names a field no document holds, says so."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as EC
+
+    wait = _open_page(server, browser)
+    docs = {d.id: d for d in corpus()}
+    want = sorted(i for i, d in docs.items() if d.metadata["source"] == "concepts.md")
+    box = browser.find_element(By.ID, "filter")
+    box.clear()
+    box.send_keys('{"source": "concepts.md"}')
+    browser.find_element(By.ID, "browse").click()
+    wait.until(EC.text_to_be_present_in_element((By.ID, "browse-summary"), f"{len(want)} documents pass the filter"))
+    while True:  # the server's pages are 16 documents here (max_documents): "More" until the last
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#documents li"))
+        more = browser.find_element(By.ID, "more")
+        if not more.is_displayed():
+            break
+        shown = len(browser.find_elements(By.CSS_SELECTOR, "#documents li"))
+        more.click()
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#documents li")) > shown)
+    listed = [li.get_attribute("data-id") for li in browser.find_elements(By.CSS_SELECTOR, "#documents li")]
+    assert sorted(listed) == want and len(set(listed)) == len(listed)
+    assert len(want) > 16  # more than one page was read
+    browser.find_element(By.CSS_SELECTOR, f"#documents li[data-id='{want[0]}']").click()
+    wait.until(EC.visibility_of_element_located((By.ID, "document")))
+    assert browser.find_element(By.ID, "doc-id").text == want[0]
+    assert browser.find_element(By.ID, "doc-text").text.strip() == docs[want[0]].text.strip()
+    assert '"source": "concepts.md"' in browser.find_element(By.ID, "doc-meta").text
+    # A search hit opens its document too.
+    query = browser.find_element(By.ID, "query")
+    query.clear()
+    query.send_keys("how are deleted documents kept out of results?")
+    browser.find_element(By.ID, "search").click()
+    wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, "#results li[data-id='concepts/tombstones']")))
+    browser.find_element(By.CSS_SELECTOR, "#results li[data-id='concepts/tombstones']").click()
+    wait.until(EC.text_to_be_present_in_element((By.ID, "doc-id"), "concepts/tombstones"))
+    # A misspelled field is named; a filter that is not JSON is refused on the page.
+    box.clear()
+    box.send_keys('{"sourse": "concepts.md"}')
+    browser.find_element(By.ID, "browse").click()
+    wait.until(EC.text_to_be_present_in_element((By.ID, "browse-summary"), "0 documents pass the filter"))
+    assert "source" in browser.find_element(By.ID, "browse-summary").text  # the nearest stored name
+    box.clear()
+    box.send_keys("{source: concepts}")
+    browser.find_element(By.ID, "browse").click()
+    wait.until(EC.visibility_of_element_located((By.ID, "error")))
+    assert "not JSON" in browser.find_element(By.ID, "error").text
+
+
 def test_web_page_shows_how_imports_went(server, client, browser):
     """The page's collection table has each collection's state: an import's outcome, its reason when it failed."""
     from selenium.webdriver.common.by import By
