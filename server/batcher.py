@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fusionrag.retriever.collection import DEFAULT_TEXT_WEIGHT, Collection, CollectionSearch
+from fusionrag.retriever.collection.config import Fusion
 from fusionrag.retriever.collection.embedding import get_embedder
 from fusionrag.retriever.engine.config import SearchOverrides, SearchParams
 from fusionrag.retriever.engine.queries import PreparedQueries
@@ -53,6 +54,7 @@ class _Request:
     future: asyncio.Future
     enqueued: float
     with_vectors: bool = False
+    fusion: Fusion | None = None
 
     @property
     def size(self) -> int:
@@ -60,7 +62,7 @@ class _Request:
 
     def group(self) -> tuple:
         return (id(self.collection), self.k, json.dumps(self.filter, sort_keys=True), self.params, self.mode,
-                self.text_weight, self.with_vectors)
+                self.text_weight, self.with_vectors, self.fusion)
 
 
 class ServiceClosing(RuntimeError):
@@ -94,14 +96,15 @@ class MicroBatcher:
     async def search(self, collection: Collection, k: int, *, vectors: np.ndarray | None = None,
                      texts: list[str] | None = None, filter: dict | None = None,
                      params: SearchParams | SearchOverrides | None = None, mode: str = "vector",
-                     text_weight: float = DEFAULT_TEXT_WEIGHT, with_vectors: bool = False) -> CollectionSearch:
+                     text_weight: float = DEFAULT_TEXT_WEIGHT, with_vectors: bool = False,
+                     fusion: Fusion | None = None) -> CollectionSearch:
         """`vectors` ((q, dim) float32, already validated) or `texts` (embedded here unless in text mode),
         or both in hybrid mode; see Collection.search for the modes."""
         if self._closing:
             raise ServiceClosing("the service is shutting down")
         future = asyncio.get_running_loop().create_future()
         req = _Request(collection, vectors, texts, k, filter, params, mode, text_weight, future, time.perf_counter(),
-                       with_vectors)
+                       with_vectors, fusion)
         self._pending.append(req)
         self._queued += req.size
         self._wake.set()
@@ -229,7 +232,8 @@ class MicroBatcher:
         texts = None if first.mode == "vector" else [t for req in reqs for t in req.texts]
         t = time.perf_counter()
         res = first.collection.search(vectors, first.k, first.filter, first.params, texts=texts, mode=first.mode,
-                                      text_weight=first.text_weight, with_vectors=first.with_vectors)
+                                      text_weight=first.text_weight, with_vectors=first.with_vectors,
+                                      fusion=first.fusion)
         self.metrics.stage_seconds.labels("engine").observe(time.perf_counter() - t)
         self.metrics.batch_queries.observe(len(res.hits))
         self.metrics.observe_search(first.collection.name, res.stats)

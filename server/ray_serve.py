@@ -165,7 +165,7 @@ def create_app(coll: ShardedCollection, keys: KeyRing | None = None, router: str
         params = search_params(body.params) if body.params else None
         res = await run_in_threadpool(coll.search, q, body.k, body.filter, params, body.with_vectors,
                                       texts=body.texts, mode=body.mode, text_weight=body.text_weight,
-                                      partial=body.partial)
+                                      partial=body.partial, fusion=body.fusion.model_dump() if body.fusion else None)
         out: dict = {"results": [[hit_json(h, body.with_vectors) for h in hits] for hits in res.hits],
                      "partial": res.partial}
         if res.partial:

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from fusionrag.retriever.collection import DEFAULT_TEXT_WEIGHT, NAME_RE
+from fusionrag.retriever.collection import DEFAULT_TEXT_WEIGHT, NAME_RE, RRF_K
 from fusionrag.retriever.collection.embedding import model_names
 
 NAME_PATTERN = f"^{NAME_RE.pattern}$"
@@ -29,6 +29,13 @@ def _given(name: str, kind: str) -> dict:
     return {"required": [name], "properties": {name: {"type": kind}}}
 
 
+class TextAnalyzer(_Body):
+    stemming: Literal["porter", "none"] = Field("porter", description="porter: English stemming (\"running\" "
+                                                "matches \"runs\"); none: words as written (other languages)")
+    stop_words: Literal["english", "none"] = Field("english", description="english: Lucene's English stop words "
+                                                   "are left out of text queries; none: every word counts")
+
+
 class CreateCollection(_Body):
     model_config = ConfigDict(json_schema_extra={"anyOf": [_given("dimension", "integer"),
                                                            _given("embedding", "string")]})
@@ -40,6 +47,8 @@ class CreateCollection(_Body):
     embedding: str | None = Field(None, description="model that embeds texts (or an alias, such as "
                                                   "sentence-transformers/all-MiniLM-L6-v2)",
                                   json_schema_extra=lambda s: s["anyOf"][0].update(enum=model_names()))
+    text_analyzer: TextAnalyzer | None = Field(None, description="how the documents' texts are indexed and text "
+                                               "queries read (English by default); fixed at create")
 
     @model_validator(mode="after")
     def _dimension_or_embedding(self):
@@ -59,6 +68,13 @@ def _search_kinds() -> list[dict]:
                                                                       "mode": {"const": "hybrid"}}}]
 
 
+class FusionSpec(_Body):
+    method: Literal["rrf", "weighted"] = Field("rrf", description="rrf: reciprocal rank fusion, (1 - w)/(k + vector "
+                                               "rank) + w/(k + text rank); weighted: each ranking's scores min-max "
+                                               "normalised to [0, 1], then (1 - w) x vector + w x text")
+    k: Integer = Field(RRF_K, ge=1, le=10_000, description="rrf: the rank constant")
+
+
 class SearchRequest(_Body):
     model_config = ConfigDict(json_schema_extra={"oneOf": _search_kinds()})
     vectors: list[list[Finite]] | None = Field(None, description="query vectors", json_schema_extra={"minItems": 1})
@@ -71,6 +87,8 @@ class SearchRequest(_Body):
     text_weight: Finite = Field(DEFAULT_TEXT_WEIGHT, ge=0, le=1,
                                 description="hybrid mode: the text ranking's weight in the fusion (the vector "
                                             "ranking's is 1 - text_weight)")
+    fusion: FusionSpec | None = Field(None, description="hybrid mode: how the two rankings are fused (reciprocal "
+                                                        "rank, k 60, by default)")
     k: Integer = Field(10, ge=1, description="hits per query")
     filter: dict[str, Any] | None = Field(None, description="metadata filter, e.g. {\"source\": \"design.md\"}")
     params: dict[str, Any] | None = Field(None, description="tuning: nprobe, probe_ratio, rerank, ...")

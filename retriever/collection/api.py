@@ -33,7 +33,8 @@ import numpy as np
 
 from fusionrag.retriever.collection import compaction, importer, snapshot
 from fusionrag.retriever.collection.config import (CURRENT_FORMAT, DEFAULT_TEXT_WEIGHT, FRESH_HOLD, FRESH_SHARE,
-                                                   HYBRID_DEPTH, MERGE_RETRY_S, RRF_K, CollectionConfig, check_search)
+                                                   HYBRID_DEPTH, MERGE_RETRY_S, CollectionConfig, Fusion, check_analyzer,
+                                                   check_search)
 from fusionrag.retriever.collection.docstore import DocStore
 from fusionrag.retriever.collection.filters import compile_filter, filter_warnings
 from fusionrag.retriever.collection.fresh import FreshTier, distances
@@ -70,15 +71,25 @@ def _in_use(method):
     return call
 
 
-def fuse_ranks(vector_ranked: list, text_ranked: list, w: float) -> list[tuple]:
-    """Reciprocal rank fusion of two rankings (best first): each key scores (1 - w) / (RRF_K + its vector rank)
-    plus w / (RRF_K + its text rank), ranks from 1, a ranking it is not in adding nothing; (key, score), best
-    first. Shared by Collection and the sharded collection's hybrid search."""
+def fuse(vector_ranked: list, vector_d, text_ranked: list, text_d, w: float, fusion: Fusion) -> list[tuple]:
+    """Two rankings of one query (keys best first, with their distances or bm25 scores: lower is better) fused
+    as `fusion` says (config.Fusion): (key, score), best first. Shared by Collection and the sharded
+    collection's hybrid search."""
     score: dict = {}
-    for rank, r in enumerate(vector_ranked, 1):
-        score[r] = (1 - w) / (RRF_K + rank)
-    for rank, r in enumerate(text_ranked, 1):
-        score[r] = score.get(r, 0.0) + w / (RRF_K + rank)
+    if fusion.method == "rrf":
+        for rank, r in enumerate(vector_ranked, 1):
+            score[r] = (1 - w) / (fusion.k + rank)
+        for rank, r in enumerate(text_ranked, 1):
+            score[r] = score.get(r, 0.0) + w / (fusion.k + rank)
+    else:
+        for ranked, d, weight in ((vector_ranked, vector_d, 1 - w), (text_ranked, text_d, w)):
+            if not len(ranked):
+                continue
+            d = np.asarray(d, dtype=np.float64)[:len(ranked)]
+            lo, hi = float(d.min()), float(d.max())
+            norm = (hi - d) / (hi - lo) if hi > lo else np.ones(len(d))
+            for r, x in zip(ranked, norm.tolist()):
+                score[r] = score.get(r, 0.0) + weight * x
     return sorted(score.items(), key=lambda item: -item[1])
 
 
@@ -100,7 +111,8 @@ class Collection:
             desc = json.loads((self.path / "collection.json").read_text())
             self.name, self.dim, self.metric = desc["name"], int(desc["dim"]), desc["metric"]
             self.embedding = desc.get("embedding")
-        except (OSError, ValueError, KeyError) as e:
+            self.analyzer = check_analyzer(desc.get("analyzer"))  # absent: made before analyzers, the default
+        except (OSError, ValueError, KeyError, InputError) as e:
             raise IndexFormatError(f"{self.path}: not a readable collection ({e})") from e
         self._build_config = replace(self.config.build, metric=self.metric)
         self._lock = threading.Lock()  # log appends, applies, publishes
@@ -128,7 +140,7 @@ class Collection:
             # Until a first merge the log holds every write ever made, and a lost doc store can be
             # remade from it; after one, the doc store holds what the log no longer does.
             whole_log = not (self.path / "CURRENT").exists() and (not records or records[0][0] == 1)
-            self.store = DocStore(self.path / "docs.sqlite", self.dim, create=whole_log)
+            self.store = DocStore(self.path / "docs.sqlite", self.dim, create=whole_log, analyzer=self.analyzer)
             self._main = load_published(self.path, self.engine_config, self.name)
             next_row = self.store.meta("next_row", 0)
             if next_row <= self._main.max_row:
@@ -486,12 +498,14 @@ class Collection:
     def search(self, vectors=None, k: int = 10, filter: dict | None = None,
                params: SearchParams | SearchOverrides | dict | None = None,
                with_vectors: bool = False, *, texts: Sequence[str] | None = None, mode: str = "vector",
-               text_weight: float = DEFAULT_TEXT_WEIGHT) -> CollectionSearch:
+               text_weight: float = DEFAULT_TEXT_WEIGHT, fusion: Fusion | dict | None = None) -> CollectionSearch:
         """Top-k of each query. mode "vector": by the query vectors; "text": by BM25 over the documents'
         texts (hits' distance is SQLite's bm25, lower is better); "hybrid": both rankings, each
-        HYBRID_DEPTH deep (or k), fused by reciprocal rank with the text ranking weighted
-        text_weight (hits' score is the fused score, their distance the exact vector distance)."""
+        HYBRID_DEPTH deep (or k), fused as `fusion` says (reciprocal rank by default; config.Fusion) with the
+        text ranking weighted text_weight (hits' score is the fused score, their distance the exact vector
+        distance)."""
         k = check_search(k, mode, texts, vectors, text_weight)
+        fusion = Fusion.of(fusion)
         if mode != "text":
             q = self._queries(vectors)
         if mode == "hybrid" and len(texts) != len(q):
@@ -503,8 +517,9 @@ class Collection:
             if mode == "vector":
                 return self._hits(*self._search(snap, q, k, where, params), k, with_vectors)
             depth = max(k, HYBRID_DEPTH)
-            rows, _, stats = self._search(snap, q, depth, where, params)
-        return self._fused_hits(q.vectors, rows, texts, depth, k, float(text_weight), where, stats, with_vectors)
+            rows, dists, stats = self._search(snap, q, depth, where, params)
+        return self._fused_hits(q.vectors, rows, dists, texts, depth, k, float(text_weight), fusion, where, stats,
+                                with_vectors)
 
     def _text_hits(self, texts, k, where, with_vectors) -> CollectionSearch:
         found = [self.store.text_search(t, k, where) for t in texts]
@@ -516,14 +531,19 @@ class Collection:
             stats.append({"text_candidates": len(r)})
         return self._hits(rows, dists, stats, k, with_vectors, score=lambda d: -d)
 
-    def _fused_hits(self, q, vec_rows, texts, depth, k, w, where, stats, with_vectors) -> CollectionSearch:
-        """Reciprocal rank fusion: a document scores (1 - w) / (RRF_K + its vector rank) plus
-        w / (RRF_K + its text rank), ranks from 1, a ranking it is not in adding nothing."""
+    def _fused_hits(self, q, vec_rows, vec_d, texts, depth, k, w, fusion, where, stats,
+                    with_vectors) -> CollectionSearch:
+        """The vector and the text ranking of each query fused (fuse)."""
         fused = []
         for i, text in enumerate(texts):
-            text_rows, _ = self.store.text_search(text, depth, where)
+            text_rows, text_d = self.store.text_search(text, depth, where)
             stats[i]["text_candidates"] = len(text_rows)
-            fused.append(fuse_ranks(vec_rows[i][vec_rows[i] >= 0].tolist(), text_rows.tolist(), w))
+            # The tiers' rows arrive unsorted, each tier's `depth` best: the ranking is the `depth` nearest of all.
+            order = np.argsort(vec_d[i], kind="stable")
+            ranked, ranked_d = vec_rows[i][order], vec_d[i][order]
+            keep = ranked >= 0
+            ranked, ranked_d = ranked[keep][:depth], ranked_d[keep][:depth]
+            fused.append(fuse(ranked.tolist(), ranked_d, text_rows.tolist(), text_d, w, fusion))
         docs = self.store.by_rows(sorted({r for f in fused for r, _ in f}), True)
         hits = []
         for i, f in enumerate(fused):
@@ -950,7 +970,7 @@ class Collection:
         fresh_live = int(snap.fresh.live.sum())
         return {
             "name": self.name, "dimension": self.dim, "metric": self.metric, "embedding": self.embedding,
-            "state": "ready",
+            "text_analyzer": self.analyzer, "state": "ready",
             "count": self.store.count(),
             "tiers": tiers,
             # what a search's params apply over: the index's defaults, as its build's calibration chose them

@@ -18,7 +18,7 @@ import numpy as np
 from fusionrag.retriever import dirlock
 from fusionrag.retriever.collection import quota, snapshot
 from fusionrag.retriever.collection.api import Collection
-from fusionrag.retriever.collection.config import COLLECTION_FORMAT, NAME_RE, CollectionConfig
+from fusionrag.retriever.collection.config import COLLECTION_FORMAT, NAME_RE, CollectionConfig, check_analyzer
 from fusionrag.retriever.collection.docstore import DocStore
 from fusionrag.retriever.collection.generations import write_json_atomic
 from fusionrag.retriever.engine.config import METRICS, EngineConfig
@@ -103,11 +103,14 @@ class Catalog:
                                 "and restart the service, or delete the collection")
 
     def create(self, name: str, dim: int, metric: str = "cosine", embedding: str | None = None,
-               allow: Callable[[list[str]], None] | None = None) -> Collection:
+               allow: Callable[[list[str]], None] | None = None, text_analyzer: dict | None = None) -> Collection:
         """allow(names): raises (QuotaError) when one more collection beside `names` would be too many for the
-        caller; called under the catalog's lock, so two creates cannot both pass it."""
+        caller; called under the catalog's lock, so two creates cannot both pass it. text_analyzer: how its
+        texts are indexed and queried ({"stemming": "porter" | "none", "stop_words": "english" | "none"}; English
+        by default), fixed for the collection's life."""
         self._check_name(name)
         check_description(dim, metric, embedding)
+        analyzer = check_analyzer(text_analyzer)
         self.files.make_room()
         with self._lock:
             final = self.dir / name
@@ -119,8 +122,9 @@ class Catalog:
                 # leaves half a collection behind.
                 tmp.mkdir()
                 write_json_atomic(tmp / "collection.json", {"format": COLLECTION_FORMAT, "name": name,
-                                                             "dim": int(dim), "metric": metric, "embedding": embedding})
-                DocStore(tmp / "docs.sqlite", int(dim), create=True).close()
+                                                             "dim": int(dim), "metric": metric, "embedding": embedding,
+                                                             "analyzer": analyzer})
+                DocStore(tmp / "docs.sqlite", int(dim), create=True, analyzer=analyzer).close()
                 os.rename(tmp, final)
                 published = True
                 fsync_path(self.dir)
@@ -179,6 +183,7 @@ class Catalog:
             desc = snapshot.rename_collection(tmp, name)
             try:
                 check_description(desc.get("dim"), desc.get("metric"), desc.get("embedding"))
+                check_analyzer(desc.get("analyzer"))
                 if desc.get("embedding") is not None and embedding_dim is not None:
                     model_dim = embedding_dim(desc["embedding"])
                     if model_dim != desc["dim"]:

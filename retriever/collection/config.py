@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Annotated, Sequence
 
 import numpy as np
@@ -22,12 +22,61 @@ MERGE_RETRY_S = 30  # a failed background merge (a full disk, say) waits this lo
 FRESH_SHARE = 16
 FRESH_HOLD = 2
 SEARCH_MODES = ("vector", "text", "hybrid")
+# A collection's text analyzer (docstore.py): Porter stemming or none (the FTS5 tokenizer, fixed at create), and
+# Lucene's English stop words left out of queries or none; the defaults are for English.
+STEMMINGS = ("porter", "none")
+STOP_WORD_LISTS = ("english", "none")
+DEFAULT_ANALYZER = {"stemming": "porter", "stop_words": "english"}
+
+
+def check_analyzer(analyzer) -> dict:
+    """A collection's text analyzer, its defaults filled in: {"stemming", "stop_words"}; InputError otherwise."""
+    if analyzer is None:
+        return dict(DEFAULT_ANALYZER)
+    if not isinstance(analyzer, dict) or set(analyzer) - set(DEFAULT_ANALYZER):
+        raise InputError('the text analyzer must be {"stemming": "porter" | "none", "stop_words": "english" | "none"}')
+    out = {**DEFAULT_ANALYZER, **analyzer}
+    if out["stemming"] not in STEMMINGS:
+        raise InputError(f"stemming must be one of {STEMMINGS}, got {out['stemming']!r}")
+    if out["stop_words"] not in STOP_WORD_LISTS:
+        raise InputError(f"stop_words must be one of {STOP_WORD_LISTS}, got {out['stop_words']!r}")
+    return out
 # Hybrid search: each ranking is taken this deep (or k) before fusion, and fused by reciprocal rank
 # with the usual constant (Cormack et al., 2009); the text ranking's weight by default. Chosen on half of
 # a labelled question set of the Python docs (bench/service/hybrid.py).
 HYBRID_DEPTH = 20
 RRF_K = 60
 DEFAULT_TEXT_WEIGHT = 0.5
+FUSIONS = ("rrf", "weighted")
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """How hybrid search fuses its two rankings. 'rrf': reciprocal rank, a document scoring (1 - w) / (k + its
+    vector rank) + w / (k + its text rank); 'weighted': each ranking's scores min-max normalised to [0, 1] over
+    the query's own ranking (the best 1, the worst 0; distances and bm25 alike, lower being better), then
+    (1 - w) x vector + w x text; w = text_weight, a ranking a document is not in adding nothing. Hashable, so
+    that requests asking the same can share a batch."""
+
+    method: str = "rrf"
+    k: int = RRF_K
+
+    def __post_init__(self):
+        if self.method not in FUSIONS:
+            raise InputError(f"fusion method must be one of {FUSIONS}, got {self.method!r}")
+        if isinstance(self.k, bool) or not isinstance(self.k, (int, np.integer)) or not 1 <= self.k <= 10_000:
+            raise InputError(f"fusion k must be an integer from 1 to 10000, got {self.k!r}")
+
+    @classmethod
+    def of(cls, given) -> "Fusion":
+        """A Fusion, a dict of its fields ({"method", "k"}), or None (the default)."""
+        if given is None:
+            return cls()
+        if isinstance(given, cls):
+            return given
+        if not isinstance(given, dict) or set(given) - {"method", "k"}:
+            raise InputError('fusion must be {"method": "rrf" | "weighted", "k": ...}')
+        return cls(**given)
 
 
 def check_search(k, mode: str, texts, vectors, text_weight) -> int:

@@ -40,7 +40,7 @@ CREATE INDEX IF NOT EXISTS fields_by_row ON fields (row);
 -- Full text of the documents (BM25 ranking): an index over docs.text, kept by triggers in the write's
 -- own transaction (a replace is a delete then an insert).
 CREATE VIRTUAL TABLE IF NOT EXISTS docs_fts USING fts5(text, content='docs', content_rowid='row',
-                                                       tokenize='porter unicode61');
+                                                       tokenize='{tokenize}');
 CREATE TRIGGER IF NOT EXISTS docs_fts_insert AFTER INSERT ON docs WHEN new.text IS NOT NULL BEGIN
     INSERT INTO docs_fts (rowid, text) VALUES (new.row, new.text);
 END;
@@ -83,7 +83,8 @@ FILTER_CACHE_BYTES = 8 << 20
 WIDE_FILTER = 0.25  # a text search's filter passing at least this share of the documents checks the ranking's top
 # SQLite FTS5's bm25(): its constants and tokenizer, for scoring with statistics of several stores (global_bm25).
 BM25_K1, BM25_B = 1.2, 0.75
-_TOKENIZE = "porter unicode61"  # docs_fts's, in _SCHEMA
+_TOKENIZE = "porter unicode61"  # docs_fts's by default, in _SCHEMA (a collection's analyzer may leave out Porter)
+TOKENIZERS = {"porter": "porter unicode61", "none": "unicode61"}  # by the analyzer's stemming
 
 
 def _unreadable(path: Path, e: sqlite3.DatabaseError) -> Exception:
@@ -95,11 +96,11 @@ def _unreadable(path: Path, e: sqlite3.DatabaseError) -> Exception:
     return IndexFormatError(f"{path.name} is not a readable SQLite database ({e})")
 
 
-def query_words(text: str) -> list[str]:
+def query_words(text: str, stop_words: frozenset = STOP_WORDS) -> list[str]:
     """The words of a text query that count: lower-cased, each once, stop words dropped (unless it has no other
     word), at most MAX_TEXT_TERMS. Each is one phrase of the FTS5 query (quoted: never read as query syntax)."""
     words = list(dict.fromkeys(_TERM.findall(text.lower())))
-    return ([w for w in words if w not in STOP_WORDS] or words)[:MAX_TEXT_TERMS]
+    return ([w for w in words if w not in stop_words] or words)[:MAX_TEXT_TERMS]
 
 
 def _phrase(word: str) -> str:
@@ -168,14 +169,19 @@ def _chunks(seq, n=_CHUNK):
 class DocStore:
     """create: make the store (a new collection); otherwise it must exist and hold the tables."""
 
-    def __init__(self, path: Path, dim: int, create: bool = False, max_readers: int = MAX_READERS):
+    def __init__(self, path: Path, dim: int, create: bool = False, max_readers: int = MAX_READERS,
+                 analyzer: dict | None = None):
+        """analyzer: the collection's text analyzer (config.check_analyzer: Porter stemming or none, English stop
+        words or none); its stemming is the full-text index's tokenizer, fixed when the index is made."""
         self.path, self.dim = Path(path), dim
+        analyzer = analyzer or {"stemming": "porter", "stop_words": "english"}
+        self.stop_words = STOP_WORDS if analyzer["stop_words"] == "english" else frozenset()
         if not create and not self.path.is_file():
             raise IndexFormatError(f"{self.path.name} is missing: the collection's documents are gone")
         self._writer = self._connect()
         try:
             had_fts = False if create else "docs_fts" in self._check_tables()
-            self._writer.executescript(_SCHEMA)
+            self._writer.executescript(_SCHEMA.replace("{tokenize}", TOKENIZERS[analyzer["stemming"]]))
             if not had_fts:  # a store from before full text: index what it holds
                 self._writer.execute("INSERT INTO docs_fts (docs_fts) VALUES ('rebuild')")
             if not self.meta("list_elements"):  # a store from before lists' elements were: index those it holds
@@ -471,7 +477,7 @@ class DocStore:
         """The `limit` documents whose text best matches the words of `text` by BM25, best first:
         (rows, bm25 scores; lower is better, as SQLite's bm25() gives them). Any one word matches
         (each quoted, so no word is read as query syntax); `where` is a compiled filter."""
-        terms = query_words(text)
+        terms = query_words(text, self.stop_words)
         if not terms:
             return np.empty(0, np.int64), np.empty(0, np.float64)
         if where is not None:

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fusionrag.retriever.collection import CollectionSearch, Document, Hit
-from fusionrag.retriever.collection.api import fuse_ranks
-from fusionrag.retriever.collection.config import DEFAULT_TEXT_WEIGHT, HYBRID_DEPTH, check_search
+from fusionrag.retriever.collection.api import fuse
+from fusionrag.retriever.collection.config import DEFAULT_TEXT_WEIGHT, HYBRID_DEPTH, Fusion, check_search
 from fusionrag.retriever.collection.filters import compile_filter, filter_warnings
 from fusionrag.retriever.collection.fresh import distances
 from fusionrag.retriever.collection.records import engine_form, upsert_record
@@ -166,13 +166,15 @@ class ShardedCollection:
 
     def search(self, vectors=None, k: int = 10, filter: dict | None = None, params: SearchParams | None = None,
                with_vectors: bool = False, *, texts: Sequence[str] | None = None, mode: str = "vector",
-               text_weight: float = DEFAULT_TEXT_WEIGHT, partial: bool = True, **_) -> ShardedSearch:
+               text_weight: float = DEFAULT_TEXT_WEIGHT, partial: bool = True, fusion: Fusion | dict | None = None,
+               **_) -> ShardedSearch:
         """Top-k documents of each query (those a filter passes), as Collection.search answers them: mode "vector"
         by the query vectors, with exact distances; "text" by BM25 over the documents' texts (distance: the bm25
         score, lower is better); "hybrid" both rankings, each HYBRID_DEPTH deep (or k), fused by reciprocal rank
         (the vectors must be given: nothing is embedded). partial=False: UnavailableError rather than an answer
         missing lists or documents of a down shard."""
         k = check_search(k, mode, texts, vectors, text_weight)
+        fusion = Fusion.of(fusion)
         if mode == "vector" and texts is not None:
             raise InputError("mode 'vector' searches by vectors: texts are searched with mode 'text' or 'hybrid'")
         if mode == "hybrid" and vectors is None:
@@ -203,9 +205,11 @@ class ShardedCollection:
         found, down = self._text_ranking(list(texts), depth, where, partial)
         hits = []
         for i in range(len(q)):
-            ranked = [d for d in res.ids[i].tolist() if d >= 0]
-            known = {d: float(x) for d, x in zip(res.ids[i].tolist(), res.distances[i].tolist()) if d >= 0}
-            fused = fuse_ranks(ranked, found[i][0].tolist(), float(text_weight))
+            order = np.argsort(res.distances[i], kind="stable")
+            ids_i, d_i = res.ids[i][order], res.distances[i][order]
+            ranked = [d for d in ids_i.tolist() if d >= 0]
+            known = {d: float(x) for d, x in zip(ids_i.tolist(), d_i.tolist()) if d >= 0}
+            fused = fuse(ranked, d_i[ids_i >= 0], found[i][0].tolist(), found[i][1], float(text_weight), fusion)
             stats[i]["text_candidates"] = len(found[i][0])
             top = [d for d, _ in fused[:k]]
             docs = {d: res.docs[d] for d in top if d in res.docs and (not with_vectors or res.docs[d][3] is not None)}

@@ -52,8 +52,9 @@ def create_collection(body: CreateCollection, request: Request, key: Key | None 
         if dim is not None and dim != model_dim:
             raise http_error(422, f"dimension {dim} does not fit embedding model {embedding} (dimension {model_dim})")
         dim = model_dim
+    analyzer = body.text_analyzer.model_dump() if body.text_analyzer else None
     info = state_of(request).catalog.create(body.name, dim, body.metric, embedding,
-                                            allow=collection_quota(request, key)).info()
+                                            allow=collection_quota(request, key), text_analyzer=analyzer).info()
     if embedding:  # loaded now, in the background, rather than by the first write or search that needs it
         threading.Thread(target=_preload, args=(embedding,), name="embedder-load", daemon=True).start()
     return info

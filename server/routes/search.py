@@ -10,6 +10,7 @@ from fastapi.exceptions import HTTPException
 from starlette.concurrency import run_in_threadpool
 
 from fusionrag.retriever.collection import Collection
+from fusionrag.retriever.collection.config import Fusion
 from fusionrag.retriever.collection.filters import compile_filter
 from fusionrag.server.batcher import ServiceClosing
 from fusionrag.server.bodies import validate
@@ -59,6 +60,7 @@ async def search(request: Request, coll: Collection = Depends(open_collection)):
     try:
         res = await state.batcher.search(coll, body.k, filter=body.filter, params=params, vectors=vectors,
                                          texts=body.texts, mode=body.mode, text_weight=body.text_weight,
+                                         fusion=Fusion(body.fusion.method, body.fusion.k) if body.fusion else None,
                                          with_vectors=body.with_vectors)
     except ServiceClosing as e:
         raise http_error(503, str(e)) from e

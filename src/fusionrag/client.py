@@ -151,9 +151,13 @@ class Ops:
 
     @staticmethod
     def create_collection(name: str, dimension: int | None = None, *, metric: str = "cosine",
-                          embedding: str | None = None) -> Op[CollectionInfo]:
-        """An empty collection; `embedding` (a model the service knows) gives the dimension and embeds texts."""
+                          embedding: str | None = None, text_analyzer: dict | None = None) -> Op[CollectionInfo]:
+        """An empty collection; `embedding` (a model the service knows) gives the dimension and embeds texts;
+        `text_analyzer` ({"stemming": "porter" | "none", "stop_words": "english" | "none"}) how texts are
+        indexed for text and hybrid search (English by default)."""
         body: dict[str, Any] = {"name": name, "metric": metric}
+        if text_analyzer is not None:
+            body["text_analyzer"] = text_analyzer
         if dimension is not None:
             body["dimension"] = dimension
         if embedding is not None:
@@ -292,9 +296,10 @@ class Ops:
     def search(collection: str, vectors=None, *, texts: Sequence[str] | None = None, k: int = 10,
                filter: dict | None = None, params: SearchParams | SearchOverrides | dict | None = None, mode: str = "vector",
                text_weight: float = DEFAULT_TEXT_WEIGHT, with_vectors: bool = False,
-               stats: bool = False) -> Op[SearchResult]:
+               stats: bool = False, fusion: dict | None = None) -> Op[SearchResult]:
         """Top-k of each query: `vectors` (one, or a (q, dim) array) or `texts` (embedded by the collection's
-        model), or both in mode "hybrid"; mode "text" ranks by BM25 over the texts. See docs/collections.md."""
+        model), or both in mode "hybrid" (fused as `fusion` says: {"method": "rrf", "k": 60}, the default, or
+        {"method": "weighted"}); mode "text" ranks by BM25 over the texts. See docs/collections.md."""
         body: dict[str, Any] = {"k": k, "mode": mode}
         if vectors is not None:
             v = np.asarray(vectors, dtype=np.float32)
@@ -303,6 +308,8 @@ class Ops:
             body["texts"] = [texts] if isinstance(texts, str) else list(texts)
         if mode == "hybrid":
             body["text_weight"] = text_weight
+            if fusion is not None:
+                body["fusion"] = fusion
         if filter is not None:
             body["filter"] = filter
         if params:

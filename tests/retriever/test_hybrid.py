@@ -256,3 +256,96 @@ def test_llamaindex_hybrid_and_text_modes(tmp_path, many_texts):
             run(VectorStoreQueryMode.MMR)
     finally:
         store.close()
+
+
+def _separate(col, q, text, depth):
+    """The two rankings hybrid search fuses, asked separately: (ids, distances) by vector, (ids, bm25) by text."""
+    v = col.search(q, k=depth).hits[0]
+    t = col.search(k=depth, texts=[text], mode="text").hits[0]
+    return [h.id for h in v], [h.distance for h in v], [h.id for h in t], [h.distance for h in t]
+
+
+def test_fusion_by_reciprocal_rank_with_its_k_and_by_weighted_normalised_scores(indexed):
+    """Each fused score computed here from the two rankings asked alone, for rrf at two k and for weighted."""
+    from fusionrag.retriever.collection.config import HYBRID_DEPTH
+
+    _, col, x = indexed
+    q = (x[1507] + 0.05).astype(np.float32)[None]  # near a document of the fresh tier: both tiers rank
+    text = "zebra1234 giraffes"
+    vid, vd, tid, td = _separate(col, q, text, HYBRID_DEPTH)
+    assert any(int(i[1:]) >= N for i in vid) and any(int(i[1:]) < N for i in vid)
+    for k in (1, 60):
+        want = {}
+        for rank, i in enumerate(vid, 1):
+            want[i] = 0.7 / (k + rank)
+        for rank, i in enumerate(tid, 1):
+            want[i] = want.get(i, 0.0) + 0.3 / (k + rank)
+        got = col.search(q, k=10, texts=[text], mode="hybrid", text_weight=0.3, fusion={"method": "rrf", "k": k})
+        top = sorted(want.items(), key=lambda t: -t[1])[:10]
+        assert [h.score for h in got.hits[0]] == pytest.approx([s for _, s in top], rel=1e-9)
+        assert {h.id for h in got.hits[0]} == {i for i, _ in top}
+    want = {}
+    for ids, ds, w in ((vid, vd, 0.6), (tid, td, 0.4)):
+        lo, hi = min(ds), max(ds)
+        for i, d in zip(ids, ds):
+            want[i] = want.get(i, 0.0) + w * ((hi - d) / (hi - lo) if hi > lo else 1.0)
+    got = col.search(q, k=10, texts=[text], mode="hybrid", text_weight=0.4, fusion={"method": "weighted"})
+    top = sorted(want.items(), key=lambda t: -t[1])[:10]
+    assert [h.score for h in got.hits[0]] == pytest.approx([s for _, s in top], rel=1e-6, abs=1e-9)
+    assert got.hits[0][0].id == top[0][0] and max(h.score for h in got.hits[0]) <= 1 + 1e-9
+    for bad in ({"method": "borda"}, {"method": "rrf", "k": 0}, {"k": 60, "extra": 1}, "rrf"):
+        with pytest.raises(InputError):
+            col.search(q, k=10, texts=[text], mode="hybrid", fusion=bad)
+
+
+def test_hybrid_ranks_the_vector_hits_of_both_tiers_by_distance(indexed):
+    """With the text's weight 0 the fused order is the vector ranking, whichever tier each hit came from (the
+    rows of the index and of the fresh tier arrive unsorted)."""
+    _, col, x = indexed
+    rng = np.random.default_rng(3)
+    for i in (1501, 1510, 1519):
+        q = (x[i] + 0.3 * rng.standard_normal(DIM)).astype(np.float32)[None]
+        vector = [h.id for h in col.search(q, k=10).hits[0]]
+        assert any(int(v[1:]) >= N for v in vector) and any(int(v[1:]) < N for v in vector)
+        for fusion in ({"method": "rrf"}, {"method": "weighted"}):
+            fused = col.search(q, k=10, texts=["alpha"], mode="hybrid", text_weight=0.0, fusion=fusion)
+            assert [h.id for h in fused.hits[0]] == vector, fusion
+
+
+def test_a_collection_text_analyzer_stemming_and_stop_words(tmp_path):
+    """The analyzer is the collection's, fixed at create, kept across a reopen and a snapshot's restore."""
+    cat = Catalog(tmp_path / "data")
+    try:
+        texts = {"runs": "the engine runs fast", "running": "running late", "the": "the the the", "cat": "a cat"}
+        cols = {}
+        for name, analyzer in (("english", None), ("plain", {"stemming": "none", "stop_words": "none"})):
+            c = cat.create(name, 4, "l2", text_analyzer=analyzer)
+            c.upsert([Document(k, t, np.full(4, i, np.float32)) for i, (k, t) in enumerate(texts.items())])
+            cols[name] = c
+
+        def text_ids(c, query):
+            return {h.id for h in c.search(k=10, texts=[query], mode="text").hits[0]}
+
+        assert text_ids(cols["english"], "run") == {"runs", "running"}  # Porter: one stem
+        assert text_ids(cols["plain"], "run") == set() and text_ids(cols["plain"], "runs") == {"runs"}
+        assert text_ids(cols["english"], "the cat") == {"cat"}  # "the" left out, as a stop word
+        assert text_ids(cols["plain"], "the cat") == {"runs", "the", "cat"}
+        assert cols["plain"].info()["text_analyzer"] == {"stemming": "none", "stop_words": "none"}
+        assert cols["english"].info()["text_analyzer"] == {"stemming": "porter", "stop_words": "english"}
+        cols["plain"].snapshot(tmp_path / "plain.tar")
+        with pytest.raises(InputError, match="stemming"):
+            cat.create("bad", 4, "l2", text_analyzer={"stemming": "snowball"})
+        with pytest.raises(InputError, match="analyzer"):
+            cat.create("bad", 4, "l2", text_analyzer={"language": "de"})
+    finally:
+        cat.close()
+    cat = Catalog(tmp_path / "data")
+    try:
+        again = cat.get("plain")
+        assert {h.id for h in again.search(k=10, texts=["run"], mode="text").hits[0]} == set()
+        with open(tmp_path / "plain.tar", "rb") as f:
+            restored = cat.restore("restored", f)
+        assert restored.info()["text_analyzer"] == {"stemming": "none", "stop_words": "none"}
+        assert {h.id for h in restored.search(k=10, texts=["the cat"], mode="text").hits[0]} == {"runs", "the", "cat"}
+    finally:
+        cat.close()

@@ -339,3 +339,50 @@ def test_set_metadata_over_http_and_the_client(admin, service):
         assert client.get("meta", ["m2"])[0].metadata == {"name": "m2", "tag": "t"}
         assert client.set_metadata("meta", {"m2": {"only": True}}, merge=False) == 1
         assert client.count("meta", filter={"only": True}) == 1
+
+
+def test_a_text_analyzer_and_a_fusion_over_http(admin):
+    """#49 item 2: a collection created with its text analyzer, searched in hybrid mode with a chosen fusion; the
+    client passes both; bad values are a 422 that names them."""
+    from fusionrag.client import Client
+
+    plain = {"stemming": "none", "stop_words": "none"}
+    r = admin.post("/v1/collections", json={"name": "analyzed", "dimension": 4, "metric": "l2", "text_analyzer": plain})
+    assert r.status_code == 201 and r.json()["text_analyzer"] == plain, r.text
+    _create(admin, "stemmed")
+    docs = [{"id": "runs", "text": "the engine runs", "vector": [1, 0, 0, 0]},
+            {"id": "running", "text": "running late", "vector": [0, 1, 0, 0]},
+            {"id": "the", "text": "the the", "vector": [0, 0, 1, 0]}]
+    for name in ("analyzed", "stemmed"):
+        _write(admin, name, docs)
+
+    def text(name, query):
+        r = admin.post(f"/v1/collections/{name}/search", json={"texts": [query], "mode": "text", "k": 5})
+        assert r.status_code == 200, r.text
+        return {h["id"] for h in r.json()["results"][0]}
+
+    assert text("stemmed", "run") == {"runs", "running"} and text("analyzed", "run") == set()
+    assert text("stemmed", "the") == {"runs", "the"}  # a query of stop words alone keeps them
+    assert text("analyzed", "the runs") == {"runs", "the"} and text("stemmed", "the runs") == {"runs", "running"}
+    body = {"texts": ["running"], "vectors": [[1, 0, 0, 0]], "mode": "hybrid", "k": 3, "text_weight": 0.5}
+    rrf = admin.post("/v1/collections/stemmed/search", json={**body, "fusion": {"method": "rrf", "k": 1}}).json()
+    weighted = admin.post("/v1/collections/stemmed/search", json={**body, "fusion": {"method": "weighted"}}).json()
+    # rrf, k 1: runs 0.5/2 + 0.5/3 (vector 1st, text 2nd), running 0.5/3 + 0.5/2: a tie, broken by insertion order
+    assert [h["score"] for h in rrf["results"][0]][:2] == pytest.approx([0.5 / 2 + 0.5 / 3] * 2)
+    # weighted: running is the text's best (1) and the vector's third of three (0); runs the vector's best (1),
+    # the text's worst (0): 0.5 each; "the" is 1 - d/d_max of the vectors, 0.5 x 0.5 (equidistant with running)
+    assert {h["id"]: round(h["score"], 6) for h in weighted["results"][0]}["runs"] == 0.5
+    for bad, word in (({"method": "borda"}, "method"), ({"method": "rrf", "k": 0}, "k")):
+        r = admin.post("/v1/collections/stemmed/search", json={**body, "fusion": bad})
+        assert r.status_code == 422 and word in r.text, r.text
+    r = admin.post("/v1/collections", json={"name": "bad-analyzer", "dimension": 4,
+                                            "text_analyzer": {"stemming": "snowball"}})
+    assert r.status_code == 422 and "stemming" in r.text
+    with Client(str(admin.base_url), api_key=ADMIN) as c:
+        assert c.create_collection("via-client", 4, metric="l2", text_analyzer={"stop_words": "none"}).name == \
+            "via-client"
+        assert admin.get("/v1/collections/via-client").json()["text_analyzer"] == {"stemming": "porter",
+                                                                                   "stop_words": "none"}
+        res = c.search("stemmed", [0, 1, 0, 0], texts=["running"], mode="hybrid", k=3,
+                       fusion={"method": "rrf", "k": 1})
+        assert res.hits[0][0].id == "running" and res.hits[0][0].score == pytest.approx(0.5 / 2 + 0.5 / 2)
