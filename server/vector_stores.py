@@ -195,24 +195,35 @@ class VectorStores:
         self._stores: dict[str, dict] = {}
         self.files_dir.mkdir(parents=True, exist_ok=True)
         self.stores_dir.mkdir(parents=True, exist_ok=True)
-        for p in self.files_dir.glob("file-*.json"):
-            self._files[p.stem] = json.loads(p.read_text())
+        self._files = {p.stem: r for p in self.files_dir.glob("file-*.json") if (r := _record(p)) is not None}
         for p in self.files_dir.glob("*.part"):  # an upload a crash cut short
             p.unlink(missing_ok=True)
-        for p in self.stores_dir.glob("vs_*.json"):
-            self._stores[p.stem] = json.loads(p.read_text())
+        for p in self.files_dir.glob("file-*.data"):  # stored, then the crash came before its record
+            if p.stem not in self._files:
+                p.unlink(missing_ok=True)
+        self._stores = {p.stem: r for p in self.stores_dir.glob("vs_*.json") if (r := _record(p)) is not None}
 
     # -- life ----------------------------------------------------------------------------------------
     def start(self) -> None:
         """After the catalog is open: finishes deletes a crash cut short, queues the files still in progress,
         and starts the worker."""
         for vsid, s in list(self._stores.items()):
-            if s.get("deleting"):
-                self._finish_delete(vsid)
-            else:
-                for fid, entry in s["files"].items():
-                    if entry["status"] == "in_progress":
-                        self._queue.put((vsid, fid))
+            if s.get("creating") and vsid not in self.catalog.names():  # its collection never made
+                (self.stores_dir / f"{vsid}.json").unlink(missing_ok=True)
+                del self._stores[vsid]
+            elif s.get("deleting") or s.get("creating"):
+                s.pop("creating", None)
+                if s.get("deleting"):
+                    self._finish_delete(vsid)
+                else:
+                    self._save(s)
+            if vsid not in self._stores:
+                continue
+            for fid, entry in list(s["files"].items()):
+                if entry.get("removing"):
+                    self._finish_removal(vsid, fid)
+                elif entry["status"] == "in_progress":
+                    self._queue.put((vsid, fid))
         self._worker = threading.Thread(target=self._work, name="fusionrag-vector-stores", daemon=True)
         self._worker.start()
 
@@ -314,13 +325,20 @@ class VectorStores:
                                      "delete one before making another")
             vsid = new_id("vs_")
             dim = get_embedder(self.embedding).dim
-            self.catalog.create(vsid, dim, "cosine", self.embedding)
             now = int(time.time())
             s = {"id": vsid, "object": "vector_store", "created_at": now, "made_ns": time.time_ns(),
                  "name": name or "", "metadata": metadata,
                  "description": description, "expires_after": expires_after, "last_active_at": now,
-                 "owner": owner or "", "files": {}, "batches": {}}
+                 "owner": owner or "", "files": {}, "batches": {}, "creating": True}
+            # The record first, marked: a crash before the collection is made leaves a record the next start
+            # removes, never a collection no record names.
             self._save(s)
+            try:
+                self.catalog.create(vsid, dim, "cosine", self.embedding)
+            except BaseException:
+                (self.stores_dir / f"{vsid}.json").unlink(missing_ok=True)
+                raise
+            del s["creating"]
             self._stores[vsid] = s
             for fid in file_ids:
                 self._attach(s, fid, {}, plan)
@@ -332,16 +350,17 @@ class VectorStores:
 
     def store_view(self, s: dict) -> dict:
         counts = {k: 0 for k in ("in_progress", "completed", "failed", "cancelled")}
-        for e in s["files"].values():
+        live = [e for e in s["files"].values() if not e.get("removing")]
+        for e in live:
             counts[e["status"]] += 1
-        counts["total"] = len(s["files"])
+        counts["total"] = len(live)
         expires_at = None
         if s["expires_after"]:
             expires_at = s["last_active_at"] + 86400 * s["expires_after"]["days"]
         status = "expired" if expires_at is not None and time.time() > expires_at else (
             "in_progress" if counts["in_progress"] else "completed")
         return {"id": s["id"], "object": "vector_store", "created_at": s["created_at"], "name": s["name"],
-                "description": s.get("description"), "usage_bytes": sum(e["usage_bytes"] for e in s["files"].values()),
+                "description": s.get("description"), "usage_bytes": sum(e["usage_bytes"] for e in live),
                 "file_counts": counts, "status": status, "last_active_at": s["last_active_at"],
                 "metadata": s["metadata"], "expires_after": s["expires_after"], "expires_at": expires_at}
 
@@ -412,6 +431,8 @@ class VectorStores:
             self.file(owner, fid)
             if fid in s["files"] and s["files"][fid]["status"] == "in_progress":
                 raise ConflictError(f"file {fid} is being added to vector store {vsid} already")
+            if fid in s["files"] and s["files"][fid].get("removing"):
+                raise ConflictError(f"file {fid} is being removed from vector store {vsid}: add it again after")
             entry = self._attach(s, fid, attributes, plan)
             self._save(s)
             return self.file_view(s, entry)
@@ -456,7 +477,8 @@ class VectorStores:
 
     def batch_view(self, s: dict, bid: str) -> dict:
         b = s["batches"][bid]
-        entries = [s["files"][f] for f in b["file_ids"] if f in s["files"] and s["files"][f]["batch"] == bid]
+        entries = [s["files"][f] for f in b["file_ids"]
+                   if f in s["files"] and s["files"][f]["batch"] == bid and not s["files"][f].get("removing")]
         counts = {k: sum(e["status"] == k for e in entries)
                   for k in ("in_progress", "completed", "failed", "cancelled")}
         counts["total"] = len(entries)
@@ -489,7 +511,7 @@ class VectorStores:
     def _entry(self, owner: str | None, vsid: str, fid: str) -> tuple[dict, dict]:
         s = self._store(owner, vsid)
         e = s["files"].get(fid)
-        if e is None:
+        if e is None or e.get("removing"):
             raise NotFoundError(f"no file {fid[:60]!r} in vector store {vsid}")
         return s, e
 
@@ -504,7 +526,8 @@ class VectorStores:
             s, _ = self._batch(owner, vsid, batch)
         else:
             s = self._store(owner, vsid)
-        entries = [e for e in s["files"].values() if status in (None, e["status"]) and batch in (None, e["batch"])]
+        entries = [e for e in s["files"].values()
+                   if status in (None, e["status"]) and batch in (None, e["batch"]) and not e.get("removing")]
         return _page([self.file_view(s, e) for e in entries], limit, order, after, before,
                      {e["id"]: e.get("made_ns", 0) for e in entries})
 
@@ -521,12 +544,22 @@ class VectorStores:
         return self.file_view(s, e)
 
     def delete_store_file(self, owner: str | None, vsid: str, fid: str) -> dict:
+        """Marked first, its chunks deleted, then its entry removed: a crash between leaves the mark, which the
+        next start finishes (a removed file's chunks never stay searchable)."""
         with self._lock:
-            s, _ = self._entry(owner, vsid, fid)
-            del s["files"][fid]
+            s, e = self._entry(owner, vsid, fid)
+            e["removing"] = True
             self._save(s)
-        self.catalog.get(vsid).delete_where({"file_id": fid})
+        self._finish_removal(vsid, fid)
         return {"id": fid, "object": "vector_store.file.deleted", "deleted": True}
+
+    def _finish_removal(self, vsid: str, fid: str) -> None:
+        self.catalog.get(vsid).delete_where({"file_id": fid})
+        with self._lock:
+            s = self._stores.get(vsid)
+            if s is not None and s["files"].get(fid, {}).get("removing"):
+                del s["files"][fid]
+                self._save(s)
 
     def store_file_chunks(self, owner: str | None, vsid: str, fid: str) -> list[str]:
         _, e = self._entry(owner, vsid, fid)
@@ -593,7 +626,7 @@ class VectorStores:
     def _still_wanted(self, vsid: str, fid: str) -> bool:
         s = self._stores.get(vsid)
         e = None if s is None or s.get("deleting") else s["files"].get(fid)
-        return e is not None and e["status"] == "in_progress"
+        return e is not None and e["status"] == "in_progress" and not e.get("removing")
 
     def _finish(self, vsid: str, fid: str, chunks: int, usage: int, error: dict | None) -> None:
         with self._lock:
@@ -616,6 +649,19 @@ class VectorStores:
         """No file in progress in any store."""
         with self._lock:
             return not any(e["status"] == "in_progress" for s in self._stores.values() for e in s["files"].values())
+
+
+def _record(path: Path) -> dict | None:
+    """A record written by write_json_atomic; one that does not parse (a damaged disk) is logged and left where
+    it is, not taken for an object."""
+    try:
+        rec = json.loads(path.read_text())
+        if isinstance(rec, dict) and rec.get("id") == path.stem:
+            return rec
+    except (OSError, ValueError):
+        pass
+    log.error("vector stores: %s is not a readable record; left out (and left on disk)", path)
+    return None
 
 
 def _check_expiry(expires_after):

@@ -285,3 +285,41 @@ def test_an_upload_over_max_file_bytes_is_refused_and_leaves_nothing(tmp_path):
         assert not [p for p in Path(tmp_path / "data" / "openai" / "files").iterdir()]
     finally:
         srv.stop()
+
+
+def test_a_restart_finishes_what_a_crash_cut_short(tmp_path):
+    """The marks a crash can leave (a store whose collection was never made, a file being removed) are finished
+    at the next start, and a damaged record is left out without stopping the service."""
+    import json
+
+    data = tmp_path / "data"
+    srv = ServerProcess(data, tmp_path / "one.log", "--no-demo")
+    try:
+        srv.wait_ready()
+        c = sdk(srv)
+        f = c.files.create(file=("space.txt", text_of("space").encode()), purpose="assistants")
+        vs = c.vector_stores.create(name="kb")
+        c.vector_stores.files.create_and_poll(vector_store_id=vs.id, file_id=f.id, poll_interval_ms=100)
+        assert httpx.get(f"{srv.url}/v1/collections/{vs.id}").json()["count"] > 0
+    finally:
+        srv.stop()
+    stores = data / "openai" / "stores"
+    rec = json.loads((stores / f"{vs.id}.json").read_text())
+    rec["files"][f.id]["removing"] = True  # killed after marking the removal, before deleting the chunks
+    (stores / f"{vs.id}.json").write_text(json.dumps(rec))
+    ghost = "vs_" + "a" * 24  # killed after writing the record, before making its collection
+    (stores / f"{ghost}.json").write_text(json.dumps({**rec, "id": ghost, "files": {}, "creating": True}))
+    (stores / ("vs_" + "b" * 24 + ".json")).write_text('{"id": "vs_bbb')  # a damaged record
+    srv = ServerProcess(data, tmp_path / "two.log", "--no-demo")
+    try:
+        srv.wait_ready()
+        c = sdk(srv)
+        assert [s.id for s in c.vector_stores.list()] == [vs.id]
+        assert list(c.vector_stores.files.list(vector_store_id=vs.id)) == []
+        assert httpx.get(f"{srv.url}/v1/collections/{vs.id}").json()["count"] == 0  # its chunks gone
+        assert not (stores / f"{ghost}.json").exists()
+        assert "not a readable record" in (tmp_path / "two.log").read_text()
+        assert c.vector_stores.files.create_and_poll(vector_store_id=vs.id, file_id=f.id,
+                                                     poll_interval_ms=100).status == "completed"
+    finally:
+        srv.stop()
