@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from dataclasses import dataclass
 import logging
 import signal
 import threading
@@ -54,16 +55,30 @@ class ShardedSearchRequest(SearchRequest):
     partial: bool = Field(True, description="false: 503 rather than an answer that misses lists of a down shard")
 
 
-MAX_QUERIES = ServerConfig().max_queries  # the single-machine service's limits, per request
-MAX_DOCUMENTS = ServerConfig().max_documents
-MAX_K = ServerConfig().max_k
-MAX_TEXT_CHARS = ServerConfig().max_text_chars
-MAX_BODY_BYTES = ServerConfig().max_body_bytes
+@dataclass(frozen=True)
+class Limits:
+    """A request's limits, those of the user's ServerConfig (`fusionrag serve --ray --max-k 50` ...): every router
+    replica is given them (they were frozen at ServerConfig()'s defaults, whatever was asked)."""
+
+    max_queries: int
+    max_documents: int
+    max_k: int
+    max_text_chars: int
+    max_body_bytes: int
+
+    @classmethod
+    def of(cls, config: ServerConfig) -> "Limits":
+        return cls(config.max_queries, config.max_documents, config.max_k, config.max_text_chars,
+                   config.max_body_bytes)
+
+
+DEFAULT_LIMITS = Limits.of(ServerConfig())
 DEFAULT_PAGE = 100
 MERGE_FRESH_COUNT = CollectionConfig().merge_fresh_count  # a shard merges at a collection's threshold
 
 
-def create_app(coll: ShardedCollection, keys: KeyRing | None = None, router: str | None = None) -> FastAPI:
+def create_app(coll: ShardedCollection, keys: KeyRing | None = None, router: str | None = None,
+               limits: Limits = DEFAULT_LIMITS) -> FastAPI:
     """The HTTP routes over a sharded collection (ShardedCollection over an opened ShardedIndex). Thread-safe as
     the index is. keys: API keys (server/auth.py) the /v1 routes require, as the single service's do; None or
     none configured: open. router: this router replica's id, sent back in the header x-fusionrag-router."""
@@ -91,8 +106,9 @@ def create_app(coll: ShardedCollection, keys: KeyRing | None = None, router: str
                     return JSONResponse({"detail": f"this API key has no rights to collection {name!r}"}, 403)
                 request.state.listed = False
         size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
-            return JSONResponse({"detail": f"request body of {size} bytes, at most {MAX_BODY_BYTES} accepted"}, 413)
+        if size is not None and size.isdigit() and int(size) > limits.max_body_bytes:
+            return JSONResponse({"detail": f"request body of {size} bytes is over the limit of "
+                                           f"{limits.max_body_bytes} bytes (max_body_bytes)"}, 413)
         response = await call_next(request)
         if router is not None:
             response.headers["x-fusionrag-router"] = router
@@ -102,9 +118,9 @@ def create_app(coll: ShardedCollection, keys: KeyRing | None = None, router: str
         if coll_name != name:
             raise http_error(404, f"no collection {coll_name!r} (this service serves {name!r})")
 
-    def at_most(n: int, limit: int, what: str) -> None:
-        if n > limit:
-            raise http_error(413, f"{n} {what}, at most {limit} per request")
+    def at_most(n: int, limit: int, what: str, setting: str) -> None:
+        if n > limit:  # as the single service answers it (docs/api.md): a 422 naming the setting
+            raise http_error(422, f"more than {limit} {what} in one request, at most {limit} allowed ({setting})")
 
     @app.get("/healthz")
     def healthz():
@@ -152,16 +168,16 @@ def create_app(coll: ShardedCollection, keys: KeyRing | None = None, router: str
         if body.mode == "hybrid" and body.vectors is None:
             raise http_error(422, "mode 'hybrid' over a sharded collection needs 'vectors' beside the 'texts' "
                                   "(nothing is embedded)")
-        at_most(len(queries), MAX_QUERIES, "queries")
-        if body.k > MAX_K:
-            raise http_error(422, f"k is {body.k}, at most {MAX_K} allowed")
+        at_most(len(queries), limits.max_queries, "queries", "max_queries")
+        if body.k > limits.max_k:
+            raise http_error(422, f"k is {body.k}, at most {limits.max_k} allowed (max_k)")
         q = None
         if body.vectors is not None:
             if any(len(v) != index.dim for v in body.vectors):
                 raise http_error(422, f"query vectors must have dimension {index.dim}")
             q = np.asarray(body.vectors, dtype=np.float32)
         if body.texts is not None:
-            check_texts(body.texts, MAX_TEXT_CHARS, "texts")
+            check_texts(body.texts, limits.max_text_chars, "texts")
         params = search_params(body.params) if body.params else None
         res = await run_in_threadpool(coll.search, q, body.k, body.filter, params, body.with_vectors,
                                       texts=body.texts, mode=body.mode, text_weight=body.text_weight,
@@ -180,7 +196,7 @@ def create_app(coll: ShardedCollection, keys: KeyRing | None = None, router: str
     @app.post("/v1/collections/{coll_name}/documents")
     async def upsert(coll_name: str, body: UpsertRequest):
         collection(coll_name)
-        at_most(len(body.documents), MAX_DOCUMENTS, "documents")
+        at_most(len(body.documents), limits.max_documents, "documents", "max_documents")
         for i, d in enumerate(body.documents):
             if d.vector is None:
                 raise http_error(422, f"documents[{i}]: a sharded collection embeds nothing: give the vector")
@@ -198,14 +214,17 @@ def create_app(coll: ShardedCollection, keys: KeyRing | None = None, router: str
     @app.post("/v1/collections/{coll_name}/documents/get")
     async def get_documents(coll_name: str, body: GetRequest):
         collection(coll_name)
-        at_most(len(body.ids), MAX_DOCUMENTS, "ids")
+        at_most(len(body.ids), limits.max_documents, "ids", "max_documents")
         docs = await run_in_threadpool(coll.get, body.ids, body.with_vectors)
         return VectorJSON({"documents": [document_json(d, body.with_vectors) for d in docs]})
 
     @app.get("/v1/collections/{coll_name}/documents")
-    def list_documents(coll_name: str, request: Request, limit: int = Query(DEFAULT_PAGE, ge=1, le=MAX_DOCUMENTS),
+    def list_documents(coll_name: str, request: Request, limit: int | None = Query(None, ge=1),
                        cursor: str | None = Query(None, pattern=r"^[0-9]{1,19}$"), with_vectors: bool = False):
         collection(coll_name)
+        if limit is None:
+            limit = min(DEFAULT_PAGE, limits.max_documents)
+        at_most(limit, limits.max_documents, "documents per page", "max_documents")
         return page_answer(coll, limit, cursor, query_filter(request), with_vectors)
 
     @app.post("/v1/collections/{coll_name}/documents/delete")
@@ -216,7 +235,7 @@ def create_app(coll: ShardedCollection, keys: KeyRing | None = None, router: str
             raise http_error(422, "give exactly one of 'ids' and 'filter'")
         if body.filter is not None:
             return {"deleted": await run_in_threadpool(coll.delete_where, body.filter)}
-        at_most(len(body.ids), MAX_DOCUMENTS, "ids")
+        at_most(len(body.ids), limits.max_documents, "ids", "max_documents")
         return {"deleted": await run_in_threadpool(coll.delete, body.ids)}
 
     return app
@@ -284,13 +303,14 @@ class _IndexOwner:
 
 
 def _deployment(index_dir: str, name: str, actor_options: dict | None, loopback: bool, call_timeout_s: float | None,
-                heal_every_s: float, keys: KeyRing | None = None, routers: int = 1):
+                heal_every_s: float, keys: KeyRing | None = None, routers: int = 1, limits: Limits = DEFAULT_LIMITS):
     """The router as a Ray Serve deployment that serves create_app's routes. routers=1: one replica, which opens
     the index, starts the shards as Ray actors of its own and keeps the write maps. More: _led_deployment."""
     from ray import serve
 
     if routers > 1:
-        return _led_deployment(index_dir, name, actor_options, loopback, call_timeout_s, heal_every_s, keys, routers)
+        return _led_deployment(index_dir, name, actor_options, loopback, call_timeout_s, heal_every_s, keys, routers,
+                               limits)
 
     @serve.deployment(name=DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0},
                       max_ongoing_requests=64)
@@ -301,7 +321,7 @@ def _deployment(index_dir: str, name: str, actor_options: dict | None, loopback:
             self._heal_every(heal_every_s)
 
         def __serve_build_asgi_app__(self):
-            return create_app(ShardedCollection(self.index, name), keys, _replica_id())
+            return create_app(ShardedCollection(self.index, name), keys, _replica_id(), limits)
 
     return Router.bind()
 
@@ -350,7 +370,8 @@ class ViewBoard:
 
 
 def _led_deployment(index_dir: str, name: str, actor_options: dict | None, loopback: bool,
-                    call_timeout_s: float | None, heal_every_s: float, keys: KeyRing | None, routers: int):
+                    call_timeout_s: float | None, heal_every_s: float, keys: KeyRing | None, routers: int,
+                    limits: Limits = DEFAULT_LIMITS):
     """`routers` replicas of the router (retriever/sharded/follow.py), and a leader: a deployment of one replica
     that opens the index, starts the shards as Ray actors of its own, keeps the write maps, restarts and merges
     shards, and does every write. Each router replica follows it: vector searches on the replica, with the
@@ -424,7 +445,7 @@ def _led_deployment(index_dir: str, name: str, actor_options: dict | None, loopb
             return _on_leader(self.leader, leader_timeout_s, "call", method, args, kwargs)
 
         def __serve_build_asgi_app__(self):
-            return create_app(FollowerCollection(self.index, name, self._call), keys, _replica_id())
+            return create_app(FollowerCollection(self.index, name, self._call), keys, _replica_id(), limits)
 
         def __del__(self):
             index = getattr(self, "index", None)
@@ -436,7 +457,8 @@ def _led_deployment(index_dir: str, name: str, actor_options: dict | None, loopb
 
 def serve(address: str, index_dir, host: str = "127.0.0.1", port: int = 8000, name: str | None = None,
           actor_options: dict | None = None, proxy_location: str = "HeadOnly", call_timeout_s: float | None = 30.0,
-          heal_every_s: float = 5.0, block: bool = True, keys: KeyRing | None = None, routers: int = 1) -> str:
+          heal_every_s: float = 5.0, block: bool = True, keys: KeyRing | None = None, routers: int = 1,
+          config: ServerConfig | None = None) -> str:
     """Serve the sharded index at index_dir over HTTP on host:port, from the Ray cluster at `address` (Ray Serve
     starts its controller and an HTTP proxy there; the proxy listens on host:port). name: the collection's name
     (default: the directory's). proxy_location: Serve's (HeadOnly: one HTTP proxy, on the head node; EveryNode
@@ -446,7 +468,8 @@ def serve(address: str, index_dir, host: str = "127.0.0.1", port: int = 8000, na
     `fusionrag serve` reads them (--api-keys-file, FUSIONRAG_API_KEYS). block: until SIGINT or SIGTERM, then the
     application is deleted and Serve shut down; else returns the base URL and leaves it running (serve.shutdown()
     stops it). routers: replicas of the router; more than one: a leader replica does every write and each router
-    replica follows it (_led_deployment, retriever/sharded/follow.py)."""
+    replica follows it (_led_deployment, retriever/sharded/follow.py). config: the service's settings, whose
+    request limits (max_queries, max_documents, max_k, max_text_chars, max_body_bytes) every replica applies."""
     import ray
     from ray import serve as rserve
 
@@ -463,7 +486,9 @@ def serve(address: str, index_dir, host: str = "127.0.0.1", port: int = 8000, na
                  **({"_node_ip_address": host} if host in ("127.0.0.1", "localhost") else {}))
     rserve.start(proxy_location=proxy_location, http_options={"host": host, "port": port})
     loopback = host in ("127.0.0.1", "localhost", "::1")
-    rserve.run(_deployment(index_dir, name, actor_options, loopback, call_timeout_s, heal_every_s, keys, routers),
+    limits = Limits.of(config) if config is not None else DEFAULT_LIMITS
+    rserve.run(_deployment(index_dir, name, actor_options, loopback, call_timeout_s, heal_every_s, keys, routers,
+                           limits),
                name="fusionrag",
                route_prefix="/")
     url = f"http://{host}:{port}"

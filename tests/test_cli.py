@@ -80,6 +80,21 @@ def test_serve_refuses_a_bad_setting_from_any_source_before_starting(tmp_path):
     assert not (tmp_path / "data").exists()
 
 
+def test_serve_ray_gives_the_users_settings_to_the_ray_service(tmp_path, monkeypatch):
+    """The limits given to `serve --ray` (flags, environment, file) reach ray_serve.serve, which gives each router
+    replica their Limits; they were dropped here before."""
+    import fusionrag.server.ray_serve as ray_serve
+    from fusionrag.cli import main
+
+    seen = {}
+    monkeypatch.setattr(ray_serve, "serve", lambda *a, **kw: seen.update(args=a, **kw))
+    monkeypatch.setenv("FUSIONRAG_MAX_DOCUMENTS", "9")
+    assert main(["serve", "--ray", "127.0.0.1:1", "--index", str(tmp_path), "--max-k", "7",
+                 "--max-queries", "3"]) == 0
+    limits = ray_serve.Limits.of(seen["config"])
+    assert (limits.max_k, limits.max_queries, limits.max_documents) == (7, 3, 9)
+
+
 def test_serve_ray_needs_a_sharded_index_and_says_so(tmp_path):
     """`serve --ray` serves a sharded index: without --index, with an index that is not sharded, or with --index
     but no --ray, the command stops with a message, before any Ray connection or service starts."""

@@ -235,7 +235,7 @@ def _cmd_serve(args) -> int:
 
         serve_on_ray(args.ray, args.index, host=config.host, port=config.port, name=args.name,
                      keys=KeyRing.from_config(config.api_keys, config.api_keys_file), routers=args.routers,
-                     proxy_location=args.proxy_location)
+                     proxy_location=args.proxy_location, config=config)
         return 0
     if args.index or args.name or args.routers != 1 or args.proxy_location != "HeadOnly":
         raise ConfigError("--index, --name, --routers and --proxy-location go with --ray (serving a sharded index); "

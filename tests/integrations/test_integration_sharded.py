@@ -23,7 +23,7 @@ from fusionrag.retriever.sharded.build import build_sharded
 from fusionrag.retriever.sharded.docs import ShardedCollection
 from fusionrag.retriever.sharded.router import ShardedIndex
 from fusionrag.server.auth import KeyRing, parse_entries
-from fusionrag.server.ray_serve import MAX_DOCUMENTS, create_app
+from fusionrag.server.ray_serve import DEFAULT_LIMITS, Limits, create_app
 
 N, DIM = 3000, 16
 NAME = "docs"
@@ -130,7 +130,8 @@ def test_the_routes_refuse_what_a_sharded_collection_cannot_do(service, base):
                    headers={"content-type": "application/json"})
     assert r.status_code == 422
     assert post("/documents", {"documents": [{"id": "t", "text": "no vector"}]}).status_code == 422
-    assert post("/documents", {"documents": [{"id": "t", "vector": v}] * (MAX_DOCUMENTS + 1)}).status_code == 413
+    r = post("/documents", {"documents": [{"id": "t", "vector": v}] * (DEFAULT_LIMITS.max_documents + 1)})
+    assert r.status_code == 422 and "max_documents" in r.text  # as the single service answers it
     assert post("/documents/delete", {"ids": ["a"], "filter": {"x": 1}}).status_code == 422
     assert httpx.post(f"{url}/v1/collections/other/search", json={"vectors": [v]}).status_code == 404
     assert httpx.post(f"{url}/v1/collections", json={"name": NAME, "dimension": DIM}).status_code == 409
@@ -144,6 +145,29 @@ def test_the_routes_refuse_what_a_sharded_collection_cannot_do(service, base):
     assert doc["id"] == "5" and np.allclose(doc["vector"], base[5], rtol=1e-6)
     page = httpx.get(f"{url}/v1/collections/{NAME}/documents", params={"limit": 3}).json()
     assert [d["id"] for d in page["documents"]] == ["0", "1", "2"] and page["next_cursor"] == "2"
+
+
+def test_the_limits_of_the_users_config_reach_the_routes(service, base):
+    """#50: the sharded routes applied ServerConfig()'s defaults whatever `serve --ray` was given; now the
+    user's (Limits.of(config), which `serve` gives every router replica)."""
+    from fusionrag.server.config import load_config
+
+    _, coll = service
+    config = load_config(flags={"max_k": 7, "max_documents": 3, "max_queries": 2, "max_body_bytes": 4096})
+    with serving(create_app(coll, limits=Limits.of(config))) as url:
+        post = lambda path, body: httpx.post(f"{url}/v1/collections/{NAME}{path}", json=body)  # noqa: E731
+        v = base[0].tolist()
+        assert post("/search", {"vectors": [v], "k": 7}).status_code == 200
+        r = post("/search", {"vectors": [v], "k": 8})
+        assert r.status_code == 422 and "max_k" in r.text
+        r = post("/search", {"vectors": [v] * 3, "k": 1})
+        assert r.status_code == 422 and "max_queries" in r.text
+        r = post("/documents/get", {"ids": ["1", "2", "3", "4"]})
+        assert r.status_code == 422 and "max_documents" in r.text
+        r = httpx.get(f"{url}/v1/collections/{NAME}/documents")
+        assert r.status_code == 200 and len(r.json()["documents"]) == 3  # a page: max_documents at most
+        r = post("/search", {"vectors": [v], "k": 1, "filter": {"pad": "x" * 5000}})
+        assert r.status_code == 413 and "max_body_bytes" in r.text
 
 
 def test_api_keys_guard_the_sharded_routes(service, base):
