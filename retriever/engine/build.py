@@ -132,11 +132,20 @@ def train_index(rows, n: int, dim: int, config: BuildConfig, rng: np.random.Gene
         t = time.perf_counter()
         target = 1.0 / config.centroid_ratio
         cap = (1 << 18) if budget is None else cluster_cap(budget, dim, config.kmeans_branching)
+        # Rows more than the budget are not in the page cache when a cluster is read whole: the streaming pass
+        # spills each part's rows to a file of its own, read back in order (kmeans._Spill), not gathered from
+        # the source 4 KiB page by page.
+        spill = None
+        if scratch is not None and budget is not None and n * dim * 4 > budget:
+            spill = scratch / "kmeans-spill"
+            shutil.rmtree(spill, ignore_errors=True)  # what a killed clustering left
         with steps.step("clustering", n) as update:
             centroids = hierarchical_balanced_kmeans(
                 rows, n, target, max(1, int(target * config.max_list_factor)), config.kmeans_branching,
                 config.kmeans_iters, rng, progress=update, top_cluster_cap=cap,
-                out=None if scratch is None else scratch / "centroids.f32")
+                out=None if scratch is None else scratch / "centroids.f32", spill=spill)
+        if spill is not None:
+            shutil.rmtree(spill, ignore_errors=True)
         timings["cluster_s"] = time.perf_counter() - t
         if w is not None and scratch is not None:
             w.step_done("clustering", {"centroids": len(centroids)}, [scratch / "centroids.f32"], rng, timings)

@@ -5,10 +5,14 @@ Plain NumPy on BLAS: the build is offline, and the matrix products are where the
 
 from __future__ import annotations
 
+import os
+import uuid
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
+
+from fusionrag.retriever.engine.manifest import DIRTY_BYTES
 
 _CHUNK = 16384
 _MAX_PASSES = 4  # streaming passes over a top-level cluster before it is read whole
@@ -137,6 +141,7 @@ def hierarchical_balanced_kmeans(
     progress: Callable[[int], None] = lambda n: None,
     top_cluster_cap: int = 1 << 18,
     out: Path | None = None,
+    spill: Path | None = None,
 ) -> np.ndarray:
     """Centroids of posting lists of at most max_size vectors and about `target` on average.
 
@@ -150,6 +155,10 @@ def hierarchical_balanced_kmeans(
     nearest-centre pass is not) is split by another streaming pass over its rows before it is read whole.
     out: a file the centroids are appended to as each top-level cluster is done (a read-only memory map of them
     is returned), so that the centroids, a tenth of the vectors' count, are not in memory beside the clustering.
+    spill: a directory where each streaming pass writes every part's rows (float32, as rows() gives them) to a file
+    of the part's own as it reads them, so that a part is later read from its file in order, not gathered row by
+    row from the source (scattered 4 KiB page reads where the source is larger than the page cache may hold: a
+    build under a memory cap); the files are removed as their parts are done. The centroids are the same.
     """
     leaves = _Leaves(out)
     if count <= max_size:
@@ -159,33 +168,122 @@ def hierarchical_balanced_kmeans(
     cap = max(top_cluster_cap, max_size)
     k_top = max(min(branching, int(np.ceil(count / target))), int(np.ceil(count / cap)))
     id_type = np.uint32 if count < 2**32 else np.int64  # the parts' ids: a 4-byte id a row, as the labels
-    pending = [(np.arange(count, dtype=id_type), 0)]  # (sorted ids, streaming passes they came through)
-    while pending:
-        ids, depth = pending.pop()
-        if depth and (len(ids) <= cap or depth >= _MAX_PASSES):
-            mine: list[np.ndarray] = []
-            _split(rows(ids.astype(np.int64)), target, max_size, branching, iters, rng, mine, progress)
-            leaves.add(np.concatenate(mine))  # one array a top-level cluster, not one a leaf
-            continue
-        k = k_top if not depth else max(2, min(branching, 2 * int(np.ceil(len(ids) / cap))))
-        parts = _streamed_split(rows, ids, k, iters, rng)
-        # a pass that cannot part them (identical rows) leaves one part: it is read whole after the next
-        pending.extend((part, _MAX_PASSES if len(parts) == 1 and depth else depth + 1) for part in reversed(parts))
+    # (sorted ids, streaming passes they came through, the file their rows were spilled to or None)
+    pending = [(np.arange(count, dtype=id_type), 0, None)]
+    try:
+        while pending:
+            ids, depth, path = pending.pop()
+            read = rows if path is None else _PartRows(path, ids)
+            if depth and (len(ids) <= cap or depth >= _MAX_PASSES):
+                mine: list[np.ndarray] = []
+                _split(read(ids.astype(np.int64)), target, max_size, branching, iters, rng, mine, progress)
+                leaves.add(np.concatenate(mine))  # one array a top-level cluster, not one a leaf
+            else:
+                k = k_top if not depth else max(2, min(branching, 2 * int(np.ceil(len(ids) / cap))))
+                parts = _streamed_split(read, ids, k, iters, rng, spill)
+                # a pass that cannot part them (identical rows) leaves one part: it is read whole after the next
+                pending.extend((part, _MAX_PASSES if len(parts) == 1 and depth else depth + 1, file)
+                               for part, file in reversed(parts))
+            if path is not None:
+                read.close()
+    finally:
+        for _, _, path in pending:  # an error: the spilled rows go
+            if path is not None:
+                path.unlink(missing_ok=True)
     return leaves.done()
 
 
-def _streamed_split(rows, ids: np.ndarray, k: int, iters: int, rng: np.random.Generator) -> list[np.ndarray]:
+class _PartRows:
+    """rows(ids) of a part whose rows were spilled, in its ids' order, to a file of its own (_Spill)."""
+
+    def __init__(self, path: Path, ids: np.ndarray):
+        self.path, self.ids = path, ids
+        dim = path.stat().st_size // 4 // max(1, len(ids))
+        self.data = np.memmap(path, np.float32, "r", shape=(len(ids), dim)) if len(ids) else None
+
+    def __call__(self, ids: np.ndarray) -> np.ndarray:
+        pos = np.searchsorted(self.ids, ids)
+        if len(pos) and pos[-1] - pos[0] + 1 == len(pos):  # a run of the part (a pass's chunk, the whole part)
+            return np.array(self.data[pos[0]:pos[-1] + 1])
+        return np.asarray(self.data[pos])
+
+    def close(self) -> None:
+        self.data = None
+        self.path.unlink(missing_ok=True)
+
+
+class _Spill:
+    """The rows of a streaming pass's k parts, appended to a file each as the pass reads them (rows in the order
+    of their ids), at most DIRTY_BYTES of them not yet written back and dropped from the page cache: a memory
+    cgroup counts dirty pages, and v1 cannot throttle a writer by them."""
+
+    def __init__(self, folder: Path, k: int):
+        folder.mkdir(parents=True, exist_ok=True)
+        tag = uuid.uuid4().hex[:12]
+        self.paths = [folder / f"part-{tag}-{j}.f32" for j in range(k)]
+        self.files = [open(p, "wb") for p in self.paths]
+        self.dirty = 0
+
+    def add(self, x: np.ndarray, labels: np.ndarray) -> None:
+        order = np.argsort(labels, kind="stable")
+        bounds = np.searchsorted(labels[order], np.arange(len(self.files) + 1))
+        for j, f in enumerate(self.files):
+            if bounds[j + 1] > bounds[j]:
+                f.write(np.ascontiguousarray(x[order[bounds[j]:bounds[j + 1]]], dtype=np.float32).data)
+        self.dirty += x.nbytes
+        if self.dirty >= DIRTY_BYTES:
+            self._written_back()
+
+    def _written_back(self) -> None:
+        for f in self.files:
+            f.flush()
+            os.fdatasync(f.fileno())
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        self.dirty = 0
+
+    def close(self) -> list[Path]:
+        self._written_back()
+        for f in self.files:
+            f.close()
+        return self.paths
+
+    def discard(self) -> None:
+        for f, p in zip(self.files, self.paths):
+            f.close()
+            p.unlink(missing_ok=True)
+
+
+def _streamed_split(rows, ids: np.ndarray, k: int, iters: int, rng: np.random.Generator,
+                    spill: Path | None = None) -> list[tuple[np.ndarray, Path | None]]:
     """ids (sorted) parted among k centres trained on a sample of their rows, each row to its nearest centre,
-    read 65,536 rows at a time; the non-empty parts, each sorted."""
+    read 65,536 rows at a time; the non-empty parts, each sorted, with the file of its rows where spill is a
+    directory (_Spill; else None)."""
     sample = np.sort(rng.choice(ids, min(len(ids), 256 * k), replace=False))
     top, _ = kmeans(rows(sample.astype(np.int64)), k, iters, rng, balance=0.25)
     labels = np.empty(len(ids), dtype=np.int32)
-    for s in range(0, len(ids), 65536):
-        labels[s:s + 65536], _ = assign(rows(ids[s:s + 65536].astype(np.int64)), top)
+    files = _Spill(spill, k) if spill is not None else None
+    try:
+        for s in range(0, len(ids), 65536):
+            x = rows(ids[s:s + 65536].astype(np.int64))
+            labels[s:s + 65536], _ = assign(x, top)
+            if files is not None:
+                files.add(x, labels[s:s + 65536])
+            del x
+    except BaseException:
+        if files is not None:
+            files.discard()
+        raise
+    paths = files.close() if files is not None else [None] * k
     order = np.argsort(labels, kind="stable")
     bounds = np.searchsorted(labels[order], np.arange(k + 1))
     del labels
-    return [ids[order[bounds[j]:bounds[j + 1]]] for j in range(k) if bounds[j + 1] > bounds[j]]
+    out = []
+    for j in range(k):
+        if bounds[j + 1] > bounds[j]:
+            out.append((ids[order[bounds[j]:bounds[j + 1]]], paths[j]))
+        elif paths[j] is not None:
+            paths[j].unlink(missing_ok=True)
+    return out
 
 
 class _Leaves:

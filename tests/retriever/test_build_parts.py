@@ -215,3 +215,30 @@ def test_a_top_cluster_past_its_cap_is_split_again_before_it_is_read_whole(tmp_p
     spilled = km.hierarchical_balanced_kmeans(lambda ids: x[ids], len(x), 10, 20, 16, 5, np.random.default_rng(0),
                                               top_cluster_cap=cap, out=tmp_path / "c.f32")
     assert isinstance(spilled, np.memmap) and np.array_equal(spilled, cents)
+
+
+def test_spilled_parts_give_the_same_centroids_read_in_order_and_leave_no_file(tmp_path):
+    """With spill, every streaming pass (nested ones too: the tight centres leave parts past the cap) writes its
+    parts' rows to files of their own and later reads a part from its file, never gathering it from the source:
+    the same centroids as without, no source read but in runs of consecutive rows after the samples, and no file
+    left behind."""
+    from fusionrag.retriever.engine import kmeans as km
+    rng = np.random.default_rng(3)
+    x = np.concatenate([clustered(4500, 8, 3, seed=4, spread=0.05), clustered(500, 8, 20, seed=5)])
+    x = x[rng.permutation(len(x))]
+    asked: list[np.ndarray] = []
+
+    def rows(ids):
+        asked.append(np.asarray(ids))
+        return x[ids]
+
+    want = km.hierarchical_balanced_kmeans(lambda ids: x[ids], len(x), 10, 20, 16, 5, np.random.default_rng(0),
+                                           top_cluster_cap=400)
+    got = km.hierarchical_balanced_kmeans(rows, len(x), 10, 20, 16, 5, np.random.default_rng(0), top_cluster_cap=400,
+                                          spill=tmp_path / "spill")
+    assert np.array_equal(got, want)
+    runs = [a for a in asked if len(a) > 1 and np.all(np.diff(a) == 1)]
+    scattered = [a for a in asked if not (len(a) > 1 and np.all(np.diff(a) == 1))]
+    assert sum(len(a) for a in runs) == len(x)  # one pass over the source, in runs
+    assert len(scattered) == 1 and len(scattered[0]) <= 256 * 16  # the top level's sample alone
+    assert list((tmp_path / "spill").iterdir()) == []
