@@ -30,12 +30,12 @@ import json
 import os
 import resource
 import sys
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
+from bench.harness.cgroups import Sampler, drop_cache
 from bench.harness.paths import ROOT, WORK, module_argv, results, tests_module
 
 OUT = results("peers")
@@ -84,80 +84,43 @@ def prepare(d: Path, n: int, dim: int) -> None:
         np.save(d / "truth.npy", best_i)
 
 
-class Sampler:
-    """A cgroup's anonymous memory (memory.stat total_rss), its peak kept."""
-
-    def __init__(self, cg, every: float = 0.2):
-        self.cg, self.peak, self.every, self._stop = cg, 0, every, False
-        self._read: dict[int, int] = {}  # pid -> bytes it read from storage (/proc/PID/io), last seen
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-
-    def _run(self):
-        while not self._stop:
-            try:
-                st = dict(line.split() for line in (self.cg.path / "memory.stat").read_text().splitlines())
-                self.peak = max(self.peak, int(st["total_rss"]))
-                for pid in (self.cg.path / "cgroup.procs").read_text().split():
-                    for line in open(f"/proc/{pid}/io"):
-                        if line.startswith("read_bytes:"):
-                            self._read[int(pid)] = int(line.split()[1])
-            except (OSError, KeyError, ValueError):
-                pass
-            time.sleep(self.every)
-
-    def read_bytes(self) -> int:
-        """What the cgroup's processes read from storage, as last sampled (up to 0.2 s before each ended)."""
-        return sum(self._read.values())
-
-    def stop(self) -> int:
-        self._stop = True
-        self._t.join()
-        return self.peak
-
-
-def drop_cache(root: Path) -> None:
-    for p in [root] if root.is_file() else root.rglob("*"):
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+def in_cgroup(cap: int, cmd: list[str], failed_log: Path, what: str):
+    """cmd run alone in a fresh v1 memory cgroup of `cap` bytes, sampled (Sampler every 0.2 s): (the completed
+    process, {wall_s, cpu_s, read_bytes, peak_anon_bytes, oom_kills}); a failure leaves its output in failed_log
+    and stops the study."""
+    cg = tests_module("cgroup").Cgroup(cap)
+    sampler = Sampler(cg, every=0.2)
+    t, cpu0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    try:
+        r = cg.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        run = {"wall_s": time.perf_counter() - t, "oom_kills": cg.oom_kills(),
+               "cpu_s": cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime}
+    finally:
+        run_peak = sampler.stop()
+        cg.remove()
+    run.update(peak_anon_bytes=run_peak, read_bytes=sampler.read_bytes())
+    if r.returncode != 0:
+        failed_log.write_text(r.stdout + r.stderr)
+        raise SystemExit(f"{what} failed ({r.returncode}, OOM kills {run['oom_kills']}): see {failed_log}")
+    return r, run
 
 
 def build(d: Path, n: int, dim: int, cap: int) -> dict:
     """fusionrag build at the defaults inside the cap; resumes a stopped build (its own resume)."""
     if (d / "build.json").exists():
         return json.loads((d / "build.json").read_text())
-    Cgroup = tests_module("cgroup").Cgroup
     drop_cache(d / "base.npy")  # a cold start: what the build reads is read (and charged to its cgroup) by it
-    cg = Cgroup(cap)
-    sampler = Sampler(cg)
     load0 = os.getloadavg()
-
-    t, cpu0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     cmd = [sys.executable, "-m", "fusionrag", "build", str(d / "base.npy"), str(d / "index"), "--quiet"]
-    try:
-        r = cg.run(cmd, cwd=ROOT, capture_output=True, text=True)
-        wall = time.perf_counter() - t
-        cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-        ooms = cg.oom_kills()
-    finally:
-        peak = sampler.stop()
-        cg.remove()
-    if r.returncode != 0:
-        (d / "build_failed.log").write_text(r.stdout + r.stderr)
-        raise SystemExit(f"build of {n} failed ({r.returncode}, OOM kills {ooms}): see {d / 'build_failed.log'}")
+    r, run = in_cgroup(cap, cmd, d / "build_failed.log", f"build of {n}")
     manifest = json.loads((d / "index" / "manifest.json").read_text())
     timings = manifest.get("build_timings", {})
     steps = {k: v for k, v in timings.items() if k.endswith("_s") and k != "total_s"}
-    out = {"n": n, "dim": dim, "cap_bytes": cap, "wall_s_last_run": wall,
-           "cpu_s_last_run": cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime,
-           "read_bytes_last_run": sampler.read_bytes(), "build_s": sum(steps.values()),
+    out = {"n": n, "dim": dim, "cap_bytes": cap, "wall_s_last_run": run["wall_s"], "cpu_s_last_run": run["cpu_s"],
+           "read_bytes_last_run": run["read_bytes"], "build_s": sum(steps.values()),
            "steps_s": steps, "timings": timings, "resumed": manifest.get("build_resumed", []),
-           "peak_anon_bytes_last_run": peak, "oom_kills": ooms, "load_at_start": load0, "load_at_end": os.getloadavg(),
+           "peak_anon_bytes_last_run": run["peak_anon_bytes"], "oom_kills": run["oom_kills"], "load_at_start": load0, "load_at_end": os.getloadavg(),
            "budget_bytes": manifest.get("build_memory_budget_bytes"), "cli": r.stdout[-2000:],
            "calibrated": manifest.get("search_defaults") or manifest.get("calibration")}
     (d / "build.json").write_text(json.dumps(out, indent=1, default=str))
@@ -218,21 +181,11 @@ def search_worker(d: Path) -> None:
 def search(d: Path, cap: int) -> dict:
     if (d / "search.json").exists():
         return json.loads((d / "search.json").read_text())
-    Cgroup = tests_module("cgroup").Cgroup
     drop_cache(d / "index")
-    cg = Cgroup(cap)
-    sampler = Sampler(cg)
-    try:
-        r = cg.run(module_argv(__spec__.name, "--search-worker", str(d)), cwd=ROOT, capture_output=True, text=True)
-        ooms = cg.oom_kills()
-    finally:
-        peak = sampler.stop()
-        cg.remove()
-    if r.returncode != 0:
-        (d / "search_failed.log").write_text(r.stdout + r.stderr)
-        raise SystemExit(f"search in {d} failed ({r.returncode}, OOM kills {ooms}): see {d / 'search_failed.log'}")
+    r, run = in_cgroup(cap, module_argv(__spec__.name, "--search-worker", str(d)), d / "search_failed.log",
+                       f"search in {d}")
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    out.update(peak_anon_bytes=peak, oom_kills=ooms, load_at_end=os.getloadavg())
+    out.update(peak_anon_bytes=run["peak_anon_bytes"], oom_kills=run["oom_kills"], load_at_end=os.getloadavg())
     (d / "search.json").write_text(json.dumps(out, indent=1))
     return out
 

@@ -22,12 +22,12 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
+from bench.harness.cgroups import Sampler, drop_cache
 from bench.harness.paths import WORK, results, tests_module
 
 ServerProcess = tests_module("server_util").ServerProcess  # the tests' own (tests/server_util.py)
@@ -87,18 +87,6 @@ def prepare(d: Path, n: int, dim: int, new_n: int, dead_n: int) -> dict:
     return {k: np.load(d / f"{k}.npy") for k in ("new", "queries", "dead", "truth_before", "truth_after")}
 
 
-def drop_cache(root: Path) -> None:
-    """Every file under root out of the page cache (fsynced first, so none of it is dirty)."""
-    for p in root.rglob("*"):
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def ids_of(hits, n: int) -> np.ndarray:
     return np.array([[n + int(h.id[1:]) if h.id.startswith("n") else int(h.id) for h in row] for row in hits])
 
@@ -111,28 +99,6 @@ def search(c: Client, q: np.ndarray, n: int) -> tuple[np.ndarray, float]:
     t = time.perf_counter()
     found = np.concatenate([ids_of(c.search("big", q[s:s + 50], k=10).hits, n) for s in range(0, len(q), 50)])
     return found, len(q) / (time.perf_counter() - t)
-
-
-class Sampler:
-    """The cgroup's anonymous memory (total_rss) sampled every 0.1 s, the peak kept per phase."""
-
-    def __init__(self, cg):
-        self.cg, self.phase, self.peak, self._stop = cg, "open", {}, False
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-
-    def _run(self):
-        while not self._stop:
-            try:
-                st = dict(line.split() for line in (self.cg.path / "memory.stat").read_text().splitlines())
-                self.peak[self.phase] = max(self.peak.get(self.phase, 0), int(st["total_rss"]))
-            except (OSError, KeyError, ValueError):
-                pass
-            time.sleep(0.1)
-
-    def stop(self):
-        self._stop = True
-        self._t.join()
 
 
 def run(args) -> dict:
@@ -163,7 +129,7 @@ def run(args) -> dict:
     # server reads (and holds, within its limit) what it uses itself.
     drop_cache(served)
     cg = Cgroup(cap)
-    sampler = Sampler(cg)
+    sampler = Sampler(cg, phase="open")
     srv = ServerProcess(served, d / "capped.log", "--no-demo", cgroup=cg)
     try:
         srv.wait_ready(600)

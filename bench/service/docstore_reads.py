@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.harness.cgroups import drop_cache
 from bench.harness.paths import ROOT, WORK, module_argv, results, tests_module
 
 ARMS = {"mapped (1 GiB)": 1 << 30, "unmapped": 0}
@@ -61,9 +62,7 @@ def main() -> None:
     Cgroup = tests_module("cgroup").Cgroup
     runs = []
     for arm in [*ARMS, *ARMS]:
-        fd = os.open(args.store, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
+        drop_cache(args.store)
         cg = Cgroup(args.cap_mib << 20)
         try:
             r = cg.run(module_argv(__spec__.name, "--child", "--store", str(args.store), "--rows", str(args.rows)),
