@@ -5,14 +5,13 @@ Plain NumPy on BLAS: the build is offline, and the matrix products are where the
 
 from __future__ import annotations
 
-import os
 import uuid
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from fusionrag.retriever.engine.manifest import DIRTY_BYTES
+from fusionrag.retriever.engine.manifest import DIRTY_BYTES, written_back
 
 _CHUNK = 16384
 _MAX_PASSES = 4  # streaming passes over a top-level cluster before it is read whole
@@ -237,8 +236,7 @@ class _Spill:
     def _written_back(self) -> None:
         for f in self.files:
             f.flush()
-            os.fdatasync(f.fileno())
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            written_back(f.fileno(), f.tell())
         self.dirty = 0
 
     def close(self) -> list[Path]:

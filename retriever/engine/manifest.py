@@ -69,7 +69,9 @@ def fsync_path(path: Path) -> None:
 DIRTY_BYTES = 32 << 20
 
 
-def _written_back(fd: int, upto: int) -> None:
+def written_back(fd: int, upto: int) -> None:
+    """A file's first `upto` bytes made durable and dropped from the page cache (a memory cgroup counts dirty
+    pages; v1 cannot throttle a writer by them)."""
     os.fdatasync(fd)
     os.posix_fadvise(fd, 0, upto, os.POSIX_FADV_DONTNEED)
 
@@ -96,7 +98,7 @@ def copy_file(src: Path, dst: Path, every: int = DIRTY_BYTES) -> None:
             if got <= 0:
                 raise OSError(f"{src}: copy stopped at {done} of {size} bytes")
             done += got
-            _written_back(fo.fileno(), done)
+            written_back(fo.fileno(), done)
             os.posix_fadvise(fi.fileno(), 0, done, os.POSIX_FADV_DONTNEED)
 
 
@@ -121,13 +123,13 @@ class ArrayFileWriter:
         self._dirty += data.nbytes
         if self._dirty >= DIRTY_BYTES:
             self._f.flush()
-            _written_back(self._f.fileno(), self._f.tell())
+            written_back(self._f.fileno(), self._f.tell())
             self._dirty = 0
 
     def array(self) -> np.ndarray:
         """The file, memory-mapped read-only (its rows past those written are zeros)."""
         self._f.flush()
-        _written_back(self._f.fileno(), self._f.tell())
+        written_back(self._f.fileno(), self._f.tell())
         self._f.close()
         return np.load(self.path, mmap_mode="r", allow_pickle=False)
 
