@@ -1,17 +1,20 @@
-"""An ADC scan over codes laid out in posting-list order: an experiment, measured by bench/gpu/gpu_tier.py
-(`scan_stream`), not used by the engine.
+"""The device tier's ADC scan (retriever/engine/device_tier.py): codes laid out in posting-list order, each query's
+probed lists streamed. bench/gpu/gpu_tier.py also measures it alone (`scan_stream`).
 
-The engine's scan (adc_scan.py) takes each query's gathered vector IDs and reads each ID's code from a table
+The lists tier's scan (adc_scan.py) takes each query's gathered vector IDs and reads each ID's code from a table
 indexed by ID: a random 32-64-byte read per candidate, and on the H100 it moved 9-11% of the device's copy
 bandwidth (docs/gpu.md). Laid out as IVF indexes usually are, every posting's code stored in its list's
 order (a vector with replicas in several lists stored once per list), a query's probed lists are contiguous
 runs: the scan streams them, and the host sends each query's list numbers instead of its gathered IDs.
-This kernel is that scan without de-duplication (replicas would go to top-n as repeats), to measure what
-bandwidth such a layout reaches before the tier is built around it.
+Replicas go to top-n as repeats (equal keys), which drops them there.
 
 One program per (query, probed list): it walks the list's postings in tiles of BLOCK, reads their codes
 and IDs contiguously, sums the table entries each code selects, and writes rank keys (topn.pack_key) at the
 segment's place in the query's output.
+
+Tiered (TIERED): where not every list's postings fit the device, the cold lists' IDs and codes lie in pinned host
+memory, in list order too, and a segment flagged cold streams them from there over the bus (zero-copy, as the
+lists tier reads its cold codes): a list is one contiguous run in one of the two memories.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from fusionrag.kernels.variants import Variant, variant
 
 
 @triton.jit(do_not_specialize=["nprobe"])
-def adc_stream_kernel(segments_ptr, out_ptr, list_ids_ptr, codes_ptr, luts_ptr, keys_ptr, nprobe,
-                      M: tl.constexpr, M_P2: tl.constexpr, BLOCK: tl.constexpr):
+def adc_stream_kernel(segments_ptr, out_ptr, list_ids_ptr, codes_ptr, luts_ptr, keys_ptr, cold_ptr, host_ids_ptr,
+                      host_codes_ptr, nprobe, M: tl.constexpr, M_P2: tl.constexpr, BLOCK: tl.constexpr,
+                      TIERED: tl.constexpr):
     pid = tl.program_id(0)
     q = pid // nprobe
     start = tl.load(segments_ptr + 2 * pid)
@@ -35,27 +39,47 @@ def adc_stream_kernel(segments_ptr, out_ptr, list_ids_ptr, codes_ptr, luts_ptr, 
     first = tl.load(out_ptr + pid)  # where this segment's keys start in keys
     m = tl.arange(0, M_P2)
     lut = luts_ptr + q.to(tl.int64) * M * 256 + m[None, :] * 256
+    if TIERED:
+        cold = tl.load(cold_ptr + pid) != 0  # the list's run lies in pinned host memory
     for tile in range(start, end, BLOCK):
         p = tile + tl.arange(0, BLOCK)
         inside = p < end
         cols = inside[:, None] & (m[None, :] < M)
-        code = tl.load(codes_ptr + p[:, None] * M + m[None, :], mask=cols, other=0)
+        at = p[:, None] * M + m[None, :]
+        if TIERED:
+            code = tl.load(tl.where(cold, host_codes_ptr + at, codes_ptr + at), mask=cols, other=0)
+            raw = tl.load(tl.where(cold, host_ids_ptr + p, list_ids_ptr + p), mask=inside, other=0)
+        else:
+            code = tl.load(codes_ptr + at, mask=cols, other=0)
+            raw = tl.load(list_ids_ptr + p, mask=inside, other=0)
         dist = tl.sum(tl.load(lut + code.to(tl.int32), mask=cols, other=0.0), axis=1)
-        ids = tl.load(list_ids_ptr + p, mask=inside, other=0).to(tl.uint32, bitcast=True).to(tl.int64)
+        ids = raw.to(tl.uint32, bitcast=True).to(tl.int64)
         tl.store(keys_ptr + first + (p - start), pack_key(dist, ids), mask=inside)
 
 
 def adc_stream(luts: torch.Tensor, segments: torch.Tensor, list_ids: torch.Tensor, codes: torch.Tensor,
-               keys: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               keys: torch.Tensor | None = None, cold: torch.Tensor | None = None,
+               host_ids: torch.Tensor | None = None, host_codes: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank keys of every posting in each query's probed lists. luts float32 (q, M, 256); segments int64
     (q, nprobe, 2): [start, end) of each probed list in posting order (start == end: none); list_ids int32
-    (P,) holding uint32 vector IDs and codes uint8 (P, M), both in posting order. Returns (keys int64, offsets
-    int64 (q + 1,)): query i's keys are keys[offsets[i]:offsets[i + 1]], its segments' in probe order."""
+    (P,) holding uint32 vector IDs and codes uint8 (P, M), both in posting order. Tiered where cold (int8
+    (q, nprobe), nonzero: the segment's run is in host_ids / host_codes, pinned host memory laid out as list_ids
+    and codes) is given. Returns (keys int64, offsets int64 (q + 1,)): query i's keys are
+    keys[offsets[i]:offsets[i + 1]], its segments' in probe order."""
     q, m = luts.shape[0], luts.shape[1]
     if segments.shape[:1] != (q,) or segments.dim() != 3 or segments.shape[2] != 2:
         raise ValueError(f"segments must be ({q}, nprobe, 2), got {tuple(segments.shape)}")
     if codes.shape != (list_ids.numel(), m):
         raise ValueError(f"codes must be ({list_ids.numel()}, {m}), got {tuple(codes.shape)}")
+    tiered = cold is not None
+    if tiered != (host_ids is not None) or tiered != (host_codes is not None):
+        raise ValueError("tiered postings need cold, host_ids and host_codes together")
+    if tiered:
+        if cold.shape != segments.shape[:2]:
+            raise ValueError(f"cold must be {tuple(segments.shape[:2])}, got {tuple(cold.shape)}")
+        if host_codes.shape != (host_ids.numel(), m):
+            raise ValueError(f"host_codes must be ({host_ids.numel()}, {m}), got {tuple(host_codes.shape)}")
     nprobe = segments.shape[1]
     lengths = (segments[..., 1] - segments[..., 0]).reshape(-1)
     if bool((lengths < 0).any()):
@@ -66,31 +90,42 @@ def adc_stream(luts: torch.Tensor, segments: torch.Tensor, list_ids: torch.Tenso
     if keys is None:
         keys = torch.empty(total, dtype=torch.int64, device=luts.device)
     if q and nprobe and total:
-        params = _params(m, interpreted())
-        adc_stream_kernel[(q * nprobe,)](segments.contiguous(), out, list_ids, codes, luts, keys, nprobe, **params)
+        params = _params(m, interpreted(), tiered)
+        where = (cold.to(torch.int8).contiguous(), host_ids, host_codes) if tiered else \
+            (segments.new_zeros(1, dtype=torch.int8), list_ids, codes)  # unread: TIERED is off
+        adc_stream_kernel[(q * nprobe,)](segments.contiguous(), out, list_ids, codes, luts, keys, *where, nprobe,
+                                         **params)
     return keys, out[::nprobe].contiguous()
 
 
-def _params(m: int, interpret: bool) -> dict:
-    return dict(M=m, M_P2=triton.next_power_of_2(m), BLOCK=1024 if interpret else 128, num_warps=4)
+def _params(m: int, interpret: bool, tiered: bool = False) -> dict:
+    return dict(M=m, M_P2=triton.next_power_of_2(m), BLOCK=1024 if interpret else 128, TIERED=tiered, num_warps=4)
 
 
-def variants(m: int) -> list[Variant]:
+def variants(m: int, tiered: bool = False) -> list[Variant]:
     """What adc_stream compiles on a GPU for M-byte codes (kernels_compile.py builds it for sm_90)."""
-    params = _params(m, interpret=False)
-    return [variant(adc_stream_kernel, ("*i64", "*i64", "*i32", "*u8", "*fp32", "*i64", "i32"),
+    params = _params(m, interpret=False, tiered=tiered)
+    return [variant(adc_stream_kernel, ("*i64", "*i64", "*i32", "*u8", "*fp32", "*i64", "*i8", "*i32", "*u8", "i32"),
                     params.pop("num_warps"), **params)]
 
 
 def adc_stream_reference(luts: torch.Tensor, segments: torch.Tensor, list_ids: torch.Tensor,
-                         codes: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                         codes: torch.Tensor, cold: torch.Tensor | None = None, host_ids: torch.Tensor | None = None,
+                         host_codes: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Plain PyTorch: per query, (vector IDs int64, ADC distances float32) of its segments' postings in order."""
-    luts, codes, segments = luts.cpu().double(), codes.cpu().long(), segments.cpu()
-    ids = list_ids.cpu().long() & 0xFFFFFFFF
+    luts, segments = luts.cpu().double(), segments.cpu()
+    parts = [(list_ids.cpu().long() & 0xFFFFFFFF, codes.cpu().long())]
+    if cold is not None:
+        parts.append((host_ids.cpu().long() & 0xFFFFFFFF, host_codes.cpu().long()))
     out = []
     for i in range(luts.shape[0]):
-        rows = torch.cat([torch.arange(int(s), int(e)) for s, e in segments[i]]) if segments.shape[1] else \
-            torch.zeros(0, dtype=torch.int64)
-        d = luts[i].gather(1, codes[rows].T).sum(0) if len(rows) else torch.zeros(0, dtype=torch.float64)
-        out.append((ids[rows], d.float()))
+        ids, d = [], []
+        for j, (s, e) in enumerate(segments[i].tolist()):
+            where_ids, where_codes = parts[int(cold[i, j] != 0) if cold is not None else 0]
+            rows = torch.arange(s, e)
+            ids.append(where_ids[rows])
+            d.append(luts[i].gather(1, where_codes[rows].T).sum(0) if len(rows) else
+                     torch.zeros(0, dtype=torch.float64))
+        out.append((torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64),
+                    torch.cat(d).float() if d else torch.zeros(0)))
     return out

@@ -133,6 +133,8 @@ class _CollectionCollector:
             gpu_tier = t.get("filter", {})
             if "gpu_index_reserved_bytes" in gpu_tier:  # this collection's share of the budget
                 tiers.add_metric([name, "gpu"], gpu_tier["gpu_index_reserved_bytes"])
+                # and the host memory its cold postings (or codes) are pinned in, which the GPU reads over the bus
+                tiers.add_metric([name, "gpu_host_pinned"], gpu_tier.get("gpu_host_pinned_bytes", 0))
             # Every collection reports the one budget: read at slightly different times, take the largest.
             for kind, key in (("used", "gpu_reserved_bytes"), ("peak", "gpu_peak_bytes"), ("budget", "gpu_budget_bytes")):
                 process[kind] = max(process[kind], gpu_tier.get(key, 0))

@@ -16,7 +16,11 @@ on the device it receives the top-n and the host re-ranks them. Measured here, o
   (tests/retriever/test_device_tier.py checks those counts against its uploads);
 - the device tier's host work a batch: the torch operations and Triton launches it issues, counted on a small
   index run through it on this machine (Triton's interpreter; the count does not depend on the data's size but
-  through the number of chunks), at a launch cost that is a model input until a GPU window measures it.
+  through the number of chunks), at a launch cost that is a model input until a GPU window measures it;
+- the postings the device tier scans a query (exact navigation) against the CPU tier's (the graph's lists), and
+  both recalls, at the same settings (`device_postings`): the scan and top-n of the cost model rest on it;
+- the device tier larger than its budget (a tenth of the postings resident): the bytes its cold lists bring over
+  the bus a query, placed by list length and by the lists the tuning half probed (`tiered`).
 
     python -m bench.gpu.gpu_host_cost [--count 1000000] [--nprobe 32 64] [--out bench/results/gpu/gpu_host_cost.json]
 """
@@ -42,6 +46,9 @@ from fusionrag.retriever import BuildConfig, Index  # noqa: E402
 
 from bench.harness.paths import ROOT
 LAUNCH_S = 8e-6  # host seconds a device operation costs to issue (CUDA launch + torch dispatch): a model input
+# Bytes/s a kernel streams from pinned host memory over the H200's PCIe 5.0 x16 link (64 GB/s a direction on paper):
+# a model input until a window measures it (bench/gpu/gpu_tier.py, scan_stream's host_stream_bus_bytes_per_s).
+BUS_BPS = 45e9
 
 
 class _Ops(TorchDispatchMode):
@@ -98,6 +105,75 @@ def device_ops_per_batch(work: Path) -> dict:
                     "host_s_per_batch_model": round((ops.count + len(launches)) * LAUNCH_S, 6)}
         index.close()
     return out
+
+
+def tiered(index: Index, tune: np.ndarray, report: np.ndarray, nprobes, rerank: int, batch: int) -> list[dict]:
+    """The device tier larger than its budget: a tenth of the postings on the device, the rest in host memory.
+    Run through the device tier itself (here on CPU tensors, Triton's interpreter): per query of the report half, the
+    postings its navigation probes and the bytes the cold ones bring over the bus (the tier's own count, which
+    tests/retriever/test_device_tier.py checks against the lists probed), the lists placed by length (as at open), then
+    by the lists the tuning half probed (rebalance); and the queries a second the bus would allow at BUS_BPS."""
+    from fusionrag.retriever.engine.device_tier import DeviceTier
+    from fusionrag.retriever.engine.gpu_tier import shared_account
+
+    f = index.filter
+    postings, m = len(f.list_ids), f.codes.shape[1]
+    rows = []
+    for nprobe in nprobes:  # a tier opened afresh for each: placed by length first
+        tier = DeviceTier(index.nav.graph.vectors(), index.metric == "ip", f.list_offsets, f.list_ids, f.codes,
+                          index.pq.codebooks, account=shared_account(torch.device("cpu"), 8 << 30, 0.9, "tiered"),
+                          metric=index.reranker.metric, batch_size=batch, threads=f.threads, raw=None, dim=index.dim,
+                          raw_share=1.0, work_bytes=1 << 30, max_resident_postings=postings // 10)
+        p = index.params.with_overrides(nprobe=nprobe, rerank=rerank)
+        row = {"nprobe": nprobe, "rerank": rerank, "resident_postings_fraction": round(tier.hot_postings / postings, 4)}
+        for placed in ("by_length", "by_probes"):
+            if placed == "by_probes":
+                tier.search(tune, p, rerank, 10)  # counts the lists the tuning half probes
+                tier.rebalance()
+            before = dict(tier.phases)
+            b = tier.search(report, p, rerank, 10)
+            bus = (tier.phases["bytes_over_bus"] - before["bytes_over_bus"]) / len(report)
+            row[placed] = {"postings_per_query": round(float(b.gathered.mean()), 1),
+                           "cold_share_of_postings": round(bus / (m + 4) / max(1.0, float(b.gathered.mean())), 3),
+                           "bus_bytes_per_query": round(bus),
+                           "up_bytes_per_query": (tier.phases["bytes_up"] - before["bytes_up"]) / len(report),
+                           "down_bytes_per_query": (tier.phases["bytes_down"] - before["bytes_down"]) / len(report),
+                           "qps_bus_allows_model": round(BUS_BPS / max(1.0, bus))}
+        rows.append(row)
+        print(json.dumps({"tiered": row}), flush=True)
+        tier.close()
+    return rows
+
+
+def device_postings(index_path: Path, base: np.ndarray, report: np.ndarray, points, batch: int) -> list[dict]:
+    """What the cost model's scan and top-n rest on: the postings the device tier scans a query (its exact
+    navigation and the probe rule) against those the CPU tier scans (the graph's lists), and each one's recall@10
+    against brute force, at the same settings, on the report half (the device tier on CPU tensors, Triton's
+    interpreter, all its parts resident)."""
+    from fusionrag.retriever import EngineConfig
+
+    xb, qq = torch.from_numpy(base), torch.from_numpy(report)
+    truth = torch.topk((xb * xb).sum(1)[None, :] - 2 * qq @ xb.T, 10, dim=1, largest=False).indices.numpy()
+    del xb
+
+    def rec(ids):
+        return round(float(np.mean([len(set(a.tolist()) & set(b.tolist())) / 10 for a, b in zip(ids, truth)])), 4)
+
+    cpu = Index.open(index_path, EngineConfig(filter_tier="cpu"))
+    dev = Index.open(index_path, EngineConfig(filter_tier="gpu", gpu_search="device", gpu_budget_bytes=8 << 30,
+                                              batch_size=batch, gpu_tiered_share=1e-9, manager_interval_s=0))
+    rows = []
+    for nprobe, rerank in points:
+        a = cpu.search(report, 10, nprobe=nprobe, rerank=rerank)
+        b = dev.search(report, 10, nprobe=nprobe, rerank=rerank)
+        rows.append({"nprobe": nprobe, "rerank": rerank, **{tier: {
+            "recall@10": rec(r.ids), "postings_per_query": round(float(r.stats["candidates"].mean()), 1),
+            "lists_per_query": round(float(r.stats["centroids_probed"].mean()), 2)}
+            for tier, r in (("cpu_tier", a), ("device_tier", b))}})
+        print(json.dumps({"device_postings": rows[-1]}), flush=True)
+    cpu.close()
+    dev.close()
+    return rows
 
 
 def main() -> int:
@@ -158,6 +234,10 @@ def main() -> int:
                                "host_us_per_query": {"rerank_from_ssd": round(rerank_s / nq * 1e6, 1)}}},
         })
         print(json.dumps(rows[-1]), flush=True)
+    points = [(64, 200), (64, 400)]  # about recall 0.92 and 0.95 on the default set (device_postings)
+    postings = device_postings(path, x[:args.count], report[:512], points, args.batch)
+    tenth = [tiered(index, index.prepare_queries(held[:args.batch]), q, [nprobe], rerank, args.batch)[0]
+             for nprobe, rerank in points]
     ops = device_ops_per_batch(work)
     for r in rows:
         for where, key in (("resident", "raw_resident"), ("on SSD", "raw_on_ssd")):
@@ -169,7 +249,8 @@ def main() -> int:
                        4) for key in ("raw_resident", "raw_on_ssd")}
     result = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "threads": threads,
               "index": path.name, "batch": args.batch, "k": args.k, "launch_cost_model_s": LAUNCH_S,
-              "device_ops_per_batch_one_chunk": ops, "rows": rows}
+              "device_ops_per_batch_one_chunk": ops, "rows": rows, "bus_model_bytes_per_s": BUS_BPS,
+              "device_postings_and_recall": postings, "tenth_of_postings_resident": tenth}
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

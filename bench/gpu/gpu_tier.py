@@ -17,7 +17,8 @@ Prints, with the device's name as torch reports it:
 - the GPU tier is the device tier where its parts fit (#47: navigation, lists, scan, top-n and the re-rank on
   the device; the bytes a query sends and receives); beside it, at its best points, the same with the raw
   vectors left on the SSD, the lists tier (the host navigates and gathers IDs: the H100 runs' path), and the
-  lists tier with a tenth of the codes resident (the rest read from pinned host memory), larger than its budget;
+  device tier with a tenth of the postings resident (the rest streamed from pinned host memory), larger than its
+  budget, placed by list length and then by the lists probed;
 - the seconds a second open of the index takes, with Triton's cache warm.
 
 Without CUDA it runs a tiny configuration on the CPU through Triton's interpreter, to check that
@@ -46,10 +47,11 @@ import triton  # noqa: E402
 from fusionrag.kernels.adc_scan import adc_scan  # noqa: E402
 from fusionrag.kernels.adc_stream import adc_stream  # noqa: E402
 from fusionrag.kernels.dedup import table_layout  # noqa: E402
-from fusionrag.kernels.pool import OVERHEAD, process_gpu_bytes  # noqa: E402
+from fusionrag.kernels.pool import ALIGN, OVERHEAD, process_gpu_bytes  # noqa: E402
 from fusionrag.kernels.topn import topn  # noqa: E402
 from fusionrag.loadtests.queryset import synthetic_vectors  # noqa: E402
 from fusionrag.retriever import BuildConfig, Index  # noqa: E402
+from fusionrag.retriever.engine.device_tier import DeviceTier  # noqa: E402
 from fusionrag.retriever.engine.gpu_tier import ALLOCATOR_SLACK, GpuFilterTier, shared_account  # noqa: E402
 
 from bench.harness.paths import ROOT
@@ -134,10 +136,25 @@ def bench_stream(device: torch.device, n: int, m: int, q: int, nprobe: int, list
     keys = torch.empty(q * nprobe * list_len, dtype=torch.int64, device=device)
     seconds = timed(lambda: adc_stream(luts, segments, list_ids, codes, keys=keys), device)
     moved = keys.numel() * (m + 4 + 8)  # each posting's code and ID read once, its key written
-    return {"postings": n, "m": m, "queries": q, "lists_per_query": nprobe, "list_length": list_len,
-            "stream_seconds": round(seconds, 6), "stream_postings_per_s": round(keys.numel() / seconds),
-            "stream_bytes_per_s": round(moved / seconds),
-            "stream_fraction_of_bandwidth": round(moved / seconds / peak_bw, 3)}
+    out = {"postings": n, "m": m, "queries": q, "lists_per_query": nprobe, "list_length": list_len,
+           "stream_seconds": round(seconds, 6), "stream_postings_per_s": round(keys.numel() / seconds),
+           "stream_bytes_per_s": round(moved / seconds),
+           "stream_fraction_of_bandwidth": round(moved / seconds / peak_bw, 3)}
+    # The same lists lying in pinned host memory, streamed over the bus (the device tier larger than its budget:
+    # its cold lists), and a plain copy of as many bytes from pinned memory up, the bus's rate for a peer.
+    host_ids = list_ids.cpu().pin_memory() if device.type == "cuda" else list_ids.clone()
+    host_codes = codes.cpu().pin_memory() if device.type == "cuda" else codes.clone()
+    cold = torch.ones((q, nprobe), dtype=torch.int8, device=device)
+    seconds = timed(lambda: adc_stream(luts, segments, list_ids, codes, keys=keys, cold=cold, host_ids=host_ids,
+                                       host_codes=host_codes), device)
+    over_bus = keys.numel() * (m + 4)
+    staged = host_codes.reshape(-1)[:over_bus] if over_bus <= host_codes.numel() else host_codes.reshape(-1)
+    on_device = torch.empty_like(staged, device=device)
+    copy_s = timed(lambda: on_device.copy_(staged, non_blocking=True), device)
+    out.update({"host_stream_seconds": round(seconds, 6), "host_stream_bus_bytes_per_s": round(over_bus / seconds),
+                "pinned_copy_up_bytes_per_s": round(staged.numel() / copy_s)})
+    del host_ids, host_codes, on_device
+    return out
 
 
 def load(name: str, n_queries: int, count: int, dim: int, device: torch.device):
@@ -210,7 +227,8 @@ def sweep(index: Index, queries, gt, grid, repeat: int = 3) -> list[dict]:
             runs[-1]["device_busy"] = round((phases["device_s"] - before["device_s"]) / sum(walls), 3)
             runs[-1]["bytes_per_query"] = {
                 "up": round((phases["bytes_up"] - before["bytes_up"]) / queries_done, 1),
-                "down": round((phases["bytes_down"] - before["bytes_down"]) / queries_done, 1)}
+                "down": round((phases["bytes_down"] - before["bytes_down"]) / queries_done, 1),
+                "over_bus": round((phases["bytes_over_bus"] - before["bytes_over_bus"]) / queries_done, 1)}
             runs[-1]["device_batches_per_call"] = round(done / repeat, 1)
     return runs
 
@@ -366,6 +384,7 @@ def main() -> int:
     results["raw_vectors_resident"] = bool(getattr(gpu.filter, "raw_resident", False))
     e2e["gpu_tier"] = {"runs": sweep(gpu, queries, gt, grid)}
     results["gpu_memory"] = against_budget(gpu.filter, memory.read())
+    tier_parts = dict(gpu.filter.account.parts)  # to size the larger-than-budget run below
     e2e["gpu_tier"].update(best_at(e2e["gpu_tier"]["runs"]))
     save()
     best95 = e2e["gpu_tier"]["qps_at_recall_0.95"] or max(e2e["gpu_tier"]["runs"], key=lambda r: r["recall@10"])
@@ -393,25 +412,39 @@ def main() -> int:
     lists = Index.open(path, filter_tier="gpu", gpu_search="lists", batch_size=batch, **budget_kw)
     e2e["lists_tier"] = {"runs": sweep(lists, queries, gt, best_points)}
     e2e["lists_tier"].update(best_at(e2e["lists_tier"]["runs"]))
+    shared = lists.filter.account.budget
     save()
-    # Larger than its budget (#47): a tenth of the codes resident, the rest read over PCIe, no raw vectors on the
-    # device; the process's budget resized to what the lists tier held but nine tenths of the codes, plus the slot
-    # map and what the process holds beside the tiers once the first has closed.
-    f = lists.filter
-    shared, work, codes = f.account.budget, f.pool.blocks[0].host_bytes * 2, f.codes.numel()
-    tier_bytes = f.account.used - f.account.parts["PQ codes"] + 4 * len(base) + codes // 10
+    # Larger than its budget (#47): the device tier with a tenth of the postings (IDs and codes) resident, the rest
+    # streamed from pinned host memory over the bus, no raw vectors on the device (the host re-ranks); the process's
+    # budget resized to what the device tier held but nine tenths of the postings and the raw vectors, plus what the
+    # process holds beside the tiers once the first has closed. Its lists placed by length (as at open), then again
+    # by the lists the first sweep probed (rebalance: the same queries, so an upper bound).
     lists.close()
-    del lists, f
+    del lists
     shared.true_up()
-    budget = shared.parts.get(OVERHEAD, 0) + tier_bytes + (ALLOCATOR_SLACK if CUDA else 0)
     third = Index.open(path, filter_tier="cpu", batch_size=batch)
     c = third.filter
-    third.filter = GpuFilterTier(c.list_offsets, c.list_ids, c.codes, third.pq.codebooks,
-                                 account=shared_account(device, budget, 0.9, "tenth"), metric=third.reranker.metric,
-                                 batch_size=batch, threads=c.threads, work_bytes=work, tiered_share=1.0)
-    e2e["gpu_tier_tenth_codes_resident"] = {"runs": sweep(third, queries, gt, best_points)}
+    postings_bytes = len(c.list_ids) * (c.codes.shape[1] + 4)
+    n_lists = len(c.list_offsets) - 1
+    floor = sum(v for k, v in tier_parts.items() if k not in ("working memory", "list ids", "PQ codes in list order",
+                                                             "raw vectors"))
+    places = 2 * -(-n_lists * 8 // ALIGN) * ALIGN + -(-n_lists // ALIGN) * ALIGN  # where each list lies, its probes
+    budget = (shared.parts.get(OVERHEAD, 0) + floor + places + tier_parts["working memory"]
+              + postings_bytes // 10 - 1024 + (ALLOCATOR_SLACK if CUDA else 0))  # 1 KiB: alignment
+    third.filter = DeviceTier(third.nav.graph.vectors(), third.metric == "ip", c.list_offsets, c.list_ids, c.codes,
+                              third.pq.codebooks, account=shared_account(device, budget, 0.9, "tenth"),
+                              metric=third.reranker.metric, batch_size=batch, threads=c.threads, raw=None,
+                              dim=third.dim, raw_share=1.0, work_bytes=tier_parts["working memory"])
+    e2e["gpu_tier_tenth_codes_resident"] = {"runs": sweep(third, queries, gt, best_points),
+                                            "resident_code_fraction": third.filter.describe()["resident_code_fraction"],
+                                            "tiered": bool(third.filter.tiered)}
     e2e["gpu_tier_tenth_codes_resident"].update(best_at(e2e["gpu_tier_tenth_codes_resident"]["runs"]))
     results["gpu_memory_tenth_codes_resident"] = against_budget(third.filter, memory.read())
+    save()
+    third.filter.rebalance()
+    e2e["gpu_tier_tenth_rebalanced"] = {"runs": sweep(third, queries, gt, best_points),
+                                        "resident_code_fraction": third.filter.describe()["resident_code_fraction"]}
+    e2e["gpu_tier_tenth_rebalanced"].update(best_at(e2e["gpu_tier_tenth_rebalanced"]["runs"]))
     save()
     third.filter.close()
     del third, c
@@ -448,6 +481,7 @@ def main() -> int:
         c = e2e["cpu_tier"][f"qps_at_recall_{target:.2f}"]
         for tier, key in (("gpu_tier", "gpu_over_cpu"), ("lists_tier", "lists_over_cpu"),
                           ("gpu_tier_tenth_codes_resident", "tenth_resident_over_cpu"),
+                          ("gpu_tier_tenth_rebalanced", "tenth_rebalanced_over_cpu"),
                           ("gpu_tier_raw_on_ssd", "raw_on_ssd_over_cpu")):
             g = e2e[tier][f"qps_at_recall_{target:.2f}"]
             if g and c:

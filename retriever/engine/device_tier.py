@@ -18,9 +18,15 @@ device idle 90% of a batch. Here, inside the same budget (kernels/pool.py), the 
   batch reads nothing from SSD. Otherwise the top-n go back to the host re-rank (a few KiB a query).
 
 Temporaries come from torch's allocator, in chunks of queries sized so that a batch's working memory stays
-within the `working memory` part reserved in the budget at open. A tier whose fixed parts do not fit is not
-made (BudgetError); open_filter_tier then opens the lists tier (gpu_tier.GpuFilterTier), which keeps only the
-hottest codes resident.
+within the `working memory` part reserved in the budget at open.
+
+Larger than its budget (tiered): where every posting's ID and code do not fit, the hottest lists' postings stay on
+the device (at most gpu_tiered_share of what the other parts leave) and the rest lie in pinned host memory, in
+list order too; the scan streams a cold list from there over the bus (zero-copy), so a batch still sends only
+its queries. Until queries have come, longer lists count as hotter; `rebalance` (the index manager's thread)
+re-places them by the lists probed since open. No raw vectors go up then: the host re-ranks the top-n. A tier
+whose other parts (centroids, offsets, codebooks, bitmap, working memory) do not fit is not made (BudgetError);
+open_filter_tier then opens the lists tier (gpu_tier.GpuFilterTier).
 
 Without CUDA the same code runs on CPU tensors with Triton's interpreter (TRITON_INTERPRET=1), as the tests run it.
 """
@@ -86,16 +92,18 @@ class DeviceTier:
     name = "gpu"
     overlaps = True
     navigates = True
-    tiered = False
     in_flight = 1
 
     def __init__(self, centroids: np.ndarray, augmented: bool, list_offsets: np.ndarray, list_ids: np.ndarray,
                  codes: np.ndarray, codebooks: np.ndarray, *, account: BudgetAccount, metric: str, batch_size: int,
                  threads: int, raw: Callable[[int, int], np.ndarray] | None = None, dim: int | None = None,
-                 raw_share: float = 0.5, work_bytes: int = 0, compile_kernels: bool = True):
+                 raw_share: float = 0.5, work_bytes: int = 0, compile_kernels: bool = True,
+                 max_resident_postings: int | None = None):
         """centroids: the navigation graph's (graph.vectors(); augmented for ip). raw(start, stop): the raw vectors
         of those ids as float32, read where they are kept, None to keep them off the device. raw_share: at most
-        this share of what the fixed parts leave goes to raw vectors."""
+        this share of what the fixed parts leave goes to raw vectors (tiered: to postings).
+        max_resident_postings: at most so many postings on the device, the rest tiered (a benchmark's stand-in for
+        a collection larger than its budget; None: as many as the budget holds)."""
         self.list_offsets, self.list_ids, self.threads, self.batch_size = list_offsets, list_ids, threads, batch_size
         self.account, self.device = account, account.device
         self._release = weakref.finalize(self, account.release)
@@ -112,9 +120,11 @@ class DeviceTier:
             raise BudgetError(f"{count} vectors or {postings} postings: the device tier indexes them with int32")
         cuda = self.device.type == "cuda"
         budget = account.budget
+        self.sizes_host = np.diff(list_offsets).astype(np.int64)
         fixed = {"PQ codebooks": codebooks.size * 4, "centroids": n_lists * cdim * 4 + n_lists * 4,
-                 "posting lists": (n_lists + 1) * 8 + postings * 4 + n_lists * 8, "PQ codes in list order": postings * m,
-                 "exclusion bitmap": (count + 7) // 8}
+                 "list starts and sizes": n_lists * 16, "exclusion bitmap": (count + 7) // 8}
+        per_posting = m + 4  # its code and its vector ID
+        self._codes_src, self._ids_src = codes, list_ids  # where placement reads them (memory maps, mostly)
         with budget.opening:
             try:
                 slack = ALLOCATOR_SLACK if budget.measured else 0
@@ -123,12 +133,24 @@ class DeviceTier:
                 budget.true_up()
                 need = sum(_aligned(b) for b in fixed.values())
                 room = budget.left - slack - need
-                if room < MIN_WORK:
-                    raise BudgetError(f"the device tier needs {need + MIN_WORK} bytes of GPU memory "
-                                      f"({', '.join(f'{k} {v}' for k, v in fixed.items())}, working memory {MIN_WORK}) "
-                                      f"and {budget.left - slack} are left")
+                all_postings = _aligned(postings * 4) + _aligned(postings * m)
+                least_work = max(MIN_WORK, work_bytes // ALIGN * ALIGN)  # work_bytes: as asked, if it was
+                self.tiered = room - all_postings < least_work or (max_resident_postings is not None
+                                                                   and max_resident_postings < postings)
+                if self.tiered:  # where each list lies and how often it was probed
+                    room -= 2 * _aligned(n_lists * 8) + _aligned(n_lists)
+                else:
+                    room -= all_postings
+                if room < least_work:
+                    parts = {**fixed, "list places and visits": n_lists * 17}
+                    least = need + 2 * _aligned(n_lists * 8) + _aligned(n_lists) + least_work
+                    raise BudgetError(f"the device tier needs {least} bytes of GPU memory "
+                                      f"({', '.join(f'{k} {v}' for k, v in parts.items())}, working memory "
+                                      f"{least_work}; the postings, {postings * per_posting} bytes, may lie in host "
+                                      f"memory) and {budget.left - slack} are left")
                 raw_bytes = count * self.dim * 4
-                self.raw_resident = raw is not None and raw_bytes <= (room - MIN_WORK) * raw_share
+                self.raw_resident = (not self.tiered and raw is not None
+                                     and raw_bytes <= (room - least_work) * raw_share)
                 if not work_bytes:  # a quarter of what is left, and no more than a whole batch could use
                     whole = batch_size * (postings * PER_POSTING + n_lists * 12 + 1024 * self.dim * 8)
                     work_bytes = int(np.clip(min((room - (raw_bytes if self.raw_resident else 0)) // 4, whole),
@@ -140,17 +162,31 @@ class DeviceTier:
                 self.centroids = account.upload("centroids", _host(c))
                 self.centroid_norms = account.empty("centroid norms", (n_lists,), torch.float32)
                 self.centroid_norms.copy_(_host(np.einsum("ij,ij->i", c, c).astype(np.float32)))
-                self.offsets = account.upload("list offsets", _host(list_offsets.astype(np.int64, copy=False)))
-                self.sizes = account.upload("list sizes", _host(np.diff(list_offsets).astype(np.int64)))
-                self.ids = account.empty("list ids", (postings,), torch.int32)
-                self.codes = account.empty("PQ codes in list order", (postings, m), torch.uint8)
-                for s in range(0, postings, UPLOAD_CHUNK):  # codes gathered into list order a chunk at a time
-                    e = min(postings, s + UPLOAD_CHUNK)
-                    rows = np.asarray(list_ids[s:e], dtype=np.int64)
-                    self.ids[s:e].copy_(_host(rows.astype(np.uint32).view(np.int32)))
-                    self.codes[s:e].copy_(_host(np.asarray(codes[rows])))
+                self.sizes = account.upload("list sizes", _host(self.sizes_host))
+                self.starts = account.empty("list starts", (n_lists,), torch.int64)  # in the memory it lies in
                 self.bitmap = account.empty("exclusion bitmap", (max(1, (count + 7) // 8),), torch.uint8)
                 self._bitmap_host: np.ndarray | None = None  # what self.bitmap holds (None: nothing yet)
+                if self.tiered:
+                    # The hottest lists' postings on the device, at most raw_share of what is left; the rest pinned
+                    # on the host, sized for the most any placement leaves there (a list longer than the room
+                    # left stops the hot run: less than the longest list's postings go unused).
+                    self.capacity = int(max(0.0, (room - self.work_bytes) * raw_share - 2 * ALIGN) // per_posting)
+                    self.capacity = min(self.capacity, postings, max_resident_postings or postings)
+                    longest = int(self.sizes_host.max()) if n_lists else 0
+                    cold = postings - max(0, self.capacity - longest) if self.capacity < postings else 0
+                    self.cold_list = account.empty("list places", (n_lists,), torch.int8)
+                    self._visits = account.empty("list visits", (n_lists,), torch.int64)
+                    self._visits.zero_()
+                    self.host_ids = torch.empty((cold,), dtype=torch.int32, pin_memory=cuda)
+                    self.host_codes = torch.empty((cold, m), dtype=torch.uint8, pin_memory=cuda)
+                else:
+                    self.capacity = postings
+                    self.cold_list = self._visits = self.host_ids = self.host_codes = None
+                rows = max(1, self.capacity)  # a kernel's pointer argument must point somewhere, even all cold
+                self.ids = account.empty("list ids", (rows,), torch.int32)
+                self.codes = account.empty("PQ codes in list order", (rows, m), torch.uint8)
+                self._hot = np.ones(n_lists, bool)
+                self._place(self._choose(np.zeros(n_lists, np.int64)) if self.tiered else self._hot)
                 self.raw = None
                 if self.raw_resident:
                     self.raw = account.empty("raw vectors", (count, self.dim), torch.float32)
@@ -164,11 +200,58 @@ class DeviceTier:
                 raise
         if cuda:
             torch.cuda.synchronize(self.device)
-        self.phases = {"device_s": 0.0, "batches": 0, "bytes_up": 0, "bytes_down": 0}
+        self.phases = {"device_s": 0.0, "batches": 0, "bytes_up": 0, "bytes_down": 0, "bytes_over_bus": 0}
+
+    # -- placement (tiered) --------------------------------------------------------------------------------------
+    def _choose(self, visits: np.ndarray) -> np.ndarray:
+        """Which lists' postings go on the device: the most probed first (a resident byte saves a bus byte per
+        probe), longer lists first among equals, while they fit the capacity."""
+        order = np.lexsort((-self.sizes_host, -np.asarray(visits)))
+        fits = np.cumsum(self.sizes_host[order]) <= self.capacity
+        hot = np.zeros(len(self.sizes_host), bool)
+        hot[order[fits]] = True  # a prefix: cumsum grows
+        return hot
+
+    def _place(self, hot: np.ndarray) -> None:
+        """Lay the postings of the lists `hot` marks out on the device, the rest in pinned host memory, each list one
+        run in list order, copied a chunk of lists at a time from the index's list ids and codes."""
+        starts = np.zeros(len(hot), np.int64)
+        for where, dest_ids, dest_codes in ((hot, self.ids, self.codes), (~hot, self.host_ids, self.host_codes)):
+            lists = np.flatnonzero(where)
+            if not len(lists):
+                continue
+            lens = self.sizes_host[lists]
+            at = np.cumsum(lens) - lens  # each list's start in its memory
+            starts[lists] = at
+            if at[-1] + lens[-1] > len(dest_ids):
+                raise BudgetError(f"{at[-1] + lens[-1]} postings placed in room for {len(dest_ids)}")
+            group = np.searchsorted(at, np.arange(0, at[-1] + lens[-1], UPLOAD_CHUNK), side="right") - 1
+            for a, b in zip(group, [*group[1:], len(lists)]):
+                if b <= a:
+                    continue
+                src = np.concatenate([np.arange(self.list_offsets[i], self.list_offsets[i + 1]) for i in lists[a:b]])
+                rows = np.asarray(self._ids_src[src], dtype=np.int64)
+                s, e = int(at[a]), int(at[a]) + len(src)
+                dest_ids[s:e].copy_(_host(rows.astype(np.uint32).view(np.int32)))
+                dest_codes[s:e].copy_(_host(np.asarray(self._codes_src[rows])))
+        self.starts.copy_(_host(starts))
+        if self.tiered:
+            self.cold_list.copy_(_host((~hot).astype(np.int8)))
+        self._hot = hot.copy()
+        self.hot_postings = int(self.sizes_host[hot].sum())
+
+    @property
+    def visits(self) -> np.ndarray:
+        """Per list, the queries that probed it since open (tiered only; zeros otherwise)."""
+        if self._visits is None:
+            return np.zeros(len(self.sizes_host), np.int64)
+        return self._visits.cpu().numpy()
 
     # -- compile ------------------------------------------------------------------------------------------
     def variants(self) -> list[Variant]:
-        return [*pq_table_mod.variants(self.m, self.dsub, self.metric), *adc_stream_mod.variants(self.m)]
+        # Both scans: whether the postings are tiered is known only once the kernels' own memory is counted.
+        return [*pq_table_mod.variants(self.m, self.dsub, self.metric), *adc_stream_mod.variants(self.m),
+                *adc_stream_mod.variants(self.m, tiered=True)]
 
     def _compile(self) -> dict[str, float]:
         with torch.cuda.device(self.device):
@@ -177,8 +260,14 @@ class DeviceTier:
 
     # -- the filter tier's interface ------------------------------------------------------------------------
     def memory_bytes(self) -> int:
-        """Bytes of PQ codes held (on the device; the host keeps none once they are uploaded)."""
-        return 0 if self.codes is None else int(self.codes.numel())
+        """Bytes of the postings' codes held: on the device, and (tiered) the cold lists' IDs and codes pinned on
+        the host; the host keeps no other copy once they are placed."""
+        if self.codes is None:
+            return 0
+        return int(self.codes.numel()) + self.host_pinned_bytes()
+
+    def host_pinned_bytes(self) -> int:
+        return 0 if self.host_codes is None else int(self.host_codes.numel() + self.host_ids.numel() * 4)
 
     def describe(self) -> dict:
         cuda = self.device.type == "cuda"
@@ -196,7 +285,9 @@ class DeviceTier:
             "gpu_budget_holders": len(budget.owners),
             "gpu_index_reserved_bytes": self.account.used,
             "gpu_index_parts": dict(self.account.parts),
-            "resident_code_fraction": 1.0,
+            "resident_code_fraction": round(self.hot_postings / max(1, len(self.list_ids)), 4),
+            "postings_tiered": bool(self.tiered),
+            "gpu_host_pinned_bytes": self.host_pinned_bytes(),
             "raw_vectors_resident": bool(self.raw_resident),
             "kernel_compile_seconds": dict(self.compile_seconds),
         }
@@ -205,14 +296,26 @@ class DeviceTier:
         with self._lock:
             if not self._release.alive:
                 return
-            self.codebooks = self.centroids = self.centroid_norms = self.offsets = self.sizes = None
-            self.ids = self.codes = self.bitmap = self.raw = None
+            self.codebooks = self.centroids = self.centroid_norms = self.starts = self.sizes = None
+            self.ids = self.codes = self.bitmap = self.raw = self.cold_list = self._visits = None
+            self.host_ids = self.host_codes = None
             self._release()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def rebalance(self) -> None:  # every code is resident: nothing to re-place
-        pass
+    def rebalance(self) -> None:
+        """Tiered: re-place the lists' postings by the probes counted since open (the index manager's thread calls
+        it; searches wait meanwhile); nothing where the same lists stay hot, or where every list is resident."""
+        if not self.tiered:
+            return
+        with self._lock:
+            if self.codes is None:
+                return
+            hot = self._choose(self.visits)
+            if not np.array_equal(hot, self._hot):
+                self._place(hot)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
 
     def tables(self, queries: np.ndarray) -> np.ndarray:
         """The queries as they are: topn builds their tables on the device with the rest of the batch."""
@@ -263,8 +366,18 @@ class DeviceTier:
             out_d = torch.full((nq, width), float("inf"), dtype=torch.float32, device=self.device)
             gathered = torch.zeros(nq, dtype=torch.int64, device=self.device)
             unique = torch.zeros(nq, dtype=torch.int64, device=self.device)
-            sizes = torch.where(dev_lists >= 0, self.sizes[dev_lists.clamp(min=0)], 0).sum(1)
-            for s, e in self._chunks(sizes.cpu().numpy(), n if final else 0):
+            valid = dev_lists >= 0
+            at = dev_lists.clamp(min=0)
+            per_list = torch.where(valid, self.sizes[at], 0)
+            bus = 0
+            if self.tiered:  # the lists probed, counted for placement; the postings read over the bus
+                self._visits.index_add_(0, dev_lists[valid], torch.ones_like(dev_lists[valid]))
+                counts = torch.stack([per_list.sum(1), (per_list * self.cold_list[at]).sum(1)]).cpu().numpy()
+                sizes, bus = counts[0], int(counts[1].sum()) * (self.m + 4)
+                down += nq * 8
+            else:
+                sizes = per_list.sum(1).cpu().numpy()
+            for s, e in self._chunks(sizes, n if final else 0):
                 ids, dists, gathered[s:e], unique[s:e] = self._top_n(tables[s:e], dev_lists[s:e], n, excl)
                 if final:
                     ids, dists = self._rerank(q[s:e], ids, width)
@@ -277,6 +390,7 @@ class DeviceTier:
         self.phases["batches"] += 1
         self.phases["bytes_up"] += up
         self.phases["bytes_down"] += down
+        self.phases["bytes_over_bus"] += bus
         return DeviceBatch(*result[:2], final, *result[2:], seconds, up, down)
 
     def _chunks(self, postings: np.ndarray, rerank_n: int):
@@ -337,9 +451,12 @@ class DeviceTier:
         nq = len(lists)
         valid = lists >= 0
         at = lists.clamp(min=0)
-        starts = torch.where(valid, self.offsets[at], 0)
-        ends = torch.where(valid, self.offsets[at + 1], 0)
-        keys, seg = adc_stream(tables.contiguous(), torch.stack([starts, ends], -1), self.ids, self.codes)
+        starts = torch.where(valid, self.starts[at], 0)
+        ends = starts + torch.where(valid, self.sizes[at], 0)
+        tiers = {}
+        if self.tiered:
+            tiers = dict(cold=self.cold_list[at] * valid, host_ids=self.host_ids, host_codes=self.host_codes)
+        keys, seg = adc_stream(tables.contiguous(), torch.stack([starts, ends], -1), self.ids, self.codes, **tiers)
         counts = seg[1:] - seg[:-1]
         out = torch.full((nq, n), EMPTY, dtype=torch.int64, device=lists.device)
         if keys.numel():

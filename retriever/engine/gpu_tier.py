@@ -285,6 +285,8 @@ class GpuFilterTier:
             "gpu_index_parts": dict(self.account.parts),
             "resident_code_fraction": round(self.codes.shape[0] / max(1, len(self.host_codes_all)), 4)
             if self.codes is not None else 0.0,
+            # the cold codes, pinned in host memory (memory_bytes counts them too)
+            "gpu_host_pinned_bytes": int(self.host_codes.numel()) if self.tiered and self.host_codes is not None else 0,
             "kernel_compile_seconds": dict(self.compile_seconds),
         }
 

@@ -39,7 +39,7 @@ def test_gpu_accept_dry_run_runs_every_step_and_summarizes(tmp_path):
     assert c["lists_tier_qps_at_recall_0.90"]["qps"] > 0 and c["gpu_tier_raw_on_ssd_qps_at_recall_0.90"]["qps"] > 0
     # the device tier sends the queries and receives the answers: a few hundred bytes a query here (24-d, k=10)
     assert c["gpu_tier_qps_at_recall_0.90"]["bytes_per_query"]["up"] <= 4 * 24 + 8
-    assert 0.05 < c["gpu_memory_tenth_codes_resident"]["resident_code_fraction"] < 0.2
+    assert 0.05 < c["gpu_memory_tenth_codes_resident"]["resident_code_fraction"] <= 0.1
     # filter_tier auto without CUDA is the CPU tier alone: every call there, no crossover
     assert set(c["by_call_size"]) == {"1", "8"} and c["crossover"] is None
     assert all(r["auto_served"] == {"cpu": 2} and r["auto_ms"] > 0 < r["gpu_ms"] for r in c["by_call_size"].values())

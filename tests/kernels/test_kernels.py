@@ -158,6 +158,34 @@ def test_adc_stream_over_lists_in_posting_order_matches_reference():
         adc_stream(luts.to(DEVICE), segments.flip(-1).to(DEVICE), as_u32(raw), codes.to(DEVICE))
 
 
+def test_adc_stream_with_cold_lists_in_host_memory_matches_reference():
+    """The device tier larger than its budget: a segment flagged cold streams its run from the second (pinned host)
+    pair of arrays, the others from the device's; the keys are the reference's over each segment's own arrays."""
+    g = gen(6)
+    m, q = 7, 3
+    hot_codes = torch.randint(0, 256, (1300, m), generator=g, dtype=torch.uint8)
+    cold_codes = torch.randint(0, 256, (900, m), generator=g, dtype=torch.uint8)
+    hot_ids, cold_ids = torch.randint(0, 1 << 32, (1300,), generator=g), torch.randint(0, 1 << 32, (900,), generator=g)
+    cold_ids[5] = TOP
+    luts = torch.randn(q, m, 256, generator=g)
+    segments = torch.tensor([[[0, 1200], [0, 10], [30, 30]], [[1200, 1300], [10, 900], [0, 0]],
+                             [[0, 0], [600, 650], [100, 101]]])
+    cold = torch.tensor([[0, 1, 0], [0, 1, 1], [0, 1, 0]], dtype=torch.int8)
+    keys, offsets = adc_stream(luts.to(DEVICE), segments.to(DEVICE), as_u32(hot_ids), hot_codes.to(DEVICE),
+                               cold=cold.to(DEVICE), host_ids=as_u32(cold_ids), host_codes=cold_codes.to(DEVICE))
+    want = adc_stream_reference(luts, segments, as_u32(hot_ids).cpu(), hot_codes, cold, as_u32(cold_ids).cpu(),
+                                cold_codes)
+    ids, dists = unpack_keys(keys.cpu())
+    assert offsets.tolist() == [0, 1210, 2200, 2251]
+    for i, (want_ids, want_dists) in enumerate(want):
+        s, e = int(offsets[i]), int(offsets[i + 1])
+        assert torch.equal(ids[s:e], want_ids)
+        torch.testing.assert_close(dists[s:e], want_dists, rtol=1e-5, atol=1e-5)
+    assert TOP in ids[1200:1210].tolist()  # query 0's second segment: cold posting 5
+    with pytest.raises(ValueError, match="together"):
+        adc_stream(luts.to(DEVICE), segments.to(DEVICE), as_u32(hot_ids), hot_codes.to(DEVICE), cold=cold.to(DEVICE))
+
+
 def test_adc_scan_checks_shapes():
     luts = torch.zeros(2, 4, 256, device=DEVICE)
     with pytest.raises(ValueError, match="q \\+ 1"):
@@ -289,7 +317,7 @@ def test_kernels_compile_for_a_gpu():
     out = subprocess.run([sys.executable, str(Path(__file__).with_name("kernels_compile.py"))], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("compiled ") == 15
+    assert out.stdout.count("compiled ") == 16
 
 
 class _FakeKernel:

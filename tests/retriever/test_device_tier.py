@@ -151,34 +151,121 @@ def test_a_batch_larger_than_the_working_memory_goes_in_chunks_with_the_same_ans
     whole.close()
 
 
+POSTING_PARTS = ("working memory", "list ids", "PQ codes in list order", "raw vectors")
+
+
+def _tiered_floor(parts: dict, n_lists: int) -> int:
+    """What a tiered device tier needs before any posting: the parts but the postings, raw vectors and working
+    memory, the list places and visits, and the least working memory."""
+    a = device_tier_mod._aligned
+    rest = sum(v for k, v in parts.items() if k not in POSTING_PARTS)
+    return rest + 2 * a(n_lists * 8) + a(n_lists) + device_tier_mod.MIN_WORK
+
+
 def test_the_budget_holds_what_the_tier_holds_and_too_small_a_budget_falls_back(built):
     """The account's parts are the bytes of the tensors the tier holds (counted here from the tensors); a budget
-    that cannot hold the fixed parts gets the lists tier under 'auto' and a clear error under 'device'; raw
-    vectors go up only where they fit their share."""
+    that cannot hold every posting tiers them (the next test), one that cannot hold the other parts gets the lists
+    tier under 'auto' and a clear error under 'device'; raw vectors go up only where they fit their share."""
     metric, base, queries, path = built
     dev = Index.open(path, EngineConfig(**DEVICE))
     t = dev.filter
-    held = sum(x.numel() * x.element_size() for x in (t.codebooks, t.centroids, t.centroid_norms, t.offsets, t.sizes,
+    held = sum(x.numel() * x.element_size() for x in (t.codebooks, t.centroids, t.centroid_norms, t.starts, t.sizes,
                                                        t.ids, t.codes, t.bitmap, t.raw))
     parts = dict(t.account.parts)
     assert held <= sum(parts.values()) - parts["working memory"] <= held + 16 * 256
+    assert not t.tiered and t.host_ids is None and t.describe()["resident_code_fraction"] == 1.0
     assert t.codes.shape == (len(t.list_ids), t.m) and t.raw.shape == (len(base), DIM)
     assert t.memory_bytes() == t.codes.numel()
     dev.close()
     assert t.account.used == 0
     fixed = sum(parts.values()) - parts["working memory"] - parts["raw vectors"]
-    small = fixed + device_tier_mod.MIN_WORK - (1 << 20)  # the lists tier fits, the device tier does not
-    lists = Index.open(path, EngineConfig(filter_tier="gpu", gpu_budget_bytes=small, batch_size=16))
-    assert isinstance(lists.filter, GpuFilterTier)  # auto: the lists tier
-    lists.close()
+    small = fixed + device_tier_mod.MIN_WORK - 4096  # every posting does not fit beside the working memory
+    tiered = Index.open(path, EngineConfig(filter_tier="gpu", gpu_budget_bytes=small, batch_size=16))
+    assert isinstance(tiered.filter, DeviceTier) and tiered.filter.tiered  # auto: the device tier, tiered
+    tiered.close()
+    floor = _tiered_floor(parts, len(t.sizes_host))
     with pytest.raises(ConfigError, match="device tier needs"):
-        Index.open(path, EngineConfig(filter_tier="gpu", gpu_search="device", gpu_budget_bytes=small))
+        Index.open(path, EngineConfig(filter_tier="gpu", gpu_search="device", gpu_budget_bytes=floor - 4096))
+    lists = Index.open(path, EngineConfig(filter_tier="gpu", gpu_budget_bytes=floor - 4096, batch_size=16))
+    assert isinstance(lists.filter, GpuFilterTier)  # auto: the lists tier, which keeps its blocks and hot codes
+    lists.close()
     raw = parts["raw vectors"]
     for share, resident in ((0.5, False), (1.0, True)):  # room for the raw vectors beside the working memory
         t = Index.open(path, EngineConfig(filter_tier="gpu", gpu_search="device", gpu_tiered_share=share,
                                           gpu_budget_bytes=fixed + device_tier_mod.MIN_WORK + raw, batch_size=16))
         assert t.filter.raw_resident is resident and (t.filter.raw is not None) is resident
         t.close()
+
+
+def _placement(t: DeviceTier) -> np.ndarray:
+    """Where each list's postings lie, read back from the tier's tensors and checked against the index's lists:
+    True on the device, False in pinned host memory; each list one run, in list order, IDs and codes both."""
+    starts, cold = t.starts.cpu().numpy(), t.cold_list.cpu().numpy()
+    codes = t._codes_src
+    for i in range(len(t.sizes_host)):
+        lo, hi = t.list_offsets[i], t.list_offsets[i + 1]
+        ids, cds = (t.host_ids, t.host_codes) if cold[i] else (t.ids, t.codes)
+        s, e = int(starts[i]), int(starts[i]) + (hi - lo)
+        want = np.asarray(t.list_ids[lo:hi], np.int64)
+        assert np.array_equal(ids[s:e].cpu().numpy().view(np.uint32), want)
+        assert np.array_equal(cds[s:e].cpu().numpy(), codes[want])
+    return cold == 0
+
+
+def test_larger_than_its_budget_the_cold_lists_stream_from_host_memory(built):
+    """#47, larger than its budget: a tenth of the postings on the device, the rest pinned on the host, in list
+    order; the answers are the all-resident tier's, the device holds no more than its budget, the host's pinned
+    bytes are the cold postings, the bytes read over the bus are the cold lists' postings the queries probe, and
+    placing by the lists probed since open moves the probed lists onto the device."""
+    metric, base, queries, path = built
+    whole = Index.open(path, EngineConfig(**DEVICE, gpu_tiered_share=1e-9))
+    parts, n_lists = dict(whole.filter.account.parts), len(whole.filter.sizes_host)
+    postings, m = len(whole.filter.list_ids), whole.filter.m
+    q = whole.prepare_queries(queries)
+    lists, _, _ = whole.nav.probe(q, whole.params.with_overrides(nprobe=12))
+    want = whole.search(queries, 10, nprobe=16)
+    want_top = whole.filter.topn(q, lists, 80)
+    whole.close()
+    budget = _tiered_floor(parts, n_lists) + postings * (m + 4) // 10
+    idx = Index.open(path, EngineConfig(filter_tier="gpu", gpu_search="device", gpu_tiered_share=1.0,
+                                        gpu_budget_bytes=budget, batch_size=16, manager_interval_s=0))
+    t = idx.filter
+    assert t.tiered and not t.raw_resident
+    hot = _placement(t)
+    resident = int(t.sizes_host[hot].sum())
+    assert 0.05 * postings < resident <= 0.1 * postings  # a tenth, less what the next list would not fit
+    on_device = sum(x.numel() * x.element_size() for x in (t.ids, t.codes))
+    assert on_device <= postings * (m + 4) // 10 + 2 * 256
+    assert t.account.budget.used <= budget
+    cold_bytes = (postings - resident) * (m + 4)
+    pinned = t.host_ids.numel() * 4 + t.host_codes.numel()
+    assert cold_bytes <= pinned <= cold_bytes + int(t.sizes_host.max()) * (m + 4)
+    assert t.memory_bytes() == t.codes.numel() + pinned and t.describe()["gpu_host_pinned_bytes"] == pinned
+    # Longer lists first until queries have come: no list left on the host is longer than a device list
+    assert t.sizes_host[~hot].max() <= t.sizes_host[hot].min()
+    got = idx.search(queries, 10, nprobe=16)
+    assert np.array_equal(got.ids, want.ids)
+    np.testing.assert_array_equal(got.distances, want.distances)
+    before, visits = t.phases["bytes_over_bus"], t.visits.copy()
+    top = t.topn(q, lists, 80)
+    assert np.array_equal(top.ids, want_top.ids) and np.array_equal(top.unique, want_top.unique)
+    probed = lists[lists >= 0]
+    assert np.array_equal(t.visits - visits, np.bincount(probed, minlength=n_lists))
+    read = int(t.sizes_host[probed][~hot[probed]].sum()) * (m + 4)
+    assert t.phases["bytes_over_bus"] - before == read > 0
+    # Re-placed by the probes so far, the lists these queries probe are on the device: less read over the bus
+    visits = t.visits
+    t.rebalance()
+    hot = _placement(t)
+    assert visits[~hot].max() <= visits[hot].min()  # the most probed lists are the device's now
+    before = t.phases["bytes_over_bus"]
+    again = t.topn(q, lists, 80)
+    assert np.array_equal(again.ids, want_top.ids)
+    now = t.phases["bytes_over_bus"] - before
+    assert now == int(t.sizes_host[probed][~hot[probed]].sum()) * (m + 4) and now < 0.7 * read
+    assert idx.refresh_hotness().get("rebalanced")  # the index manager's round (its thread is off here) calls it
+    idx.close()
+    assert t.host_codes is None and t.account.used == 0
 
 
 def test_a_collection_on_the_device_tier_answers_as_on_the_cpu(tmp_path):
@@ -252,3 +339,37 @@ def test_auto_opens_both_tiers_and_sends_each_call_to_the_cheaper_one(built, mon
     assert forced.cpu_beside is None and forced.crossover() is None
     assert forced.search(queries[:1], 10).info["filter_tier"] == "gpu"
     forced.close()
+
+
+def test_the_kernels_the_device_tier_compiles_are_those_its_searches_launch(built, monkeypatch):
+    """On CUDA the device tier compiles DeviceTier.variants() when it opens (both scans: whether its postings are
+    tiered is known only after): its searches, all postings resident and tiered, with and without exclusions,
+    launch only those, recorded at each launch with the choices a GPU makes (the interpreter's are patched away)."""
+    from fusionrag.kernels import adc_stream as adc_stream_mod
+    from fusionrag.kernels import pq_table as pq_table_mod
+    from fusionrag.kernels.variants import launched
+
+    metric, base, queries, path = built
+    for mod in (adc_stream_mod, pq_table_mod):
+        monkeypatch.setattr(mod, "interpreted", lambda: False)
+    launches = set()
+    for kernel in (pq_table_mod.pq_table_kernel, adc_stream_mod.adc_stream_kernel):
+        def record(*args, grid, warmup, _kernel=kernel, _run=kernel.run, **kw):
+            if not warmup:
+                launches.add(launched(_kernel, args, kw))
+            return _run(*args, grid=grid, warmup=warmup, **kw)
+        monkeypatch.setattr(kernel, "run", record)
+    exclude = np.packbits(np.arange(len(base)) % 7 == 0, bitorder="little")
+    whole = Index.open(path, EngineConfig(**DEVICE, manager_interval_s=0))
+    t = whole.filter
+    budget = _tiered_floor(dict(t.account.parts), len(t.sizes_host)) + len(t.list_ids) * (t.m + 4) // 10
+    compiled = set(t.variants())
+    for idx in range(2):
+        idx = whole if idx == 0 else Index.open(path, EngineConfig(**{**DEVICE, "gpu_budget_bytes": budget},
+                                                                   gpu_tiered_share=1.0, manager_interval_s=0))
+        assert idx.filter.tiered is (idx is not whole)
+        idx.search(queries[:4], 10, nprobe=8)
+        idx.search(queries[:4], 10, nprobe=8, exclude=exclude)
+        idx.close()
+    assert launches <= compiled, [str(v) for v in launches - compiled]
+    assert {dict(v.constexprs).get("TIERED") for v in launches if v.name == "adc_stream_kernel"} == {False, True}

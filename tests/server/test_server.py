@@ -524,6 +524,9 @@ def test_gpu_tier_flags_reach_the_engine_and_metrics(server, demo_vectors, tmp_p
             share = [s.value for s in fams["fusionrag_tier_bytes"].samples
                      if s.labels == {"collection": "demo", "tier": "gpu"}]
             assert share == [gpu["used"]]
+            pinned = [s.value for s in fams["fusionrag_tier_bytes"].samples
+                      if s.labels == {"collection": "demo", "tier": "gpu_host_pinned"}]
+            assert pinned == [0]  # every posting fits the budget: none pinned on the host
     finally:
         srv.stop()
 
