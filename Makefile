@@ -57,11 +57,11 @@ bench:
 # The GPU acceptance (docs/gpu.md, "Acceptance on a GPU"). Here, where a package registry answers:
 # `make gpu-wheels` puts the Python 3.12 wheels the GPU machine lacks (bench/gpu/gpu-wheels.txt) and the
 # data sets its tests read into .whl/ (git-ignored). There, with .whl/ carried:
-# `make gpu-accept OUT=dir [STEPS=install,a,b,c,d] [DEADLINE=seconds]`; anywhere without CUDA the same
+# `make gpu-accept OUT=dir [STEPS=install,a,b,c,d,e] [DEADLINE=seconds]`; anywhere without CUDA the same
 # command is a dry run at toy size (tests/bench/test_gpu_accept.py).
 .PHONY: gpu-wheels gpu-accept
 ACCEPT_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
-STEPS ?= install,a,b,c,d
+STEPS ?= install,a,b,c,d,e
 DEADLINE ?= 1500
 
 gpu-wheels:

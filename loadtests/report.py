@@ -86,6 +86,9 @@ def summarize_metrics(before: dict, after: dict) -> dict:
         "gpu_within_budget": None if not gpu_budget or gpu_process is None else bool(gpu_process <= gpu_budget),
         "collection_documents": {dict(ls)["collection"]: v for (n, ls), v in after.items()
                                  if n == "fusionrag_collection_documents"},
+        # Which filter tier served the run's queries (filter_tier auto sends each call to the one measured cheaper)
+        "queries_by_filter_tier": {t: v for t in ("cpu", "gpu")
+                                   if (v := _delta(before, after, "fusionrag_filter_tier_queries_total", tier=t))},
     }
 
 

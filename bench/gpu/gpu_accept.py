@@ -14,6 +14,8 @@ copy of the repository that carries the wheels of `make gpu-wheels` (.whl/, git-
            calls of 1, 8, 64 and 1024 queries
   d        the co-location run: loadtests/colocate.py --device cuda, the ~1B decoder holding 40% of the
            GPU from the start, the service a 4 GiB budget, with its verdict
+  e        the service at 1, 8 and 64 concurrent users, --filter-tier auto against cpu on the same box
+           (loadtests/levels.py, 200k x 128)
 
 Not covered here: the vLLM plugin on the GPU tier inside vLLM's own API-server process. The GPU machine
 has no vLLM (a CUDA vLLM is not among the wheels), so its order and refusal are tested on the CPU
@@ -52,12 +54,12 @@ from pathlib import Path
 from bench.harness.paths import ROOT
 WHEELS = ROOT / ".whl"
 SITE = Path("/tmp/fusionrag-site")
-STEPS = ("install", "a", "b", "c", "d")
+STEPS = ("install", "a", "b", "c", "d", "e")
 TITLES = {"install": "wheels and the native extension", "a": "kernel, GPU-tier, GPU-memory and service tests",
           "b": "a collection on the GPU tier: writes, merges, searches", "c": "bench/gpu/gpu_tier.py",
-          "d": "co-location beside a ~1B decoder"}
+          "d": "co-location beside a ~1B decoder", "e": "the service at 1, 8 and 64 users, auto against cpu"}
 # Seconds each step may take; the device runs a command for at most 10 minutes.
-LIMITS = {"install": 300, "a": 540, "b": 420, "c": 560, "d": 560}
+LIMITS = {"install": 300, "a": 540, "b": 420, "c": 560, "d": 560, "e": 400}
 WHEELS_MAX = 60 << 20
 FILE_MAX = 4 << 20  # bytes of one file kept in gpu_accept-files.tar.gz
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
@@ -175,6 +177,8 @@ TARGETS = (
      lambda r: (r.get("verdict") or {}).get("llm_tokens_ratio"), lambda v: v >= 0.9, ">= 0.9"),
     ("no_oom_no_failure", "d", "no out-of-memory and no failed request beside the decoder",
      lambda r: (r.get("verdict") or {}).get("no_oom"), lambda v: v is True, "true"),
+    ("service_auto_over_cpu", "e", "through the service at 1, 8 and 64 users: filter_tier auto's requests/s over "
+     "cpu's on the same box, the worst level", lambda r: r.get("auto_over_cpu_worst"), lambda v: v >= 1, ">= 1"),
 )
 
 
@@ -324,7 +328,28 @@ def step_d(run: Run) -> None:
     run.record("d", status, seconds, figures)
 
 
-RUNNERS = {"install": step_install, "a": step_a, "b": step_b, "c": step_c, "d": step_d}
+def step_e(run: Run) -> None:
+    out = run.files / "levels"
+    if run.cuda:
+        size = ["--users", "1", "8", "64", "--seconds", "10", "--warmup-seconds", "5", "--count", "200000",
+                "--dim", "128", "--server-arg=--gpu-budget-mb=8192"]
+    else:
+        size = ["--users", "1", "4", "--seconds", "2", "--warmup-seconds", "1", "--count", "1500", "--dim", "16",
+                "--num-queries", "30"]
+    status, seconds = run.run("e", [sys.executable, "-m", "fusionrag.loadtests.levels", "--out", str(out), *size])
+    report = read_json(out / "levels.json") if (out / "levels.json").exists() else {}
+    figures = {}
+    if "levels" in report:
+        figures = {"verdict_passed": report["passed"], "auto_over_cpu": report["auto_over_cpu"],
+                   "auto_over_cpu_worst": report["auto_over_cpu_worst"], "failures": report["failures"],
+                   "levels": {tier: {u: {"per_s": x["per_s"], "p99_ms": x["latency_ms"].get("p99"),
+                                         "served_by": x["queries_by_filter_tier"]} for u, x in by.items()}
+                              for tier, by in report["levels"].items()}}
+    # Exit status 1 is a verdict that failed (auto below cpu somewhere), 2 a run that could not finish.
+    run.record("e", status, seconds, figures, ok=status in (0, 1) and bool(figures))
+
+
+RUNNERS = {"install": step_install, "a": step_a, "b": step_b, "c": step_c, "d": step_d, "e": step_e}
 
 
 # -- the summary -------------------------------------------------------------------------------------
@@ -354,6 +379,7 @@ MD_FIGURES = {
           "gpu_memory_tenth_codes_resident"),
     "d": ("verdict_passed", "verdict", "retrieval_p99_ms", "llm_tokens_per_s", "gpu_peak_bytes_by_process",
           "service_gpu_memory"),
+    "e": ("verdict_passed", "auto_over_cpu", "auto_over_cpu_worst", "failures", "levels"),
 }
 
 

@@ -24,7 +24,7 @@ def test_gpu_accept_dry_run_runs_every_step_and_summarizes(tmp_path):
     s = json.loads((out / "gpu_accept.json").read_text())
     assert s["cuda"] is False and "dry run" in s["device"] and s["torch"] == torch.__version__
     steps = s["steps"]
-    assert list(steps) == ["install", "a", "b", "c", "d"] and steps["install"]["outcome"] == "skipped"
+    assert list(steps) == ["install", "a", "b", "c", "d", "e"] and steps["install"]["outcome"] == "skipped"
     assert s["passed"] == all(r["outcome"] in ("passed", "skipped") for r in steps.values())
     assert p.returncode == (0 if s["passed"] else 2)
     a = steps["a"]
@@ -46,14 +46,19 @@ def test_gpu_accept_dry_run_runs_every_step_and_summarizes(tmp_path):
     d = steps["d"]  # its verdict on two shared cores says nothing about a GPU: that it ran, and judged
     assert d["exit_status"] in (0, 1) and d["verdict_passed"] == (d["exit_status"] == 0)
     assert d["verdict"]["no_oom"] is True and d["verdict"]["retrieval_budget_held"] is None
+    e = steps["e"]  # both services at each level; without CUDA both on the CPU tier, so no verdict to read
+    assert e["outcome"] == "passed" and set(e["levels"]) == {"auto", "cpu"}
+    assert all(set(t) == {"1", "4"} and all(x["per_s"] > 0 and set(x["served_by"]) == {"cpu"} for x in t.values())
+               for t in e["levels"].values())
+    assert s["targets"]["service_auto_over_cpu"]["measured"] == e["auto_over_cpu_worst"]
     md = (out / "gpu_accept.md").read_text()
     assert s["device"] in md and all(f"| {name} |" in md for name in steps)
     with tarfile.open(out / "gpu_accept-files.tar.gz") as tar:
         names = set(tar.getnames())
     assert {f"gpu_accept-files/{x}" for x in ("a.log", "a.xml", "b.json", "c.json", "d.log",
-                                               "colocate/colocate.json")} <= names
+                                               "colocate/colocate.json", "e.log", "levels/levels.json")} <= names
     # Runs made step by step (the GPU machine runs a command for at most 10 minutes) merge into one.
-    for part, keep in (("first", ("install", "a", "b")), ("second", ("c", "d"))):
+    for part, keep in (("first", ("install", "a", "b")), ("second", ("c", "d", "e"))):
         (tmp_path / part).mkdir()
         (tmp_path / part / "gpu_accept.json").write_text(json.dumps({**s, "steps": {
             k: v for k, v in steps.items() if k in keep}}))
