@@ -31,15 +31,15 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from fusionrag.retriever.collection import compaction, importer, snapshot
+from fusionrag.retriever.collection import compaction, importer, snapshot, tombstones
 from fusionrag.retriever.collection.config import (CURRENT_FORMAT, DEFAULT_TEXT_WEIGHT, FRESH_HOLD, FRESH_SHARE,
                                                    HYBRID_DEPTH, MERGE_RETRY_S, CollectionConfig, Fusion, check_analyzer,
                                                    check_search)
 from fusionrag.retriever.collection.docstore import DocStore
 from fusionrag.retriever.collection.filters import compile_filter, filter_warnings
 from fusionrag.retriever.collection.fresh import FreshTier, distances
-from fusionrag.retriever.collection.generations import (Generation, ReadView, load_published, rows_digest,
-                                                        write_json_atomic, write_rows)
+from fusionrag.retriever.collection.generations import (Generation, ReadView, gen_dir_name, load_published,
+                                                        rows_digest, write_json_atomic, write_rows)
 from fusionrag.retriever.collection.quota import Limits, OpenFiles
 from fusionrag.retriever.collection.records import (METADATA_OPS, QUERY_WORDS, CollectionSearch, Document, Hit, Write,
                                                     engine_form, metadata_record, upsert_record)
@@ -409,15 +409,7 @@ class Collection:
         r = np.asarray(rows, dtype=np.int64)
         in_main = r <= main.max_row
         if in_main.any() and len(main.rows):
-            rm = r[in_main]
-            pos = np.searchsorted(main.rows, rm)
-            found = pos < len(main.rows)
-            found[found] = main.rows[pos[found]] == rm[found]
-            for p in pos[found].tolist():
-                byte, bit = p >> 3, 1 << (p & 7)
-                if not self._tomb[byte] & bit:
-                    self._tomb[byte] |= bit
-                    self._tomb_count += 1
+            self._tomb_count += tombstones.mark(self._tomb, tombstones.positions(main.rows, r[in_main]))
         self._fresh.remove(r[~in_main].tolist())
         if self._merging:
             self._merge_removed += rows
@@ -592,12 +584,8 @@ class Collection:
         if allowed is None:
             exclude, live = snap.tomb, n - snap.tomb_count
         else:
-            ok = np.zeros(n, bool)
-            pos = np.searchsorted(main.rows, allowed)  # both sorted
-            pos = pos[pos < n]
-            ok[pos[main.rows[pos] == allowed[:len(pos)]]] = True
-            ok &= ~np.unpackbits(snap.tomb, count=n, bitorder="little").astype(bool)
-            exclude, live = np.packbits(~ok, bitorder="little"), int(ok.sum())
+            ok = tombstones.passing(main.rows, allowed, snap.tomb)
+            exclude, live = tombstones.exclusion(ok), int(ok.sum())
         if among:
             res = main.index.search_among(q, np.flatnonzero(ok), k, params)
             ids, dists = res.ids, res.distances
@@ -824,7 +812,7 @@ class Collection:
             base = self._next_row
             rows = np.arange(base, base + n, dtype=np.int64)
             gen = old.generation + 1
-            gdir = self.path / f"gen-{gen:06d}"
+            gdir = self.path / gen_dir_name(gen)
             if index_dir is not None:
                 shutil.rmtree(gdir, ignore_errors=True)
                 gdir.mkdir()
@@ -865,7 +853,7 @@ class Collection:
         if unread:
             old.index.close()
         if index is not None:
-            shutil.rmtree(self.path / f"gen-{old.generation:06d}", ignore_errors=True)
+            shutil.rmtree(self.path / gen_dir_name(old.generation), ignore_errors=True)
         return stored
 
     @_in_use
@@ -892,7 +880,7 @@ class Collection:
                 return
             with self._mem_lock:
                 old = self._main
-                dead = np.unpackbits(self._tomb, count=len(old.rows), bitorder="little").astype(bool)
+                dead = tombstones.dead(self._tomb, len(old.rows))
                 fresh_rows, fresh_vecs = self._fresh.live_items()
                 max_row = self._applied_next_row - 1
                 live = len(old.rows) - self._tomb_count + len(fresh_rows)
@@ -931,7 +919,7 @@ class Collection:
         finally:
             with self._mem_lock:
                 self._merging, self._merge_removed, self._progress = False, [], None
-        shutil.rmtree(self.path / f"gen-{old.generation:06d}", ignore_errors=True)
+        shutil.rmtree(self.path / gen_dir_name(old.generation), ignore_errors=True)
 
     def _publish(self, new: Generation) -> None:
         """Swap in the new generation (caller holds _lock and _mem_lock)."""

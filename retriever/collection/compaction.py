@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from fusionrag.retriever.collection.config import CURRENT_FORMAT, CollectionConfig
-from fusionrag.retriever.collection.generations import Generation, rows_digest, write_rows
+from fusionrag.retriever.collection.generations import Generation, gen_dir_name, rows_digest, write_rows
 from fusionrag.retriever.engine.build import build_index
 from fusionrag.retriever.engine.config import BuildConfig, EngineConfig
 from fusionrag.retriever.engine.index import Index
@@ -39,7 +39,7 @@ def next_generation(path: Path, old: Generation, dead: np.ndarray, fresh_rows: n
     unusable), or left unindexed below `min_index_count`.
     Returns the generation, not yet published, and the record CURRENT is to hold for it."""
     gen = old.generation + 1
-    gdir = path / f"gen-{gen:06d}"
+    gdir = path / gen_dir_name(gen)
     build_config = build_config.beside_resident()  # the service's open indexes and buffers hold memory too
     shutil.rmtree(gdir, ignore_errors=True)
     gdir.mkdir()

@@ -96,6 +96,10 @@ class FreshTier:
         n = self.n
         return FreshView(self._vecs[:n], self._sq[:n], self._rows[:n], self._live[:n].copy())
 
+    def contains(self, rows) -> np.ndarray:
+        """bool: which of these rows are live here."""
+        return np.array([int(r) in self._slot for r in np.asarray(rows).tolist()], dtype=bool)
+
     def vectors_of(self, rows) -> dict[int, np.ndarray]:
         """row -> vector (a copy) of those of these rows that are live."""
         slots = [(int(r), self._slot.get(int(r))) for r in rows]

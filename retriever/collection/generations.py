@@ -22,10 +22,15 @@ from fusionrag.retriever.errors import IndexFormatError
 
 log = logging.getLogger(__name__)
 
-log = logging.getLogger(__name__)
+
+def gen_dir_name(generation: int) -> str:
+    """The directory of a generation, a collection's or a shard part's: gen-NNNNNN."""
+    return f"gen-{generation:06d}"
 
 
 def write_json_atomic(path: Path, obj: dict) -> None:
+    """obj as JSON at path, durably and atomically (a crash leaves the old file or the new one): written to
+    path.tmp, fsynced, renamed over path, the directory fsynced. CURRENT of a collection and of a shard part."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
         json.dump(obj, f)
@@ -73,7 +78,7 @@ def load_published(path: Path, engine_config: EngineConfig, name: str) -> Genera
             generation, indexed, max_row = int(c["generation"]), bool(c["indexed"]), int(c["max_row"])
         except (OSError, ValueError, TypeError, KeyError) as e:
             raise IndexFormatError(f"CURRENT is unreadable ({e!r})") from e
-        keep = f"gen-{generation:06d}"
+        keep = gen_dir_name(generation)
         rows = _load_rows(path, keep, c, name) if indexed else np.empty(0, np.int64)
         index = Index.open(path / keep / "index", engine_config) if indexed else None
         if index is not None and len(rows) != index.count:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from fusionrag.retriever.collection import quota
+from fusionrag.retriever.collection.generations import gen_dir_name
 from fusionrag.retriever.engine.manifest import fsync_path
 from fusionrag.retriever.errors import IndexFormatError, InputError
 
@@ -86,7 +87,7 @@ def write(col: Collection, current: dict | None, dest: Path) -> dict:
             _add(tar, col.path / "collection.json", "collection.json", files)
             if current is not None:
                 _add(tar, col.path / "CURRENT", "CURRENT", files)
-                gen = f"gen-{current['generation']:06d}"
+                gen = gen_dir_name(current["generation"])
                 for p in sorted((col.path / gen).rglob("*")):
                     if p.is_file():
                         _add(tar, p, p.relative_to(col.path).as_posix(), files)

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fusionrag.retriever.engine.manifest import MANIFEST, fsync_path, load_array
+from fusionrag.retriever.collection.generations import gen_dir_name, write_json_atomic
+from fusionrag.retriever.engine.manifest import MANIFEST, load_array
 from fusionrag.retriever.errors import IndexFormatError
 
 CURRENT = "CURRENT.json"
@@ -32,10 +33,6 @@ LIST_WRITES = "list_writes.npy"  # (n, 2) int64: router list, upserts to it the 
 # shard map), which one shard's merge must not change. A list grown this many times over its build size is still
 # searched (its postings scanned by PQ); the sharded index is rebuilt before lists grow that far.
 NO_SPLIT_FACTOR = 1e9
-
-
-def gen_dir_name(generation: int) -> str:
-    return f"gen-{generation:06d}"
 
 
 def current_part(path) -> tuple[Path, dict | None]:
@@ -75,14 +72,8 @@ def load_global_ids(gen_dir: Path) -> np.ndarray:
 
 
 def publish(path: Path, rec: dict) -> None:
-    """Name a generation in CURRENT.json, atomically and durably."""
-    tmp = path / (CURRENT + ".tmp")
-    with open(tmp, "w") as fh:
-        json.dump(rec, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path / CURRENT)
-    fsync_path(path)
+    """Name a generation in CURRENT.json, atomically and durably (as a collection's CURRENT is written)."""
+    write_json_atomic(path / CURRENT, rec)
 
 
 def manifest_sha(gen_dir: Path) -> str:

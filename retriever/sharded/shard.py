@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from fusionrag.retriever import dirlock
+from fusionrag.retriever.collection import tombstones
 from fusionrag.retriever.collection.docstore import query_words
 from fusionrag.retriever.collection.fresh import FreshView
 from fusionrag.retriever.engine.calibrate import page_rows
@@ -193,13 +194,8 @@ class ShardServer:
                     docs = self._documents(g, w, np.unique(ids[ids >= 0]), reads.with_vectors) \
                         if reads.with_docs else None
                     return ids, dists, stats, time.perf_counter() - t, docs
-                ok = np.zeros(index.count, bool)
-                pos = np.searchsorted(gids, allowed)
-                inside = pos < len(gids)
-                ok[pos[inside][gids[pos[inside]] == allowed[inside]]] = True
-                if exclude is not None:
-                    ok &= ~np.unpackbits(exclude, count=index.count, bitorder="little").astype(bool)
-                exclude = np.packbits(~ok, bitorder="little")
+                ok = tombstones.passing(gids, allowed, exclude)
+                exclude = tombstones.exclusion(ok)
                 if not ok.any():
                     rows = rows[:0]  # no vector of the index passes: its lists hold nothing to find
                 fresh_ok = None if fresh is None else np.isin(fresh.rows, allowed)
@@ -245,7 +241,7 @@ class ShardServer:
         with self._merge_lock:
             with self._reading() as (g, w):
                 lsn, tomb, fresh_ids, fresh_vectors, fresh_lists, list_writes = w.state()
-                dead = np.unpackbits(tomb, count=g.index.count, bitorder="little").astype(bool)
+                dead = tombstones.dead(tomb, g.index.count)
                 if not len(fresh_ids) and not dead.any():
                     return {"merged": False, "generation": g.number}
                 number = g.number + 1

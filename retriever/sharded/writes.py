@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fusionrag.retriever.collection import tombstones
 from fusionrag.retriever.collection.docstore import DocStore
 from fusionrag.retriever.collection.fresh import FreshTier, FreshView
 from fusionrag.retriever.collection.wal import WriteAheadLog
@@ -99,7 +100,7 @@ class ShardWrites:
         self.path = Path(path)
         self.base_ids, self.dim, self.metric = np.asarray(base_ids, dtype=np.int64), dim, metric
         self.fresh = FreshTier(dim)
-        self.tomb = np.zeros((len(self.base_ids) + 7) // 8, dtype=np.uint8)
+        self.tomb = tombstones.empty(len(self.base_ids))
         self.deleted = 0  # base vectors tombstoned
         self._lock = threading.Lock()
         self._wal: WriteAheadLog | None = None
@@ -157,19 +158,8 @@ class ShardWrites:
             s.rollback()
             raise
 
-    def _base_positions(self, ids: np.ndarray) -> np.ndarray:
-        pos = np.searchsorted(self.base_ids, ids)
-        inside = pos < len(self.base_ids)
-        hit = np.zeros(len(ids), bool)
-        hit[inside] = self.base_ids[pos[inside]] == ids[inside]
-        return pos[hit]
-
     def _apply(self, op: bytes, ids: np.ndarray, vectors: np.ndarray | None, lists: np.ndarray | None) -> None:
-        for p in self._base_positions(ids).tolist():
-            byte, bit = p >> 3, 1 << (p & 7)
-            if not self.tomb[byte] & bit:
-                self.tomb[byte] |= bit
-                self.deleted += 1
+        self.deleted += tombstones.mark(self.tomb, tombstones.positions(self.base_ids, ids))
         self.fresh.remove(ids.tolist())
         for i in ids.tolist():
             self.fresh_list.pop(i, None)
@@ -226,13 +216,13 @@ class ShardWrites:
     def live(self, ids: np.ndarray) -> np.ndarray:
         """Which ids have a live version on this shard (base or fresh)."""
         ids = np.asarray(ids, dtype=np.int64)
-        out = np.array([int(i) in self.fresh._slot for i in ids.tolist()], dtype=bool)
+        out = self.fresh.contains(ids)
         pos = np.searchsorted(self.base_ids, ids)
         inside = pos < len(self.base_ids)
         at = np.minimum(pos, max(len(self.base_ids) - 1, 0))
-        in_base = inside & (self.base_ids[at] == ids) if len(self.base_ids) else np.zeros(len(ids), bool)
-        dead = (self.tomb[at >> 3] >> (at & 7).astype(np.uint8)) & 1 if len(self.base_ids) else 0
-        return out | (in_base & (dead == 0))
+        if not len(self.base_ids):
+            return out
+        return out | (inside & (self.base_ids[at] == ids) & ~tombstones.dead_at(self.tomb, at))
 
     def snapshot(self) -> tuple[np.ndarray | None, FreshView | None]:
         """What a search reads: the tombstones (None when there are none) and the fresh tier's view."""
@@ -246,13 +236,12 @@ class ShardWrites:
 
     def tombstoned_ids(self) -> np.ndarray:
         with self._lock:
-            bits = np.unpackbits(self.tomb, bitorder="little")[:len(self.base_ids)].astype(bool)
-            return self.base_ids[bits]
+            return self.base_ids[tombstones.dead(self.tomb, len(self.base_ids))]
 
     def live_ids(self, after: int = -1) -> np.ndarray:
         """Sorted ids live on this shard (base not tombstoned, and fresh) above `after`."""
         with self._lock:
-            bits = np.unpackbits(self.tomb, bitorder="little")[:len(self.base_ids)].astype(bool)
+            bits = tombstones.dead(self.tomb, len(self.base_ids))
             fresh = self.fresh.live_items()[0]
         base = self.base_ids[~bits]
         out = np.union1d(base[base > after], fresh[fresh > after])

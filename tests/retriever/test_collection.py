@@ -258,3 +258,21 @@ def test_concurrent_writes_share_fsyncs_and_searches_run_during_merge(tmp_path):
     res = col.search(x[::100], k=1)
     assert [h[0].id for h in res.hits] == [f"d{i}" for i in range(0, 2800, 100)]
     cat.close()
+
+
+def test_tombstones_mark_each_vector_once_and_exclude_what_a_filter_does_not_pass():
+    """The one tombstone bitmap of a collection and of a shard (collection/tombstones.py): marking counts only bits
+    newly set (ids given twice, or already dead, count once), ids not in the index are ignored, and a filtered
+    search's exclusion is every vector the filter did not pass or that is dead, checked bit by bit here."""
+    from fusionrag.retriever.collection import tombstones
+
+    ids = np.array([3, 5, 8, 13, 21, 34, 55, 89, 144], np.int64)  # an index's vector ids (rows), ascending
+    tomb = tombstones.empty(len(ids))
+    assert tombstones.mark(tomb, tombstones.positions(ids, [5, 5, 13, 1000, -1])) == 2
+    assert tombstones.mark(tomb, tombstones.positions(ids, [13, 144])) == 1
+    assert tombstones.dead(tomb, len(ids)).tolist() == [i in (5, 13, 144) for i in ids]
+    assert tombstones.dead_at(tomb, np.array([1, 2, 8])).tolist() == [True, False, True]
+    ok = tombstones.passing(ids, np.array([3, 5, 21, 144, 200]), tomb)
+    assert ok.tolist() == [i in (3, 21) for i in ids]
+    excluded = np.unpackbits(tombstones.exclusion(ok), count=len(ids), bitorder="little").astype(bool)
+    assert excluded.tolist() == [i not in (3, 21) for i in ids]
