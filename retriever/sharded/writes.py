@@ -102,7 +102,8 @@ class ShardWrites:
         self.fresh = FreshTier(dim)
         self.tomb = tombstones.empty(len(self.base_ids))
         self.deleted = 0  # base vectors tombstoned
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the state searches read (snapshot) and writes change
+        self._writing = threading.Lock()  # writers, one at a time: held through a write's fsync
         self._wal: WriteAheadLog | None = None
         self._next_lsn = 1
         self.replayed = 0
@@ -192,26 +193,43 @@ class ShardWrites:
             lists = np.full(len(ids), -1, np.int64) if lists is None else np.asarray(lists, np.int64).ravel()
             if lists.shape != ids.shape:
                 raise InputError("an upsert needs one list per id")
-        with self._lock:
-            if self._wal is None:
-                self._open_log()
-            lsn = self._next_lsn
-            try:
-                offset = self._wal.append(lsn, encode(op, ids, vectors, docs, lists))
+        with self._writing:  # one write at a time, in log order
+            with self._lock:
+                if self._wal is None:
+                    self._open_log()
+                lsn = self._next_lsn
                 try:
-                    self._wal.sync(lsn, lambda: lsn)
+                    offset = self._wal.append(lsn, encode(op, ids, vectors, docs, lists))
+                except OSError as e:
+                    raise StorageError(f"{self.path}: cannot write the shard's log: {e}") from e
+            # The fsync outside the lock a search's snapshot takes: searches go on meanwhile, reading the state
+            # before this write, which is not acknowledged yet (the lock was held through the fsync before).
+            try:
+                self._wal.sync(lsn, lambda: lsn)
+            except BaseException as e:
+                with self._lock:
+                    self._wal.cut(offset)  # not acknowledged: not in the log either
+                raise self._storage(e)
+            with self._lock:
+                try:
                     if self.store is not None or op == UPSERT_DOCS:
                         self._apply_store(lsn, op, ids, vectors, docs)
-                except BaseException:
-                    self._wal.cut(offset)  # not acknowledged: not in the log either
-                    raise
-            except OSError as e:
-                raise StorageError(f"{self.path}: cannot write the shard's log: {e}") from e
-            self._next_lsn += 1
-            live = self.live(ids)
-            self._count_lists(lists if op != DELETE else None)
-            self._apply(op, ids, vectors, lists if op != DELETE else None)
-            return int(live.sum())
+                except BaseException as e:
+                    self._wal.cut(offset)
+                    raise self._storage(e)
+                self._next_lsn += 1
+                live = self.live(ids)
+                self._count_lists(lists if op != DELETE else None)
+                self._apply(op, ids, vectors, lists if op != DELETE else None)
+                return int(live.sum())
+
+    def _storage(self, e: BaseException) -> BaseException:
+        """An OSError as the StorageError a caller answers 507 to; anything else as it is."""
+        if isinstance(e, OSError):
+            err = StorageError(f"{self.path}: cannot write the shard's log: {e}")
+            err.__cause__ = e
+            return err
+        return e
 
     def live(self, ids: np.ndarray) -> np.ndarray:
         """Which ids have a live version on this shard (base or fresh)."""
@@ -279,7 +297,7 @@ class ShardWrites:
         """Drop the log's records up to merged_lsn, which the index generation holds: the doc store is made
         durable first (its commits are not fsynced: the log was what made them durable). Returns the bytes
         dropped."""
-        with self._lock:
+        with self._writing, self._lock:
             if self._wal is None or not self.merged_lsn:
                 return 0
             if self.store is not None:
@@ -288,6 +306,10 @@ class ShardWrites:
 
     def close(self, keep_store: bool = False) -> None:
         """keep_store: the doc store stays open (handed on to the next generation's ShardWrites)."""
+        with self._writing:  # a write under way finishes first
+            self._close(keep_store)
+
+    def _close(self, keep_store: bool) -> None:
         if self._wal is not None:
             self._wal.close()
             self._wal = None

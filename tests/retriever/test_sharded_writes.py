@@ -276,3 +276,53 @@ def test_a_shard_that_does_not_answer_in_time_is_taken_for_down_and_healed(data,
         index.close()
     with pytest.raises(Exception, match="call_timeout_s"):
         ShardedIndex.open(path, call_timeout_s=0)
+
+
+def test_a_shards_search_does_not_wait_for_a_writes_fsync(tmp_path, monkeypatch):
+    """A shard's log was fsynced under the lock its searches' snapshot takes, so every search stalled behind every
+    write's fsync. The fsync is held open here (the log's sync waits on an event): a search of the same shard
+    answers meanwhile, without the write, which is not acknowledged; once the fsync ends the write is applied and
+    seen, and a write whose fsync fails is cut from the log and not applied."""
+    from fusionrag.retriever.collection.wal import WriteAheadLog
+    from fusionrag.retriever.errors import StorageError
+    from fusionrag.retriever.sharded.writes import UPSERT, ShardWrites
+
+    w = ShardWrites(tmp_path, np.arange(100, dtype=np.int64), DIM, "l2")
+    w.write(UPSERT, [1000], np.ones((1, DIM), np.float32))  # the log exists: its sync is the one held below
+    entered, release = threading.Event(), threading.Event()
+    real_sync = WriteAheadLog.sync
+
+    def held_sync(self, lsn, last):
+        entered.set()
+        assert release.wait(30)
+        return real_sync(self, lsn, last)
+
+    monkeypatch.setattr(WriteAheadLog, "sync", held_sync)
+    writer = threading.Thread(target=w.write, args=(UPSERT, [5, 1001], np.zeros((2, DIM), np.float32)))
+    writer.start()
+    assert entered.wait(30)
+    seen = []
+    reader = threading.Thread(target=lambda: seen.append(w.snapshot()))
+    reader.start()
+    reader.join(10)
+    assert not reader.is_alive(), "the search waited for the write's fsync"
+    tomb, fresh = seen[0]
+    assert tomb is None and sorted(fresh.rows[fresh.live].tolist()) == [1000]  # the write not seen yet
+    release.set()
+    writer.join(30)
+    tomb, fresh = w.snapshot()
+    assert sorted(fresh.rows[fresh.live].tolist()) == [5, 1000, 1001] and tomb is not None and w.deleted == 1
+
+    def failing_sync(self, lsn, last):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(WriteAheadLog, "sync", failing_sync)
+    size = (tmp_path / "wal.log").stat().st_size
+    with pytest.raises(StorageError):
+        w.write(UPSERT, [1002], np.zeros((1, DIM), np.float32))
+    assert (tmp_path / "wal.log").stat().st_size == size and not w.live(np.array([1002]))[0]
+    monkeypatch.setattr(WriteAheadLog, "sync", real_sync)
+    w.close()
+    again = ShardWrites(tmp_path, np.arange(100, dtype=np.int64), DIM, "l2")  # replayed: the three writes only
+    assert sorted(again.fresh_ids().tolist()) == [5, 1000, 1001] and again.replayed == 2
+    again.close()
