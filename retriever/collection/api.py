@@ -37,7 +37,8 @@ from fusionrag.retriever.collection.config import (CURRENT_FORMAT, DEFAULT_TEXT_
                                                    check_search)
 from fusionrag.retriever.collection.docstore import DocStore
 from fusionrag.retriever.collection.filters import compile_filter, filter_warnings
-from fusionrag.retriever.collection.fresh import FreshTier, distances
+from fusionrag.retriever.collection.fresh import FreshTier
+from fusionrag.retriever.collection.fusion import fuse, fused_hits
 from fusionrag.retriever.collection.generations import (Generation, ReadView, gen_dir_name, load_published,
                                                         rows_digest, write_json_atomic, write_rows)
 from fusionrag.retriever.collection.quota import Limits, OpenFiles
@@ -69,28 +70,6 @@ def _in_use(method):
         finally:
             self._leave()
     return call
-
-
-def fuse(vector_ranked: list, vector_d, text_ranked: list, text_d, w: float, fusion: Fusion) -> list[tuple]:
-    """Two rankings of one query (keys best first, with their distances or bm25 scores: lower is better) fused
-    as `fusion` says (config.Fusion): (key, score), best first. Shared by Collection and the sharded
-    collection's hybrid search."""
-    score: dict = {}
-    if fusion.method == "rrf":
-        for rank, r in enumerate(vector_ranked, 1):
-            score[r] = (1 - w) / (fusion.k + rank)
-        for rank, r in enumerate(text_ranked, 1):
-            score[r] = score.get(r, 0.0) + w / (fusion.k + rank)
-    else:
-        for ranked, d, weight in ((vector_ranked, vector_d, 1 - w), (text_ranked, text_d, w)):
-            if not len(ranked):
-                continue
-            d = np.asarray(d, dtype=np.float64)[:len(ranked)]
-            lo, hi = float(d.min()), float(d.max())
-            norm = (hi - d) / (hi - lo) if hi > lo else np.ones(len(d))
-            for r, x in zip(ranked, norm.tolist()):
-                score[r] = score.get(r, 0.0) + weight * x
-    return sorted(score.items(), key=lambda item: -item[1])
 
 
 class Collection:
@@ -536,17 +515,8 @@ class Collection:
             keep = ranked >= 0
             ranked, ranked_d = ranked[keep][:depth], ranked_d[keep][:depth]
             fused.append(fuse(ranked.tolist(), ranked_d, text_rows.tolist(), text_d, w, fusion))
-        docs = self.store.by_rows(sorted({r for f in fused for r, _ in f}), True)
-        hits = []
-        for i, f in enumerate(fused):
-            live = [(r, sc) for r, sc in f if r in docs][:k]  # a document deleted since is left out
-            if not live:
-                hits.append([])
-                continue
-            x = engine_form(np.stack([docs[r][3] for r, _ in live]), self.metric)
-            d = distances(q[i:i + 1], x, (x * x).sum(1), self.metric)[0]
-            hits.append([Hit(docs[r][0], float(dist), sc, docs[r][1], docs[r][2], docs[r][3] if with_vectors else None)
-                         for (r, sc), dist in zip(live, d.tolist())])
+        hits = [fused_hits(q[i], f, k, lambda rows: self.store.by_rows(rows, True), self.metric, with_vectors)
+                for i, f in enumerate(fused)]
         return CollectionSearch(hits, stats)
 
     def _search(self, snap: ReadView, q: PreparedQueries, k, where, params):

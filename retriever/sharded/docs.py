@@ -26,11 +26,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fusionrag.retriever.collection import CollectionSearch, Document, Hit
-from fusionrag.retriever.collection.api import fuse
 from fusionrag.retriever.collection.config import DEFAULT_TEXT_WEIGHT, HYBRID_DEPTH, Fusion, check_search
 from fusionrag.retriever.collection.filters import compile_filter, filter_warnings
-from fusionrag.retriever.collection.fresh import distances
-from fusionrag.retriever.collection.records import engine_form, upsert_record
+from fusionrag.retriever.collection.fusion import fuse, fused_hits
+from fusionrag.retriever.collection.records import upsert_record
 from fusionrag.retriever.engine.config import SearchParams
 from fusionrag.retriever.errors import InputError, UnavailableError
 from fusionrag.retriever.sharded.parts import NAMED_IDS, part_name
@@ -208,21 +207,21 @@ class ShardedCollection:
             order = np.argsort(res.distances[i], kind="stable")
             ids_i, d_i = res.ids[i][order], res.distances[i][order]
             ranked = [d for d in ids_i.tolist() if d >= 0]
-            known = {d: float(x) for d, x in zip(ids_i.tolist(), d_i.tolist()) if d >= 0}
             fused = fuse(ranked, d_i[ids_i >= 0], found[i][0].tolist(), found[i][1], float(text_weight), fusion)
             stats[i]["text_candidates"] = len(found[i][0])
-            top = [d for d, _ in fused[:k]]
-            docs = {d: res.docs[d] for d in top if d in res.docs and (not with_vectors or res.docs[d][3] is not None)}
-            rest = [d for d in top if d not in docs]
-            if rest:
-                docs.update(self.index.documents(rest, True))
-            need = [d for d in top if d in docs and d not in known]
-            if need:
-                x = engine_form(np.stack([docs[d][3] for d in need]), self.metric)
-                known.update(zip(need, distances(q[i:i + 1], x, (x * x).sum(1), self.metric)[0].tolist()))
-            hits.append([Hit(docs[d][0], known[d], sc, docs[d][1], docs[d][2], docs[d][3] if with_vectors else None)
-                         for d, sc in fused[:k] if d in docs])  # a document deleted since is left out
+            hits.append(fused_hits(q[i], fused, k, self._with_vectors(res.docs), self.metric, with_vectors))
         return ShardedSearch(hits, stats, missing_lists, sorted(set(missing_shards) | set(down)))
+
+    def _with_vectors(self, have: dict):
+        """fetch(ids) for fused_hits: the documents the shards returned with their vectors, the others asked of
+        the shards that hold them."""
+        def fetch(ids: list) -> dict:
+            out = {d: have[d] for d in ids if d in have and have[d][3] is not None}
+            rest = [d for d in ids if d not in out]
+            if rest:
+                out.update(self.index.documents(rest, True))
+            return out
+        return fetch
 
     def _text_ranking(self, texts: list[str], limit: int, where, partial: bool) -> tuple[list, list[int]]:
         found, down = self.index.text_search(texts, limit, where)

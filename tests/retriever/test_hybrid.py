@@ -349,3 +349,30 @@ def test_a_collection_text_analyzer_stemming_and_stop_words(tmp_path):
         assert {h.id for h in restored.search(k=10, texts=["the cat"], mode="text").hits[0]} == {"runs", "the", "cat"}
     finally:
         cat.close()
+
+
+def test_fused_hits_pass_over_documents_deleted_since_and_give_exact_distances():
+    """collection/fusion.py's fused_hits, which a collection's and a sharded collection's hybrid search share: the
+    first k of the fused ranking whose documents are still there (the sharded side cut the ranking at k first and
+    then dropped the deleted ones, answering fewer than k), fetched a part at a time, each distance computed here
+    from the stored vector."""
+    from fusionrag.retriever.collection.fusion import fused_hits
+
+    rng = np.random.default_rng(4)
+    vecs = {key: rng.standard_normal(8).astype(np.float32) for key in range(10)}
+    gone = {1, 2, 5}  # deleted after the rankings were made
+    asked = []
+
+    def fetch(keys):
+        asked.append(list(keys))
+        return {key: (f"d{key}", f"text {key}", {"n": key}, vecs[key]) for key in keys if key not in gone}
+
+    fused = [(key, 1.0 / (60 + rank)) for rank, key in enumerate([0, 1, 2, 3, 4, 5, 6, 7, 8, 9], 1)]
+    q = rng.standard_normal(8).astype(np.float32)
+    hits = fused_hits(q, fused, 4, fetch, "l2", with_vectors=False)
+    assert [h.id for h in hits] == ["d0", "d3", "d4", "d6"]  # four, in the fused order, the deleted passed over
+    assert asked == [[0, 1, 2, 3], [4, 5], [6]]  # the next keys asked only as many as still wanted
+    for h, key in zip(hits, (0, 3, 4, 6)):
+        assert h.distance == pytest.approx(float(((vecs[key] - q) ** 2).sum()), rel=1e-5)
+        assert h.score == dict(fused)[key] and h.vector is None and h.metadata == {"n": key}
+    assert len(fused_hits(q, fused, 20, fetch, "l2", with_vectors=True)) == 7  # all that are left
