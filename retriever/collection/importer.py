@@ -124,6 +124,38 @@ def _documents(documents: Path | None, n: int, sidecar: bool) -> Iterator[list[t
         yield out
 
 
+def check_sidecar(path: Path, n: int) -> None:
+    """A JSON-lines sidecar of a vector file, as a sharded build takes it: n documents (line i describes vector i:
+    its id, text and metadata, no vector), each checked, their ids (the row number where a line has none) all
+    different. InputError naming the first line at fault."""
+    hashes, count = [], 0
+    for number, doc in _lines(Path(path)):
+        doc_id, _, _ = _check_doc(number, doc)
+        if "vector" in doc:
+            raise InputError(f"documents line {number}: with a vector file, vectors come from it, not from the "
+                             "documents")
+        hashes.append(hash(doc_id if doc_id is not None else str(count)))
+        count += 1
+    if count != n:
+        raise InputError(f"the documents file has {count} lines, the vector file {n} vectors: line i describes "
+                         "vector i")
+    h = np.sort(np.asarray(hashes, dtype=np.int64))
+    if len(h) and (h[1:] == h[:-1]).any():  # a hash met twice: find the id met twice, if it is one
+        seen = {}
+        for row, chunk in enumerate(sidecar_documents(path)):
+            for j, (doc_id, _, _) in enumerate(chunk):
+                if doc_id in seen:
+                    raise InputError(f"documents: id {doc_id!r} is given twice (rows {seen[doc_id]} and "
+                                     f"{row * CHUNK + j})")
+                seen[doc_id] = row * CHUNK + j
+
+
+def sidecar_documents(path: Path) -> Iterator[list[tuple[str, str | None, str]]]:
+    """(id, text, metadata JSON) of each row of a vector file's sidecar, CHUNK rows at a time (check_sidecar
+    first)."""
+    return _documents(Path(path), -1, True)
+
+
 def _stage(col: Collection, documents: Path | None, vectors: Path | None, staging: Path, steps: Progress,
            embedder) -> tuple[int, Path]:
     """Check every document and write their vectors, as the collection stores them (float32, as given),

@@ -15,6 +15,8 @@ from fusionrag import native
 from fusionrag.retriever.engine.build import (CHUNK_ROWS, IntegralCheck, Rows, assign_rows, index_manifest,
                                               internal_metric, mips_augment, open_source, postings, sample_query_matrix,
                                               save_index_files, train_index, write_pages)
+from fusionrag.retriever.collection.docstore import DocStore
+from fusionrag.retriever.collection.importer import check_sidecar, sidecar_documents
 from fusionrag.retriever.engine.calibrate import calibrate_build
 from fusionrag.retriever.engine.config import BuildConfig, SearchParams, cpu_threads
 from fusionrag.retriever.engine.learned_probe import lists_of_pairs, save_probe_model, train_probe_model
@@ -27,6 +29,7 @@ from fusionrag.retriever.progress import OnProgress, Progress
 from fusionrag.retriever.sharded.actors import ray_active, require_ray
 from fusionrag.retriever.sharded.parts import KIND, PLACEMENTS, part_name
 from fusionrag.retriever.sharded.placement import place_lists, sample_visits
+from fusionrag.retriever.sharded.writes import DOCS
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +83,42 @@ def _plan_shard(s: int, owner: np.ndarray, pair_lists: np.ndarray, pair_ids: np.
     return _ShardPlan(s, lists, global_ids.astype(np.uint32), local_of[pl[first]], offsets, members)
 
 
+def _write_documents(path: Path, plan: _ShardPlan, documents: str, owners: np.ndarray, rows: Rows, dim: int) -> int:
+    """The shard's doc store (sharded/writes.py's DOCS, as its writes make it) holding the documents of its built
+    vectors, read from the sidecar (line i: row i's id, text, metadata), each under its global id, with its
+    vector as the engine holds it; a document another shard counts in BM25's statistics (owners[j]: the first
+    shard of its vector's nearest list) marked so. Returns how many."""
+    store = DocStore(path, dim, create=True)
+    try:
+        store.begin()
+        gids = plan.global_ids.astype(np.int64)
+        row = 0
+        for chunk in sidecar_documents(Path(documents)):
+            lo, hi = np.searchsorted(gids, [row, row + len(chunk)])
+            if hi > lo:
+                mine = gids[lo:hi]
+                picked = [chunk[i - row] for i in mine.tolist()]
+                ids, texts, metas = (list(x) for x in zip(*picked))
+                store.insert(mine.tolist(), ids, texts, metas, rows(mine))
+                guest = owners[lo:hi] != plan.index
+                if guest.any():
+                    store.mark_text_guests(mine[guest].tolist(), owners[lo:hi][guest].tolist())
+            row += len(chunk)
+        store.commit(0, 0)
+        store.make_durable()
+    except BaseException:
+        store.rollback()
+        raise
+    finally:
+        store.close()
+    return len(plan.global_ids)
+
+
 def _write_shard(part_dir: str, plan: _ShardPlan, source, metric: str, store_dtype: str, centroids: np.ndarray,
                  codebooks: np.ndarray, codes: np.ndarray, config: BuildConfig, threads: int, n_shards: int,
-                 ) -> dict:
-    """One shard part: an ordinary index directory of the shard's lists (a Ray task, or called here)."""
+                 documents: str | None = None, owners: np.ndarray | None = None) -> dict:
+    """One shard part: an ordinary index directory of the shard's lists (a Ray task, or called here); with
+    documents (a sidecar's path, every node seeing it), the doc store of its built vectors' documents beside it."""
     t = time.perf_counter()
     src = as_source(source)
     rows = Rows(src, metric)
@@ -102,6 +137,8 @@ def _write_shard(part_dir: str, plan: _ShardPlan, source, metric: str, store_dty
         w.save_array("lists.npy", plan.lists)
         # As the router's rows went (config.navigation is the build's resolved one), if it is opened alone.
         navigation = build_navigation(config.navigation, graph.size, graph.dim)
+        if documents is not None:
+            _write_documents(w.path(DOCS), plan, documents, owners, rows, dim)
         manifest = index_manifest(n, dim, metric, store_dtype, src, len(plan.lists), len(plan.list_ids), pq, config,
                                   {"total_s": time.perf_counter() - t}, navigation=navigation, pages=layout,
                                   shard={"index": plan.index, "of": n_shards})
@@ -119,8 +156,13 @@ def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfi
                   replicate: float = 0.02, sample_queries=None, num_sample_queries: int = 2000,
                   params: SearchParams = SearchParams(), use_ray: bool | None = None,
                   progress: bool | None = None, overwrite: bool = False,
-                  on_progress: OnProgress | None = None, probe_model: bool = True) -> dict:
+                  on_progress: OnProgress | None = None, probe_model: bool = True, documents=None) -> dict:
     """Build a sharded index of `source` (a vector file path or a 2-D array) with `shards` shard parts.
+
+    documents: a JSON-lines file, line i describing vector i ({"id", "text", "metadata"}; the id the row number
+    where a line has none), as a collection's import takes beside a vector file: the built vectors are then
+    those documents, found, fetched, filtered and replaced by their ids (sharded/docs.py), not the unnamed rows
+    "0", "1", ... (checked whole before anything is built).
 
     placement: 'hotness' (SmartANNS), 'locality' (regions of centroid space, work balanced) or 'round-robin';
     replicate: the fraction of lists, hottest first, that get a replica on a second shard (not round-robin).
@@ -146,6 +188,9 @@ def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfi
         raise ConfigError("use_ray: connect to a Ray cluster first (ray.init(address=...))")
     src = open_source(source)
     n, dim = src.count, src.dim
+    if documents is not None:
+        documents = str(Path(documents).resolve())
+        check_sidecar(Path(documents), n)
     metric = config.metric
     threads = cpu_threads(config.threads)
     rng = np.random.default_rng(config.seed)
@@ -237,6 +282,9 @@ def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfi
             save_probe_model(w, model, probe_info)
             timings["probe_model_s"] = time.perf_counter() - t
         del pair_lists, pair_ids
+        # Who counts a built document on two shards (its vector in lists of both) in BM25's statistics: the first
+        # shard of its nearest list, as an upsert's document is counted by the first shard it goes to.
+        owners = plan.shards[primary, 0].astype(np.int64) if documents is not None else None
 
         # 5-6. The shard parts, in parallel.
         t = time.perf_counter()
@@ -248,7 +296,8 @@ def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfi
                 task = ray.remote(_write_shard).options(num_cpus=1)
                 shared = [ray.put(a) for a in (_ray_source(source), centroids, pq.codebooks)]
                 pending = {task.remote(str(w.dir / part_name(sp.index)), sp, shared[0], metric, store_dtype,
-                                       shared[1], shared[2], codes[sp.global_ids], part_config, 1, shards): sp.index
+                                       shared[1], shared[2], codes[sp.global_ids], part_config, 1, shards, documents,
+                                       None if owners is None else owners[sp.global_ids]): sp.index
                            for sp in shard_plans}
                 while pending:
                     done, _ = ray.wait(list(pending), num_returns=1)
@@ -257,7 +306,9 @@ def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfi
             else:
                 for sp in shard_plans:
                     shard_manifests[sp.index] = _write_shard(str(w.dir / part_name(sp.index)), sp, source, *args,
-                                                             codes[sp.global_ids], part_config, threads, shards)
+                                                             codes[sp.global_ids], part_config, threads, shards,
+                                                             documents,
+                                                             None if owners is None else owners[sp.global_ids])
                     update(1)
         timings["write_s"] = time.perf_counter() - t
 
@@ -272,7 +323,7 @@ def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfi
         expected = plan.shard_work(shards)
         manifest = index_manifest(
             n, dim, metric, store_dtype, src, n_lists, list_offsets[-1], pq, config, timings, navigation=navigation,
-            kind=KIND, shards=shards,
+            kind=KIND, shards=shards, documents=documents is not None,
             placement={"kind": placement, "replicate": replicate if placement != "round-robin" else 0.0,
                        "replicated_lists": int((plan.shards[:, 1] >= 0).sum()),
                        "sample_queries": int(len(queries)), "probe": params.to_dict(),

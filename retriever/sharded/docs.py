@@ -2,10 +2,13 @@
 sharded index, with the interface of a Collection (retriever/collection) that the sharded service's routes, and
 through them the LangChain and LlamaIndex stores and the vLLM plugin, use.
 
-Names and ids. The index addresses vectors by int64 id; a document has a name (the string id users give). A name
-that is an id's decimal digits ("17", below 2**62) names that id, so the built vectors, whose ids are their source
-rows, are the documents "0", "1", ... (no text, no metadata). Any other name gets the next free id from 2**62 up,
-kept by the router (ShardedIndex.named) and rebuilt from the shards' doc stores whenever it loads its write maps.
+Names and ids. The index addresses vectors by int64 id; a document has a name (the string id users give), kept by
+the router (ShardedIndex.named) and rebuilt from the shards' doc stores whenever it loads its write maps. A build
+given a documents sidecar (build_sharded's documents) names its vectors: each shard's doc store holds its built
+vectors' documents (ids, texts, metadata) under their ids, their source rows, so a document written later with the
+same name replaces the built one. Without one, a name that is an id's decimal digits ("17", below 2**62) names that
+id, so the built vectors are the documents "0", "1", ... (no text, no metadata). Any other new name gets the next
+free id from 2**62 up.
 Each shard keeps the name, text and metadata of the documents it holds in a doc store of its own
 (sharded/writes.py), written from the same log record as the vector: a shard restarted from its directory has
 them all back.
@@ -82,12 +85,12 @@ class ShardedCollection:
         out = np.empty(len(names), dtype=np.int64)
         ix = self.index
         for j, name in enumerate(names):
-            i = numeric_id(name)
-            if i is None:
-                i = ix.named.get(name)
-                if i is None and create:
-                    i = ix.named[name] = ix.next_named
-                    ix.next_named += 1
+            i = ix.named.get(name)
+            if i is None and not ix.built_named:  # the unnamed built vectors are "0", "1", ...
+                i = numeric_id(name)
+            if i is None and create:
+                i = ix.named[name] = ix.next_named
+                ix.next_named += 1
             out[j] = -1 if i is None else i
         return out
 

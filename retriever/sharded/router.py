@@ -103,7 +103,10 @@ class ShardedIndex(ManifestShape):
         # without the write lock and without a pass over every fresh id.
         self.fresh_groups: dict[tuple[int, ...], int] = {}
         self.base_gone: set[int] = set()  # built ids deleted or replaced (tombstoned on their shards)
-        self.named: dict[str, int] = {}  # a document's name -> its id, for names that are not an id (sharded_docs)
+        # A document's name -> its id (sharded/docs.py): every name a shard's doc store holds. built_named: the build
+        # named its vectors (a documents sidecar), so a name of digits names a document, not the id it spells.
+        self.named: dict[str, int] = {}
+        self.built_named = bool(manifest.get("documents", False))
         # Upserts each replica of each list logged (column j: list_shards[:, j]): the one with fewer missed some.
         self.replica_writes = np.zeros((len(list_shards), 2), dtype=np.int64)
         self.next_named = NAMED_IDS  # the id the next new such name gets
@@ -627,8 +630,8 @@ class ShardedIndex(ManifestShape):
             for lst, n in list_writes.items():
                 if 0 <= lst < len(self.list_shards) and s in self.list_shards[lst]:
                     self.replica_writes[lst, 0 if self.list_shards[lst, 0] == s else 1] = n
-            self.named.update((n, i) for i, n in zip(named_ids.tolist(), names) if i >= NAMED_IDS)
-        self.next_named = max(self.named.values(), default=NAMED_IDS - 1) + 1
+            self.named.update(zip(names, named_ids.tolist()))
+        self.next_named = max((i for i in self.named.values() if i >= NAMED_IDS), default=NAMED_IDS - 1) + 1
         with self._lock:
             self.fresh_owner, self.fresh_groups, self.fresh_count[:] = {}, {}, 0
         for i, o in owners.items():

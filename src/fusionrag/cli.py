@@ -21,6 +21,9 @@ def _cmd_build(args) -> int:
     config = BuildConfig().with_overrides(**flags_of(args, BuildConfig))
     if args.shards:
         return _build_sharded(args, config)
+    if args.documents:
+        raise ConfigError("--documents names a sharded build's vectors (with --shards); a collection takes its "
+                          "documents by import (fusionrag import, or POST /v1/collections/NAME/import)")
     from fusionrag.retriever.engine.vectors import open_vectors
 
     sample = open_vectors(args.sample_queries)[:] if args.sample_queries else None
@@ -51,7 +54,7 @@ def _build_sharded(args, config: BuildConfig) -> int:
     sample = open_vectors(args.sample_queries)[:] if args.sample_queries else None
     m = build_sharded(args.source, args.index_dir, args.shards, config, args.placement, args.replicate, sample,
                       use_ray=bool(args.ray), progress=False if args.quiet else None, overwrite=args.overwrite,
-                      probe_model=args.probe_model is not False)
+                      probe_model=args.probe_model is not False, documents=args.documents)
     print(json.dumps({"index": args.index_dir, "count": m["count"], "dim": m["dim"], "metric": m["metric"],
                       "centroids": m["centroids"], "postings": m["postings"], "pq_m": m["pq"]["m"],
                       "shards": m["shards"], "placement": m["placement"],
@@ -272,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "calibration measures it, and with --shards list hotness is measured with it (default: rows of "
                    "the source)")
     b.add_argument("--ray", metavar="ADDRESS", help="with --shards: run the build's tasks on this Ray cluster")
+    b.add_argument("--documents", help="with --shards: a JSON-lines file, line i describing vector i (id, text, "
+                   "metadata): the built vectors are those documents (docs/sharded.md, Documents)")
     add_flags(b, BuildConfig)
     b.set_defaults(run=_cmd_build)
 

@@ -500,3 +500,120 @@ def test_a_logged_document_keeps_its_owner_and_a_garbled_one_is_refused():
     for bad in ([["a", "x", "{}", "2"], ["b", None, "{}"]], [["a", "x", "{}", 1, 2], ["b", None, "{}"]]):
         with pytest.raises(IndexFormatError, match="documents are garbled"):
             decode(head + json.dumps(bad).encode())
+
+
+def named_documents(base):
+    """One document a built vector: a name, a text of topic words, metadata."""
+    rng = np.random.default_rng(21)
+    return [Document(f"doc-{i}", " ".join([TOPICS[i % 3]] * int(rng.integers(1, 3))
+                                          + list(rng.choice(WORDS, int(rng.integers(1, 6))))),
+                     base[i], {"n": i, "tag": "ab"[i % 2]}) for i in range(len(base))]
+
+
+def write_sidecar(path, docs):
+    import json
+
+    path.write_text("".join(json.dumps({"id": d.id, "text": d.text, "metadata": d.metadata}) + "\n" for d in docs))
+    return path
+
+
+@pytest.fixture(scope="module")
+def named_build(tmp_path_factory, base):
+    root = tmp_path_factory.mktemp("sharded-named")
+    docs = named_documents(base)
+    # Half the lists replicated: many built documents on two shards, counted once in BM25's statistics.
+    build_sharded(base, root / "idx", 3, CONFIG, replicate=0.5, progress=False,
+                  documents=write_sidecar(root / "docs.jsonl", docs))
+    return root / "idx", docs
+
+
+def test_a_build_given_documents_names_its_vectors_and_a_write_of_one_replaces_it(named_build, base, tmp_path):
+    """#50: a sharded build from a vector file and its JSON-lines sidecar: its vectors are those documents (ids,
+    texts, metadata), found by vector (exact names against numpy), by filter and by text (BM25 as one store holding
+    each document once scores them, though half of them sit on two shards); a document written again under its id
+    replaces the built one (it appeared twice before: the built row and the new one), a name of digits is a new
+    document, not the row it spells, and it all holds when the index is opened again."""
+    path, docs = named_build
+    c = sharded_copy(path, tmp_path / "idx")
+    try:
+        assert len(c) == N and c.index.built_named
+        q = base[[3, 500, 2999]] + 0.01
+        res = c.search(q, K, params=EXHAUSTIVE)
+        names = [f"doc-{i}" for i in range(N)]
+        want, _ = expected_named(base, names, q, K)
+        assert [[h.id for h in hits] for hits in res.hits] == want
+        by_name = {d.id: d for d in docs}
+        for h in res.hits[0]:
+            assert h.text == by_name[h.id].text and h.metadata == by_name[h.id].metadata
+        got = c.get(["doc-5", "doc-2999", "nope"])
+        assert [(d.id, d.text, d.metadata) for d in got] == [(f"doc-{i}", docs[i].text, docs[i].metadata)
+                                                             for i in (5, 2999)]
+        tagged = c.search(q, K, filter={"tag": "a"}, params=EXHAUSTIVE)
+        want_a, _ = expected_named(base[::2], names[::2], q, K)
+        assert [[h.id for h in hits] for hits in tagged.hits] == want_a
+        twice = sum(len(set(c.index.list_shards[lst]) - {-1}) == 2 for lst in range(len(c.index.list_shards)))
+        assert twice > 0
+        assert_scores_as_one_store(c, docs, tmp_path / "ref.db", ["ships", "trains quick", "planes foo_bar"])
+
+        again = Document("doc-7", "a new text about ships", base[7], {"n": 7, "tag": "b", "v": 2})
+        c.upsert([again])
+        hits = c.search(base[7:8], K, params=EXHAUSTIVE).hits[0]
+        assert [h.id for h in hits].count("doc-7") == 1 and hits[0].id == "doc-7" and hits[0].text == again.text
+        assert len(c) == N
+        far = np.full(DIM, 50.0, np.float32)
+        c.upsert([Document("5", "digits", far, {})])  # a name, not row 5 ("doc-5")
+        assert len(c) == N + 1 and c.get(["doc-5"])[0].text == docs[5].text
+        assert c.search(far[None], 1).hits[0][0].id == "5"
+        assert c.delete(["doc-9"]) == 1 and len(c) == N and not c.get(["doc-9"])
+    finally:
+        c.close()
+    reopened = ShardedCollection(ShardedIndex.open(tmp_path / "idx"), "docs")
+    try:
+        assert len(reopened) == N and reopened.get(["doc-7"])[0].text == again.text
+        assert reopened.get(["5"])[0].text == "digits" and not reopened.get(["doc-9"])
+        hits = reopened.search(base[7:8], K, params=EXHAUSTIVE).hits[0]
+        assert [h.id for h in hits].count("doc-7") == 1
+    finally:
+        reopened.close()
+
+
+def expected_named(x, names, q, k):
+    d = ((q[:, None, :].astype(np.float64) - x[None, :, :]) ** 2).sum(-1)
+    order = np.argsort(d, axis=1, kind="stable")[:, :k]
+    return [[names[j] for j in row] for row in order], np.take_along_axis(d, order, axis=1)
+
+
+def test_a_sidecar_that_does_not_describe_the_vectors_is_refused_before_anything_is_built(base, tmp_path, capsys):
+    """Too few lines, an id given twice, a vector in a line: InputError naming it, and no index left; through the
+    CLI, --documents with --shards builds the named index (and without --shards is refused)."""
+    import json
+
+    from fusionrag.cli import main as cli_main
+
+    docs = named_documents(base[:1200])
+    cases = {"lines": (docs[:-1], "1199 lines"), "twice": (docs[:5] + [docs[3]] + docs[6:], "given twice"),
+             "vector": (None, "vectors come from it")}
+    for name, (some, words) in cases.items():
+        side = tmp_path / f"{name}.jsonl"
+        if some is None:
+            write_sidecar(side, docs)
+            lines = side.read_text().splitlines()
+            lines[4] = json.dumps({"id": "x", "vector": [0.0] * DIM})
+            side.write_text("\n".join(lines) + "\n")
+        else:
+            write_sidecar(side, some)
+        with pytest.raises(InputError, match=words):
+            build_sharded(base[:1200], tmp_path / name, 2, CONFIG, progress=False, documents=side)
+        assert not (tmp_path / name).exists()
+    np.save(tmp_path / "v.npy", base[:1200])
+    side = write_sidecar(tmp_path / "ok.jsonl", docs)
+    assert cli_main(["build", str(tmp_path / "v.npy"), str(tmp_path / "single"), "--documents", str(side),
+                     "--quiet"]) != 0
+    assert "with --shards" in capsys.readouterr().err and not (tmp_path / "single").exists()
+    assert cli_main(["build", str(tmp_path / "v.npy"), str(tmp_path / "cli"), "--shards", "2", "--documents",
+                     str(side), "--quiet", "--threads", "1", "--centroid-ratio", "0.05"]) == 0
+    c = ShardedCollection(ShardedIndex.open(tmp_path / "cli"), "docs")
+    try:
+        assert c.get(["doc-11"])[0].text == docs[11].text and len(c) == 1200
+    finally:
+        c.close()
