@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fusionrag.retriever.collection import CollectionSearch, Document, Hit
-from fusionrag.retriever.collection.config import DEFAULT_TEXT_WEIGHT, HYBRID_DEPTH, Fusion, check_search
+from fusionrag.retriever.collection.config import (DEFAULT_TEXT_WEIGHT, HYBRID_DEPTH, CollectionConfig, Fusion,
+                                                   check_search)
 from fusionrag.retriever.collection.filters import compile_filter, filter_warnings
 from fusionrag.retriever.collection.fusion import fuse, fused_hits
 from fusionrag.retriever.collection.records import upsert_record
@@ -66,8 +67,11 @@ class ShardedCollection:
 
     embedding = None  # a sharded index embeds nothing: documents come with their vectors
 
-    def __init__(self, index: ShardedIndex, name: str):
+    def __init__(self, index: ShardedIndex, name: str, config: CollectionConfig | None = None):
+        """config: the collection settings that apply to a sharded one (filter_exact_max: a filter at most that
+        many of a shard's documents pass is answered exactly there)."""
         self.index, self.name = index, name
+        self.config = config or CollectionConfig()
 
     @property
     def dim(self) -> int:
@@ -190,7 +194,8 @@ class ShardedCollection:
             raise InputError(f"mode 'hybrid' needs one text per query vector, got {len(texts)} for {len(q)}")
         depth = k if mode == "vector" else max(k, HYBRID_DEPTH)
         res = self.index.search(q, depth, params, partial=partial,
-                                reads=ShardReads(where, with_docs=True, with_vectors=with_vectors))
+                                reads=ShardReads(where, with_docs=True, with_vectors=with_vectors,
+                                                 exact_max=self.config.filter_exact_max))
         stats = [{key: int(v[j]) for key, v in res.stats.items()} for j in range(len(q))]
         missing_lists, missing_shards = [m.tolist() for m in res.missing_lists], list(res.missing_shards)
         if mode == "vector":

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 
-from fusionrag.retriever.collection.generations import gen_dir_name, write_json_atomic
+from fusionrag.retriever.collection.generations import write_json_atomic
 from fusionrag.retriever.engine.manifest import MANIFEST, load_array
 from fusionrag.retriever.errors import IndexFormatError
 

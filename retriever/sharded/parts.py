@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 
-from fusionrag.retriever.collection.config import CollectionConfig
 from fusionrag.retriever.engine.manifest import MANIFEST
 from fusionrag.retriever.errors import UnavailableError
 
@@ -22,9 +21,6 @@ ROUTER_FILES = {"graph.bin": True, "pq_codebooks.npy": True, "list_shards.npy": 
 # Ids from here up are those of documents named by a string that is not an id (sharded/docs.py); below, a name
 # that is an id's decimal digits names that id.
 NAMED_IDS = 1 << 62
-# A shard answers a filter that at most this many of its documents pass exactly, over their vectors (as a
-# collection does).
-FILTER_EXACT_MAX = CollectionConfig().filter_exact_max
 # An upsert goes to the nearest of this many nearest lists that has a live shard.
 UPSERT_PROBE = 8
 # A shard holds at most this multiple of its share of the postings, however its expected work falls.

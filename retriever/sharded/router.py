@@ -374,7 +374,7 @@ class ShardedIndex(ManifestShape):
 
     def search(self, queries, k: int = 10, params: SearchParams | None = None, probe: str | None = None,
                probe_scale: float | None = None, partial: bool = True, reads: ShardReads | None = None,
-               **overrides) -> ShardedResult:
+               _again: bool = True, **overrides) -> ShardedResult:
         """Top-k of each query over every shard's index and fresh tier, with exact distances (as Index.search
         reports them). probe, probe_scale: SearchParams' (as overrides): 'ratio' (the distance-ratio rule, as
         Index) or 'learned' (learned pruning; probe_scale x the predicted lists).
@@ -441,6 +441,20 @@ class ShardedIndex(ManifestShape):
         if errors:
             s, e = errors[0]
             raise UnavailableError(f"{self.path}: shard {part_name(s)} did not answer: {e}") from e
+        short = np.flatnonzero((ids >= 0).sum(1) < k) if _again and reads is not None and reads.where is not None \
+            else np.empty(0, np.int64)
+        if len(short):
+            # Vectors a filter excludes can empty the lists probed: queries left short probe every list, as a
+            # collection's do (Collection._search_main), the ratio rule off (it would still cut the far ones).
+            again = self.search(q[short], k, p.with_overrides(nprobe=len(self.list_shards), probe="ratio",
+                                                             probe_ratio=0.0), partial=True, reads=reads, _again=False)
+            ids[short], dists[short] = again.ids, again.distances
+            docs.update(again.docs or {})
+            for key in ("candidates", "reranked", "lists_probed"):
+                stats[key][short] += again.stats[key]
+            for i, m in zip(short.tolist(), again.missing_lists):
+                missing[i] = set(m.tolist())
+            missing_shards.update(again.missing_shards)
         missing_lists = [np.array(sorted(m), dtype=np.int32) for m in missing]
         stats["missing_lists"][:] = [len(m) for m in missing_lists]
         res = ShardedResult(ids, dists, stats, per_shard, missing_lists, sorted(missing_shards), docs)

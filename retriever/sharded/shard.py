@@ -17,6 +17,8 @@ import numpy as np
 
 from fusionrag.retriever import dirlock
 from fusionrag.retriever.collection import tombstones
+from fusionrag.retriever.collection.config import CollectionConfig
+from fusionrag.retriever.collection.generations import gen_dir_name
 from fusionrag.retriever.collection.docstore import query_words
 from fusionrag.retriever.collection.fresh import FreshView
 from fusionrag.retriever.engine.calibrate import page_rows
@@ -25,9 +27,9 @@ from fusionrag.retriever.engine.learned_probe import exact_topk
 from fusionrag.retriever.engine.queries import PreparedQueries
 from fusionrag.retriever.errors import IndexFormatError
 from fusionrag.retriever.sharded.actors import ray_active
-from fusionrag.retriever.sharded.generations import (LIST_WRITES, NO_SPLIT_FACTOR, current_part, gen_dir_name,
-                                                     load_global_ids, manifest_sha, publish)
-from fusionrag.retriever.sharded.parts import FILTER_EXACT_MAX, SHARD_LOCK, ShardDown, merge_topk
+from fusionrag.retriever.sharded.generations import (LIST_WRITES, NO_SPLIT_FACTOR, current_part, load_global_ids,
+                                                     manifest_sha, publish)
+from fusionrag.retriever.sharded.parts import SHARD_LOCK, ShardDown, merge_topk
 from fusionrag.retriever.sharded.writes import DELETE, UPSERT, UPSERT_DOCS, ShardWrites
 
 log = logging.getLogger(__name__)
@@ -42,10 +44,13 @@ MISSING = -2  # route(): no live shard holds the list
 @dataclass(frozen=True)
 class ShardReads:
     """What a shard's search is asked besides the top-k: a compiled metadata filter (filters.compile_filter) the
-    answers must pass, and whether to return the answers' documents (with their vectors)."""
+    answers must pass, and whether to return the answers' documents (with their vectors). exact_max: a filter at
+    most this many of the shard's documents pass is answered exactly over their vectors (the collection's
+    filter_exact_max, CollectionConfig)."""
     where: tuple[str, list] | None = None
     with_docs: bool = False
     with_vectors: bool = False
+    exact_max: int = CollectionConfig().filter_exact_max
 
 
 
@@ -186,7 +191,7 @@ class ShardServer:
             fresh_ok = None
             if reads.where is not None:
                 allowed = w.store.rows_where(*reads.where) if w.store is not None else np.empty(0, np.int64)
-                if len(allowed) <= FILTER_EXACT_MAX:  # few pass: exact, over their vectors in the doc store
+                if len(allowed) <= reads.exact_max:  # few pass: exact, over their vectors in the doc store
                     if len(allowed):
                         rows_, vecs = w.store.vectors_where(*reads.where)
                         view = FreshView(vecs, (vecs * vecs).sum(1), rows_, np.ones(len(rows_), bool))

@@ -617,3 +617,25 @@ def test_a_sidecar_that_does_not_describe_the_vectors_is_refused_before_anything
         assert c.get(["doc-11"])[0].text == docs[11].text and len(c) == 1200
     finally:
         c.close()
+
+
+def test_a_filter_the_lists_probed_do_not_pass_probes_every_list_as_a_collection_does(named_build, base, tmp_path):
+    """#50: with filter_exact_max 0 (a sharded collection now takes a collection's settings) a filter is answered
+    from the index with every other vector excluded: documents it passes that lie far from the query are in
+    no list probed, and the query was answered short (here: nothing). Queries left short probe every list again,
+    as a collection's do: the answer is the exact top-k of what the filter passes (numpy over those documents)."""
+    from fusionrag.retriever.collection import CollectionConfig
+
+    path, docs = named_build
+    shutil.copytree(path, tmp_path / "idx")
+    c = ShardedCollection(ShardedIndex.open(tmp_path / "idx"), "docs", CollectionConfig(filter_exact_max=0))
+    try:
+        q = base[[10, 20]] + 0.01
+        far = np.argsort(((base - q[0]) ** 2).sum(1))[-7:]  # the 7 documents farthest from the first query
+        res = c.search(q, K, filter={"n": {"$in": far.tolist()}}, params=SearchParams(nprobe=4))
+        want, want_d = expected_named(base[far], [f"doc-{i}" for i in far.tolist()], q, len(far))
+        assert [[h.id for h in hits] for hits in res.hits] == want
+        np.testing.assert_allclose([[h.distance for h in hits] for hits in res.hits], want_d, rtol=1e-4)
+        assert res.stats[0]["lists_probed"] > 4  # probed again, wider
+    finally:
+        c.close()
