@@ -38,6 +38,11 @@ class StorageError(FusionRAGError, OSError):
     collection stays readable."""
 
 
+class UnsupportedError(FusionRAGError):
+    """What this kind of collection does not do (a sharded collection is not dropped or snapshotted through the
+    service, say): the same request to another kind would be served."""
+
+
 class UnavailableError(FusionRAGError):
     """The collection cannot serve now: it is closing (the service stops) or it failed to open (the
     message says why); other collections are not affected."""
@@ -49,7 +54,7 @@ class UnavailableError(FusionRAGError):
 # are the service's own refusals of a body, raised back as InputError too.
 HTTP_STATUSES: tuple[tuple[type[FusionRAGError], int], ...] = (
     (NotFoundError, 404), (ConflictError, 409), (InputError, 422), (ConfigError, 422), (StorageError, 507),
-    (UnavailableError, 503), (InputError, 400), (InputError, 413))
+    (UnavailableError, 503), (UnsupportedError, 405), (InputError, 400), (InputError, 413))
 
 
 def http_status(error: BaseException) -> int | None:

@@ -16,7 +16,8 @@ from fusionrag import __version__
 from fusionrag.server.config import ServerConfig
 from fusionrag.server.errors import install_handlers
 from fusionrag.server.life import Service, State
-from fusionrag.server.middleware import BodyLimit, ObserveMiddleware
+from fusionrag.server.auth import KeyRing
+from fusionrag.server.middleware import AddHeaders, BodyLimit, ObserveMiddleware
 from fusionrag.server.routes import v1
 from fusionrag.server.routes.documents import DEFAULT_PAGE
 from fusionrag.server.routes.ops import router as ops
@@ -45,8 +46,12 @@ def _document_page_limit(paths: dict, config: ServerConfig) -> None:
     limit["schema"].update(maximum=config.max_documents, default=min(DEFAULT_PAGE, config.max_documents))
 
 
-def create_app(config: ServerConfig) -> FastAPI:
-    service = Service(config)
+def create_app(config: ServerConfig, catalog=None, keys: KeyRing | None = None,
+               headers: dict[str, str] | None = None) -> FastAPI:
+    """The service's app. catalog, keys: as State takes them (a ShardedCatalog: the sharded service, every router
+    replica of it building this same app from the user's ServerConfig); headers: added to every answer (a router
+    replica's id)."""
+    service = Service(config, catalog, keys)
     state = service.state
 
     @asynccontextmanager
@@ -64,6 +69,8 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.add_middleware(BodyLimit, limit=config.max_body_bytes, upload_limit=config.max_upload_bytes,
                        timeout=config.body_timeout_s, file_limit=config.max_file_bytes)
     app.add_middleware(ObserveMiddleware, metrics=state.metrics)
+    if headers:
+        app.add_middleware(AddHeaders, headers=headers)
     install_handlers(app)
     app.include_router(v1)
     app.include_router(ops)

@@ -55,6 +55,7 @@ class _Request:
     enqueued: float
     with_vectors: bool = False
     fusion: Fusion | None = None
+    partial: bool = True  # a sharded collection's: an answer missing a down shard's lists may be given
 
     @property
     def size(self) -> int:
@@ -62,7 +63,7 @@ class _Request:
 
     def group(self) -> tuple:
         return (id(self.collection), self.k, json.dumps(self.filter, sort_keys=True), self.params, self.mode,
-                self.text_weight, self.with_vectors, self.fusion)
+                self.text_weight, self.with_vectors, self.fusion, self.partial)
 
 
 class ServiceClosing(RuntimeError):
@@ -97,14 +98,14 @@ class MicroBatcher:
                      texts: list[str] | None = None, filter: dict | None = None,
                      params: SearchParams | SearchOverrides | None = None, mode: str = "vector",
                      text_weight: float = DEFAULT_TEXT_WEIGHT, with_vectors: bool = False,
-                     fusion: Fusion | None = None) -> CollectionSearch:
+                     fusion: Fusion | None = None, partial: bool = True) -> CollectionSearch:
         """`vectors` ((q, dim) float32, already validated) or `texts` (embedded here unless in text mode),
-        or both in hybrid mode; see Collection.search for the modes."""
+        or both in hybrid mode; see Collection.search for the modes (and `partial`, a sharded collection's)."""
         if self._closing:
             raise ServiceClosing("the service is shutting down")
         future = asyncio.get_running_loop().create_future()
         req = _Request(collection, vectors, texts, k, filter, params, mode, text_weight, future, time.perf_counter(),
-                       with_vectors, fusion)
+                       with_vectors, fusion, partial)
         self._pending.append(req)
         self._queued += req.size
         self._wake.set()
@@ -233,13 +234,17 @@ class MicroBatcher:
         t = time.perf_counter()
         res = first.collection.search(vectors, first.k, first.filter, first.params, texts=texts, mode=first.mode,
                                       text_weight=first.text_weight, with_vectors=first.with_vectors,
-                                      fusion=first.fusion)
+                                      fusion=first.fusion, partial=first.partial)
         self.metrics.stage_seconds.labels("engine").observe(time.perf_counter() - t)
         self.metrics.batch_queries.observe(len(res.hits))
         self.metrics.observe_search(first.collection.name, res.stats)
         out, at = {}, 0
         for req in reqs:
             end = at + req.size
-            out[req] = CollectionSearch(hits=res.hits[at:end], stats=res.stats[at:end])
+            if hasattr(res, "missing_lists"):  # a sharded collection's: each query's lists no live shard searched
+                out[req] = type(res)(hits=res.hits[at:end], stats=res.stats[at:end],
+                                     missing_lists=res.missing_lists[at:end], missing_shards=res.missing_shards)
+            else:
+                out[req] = CollectionSearch(hits=res.hits[at:end], stats=res.stats[at:end])
             at = end
         return out

@@ -23,7 +23,8 @@ def http_error(status: int, detail: str, headers: dict | None = None) -> HTTPExc
 
 _WHY = {400: "malformed JSON, or an invalid collection name", 401: "no valid API key (when the service has keys)",
         403: "the API key does not cover this collection", 404: "no such collection or document",
-        405: "a verb's path (…/documents/get or …/delete) asked with another method",
+        405: "a verb's path (…/documents/get or …/delete) asked with another method, or what a sharded collection "
+             "does not do (drop, snapshots, import, restore, the OpenAI vector stores)",
         408: "the request body sent nothing for body_timeout_s",
         409: "the name is taken, the collection is importing, or a limit (collections, snapshots) is reached", 413: "body over max_body_bytes, or over its share of JSON values",
         422: "a value or a limit refused; `errors` lists what the body's model found",
@@ -81,9 +82,8 @@ def validation_response(request: Request, exc: RequestValidationError) -> JSONRe
 def engine_error(request: Request, exc: FusionRAGError) -> JSONResponse:
     # The service's own paths are none of a client's business: the data directory's (or, for the sharded service, the
     # index directory's) is named by what it is.
-    state = request.app.state
-    root, word = (str(state.fusionrag.catalog.root), "<data-dir>") if hasattr(state, "fusionrag") else \
-        (str(state.index_dir), "<index-dir>")
+    catalog = request.app.state.fusionrag.catalog
+    root, word = str(catalog.root), "<index-dir>" if getattr(catalog, "sharded", False) else "<data-dir>"
     detail = str(exc).replace(root, word)
     status = http_status(exc)
     if status is not None:

@@ -11,7 +11,7 @@ import threading
 from fusionrag.retriever.collection import Catalog, CollectionConfig, quota
 from fusionrag.retriever.collection.embedding import get_embedder, set_threads
 from fusionrag.retriever.engine.config import BuildConfig, EngineConfig
-from fusionrag.retriever.errors import NotFoundError, UnavailableError
+from fusionrag.retriever.errors import NotFoundError, UnavailableError, UnsupportedError
 from fusionrag.server.auth import KeyRing
 from fusionrag.server.batcher import MicroBatcher
 from fusionrag.server.config import ServerConfig, data_path
@@ -40,22 +40,45 @@ def open_catalog(config: ServerConfig) -> Catalog:
                    limits)
 
 
-class State:
-    """What the routes share: the catalog, the batcher, the keys, and whether loading has finished."""
+class Refused:
+    """What a service over a sharded collection does not offer (snapshots, the OpenAI vector stores): each use
+    refused with 405 and why."""
 
-    def __init__(self, config: ServerConfig):
+    def __init__(self, what: str):
+        self.what = what
+
+    def __getattr__(self, name: str):
+        def refuse(*_, **__):
+            raise UnsupportedError(f"{self.what} are not served over a sharded collection")
+        return refuse
+
+
+class State:
+    """What the routes share: the catalog, the batcher, the keys, and whether loading has finished.
+    catalog: the collections served (default: the Catalog of config's data directory); a ShardedCatalog
+    (retriever/sharded/catalog.py) serves one sharded collection with the same routes, no snapshots, no vector
+    stores and no demo. keys: the API keys (default: those config names)."""
+
+    def __init__(self, config: ServerConfig, catalog=None, keys: KeyRing | None = None):
         self.config = config
         set_threads(config.embed_threads)
-        self.keys = KeyRing.from_config(config.api_keys, config.api_keys_file)
+        self.keys = keys if keys is not None else KeyRing.from_config(config.api_keys, config.api_keys_file)
         self.open_files_limit = quota.raise_descriptor_limit()  # before the catalog sizes its pool of open files
-        self.catalog = open_catalog(config)
-        shutil.rmtree(data_path(config) / "uploads", ignore_errors=True)  # what a crash cut short
-        self.snapshots = SnapshotShelf(data_path(config) / "snapshots", config.max_snapshots,
-                                       config.max_snapshot_bytes, self.catalog.limits.disk_reserve_bytes)
-        self.vector_stores = VectorStores(
-            data_path(config) / "openai", self.catalog, config.embedding,
-            FileLimits(config.max_files_per_key, config.max_file_bytes_per_key, config.max_collections_per_key,
-                       self.catalog.limits.disk_reserve_bytes))
+        self.own_catalog = catalog is None
+        if catalog is not None:
+            self.config = config = config.with_overrides(demo=False)
+            self.catalog = catalog
+            self.snapshots = Refused("snapshots")
+            self.vector_stores = Refused("the OpenAI files and vector stores")
+        else:
+            self.catalog = open_catalog(config)
+            shutil.rmtree(data_path(config) / "uploads", ignore_errors=True)  # what a crash cut short
+            self.snapshots = SnapshotShelf(data_path(config) / "snapshots", config.max_snapshots,
+                                           config.max_snapshot_bytes, self.catalog.limits.disk_reserve_bytes)
+            self.vector_stores = VectorStores(
+                data_path(config) / "openai", self.catalog, config.embedding,
+                FileLimits(config.max_files_per_key, config.max_file_bytes_per_key, config.max_collections_per_key,
+                           self.catalog.limits.disk_reserve_bytes))
         self.metrics = Metrics(self.collections_info)
         self.batcher = MicroBatcher(config.batch_wait_ms / 1000, config.batch_max_queries,
                                     config.search_threads, self.metrics, config.gpu_batch_wait_ms / 1000)
@@ -90,7 +113,8 @@ class State:
                 pass
             except Exception:  # noqa: BLE001 - its text queries will fail with the reason; vectors still work
                 log.exception("loading the embedding model of collection %r failed", name)
-        self.vector_stores.start()  # after the collections: it takes up the files a stop left in progress
+        if self.own_catalog:
+            self.vector_stores.start()  # after the collections: it takes up the files a stop left in progress
         self.ready.set()
         log.info("ready", extra={"collections": self.catalog.names(), "failed": failed})
 
@@ -115,8 +139,8 @@ class Service:
     and `stop` (requests in flight answered, loading finished, collections closed). `fusionrag serve` runs it as
     its app's lifespan; the vLLM plugin from vLLM's."""
 
-    def __init__(self, config: ServerConfig):
-        self.state = State(config)
+    def __init__(self, config: ServerConfig, catalog=None, keys: KeyRing | None = None):
+        self.state = State(config, catalog, keys)
         self._loader: threading.Thread | None = None
 
     async def start(self) -> None:
@@ -129,6 +153,7 @@ class Service:
         await self.state.batcher.stop()
         if self._loader is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._loader.join)
-        await asyncio.get_running_loop().run_in_executor(None, self.state.vector_stores.stop)
+        if self.state.own_catalog:
+            await asyncio.get_running_loop().run_in_executor(None, self.state.vector_stores.stop)
         self.state.catalog.close()
         log.info("stopped")

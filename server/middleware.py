@@ -66,6 +66,24 @@ class BodyLimit:
         await self.app(scope, counted, send)
 
 
+class AddHeaders:
+    """These headers on every answer (a sharded service's router replica says which it is)."""
+
+    def __init__(self, app, headers: dict[str, str]):
+        self.app, self.headers = app, [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def with_headers(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *self.headers]}
+            await send(message)
+
+        return await self.app(scope, receive, with_headers)
+
+
 class ObserveMiddleware:
     """Counts and times every request by route, and logs it as one structured line."""
 

@@ -1,15 +1,14 @@
 """`fusionrag serve --ray ADDRESS` (docs/sharded.md, "Serving on Ray"): one sharded index served over HTTP with the
 router as a Ray Serve deployment and the shards as Ray actors.
 
-The routes are the service's under the same paths and bodies (docs/api.md), for one collection named after the index
-directory (or --name), a ShardedCollection (retriever/sharded/docs.py): search by vectors under a metadata filter,
-upsert documents (any string id, text, metadata, and a vector: nothing is embedded), get, page through and delete them
-by id or filter, the collection's info, health. The built vectors are documents "0", "1", ... (their source rows),
-with no text or metadata. Text search (mode "text") ranks the documents' texts by BM25 on every shard; hybrid search
-needs the query vectors beside the texts (nothing is embedded); creating or dropping a collection is refused.
-A search that could not reach every list it needed says which (`missing_lists` per query, `partial`); with
-`"partial": false` it is refused with 503 instead, as is a write, a get, a filter or a page that needs a shard that
-is down.
+Every router replica serves the service's own app (server/app.py, built from the user's ServerConfig: the same
+routes, limits, API keys, error codes and bodies as `fusionrag serve`) over one collection named after the index
+directory (or --name): a ShardedCatalog (retriever/sharded/catalog.py) of a ShardedCollection (retriever/sharded/
+docs.py). Documents carry their vectors (nothing is embedded); hybrid search needs the query vectors beside the
+texts; creating, dropping, restoring and snapshotting a collection, importing into it and the OpenAI vector stores
+are refused (409/422/405). A search that could not reach every list it needed says which (`missing_lists` per
+query, `partial`); with `"partial": false` it is refused with 503 instead, as is a write, a get, a filter or a page
+that needs a shard that is down. /readyz adds each shard's liveness (`shards_alive`, `degraded`).
 
     python -m fusionrag.server.ray_serve --address 127.0.0.1:6379 --index IDX [--host 127.0.0.1] [--port 8000]
         [--routers N]
@@ -22,223 +21,38 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from dataclasses import dataclass
 import logging
 import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
-from fastapi import FastAPI, Query, Request
-from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse
-from pydantic import Field
+from fastapi import FastAPI
 
-from fusionrag.retriever.collection import CollectionConfig, Document
+from fusionrag.retriever.collection import NAME_RE, CollectionConfig
 from fusionrag.retriever.errors import FusionRAGError, InputError, UnavailableError
 from fusionrag.retriever.sharded.docs import ShardedCollection
 from fusionrag.server.auth import KeyRing
 from fusionrag.server.config import ServerConfig
-from fusionrag.server.errors import http_error, install_handlers
-from fusionrag.server.requests import check_texts, search_params, search_queries
-from fusionrag.server.responses import VectorJSON, document_json, hit_json
-from fusionrag.server.routes.documents import page_answer, query_filter
-from fusionrag.server.schemas import CreateCollection, DeleteRequest, GetRequest, SearchRequest, UpsertRequest
 
 DEPLOYMENT = "fusionrag-router"
 LEADER = "fusionrag-leader"  # with more than one router replica: the one that writes (_led_deployment)
 log = logging.getLogger(__name__)
 
 
-class ShardedSearchRequest(SearchRequest):
-    partial: bool = Field(True, description="false: 503 rather than an answer that misses lists of a down shard")
-
-
-@dataclass(frozen=True)
-class Limits:
-    """A request's limits, those of the user's ServerConfig (`fusionrag serve --ray --max-k 50` ...): every router
-    replica is given them (they were frozen at ServerConfig()'s defaults, whatever was asked)."""
-
-    max_queries: int
-    max_documents: int
-    max_k: int
-    max_text_chars: int
-    max_body_bytes: int
-
-    @classmethod
-    def of(cls, config: ServerConfig) -> "Limits":
-        return cls(config.max_queries, config.max_documents, config.max_k, config.max_text_chars,
-                   config.max_body_bytes)
-
-
-DEFAULT_LIMITS = Limits.of(ServerConfig())
-DEFAULT_PAGE = 100
 MERGE_FRESH_COUNT = CollectionConfig().merge_fresh_count  # a shard merges at a collection's threshold
 
 
-def create_app(coll: ShardedCollection, keys: KeyRing | None = None, router: str | None = None,
-               limits: Limits = DEFAULT_LIMITS) -> FastAPI:
-    """The HTTP routes over a sharded collection (ShardedCollection over an opened ShardedIndex). Thread-safe as
-    the index is. keys: API keys (server/auth.py) the /v1 routes require, as the single service's do; None or
-    none configured: open. router: this router replica's id, sent back in the header x-fusionrag-router."""
-    app = FastAPI(title="fusionrag (sharded, on Ray)")
-    index, name = coll.index, coll.name
-    app.state.index_dir = index.path
-    install_handlers(app)
+def replica_app(coll: ShardedCollection, config: ServerConfig | None = None, keys: KeyRing | None = None,
+                router: str | None = None) -> FastAPI:
+    """The service's own app (server/app.py) over one sharded collection (a ShardedCatalog): the same routes,
+    limits (the user's ServerConfig), keys, errors and bodies as `fusionrag serve`; router: this replica's id,
+    sent back in the header x-fusionrag-router."""
+    from fusionrag.retriever.sharded.catalog import ShardedCatalog
+    from fusionrag.server.app import create_app
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        """API keys first (401 without a valid one, 403 for a key not allowed this collection; a key's listing of
-        collections leaves out what it may not use), then the body's size (413)."""
-        request.state.listed = True
-        if keys is not None and keys.enabled and request.url.path.startswith("/v1/"):
-            scheme, _, token = request.headers.get("authorization", "").partition(" ")
-            challenge = {"WWW-Authenticate": "Bearer"}
-            if scheme.lower() != "bearer" or not token.strip():
-                return JSONResponse({"detail": "missing API key: send the header 'Authorization: Bearer <key>'"}, 401,
-                                    challenge)
-            key = keys.lookup(token.strip())
-            if key is None:
-                return JSONResponse({"detail": "invalid API key"}, 401, challenge)
-            if not key.allows(name):
-                if request.url.path.rstrip("/") != "/v1/collections" or request.method != "GET":
-                    return JSONResponse({"detail": f"this API key has no rights to collection {name!r}"}, 403)
-                request.state.listed = False
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > limits.max_body_bytes:
-            return JSONResponse({"detail": f"request body of {size} bytes is over the limit of "
-                                           f"{limits.max_body_bytes} bytes (max_body_bytes)"}, 413)
-        response = await call_next(request)
-        if router is not None:
-            response.headers["x-fusionrag-router"] = router
-        return response
-
-    def collection(coll_name: str) -> None:
-        if coll_name != name:
-            raise http_error(404, f"no collection {coll_name!r} (this service serves {name!r})")
-
-    def at_most(n: int, limit: int, what: str, setting: str) -> None:
-        if n > limit:  # as the single service answers it (docs/api.md): a 422 naming the setting
-            raise http_error(422, f"more than {limit} {what} in one request, at most {limit} allowed ({setting})")
-
-    @app.get("/healthz")
-    def healthz():
-        return {"status": "ok"}
-
-    @app.get("/readyz")
-    def readyz():
-        alive = index.check_shards()
-        body = {"status": "ready" if alive.all() else "degraded", "shards_alive": alive.tolist()}
-        return JSONResponse(body, status_code=200 if alive.any() else 503)
-
-    @app.get("/v1/collections")
-    def collections(request: Request):
-        if not request.state.listed:
-            return {"collections": []}
-        info = coll.info()
-        return {"collections": [{k: info[k] for k in ("name", "dimension", "metric", "embedding", "count", "state",
-                                                      "sharded", "shards", "shards_alive")}]}
-
-    @app.post("/v1/collections", status_code=201)
-    def create_collection(body: CreateCollection):
-        if body.name == name:
-            raise http_error(409, f"collection {name!r} exists (this service serves that sharded index)")
-        raise http_error(422, f"this service serves the sharded index {name!r} alone: collections are not created "
-                              "through it")
-
-    @app.get("/v1/collections/{coll_name}")
-    def collection_info(coll_name: str):
-        collection(coll_name)
-        return coll.info()
-
-    @app.delete("/v1/collections/{coll_name}")
-    def drop_collection(coll_name: str):
-        collection(coll_name)
-        raise http_error(405, "a sharded collection is not dropped through the service: delete its documents, or "
-                              "stop the service and remove the index directory")
-
-    @app.post("/v1/collections/{coll_name}/search")
-    async def search(coll_name: str, body: ShardedSearchRequest):
-        collection(coll_name)
-        if body.mode == "vector" and body.vectors is None:
-            raise http_error(422, "give 'vectors' (a sharded collection embeds nothing: texts are searched with mode "
-                                  "'text', or 'hybrid' beside their vectors)")
-        queries = search_queries(body.mode, body.vectors, body.texts)
-        if body.mode == "hybrid" and body.vectors is None:
-            raise http_error(422, "mode 'hybrid' over a sharded collection needs 'vectors' beside the 'texts' "
-                                  "(nothing is embedded)")
-        at_most(len(queries), limits.max_queries, "queries", "max_queries")
-        if body.k > limits.max_k:
-            raise http_error(422, f"k is {body.k}, at most {limits.max_k} allowed (max_k)")
-        q = None
-        if body.vectors is not None:
-            if any(len(v) != index.dim for v in body.vectors):
-                raise http_error(422, f"query vectors must have dimension {index.dim}")
-            q = np.asarray(body.vectors, dtype=np.float32)
-        if body.texts is not None:
-            check_texts(body.texts, limits.max_text_chars, "texts")
-        params = search_params(body.params) if body.params else None
-        res = await run_in_threadpool(coll.search, q, body.k, body.filter, params, body.with_vectors,
-                                      texts=body.texts, mode=body.mode, text_weight=body.text_weight,
-                                      partial=body.partial, fusion=body.fusion.model_dump() if body.fusion else None)
-        out: dict = {"results": [[hit_json(h, body.with_vectors) for h in hits] for hits in res.hits],
-                     "partial": res.partial}
-        if res.partial:
-            out["missing_lists"] = res.missing_lists
-            out["missing_shards"] = res.missing_shards
-        if body.filter is not None and (warnings := await run_in_threadpool(coll.filter_warnings, body.filter)):
-            out["warnings"] = warnings
-        if body.stats:
-            out["stats"] = res.stats
-        return VectorJSON(out)
-
-    @app.post("/v1/collections/{coll_name}/documents")
-    async def upsert(coll_name: str, body: UpsertRequest):
-        collection(coll_name)
-        at_most(len(body.documents), limits.max_documents, "documents", "max_documents")
-        for i, d in enumerate(body.documents):
-            if d.vector is None:
-                raise http_error(422, f"documents[{i}]: a sharded collection embeds nothing: give the vector")
-        docs = [Document(d.id, d.text, np.asarray(d.vector, dtype=np.float32), d.metadata) for d in body.documents]
-        return {"ids": await run_in_threadpool(coll.upsert, docs)}
-
-    @app.get("/v1/collections/{coll_name}/documents/{doc_id}")
-    def get_document(coll_name: str, doc_id: str, vector: bool = False):
-        collection(coll_name)
-        found = coll.get([doc_id], with_vectors=vector)
-        if not found:
-            raise http_error(404, f"no document {doc_id!r} in collection {name!r}")
-        return VectorJSON(document_json(found[0], vector))
-
-    @app.post("/v1/collections/{coll_name}/documents/get")
-    async def get_documents(coll_name: str, body: GetRequest):
-        collection(coll_name)
-        at_most(len(body.ids), limits.max_documents, "ids", "max_documents")
-        docs = await run_in_threadpool(coll.get, body.ids, body.with_vectors)
-        return VectorJSON({"documents": [document_json(d, body.with_vectors) for d in docs]})
-
-    @app.get("/v1/collections/{coll_name}/documents")
-    def list_documents(coll_name: str, request: Request, limit: int | None = Query(None, ge=1),
-                       cursor: str | None = Query(None, pattern=r"^[0-9]{1,19}$"), with_vectors: bool = False):
-        collection(coll_name)
-        if limit is None:
-            limit = min(DEFAULT_PAGE, limits.max_documents)
-        at_most(limit, limits.max_documents, "documents per page", "max_documents")
-        return page_answer(coll, limit, cursor, query_filter(request), with_vectors)
-
-    @app.post("/v1/collections/{coll_name}/documents/delete")
-    @app.delete("/v1/collections/{coll_name}/documents")
-    async def delete(coll_name: str, body: DeleteRequest):
-        collection(coll_name)
-        if (body.ids is None) == (body.filter is None):
-            raise http_error(422, "give exactly one of 'ids' and 'filter'")
-        if body.filter is not None:
-            return {"deleted": await run_in_threadpool(coll.delete_where, body.filter)}
-        at_most(len(body.ids), limits.max_documents, "ids", "max_documents")
-        return {"deleted": await run_in_threadpool(coll.delete, body.ids)}
-
-    return app
+    return create_app(config or ServerConfig(demo=False), ShardedCatalog(coll),
+                      keys if keys is not None else KeyRing([]), {"x-fusionrag-router": router} if router else None)
 
 
 def _keep_replica_on_loopback() -> None:
@@ -303,14 +117,15 @@ class _IndexOwner:
 
 
 def _deployment(index_dir: str, name: str, actor_options: dict | None, loopback: bool, call_timeout_s: float | None,
-                heal_every_s: float, keys: KeyRing | None = None, routers: int = 1, limits: Limits = DEFAULT_LIMITS):
-    """The router as a Ray Serve deployment that serves create_app's routes. routers=1: one replica, which opens
-    the index, starts the shards as Ray actors of its own and keeps the write maps. More: _led_deployment."""
+                heal_every_s: float, keys: KeyRing | None = None, routers: int = 1, config: ServerConfig | None = None):
+    """The router as a Ray Serve deployment that serves the service's app (replica_app). routers=1: one replica,
+    which opens the index, starts the shards as Ray actors of its own and keeps the write maps. More:
+    _led_deployment."""
     from ray import serve
 
     if routers > 1:
         return _led_deployment(index_dir, name, actor_options, loopback, call_timeout_s, heal_every_s, keys, routers,
-                               limits)
+                               config)
 
     @serve.deployment(name=DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0},
                       max_ongoing_requests=64)
@@ -321,7 +136,7 @@ def _deployment(index_dir: str, name: str, actor_options: dict | None, loopback:
             self._heal_every(heal_every_s)
 
         def __serve_build_asgi_app__(self):
-            return create_app(ShardedCollection(self.index, name), keys, _replica_id(), limits)
+            return replica_app(ShardedCollection(self.index, name), config, keys, _replica_id())
 
     return Router.bind()
 
@@ -371,7 +186,7 @@ class ViewBoard:
 
 def _led_deployment(index_dir: str, name: str, actor_options: dict | None, loopback: bool,
                     call_timeout_s: float | None, heal_every_s: float, keys: KeyRing | None, routers: int,
-                    limits: Limits = DEFAULT_LIMITS):
+                    config: ServerConfig | None = None):
     """`routers` replicas of the router (retriever/sharded/follow.py), and a leader: a deployment of one replica
     that opens the index, starts the shards as Ray actors of its own, keeps the write maps, restarts and merges
     shards, and does every write. Each router replica follows it: vector searches on the replica, with the
@@ -445,7 +260,7 @@ def _led_deployment(index_dir: str, name: str, actor_options: dict | None, loopb
             return _on_leader(self.leader, leader_timeout_s, "call", method, args, kwargs)
 
         def __serve_build_asgi_app__(self):
-            return create_app(FollowerCollection(self.index, name, self._call), keys, _replica_id(), limits)
+            return replica_app(FollowerCollection(self.index, name, self._call), config, keys, _replica_id())
 
         def __del__(self):
             index = getattr(self, "index", None)
@@ -481,14 +296,15 @@ def serve(address: str, index_dir, host: str = "127.0.0.1", port: int = 8000, na
     if not is_sharded(index_dir):
         raise InputError(f"{index_dir}: not a sharded index (build it with --shards)")
     name = name or Path(index_dir).name
+    if not NAME_RE.fullmatch(name):  # every route would answer 400 for it
+        raise InputError(f"{name!r} is no collection name: give --name (1-64 letters, digits, '_', '.' or '-')")
     if not ray.is_initialized():
         ray.init(address=address, log_to_driver=False,
                  **({"_node_ip_address": host} if host in ("127.0.0.1", "localhost") else {}))
     rserve.start(proxy_location=proxy_location, http_options={"host": host, "port": port})
     loopback = host in ("127.0.0.1", "localhost", "::1")
-    limits = Limits.of(config) if config is not None else DEFAULT_LIMITS
     rserve.run(_deployment(index_dir, name, actor_options, loopback, call_timeout_s, heal_every_s, keys, routers,
-                           limits),
+                           config),
                name="fusionrag",
                route_prefix="/")
     url = f"http://{host}:{port}"

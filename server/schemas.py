@@ -94,6 +94,9 @@ class SearchRequest(_Body):
     params: dict[str, Any] | None = Field(None, description="tuning: nprobe, probe_ratio, rerank, ...")
     stats: bool = Field(False, description="return the engine's statistics of each query")
     with_vectors: bool = Field(False, description="return each hit's stored vector (`vector`)")
+    partial: bool = Field(True, description="a sharded collection: false answers 503 rather than an answer that "
+                                            "misses the lists of a shard that is down (a collection's answers are "
+                                            "never partial)")
 
 
 class DocumentIn(_Body):
@@ -189,7 +192,9 @@ class Error(BaseModel):
 
 class Readiness(BaseModel):
     """The names in it are those the caller's key may see; with API keys, none without a key."""
-    status: str = Field(description="ready (200), or loading (503)")
+    status: str = Field(description="ready (200), loading (503); a sharded collection: degraded (200, a shard is "
+                                    "down) or 503 (every shard is down)")
     collections: list[str] | None = None
     failed: dict[str, str] | None = Field(None, description="collections that failed to open, and why")
     building: list[str] | None = None
+    shards_alive: list[bool] | None = Field(None, description="a sharded collection: whether each shard answers")

@@ -81,8 +81,8 @@ def test_serve_refuses_a_bad_setting_from_any_source_before_starting(tmp_path):
 
 
 def test_serve_ray_gives_the_users_settings_to_the_ray_service(tmp_path, monkeypatch):
-    """The limits given to `serve --ray` (flags, environment, file) reach ray_serve.serve, which gives each router
-    replica their Limits; they were dropped here before."""
+    """The limits given to `serve --ray` (flags, environment, file) reach ray_serve.serve, whose every router
+    replica builds the service's app from that config; they were dropped here before."""
     import fusionrag.server.ray_serve as ray_serve
     from fusionrag.cli import main
 
@@ -91,8 +91,8 @@ def test_serve_ray_gives_the_users_settings_to_the_ray_service(tmp_path, monkeyp
     monkeypatch.setenv("FUSIONRAG_MAX_DOCUMENTS", "9")
     assert main(["serve", "--ray", "127.0.0.1:1", "--index", str(tmp_path), "--max-k", "7",
                  "--max-queries", "3"]) == 0
-    limits = ray_serve.Limits.of(seen["config"])
-    assert (limits.max_k, limits.max_queries, limits.max_documents) == (7, 3, 9)
+    config = seen["config"]
+    assert (config.max_k, config.max_queries, config.max_documents) == (7, 3, 9)
 
 
 def test_serve_ray_needs_a_sharded_index_and_says_so(tmp_path):

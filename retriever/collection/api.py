@@ -469,12 +469,14 @@ class Collection:
     def search(self, vectors=None, k: int = 10, filter: dict | None = None,
                params: SearchParams | SearchOverrides | dict | None = None,
                with_vectors: bool = False, *, texts: Sequence[str] | None = None, mode: str = "vector",
-               text_weight: float = DEFAULT_TEXT_WEIGHT, fusion: Fusion | dict | None = None) -> CollectionSearch:
+               text_weight: float = DEFAULT_TEXT_WEIGHT, fusion: Fusion | dict | None = None,
+               partial: bool = True) -> CollectionSearch:
         """Top-k of each query. mode "vector": by the query vectors; "text": by BM25 over the documents'
         texts (hits' distance is SQLite's bm25, lower is better); "hybrid": both rankings, each
         HYBRID_DEPTH deep (or k), fused as `fusion` says (reciprocal rank by default; config.Fusion) with the
         text ranking weighted text_weight (hits' score is the fused score, their distance the exact vector
-        distance)."""
+        distance). partial: a sharded collection's (whether an answer missing a down shard's lists may be given);
+        a collection's answers are never partial."""
         k = check_search(k, mode, texts, vectors, text_weight)
         fusion = Fusion.of(fusion)
         if mode != "text":

@@ -23,7 +23,8 @@ rank, as a collection does, and needs the query vectors beside the texts. Docume
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,9 +34,10 @@ from fusionrag.retriever.collection.config import (DEFAULT_TEXT_WEIGHT, HYBRID_D
                                                    check_search)
 from fusionrag.retriever.collection.filters import compile_filter, filter_warnings
 from fusionrag.retriever.collection.fusion import fuse, fused_hits
-from fusionrag.retriever.collection.records import upsert_record
+from fusionrag.retriever.collection.docstore import merge_patch
+from fusionrag.retriever.collection.records import metadata_record, upsert_record
 from fusionrag.retriever.engine.config import SearchParams
-from fusionrag.retriever.errors import InputError, UnavailableError
+from fusionrag.retriever.errors import InputError, UnavailableError, UnsupportedError
 from fusionrag.retriever.sharded.parts import NAMED_IDS, part_name
 from fusionrag.retriever.sharded.router import ShardedIndex
 from fusionrag.retriever.sharded.shard import ShardReads
@@ -137,7 +139,45 @@ class ShardedCollection:
         raise InputError("a sharded collection is not cleared: delete its documents (by id or filter), or rebuild "
                          "the index")
 
+    def set_metadata(self, updates: Mapping[str, dict], merge: bool = True) -> int:
+        """Change documents' metadata (as Collection.set_metadata: with merge an RFC 7386 merge patch over the
+        stored metadata, else the whole new one; unknown ids skipped): each document written again with its text
+        and vector, as a shard's log has no metadata-only record. Returns how many were updated."""
+        w = metadata_record(updates, merge)
+        if not w.ids:
+            return 0
+        with self.index._write_lock:  # no write between reading the documents and writing them again
+            found = self.get(w.ids, with_vectors=True)
+            new = dict(zip(w.ids, w.metas))
+            docs = [Document(d.id, d.text, d.vector,
+                             merge_patch(d.metadata, json.loads(new[d.id])) if merge else json.loads(new[d.id]))
+                    for d in found]
+            if docs:
+                self.upsert(docs)
+        return len(docs)
+
+    # What a sharded collection does not do through the service: refused with 405 (UnsupportedError).
+    def snapshot(self, *_, **__):
+        raise UnsupportedError("a sharded collection is not snapshotted through the service: snapshot each shard "
+                               "part's directory (docs/sharded.md)")
+
+    def claim_import(self, *_, **__):
+        raise UnsupportedError("a sharded collection does not take imports: build it with its documents "
+                               "(fusionrag build VECTORS INDEX --shards N --documents DOCS.jsonl)")
+
+    import_files = release_import = claim_import
+
+    @property
+    def path(self):
+        return self.index.path
+
     # -- reads ---------------------------------------------------------------------------------------
+
+    def count(self, filter: dict | None = None) -> int:
+        """How many documents the filter passes (all of them without one)."""
+        if filter is None:
+            return self.index.live_count()
+        return len(self.index.matching(compile_filter(filter)))
 
     def __len__(self) -> int:
         """Live documents: the built and merged vectors not deleted or replaced since, and those written since the

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from fusionrag.retriever.collection.config import CollectionConfig
 from fusionrag.retriever.engine.config import EngineConfig, SearchParams, cpu_threads
 from fusionrag.retriever.engine.learned_probe import load_probe_model
 from fusionrag.retriever.engine.tiers import NavigationTier
@@ -156,8 +157,8 @@ class FollowerCollection(ShardedCollection):
     """A ShardedCollection whose vector searches run on this router (a ShardedFollower), and everything else on
     the leader's collection (leader: calls a method of it, in another process through Ray)."""
 
-    def __init__(self, index: ShardedFollower, name: str, leader: Leader):
-        super().__init__(index, name)
+    def __init__(self, index: ShardedFollower, name: str, leader: Leader, config: CollectionConfig | None = None):
+        super().__init__(index, name, config)
         self.leader = leader
 
     def _on_leader(self, method: str, *args, **kwargs):
@@ -176,6 +177,12 @@ class FollowerCollection(ShardedCollection):
 
     def __len__(self) -> int:
         return self._on_leader("__len__")
+
+    def count(self, filter: dict | None = None) -> int:
+        return self._on_leader("count", filter)
+
+    def set_metadata(self, updates, merge: bool = True) -> int:
+        return self._on_leader("set_metadata", dict(updates), merge)
 
     def get(self, ids: Sequence[str], with_vectors: bool = False):
         return self._on_leader("get", ids, with_vectors)

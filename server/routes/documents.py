@@ -86,7 +86,8 @@ async def get_documents(request: Request, coll: Collection = Depends(open_collec
 DEFAULT_PAGE = 100  # documents per page when `limit` is not given (at most max_documents)
 PageLimit = Annotated[int, Query(ge=1, description="documents per page, at most max_documents")]
 # The internal row to continue after: rows are never reused, so the order is stable while writes go on.
-Cursor = Annotated[str, Query(pattern=r"^[0-9]{1,18}$", description="the next_cursor of the page before; left "
+# 19 digits: a sharded collection's documents named by a string have ids from 2**62 up.
+Cursor = Annotated[str, Query(pattern=r"^[0-9]{1,19}$", description="the next_cursor of the page before; left "
                                                                     "out: the first page")]
 # Read by the route itself: FastAPI cannot declare a query parameter whose value is JSON.
 _FILTER_PARAMETER = {"name": "filter", "in": "query", "required": False,
@@ -139,6 +140,8 @@ def list_documents(request: Request, limit: PageLimit = DEFAULT_PAGE, cursor: Cu
 
 def page_answer(coll, limit: int, cursor: str | None, flt: dict | None, with_vectors: bool) -> VectorJSON:
     """One page of a collection's documents (a Collection's or a ShardedCollection's) as the API answers it."""
+    if cursor and int(cursor) >= 1 << 63:
+        raise http_error(422, f"cursor {cursor} is no page's next_cursor")
     docs, after = coll.scroll(limit, int(cursor) if cursor else -1, flt, with_vectors)
     out = {"documents": [document_json(d, with_vectors) for d in docs],
            "next_cursor": None if after is None else str(after)}

@@ -14,6 +14,9 @@ from fusionrag.server.schemas import Readiness
 router = APIRouter()
 
 
+NAMED = ("collections", "building", "failed")  # the members of readyz's body that name collections
+
+
 def _for_caller(request: Request, body: dict) -> dict:
     """`body` with its collection names (its lists of names, its dicts by name) cut to those the caller's key
     covers; with API keys, a caller without a valid key is told the status only."""
@@ -23,8 +26,8 @@ def _for_caller(request: Request, body: dict) -> dict:
         key = authenticate(request)
     except HTTPException:
         return {"status": body["status"]}
-    return {k: [n for n in v if key.allows(n)] if isinstance(v, list) else
-            {n: x for n, x in v.items() if key.allows(n)} if isinstance(v, dict) else v for k, v in body.items()}
+    return {k: v if k not in NAMED else [n for n in v if key.allows(n)] if isinstance(v, list) else
+            {n: x for n, x in v.items() if key.allows(n)} for k, v in body.items()}
 
 
 @router.get("/healthz", summary="Live: the process answers")
@@ -41,7 +44,14 @@ def readyz(request: Request):
         failed = state.catalog.failed()
         if state.demo_error:
             failed.setdefault("demo", state.demo_error)
-        return _for_caller(request, {"status": "ready", "collections": state.catalog.names(), "failed": failed})
+        body = {"status": "ready", "collections": state.catalog.names(), "failed": failed}
+        readiness = getattr(state.catalog, "readiness", None)
+        if readiness is not None:  # a sharded collection: its shards asked now; degraded with one down, 503 with all
+            r = readiness()
+            body.update(status="degraded" if r["degraded"] else "ready", shards_alive=r["shards_alive"])
+            if not r["ready"]:
+                return JSONResponse(_for_caller(request, body), 503)
+        return _for_caller(request, body)
     return JSONResponse(_for_caller(request, {"status": "loading", "building": sorted(state.building)}), 503)
 
 

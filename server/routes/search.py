@@ -61,13 +61,17 @@ async def search(request: Request, coll: Collection = Depends(open_collection)):
         res = await state.batcher.search(coll, body.k, filter=body.filter, params=params, vectors=vectors,
                                          texts=body.texts, mode=body.mode, text_weight=body.text_weight,
                                          fusion=Fusion(body.fusion.method, body.fusion.k) if body.fusion else None,
-                                         with_vectors=body.with_vectors)
+                                         with_vectors=body.with_vectors, partial=body.partial)
     except ServiceClosing as e:
         raise http_error(503, str(e)) from e
     state.metrics.recent.add(time.perf_counter() - t, len(queries),
                              sum(int(s.get("pages_read", 0)) for s in res.stats),
                              sum(int(s.get("pages_buffered", 0)) for s in res.stats))
     out = {"results": [[hit_json(h, body.with_vectors) for h in hits] for hits in res.hits]}
+    if hasattr(res, "missing_lists"):  # a sharded collection: whether a shard down left lists unsearched, and which
+        out["partial"] = res.partial
+        if res.partial:
+            out["missing_lists"], out["missing_shards"] = res.missing_lists, res.missing_shards
     # A filter comparing a field with values of a type it is not held as matches nothing: said, not silent.
     if body.filter is not None and (warnings := await run_in_threadpool(coll.filter_warnings, body.filter)):
         out["warnings"] = warnings

@@ -1,6 +1,6 @@
-"""The LangChain and LlamaIndex stores, unchanged, against the sharded service's routes (server/ray_serve.py's
-create_app over a ShardedCollection; shards in this process, served by uvicorn over real HTTP; the same app runs as
-a Ray Serve deployment in tests/retriever/sharded_ray_serve_child.py). The collection is a built sharded index of
+"""The LangChain and LlamaIndex stores, unchanged, against the sharded service's routes (the service's own app,
+server/app.py, over a ShardedCatalog: server/ray_serve.py's replica_app; shards in this process, served by uvicorn
+over real HTTP; the same app runs as a Ray Serve deployment in tests/retriever/sharded_ray_serve_child.py). The collection is a built sharded index of
 3000 vectors, so searches run through the index path (PQ candidates, re-rank) of every shard beside the documents
 the stores write; answers are checked against exact search in numpy."""
 
@@ -23,7 +23,8 @@ from fusionrag.retriever.sharded.build import build_sharded
 from fusionrag.retriever.sharded.docs import ShardedCollection
 from fusionrag.retriever.sharded.router import ShardedIndex
 from fusionrag.server.auth import KeyRing, parse_entries
-from fusionrag.server.ray_serve import DEFAULT_LIMITS, Limits, create_app
+from fusionrag.server.config import ServerConfig
+from fusionrag.server.ray_serve import replica_app
 
 N, DIM = 3000, 16
 NAME = "docs"
@@ -41,7 +42,7 @@ def service(tmp_path_factory, base) -> Iterator[tuple[str, ShardedCollection]]:
     shutil.copytree(root / "built", root / "idx")
     coll = ShardedCollection(ShardedIndex.open(root / "idx"), NAME)
     try:
-        with serving(create_app(coll)) as url:
+        with serving(replica_app(coll)) as url:
             yield url, coll
     finally:
         coll.close()
@@ -130,7 +131,7 @@ def test_the_routes_refuse_what_a_sharded_collection_cannot_do(service, base):
                    headers={"content-type": "application/json"})
     assert r.status_code == 422
     assert post("/documents", {"documents": [{"id": "t", "text": "no vector"}]}).status_code == 422
-    r = post("/documents", {"documents": [{"id": "t", "vector": v}] * (DEFAULT_LIMITS.max_documents + 1)})
+    r = post("/documents", {"documents": [{"id": "t", "vector": v}] * (ServerConfig().max_documents + 1)})
     assert r.status_code == 422 and "max_documents" in r.text  # as the single service answers it
     assert post("/documents/delete", {"ids": ["a"], "filter": {"x": 1}}).status_code == 422
     assert httpx.post(f"{url}/v1/collections/other/search", json={"vectors": [v]}).status_code == 404
@@ -149,12 +150,12 @@ def test_the_routes_refuse_what_a_sharded_collection_cannot_do(service, base):
 
 def test_the_limits_of_the_users_config_reach_the_routes(service, base):
     """#50: the sharded routes applied ServerConfig()'s defaults whatever `serve --ray` was given; now the
-    user's (Limits.of(config), which `serve` gives every router replica)."""
+    user's (the config `serve` gives every router replica, which builds the service's app from it)."""
     from fusionrag.server.config import load_config
 
     _, coll = service
     config = load_config(flags={"max_k": 7, "max_documents": 3, "max_queries": 2, "max_body_bytes": 4096})
-    with serving(create_app(coll, limits=Limits.of(config))) as url:
+    with serving(replica_app(coll, config)) as url:
         post = lambda path, body: httpx.post(f"{url}/v1/collections/{NAME}{path}", json=body)  # noqa: E731
         v = base[0].tolist()
         assert post("/search", {"vectors": [v], "k": 7}).status_code == 200
@@ -175,7 +176,7 @@ def test_api_keys_guard_the_sharded_routes(service, base):
     this collection, whose listing leaves it out; health stays open. The LangChain store passes its key."""
     _, coll = service
     keys = KeyRing(parse_entries(f"good-key-123\nnarrow-key-1 other,team-*\nwide-key-12 {NAME}", "test"))
-    with serving(create_app(coll, keys)) as url:
+    with serving(replica_app(coll, keys=keys)) as url:
         search = f"{url}/v1/collections/{NAME}/search"
         body = {"vectors": [base[0].tolist()], "k": 1}
         r = httpx.post(search, json=body)

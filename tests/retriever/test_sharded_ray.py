@@ -103,7 +103,8 @@ def test_served_over_http_with_the_router_a_ray_serve_deployment(ray_namespace, 
     r = in_namespace(SERVE_CHILD, tmp_path, 500)
     print(r)
     assert r["nodes"] == 2
-    assert r["ready"] == [200, {"status": "ready", "shards_alive": [True, True]}], r
+    # the service's own readiness, with each shard's (#50: one app for every kind of collection)
+    assert r["ready"] == [200, {"status": "ready", "collections": ["docs"], "failed": {}, "shards_alive": [True, True]}], r
     assert r["search_status"] == 200 and r["ids_equal"] and r["dists_close"], r
     assert r["upsert"] == [200, {"ids": ["900000"]}] and r["upserted_found"], r
     assert r["delete"] == [200, {"deleted": 1}], r
@@ -125,7 +126,8 @@ def test_served_by_two_router_replicas_following_a_leader(ray_namespace, tmp_pat
     two_shards_answered(tmp_path)
     r = in_namespace(ROUTERS_CHILD, tmp_path, 500)
     print(r)
-    assert r["ready"] == [200, {"status": "ready", "shards_alive": [True, True]}], r
+    # the service's own readiness, with each shard's (#50: one app for every kind of collection)
+    assert r["ready"] == [200, {"status": "ready", "collections": ["docs"], "failed": {}, "shards_alive": [True, True]}], r
     assert r["routers"] == 2 and r["leaders"] == 1, r
     # Both replicas answered searches, each as the index in one process does.
     assert r["answered_by"] == 2 and r["all_equal"], r

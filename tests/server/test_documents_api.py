@@ -230,7 +230,7 @@ def test_openapi_document_declares_the_new_routes(service):
     scroll = paths["/v1/collections/{name}/documents"]["get"]
     params = {p["name"]: p for p in scroll["parameters"]}
     assert params["limit"]["schema"]["maximum"] == MAX_DOCS and params["limit"]["schema"]["default"] == MAX_DOCS
-    assert params["cursor"]["schema"]["pattern"] == "^[0-9]{1,18}$"
+    assert params["cursor"]["schema"]["pattern"] == "^[0-9]{1,19}$"  # 19: a sharded collection's ids
     assert params["filter"]["content"]["application/json"]["schema"] == {"type": "object"}
     assert ref(scroll) == "DocumentsPage" and set(schemas["DocumentsPage"]["required"]) == {"documents", "next_cursor"}
     for op in (paths["/v1/collections/{name}/documents/delete"]["post"],

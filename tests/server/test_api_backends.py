@@ -1,0 +1,157 @@
+"""One HTTP API over any collection (#50): the same tests against the service over a collection and over a sharded
+collection (the service's own app over a ShardedCatalog, as every Ray Serve router replica builds it; shards in this
+process), both served by uvicorn over real HTTP, both behind API keys and the same limits. Answers are checked
+against exact search in numpy over the 3000 vectors, which both hold in an index (the collection merged), not
+against each other; only what a sharded collection does not do differs, and is stated per backend."""
+
+from __future__ import annotations
+
+import shutil
+
+import httpx
+import numpy as np
+import pytest
+from conftest import clustered
+from integration_helpers import serving
+
+from fusionrag.retriever.engine.config import BuildConfig
+from fusionrag.retriever.sharded.build import build_sharded
+from fusionrag.retriever.sharded.docs import ShardedCollection
+from fusionrag.retriever.sharded.router import ShardedIndex
+from fusionrag.server.app import create_app
+from fusionrag.server.auth import KeyRing, parse_entries
+from fusionrag.server.config import ServerConfig
+from fusionrag.server.ray_serve import replica_app
+
+N, DIM, NAME = 3000, 16, "docs"
+KEYS = f"good-key-123\nnarrow-key-1 other,team-*\nwide-key-12 {NAME}"
+LIMITS = dict(max_k=50, max_queries=4, max_documents=1000)
+GOOD = {"Authorization": "Bearer good-key-123"}
+EXHAUSTIVE = {"nprobe": 4096, "rerank": N, "beta": 0}
+
+
+@pytest.fixture(scope="module")
+def base():
+    return clustered(N, DIM, 20, seed=11, spread=0.6)
+
+
+@pytest.fixture(scope="module", params=["single", "sharded"])
+def service(request, tmp_path_factory, base):
+    root = tmp_path_factory.mktemp(f"backend-{request.param}")
+    keys = KeyRing(parse_entries(KEYS, "test"))
+    config = ServerConfig(data_dir=str(root / "data"), demo=False, log_level="warning", **LIMITS)
+    if request.param == "single":
+        app = create_app(config, keys=keys)
+        with serving(app) as url:
+            r = httpx.post(f"{url}/v1/collections", json={"name": NAME, "dimension": DIM, "metric": "l2"}, headers=GOOD)
+            assert r.status_code == 201, r.text
+            for lo in range(0, N, 1000):
+                docs = [{"id": str(i), "vector": base[i].tolist()} for i in range(lo, lo + 1000)]
+                assert httpx.post(f"{url}/v1/collections/{NAME}/documents", json={"documents": docs},
+                                  headers=GOOD, timeout=60).status_code == 200
+            app.state.fusionrag.catalog.get(NAME).merge()  # searched through its index, as the shards are
+            yield request.param, url
+    else:
+        build_sharded(base, root / "built", 3, BuildConfig(threads=1, centroid_ratio=0.05), progress=False)
+        shutil.copytree(root / "built", root / "idx")
+        coll = ShardedCollection(ShardedIndex.open(root / "idx"), NAME)
+        try:
+            with serving(replica_app(coll, config, keys)) as url:
+                yield request.param, url
+        finally:
+            coll.close()
+
+
+def post(url, path, body, headers=GOOD):
+    return httpx.post(f"{url}/v1/collections/{NAME}{path}", json=body, headers=headers, timeout=60)
+
+
+def exact(base, q, k):
+    d = ((base.astype(np.float64) - q[None, :].astype(np.float64)) ** 2).sum(1)
+    return [str(i) for i in np.argsort(d, kind="stable")[:k]]
+
+
+def test_search_answers_the_exact_top_k(service, base):
+    _, url = service
+    q = base[[7, 1500, 2999]] + 0.02
+    r = post(url, "/search", {"vectors": q.tolist(), "k": 10, "params": EXHAUSTIVE, "stats": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [[h["id"] for h in hits] for hits in body["results"]] == [exact(base, x, 10) for x in q]
+    assert len(body["stats"]) == 3 and body.get("partial", False) is False
+
+
+def test_limits_bad_input_and_unknown_names_are_answered_alike(service, base):
+    _, url = service
+    v = base[0].tolist()
+    cases = [({"vectors": [v], "k": 51}, 422, "max_k"), ({"vectors": [v] * 5}, 422, "max_queries"),
+             ({"vectors": [v[:-1]]}, 422, "dimension"), ({"vectors": [v], "filter": {"$nope": 1}}, 422, "$nope"),
+             ({"texts": ["hi"]}, 422, "embedding model")]
+    for body, status, words in cases:
+        r = post(url, "/search", body)
+        assert r.status_code == status and words in r.text, (body, r.text)
+    r = httpx.post(f"{url}/v1/collections/{NAME}/search", content=b'{"vectors": [[NaN]]}', headers=GOOD)
+    assert r.status_code == 422
+    r = httpx.post(f"{url}/v1/collections/{NAME}/search", content=b'{"vectors": [[1, 2', headers=GOOD)
+    assert r.status_code == 400 and "malformed JSON" in r.text
+    assert post(url, "/documents/get", {"ids": [str(i) for i in range(1001)]}).status_code == 422
+    assert httpx.post(f"{url}/v1/collections/nope/search", json={"vectors": [v]}, headers=GOOD).status_code == 404
+    assert httpx.post(f"{url}/v1/collections/bad name/search", json={"vectors": [v]},
+                      headers=GOOD).status_code == 400
+
+
+def test_api_keys(service, base):
+    _, url = service
+    body = {"vectors": [base[0].tolist()], "k": 1}
+    r = post(url, "/search", body, headers={})
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    assert post(url, "/search", body, headers={"Authorization": "Bearer wrong-key-9"}).status_code == 401
+    narrow = {"Authorization": "Bearer narrow-key-1"}
+    assert post(url, "/search", body, headers=narrow).status_code == 403
+    assert httpx.get(f"{url}/v1/collections", headers=narrow).json() == {"collections": []}
+    r = post(url, "/search", body, headers={"Authorization": "Bearer wide-key-12"})
+    assert r.status_code == 200 and r.json()["results"][0][0]["id"] == "0"
+    assert httpx.get(f"{url}/healthz").status_code == 200
+
+
+def test_documents_written_read_counted_updated_and_deleted(service, base):
+    _, url = service
+    v = (base[42] + 0.001).tolist()
+    doc = {"id": "note-1", "text": "a note about ships", "vector": v, "metadata": {"topic": "ships", "n": 1}}
+    assert post(url, "/documents", {"documents": [doc]}).json() == {"ids": ["note-1"]}
+    got = httpx.get(f"{url}/v1/collections/{NAME}/documents/note-1", headers=GOOD).json()
+    assert (got["id"], got["text"], got["metadata"]) == ("note-1", doc["text"], doc["metadata"])
+    assert post(url, "/search", {"vectors": [v], "k": 1}).json()["results"][0][0]["id"] == "note-1"
+    assert post(url, "/documents/count", {"filter": {"topic": "ships"}}).json()["count"] == 1
+    r = post(url, "/documents/metadata", {"documents": [{"id": "note-1", "metadata": {"n": 2, "extra": True}}],
+                                          "merge": True})
+    assert r.status_code == 200 and r.json() == {"updated": 1}, r.text
+    got = post(url, "/documents/get", {"ids": ["note-1", "missing"]}).json()["documents"]
+    assert [(d["id"], d["metadata"]) for d in got] == [("note-1", {"topic": "ships", "n": 2, "extra": True})]
+    page = httpx.get(f"{url}/v1/collections/{NAME}/documents", params={"limit": 2}, headers=GOOD).json()
+    assert len(page["documents"]) == 2 and page["next_cursor"] is not None
+    assert post(url, "/documents/delete", {"ids": ["note-1"]}).json() == {"deleted": 1}
+    assert httpx.get(f"{url}/v1/collections/{NAME}/documents/note-1", headers=GOOD).status_code == 404
+    info = httpx.get(f"{url}/v1/collections/{NAME}", headers=GOOD).json()
+    assert info["count"] == N
+
+
+def test_what_only_a_collection_does(service, base):
+    """Creating another collection, snapshots and the OpenAI vector stores: a collection's service does them, a
+    sharded one refuses them with a status that says so (422 / 405), not a 500."""
+    kind, url = service
+    create = httpx.post(f"{url}/v1/collections", json={"name": "other", "dimension": DIM}, headers=GOOD)
+    snap = httpx.post(f"{url}/v1/collections/{NAME}/snapshots", headers=GOOD, timeout=60)
+    stores = httpx.get(f"{url}/v1/vector_stores", headers=GOOD)
+    if kind == "single":
+        assert (create.status_code, snap.status_code, stores.status_code) == (201, 201, 200)
+        assert httpx.delete(f"{url}/v1/collections/other", headers=GOOD).status_code == 200
+    else:
+        assert create.status_code == 422 and "alone" in create.text
+        assert snap.status_code == 405 and "snapshot" in snap.text
+        assert stores.status_code == 405 and stores.json()["error"]["message"]
+        assert httpx.delete(f"{url}/v1/collections/{NAME}", headers=GOOD).status_code == 405
+        assert httpx.post(f"{url}/v1/collections", json={"name": NAME, "dimension": DIM},
+                          headers=GOOD).status_code == 409
+        ready = httpx.get(f"{url}/readyz", headers=GOOD).json()
+        assert ready["status"] == "ready" and ready["shards_alive"] == [True, True, True]
