@@ -106,13 +106,13 @@ def in_cgroup(cap: int, cmd: list[str], failed_log: Path, what: str):
     return r, run
 
 
-def build(d: Path, n: int, dim: int, cap: int) -> dict:
-    """fusionrag build at the defaults inside the cap; resumes a stopped build (its own resume)."""
+def build(d: Path, n: int, dim: int, cap: int, flags: tuple[str, ...] = ()) -> dict:
+    """fusionrag build at the defaults (and flags) inside the cap; resumes a stopped build (its own resume)."""
     if (d / "build.json").exists():
         return json.loads((d / "build.json").read_text())
     drop_cache(d / "base.npy")  # a cold start: what the build reads is read (and charged to its cgroup) by it
     load0 = os.getloadavg()
-    cmd = [sys.executable, "-m", "fusionrag", "build", str(d / "base.npy"), str(d / "index"), "--quiet"]
+    cmd = [sys.executable, "-m", "fusionrag", "build", str(d / "base.npy"), str(d / "index"), "--quiet", *flags]
     r, run = in_cgroup(cap, cmd, d / "build_failed.log", f"build of {n}")
     manifest = json.loads((d / "index" / "manifest.json").read_text())
     timings = manifest.get("build_timings", {})
