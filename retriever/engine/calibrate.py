@@ -49,6 +49,12 @@ LADDER = ((200, 2), (200, 3), (300, 4), (400, 6), (600, 8), (800, 12), (1200, 16
 # less time a query; bench/results/calibration_*_beam.md). Exact navigation costs the same at any nprobe: not tried.
 BEAMS = (128, 64, 32)
 BEAM_SLACK = 0.005
+# Where no rung reaches the target, the lists probed bound the recall, not the re-rank: on 10M clustered 128-d
+# vectors (lists of ~10 vectors, so a cluster's neighbours spread over hundreds of lists) every rung from rerank 600
+# gave 0.904-0.908 at nprobe 256 (#51). Then wider probes are tried, at the cheapest rung whose recall was within
+# PLATEAU of the best one's, then at the widest re-rank, up to the first that reaches the target.
+WIDER = (512, 1024, 2048)
+PLATEAU = 0.005
 MIN_ROWS = 2000  # fewer rows: the sample would be a large share of the data, and nearly every search is exact
 # A merge measures again at 1.25x (or 1/1.25x) the rows measured: a collection merges up to 4x its last full build
 # (CollectionConfig.rebuild_growth) before it rebuilds, and the settings chosen at 1x need not hold there.
@@ -110,9 +116,31 @@ def climb(search, q: np.ndarray, truth: np.ndarray, target: float, graph: bool =
         chosen = {} if (rerank, beta) == LADDER[0] else {"rerank": rerank, "beta": beta}
         if low >= target:
             break
+    else:
+        return tried, _widen(search, q, truth, target, chosen, tried)
     if graph and low >= target:
         chosen = _narrow(search, q, truth, target, r, chosen, tried)
     return tried, chosen
+
+
+def _widen(search, q: np.ndarray, truth: np.ndarray, target: float, last: dict, tried: list) -> dict:
+    """No rung reached target: WIDER probes (nprobe) at the plateau's first rung and at the last rung, in that order
+    for each width, up to the first whose recall's lower bound reaches it (else the widest, the last rung's)."""
+    best = max(t["recall"] for t in tried)
+    plateau = next(t for t in tried if t["recall"] >= best - PLATEAU)
+    rungs = [{"rerank": plateau["rerank"], "beta": plateau["beta"]}]
+    if rungs[0] != last:
+        rungs.append(dict(last))
+    chosen = last
+    for nprobe in WIDER:
+        for rung in rungs:
+            params = {**rung, "nprobe": nprobe}
+            r, low = recall_bounds(search(q, SearchParams(**params)), truth)
+            tried.append({**params, "recall": round(r, 4), "recall_low": round(low, 4)})
+            chosen = params
+            if low >= target:
+                return chosen
+    return chosen
 
 
 def _narrow(search, q: np.ndarray, truth: np.ndarray, target: float, full: float, chosen: dict,

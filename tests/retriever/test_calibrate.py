@@ -422,3 +422,41 @@ def test_a_rung_is_chosen_by_the_lower_bound_of_its_recall_not_its_mean():
         assert t["recall_low"] == round(r.mean() - Z * r.std(ddof=1) / np.sqrt(500), 4)
     assert tried[0]["recall"] >= 0.95 > tried[0]["recall_low"]  # the mean alone would have stopped here
     assert chosen == {"rerank": tried[-1]["rerank"], "beta": tried[-1]["beta"]} and tried[-1]["recall_low"] >= 0.95
+
+
+def test_where_no_rung_reaches_the_target_wider_probes_are_tried():
+    """#51: at 10M clustered vectors the re-rank ladder plateaued near 0.908 (the lists probed bound the recall):
+    calibration then widens nprobe, at the plateau's first rung before the widest re-rank, up to the first that
+    reaches the target; where the rungs reach it, nprobe is left as it was (narrowed only, as before)."""
+    from fusionrag.retriever.engine.calibrate import LADDER, PLATEAU, WIDER, climb
+
+    truth = np.arange(500 * 10).reshape(500, 10)
+
+    def found_with(share: float) -> np.ndarray:  # (1 - share) of the 5000 true neighbours missed, a column at a time
+        out, left = truth.copy(), round((1 - share) * 5000)
+        for col in range(9, -1, -1):
+            out[:min(500, left), col] = -1
+            left -= min(500, left)
+        return out
+
+    def recall_of(p) -> float:  # plateaus with the re-rank at 0.90; 0.96 from nprobe 1024 on, whatever the rung
+        if p.nprobe >= 1024:
+            return 0.97
+        return min(0.90, 0.80 + p.rerank / 4000)
+
+    asked = []
+
+    def search(q, p):
+        asked.append(p)
+        return found_with(recall_of(p))
+
+    tried, chosen = climb(search, np.zeros((500, 4)), truth, 0.95)
+    assert len(tried) == len(LADDER) + 3 and [t.get("nprobe") for t in tried[-3:]] == [WIDER[0], WIDER[0], WIDER[1]]
+    plateau = next((r, b) for r, b in LADDER if recall_of(SearchParams(rerank=r, beta=b)) >= 0.90 - PLATEAU)
+    assert (tried[-1]["rerank"], tried[-1]["beta"]) == plateau and chosen == {"rerank": plateau[0], "beta": plateau[1],
+                                                                              "nprobe": WIDER[1]}
+    assert (tried[-2]["rerank"], tried[-2]["beta"]) == LADDER[-1]  # the widest re-rank tried at 512 too
+
+    asked.clear()
+    tried, chosen = climb(lambda q, p: found_with(0.97), np.zeros((500, 4)), truth, 0.95)
+    assert chosen == {} and len(tried) == 1  # reached at the defaults: nothing widened
