@@ -51,10 +51,15 @@ BEAMS = (128, 64, 32)
 BEAM_SLACK = 0.005
 # Where no rung reaches the target, the lists probed bound the recall, not the re-rank: on 10M clustered 128-d
 # vectors (lists of ~10 vectors, so a cluster's neighbours spread over hundreds of lists) every rung from rerank 600
-# gave 0.904-0.908 at nprobe 256 (#51). Then wider probes are tried, at the cheapest rung whose recall was within
-# PLATEAU of the best one's, then at the widest re-rank, up to the first that reaches the target.
+# gave 0.904-0.908 at nprobe 256 (#51); at 512 the re-rank mattered again (600: 0.916, 2400: 0.939), and wider
+# probes gave nothing more. So at each wider probe the ladder is climbed again from the cheapest rung whose recall
+# was within PLATEAU of the best one's, with MORE rungs past its top, while a rung gains at least GAIN; a width that
+# gains less than PLATEAU over the one before ends the search, and the best measured is kept where none reaches the
+# target.
 WIDER = (512, 1024, 2048)
+MORE = ((3600, 48), (4800, 64))
 PLATEAU = 0.005
+GAIN = 0.001
 MIN_ROWS = 2000  # fewer rows: the sample would be a large share of the data, and nearly every search is exact
 # A merge measures again at 1.25x (or 1/1.25x) the rows measured: a collection merges up to 4x its last full build
 # (CollectionConfig.rebuild_growth) before it rebuilds, and the settings chosen at 1x need not hold there.
@@ -124,22 +129,29 @@ def climb(search, q: np.ndarray, truth: np.ndarray, target: float, graph: bool =
 
 
 def _widen(search, q: np.ndarray, truth: np.ndarray, target: float, last: dict, tried: list) -> dict:
-    """No rung reached target: WIDER probes (nprobe) at the plateau's first rung and at the last rung, in that order
-    for each width, up to the first whose recall's lower bound reaches it (else the widest, the last rung's)."""
-    best = max(t["recall"] for t in tried)
-    plateau = next(t for t in tried if t["recall"] >= best - PLATEAU)
-    rungs = [{"rerank": plateau["rerank"], "beta": plateau["beta"]}]
-    if rungs[0] != last:
-        rungs.append(dict(last))
-    chosen = last
+    """No rung reached target: at each of WIDER's probes (nprobe), the ladder climbed again from the plateau's first
+    rung (MORE rungs past its top) while a rung gains GAIN, up to the first whose recall's lower bound reaches target;
+    a width gaining less than PLATEAU over the last ends it. Where none reaches it, the best measured."""
+    best_r = max(t["recall"] for t in tried)
+    first = next(i for i, t in enumerate(tried) if t["recall"] >= best_r - PLATEAU)
+    rungs = LADDER[first:] + MORE
+    chosen, before = last, best_r
     for nprobe in WIDER:
-        for rung in rungs:
-            params = {**rung, "nprobe": nprobe}
+        width_best = -1.0
+        for rerank, beta in rungs:
+            params = {"rerank": rerank, "beta": beta, "nprobe": nprobe}
             r, low = recall_bounds(search(q, SearchParams(**params)), truth)
             tried.append({**params, "recall": round(r, 4), "recall_low": round(low, 4)})
-            chosen = params
+            if r > best_r:
+                chosen, best_r = params, r
             if low >= target:
-                return chosen
+                return params
+            if r < width_best + GAIN:  # more re-rank gains nothing at this width
+                break
+            width_best = max(width_best, r)
+        if width_best < before + PLATEAU:  # wider probes gain nothing more
+            break
+        before = width_best
     return chosen
 
 

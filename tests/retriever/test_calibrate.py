@@ -425,10 +425,12 @@ def test_a_rung_is_chosen_by_the_lower_bound_of_its_recall_not_its_mean():
 
 
 def test_where_no_rung_reaches_the_target_wider_probes_are_tried():
-    """#51: at 10M clustered vectors the re-rank ladder plateaued near 0.908 (the lists probed bound the recall):
-    calibration then widens nprobe, at the plateau's first rung before the widest re-rank, up to the first that
-    reaches the target; where the rungs reach it, nprobe is left as it was (narrowed only, as before)."""
-    from fusionrag.retriever.engine.calibrate import LADDER, PLATEAU, WIDER, climb
+    """#51: at 10M clustered vectors the re-rank ladder plateaued near 0.908 at nprobe 256 (the lists probed bound
+    the recall), and at nprobe 512 the re-rank mattered again. Calibration then climbs the ladder again at wider
+    probes, from the plateau's first rung, past the ladder's top (MORE), up to the first that reaches the target;
+    a width that gains nothing ends it, and the best measured is kept; where the rungs reach the target, nprobe is
+    left as it was."""
+    from fusionrag.retriever.engine.calibrate import LADDER, MORE, WIDER, climb
 
     truth = np.arange(500 * 10).reshape(500, 10)
 
@@ -439,24 +441,25 @@ def test_where_no_rung_reaches_the_target_wider_probes_are_tried():
             left -= min(500, left)
         return out
 
-    def recall_of(p) -> float:  # plateaus with the re-rank at 0.90; 0.96 from nprobe 1024 on, whatever the rung
-        if p.nprobe >= 1024:
-            return 0.97
-        return min(0.90, 0.80 + p.rerank / 4000)
+    def model(reach: float):  # plateau at 0.90 at nprobe 256; from 512 the re-rank counts, up to `reach`
+        def recall_of(p) -> float:
+            if p.nprobe < 512:
+                return min(0.90, 0.80 + p.rerank / 4000)
+            return min(reach, 0.86 + p.rerank / 50000)
+        return lambda q, p: found_with(recall_of(p))
 
-    asked = []
+    tried, chosen = climb(model(0.99), np.zeros((500, 4)), truth, 0.95)
+    wide = tried[len(LADDER):]
+    assert all(t["nprobe"] == WIDER[0] for t in wide)  # reached at the first wider probe
+    plateau = next(i for i, (r, _) in enumerate(LADDER) if min(0.90, 0.80 + r / 4000) >= 0.90 - 0.005)
+    assert [(t["rerank"], t["beta"]) for t in wide] == [*LADDER[plateau:], *MORE][:len(wide)]
+    assert chosen == {"rerank": wide[-1]["rerank"], "beta": wide[-1]["beta"], "nprobe": WIDER[0]}
+    assert wide[-1]["recall_low"] >= 0.95 > wide[-2]["recall_low"]
 
-    def search(q, p):
-        asked.append(p)
-        return found_with(recall_of(p))
+    tried, chosen = climb(model(0.93), np.zeros((500, 4)), truth, 0.95)  # never reached: wider gains nothing
+    assert {t.get("nprobe") for t in tried[len(LADDER):]} == {WIDER[0], WIDER[1]}  # 1024 gained nothing: stop
+    best = max(tried, key=lambda t: t["recall"])
+    assert chosen == {k: best[k] for k in ("rerank", "beta", "nprobe")} and best["recall"] == 0.93
 
-    tried, chosen = climb(search, np.zeros((500, 4)), truth, 0.95)
-    assert len(tried) == len(LADDER) + 3 and [t.get("nprobe") for t in tried[-3:]] == [WIDER[0], WIDER[0], WIDER[1]]
-    plateau = next((r, b) for r, b in LADDER if recall_of(SearchParams(rerank=r, beta=b)) >= 0.90 - PLATEAU)
-    assert (tried[-1]["rerank"], tried[-1]["beta"]) == plateau and chosen == {"rerank": plateau[0], "beta": plateau[1],
-                                                                              "nprobe": WIDER[1]}
-    assert (tried[-2]["rerank"], tried[-2]["beta"]) == LADDER[-1]  # the widest re-rank tried at 512 too
-
-    asked.clear()
     tried, chosen = climb(lambda q, p: found_with(0.97), np.zeros((500, 4)), truth, 0.95)
     assert chosen == {} and len(tried) == 1  # reached at the defaults: nothing widened
