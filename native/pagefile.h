@@ -2,11 +2,16 @@
 // a bounded DRAM page buffer. Record slot s lives in block s / records_per_block
 // at byte (s % records_per_block) * record_bytes; a block is pages_per_block
 // pages and every block carries a CRC32C kept by the index.
+//
+// Declared here, defined by concept: block_io.cpp (the BlockReader implementations, AlignedBuffer),
+// page_buffer.cpp (PageBuffer, FrameMap, the zero-run code), page_store.cpp (PageStore, PageLayout,
+// LayoutMiniature); page_writer.h is the writer, pagefile_bindings.cpp the Python bindings.
 #pragma once
 #include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -27,6 +32,8 @@ struct OsError : std::runtime_error {
   OsError(int err, const std::string& what) : std::runtime_error(what), err(err) {}
   int err;
 };
+
+inline std::string errno_text(int err) { return std::strerror(err); }
 
 struct PageLayout {
   size_t record_bytes, records_per_block, pages_per_block;
@@ -261,6 +268,12 @@ class BlockReader {
   virtual std::unique_ptr<PendingRead> start(const BlockRead* reads, size_t n) = 0;
 };
 
+// The two implementations (block_io.cpp), reading fd's blocks of block_bytes. make_uring_reader: 0 with an io_uring
+// reader put in `reader`, or the errno why this kernel gives none (reader left as it was). make_pread_reader: a
+// pool of `threads` threads of plain blocking reads, for kernels or sandboxes without io_uring.
+int make_uring_reader(const std::string& path, int fd, size_t block_bytes, std::unique_ptr<BlockReader>& reader);
+std::unique_ptr<BlockReader> make_pread_reader(const std::string& path, int fd, size_t block_bytes, int threads);
+
 // Blocks read ahead of the fetch expected to want them (one caller's: a re-rank
 // worker's next round), so that the reads overlap the caller's computing.
 class ReadAhead {
@@ -299,6 +312,9 @@ struct LayoutMiniature;
 // per-frame metadata: at most 54 bytes; 96 was sized for a std::unordered_map's node and bucket, and kept so
 // that the byte rule chosen with it still holds).
 constexpr size_t kRecordCacheOverhead = 96;
+
+// Whether a record cached alone, with its metadata, costs less than its share of a block (page_store.cpp).
+bool records_denser(const PageLayout& layout);
 
 // Record cache requests and hits a caller counts before it adds them to its store's stats (PageStore::tally).
 struct RecordTally {

@@ -4,7 +4,7 @@ policy could do (Belady's, which knows the future).
 The blocks a re-rank asks for do not depend on the page buffer (only where they come from does), so one
 recorded trace per (set, stream) replays every policy: PageStore.set_trace records each block fetch() is
 asked for, in order, with how many queries asked (its weight). The replays of 'clock' and 'lfu' follow
-native/pagefile.cpp (shards of at least 256 frames, the same sketch hashes, aging and admission); the
+native/page_buffer.cpp (shards of at least 256 frames, the same sketch hashes, aging and admission); the
 native buffer's own hit ratio, measured on the same stream, checks them. Also replayed:
 
     lfu_agingA  lfu halving its counts every A requests a frame (--agings; the engine's: AGING, 10 before
@@ -95,7 +95,7 @@ class _Shard:
 
 
 class NativeReplay:
-    """'clock' and 'lfu' as native/pagefile.cpp's PageBuffer runs them (no pinning); aging: lfu's requests per
+    """'clock' and 'lfu' as native/page_buffer.cpp's PageBuffer runs them (no pinning); aging: lfu's requests per
     frame between two halvings of its counts."""
 
     def __init__(self, capacity: int, policy: str, aging: int = AGING):
