@@ -124,14 +124,15 @@ def _documents(documents: Path | None, n: int, sidecar: bool) -> Iterator[list[t
         yield out
 
 
-def check_sidecar(path: Path, n: int) -> None:
+def check_sidecar(path: Path, n: int, vectors_in_lines: bool = False) -> None:
     """A JSON-lines sidecar of a vector file, as a sharded build takes it: n documents (line i describes vector i:
-    its id, text and metadata, no vector), each checked, their ids (the row number where a line has none) all
-    different. InputError naming the first line at fault."""
+    its id, text and metadata, no vector unless vectors_in_lines: the lines were the vectors' source), each
+    checked, their ids (the row number where a line has none) all different. InputError naming the first line
+    at fault."""
     hashes, count = [], 0
     for number, doc in _lines(Path(path)):
         doc_id, _, _ = _check_doc(number, doc)
-        if "vector" in doc:
+        if "vector" in doc and not vectors_in_lines:
             raise InputError(f"documents line {number}: with a vector file, vectors come from it, not from the "
                              "documents")
         hashes.append(hash(doc_id if doc_id is not None else str(count)))
@@ -160,6 +161,21 @@ def _stage(col: Collection, documents: Path | None, vectors: Path | None, stagin
            embedder) -> tuple[int, Path]:
     """Check every document and write their vectors, as the collection stores them (float32, as given),
     to a memory-mapped staging/vectors.npy; returns their count and that file."""
+    def room(count: int) -> None:
+        # What it writes, about: the staged vectors, the index's pages, the doc store's copy of both and the texts.
+        need = 3 * count * col.dim * 4 + (os.path.getsize(documents) if documents is not None else 0)
+        quota.check_room(col.path, need, col.limits.disk_reserve_bytes, f"importing {count} documents")
+
+    path = staging / "vectors.npy"
+    return stage_vectors(documents, vectors, path, steps, embedder, col.dim, col.metric,
+                         f"collection {col.name!r}", room), path
+
+
+def stage_vectors(documents: Path | None, vectors: Path | None, path: Path, steps: Progress, embedder, dim: int,
+                  metric: str, owner: str, room=None) -> int:
+    """Check every document and write their vectors (float32, as given; a line without a vector has its text
+    embedded by `embedder`) to a memory-mapped .npy at path, made durable; returns their count. room(count), if
+    given, is called before anything is written (a disk quota's check). owner names what they go to in errors."""
     count = 0
     if documents is not None:
         with steps.step("reading documents", os.path.getsize(documents), "B") as update:
@@ -170,26 +186,24 @@ def _stage(col: Collection, documents: Path | None, vectors: Path | None, stagin
     src = None
     if vectors is not None:
         src = open_vectors(vectors)
-        if src.dim != col.dim:
-            raise InputError(f"vectors: dimension {src.dim}, collection {col.name!r} has dimension {col.dim}")
+        if src.dim != dim:
+            raise InputError(f"vectors: dimension {src.dim}, {owner} has dimension {dim}")
         if documents is not None and count != src.count:
             raise InputError(f"the documents file has {count} lines, the vector file {src.count} vectors: "
                              "line i describes vector i")
         count = src.count
     if not count:
         raise InputError("nothing to import: no documents")
-    # What it writes, about: the staged vectors, the index's pages, the doc store's copy of both and the texts.
-    need = 3 * count * col.dim * 4 + (os.path.getsize(documents) if documents is not None else 0)
-    quota.check_room(col.path, need, col.limits.disk_reserve_bytes, f"importing {count} documents")
-    path = staging / "vectors.npy"
-    out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(count, col.dim))
+    if room is not None:
+        room(count)
+    out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(count, dim))
     name = "checking vectors" if src is not None else "staging vectors" if embedder is None else \
         "staging vectors (embedding texts)"
     with steps.step(name, count) as update:
         if src is not None:
             for s in range(0, count, CHUNK):
                 block = np.asarray(src[s:s + CHUNK], dtype=np.float32)
-                _check_block(block, col.metric, s, "vectors: row")
+                _check_block(block, metric, s, "vectors: row")
                 out[s:s + len(block)] = block
                 update(len(block))
             for number, doc in _lines(documents) if documents is not None else ():
@@ -213,29 +227,29 @@ def _stage(col: Collection, documents: Path | None, vectors: Path | None, stagin
                         with np.errstate(over="ignore"):
                             v = np.asarray(vec, dtype=np.float32) if isinstance(vec, list) else None
                     except OverflowError:  # an integer past float64's range: refused as not finite below
-                        v = np.full(col.dim, np.inf, np.float32) if len(vec) == col.dim else None
+                        v = np.full(dim, np.inf, np.float32) if len(vec) == dim else None
                     except (TypeError, ValueError):
                         v = None
-                    if v is None or v.shape != (col.dim,):
-                        raise InputError(f"documents line {number}: vector must be {col.dim} numbers")
+                    if v is None or v.shape != (dim,):
+                        raise InputError(f"documents line {number}: vector must be {dim} numbers")
                     out[row + j] = v
                 if to_embed:
                     if embedder is None:
-                        raise InputError(f"collection {col.name!r} has no embedding model, so every document needs a "
+                        raise InputError(f"{owner} has no embedding model, so every document needs a "
                                          f"vector (line {chunk[to_embed[0][0]][0]} has none)")
                     for s in range(0, len(to_embed), EMBED_BATCH):
                         part = to_embed[s:s + EMBED_BATCH]
                         for (j, _), v in zip(part, embedder.embed([t for _, t in part])):
                             out[row + j] = v
                         update(len(part))  # documents staged: their vectors are ready
-                _check_block(np.asarray(out[row:row + len(chunk)]), col.metric, 0,
+                _check_block(np.asarray(out[row:row + len(chunk)]), metric, 0,
                              "documents line", [number for number, _ in chunk])
                 row += len(chunk)
                 update(len(chunk) - len(to_embed))
     out.flush()
     del out
     fsync_path(path)
-    return count, path
+    return count
 
 
 def _check_block(block: np.ndarray, metric: str, offset: int, what: str, numbers: list[int] | None = None) -> None:

@@ -4,7 +4,11 @@ shard part per task (Ray tasks when Ray is initialised, this process otherwise).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +20,7 @@ from fusionrag.retriever.engine.build import (CHUNK_ROWS, IntegralCheck, Rows, a
                                               internal_metric, mips_augment, open_source, postings, sample_query_matrix,
                                               save_index_files, train_index, write_pages)
 from fusionrag.retriever.collection.docstore import DocStore
-from fusionrag.retriever.collection.importer import check_sidecar, sidecar_documents
+from fusionrag.retriever.collection.importer import check_sidecar, sidecar_documents, stage_vectors
 from fusionrag.retriever.engine.calibrate import calibrate_build
 from fusionrag.retriever.engine.config import BuildConfig, SearchParams, cpu_threads
 from fusionrag.retriever.engine.learned_probe import lists_of_pairs, save_probe_model, train_probe_model
@@ -156,13 +160,19 @@ def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfi
                   replicate: float = 0.02, sample_queries=None, num_sample_queries: int = 2000,
                   params: SearchParams = SearchParams(), use_ray: bool | None = None,
                   progress: bool | None = None, overwrite: bool = False,
-                  on_progress: OnProgress | None = None, probe_model: bool = True, documents=None) -> dict:
+                  on_progress: OnProgress | None = None, probe_model: bool = True, documents=None,
+                  embedding: str | None = None) -> dict:
     """Build a sharded index of `source` (a vector file path or a 2-D array) with `shards` shard parts.
 
     documents: a JSON-lines file, line i describing vector i ({"id", "text", "metadata"}; the id the row number
     where a line has none), as a collection's import takes beside a vector file: the built vectors are then
     those documents, found, fetched, filtered and replaced by their ids (sharded/docs.py), not the unnamed rows
-    "0", "1", ... (checked whole before anything is built).
+    "0", "1", ... (checked whole before anything is built). With source None the documents are the source, as a
+    collection's import of JSON lines takes them: a line's "vector", else its text embedded by `embedding`.
+
+    embedding: the model (a name get_embedder knows) that made the vectors: recorded in the router's manifest, so
+    the sharded collection embeds the texts written or searched without a vector, as a collection with a model
+    does; its dimension must be the source's.
 
     placement: 'hotness' (SmartANNS), 'locality' (regions of centroid space, work balanced) or 'round-robin';
     replicate: the fraction of lists, hottest first, that get a replica on a second shard (not round-robin).
@@ -186,11 +196,64 @@ def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfi
     ray = require_ray() if use_ray else None
     if use_ray and not ray.is_initialized():
         raise ConfigError("use_ray: connect to a Ray cluster first (ray.init(address=...))")
+    embedder = None
+    if embedding is not None:
+        from fusionrag.retriever.collection.embedding import canonical_name, get_embedder
+
+        embedding = canonical_name(embedding)
+        embedder = get_embedder(embedding)
+    if source is not None:
+        return _build_sharded(source, out_dir, shards, config, placement, replicate, sample_queries,
+                              num_sample_queries, params, use_ray, ray, progress, overwrite, on_progress, probe_model,
+                              documents, embedder, t_start)
+    if documents is None:
+        raise ConfigError("build_sharded: give a vector source, or documents (JSON lines) to take the vectors from")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not overwrite:  # before the embedding, the build's longest step here
+        raise FileExistsError(f"{out_dir} already exists (pass overwrite to replace it)")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # Beside the index (on storage every node sees, as the index is), named as a build's temporary directory, so a
+    # killed build's is removed by the next build of the same target.
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-{os.getpid()}-", dir=out_dir.parent))
+    try:
+        vectors = staging / "vectors.npy"
+        dim = embedder.dim if embedder is not None else _first_vector_dim(Path(documents))
+        stage_vectors(Path(documents), None, vectors, Progress(progress, on_progress), embedder, dim, config.metric,
+                      f"the sharded build of {out_dir.name!r}")
+        return _build_sharded(str(vectors), out_dir, shards, config, placement, replicate, sample_queries,
+                              num_sample_queries, params, use_ray, ray, progress, overwrite, on_progress, probe_model,
+                              documents, embedder, t_start, vectors_in_lines=True)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _first_vector_dim(documents: Path) -> int:
+    """The length of the first document's vector (documents without an embedding model carry vectors)."""
+    with open(documents, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            if raw.strip():
+                try:
+                    vec = json.loads(raw).get("vector")
+                except (ValueError, AttributeError):
+                    vec = None  # the staging pass names what is wrong with the line
+                if isinstance(vec, list) and vec:
+                    return len(vec)
+                raise InputError(f"documents line {number}: without an embedding model every document needs a "
+                                 "vector")
+    raise InputError("nothing to build: no documents")
+
+
+def _build_sharded(source, out_dir, shards, config, placement, replicate, sample_queries, num_sample_queries,
+                   params, use_ray, ray, progress, overwrite, on_progress, probe_model, documents, embedder,
+                   t_start, vectors_in_lines: bool = False) -> dict:
     src = open_source(source)
     n, dim = src.count, src.dim
+    if embedder is not None and embedder.dim != dim:
+        raise InputError(f"embedding model {embedder.name!r} makes {embedder.dim}-dimensional vectors, the source's "
+                         f"are {dim}-dimensional")
     if documents is not None:
         documents = str(Path(documents).resolve())
-        check_sidecar(Path(documents), n)
+        check_sidecar(Path(documents), n, vectors_in_lines)
     metric = config.metric
     threads = cpu_threads(config.threads)
     rng = np.random.default_rng(config.seed)
@@ -336,6 +399,8 @@ def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfi
                 for s in range(shards)})
         if probe_info is not None:
             manifest["probe_model"] = probe_info
+        if embedder is not None:
+            manifest["embedding"] = embedder.name
         if config.calibrate:  # the router's default search settings, measured on the sharded index as written
             from fusionrag.retriever.sharded.calibrate import calibrate_sharded
 

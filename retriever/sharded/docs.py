@@ -67,8 +67,6 @@ class ShardedCollection:
     """A sharded index (opened: ShardedIndex.open) as a collection named `name`. Thread-safe as the index is;
     writes are one at a time (the index's write lock, which also guards the name map)."""
 
-    embedding = None  # a sharded index embeds nothing: documents come with their vectors
-
     def __init__(self, index: ShardedIndex, name: str, config: CollectionConfig | None = None):
         """config: the collection settings that apply to a sharded one (filter_exact_max: a filter at most that
         many of a shard's documents pass is answered exactly there)."""
@@ -78,6 +76,12 @@ class ShardedCollection:
     @property
     def dim(self) -> int:
         return self.index.dim
+
+    @property
+    def embedding(self) -> str | None:
+        """The model that made the built vectors (build_sharded(embedding=...)), which the service embeds texts
+        written or searched without a vector with; None: every document and query comes with its vector."""
+        return self.index.manifest.get("embedding")
 
     @property
     def metric(self) -> str:
@@ -294,7 +298,8 @@ class ShardedCollection:
         ix = self.index
         with ix._write_lock:
             count, fresh = ix.live_count(), len(ix.fresh_owner)
-        return {"name": self.name, "dimension": self.dim, "metric": self.metric, "embedding": None, "state": "ready",
+        return {"name": self.name, "dimension": self.dim, "metric": self.metric, "embedding": self.embedding,
+                "state": "ready",
                 "count": count, "sharded": True, "shards": ix.n_shards, "shards_alive": ix.alive.tolist(),
                 # Each shard's filter tier as it opened ("gpu" where its node's GPU was visible to it).
                 "shards_tiers": [{key: w.get(key) for key in ("pq_tier", "pq_bytes", "visible_gpus")}

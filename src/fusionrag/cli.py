@@ -18,11 +18,14 @@ from fusionrag.retriever.sharded.parts import PLACEMENTS
 def _cmd_build(args) -> int:
     from fusionrag.retriever.engine.build import build_index
 
-    config = BuildConfig().with_overrides(**flags_of(args, BuildConfig))
+    given = flags_of(args, BuildConfig)
+    if args.embedding and "metric" not in given:
+        given["metric"] = "cosine"  # as a collection made with a model is, unless told otherwise
+    config = BuildConfig().with_overrides(**given)
     if args.shards:
         return _build_sharded(args, config)
-    if args.documents:
-        raise ConfigError("--documents names a sharded build's vectors (with --shards); a collection takes its "
+    if args.documents or args.embedding:
+        raise ConfigError("--documents and --embedding are a sharded build's (with --shards); a collection takes its "
                           "documents by import (fusionrag import, or POST /v1/collections/NAME/import)")
     from fusionrag.retriever.engine.vectors import open_vectors
 
@@ -52,12 +55,18 @@ def _build_sharded(args, config: BuildConfig) -> int:
 
     _connect_ray(args.ray)
     sample = open_vectors(args.sample_queries)[:] if args.sample_queries else None
-    m = build_sharded(args.source, args.index_dir, args.shards, config, args.placement, args.replicate, sample,
+    source, documents = args.source, args.documents
+    if source.endswith((".jsonl", ".ndjson")):  # documents, their vectors in their lines or made from their texts
+        if documents:
+            raise ConfigError(f"{source} is a JSON-lines file of documents, the build's source: --documents then "
+                              "names nothing more")
+        source, documents = None, args.source
+    m = build_sharded(source, args.index_dir, args.shards, config, args.placement, args.replicate, sample,
                       use_ray=bool(args.ray), progress=False if args.quiet else None, overwrite=args.overwrite,
-                      probe_model=args.probe_model is not False, documents=args.documents)
+                      probe_model=args.probe_model is not False, documents=documents, embedding=args.embedding)
     print(json.dumps({"index": args.index_dir, "count": m["count"], "dim": m["dim"], "metric": m["metric"],
                       "centroids": m["centroids"], "postings": m["postings"], "pq_m": m["pq"]["m"],
-                      "shards": m["shards"], "placement": m["placement"],
+                      "shards": m["shards"], "placement": m["placement"], "embedding": m.get("embedding"),
                       "parts": {name: {"count": p["count"], "lists": p["lists"]} for name, p in m["parts"].items()},
                       "build_seconds": round(m["build_timings"]["total_s"], 3),
                       "timings": {k: round(v, 3) for k, v in m["build_timings"].items()}}))
@@ -256,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("build", help="build an index from a vector file")
-    b.add_argument("source", help="vector file: .fvecs .bvecs .fbin .u8bin .i8bin .npy")
+    b.add_argument("source", help="vector file: .fvecs .bvecs .fbin .u8bin .i8bin .npy; with --shards also a JSON-lines "
+                   "file of documents (.jsonl, .ndjson: id, text, metadata, and a vector or a text to embed)")
     b.add_argument("index_dir")
     b.add_argument("--overwrite", action="store_true", help="replace an existing index (atomically)")
     b.add_argument("--quiet", action="store_true", help="no progress bars (they are drawn when stderr is a terminal)")
@@ -277,6 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--ray", metavar="ADDRESS", help="with --shards: run the build's tasks on this Ray cluster")
     b.add_argument("--documents", help="with --shards: a JSON-lines file, line i describing vector i (id, text, "
                    "metadata): the built vectors are those documents (docs/sharded.md, Documents)")
+    b.add_argument("--embedding", help="with --shards: the embedding model that made the vectors, or that embeds "
+                   "the texts of a JSON-lines source; the sharded collection then embeds texts written or searched "
+                   "without a vector (the metric defaults to cosine then)")
     add_flags(b, BuildConfig)
     b.set_defaults(run=_cmd_build)
 
