@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TYPE_CHECKING
 
 from fusionrag.retriever.engine.config import EngineConfig, SearchParams
 from fusionrag.retriever.errors import ConfigError
 from fusionrag.retriever.sharded.parts import SHARD_LOCK_WAIT_S, ShardDown
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -91,3 +95,152 @@ class LocalFuture:
 
     def get(self, timeout: float | None = None):
         return self.fut.result(timeout)
+
+
+# -- the two kinds of shard: the only place that tells a Ray actor from an object in this process -----------------
+
+
+class LocalShards:
+    """Shards as ShardServer objects in this process, their calls on a pool of threads (one a shard)."""
+
+    ray = False
+
+    def __init__(self, n: int):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(max_workers=max(1, n), thread_name_prefix="fusionrag-shard")
+
+    def open_all(self, index: Path, paths: list[str], config: EngineConfig,
+                 params: SearchParams) -> tuple[list, list[dict]]:
+        """Every shard opened (those opened let go of their directories if one fails), and where each runs."""
+        from fusionrag.retriever.sharded.shard import ShardServer
+
+        shards = []
+        try:
+            for p in paths:
+                shards.append(ShardServer(p, config, params))
+        except BaseException:
+            for opened in shards:
+                opened.close()
+            raise
+        return shards, [s.where() for s in shards]
+
+    def call(self, shard, method: str, *args) -> LocalFuture:
+        return LocalFuture(self._pool.submit(getattr(shard, method), *args))
+
+    def call_apart(self, shard, method: str, *args) -> LocalFuture:
+        """A long call (a merge) on a thread of its own, so the pool's stay free for searches and writes."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fusionrag-merge")
+        try:
+            return LocalFuture(pool.submit(getattr(shard, method), *args))
+        finally:
+            pool.shutdown(wait=False)
+
+    @staticmethod
+    def get(handle: LocalFuture, timeout: float | None = None):
+        return handle.get(timeout)
+
+    @staticmethod
+    def kill(shard) -> None:
+        """As a crash would, for this process: the shard closed (its directory, log included, stays)."""
+        try:
+            shard.close()
+        except Exception:  # noqa: BLE001 - already closed
+            pass
+
+    def restart(self, shard, path: str, config: EngineConfig, params: SearchParams, s: int,
+                avoid: str | None = None) -> tuple[object, dict]:
+        self.kill(shard)
+        from fusionrag.retriever.sharded.shard import ShardServer
+
+        new = ShardServer(path, config, params)
+        return new, new.where()
+
+    def release(self) -> None:
+        """Let go of the threads (a follower: the shards are its leader's)."""
+        self._pool.shutdown()
+
+    def stop(self, shards: list) -> None:
+        self._pool.shutdown()
+        for s in shards:
+            if not s.closed:
+                s.close()
+
+
+class RayShards:
+    """Shards as Ray actors (start_actor), each call a remote call."""
+
+    ray = True
+
+    def __init__(self, options: dict | None = None):
+        self.ray_module = require_ray()
+        self.options = options
+
+    @classmethod
+    def connected(cls, actor_options: dict | None) -> "RayShards":
+        """The kind a router that starts its shards uses: Ray initialised (ConfigError otherwise); each actor takes
+        no CPU, no restarts, threads of its own for its calls (searches go on while it merges: ShardServer is
+        thread-safe), and actor_options over those."""
+        ray = require_ray()
+        if not ray.is_initialized():
+            raise ConfigError("ray=True: connect to a Ray cluster first (ray.init(address=...))")
+        return cls({"num_cpus": 0, "max_restarts": 0, "max_concurrency": 8, **(actor_options or {})})
+
+    def open_all(self, index: Path, paths: list[str], config: EngineConfig,
+                 params: SearchParams) -> tuple[list, list[dict]]:
+        """Shard s on the s-th node that answers (the nodes probed once), and where each runs; a shard that fails
+        to open stops them all: ConflictError where its index is open in another process, else IndexFormatError."""
+        from fusionrag.retriever.errors import ConflictError, IndexFormatError
+
+        ray = self.ray_module
+        reachable = None if "scheduling_strategy" in self.options else reachable_nodes(ray)
+        shards = [start_actor(p, config, params, self.options, s, reachable=reachable) for s, p in enumerate(paths)]
+        try:
+            return shards, ray.get([s.where.remote() for s in shards])
+        except ray.exceptions.RayActorError as e:
+            for s in shards:
+                ray.kill(s)
+            cause = getattr(e, "cause", None) or e
+            if isinstance(cause, ConflictError):  # open in another process: the index is fine
+                raise ConflictError(f"{index}: a shard failed to open: {cause}") from e
+            raise IndexFormatError(f"{index}: a shard failed to open: {cause}") from e
+
+    @staticmethod
+    def call(shard, method: str, *args):
+        return getattr(shard, method).remote(*args)
+
+    call_apart = call  # an actor's calls run on its own threads
+
+    def get(self, handle, timeout: float | None = None):
+        return self.ray_module.get(handle, timeout=timeout)
+
+    def kill(self, shard) -> None:
+        try:
+            self.ray_module.kill(shard, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+    def restart(self, shard, path: str, config: EngineConfig, params: SearchParams, s: int,
+                avoid: str | None = None) -> tuple[object, dict]:
+        """Shard s started again from its directory, on another node than `avoid` (the one it ran on, which may be
+        dying) where another answers. Hard affinity (start_actor): with a soft one, the node-crash test saw the
+        head's raylet hand the lease on to the killed node, and the GCS exit when that node was declared dead."""
+        self.kill(shard)
+        new = start_actor(path, config, params, self.options, s, avoid=avoid)
+        return new, self.ray_module.get(new.where.remote())
+
+    def release(self) -> None:
+        pass
+
+    def stop(self, shards: list) -> None:
+        for s in shards:
+            self.ray_module.kill(s)
+
+
+def shards_of(handles: list) -> LocalShards | RayShards:
+    """The kind of the shards a leader hands a follower: objects in this process (tests), or Ray actors."""
+    from fusionrag.retriever.sharded.shard import ShardServer
+
+    return LocalShards(len(handles)) if isinstance(handles[0], ShardServer) else RayShards()

@@ -41,7 +41,7 @@ from fusionrag.retriever.engine.tiers import NavigationTier
 from fusionrag.retriever.errors import ConfigError
 from fusionrag.retriever.sharded.docs import ShardedCollection, ShardedSearch
 from fusionrag.retriever.sharded.router import ShardedIndex
-from fusionrag.retriever.sharded.shard import ShardServer
+from fusionrag.retriever.sharded.actors import shards_of
 
 FOLLOWER_RECHECK_S = 2.0  # a shard this follower found down, while the leader counts it alive: tried again after
 
@@ -64,8 +64,7 @@ class ShardedFollower(ShardedIndex):
         if view is None or len(view["shards"]) != len(names):
             raise ConfigError(f"{path}: the leader's view does not fit this index ({len(names)} shards)")
         nav = NavigationTier(graph, m["metric"] == "ip", cpu_threads(config.threads), navigation, None, list_sizes)
-        in_process = isinstance(view["shards"][0], ShardServer)  # a leader in this process (tests): threads
-        out = cls(path, m, nav, list_shards, list_local, list_sizes, list(view["shards"]), not in_process,
+        out = cls(path, m, nav, list_shards, list_local, list_sizes, list(view["shards"]), shards_of(view["shards"]),
                   SearchParams.from_dict(view["params"]), batch_size)
         out.config, out.call_timeout_s, out.leader_view = config, call_timeout_s, leader_view
         out.shard_paths = [str((path / name).resolve()) for name in names]
@@ -145,8 +144,7 @@ class ShardedFollower(ShardedIndex):
 
     def close(self) -> None:
         """Lets go of the leader's shards (they are the leader's to stop)."""
-        if self._pool is not None:
-            self._pool.shutdown()
+        self.shard_kind.release()
         self.shards = []
 
 

@@ -40,7 +40,6 @@ import logging
 import os
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,11 +53,11 @@ from fusionrag.retriever.engine.index import prepare_queries
 from fusionrag.retriever.engine.learned_probe import load_probe_model
 from fusionrag.retriever.engine.manifest import MANIFEST, ManifestShape, load_array, read_manifest
 from fusionrag.retriever.engine.tiers import NavigationTier, recorded_navigation
-from fusionrag.retriever.errors import ConfigError, ConflictError, IndexFormatError, InputError, UnavailableError
-from fusionrag.retriever.sharded.actors import LocalFuture, is_down, reachable_nodes, require_ray, start_actor
+from fusionrag.retriever.errors import ConfigError, IndexFormatError, InputError, UnavailableError
+from fusionrag.retriever.sharded.actors import LocalShards, RayShards, is_down
 from fusionrag.retriever.sharded.generations import current_part, load_global_ids
 from fusionrag.retriever.sharded.parts import NAMED_IDS, ROUTER_FILES, UPSERT_PROBE, is_sharded, merge_topk, part_name
-from fusionrag.retriever.sharded.shard import MISSING, ShardReads, ShardServer, best_text_hits, sum_text_stats
+from fusionrag.retriever.sharded.shard import MISSING, ShardReads, best_text_hits, sum_text_stats
 
 log = logging.getLogger(__name__)
 
@@ -86,16 +85,15 @@ class ShardedIndex(ManifestShape):
     objects in this process (ray=False: the same code, threads for the shards). Thread-safe."""
 
     def __init__(self, path: Path, manifest: dict, nav: NavigationTier, list_shards: np.ndarray,
-                 list_local: np.ndarray, list_sizes: np.ndarray, shards: list, use_ray: bool,
+                 list_local: np.ndarray, list_sizes: np.ndarray, shards: list, kind: LocalShards | RayShards,
                  params: SearchParams, batch_size: int):
         self.path, self.manifest, self.nav = path, manifest, nav
         self.list_shards, self.list_local, self.list_sizes = list_shards, list_local, list_sizes
-        self.shards, self.use_ray, self.params, self.batch_size = shards, use_ray, params, batch_size
+        # How the shards are reached (sharded/actors.py): Ray actors, or objects in this process.
+        self.shards, self.shard_kind, self.params, self.batch_size = shards, kind, params, batch_size
         self.n_shards = len(shards)
         self._lock = threading.Lock()
         self.outstanding = np.zeros(self.n_shards, dtype=np.int64)  # list-size units sent, not yet answered
-        self._pool = None if use_ray else ThreadPoolExecutor(max_workers=self.n_shards,
-                                                             thread_name_prefix="fusionrag-shard")
         self.alive = np.ones(self.n_shards, dtype=bool)
         self._write_lock = threading.RLock()  # writes one at a time: the router's maps follow the shards' logs
         self.fresh_owner: dict[int, tuple[int, ...]] = {}  # id -> the shards whose fresh tier holds it
@@ -154,43 +152,17 @@ class ShardedIndex(ManifestShape):
         metric = m["metric"]
         params = params or search_defaults(m, path)  # what the build's calibration chose
         shard_paths = [str((path / name).resolve()) for name in names]
-        options = None
-        if ray:
-            rray = require_ray()
-            if not rray.is_initialized():
-                raise ConfigError("ray=True: connect to a Ray cluster first (ray.init(address=...))")
-            # Threads of its own for a shard's calls: searches go on while it merges (ShardServer is thread-safe).
-            options = {"num_cpus": 0, "max_restarts": 0, "max_concurrency": 8, **(actor_options or {})}
-            reachable = None if "scheduling_strategy" in options else reachable_nodes(rray)  # probed once
-            shards = [start_actor(p, config, params, options, s, reachable=reachable)
-                      for s, p in enumerate(shard_paths)]
-            try:
-                where = rray.get([s.where.remote() for s in shards])
-            except rray.exceptions.RayActorError as e:
-                for s in shards:
-                    rray.kill(s)
-                cause = getattr(e, "cause", None) or e
-                if isinstance(cause, ConflictError):  # open in another process: the index is fine
-                    raise ConflictError(f"{path}: a shard failed to open: {cause}") from e
-                raise IndexFormatError(f"{path}: a shard failed to open: {cause}") from e
-        else:
-            shards = []
-            try:
-                for p in shard_paths:
-                    shards.append(ShardServer(p, config, params))
-            except BaseException:
-                for opened in shards:  # and so lets go of its directory
-                    opened.close()
-                raise
-            where = [s.where() for s in shards]
+        kind = RayShards.connected(actor_options) if ray else LocalShards(len(shard_paths))
+        shards, where = kind.open_all(path, shard_paths, config, params)
         for s, (name, w) in enumerate(zip(names, where)):
             if w["count"] != expected[name]:
+                kind.stop(shards)
                 raise IndexFormatError(f"{path}: shard part {name} holds {w['count']} vectors, the router expects "
                                        f"{expected[name]}")
         nav = NavigationTier(graph, metric == "ip", cpu_threads(config.threads), navigation, None, list_sizes)
         out = cls(path, m, nav,
-                  list_shards, list_local, list_sizes, shards, bool(ray), params, batch_size)
-        out.where, out.config, out.actor_options, out.shard_paths = where, config, options, shard_paths
+                  list_shards, list_local, list_sizes, shards, kind, params, batch_size)
+        out.where, out.config, out.shard_paths = where, config, shard_paths
         out.call_timeout_s = call_timeout_s
         out.base_ids = [load_global_ids(current_part(p)[0]) for p in shard_paths]
         out._load_write_maps()
@@ -279,16 +251,10 @@ class ShardedIndex(ManifestShape):
         return shard, planned
 
     def _call(self, s: int, method: str, *args):
-        if self.use_ray:
-            return getattr(self.shards[s], method).remote(*args)
-        return LocalFuture(self._pool.submit(getattr(self.shards[s], method), *args))
+        return self.shard_kind.call(self.shards[s], method, *args)
 
     def _get(self, handle):
-        if self.use_ray:
-            import ray
-
-            return ray.get(handle, timeout=self.call_timeout_s)
-        return handle.get(self.call_timeout_s)
+        return self.shard_kind.get(handle, self.call_timeout_s)
 
     def _mark_down(self, s: int) -> None:
         with self._lock:
@@ -768,22 +734,11 @@ class ShardedIndex(ManifestShape):
             todo = [s for s, w in state.items() if w["fresh"] + w["tombstones"] >= min_fresh]
         else:
             todo = [s for s in shards if self.alive[s]]
-        # In this process merges get threads of their own: the pool's stay free for searches and writes.
-        pool = None if self.use_ray else ThreadPoolExecutor(max_workers=max(1, len(todo)),
-                                                             thread_name_prefix="fusionrag-merge")
-        handles = {s: self._call(s, "merge") if pool is None else LocalFuture(pool.submit(self.shards[s].merge))
-                   for s in todo}
-        if pool is not None:
-            pool.shutdown(wait=False)
+        handles = {s: self.shard_kind.call_apart(self.shards[s], "merge") for s in todo}
         out = {}
         for s, h in handles.items():
             try:  # no call timeout: a merge takes as long as its shard's fresh tier asks
-                if self.use_ray:
-                    import ray
-
-                    out[s] = ray.get(h)
-                else:
-                    out[s] = h.get()
+                out[s] = self.shard_kind.get(h)
             except Exception as e:  # noqa: BLE001
                 if not is_down(e):
                     raise
@@ -828,12 +783,7 @@ class ShardedIndex(ManifestShape):
     def kill_shard(self, s: int) -> None:
         """Stop shard s as a crash would (tests, drills): its actor killed, or its object closed. Its directory,
         log included, stays; restart_shard brings it back."""
-        if self.use_ray:
-            import ray
-
-            ray.kill(self.shards[s], no_restart=True)
-        else:
-            self.shards[s].close()
+        self.shard_kind.kill(self.shards[s])
 
     def check_shards(self) -> np.ndarray:
         """Ask every shard whether it runs; marks those that do not down. Returns the alive mask."""
@@ -864,25 +814,8 @@ class ShardedIndex(ManifestShape):
         one it ran on where there is one (that node may be dying: start_actor), and route to it again. Returns
         where it runs."""
         path = self.shard_paths[s]
-        if self.use_ray:
-            import ray
-
-            try:
-                ray.kill(self.shards[s], no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-            # Hard affinity (start_actor): with a soft one, the node-crash test saw the head's raylet hand the lease
-            # on to the killed node, and the GCS exit when that node was declared dead.
-            shard = start_actor(path, self.config, self.params, self.actor_options, s,
-                                 avoid=self.where[s].get("node_id"))
-            where = ray.get(shard.where.remote())
-        else:
-            try:
-                self.shards[s].close()
-            except Exception:  # noqa: BLE001
-                pass
-            shard = ShardServer(path, self.config, self.params)
-            where = shard.where()
+        shard, where = self.shard_kind.restart(self.shards[s], path, self.config, self.params, s,
+                                         avoid=self.where[s].get("node_id"))
         gen_dir, rec = current_part(path)
         want = rec["count"] if rec else self.manifest["parts"][part_name(s)]["count"]
         if where["count"] != want:
@@ -900,14 +833,5 @@ class ShardedIndex(ManifestShape):
         return where
 
     def close(self) -> None:
-        if self.use_ray:
-            import ray
-
-            for s in self.shards:
-                ray.kill(s)
-        else:
-            self._pool.shutdown()
-            for s in self.shards:
-                if not s.closed:
-                    s.close()
+        self.shard_kind.stop(self.shards)
         self.shards = []
