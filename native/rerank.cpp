@@ -160,6 +160,37 @@ struct RerankParams {
   bool tracks() const { return page_mates || resident_first; }
 };
 
+// The early stop of Algorithm 1: Delta = |S_n \ S_{n-1}| / k, the share of the top-k a mini-batch changed; a
+// mini-batch with Delta <= eps is stable (the first never is), and a query stops after beta stable ones in a row
+// (beta 0: never early).
+struct StopRule {
+  int64_t batches = 0, stable = 0;
+  std::vector<int64_t> top, prev_top;
+
+  void reset() { batches = stable = 0, prev_top.clear(); }
+  // After a mini-batch: the top-k's ids now (the heap's, any order).
+  template <class Heap>
+  void update(const Heap& heap, const RerankParams& p) {
+    ++batches;
+    top.clear();
+    for (const auto& h : heap) top.push_back(h.second);
+    std::sort(top.begin(), top.end());
+    size_t kept = 0;
+    for (size_t a = 0, b = 0; a < top.size() && b < prev_top.size();) {
+      if (top[a] < prev_top[b]) ++a;
+      else if (prev_top[b] < top[a]) ++b;
+      else ++kept, ++a, ++b;
+    }
+    const float delta = float(top.size() - kept) / float(p.k);
+    stable = (batches > 1 && delta <= p.eps) ? stable + 1 : 0;
+    std::swap(top, prev_top);
+  }
+  bool stopped(const RerankParams& p) const { return p.beta > 0 && stable >= p.beta; }
+  // One stable mini-batch from the stop: the next one is likely never read (prefetch leaves it out).
+  bool one_from_stop(const RerankParams& p) const { return p.beta > 1 && stable == p.beta - 1; }
+  size_t bytes() const { return capacity_bytes(top, prev_top); }
+};
+
 // One query's progress through Algorithm 1. It advances one mini-batch at a
 // time, so that a worker can keep several queries in flight and read the blocks
 // of all their next mini-batches together.
@@ -177,19 +208,20 @@ struct QueryState {
   std::vector<uint8_t> scored;
   // Max-heap on (distance, id): the root is the worst kept, ties keep the smaller id.
   std::vector<std::pair<float, int64_t>> heap;
-  std::vector<int64_t> top, prev_top;
-  int64_t batches = 0, from_ssd = 0, from_buffer = 0, stable = 0, reranked = 0, mates = 0, resident = 0, cached = 0;
+  StopRule stop;
+  int64_t from_ssd = 0, from_buffer = 0, reranked = 0, mates = 0, resident = 0, cached = 0;
   double seconds = 0;
 
   size_t bytes() const {
-    return capacity_bytes(batch, batch_pos, hit_ids, hit_dist, hit_pos, by_block, scored, heap, top, prev_top);
+    return capacity_bytes(batch, batch_pos, hit_ids, hit_dist, hit_pos, by_block, scored, heap) + stop.bytes();
   }
 
   void start(size_t query, const int64_t* cand, size_t n, const Exact* tracked) {
     row = query, pos = 0, end = std::find(cand, cand + n, int64_t(-1)) - cand;
     live = true;
-    heap.clear(), prev_top.clear(), hit_ids.clear(), hit_dist.clear(), hit_pos.clear();
-    batches = from_ssd = from_buffer = stable = reranked = mates = resident = cached = 0;
+    heap.clear(), hit_ids.clear(), hit_dist.clear(), hit_pos.clear();
+    stop.reset();
+    from_ssd = from_buffer = reranked = mates = resident = cached = 0;
     seconds = 0;
     by_block.clear();
     if (!tracked) return;
@@ -198,7 +230,7 @@ struct QueryState {
       if (cand[j] >= 0) by_block.push_back({uint32_t(tracked->block_of(cand[j])), uint32_t(j)});
     std::sort(by_block.begin(), by_block.end());
   }
-  bool done(const RerankParams& p) const { return pos >= end || (p.beta > 0 && stable >= p.beta); }
+  bool done(const RerankParams& p) const { return pos >= end || stop.stopped(p); }
 
   // Takes the next mini-batch, the next p.minibatch candidates, less those a
   // page-mate read already scored (they need no read; the batch may be empty).
@@ -316,21 +348,8 @@ struct QueryState {
         heap.pop_back();
       }
     }
-    ++batches, reranked += int64_t(n);
-
-    // Delta = |S_n \ S_{n-1}| / k; the first mini-batch never counts as stable.
-    top.clear();
-    for (const auto& h : heap) top.push_back(h.second);
-    std::sort(top.begin(), top.end());
-    size_t kept = 0;
-    for (size_t a = 0, b = 0; a < top.size() && b < prev_top.size();) {
-      if (top[a] < prev_top[b]) ++a;
-      else if (prev_top[b] < top[a]) ++b;
-      else ++kept, ++a, ++b;
-    }
-    float delta = float(top.size() - kept) / float(p.k);
-    stable = (batches > 1 && delta <= p.eps) ? stable + 1 : 0;
-    std::swap(top, prev_top);
+    reranked += int64_t(n);
+    stop.update(heap, p);
   }
 
   // Writes k ids and distances and the stats row.
@@ -340,7 +359,7 @@ struct QueryState {
       ids[j] = j < heap.size() ? heap[j].second : -1;
       dists[j] = j < heap.size() ? heap[j].first : std::numeric_limits<float>::infinity();
     }
-    stats[0] = batches, stats[1] = reranked, stats[2] = from_ssd, stats[3] = from_buffer, stats[4] = mates;
+    stats[0] = stop.batches, stats[1] = reranked, stats[2] = from_ssd, stats[3] = from_buffer, stats[4] = mates;
     stats[5] = resident, stats[6] = cached;
     *secs = seconds;
     live = false;
@@ -528,7 +547,7 @@ void read_next(const RerankJob& job, Scratch& s, size_t which) {
   s.next_owned.clear();
   for (QueryState& st : s.slots) {
     if (s.next_owned.size() >= cap) break;  // whole queries' mini-batches, in slot order
-    if (!st.live || st.pos >= st.end || (p.beta > 1 && st.stable == p.beta - 1)) continue;
+    if (!st.live || st.pos >= st.end || st.stop.one_from_stop(p)) continue;
     if (p.page_mates) {
       s.mine.clear();
       ex.add_blocks(st.batch.data(), st.batch.size(), s.mine);
@@ -646,7 +665,7 @@ void rerank_queries(const RerankJob& job, size_t first, size_t last, size_t infl
       if (cache) offer_records(ex, s.ids.data(), s.ids.size(), m, s);
       s.ids.insert(s.ids.end(), st.hit_ids.begin(), st.hit_ids.end());
       s.dist.insert(s.dist.end(), st.hit_dist.begin(), st.hit_dist.end());
-      if (p.resident_first && st.batches == 0) st.residents(ex, q, job.row(st), s.one, s.ids, s.dist);
+      if (p.resident_first && st.stop.batches == 0) st.residents(ex, q, job.row(st), s.one, s.ids, s.dist);
       st.absorb(s.ids.data(), s.dist.data(), s.ids.size(), p);
     }
     ex.store.tally(s.tally);
