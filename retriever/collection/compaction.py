@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from fusionrag.retriever.collection.config import CURRENT_FORMAT, CollectionConfig
-from fusionrag.retriever.collection.generations import Generation, gen_dir_name, rows_digest, write_rows
+from fusionrag.retriever.collection.generations import (Generation, clear_but_rebuild, gen_dir_name, rebuild_partial,
+                                                        rows_digest, write_rows)
 from fusionrag.retriever.engine.build import build_index
 from fusionrag.retriever.engine.config import BuildConfig, EngineConfig
 from fusionrag.retriever.engine.index import Index
@@ -41,8 +42,11 @@ def next_generation(path: Path, old: Generation, dead: np.ndarray, fresh_rows: n
     gen = old.generation + 1
     gdir = path / gen_dir_name(gen)
     build_config = build_config.beside_resident()  # the service's open indexes and buffers hold memory too
-    shutil.rmtree(gdir, ignore_errors=True)
-    gdir.mkdir()
+    if read_all is None:
+        shutil.rmtree(gdir, ignore_errors=True)
+    else:
+        clear_but_rebuild(gdir)
+    gdir.mkdir(exist_ok=True)
     unsearchable = None
     if read_all is None:
         merge_index(old.index, dead, fresh_vecs, gdir / "index", build_config, progress, on_step)
@@ -52,10 +56,13 @@ def next_generation(path: Path, old: Generation, dead: np.ndarray, fresh_rows: n
         try:
             rows, vecs, unsearchable = read_all(staged)
             if len(rows) >= min_index_count:
-                build_index(vecs, gdir / "index", build_config, progress, on_progress=on_step,
-                            resume=False)  # the generation's recovery is the collection's
+                # A rebuild killed or failed before (this process or another) resumes from its last finished step
+                # where the vectors read are the same ones (build_index's key: their contents and the settings);
+                # else it starts over in the same place.
+                build_index(vecs, gdir / "index", build_config, progress, on_progress=on_step, resume=True)
             else:
                 rows, max_row = np.empty(0, np.int64), -1
+                shutil.rmtree(rebuild_partial(gdir), ignore_errors=True)
             del vecs
         finally:
             staged.unlink(missing_ok=True)

@@ -17,7 +17,7 @@ from fusionrag.retriever.collection.config import CURRENT_FORMAT
 from fusionrag.retriever.collection.fresh import FreshView
 from fusionrag.retriever.engine.config import EngineConfig
 from fusionrag.retriever.engine.index import Index
-from fusionrag.retriever.engine.manifest import fsync_path
+from fusionrag.retriever.engine.manifest import BUILD_STATE, fsync_path, partial_dir
 from fusionrag.retriever.errors import IndexFormatError
 
 log = logging.getLogger(__name__)
@@ -86,9 +86,28 @@ def load_published(path: Path, engine_config: EngineConfig, name: str) -> Genera
             raise IndexFormatError(f"{keep}/rows.npy maps {len(rows)} vectors, {keep}/index has {index.count}")
         main = Generation(generation, index, rows, max_row)
     for p in path.glob("gen-*"):  # generations a crash or a merge left behind
-        if p.name != keep:
+        if p.name == gen_dir_name(main.generation + 1):  # but the finished steps of a rebuild, to resume from
+            clear_but_rebuild(p)
+        elif p.name != keep:
             shutil.rmtree(p, ignore_errors=True)
     return main
+
+def rebuild_partial(gdir: Path) -> Path:
+    """Where a rebuild of generation directory gdir keeps its finished steps until it publishes."""
+    return partial_dir(gdir / "index")
+
+
+def clear_but_rebuild(gdir: Path) -> None:
+    """Everything in gdir removed but a rebuild's finished steps (rebuild_partial), which a rebuild resumes from;
+    gdir itself too where it holds none."""
+    keep = rebuild_partial(gdir)
+    if not (keep / BUILD_STATE).is_file():
+        shutil.rmtree(gdir, ignore_errors=True)
+        return
+    for child in gdir.iterdir():
+        if child != keep:
+            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+
 
 def _load_rows(path: Path, gen: str, current: dict, collection: str) -> np.ndarray:
     """A generation's vector id -> row map, checked against the digest CURRENT holds for it: a

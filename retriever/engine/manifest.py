@@ -245,6 +245,12 @@ BUILD_STATE = "build_state.json"
 BUILD_STATE_VERSION = 1
 
 
+def partial_dir(final_dir: Path) -> Path:
+    """Where a resumable build of final_dir writes until it publishes (ResumableWriter): `.NAME.partial` beside it."""
+    final_dir = Path(final_dir)
+    return final_dir.with_name(f".{final_dir.name}.partial")
+
+
 class ResumableWriter(IndexWriter):
     """An index written in `.NAME.partial` beside its target, with a record of the build's finished steps
     (build_state.json: the build's key, each finished step's figures, the files recorded so far, the random
@@ -266,7 +272,7 @@ class ResumableWriter(IndexWriter):
             raise FileExistsError(f"{self.final_dir} already exists (pass overwrite to replace it)")
         self.final_dir.parent.mkdir(parents=True, exist_ok=True)
         _remove_abandoned(self.final_dir)
-        self.dir = self.final_dir.with_name(f".{self.final_dir.name}.partial")
+        self.dir = partial_dir(self.final_dir)
         self.dir.mkdir(exist_ok=True)
         self._lock = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:

@@ -1,13 +1,14 @@
 """Incremental merge: tombstones out, new vectors in, oversized lists split, old generation untouched."""
 
 import hashlib
+import json
 import time
 
 import numpy as np
 import pytest
 from conftest import clustered, exact_knn, recall
 
-from fusionrag.retriever import BuildConfig, Index
+from fusionrag.retriever import BuildConfig, Index, SearchParams
 from fusionrag.retriever.collection import Catalog, CollectionConfig, Document
 from fusionrag.retriever.engine.merge import merge_index
 from fusionrag.retriever.engine.vectors import normalize
@@ -266,3 +267,64 @@ def test_splits_are_deferred_where_a_second_graph_does_not_fit(tmp_path, monkeyp
     q = (base[7] + 0.3 * rng.standard_normal((20, DIM))).astype(np.float32)
     truth = exact_knn(vecs, q, 10, "l2")
     assert recall(idx.search(q, 10, nprobe=10**6, rerank=10**4, beta=0).ids, truth) == 1.0
+
+
+def test_a_rebuild_cut_short_resumes_from_its_last_finished_step(tmp_path, monkeypatch):
+    """#51: a merge that rebuilds (here the first, nothing indexed yet) and fails or is killed after its build's
+    first steps keeps them in the next generation's directory, through a reopen, and the next merge of the same
+    vectors resumes there (its manifest's build_resumed) and answers as a whole build does; written to since, it
+    starts over."""
+    import fusionrag.retriever.engine.build as build
+
+    cfg = CollectionConfig(min_index_count=200, background_merge=False)
+    cat = Catalog(tmp_path, collection_config=cfg)
+    col = cat.create("c", DIM, "l2")
+    x = clustered(1500, DIM, 30, seed=8)
+    col.add([Document(str(i), None, v) for i, v in enumerate(x[:1200])])
+    real = build.write_pages
+
+    def full_disk(*a, **kw):
+        raise OSError(28, "No space left on device (test)")
+
+    monkeypatch.setattr(build, "write_pages", full_disk)
+    with pytest.raises(OSError):
+        col.merge()
+    monkeypatch.setattr(build, "write_pages", real)
+    partial = tmp_path / "collections" / "c" / "gen-000001" / ".index.partial"
+    steps = set(json.loads((partial / "build_state.json").read_text())["steps"])
+    assert {"clustering", "graph", "pq training", "assigning"} <= steps
+    cat.close()
+
+    cat = Catalog(tmp_path, collection_config=cfg)  # the open keeps the rebuild's finished steps
+    col = cat.get("c")
+    assert (partial / "build_state.json").is_file() and col._main.index is None
+    col.merge()
+    m = col._main.index.manifest
+    assert set(m["build_resumed"]) == steps and not partial.exists()
+    q = clustered(20, DIM, 30, seed=9)
+    res = col.search(q, k=10, params=SearchParams(nprobe=10**6, rerank=10**4, beta=0))
+    found = np.array([[int(h.id) for h in hits] for hits in res.hits])
+    assert (found == exact_knn(x[:1200], q, 10, "l2")).all()
+
+    # Cut short again, then written to: the vectors differ, so the rebuild starts over.
+    col.add([Document(str(i), None, v) for i, v in enumerate(x[1200:], 1200)])
+    col.delete([str(i) for i in range(0, 1200, 3)])
+    cat.close()
+    cat = Catalog(tmp_path, collection_config=CollectionConfig(min_index_count=200, background_merge=False,
+                                                               incremental_merge=False))
+    col = cat.get("c")
+    monkeypatch.setattr(build, "write_pages", full_disk)
+    with pytest.raises(OSError):
+        col.merge()
+    monkeypatch.setattr(build, "write_pages", real)
+    col.add([Document("extra", None, x[0] + 0.5)])
+    col.merge()
+    m = col._main.index.manifest
+    assert not m.get("build_resumed") and m["count"] == 1500 - 400 + 1
+    alive = np.setdiff1d(np.arange(1500), np.arange(0, 1200, 3))
+    vecs = np.vstack([x[alive], x[0] + 0.5])
+    names = [str(i) for i in alive] + ["extra"]
+    res = col.search(q, k=10, params=SearchParams(nprobe=10**6, rerank=10**4, beta=0))
+    assert [[h.id for h in hits] for hits in res.hits] == [[names[j] for j in row]
+                                                            for row in exact_knn(vecs, q, 10, "l2")]
+    cat.close()
