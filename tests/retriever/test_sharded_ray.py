@@ -5,6 +5,7 @@ which lists it could not reach, and no acknowledged write is lost; the same when
 raylet sent SIGTERM). (A node's raylet killed with SIGKILL is the child's `node` mode, run by hand: on this 2-core VM
 the head's GCS stalled in some runs, docs/sharded.md.) Two nodes: the index served over HTTP by Ray Serve, with one router replica, and with two following a leader."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -106,6 +107,8 @@ def test_served_over_http_with_the_router_a_ray_serve_deployment(ray_namespace, 
     # the service's own readiness, with each shard's (#50: one app for every kind of collection)
     assert r["ready"] == [200, {"status": "ready", "collections": ["docs"], "failed": {}, "shards_alive": [True, True]}], r
     assert r["search_status"] == 200 and r["ids_equal"] and r["dists_close"], r
+    status, body = r["over_max_k"]  # --max-k 40 on the command line, as the replica answers it
+    assert status == 422 and "max_k" in json.dumps(body), r
     assert r["upsert"] == [200, {"ids": ["900000"]}] and r["upserted_found"], r
     assert r["delete"] == [200, {"deleted": 1}], r
     assert r["langchain_ids"] and r["langchain_first"] == ["n-3", "note 3"] and r["langchain_filtered"], r
