@@ -1,7 +1,7 @@
 """Micro-batching: concurrent searches gathered into few engine calls, which run off the event loop.
 
 A batch opens with the first waiting request and closes after `max_wait_s` or once `max_queries`
-queries wait, whichever comes first. Requests are then grouped by what the engine needs to share one
+queries wait, whichever comes first; a request that finds no batch running goes at once. Requests are then grouped by what the engine needs to share one
 call (collection, k, filter, tuning, whether hits carry vectors); texts are embedded together, one model
 call per batch; each group is one `Collection.search`, whose rows are handed back to the requests they came from. While
 every engine thread is busy, new requests keep queueing and join the next batch, so batches grow with
@@ -120,7 +120,11 @@ class MicroBatcher:
                 self._wake.clear()
                 await self._wake.wait()
             opened = loop.time()
-            deadline = opened + self.max_wait_s
+            # A batch gathers for max_wait_s only while another runs: a request to an idle engine goes at once,
+            # where waiting for company only added the window to a lone client's every query (2 ms, more on a
+            # loaded event loop). Under load the engine is busy, so batches still gather (and grow while every
+            # thread is taken).
+            deadline = opened + (self.max_wait_s if self._inflight else 0.0)
             while self._queued < self.max_queries and not self._closing:
                 left = deadline - loop.time()
                 if left <= 0:

@@ -79,7 +79,8 @@ class ServerConfig(ConfigBase):
     max_text_chars: Annotated[int, knob("longest text accepted, per query or document", ge=1)] = 8192
     max_documents: Annotated[int, knob("documents per upsert request, ids per get or delete, documents per page, "
                                        "at most", ge=1)] = 1024
-    batch_wait_ms: Annotated[float, knob("how long a search waits for others to share its engine batch",
+    batch_wait_ms: Annotated[float, knob("how long a search waits for others to share its engine batch while another "
+                                         "batch runs (one that finds the engine idle goes at once)",
                                          ge=0, le=10_000)] = 2.0
     batch_max_queries: Annotated[int, knob("queries per engine batch at most", ge=1)] = 256
     # A collection whose index serves a call from the GPU once it is large enough (filter_tier auto with CUDA,

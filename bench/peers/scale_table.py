@@ -17,8 +17,8 @@ not counted.
   is charged too, but the kernel reclaims it: not counted); CPU seconds of the build's process.
 - Search: a process of its own in a fresh cgroup of the same limit, the index's files dropped from the page cache
   first; Index.open at the defaults (the page buffer and mapped arrays sized to the cgroup), 300 noisy base rows to
-  warm, then the report half as one call at the defaults; a grid of nprobe x rerank (the probe ratio rule as the index has it; nprobe 512 and 1024
-  too from 5M vectors) on the tune half; the fastest
+  warm, then the report half as one call at the defaults; a grid of nprobe x rerank (the probe ratio rule as the index has it; nprobe 512 and 1024,
+  re-ranking up to 6400, too from 5M vectors) on the tune half; the fastest
   point reaching each target there, measured on the report half. Pages per query: the engine's pages_read.
 
 Needs root for /sys/fs/cgroup/memory. Writes bench/results/peers/scale_table.{md,json,png}.
@@ -166,7 +166,9 @@ def search_worker(d: Path) -> None:
                                                   "probe": p.probe},
            "memory": {k: v for k, v in idx.memory().items() if isinstance(v, (int, float, bool))},
            "defaults": measure(report)}
-    wide = [(a, b) for a in (512, 1024) for b in (100, 200, 400, 800)] if len(base) >= 5_000_000 else []
+    # From 5M, lists of ~10 vectors: wider probes, and the re-rank depths calibration climbs to there.
+    wide = [(a, b) for a in (512, 1024) for b in (100, 200, 400, 800, 1600, 3200, 6400)] \
+        if len(base) >= 5_000_000 else []
     grid = [{"nprobe": a, "rerank": b, **measure(tune, nprobe=a, rerank=b)} for a, b in GRID + wide]
     out["tune_grid"] = grid
     for target in TARGETS:

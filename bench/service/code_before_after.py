@@ -10,7 +10,10 @@ interpreter:
 - index and sharded: the query set searched in one batch (q/s), then its first --single queries one at a time
   (latency), ids and distances kept;
 - service: `fusionrag serve` started on the data directory, --single searches of one vector each over HTTP, one
-  after another (latency), the hits kept.
+  after another (latency), the hits kept;
+- sharded-service: the sharded index's HTTP app (after #50 step 3 the service's own app over a ShardedCatalog,
+  ray_serve.replica_app; before it ray_serve's own app, create_app) under uvicorn, shards in its process, the same
+  searches.
 
 The answers of every run are compared with the first run's (ids equal, distances within 1e-6 relative): the
 before and after code must give the same. Results: bench/results/service/code_before_after.json and .md.
@@ -87,6 +90,20 @@ print(json.dumps({"latency_s": lat}))
 """
 
 
+SHARDED_SERVER = r"""
+import sys
+import uvicorn
+from fusionrag.retriever.sharded import ShardedIndex
+from fusionrag.retriever.sharded.docs import ShardedCollection
+from fusionrag.server import ray_serve
+
+path, port = sys.argv[1], int(sys.argv[2])
+coll = ShardedCollection(ShardedIndex.open(path), "c")
+app = ray_serve.replica_app(coll) if hasattr(ray_serve, "replica_app") else ray_serve.create_app(coll)
+uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+"""
+
+
 def interpreters(before_site: Path) -> dict[str, tuple[list[str], dict]]:
     """variant -> (command prefix, environment): before runs without site (so this checkout's editable install is
     not found) with BEFORE_SITE ahead of this environment's site-packages."""
@@ -101,11 +118,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_service(cmd: list[str], env: dict, data: Path, qfile: Path, single: int, out: Path) -> dict:
+def run_service(cmd: list[str], env: dict, data: Path, qfile: Path, single: int, out: Path,
+                sharded: Path | None = None) -> dict:
+    """The service on data (or, sharded: the sharded index's app over that index) and CLIENT's searches."""
     port = free_port()
     log = open(out.with_suffix(".log"), "w")
-    server = subprocess.Popen([*cmd, "-m", "fusionrag", "serve", "--data-dir", str(data), "--no-demo", "--host",
-                               "127.0.0.1", "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    argv = ["-c", SHARDED_SERVER, str(sharded), str(port)] if sharded is not None else \
+        ["-m", "fusionrag", "serve", "--data-dir", str(data), "--no-demo", "--host", "127.0.0.1", "--port", str(port)]
+    server = subprocess.Popen([*cmd, *argv], env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         import httpx
 
@@ -179,13 +199,14 @@ def main() -> int:
                           "load_at_start": os.getloadavg()[0]},
               "built_s": built, "targets": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        for target in ("index", "sharded", "service"):
+        for target in ("index", "sharded", "service", "sharded-service"):
             runs, first = [], None
             for i, variant in enumerate(order):
                 cmd, env = envs[variant]
                 out = Path(tmp) / f"{target}-{i}.npz"
-                if target == "service":
-                    r = run_service(cmd, env, data, qfile, args.single, out)
+                if target in ("service", "sharded-service"):
+                    r = run_service(cmd, env, data, qfile, args.single, out,
+                                    work / "sharded" if target == "sharded-service" else None)
                 else:
                     p = subprocess.run([*cmd, "-c", WORKER, str(work / target), target, str(qfile),
                                         str(args.single), str(out)], env=env, capture_output=True, text=True)
