@@ -186,7 +186,7 @@ def main() -> int:
                            stdout=subprocess.DEVNULL)
             built[kind] = round(time.perf_counter() - t, 1)
     data = work / "data"
-    if not (data / "c").exists():
+    if not (data / "collections" / "c").exists():  # imported by an earlier run
         subprocess.run([*after_cmd, "import", str(data), "--collection", "c", "--vectors", str(fbin), "--metric",
                         meta["metric"], "--quiet"], check=True, stdout=subprocess.DEVNULL)
 
