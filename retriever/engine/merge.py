@@ -207,6 +207,8 @@ def merge_index(old: Index, dead: np.ndarray, new_vectors: np.ndarray, out_dir: 
         def vectors_of(ids: np.ndarray) -> np.ndarray:
             return records[locations[ids].astype(np.int64)].view(dtype).reshape(len(ids), dim).astype(np.float32)
 
+        vectors_of.order = np.argsort(locations, kind="stable")  # a calibration's pass reads the file in its order
+
         sizes = kept_per_list + np.bincount(new_pairs.lists, minlength=n_lists)
         bound = max(16, int(2 * config.max_list_factor * len(f.list_ids) / max(1, len(f.list_offsets) - 1)))
         oversized = np.flatnonzero(sizes > bound).tolist()

@@ -385,6 +385,9 @@ class ShardServer:
                     out[~b] = written[pos[~b] - len(built)]
                 return out
 
+            # The pass in the order the built vectors lie in the page file, then the written ones (exact_topk).
+            rows.order = np.concatenate([np.argsort(stored.slots[built], kind="stable"),
+                                         np.arange(len(built), len(ids))])
             order = np.argsort(ids, kind="stable")
             exclude = np.asarray(exclude, dtype=np.int64)
             at = np.minimum(np.searchsorted(ids[order], exclude), max(len(ids) - 1, 0))
