@@ -54,6 +54,28 @@ def serving(app, lifespan: str = "on") -> Iterator[str]:
         sock.close()
 
 
+@contextlib.contextmanager
+def serving_sharded(built: Path, at: Path, name: str, config: ServerConfig | None = None,
+                    keys=None) -> Iterator[tuple[str, object]]:
+    """A copy (at `at`) of the sharded index built at `built`, opened with its shards in this process and served as
+    collection `name` by the app every Ray Serve router replica builds (ray_serve.replica_app, the service's own
+    over a ShardedCatalog): (base URL, the ShardedCollection) while the block runs. The copy keeps the built index
+    as it was for other fixtures."""
+    import shutil
+
+    from fusionrag.retriever.sharded.docs import ShardedCollection
+    from fusionrag.retriever.sharded.router import ShardedIndex
+    from fusionrag.server.ray_serve import replica_app
+
+    shutil.copytree(built, at)
+    coll = ShardedCollection(ShardedIndex.open(at), name)
+    try:
+        with serving(replica_app(coll, config, keys)) as url:
+            yield url, coll
+    finally:
+        coll.close()
+
+
 def drop_collection(url: str, name: str) -> None:
     """Remove a collection the test made (a store's delete-all keeps the collection itself)."""
     r = httpx.delete(f"{url}/v1/collections/{name}", headers={"Authorization": f"Bearer {API_KEY}"})

@@ -151,6 +151,17 @@ def check_sidecar(path: Path, n: int, vectors_in_lines: bool = False) -> None:
                 seen[doc_id] = row * CHUNK + j
 
 
+def first_vector_dim(path: Path) -> int:
+    """The length of the first document's vector: JSON lines without an embedding model carry their vectors, and
+    the first gives the dimension the others are checked against (stage_vectors)."""
+    for number, doc in _lines(Path(path)):
+        vec = doc.get("vector")
+        if isinstance(vec, list) and vec:
+            return len(vec)
+        raise InputError(f"documents line {number}: without an embedding model every document needs a vector")
+    raise InputError("nothing to import: no documents")
+
+
 def sidecar_documents(path: Path) -> Iterator[list[tuple[str, str | None, str]]]:
     """(id, text, metadata JSON) of each row of a vector file's sidecar, CHUNK rows at a time (check_sidecar
     first)."""

@@ -103,8 +103,6 @@ class LocalFuture:
 class LocalShards:
     """Shards as ShardServer objects in this process, their calls on a pool of threads (one a shard)."""
 
-    ray = False
-
     def __init__(self, n: int):
         from concurrent.futures import ThreadPoolExecutor
 
@@ -171,8 +169,6 @@ class LocalShards:
 
 class RayShards:
     """Shards as Ray actors (start_actor), each call a remote call."""
-
-    ray = True
 
     def __init__(self, options: dict | None = None):
         self.ray_module = require_ray()

@@ -4,7 +4,6 @@ shard part per task (Ray tasks when Ray is initialised, this process otherwise).
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -20,7 +19,7 @@ from fusionrag.retriever.engine.build import (CHUNK_ROWS, IntegralCheck, Rows, a
                                               internal_metric, mips_augment, open_source, postings, sample_query_matrix,
                                               save_index_files, train_index, write_pages)
 from fusionrag.retriever.collection.docstore import DocStore
-from fusionrag.retriever.collection.importer import check_sidecar, sidecar_documents, stage_vectors
+from fusionrag.retriever.collection.importer import check_sidecar, first_vector_dim, sidecar_documents, stage_vectors
 from fusionrag.retriever.engine.calibrate import calibrate_build
 from fusionrag.retriever.engine.config import BuildConfig, SearchParams, cpu_threads
 from fusionrag.retriever.engine.learned_probe import lists_of_pairs, save_probe_model, train_probe_model
@@ -217,7 +216,7 @@ def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfi
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-{os.getpid()}-", dir=out_dir.parent))
     try:
         vectors = staging / "vectors.npy"
-        dim = embedder.dim if embedder is not None else _first_vector_dim(Path(documents))
+        dim = embedder.dim if embedder is not None else first_vector_dim(Path(documents))
         stage_vectors(Path(documents), None, vectors, Progress(progress, on_progress), embedder, dim, config.metric,
                       f"the sharded build of {out_dir.name!r}")
         return _build_sharded(str(vectors), out_dir, shards, config, placement, replicate, sample_queries,
@@ -225,22 +224,6 @@ def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfi
                               documents, embedder, t_start, vectors_in_lines=True)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-
-
-def _first_vector_dim(documents: Path) -> int:
-    """The length of the first document's vector (documents without an embedding model carry vectors)."""
-    with open(documents, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            if raw.strip():
-                try:
-                    vec = json.loads(raw).get("vector")
-                except (ValueError, AttributeError):
-                    vec = None  # the staging pass names what is wrong with the line
-                if isinstance(vec, list) and vec:
-                    return len(vec)
-                raise InputError(f"documents line {number}: without an embedding model every document needs a "
-                                 "vector")
-    raise InputError("nothing to build: no documents")
 
 
 def _build_sharded(source, out_dir, shards, config, placement, replicate, sample_queries, num_sample_queries,

@@ -4,14 +4,13 @@ over real HTTP; the same app runs as a Ray Serve deployment in tests/retriever/s
 3000 vectors, so searches run through the index path (PQ candidates, re-rank) of every shard beside the documents
 the stores write; answers are checked against exact search in numpy."""
 
-import shutil
 from collections.abc import Iterator
 
 import httpx
 import numpy as np
 import pytest
 from conftest import clustered
-from integration_helpers import serving
+from integration_helpers import serving, serving_sharded
 from langchain_core.embeddings import DeterministicFakeEmbedding
 from llama_index.core.schema import NodeRelationship, RelatedNodeInfo, TextNode
 from llama_index.core.vector_stores.types import MetadataFilter, MetadataFilters, VectorStoreQuery, VectorStoreQueryMode
@@ -21,7 +20,6 @@ from fusionrag.integrations.llamaindex import FusionRAGVectorStore as LlamaIndex
 from fusionrag.retriever.engine.config import BuildConfig
 from fusionrag.retriever.sharded.build import build_sharded
 from fusionrag.retriever.sharded.docs import ShardedCollection
-from fusionrag.retriever.sharded.router import ShardedIndex
 from fusionrag.server.auth import KeyRing, parse_entries
 from fusionrag.server.config import ServerConfig
 from fusionrag.server.ray_serve import replica_app
@@ -39,13 +37,8 @@ def base() -> np.ndarray:
 def service(tmp_path_factory, base) -> Iterator[tuple[str, ShardedCollection]]:
     root = tmp_path_factory.mktemp("sharded-service")
     build_sharded(base, root / "built", 3, BuildConfig(threads=1, centroid_ratio=0.05), progress=False)
-    shutil.copytree(root / "built", root / "idx")
-    coll = ShardedCollection(ShardedIndex.open(root / "idx"), NAME)
-    try:
-        with serving(replica_app(coll)) as url:
-            yield url, coll
-    finally:
-        coll.close()
+    with serving_sharded(root / "built", root / "idx", NAME) as served:
+        yield served
 
 
 def nearest(x: np.ndarray, names: list[str], q: np.ndarray, k: int) -> list[str]:

@@ -7,13 +7,12 @@ search in numpy over those vectors; the service is the real app over uvicorn (sh
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
-from integration_helpers import serving
+from integration_helpers import serving_sharded
 
 from fusionrag.cli import main as cli
 from fusionrag.integrations.langchain import FusionRAGEmbeddings
@@ -24,7 +23,6 @@ from fusionrag.retriever.errors import ConfigError, InputError
 from fusionrag.retriever.sharded.build import build_sharded
 from fusionrag.retriever.sharded.docs import ShardedCollection
 from fusionrag.retriever.sharded.router import ShardedIndex
-from fusionrag.server.ray_serve import replica_app
 
 MODEL, NAME, N = "all-MiniLM-L6-v2", "notes", 1500
 TOPICS = ["gardening", "astronomy", "cooking", "databases", "sailing", "music", "chess", "geology", "medicine",
@@ -65,13 +63,8 @@ def built(tmp_path_factory):
 @pytest.fixture(scope="module")
 def service(built):
     root, _, _ = built
-    shutil.copytree(root / "idx", root / "served")
-    coll = ShardedCollection(ShardedIndex.open(root / "served"), NAME)
-    try:
-        with serving(replica_app(coll)) as url:
-            yield url, coll
-    finally:
-        coll.close()
+    with serving_sharded(root / "idx", root / "served", NAME) as served:
+        yield served
 
 
 def exact(vectors: np.ndarray, names: list[str], q: np.ndarray, k: int) -> list[str]:

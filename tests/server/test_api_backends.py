@@ -6,22 +6,18 @@ against each other; only what a sharded collection does not do differs, and is s
 
 from __future__ import annotations
 
-import shutil
 
 import httpx
 import numpy as np
 import pytest
 from conftest import clustered
-from integration_helpers import serving
+from integration_helpers import serving, serving_sharded
 
 from fusionrag.retriever.engine.config import BuildConfig
 from fusionrag.retriever.sharded.build import build_sharded
-from fusionrag.retriever.sharded.docs import ShardedCollection
-from fusionrag.retriever.sharded.router import ShardedIndex
 from fusionrag.server.app import create_app
 from fusionrag.server.auth import KeyRing, parse_entries
 from fusionrag.server.config import ServerConfig
-from fusionrag.server.ray_serve import replica_app
 
 N, DIM, NAME = 3000, 16, "docs"
 KEYS = f"good-key-123\nnarrow-key-1 other,team-*\nwide-key-12 {NAME}"
@@ -53,13 +49,8 @@ def service(request, tmp_path_factory, base):
             yield request.param, url
     else:
         build_sharded(base, root / "built", 3, BuildConfig(threads=1, centroid_ratio=0.05), progress=False)
-        shutil.copytree(root / "built", root / "idx")
-        coll = ShardedCollection(ShardedIndex.open(root / "idx"), NAME)
-        try:
-            with serving(replica_app(coll, config, keys)) as url:
-                yield request.param, url
-        finally:
-            coll.close()
+        with serving_sharded(root / "built", root / "idx", NAME, config, keys) as (url, _):
+            yield request.param, url
 
 
 def post(url, path, body, headers=GOOD):
