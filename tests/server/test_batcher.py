@@ -73,3 +73,39 @@ def test_a_lone_client_and_a_collection_without_a_gpu_are_never_held(collection)
     assert _run(col, users=8, rounds=5, gpu_wait_s=0.5, crossover=None) == 0 and sum(calls) == 40
     calls.clear()
     assert _run(col, users=8, rounds=5, gpu_wait_s=0.0, crossover=8) == 0 and sum(calls) == 40
+
+
+def test_a_request_to_an_idle_engine_goes_at_once_and_batches_gather_while_one_runs(collection):
+    """The window (max_wait_s, here 60 s) is waited only while another batch runs: a lone request is answered long
+    before it would end, and requests arriving while the engine is busy go together in the next call."""
+    col, calls = collection
+    col.crossover = lambda: None
+    search = col.search
+    gate, started = __import__("threading").Event(), []
+
+    def held(vectors=None, *a, **kw):  # the first call waits for the gate: a batch in flight meanwhile
+        started.append(len(vectors))
+        if len(started) == 1:
+            gate.wait(30)
+        return search(vectors, *a, **kw)
+
+    col.search = held
+    q = np.random.default_rng(2).standard_normal((1, DIM)).astype(np.float32)
+
+    async def main():
+        batcher = MicroBatcher(60.0, 4, 1, Metrics(lambda: {}))
+        await batcher.start()
+        first = asyncio.create_task(batcher.search(col, 5, vectors=q))
+        await asyncio.sleep(0.5)
+        assert started == [1]  # dispatched at once, not after the 60 s window
+        rest = []
+        for _ in range(4):  # one at a time, while the first batch runs: they wait together
+            rest.append(asyncio.create_task(batcher.search(col, 5, vectors=q)))
+            await asyncio.sleep(0.05)
+        assert started == [1]
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(first, *rest), 10)  # max_queries (4) closed their batch
+        await batcher.stop()
+
+    asyncio.run(main())
+    assert started == [1, 4] and calls == [1, 4]
