@@ -21,6 +21,7 @@ import numpy as np
 from fusionrag.client import AsyncClient, Client, CollectionInfo, Op, Ops
 from fusionrag.client import RemoteError  # noqa: F401 - where callers have imported it from
 from fusionrag.retriever.collection import DEFAULT_TEXT_WEIGHT, Catalog, Collection, Document, Hit
+from fusionrag.retriever.directory import catalog as data_catalog
 from fusionrag.retriever.engine.config import METRICS, SearchOverrides
 from fusionrag.retriever.errors import ConfigError, ConflictError, FusionRAGError, InputError, NotFoundError
 
@@ -63,7 +64,7 @@ def _acquire_catalog(root: Path) -> Catalog:
     with _catalogs_lock:
         entry = _catalogs.get(root)
         if entry is None:
-            entry = _catalogs[root] = [Catalog(root), 0]
+            entry = _catalogs[root] = [data_catalog(root), 0]
         entry[1] += 1
         return entry[0]
 

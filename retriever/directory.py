@@ -7,7 +7,21 @@ from pathlib import Path
 
 from fusionrag.retriever.sharded.parts import is_sharded
 
-__all__ = ["is_sharded", "recalibrate"]
+__all__ = ["catalog", "is_sharded", "recalibrate"]
+
+
+def catalog(root, engine_config=None, collection_config=None, limits=None):
+    """The collections of a data directory (collection.catalog.Catalog), its sharded ones among them
+    (sharded.hosted.HostedSharded): what the service, the CLI and the embedded integrations open."""
+    from fusionrag.retriever.collection.catalog import Catalog
+
+    return Catalog(root, engine_config, collection_config, limits, open_sharded=_open_sharded)
+
+
+def _open_sharded(path, desc: dict, catalog):
+    from fusionrag.retriever.sharded.hosted import HostedSharded
+
+    return HostedSharded(path, desc, catalog.engine_config, catalog.collection_config, catalog.limits)
 
 
 def recalibrate(index_dir, sample_queries=None, queries: int | None = None, target: float | None = None,

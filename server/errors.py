@@ -23,10 +23,11 @@ def http_error(status: int, detail: str, headers: dict | None = None) -> HTTPExc
 
 _WHY = {400: "malformed JSON, or an invalid collection name", 401: "no valid API key (when the service has keys)",
         403: "the API key does not cover this collection", 404: "no such collection or document",
-        405: "a verb's path (…/documents/get or …/delete) asked with another method, or what a sharded collection "
-             "does not do (drop, snapshots, import, restore, the OpenAI vector stores)",
+        405: "a verb's path (…/documents/get or …/delete) asked with another method, or what the sharded "
+             "service on Ray does not do (drop, snapshots, import, restore, the OpenAI vector stores)",
         408: "the request body sent nothing for body_timeout_s",
-        409: "the name is taken, the collection is importing, or a limit (collections, snapshots) is reached", 413: "body over max_body_bytes, or over its share of JSON values",
+        409: "the name is taken, the collection is importing (or is sharded and not yet built by its import), or a "
+             "limit (collections, snapshots) is reached", 413: "body over max_body_bytes, or over its share of JSON values",
         422: "a value or a limit refused; `errors` lists what the body's model found",
         415: "the body's content type is not one the route takes",
         503: "the collection is being built or failed to open, the service is at its open-files limit, or it "

@@ -9,6 +9,7 @@ import shutil
 import threading
 
 from fusionrag.retriever.collection import Catalog, CollectionConfig, quota
+from fusionrag.retriever.directory import catalog as data_catalog
 from fusionrag.retriever.collection.embedding import get_embedder, set_threads
 from fusionrag.retriever.engine.config import BuildConfig, EngineConfig
 from fusionrag.retriever.errors import NotFoundError, UnavailableError, UnsupportedError
@@ -35,9 +36,9 @@ def open_catalog(config: ServerConfig) -> Catalog:
                           descriptor_reserve=config.descriptor_reserve,
                           disk_reserve_bytes=int(config.disk_reserve_mb * (1 << 20)),
                           max_restore_bytes=config.max_restore_bytes)
-    return Catalog(data_path(config), engine, CollectionConfig(min_index_count=config.min_index_count,
-                                                               build=BuildConfig(probe_model=config.probe_model)),
-                   limits)
+    collection = CollectionConfig(min_index_count=config.min_index_count,
+                                  build=BuildConfig(probe_model=config.probe_model))
+    return data_catalog(data_path(config), engine, collection, limits)
 
 
 class Refused:

@@ -49,6 +49,9 @@ class CreateCollection(_Body):
                                   json_schema_extra=lambda s: s["anyOf"][0].update(enum=model_names()))
     text_analyzer: TextAnalyzer | None = Field(None, description="how the documents' texts are indexed and text "
                                                "queries read (English by default); fixed at create")
+    shards: Integer | None = Field(None, ge=1, le=16, description="a sharded collection of this many shards, in the "
+                                   "service's process (docs/sharded.md): empty until its first import builds it; "
+                                   "left out: a collection")
 
     @model_validator(mode="after")
     def _dimension_or_embedding(self):

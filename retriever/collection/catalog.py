@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -24,9 +25,11 @@ from fusionrag.retriever.collection.generations import write_json_atomic
 from fusionrag.retriever.engine.config import METRICS, EngineConfig
 from fusionrag.retriever.engine.manifest import fsync_path
 from fusionrag.retriever.errors import (ConflictError, FusionRAGError, InputError, NotFoundError, QuotaError,
-                                        StorageError, UnavailableError)
+                                        StorageError, UnavailableError, UnsupportedError)
 
 log = logging.getLogger(__name__)
+
+MAX_SHARDS = 16  # shards of one sharded collection at most: each runs in the service's process, its files open
 
 
 def check_description(dim, metric, embedding) -> None:
@@ -46,10 +49,15 @@ class Catalog:
     `failed()` lists it) while the others serve; dropping it removes it.
 
     One catalog at a time holds a data directory (an exclusive lock on root/catalog.lock, released by
-    close or the process's end): two would append to the same logs and rebuild the same indexes."""
+    close or the process's end): two would append to the same logs and rebuild the same indexes.
+
+    A sharded collection (create's shards; its collection.json says how many) is opened by open_sharded(path,
+    description, catalog), which the layer above gives (retriever/directory.py catalog(): a HostedSharded); a
+    catalog without it sets such a collection aside as one it cannot open."""
 
     def __init__(self, root: str | os.PathLike, engine_config: EngineConfig | None = None,
-                 collection_config: CollectionConfig | None = None, limits: quota.Limits | None = None):
+                 collection_config: CollectionConfig | None = None, limits: quota.Limits | None = None,
+                 open_sharded: Callable | None = None):
         self.root = Path(root)
         self.dir = self.root / "collections"
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -58,6 +66,7 @@ class Catalog:
         self.engine_config = engine_config or EngineConfig()
         self.collection_config = collection_config or CollectionConfig()
         self.limits = limits or quota.Limits()
+        self.open_sharded = open_sharded
         self.files = quota.OpenFiles(self.limits)  # the collections whose files are open, most recently used last
         self._lock = threading.Lock()
         self._open: dict[str, Collection] = {}
@@ -103,14 +112,20 @@ class Catalog:
                                 "and restart the service, or delete the collection")
 
     def create(self, name: str, dim: int, metric: str = "cosine", embedding: str | None = None,
-               allow: Callable[[list[str]], None] | None = None, text_analyzer: dict | None = None) -> Collection:
+               allow: Callable[[list[str]], None] | None = None, text_analyzer: dict | None = None,
+               shards: int | None = None) -> Collection:
         """allow(names): raises (QuotaError) when one more collection beside `names` would be too many for the
         caller; called under the catalog's lock, so two creates cannot both pass it. text_analyzer: how its
         texts are indexed and queried ({"stemming": "porter" | "none", "stop_words": "english" | "none"}; English
-        by default), fixed for the collection's life."""
+        by default), fixed for the collection's life. shards: a sharded collection of that many shards
+        (retriever/sharded/hosted.py: empty until its first import builds it); None: a collection."""
         self._check_name(name)
         check_description(dim, metric, embedding)
         analyzer = check_analyzer(text_analyzer)
+        check_shards(shards)
+        if shards is not None and self.open_sharded is None:
+            raise UnsupportedError("this catalog opens no sharded collection (open the data directory with "
+                                   "fusionrag.retriever.directory.catalog)")
         self.files.make_room()
         with self._lock:
             final = self.dir / name
@@ -121,10 +136,13 @@ class Catalog:
                 # Made whole under a hidden name, then renamed into place: a crash or a full disk never
                 # leaves half a collection behind.
                 tmp.mkdir()
-                write_json_atomic(tmp / "collection.json", {"format": COLLECTION_FORMAT, "name": name,
-                                                             "dim": int(dim), "metric": metric, "embedding": embedding,
-                                                             "analyzer": analyzer})
-                DocStore(tmp / "docs.sqlite", int(dim), create=True, analyzer=analyzer).close()
+                desc = {"format": COLLECTION_FORMAT, "name": name, "dim": int(dim), "metric": metric,
+                        "embedding": embedding, "analyzer": analyzer}
+                if shards is not None:  # its documents are its shards' (made by its first import)
+                    desc["shards"] = int(shards)
+                write_json_atomic(tmp / "collection.json", desc)
+                if shards is None:
+                    DocStore(tmp / "docs.sqlite", int(dim), create=True, analyzer=analyzer).close()
                 os.rename(tmp, final)
                 published = True
                 fsync_path(self.dir)
@@ -138,8 +156,15 @@ class Catalog:
 
     def _open_at(self, name: str, path: Path) -> Collection:
         """Open the collection at path as `name`, in the pool of open files (caller holds _lock)."""
-        col = self._open[name] = Collection(path, self.engine_config, self.collection_config, self.files,
-                                            self.limits)
+        desc = _description(path)
+        if desc.get("shards") is not None:
+            if self.open_sharded is None:
+                raise UnsupportedError("a sharded collection, which this catalog does not open (open the data "
+                                       "directory with fusionrag.retriever.directory.catalog)")
+            col = self._open[name] = self.open_sharded(path, desc, self)
+        else:
+            col = self._open[name] = Collection(path, self.engine_config, self.collection_config, self.files,
+                                                self.limits)
         self.files.used(col, True)
         return col
 
@@ -184,6 +209,7 @@ class Catalog:
             try:
                 check_description(desc.get("dim"), desc.get("metric"), desc.get("embedding"))
                 check_analyzer(desc.get("analyzer"))
+                check_shards(desc.get("shards"))
                 if desc.get("embedding") is not None and embedding_dim is not None:
                     model_dim = embedding_dim(desc["embedding"])
                     if model_dim != desc["dim"]:
@@ -269,6 +295,22 @@ class Catalog:
         for col in cols:
             col.close()
         self._release()  # after the collections: nothing of this catalog writes any more
+
+
+def check_shards(shards) -> None:
+    """A sharded collection's shard count: None (not sharded) or an integer in [1, MAX_SHARDS]."""
+    if shards is not None and (isinstance(shards, bool) or not isinstance(shards, (int, np.integer))
+                               or not 1 <= shards <= MAX_SHARDS):
+        raise InputError(f"shards must be an integer in [1, {MAX_SHARDS}], got {shards!r:.80}")
+
+
+def _description(path: Path) -> dict:
+    """A collection's collection.json ({} where unreadable: the collection's own open says why)."""
+    try:
+        desc = json.loads((path / "collection.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return desc if isinstance(desc, dict) else {}
 
 
 def _hold(path: Path) -> int:

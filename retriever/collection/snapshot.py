@@ -8,6 +8,10 @@ never change once published, and merges wait while they are read; the doc store'
 write acknowledged before it was taken, so the log is not needed. A restore accepts only those members,
 as regular files, each matching snapshot.json, and opens the result (every check a collection's open
 makes) before it is renamed into place.
+
+A sharded collection's archive (write_tree) holds collection.json and its index/ tree: the router's files and each
+shard part's (its generations, its log, a backup of its doc store), copied while its writes and merges wait; it is
+restored by the same extract and opened as its shards open (every part's manifest checked against the router's).
 """
 
 from __future__ import annotations
@@ -35,7 +39,13 @@ if TYPE_CHECKING:
 FORMAT = "fusionrag-snapshot"
 FORMAT_VERSION = 1
 MANIFEST = "snapshot.json"
-_MEMBER = re.compile(r"(collection\.json|CURRENT|docs\.sqlite|gen-\d{6}/rows\.npy|gen-\d{6}/index/[A-Za-z0-9_-][A-Za-z0-9_.-]*)")
+_PART = r"[A-Za-z0-9_-][A-Za-z0-9_.-]*"  # a file or folder name: no leading dot, no separator
+# A collection's members; a sharded one's (retriever/sharded/hosted.py) are collection.json and its index/ tree.
+_MEMBER = re.compile(r"(collection\.json|CURRENT|docs\.sqlite|gen-\d{6}/rows\.npy|gen-\d{6}/index/%s"
+                     r"|index/(?:%s/){0,3}%s)" % (_PART, _PART, _PART))
+# What a sharded collection's tree holds that no snapshot takes: locks, and SQLite's journals (a store is copied by
+# its online backup, which reads them).
+_NOT_COPIED = re.compile(r"LOCK|.*\.sqlite-(wal|shm|journal)|\..*")
 _CHUNK = 1 << 20
 
 
@@ -55,6 +65,69 @@ class _Hashing(io.RawIOBase):
         return n
 
 
+def _backup(store: Path, copy: Path) -> int:
+    """A consistent copy of the SQLite database `store` (its online backup: writers wait only page by page);
+    returns the documents it holds."""
+    src = sqlite3.connect(store)
+    try:
+        dst = sqlite3.connect(copy)
+        try:
+            src.backup(dst)
+            return dst.execute("SELECT COUNT(*) FROM docs").fetchone()[0]
+        finally:
+            dst.close()
+    finally:
+        src.close()
+
+
+def _finish(tar: tarfile.TarFile, manifest: dict) -> None:
+    data = json.dumps(manifest, indent=1).encode()
+    info = tarfile.TarInfo(MANIFEST)
+    info.size, info.mtime, info.mode = len(data), int(time.time()), 0o644
+    tar.addfile(info, io.BytesIO(data))
+
+
+def _publish(tmp: Path, dest: Path) -> None:
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, dest)
+    fsync_path(dest.parent)
+
+
+def write_tree(path: Path, describe: dict, dest: Path) -> dict:
+    """Write the snapshot of a sharded collection (retriever/sharded/hosted.py) at `path` to dest, atomically:
+    collection.json and every file of its index/ tree (a shard's doc store by SQLite's online backup; locks and
+    journals left out). The caller holds the tree still (no write, no merge). describe: what snapshot.json says
+    the collection is (name, dimension, metric, embedding, documents, shards)."""
+    path, dest = Path(path), Path(dest)
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    store_copy = dest.with_name(f".{dest.name}.docs.sqlite")
+    files: dict[str, dict] = {}
+    try:
+        with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
+            _add(tar, path / "collection.json", "collection.json", files)
+            for p in sorted((path / "index").rglob("*")) if (path / "index").is_dir() else []:
+                name = p.relative_to(path).as_posix()
+                if not p.is_file() or any(_NOT_COPIED.fullmatch(part) for part in p.relative_to(path).parts):
+                    continue
+                if p.suffix == ".sqlite":
+                    _backup(p, store_copy)
+                    _add(tar, store_copy, name, files)
+                    store_copy.unlink()
+                else:
+                    _add(tar, p, name, files)
+            manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, **describe,
+                        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "files": files}
+            _finish(tar, manifest)
+        _publish(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        store_copy.unlink(missing_ok=True)
+    return {k: v for k, v in manifest.items() if k != "files"} | {"bytes": dest.stat().st_size}
+
+
 def _add(tar: tarfile.TarFile, path: Path, name: str, files: dict) -> None:
     info = tarfile.TarInfo(name)
     info.size, info.mtime, info.mode = path.stat().st_size, int(time.time()), 0o644
@@ -72,17 +145,7 @@ def write(col: Collection, current: dict | None, dest: Path) -> dict:
     store_copy = dest.with_name(f".{dest.name}.docs.sqlite")
     files: dict[str, dict] = {}
     try:
-        # SQLite's online backup: a consistent copy while writers go on (they wait only page by page).
-        src = sqlite3.connect(col.store.path)
-        try:
-            dst = sqlite3.connect(store_copy)
-            try:
-                src.backup(dst)
-                count = dst.execute("SELECT COUNT(*) FROM docs").fetchone()[0]
-            finally:
-                dst.close()
-        finally:
-            src.close()
+        count = _backup(col.store.path, store_copy)  # a consistent copy while writers go on
         with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
             _add(tar, col.path / "collection.json", "collection.json", files)
             if current is not None:
@@ -96,14 +159,8 @@ def write(col: Collection, current: dict | None, dest: Path) -> dict:
                         "dimension": col.dim, "metric": col.metric, "embedding": col.embedding, "documents": count,
                         "generation": current["generation"] if current else 0,
                         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "files": files}
-            data = json.dumps(manifest, indent=1).encode()
-            info = tarfile.TarInfo(MANIFEST)
-            info.size, info.mtime, info.mode = len(data), int(time.time()), 0o644
-            tar.addfile(info, io.BytesIO(data))
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, dest)
-        fsync_path(dest.parent)
+            _finish(tar, manifest)
+        _publish(tmp, dest)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

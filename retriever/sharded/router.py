@@ -35,6 +35,7 @@ re-creates a shard from its directory, its log replayed.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -96,6 +97,7 @@ class ShardedIndex(ManifestShape):
         self.outstanding = np.zeros(self.n_shards, dtype=np.int64)  # list-size units sent, not yet answered
         self.alive = np.ones(self.n_shards, dtype=bool)
         self._write_lock = threading.RLock()  # writes one at a time: the router's maps follow the shards' logs
+        self._merge_lock = threading.Lock()  # merges one at a time, none while quiesced() holds the files still
         self.fresh_owner: dict[int, tuple[int, ...]] = {}  # id -> the shards whose fresh tier holds it
         # How many fresh ids each set of owners holds (under _lock): what a search asks when a shard is down, read
         # without the write lock and without a pass over every fresh id.
@@ -728,6 +730,10 @@ class ShardedIndex(ManifestShape):
         indexes now), and its default search settings are measured again where the index has grown past its
         calibration (calibrate()). Returns each shard's report; one that goes down meanwhile is marked down and
         left out."""
+        with self._merge_lock:
+            return self._merge_shards(min_fresh, shards)
+
+    def _merge_shards(self, min_fresh: int, shards) -> dict[int, dict]:
         if shards is None:
             live = [s for s in range(self.n_shards) if self.alive[s]]
             state = self._write_round({s: ("where", ()) for s in live}, "asking what to merge", False)
@@ -831,6 +837,13 @@ class ShardedIndex(ManifestShape):
                 self.version += 1
             self._load_write_maps()
         return where
+
+    @contextlib.contextmanager
+    def quiesced(self):
+        """Hold the index's files still: no merge, no write (each waits) until the block ends; searches go on. What
+        a snapshot copies the files under."""
+        with self._merge_lock, self._write_lock:
+            yield
 
     def close(self) -> None:
         self.shard_kind.stop(self.shards)

@@ -54,7 +54,8 @@ def create_collection(body: CreateCollection, request: Request, key: Key | None 
         dim = model_dim
     analyzer = body.text_analyzer.model_dump() if body.text_analyzer else None
     info = state_of(request).catalog.create(body.name, dim, body.metric, embedding,
-                                            allow=collection_quota(request, key), text_analyzer=analyzer).info()
+                                            allow=collection_quota(request, key), text_analyzer=analyzer,
+                                            shards=body.shards).info()
     if embedding:  # loaded now, in the background, rather than by the first write or search that needs it
         threading.Thread(target=_preload, args=(embedding,), name="embedder-load", daemon=True).start()
     return info

@@ -22,7 +22,7 @@ router = APIRouter(prefix="/v1")
 
 
 @router.post("/collections/{name}/documents", summary="Add or replace documents (by id); returns their ids",
-         openapi_extra=json_body(UpsertRequest), responses=documented(400, 401, 403, 404, 413, 422, 503, 507))
+         openapi_extra=json_body(UpsertRequest), responses=documented(400, 401, 403, 404, 409, 413, 422, 503, 507))
 async def upsert_documents(request: Request, coll: Collection = Depends(open_collection)):
     cfg = state_of(request).config
 
@@ -126,7 +126,7 @@ async def count_documents(request: Request, coll: Collection = Depends(open_coll
 
 @router.get("/collections/{name}/documents", summary="Page through the documents (those a filter passes) in a stable "
         "order: each page's next_cursor gives the next", openapi_extra={"parameters": [_FILTER_PARAMETER]},
-        responses={200: {"model": DocumentsPage}, **documented(400, 401, 403, 404, 413, 422, 503)})
+        responses={200: {"model": DocumentsPage}, **documented(400, 401, 403, 404, 409, 413, 422, 503)})
 def list_documents(request: Request, limit: PageLimit = DEFAULT_PAGE, cursor: Cursor = None,
                    with_vectors: bool = False, coll: Collection = Depends(open_collection)):
     cfg = state_of(request).config
@@ -152,7 +152,7 @@ def page_answer(coll, limit: int, cursor: str | None, flt: dict | None, with_vec
 
 @router.post("/collections/{name}/documents/metadata", summary="Change documents' metadata alone (their text, vector "
          "and place in the index stay), merged or replaced, in one write", openapi_extra=json_body(MetadataRequest),
-         responses={200: {"model": Updated}, **documented(400, 401, 403, 404, 413, 422, 503, 507)})
+         responses={200: {"model": Updated}, **documented(400, 401, 403, 404, 409, 413, 422, 503, 507)})
 async def set_metadata(request: Request, coll: Collection = Depends(open_collection)):
     cfg = state_of(request).config
     too_many = over_limit("documents", cfg.max_documents, "max_documents")
@@ -168,10 +168,10 @@ async def set_metadata(request: Request, coll: Collection = Depends(open_collect
 
 @router.post("/collections/{name}/documents/delete", summary="Delete documents by id (unknown ids are ignored) or by "
          "filter (in one write)", openapi_extra=json_body(DeleteRequest),
-         responses={200: {"model": Deleted}, **documented(400, 401, 403, 404, 413, 422, 503, 507)})
+         responses={200: {"model": Deleted}, **documented(400, 401, 403, 404, 409, 413, 422, 503, 507)})
 @router.delete("/collections/{name}/documents", summary="Delete documents by id (unknown ids are ignored) or by filter "
            "(in one write)", openapi_extra=json_body(DeleteRequest),
-           responses={200: {"model": Deleted}, **documented(400, 401, 403, 404, 413, 422, 503, 507)})
+           responses={200: {"model": Deleted}, **documented(400, 401, 403, 404, 409, 413, 422, 503, 507)})
 async def delete_documents(request: Request, coll: Collection = Depends(open_collection)):
     data = await read_json(request, _ids_reader(request))
     body = validate(DeleteRequest, data)

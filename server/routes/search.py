@@ -25,7 +25,7 @@ router = APIRouter(prefix="/v1")
 
 
 @router.post("/collections/{name}/search", summary="Top-k documents of each query vector or text",
-         openapi_extra=json_body(SearchRequest), responses=documented(400, 401, 403, 404, 413, 422, 503))
+         openapi_extra=json_body(SearchRequest), responses=documented(400, 401, 403, 404, 409, 413, 422, 503))
 async def search(request: Request, coll: Collection = Depends(open_collection)):
     state = state_of(request)
     cfg = state.config

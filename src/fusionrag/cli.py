@@ -181,9 +181,9 @@ def _cmd_calibrate(args) -> int:
 
 
 def _cmd_snapshot(args) -> int:
-    from fusionrag.retriever.collection import Catalog
+    from fusionrag.retriever.directory import catalog as open_catalog
 
-    catalog = Catalog(args.data_dir)
+    catalog = open_catalog(args.data_dir)
     try:
         print(json.dumps(catalog.get(args.collection).snapshot(args.out)))
     finally:
@@ -192,9 +192,9 @@ def _cmd_snapshot(args) -> int:
 
 
 def _cmd_restore(args) -> int:
-    from fusionrag.retriever.collection import Catalog
+    from fusionrag.retriever.directory import catalog as open_catalog
 
-    catalog = Catalog(args.data_dir)
+    catalog = open_catalog(args.data_dir)
     try:
         with open(args.archive, "rb") as f:
             print(json.dumps(catalog.restore(args.collection, f).info()))
@@ -204,10 +204,10 @@ def _cmd_restore(args) -> int:
 
 
 def _cmd_import(args) -> int:
-    from fusionrag.retriever.collection import Catalog
+    from fusionrag.retriever.directory import catalog as open_catalog
     from fusionrag.retriever.errors import InputError
 
-    catalog = Catalog(args.data_dir)
+    catalog = open_catalog(args.data_dir)
     try:
         if args.collection in catalog.names():
             col = catalog.get(args.collection)
@@ -221,10 +221,14 @@ def _cmd_import(args) -> int:
                 from fusionrag.retriever.collection.embedding import get_embedder
 
                 dim = get_embedder(args.embedding).dim
+            if dim is None and args.documents:  # the first line's vector (InputError naming the line if none)
+                from fusionrag.retriever.collection.importer import first_vector_dim
+
+                dim = first_vector_dim(args.documents)
             if dim is None:
                 raise InputError(f"collection {args.collection!r} does not exist: give --vectors, --embedding or "
                                  "--dimension to make it")
-            col = catalog.create(args.collection, dim, args.metric, args.embedding)
+            col = catalog.create(args.collection, dim, args.metric, args.embedding, shards=args.shards)
         print(json.dumps(col.import_files(args.documents, args.vectors, progress=False if args.quiet else None)))
     finally:
         catalog.close()
@@ -343,10 +347,12 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("--collection", required=True)
     im.add_argument("--documents", help="JSON-lines file of documents")
     im.add_argument("--vectors", help="vector file: .fvecs .bvecs .fbin .u8bin .i8bin .npy (row i: line i of --documents)")
-    im.add_argument("--dimension", type=int, help="for a collection made by the import (default: from the vectors "
-                                                  "or the model)")
+    im.add_argument("--dimension", type=int, help="for a collection made by the import (default: from the vectors, "
+                                                  "the model, or the first line's vector)")
     im.add_argument("--metric", default="cosine", choices=METRICS, help="for a collection made by the import")
     im.add_argument("--embedding", help="embedding model, for a collection made by the import")
+    im.add_argument("--shards", type=int, help="make it a sharded collection of this many shards (docs/sharded.md; "
+                                               "default: a collection)")
     im.add_argument("--quiet", action="store_true", help="no progress bars (they are drawn when stderr is a terminal)")
     im.set_defaults(run=_cmd_import)
 

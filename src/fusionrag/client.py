@@ -151,11 +151,15 @@ class Ops:
 
     @staticmethod
     def create_collection(name: str, dimension: int | None = None, *, metric: str = "cosine",
-                          embedding: str | None = None, text_analyzer: dict | None = None) -> Op[CollectionInfo]:
+                          embedding: str | None = None, text_analyzer: dict | None = None,
+                          shards: int | None = None) -> Op[CollectionInfo]:
         """An empty collection; `embedding` (a model the service knows) gives the dimension and embeds texts;
         `text_analyzer` ({"stemming": "porter" | "none", "stop_words": "english" | "none"}) how texts are
-        indexed for text and hybrid search (English by default)."""
+        indexed for text and hybrid search (English by default); `shards`: a sharded collection of that many
+        shards, built by its first import (docs/sharded.md)."""
         body: dict[str, Any] = {"name": name, "metric": metric}
+        if shards is not None:
+            body["shards"] = shards
         if text_analyzer is not None:
             body["text_analyzer"] = text_analyzer
         if dimension is not None:

@@ -1,11 +1,15 @@
-"""One HTTP API over any collection (#50): the same tests against the service over a collection and over a sharded
+"""One HTTP API over any collection (#50): the same tests against the service over a collection, over a sharded
 collection (the service's own app over a ShardedCatalog, as every Ray Serve router replica builds it; shards in this
-process), both served by uvicorn over real HTTP, both behind API keys and the same limits. Answers are checked
-against exact search in numpy over the 3000 vectors, which both hold in an index (the collection merged), not
-against each other; only what a sharded collection does not do differs, and is stated per backend."""
+process), and over a sharded collection in the service's data directory (created with a shard count, built by its
+import: retriever/sharded/hosted.py), all served by uvicorn over real HTTP, behind API keys and the same limits.
+Answers are checked against exact search in numpy over the 3000 vectors, which all hold in an index (the
+collection merged), not against each other; only what the sharded service does not do differs, and is stated per
+backend."""
 
 from __future__ import annotations
 
+import io
+import time
 
 import httpx
 import numpy as np
@@ -31,7 +35,7 @@ def base():
     return clustered(N, DIM, 20, seed=11, spread=0.6)
 
 
-@pytest.fixture(scope="module", params=["single", "sharded"])
+@pytest.fixture(scope="module", params=["single", "sharded", "hosted"])
 def service(request, tmp_path_factory, base):
     root = tmp_path_factory.mktemp(f"backend-{request.param}")
     keys = KeyRing(parse_entries(KEYS, "test"))
@@ -46,6 +50,24 @@ def service(request, tmp_path_factory, base):
                 assert httpx.post(f"{url}/v1/collections/{NAME}/documents", json={"documents": docs},
                                   headers=GOOD, timeout=60).status_code == 200
             app.state.fusionrag.catalog.get(NAME).merge()  # searched through its index, as the shards are
+            yield request.param, url
+    elif request.param == "hosted":
+        app = create_app(config, keys=keys)
+        with serving(app) as url:
+            r = httpx.post(f"{url}/v1/collections", json={"name": NAME, "dimension": DIM, "metric": "l2", "shards": 3},
+                           headers=GOOD)
+            assert r.status_code == 201, r.text
+            buf = io.BytesIO()
+            np.save(buf, base)
+            r = httpx.post(f"{url}/v1/collections/{NAME}/import", files={"vectors": ("base.npy", buf.getvalue())},
+                           headers=GOOD, timeout=60)
+            assert r.status_code == 202, r.text
+            deadline = time.monotonic() + 120
+            while (httpx.get(f"{url}/v1/collections/{NAME}", headers=GOOD).json()["build_state"]["import"]["state"]
+                   in ("uploading", "running")):
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            assert httpx.get(f"{url}/v1/collections/{NAME}", headers=GOOD).json()["count"] == N
             yield request.param, url
     else:
         build_sharded(base, root / "built", 3, BuildConfig(threads=1, centroid_ratio=0.05), progress=False)
@@ -128,14 +150,15 @@ def test_documents_written_read_counted_updated_and_deleted(service, base):
 
 
 def test_what_only_a_collection_does(service, base):
-    """Creating another collection, snapshots and the OpenAI vector stores: a collection's service does them, a
-    sharded one refuses them with a status that says so (422 / 405), not a 500."""
+    """Creating another collection, snapshots and the OpenAI vector stores: a collection's service does them (a
+    sharded collection in its data directory too), the sharded service on Ray refuses them with a status that says
+    so (422 / 405), not a 500."""
     kind, url = service
     create = httpx.post(f"{url}/v1/collections", json={"name": "other", "dimension": DIM}, headers=GOOD)
     snap = httpx.post(f"{url}/v1/collections/{NAME}/snapshots", headers=GOOD, timeout=60)
     stores = httpx.get(f"{url}/v1/vector_stores", headers=GOOD)
-    if kind == "single":
-        assert (create.status_code, snap.status_code, stores.status_code) == (201, 201, 200)
+    if kind in ("single", "hosted"):
+        assert (create.status_code, snap.status_code, stores.status_code) == (201, 201, 200), snap.text
         assert httpx.delete(f"{url}/v1/collections/other", headers=GOOD).status_code == 200
     else:
         assert create.status_code == 422 and "alone" in create.text

@@ -1,0 +1,355 @@
+"""A sharded collection held in a data directory beside the single ones (Catalog.create(..., shards=N), POST
+/v1/collections with "shards"; docs/sharded.md, "A sharded collection in the service").
+
+collections/<name>/collection.json records the shard count. The collection's first import builds it: build_sharded
+of the import's documents (JSON lines with texts, vectors and metadata, or a vector file and its JSON-lines
+sidecar), texts without a vector embedded by the collection's model, into collections/<name>/index/ (built under a
+hidden name and renamed into place, so a crash never leaves half an index taken for a whole one). From then on
+it is a ShardedCollection (sharded/docs.py) over that index, its shards in the service's process: written,
+searched by vector, text and hybrid with filters, merged, snapshotted (snapshot.write_tree, its writes and merges
+held still while the files are copied), restored and dropped as a collection is. Until that import it holds
+nothing, and what needs documents (a write, a search) is refused with ConflictError (409) saying to import first:
+a sharded collection's lists and their placement on shards are learnt from its documents, so there is nowhere to
+put a document before them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import threading
+import time
+from pathlib import Path
+
+from fusionrag.retriever.collection import quota, snapshot
+from fusionrag.retriever.collection.config import CollectionConfig
+from fusionrag.retriever.collection.generations import write_json_atomic
+from fusionrag.retriever.collection.importer import first_vector_dim
+from fusionrag.retriever.engine.config import BuildConfig, EngineConfig
+from fusionrag.retriever.engine.vectors import as_source
+from fusionrag.retriever.errors import ConflictError, FusionRAGError, InputError, StorageError, UnavailableError
+from fusionrag.retriever.sharded.build import build_sharded
+from fusionrag.retriever.sharded.docs import ShardedCollection
+from fusionrag.retriever.sharded.router import ShardedIndex
+
+log = logging.getLogger(__name__)
+
+INDEX = "index"
+BUILDING = ".index-building"
+_ACTIVE = ("uploading", "running")
+
+
+def _lines(path: Path) -> int:
+    with open(path, "rb") as f:
+        return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b"")) + 1
+
+
+class _Stopped(Exception):
+    """Raised into a build whose collection was closed meanwhile (dropped, or the service stopping)."""
+
+
+class HostedSharded:
+    """A sharded collection in a catalog (see the module). Everything a ShardedCollection does, once built, is
+    passed to it; before, reads answer empty and what needs documents is refused."""
+
+    sharded = True
+    dormant = False  # its shards keep their files open (the catalog's pool of open files never closes them)
+
+    def __init__(self, path, desc: dict, engine_config: EngineConfig | None = None,
+                 collection_config: CollectionConfig | None = None, limits: quota.Limits | None = None):
+        self.path = Path(path)
+        self.name, self.dim, self.metric = desc["name"], int(desc["dim"]), desc["metric"]
+        self.embedding, self.shards, self.analyzer = desc.get("embedding"), int(desc["shards"]), desc.get("analyzer")
+        self._engine_config = engine_config or EngineConfig()
+        self._collection_config = collection_config or CollectionConfig()
+        self._limits = limits or quota.Limits()
+        self._lock = threading.Lock()
+        self._closed: FusionRAGError | None = None
+        self._inner: ShardedCollection | None = None
+        self._progress: dict | None = None
+        self._merging: threading.Thread | None = None
+        shutil.rmtree(self.path / BUILDING, ignore_errors=True)  # a build a crash cut short: imported again
+        self._import = self._load_import_state()
+        if (self.path / INDEX).is_dir():
+            self._inner = self._open()
+
+    def _open(self) -> ShardedCollection:
+        index = ShardedIndex.open(self.path / INDEX, self._engine_config)
+        if index.dim != self.dim or index.metric != self.metric:
+            index.close()
+            raise InputError(f"sharded collection {self.name!r}: its index is of dimension {index.dim} and metric "
+                             f"{index.metric}, the collection's {self.dim} and {self.metric}")
+        return ShardedCollection(index, self.name, self._collection_config)
+
+    # -- what is passed to the built collection --------------------------------------------------------
+
+    def _built(self) -> ShardedCollection:
+        inner = self._inner
+        if inner is not None:
+            return inner
+        if self._closed is not None:
+            raise self._closed
+        running = self._import is not None and self._import.get("state") in _ACTIVE
+        raise ConflictError(f"sharded collection {self.name!r} holds no documents yet: " + (
+            "its import is building it (progress in the collection's info)" if running else
+            f"its first import builds it (POST /v1/collections/{self.name}/import, JSON lines of documents)"))
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("_"):
+            raise AttributeError(attr)
+        inner = self._inner
+        if inner is not None:
+            return getattr(inner, attr)
+        if not callable(getattr(ShardedCollection, attr, None)):  # what it lacks, it lacks built or not
+            raise AttributeError(attr)
+
+        def refused(*_, **__):  # a call that needs documents
+            self._built()
+        return refused
+
+    @property
+    def index(self) -> ShardedIndex:
+        return self._built().index
+
+    def __len__(self) -> int:
+        inner = self._inner
+        return 0 if inner is None else len(inner)
+
+    def count(self, filter: dict | None = None) -> int:
+        inner = self._inner
+        return 0 if inner is None else inner.count(filter)
+
+    def get(self, ids, with_vectors: bool = False) -> list:
+        inner = self._inner
+        return [] if inner is None else inner.get(ids, with_vectors)
+
+    # -- writes, and the merges they call for ----------------------------------------------------------
+
+    def upsert(self, docs) -> list[str]:
+        out = self._built().upsert(docs)
+        self._written()
+        return out
+
+    add = upsert
+
+    def delete(self, ids) -> int:
+        inner = self._inner
+        if inner is None:
+            return 0
+        out = inner.delete(ids)
+        self._written()
+        return out
+
+    def delete_where(self, filter: dict) -> int:
+        out = self._built().delete_where(filter)
+        self._written()
+        return out
+
+    def set_metadata(self, updates, merge: bool = True) -> int:
+        out = self._built().set_metadata(updates, merge)
+        self._written()
+        return out
+
+    def _written(self) -> None:
+        """After a write: once the shards' fresh tiers and tombstones hold the collection's merge_fresh_count
+        rows in all, merge in a background thread (one at a time) each shard holding its share of them, as the
+        service on Ray merges its shards; searches and writes go on meanwhile."""
+        cfg, inner = self._collection_config, self._inner
+        if inner is None or not cfg.background_merge:
+            return
+        ix = inner.index
+        if len(ix.fresh_owner) + len(ix.base_gone) < cfg.merge_fresh_count:
+            return
+        with self._lock:
+            if self._closed is not None or (self._merging is not None and self._merging.is_alive()):
+                return
+            self._merging = threading.Thread(target=self._merge, args=(ix, max(1, cfg.merge_fresh_count // ix.n_shards)),
+                                             name=f"merge-{self.name}", daemon=True)
+            self._merging.start()
+
+    def _merge(self, ix: ShardedIndex, min_fresh: int) -> None:
+        try:
+            ix.merge_shards(min_fresh=min_fresh)
+        except Exception:  # noqa: BLE001 - the next write past the threshold tries again
+            log.warning("sharded collection %r: merging its shards failed", self.name, exc_info=True)
+
+    def info(self) -> dict:
+        inner = self._inner
+        if inner is not None:
+            out = inner.info()
+        else:
+            out = {"name": self.name, "dimension": self.dim, "metric": self.metric, "embedding": self.embedding,
+                   "state": "empty", "count": 0, "sharded": True, "shards": self.shards,
+                   "build_state": {"indexed": 0, "fresh": 0}}
+        out["text_analyzer"] = self.analyzer
+        out["build_state"] = {**out.get("build_state", {}), "import": self._import, "progress": self._progress}
+        return out
+
+    def release_files(self) -> bool:
+        return False
+
+    # -- import: the build -----------------------------------------------------------------------------
+
+    def _load_import_state(self) -> dict | None:
+        try:
+            state = json.loads((self.path / "import.json").read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(state, dict):
+            return None
+        if state.get("state") in _ACTIVE:
+            state = {**state, "state": "interrupted",
+                     "reason": "the service stopped during the import: nothing of it was kept; import again"}
+            self._write_import(state)
+        return state
+
+    def _write_import(self, state: dict | None) -> None:
+        try:
+            if state is None:
+                (self.path / "import.json").unlink(missing_ok=True)
+            else:
+                write_json_atomic(self.path / "import.json", state)
+        except OSError:  # known to this process still; only a restart would not report it
+            log.exception("sharded collection %r: cannot record its import's state", self.name)
+
+    def _set_import(self, state: dict | None) -> None:
+        self._import = state
+        self._write_import(state)
+
+    def _check_importable(self) -> None:
+        """Caller holds _lock."""
+        if self._closed is not None:
+            raise self._closed
+        if self._inner is not None:
+            raise ConflictError(f"sharded collection {self.name!r} is built: its documents are written by upsert "
+                                "now (an import fills an empty collection)")
+        if self._import is not None and self._import.get("state") in _ACTIVE:
+            raise ConflictError(f"sharded collection {self.name!r} is already importing documents (its progress is "
+                                "in the collection's info)")
+
+    def claim_import(self) -> None:
+        """Reserve this empty collection for one import before its files arrive (as Collection.claim_import)."""
+        with self._lock:
+            self._check_importable()
+            self._before_claim = self._import
+            self._set_import({"state": "uploading", "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+
+    def release_import(self) -> None:
+        with self._lock:
+            if self._import is not None and self._import.get("state") == "uploading":
+                self._set_import(getattr(self, "_before_claim", None))
+
+    def import_files(self, documents=None, vectors=None, progress: bool | None = None, claimed: bool = False) -> dict:
+        """Build this empty sharded collection from files: JSON lines of documents (a line's vector, else its
+        text embedded by the collection's model), or a vector file with (or without) its JSON-lines sidecar, line
+        i describing vector i. Returns what it did; whatever happens, the import's state ends "done" or "failed"
+        with the reason (info()'s build_state.import)."""
+        t0 = time.perf_counter()
+        with self._lock:
+            state = None if self._import is None else self._import.get("state")
+            if claimed and state != "uploading":
+                raise ConflictError(f"sharded collection {self.name!r}: the import's claim was lost")
+            if not claimed:
+                self._check_importable()
+            started = self._import["started"] if claimed else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            self._set_import({"state": "running", "started": started})
+        try:
+            done = self._build(None if documents is None else Path(documents),
+                               None if vectors is None else Path(vectors), progress)
+        except BaseException as e:
+            with self._lock:
+                if self._closed is None:
+                    reason = str(e) if isinstance(e, FusionRAGError) else f"{type(e).__name__}: {e}"
+                    for p in (documents, vectors):  # no server path in what the collection's info says
+                        if p is not None:
+                            reason = reason.replace(str(Path(p).parent), "<upload>")
+                    self._set_import({**self._import, "state": "failed", "reason": reason.replace(str(self.path), ".")})
+            if isinstance(e, _Stopped):
+                raise UnavailableError(f"sharded collection {self.name!r} was closed during its import") from e
+            if isinstance(e, OSError):
+                raise StorageError(f"sharded collection {self.name!r}: the import could not write: {e}") from e
+            raise
+        finally:
+            self._progress = None
+        done["seconds"] = round(time.perf_counter() - t0, 3)
+        with self._lock:
+            self._set_import({**self._import, "state": "done", **done})
+        return done
+
+    def _step(self, step: str, done: int, total: int) -> None:
+        if self._closed is not None:
+            raise _Stopped()
+        self._progress = {"step": step, "done": done, "total": total}
+
+    def _build(self, documents: Path | None, vectors: Path | None, progress: bool | None) -> dict:
+        if documents is None and vectors is None:
+            raise InputError("an import needs documents (JSON lines), vectors (a vector file), or both")
+        if vectors is not None:
+            dim = as_source(vectors).dim
+        elif self.embedding is None:
+            dim = first_vector_dim(documents)
+        else:
+            dim = self.dim  # texts the model embeds, lines with vectors checked by the build
+        if dim != self.dim:
+            raise InputError(f"the import's vectors have dimension {dim}, the collection {self.dim}")
+        # About what the build writes: the vectors' pages, codes and lists, the documents' stores (a JSON line's
+        # vector takes more bytes as text than in the pages), and the vectors staged from JSON lines.
+        need = 2 * sum(p.stat().st_size for p in (documents, vectors) if p is not None)
+        if vectors is None and self.embedding is not None:  # texts the model embeds: staged, then paged
+            need = max(need, 3 * 4 * self.dim * _lines(documents))
+        quota.check_room(self.path, need, self._limits.disk_reserve_bytes, "the sharded collection's build")
+        out = self.path / BUILDING
+        shutil.rmtree(out, ignore_errors=True)
+        try:
+            manifest = build_sharded(vectors, out, self.shards, BuildConfig(metric=self.metric), documents=documents,
+                                     embedding=self.embedding if vectors is None else None, use_ray=False,
+                                     progress=progress, on_progress=self._step)
+            if manifest["dim"] != self.dim:
+                raise InputError(f"the import's vectors have dimension {manifest['dim']}, the collection {self.dim}")
+            with self._lock:
+                if self._closed is not None:
+                    raise _Stopped()
+                (out).rename(self.path / INDEX)
+                try:
+                    self._inner = self._open()
+                except BaseException:
+                    (self.path / INDEX).rename(out)
+                    raise
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+        return {"documents": int(manifest["count"]), "stored": int(manifest["count"]), "indexed": True,
+                "shards": self.shards}
+
+    # -- snapshot, close ------------------------------------------------------------------------------
+
+    def snapshot(self, dest) -> dict:
+        """Write this collection's state now to the archive dest (snapshot.write_tree): its writes and merges
+        wait while the files are copied; searches go on. Returns what the archive holds."""
+        describe = {"collection": self.name, "dimension": self.dim, "metric": self.metric,
+                    "embedding": self.embedding, "shards": self.shards}
+        with self._lock:
+            inner = self._inner
+            if inner is None and self._import is not None and self._import.get("state") in _ACTIVE:
+                raise ConflictError(f"sharded collection {self.name!r} is importing: snapshot it once that is done")
+        try:
+            if inner is None:
+                return snapshot.write_tree(self.path, {**describe, "documents": 0}, Path(dest))
+            with inner.index.quiesced():
+                return snapshot.write_tree(self.path, {**describe, "documents": len(inner)}, Path(dest))
+        except OSError as e:
+            raise StorageError(f"sharded collection {self.name!r}: cannot write its snapshot: {e}") from e
+
+    def close(self, error: FusionRAGError | None = None) -> None:
+        """Refuse what comes next (with error, else "closed"), stop an import's build at its next step, and
+        stop the shards."""
+        with self._lock:
+            if self._closed is not None:
+                return
+            self._closed = error or UnavailableError(f"collection {self.name!r} is closed")
+            inner, self._inner = self._inner, None
+            merging = self._merging
+        if merging is not None:
+            merging.join()  # a merge ends before its shards stop
+        if inner is not None:
+            inner.close()
