@@ -280,3 +280,33 @@ def test_a_build_that_would_write_into_the_disk_reserve_is_refused_and_leaves_no
                                                                                               "import.json"]
     finally:
         cat.close()
+
+
+def test_the_embedded_langchain_store_works_against_it_unchanged(tmp_path, corpus):
+    """The LangChain store over the data directory itself (no service): the store's calls reach the sharded
+    collection's shards in this process."""
+    from fusionrag.integrations.langchain import FusionRAGEmbeddings
+    from fusionrag.integrations.langchain import FusionRAGVectorStore as LangChainStore
+    from fusionrag.retriever.directory import catalog
+
+    texts, vectors, body = corpus
+    (tmp_path / "docs.jsonl").write_text(body)
+    cat = catalog(tmp_path / "data")
+    try:
+        cat.create("notes", get_embedder(MODEL).dim, "cosine", MODEL, shards=2).import_files(tmp_path / "docs.jsonl")
+    finally:
+        cat.close()
+    store = LangChainStore(FusionRAGEmbeddings(MODEL), collection="notes", path=tmp_path / "data",
+                           search_params=EXHAUSTIVE)
+    try:
+        names = [f"note-{i}" for i in range(N)]
+        hits = store.similarity_search(texts[55], k=5)
+        assert [h.id for h in hits] == exact(vectors, names, get_embedder(MODEL).embed([texts[55]])[0], 5)
+        assert hits[0].page_content == texts[55] and hits[0].metadata == {"topic": TOPICS[55 % len(TOPICS)], "i": 55}
+        ids = store.add_texts(["A note on beekeeping: hives, smokers and wax frames."], metadatas=[{"topic": "bees"}])
+        assert store.similarity_search("keeping bees in hives", k=1)[0].id == ids[0]
+        store.delete(ids)
+        assert all(h.id != ids[0] for h in store.similarity_search("keeping bees in hives", k=3))
+    finally:
+        store.close()
+    assert (tmp_path / "data" / "collections" / "notes" / "index" / "shard-001").is_dir()
