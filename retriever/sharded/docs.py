@@ -304,6 +304,8 @@ class ShardedCollection:
                 # Each shard's filter tier as it opened ("gpu" where its node's GPU was visible to it).
                 "shards_tiers": [{key: w.get(key) for key in ("pq_tier", "pq_bytes", "visible_gpus")}
                                  for w in ix.where],
+                # Bytes per tier, summed over the shards (ShardedIndex.memory): what /metrics exports per tier.
+                "tiers": ix.memory(),
                 "search_defaults": ix.params.to_dict(), "calibration": ix.manifest.get("calibration"),
                 "build_state": {"indexed": count - fresh, "fresh": fresh}}
 

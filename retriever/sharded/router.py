@@ -649,6 +649,18 @@ class ShardedIndex(ManifestShape):
             out.update(got)
         return out
 
+    def memory(self) -> dict:
+        """Bytes held per tier over the shards that answer now (each shard's Index.memory(), summed; a shard down
+        is left out, and `shards_counted` says how many were summed), the router's navigation graph counted in
+        host_index_bytes."""
+        out, _ = self._round({s: ("where", ()) for s in range(self.n_shards) if self.alive[s]})
+        tiers: dict[str, int] = {"host_index_bytes": int(self.nav.memory_bytes())}
+        for w in out.values():
+            for key, value in w.get("memory", {}).items():
+                tiers[key] = tiers.get(key, 0) + int(value)
+        tiers["shards_counted"] = len(out)
+        return tiers
+
     def every_shard(self, method: str, args: tuple, what: str) -> list:
         """One call to every shard; UnavailableError (503) when one is down (its documents cannot be left out)."""
         self._refuse_if_down(range(self.n_shards), what)

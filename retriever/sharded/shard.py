@@ -422,7 +422,9 @@ class ShardServer:
             # gpu_budget_bytes.
             return {"pid": os.getpid(), "node_id": node, "count": g.index.count, "path": self.path,
                     "generation": g.number, "pq_tier": mem["pq_tier"], "pq_bytes": mem["pq_bytes"],
-                    "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES"), **w.info()}
+                    "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                    "memory": {k: v for k, v in mem.items() if k.endswith("_bytes") and isinstance(v, int)},
+                    **w.info()}
 
     def close(self) -> None:
         self.closed = True

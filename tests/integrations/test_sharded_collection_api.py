@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from server_util import ServerProcess
 
 from fusionrag.retriever.collection.embedding import get_embedder
@@ -113,6 +114,19 @@ def test_its_import_builds_it_and_it_answers_as_exact_search_does(server, corpus
         assert info["count"] == N and info["shards"] == 2 and info["build_state"]["indexed"] == N
         parts = sorted(p.name for p in (server.data_dir / "collections" / "notes" / "index").glob("shard-*"))
         assert parts == ["shard-000", "shard-001"]  # built: both shards hold part of it
+        # Its memory per tier is its shards': the SSD tier their page files, the PQ tier at least their codes (read
+        # from disk here), and /metrics exports them as a collection's
+        index = server.data_dir / "collections" / "notes" / "index"
+        pages = sum((index / p / "vectors.pages").stat().st_size for p in parts)
+        codes = sum(np.load(index / p / "pq_codes.npy", mmap_mode="r").nbytes for p in parts)
+        tiers = info["tiers"]
+        assert (tiers["ssd_bytes"], tiers["shards_counted"]) == (pages, 2)
+        assert tiers["pq_bytes"] >= codes  # the codes, and the codebooks and tables beside them
+        assert tiers["host_index_bytes"] > 0
+        exported = {(m.labels.get("collection"), m.labels.get("tier")): m.value
+                    for family in text_string_to_metric_families(c.get("/metrics").text)
+                    for m in family.samples if m.name == "fusionrag_tier_bytes"}
+        assert exported[("notes", "ssd")] == pages and exported[("notes", "pq")] == tiers["pq_bytes"]
         queries = ["telescope and nebula at night", texts[321], "risotto with saffron"]
         qv = get_embedder(MODEL).embed(queries)
         got = search_ids(c, "notes", {"texts": queries, "k": 10})
