@@ -69,7 +69,8 @@ class HostedSharded:
         self._inner: ShardedCollection | None = None
         self._progress: dict | None = None
         self._merging: threading.Thread | None = None
-        shutil.rmtree(self.path / BUILDING, ignore_errors=True)  # a build a crash cut short: imported again
+        for p in self.path.glob(f".*{BUILDING[1:]}*"):  # a build a crash cut short (and its staging): imported again
+            shutil.rmtree(p, ignore_errors=True)
         self._import = self._load_import_state()
         if (self.path / INDEX).is_dir():
             self._inner = self._open()

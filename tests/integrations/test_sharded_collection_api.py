@@ -324,3 +324,46 @@ def test_the_embedded_langchain_store_works_against_it_unchanged(tmp_path, corpu
     finally:
         store.close()
     assert (tmp_path / "data" / "collections" / "notes" / "index" / "shard-001").is_dir()
+
+
+def test_an_import_cut_short_by_a_crash_leaves_no_index_and_says_so(tmp_path):
+    """A service killed during the build (simulated: the state it leaves on disk, a half-written build beside an
+    import.json saying running) reopens the collection empty, the import marked interrupted, and imports again."""
+    import subprocess
+    import sys
+
+    from fusionrag.retriever.directory import catalog
+
+    x = np.random.default_rng(15).standard_normal((800, DIM)).astype(np.float32)
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"id": f"r{i}", "vector": v.tolist()}) + "\n"
+                                              for i, v in enumerate(x)))
+    # A child process that starts the import and is killed with SIGKILL as soon as its build has begun writing.
+    child = subprocess.Popen([sys.executable, "-c", f"""
+from fusionrag.retriever.directory import catalog
+cat = catalog({str(tmp_path / 'data')!r})
+col = cat.create("c", {DIM}, "l2", shards=2)
+def step(name, done, total):  # held (until killed) once the shards are being written
+    if name == "writing shards":
+        print("step", flush=True)
+        __import__("time").sleep(3600)
+col._step = step
+col.import_files({str(tmp_path / 'd.jsonl')!r})
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "step"  # the build is under way
+    finally:
+        child.kill()
+        child.wait()
+    where = tmp_path / "data" / "collections" / "c"
+    assert [p.name for p in where.glob(".*index-building*")]  # what it was writing is there
+    assert json.loads((where / "import.json").read_text())["state"] == "running"
+    cat = catalog(tmp_path / "data")
+    try:
+        col = cat.get("c")
+        state = col.info()["build_state"]["import"]
+        assert state["state"] == "interrupted" and len(col) == 0
+        assert not (where / "index").exists() and not list(where.glob(".*index-building*"))
+        col.import_files(tmp_path / "d.jsonl")
+        assert len(col) == 800 and col.search(x[:1], k=1).hits[0][0].id == "r0"
+    finally:
+        cat.close()
