@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.bridge.pydantic import PrivateAttr
-from llama_index.core.schema import BaseNode
+from llama_index.core.schema import BaseNode, TextNode
 from llama_index.core.vector_stores.types import (BasePydanticVectorStore, FilterCondition, FilterOperator,
                                                   MetadataFilters, VectorStoreQuery, VectorStoreQueryMode,
                                                   VectorStoreQueryResult)
@@ -128,6 +128,10 @@ class FusionRAGEmbedding(BaseEmbedding):
 
 
 def _node(item: Hit | Document) -> BaseNode:
+    """The node a document holds: as LlamaIndex wrote it (its node serialised in the metadata), or, for a
+    document written otherwise (an import, the API, another store), a TextNode of its text and metadata."""
+    if "_node_content" not in item.metadata:
+        return TextNode(id_=item.id, text=item.text or "", metadata=dict(item.metadata))
     node = metadata_dict_to_node(item.metadata, text=item.text)
     node.id_ = item.id
     return node

@@ -248,3 +248,27 @@ def test_reopened_store_serves_the_index(tmp_path):
         assert top.node.ref_doc_id == "bees" and top.node.metadata["topic"] == "biology"
     finally:
         store.close()
+
+
+def test_documents_written_otherwise_come_back_as_text_nodes(tmp_path):
+    """Documents LlamaIndex did not write (an import, the API, another store) hold no serialised node: a query
+    gives each as a TextNode of its id, text and metadata (this raised ValueError in LlamaIndex's
+    metadata_dict_to_node before)."""
+    from fusionrag.retriever.collection import Document as Doc
+    from fusionrag.retriever.directory import catalog
+
+    vectors = [[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.9, 0.1, 0.0]]
+    cat = catalog(tmp_path)
+    try:
+        cat.create("plain", 3, "l2").upsert([Doc(f"d{i}", f"text {i}", v, {"n": i}) for i, v in enumerate(vectors)])
+    finally:
+        cat.close()
+    store = FusionRAGVectorStore(collection="plain", path=tmp_path)
+    try:
+        res = store.query(VectorStoreQuery(query_embedding=[1.0, 0.0, 0.0], similarity_top_k=2))
+        assert res.ids == ["d0", "d2"]
+        assert [(n.node_id, n.get_content(), n.metadata) for n in res.nodes] == [("d0", "text 0", {"n": 0}),
+                                                                                 ("d2", "text 2", {"n": 2})]
+        assert [n.node_id for n in store.get_nodes(node_ids=["d1"])] == ["d1"]
+    finally:
+        store.close()

@@ -296,9 +296,9 @@ def test_a_build_that_would_write_into_the_disk_reserve_is_refused_and_leaves_no
         cat.close()
 
 
-def test_the_embedded_langchain_store_works_against_it_unchanged(tmp_path, corpus):
-    """The LangChain store over the data directory itself (no service): the store's calls reach the sharded
-    collection's shards in this process."""
+def test_the_embedded_langchain_and_llamaindex_stores_work_against_it_unchanged(tmp_path, corpus):
+    """The LangChain and LlamaIndex stores over the data directory itself (no service): the stores' calls reach
+    the sharded collection's shards in this process."""
     from fusionrag.integrations.langchain import FusionRAGEmbeddings
     from fusionrag.integrations.langchain import FusionRAGVectorStore as LangChainStore
     from fusionrag.retriever.directory import catalog
@@ -324,6 +324,21 @@ def test_the_embedded_langchain_store_works_against_it_unchanged(tmp_path, corpu
     finally:
         store.close()
     assert (tmp_path / "data" / "collections" / "notes" / "index" / "shard-001").is_dir()
+    # and the LlamaIndex store, by vector under a metadata filter
+    from llama_index.core.vector_stores.types import MetadataFilter, MetadataFilters, VectorStoreQuery
+
+    from fusionrag.integrations.llamaindex import FusionRAGVectorStore as LlamaIndexStore
+
+    llama = LlamaIndexStore(collection="notes", path=tmp_path / "data", search_params=EXHAUSTIVE)
+    try:
+        q = vectors[40] + 0.01
+        res = llama.query(VectorStoreQuery(query_embedding=q.tolist(), similarity_top_k=4, filters=MetadataFilters(
+            filters=[MetadataFilter(key="topic", value="gardening")])))
+        passing = [i for i in range(N) if i % len(TOPICS) == 0]
+        assert res.ids == exact(vectors[passing], [names[i] for i in passing], q, 4)
+        assert res.nodes[0].get_content() == texts[int(res.ids[0].split("-")[1])]
+    finally:
+        llama.close()
 
 
 def test_an_import_cut_short_by_a_crash_leaves_no_index_and_says_so(tmp_path):
