@@ -221,7 +221,7 @@ def test_snapshot_restore_drop_and_a_restart(server, corpus):
         again.stop()
 
 
-def test_the_cli_imports_into_a_new_sharded_collection(tmp_path):
+def test_the_cli_imports_into_a_new_sharded_collection_snapshots_and_restores_it(tmp_path):
     from fusionrag.cli import main as cli
     from fusionrag.retriever.directory import catalog
 
@@ -237,6 +237,16 @@ def test_the_cli_imports_into_a_new_sharded_collection(tmp_path):
         q = x[:3] + 0.05
         got = [[h.id for h in hits] for hits in col.search(q, k=10, params=EXHAUSTIVE).hits]
         assert got == [exact(x, [f"r{i}" for i in range(700)], v, 10, "l2") for v in q]
+    finally:
+        cat.close()
+    # snapshotted and restored offline, into another data directory
+    assert cli(["snapshot", str(tmp_path / "data"), "c", str(tmp_path / "c.tar")]) == 0
+    assert cli(["restore", str(tmp_path / "other"), str(tmp_path / "c.tar"), "--collection", "copy"]) == 0
+    cat = catalog(tmp_path / "other")
+    try:
+        copy = cat.get("copy")
+        assert copy.info()["shards"] == 2 and len(copy) == 700
+        assert [[h.id for h in hits] for hits in copy.search(q, k=10, params=EXHAUSTIVE).hits] == got
     finally:
         cat.close()
 
