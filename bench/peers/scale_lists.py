@@ -1,5 +1,6 @@
 """Why recall stops short of 0.95 at the largest N of scale_table (#51 item 4): the list sizes of each built index,
-and recall and cost at wider probe ratios (SearchParams.probe_ratio) at the widest probe the calibration tried.
+recall and cost at wider probe ratios (SearchParams.probe_ratio) at the widest probe the calibration tried, and how
+often the navigation graph's search lands far from a row's or a query's nearest centroid.
 
     python -m bench.peers.scale_lists --n 10000000 20000000 [--dim 128]   (needs scale_table's rows for N)
 
@@ -7,7 +8,10 @@ For each N: the posting lists' sizes (mean, percentiles, how many hold over 1,00
 they hold); then, in the cap scale_table searches in (a third of the raw vectors), the index's files dropped from
 the page cache first, one process: 300 noisy base rows to warm, then the 500 report queries at nprobe 1024 and
 each (probe ratio, rerank) of POINTS: recall@10, q/s (2 threads), lists probed, PQ candidates scanned and pages read
-per query. Writes bench/results/peers/scale_lists.{md,json}.
+per query. Then navigation: 2,000 base rows and the 500 report queries searched on the index's graph at the beam the
+build assigns rows with (max(32, 2 x max_replicas)) and at wider beams, against their exact nearest centroid (all
+centroids, brute force): "lost" where the graph's nearest is over 1.5x the exact nearest's distance (in these
+clusters, a centroid of another cluster). Writes bench/results/peers/scale_lists.{md,json}.
 """
 
 from __future__ import annotations
@@ -58,8 +62,29 @@ def worker(d: Path) -> None:
         out.append({"probe_ratio": ratio, "rerank": rerank, "beta": beta, "recall@10": float(hit),
                     "qps": len(q) / dt, "threads": threads,
                     **{k: float(np.mean(r.stats[k])) for k in ("centroids_probed", "candidates", "pages_read")}})
+    nav = navigation(idx, base, q, rng)
     idx.close()
-    print(json.dumps(out))
+    print(json.dumps({"points": out, "navigation": nav}))
+
+
+BEAMS = (32, 64, 256, 1024)
+
+
+def navigation(idx, base, q: np.ndarray, rng) -> list[dict]:
+    from fusionrag.retriever.engine.build import nearest_rows
+
+    graph = idx.nav.graph  # the index's own (a second copy would not fit the cap at 20M)
+    centroids = np.asarray(graph.vectors(), np.float32)
+    rows = np.asarray(base[np.sort(rng.choice(len(base), 2000, replace=False))], np.float32)
+    out = []
+    for what, x in (("rows", rows), ("queries", q)):
+        near, sqd = nearest_rows(x, centroids, 1)
+        for beam in BEAMS:
+            got, gsq = graph.search(x, 8, beam, min(2, os.cpu_count() or 1))
+            lost = np.sqrt(np.maximum(gsq[:, 0], 0)) > 1.5 * np.sqrt(np.maximum(sqd[:, 0], 0))
+            out.append({"of": what, "beam": beam, "lost": float(lost.mean()),
+                        "nearest_found": float((got[:, 0] == near[:, 0]).mean())})
+    return out
 
 
 def run_n(n: int, dim: int) -> dict:
@@ -70,7 +95,8 @@ def run_n(n: int, dim: int) -> dict:
     drop_cache(d / "index")
     load0 = os.getloadavg()
     r, run = in_cgroup(cap, module_argv(__spec__.name, "--worker", str(d)), d / "scale_lists_failed.log", "search")
-    return {"n": n, "cap_bytes": cap, "lists": list_sizes(d), "points": json.loads(r.stdout.strip().splitlines()[-1]),
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    return {"n": n, "cap_bytes": cap, "lists": list_sizes(d), "points": got["points"], "navigation": got["navigation"],
             "defaults": json.loads((d / "index" / "manifest.json").read_text()).get("search_defaults"),
             "peak_anon_bytes": run["peak_anon_bytes"], "load_at_start": load0, "load_at_end": os.getloadavg()}
 
@@ -87,12 +113,24 @@ def report(records: list[dict]) -> None:
         lines.append(f"| {r['n']:,} | {s['lists']:,} | {s['mean']:.1f} / {s['p50_p90_p99_p999'][0]:.0f} / "
                      f"{s['p50_p90_p99_p999'][2]:.0f} / {s['max']:,} | {s['over_1000']:,} "
                      f"({s['postings_in_those'] / s['postings']:.0%} of all postings) |")
-    lines += ["", "| N | probe ratio | rerank | recall@10 | q/s | lists probed | PQ candidates | pages read |",
+    lines += ["", "Machine load (1-minute average) at each N's start and end: " + ", ".join(
+        f"{r['n']:,}: {r['load_at_start'][0]:.1f}-{r['load_at_end'][0]:.1f}" for r in records) + ".", ""]
+    lines += ["| N | probe ratio | rerank | recall@10 | q/s | lists probed | PQ candidates | pages read |",
               "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in records:
         for p in r["points"]:
             lines.append(f"| {r['n']:,} | {p['probe_ratio']} | {p['rerank']} | {p['recall@10']:.3f} | {p['qps']:,.0f} | "
                          f"{p['centroids_probed']:.0f} | {p['candidates']:,.0f} | {p['pages_read']:.0f} |")
+    lines += ["", "Navigation: the share of rows (2,000 sampled) and report queries whose graph search at each beam lands over "
+              "1.5x farther than their exact nearest centroid (lost), and the share whose nearest it finds; the build "
+              "assigns rows at beam 32, a query searches at its nprobe (calibrated: 64 at 1M, 512-1,024 at 10M-20M).", "",
+              "| N | of | " + " | ".join(f"beam {b}: lost / nearest" for b in BEAMS) + " |",
+              "|---:|---|" + "---|" * len(BEAMS)]
+    for r in records:
+        for what in ("rows", "queries"):
+            cells = {e["beam"]: e for e in r["navigation"] if e["of"] == what}
+            lines.append(f"| {r['n']:,} | {what} | " + " | ".join(
+                f"{cells[b]['lost']:.1%} / {cells[b]['nearest_found']:.3f}" for b in BEAMS) + " |")
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "scale_lists.md").write_text("\n".join(lines) + "\n")
     (OUT / "scale_lists.json").write_text(json.dumps(records, indent=1))
@@ -101,7 +139,7 @@ def report(records: list[dict]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--n", type=int, nargs="*", default=[10_000_000, 20_000_000])
+    p.add_argument("--n", type=int, nargs="*", default=[1_000_000, 10_000_000, 20_000_000])
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
