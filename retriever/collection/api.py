@@ -666,20 +666,15 @@ class Collection:
                 raise StorageError(f"collection {self.name!r}: cannot write its snapshot: {e}") from e
 
     # -- bulk import -----------------------------------------------------------------------------
-    # Its state, kept in import.json so that a restart reports an import it cut short: "uploading" (claimed
-    # by a request whose files are still arriving), "running", then "done" or "failed" (with the reason), or
-    # "interrupted" (the process ended meanwhile). Writes are refused while it is uploading or running.
-    _IMPORT_ACTIVE = ("uploading", "running")
+    # Its state (importer.read_state, record_state): "uploading", "running", then "done", "failed" or "interrupted".
+    _IMPORT_ACTIVE = importer.ACTIVE
 
     def _load_import_state(self) -> None:
         """The last import's state, as the previous process left it; staging an interrupted one left removed."""
         for p in self.path.glob(".import-*"):
             shutil.rmtree(p, ignore_errors=True)
-        try:
-            state = json.loads((self.path / "import.json").read_text())
-        except (OSError, ValueError):
-            return
-        if not isinstance(state, dict):
+        state = importer.read_state(self.path)
+        if state is None:
             return
         if state.get("state") in self._IMPORT_ACTIVE:
             n = self.store.count()
@@ -692,20 +687,7 @@ class Collection:
 
     def _set_import(self, state: dict | None) -> None:
         self._import = state
-        try:
-            if state is None:
-                (self.path / "import.json").unlink(missing_ok=True)
-            else:
-                write_json_atomic(self.path / "import.json", state)
-        except OSError:  # the state stays known to this process; only a restart would not report it
-            log.exception("collection %r: cannot record its import's state", self.name)
-
-    def _public(self, text: str, *folders: Path) -> str:
-        """text without the service's paths: the collection's own, the data directory's, and `folders`."""
-        for folder in folders:
-            text = text.replace(f"{folder}{os.sep}", "").replace(str(folder), ".")
-        return text.replace(f"{self.path}{os.sep}", "").replace(str(self.path), ".") \
-            .replace(str(self.path.parent.parent), "<data-dir>")
+        importer.record_state(self.path, state, f"collection {self.name!r}")
 
     @_in_use
     def claim_import(self) -> None:
@@ -741,8 +723,7 @@ class Collection:
             with self._lock:
                 state = None if self._import is None else self._import["state"]
                 if self._closed is None and ((ran and state == "running") or (claimed and state == "uploading")):
-                    reason = self._public(str(e) if isinstance(e, FusionRAGError) else f"{type(e).__name__}: {e}",
-                                          *folders)
+                    reason = importer.public_reason(e, self.path, *folders)
                     self._set_import({**self._import, "state": "failed", "reason": reason})
             if isinstance(e, OSError) and not isinstance(e, StorageError):
                 raise StorageError(f"collection {self.name!r}: the import could not write: {e}") from e

@@ -17,6 +17,7 @@ the fresh tier and a merge indexes them). Writes made to the collection meanwhil
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import time
@@ -28,10 +29,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from fusionrag.retriever.collection import quota
+from fusionrag.retriever.collection.generations import write_json_atomic
 from fusionrag.retriever.engine.build import build_index
 from fusionrag.retriever.engine.manifest import fsync_path
 from fusionrag.retriever.engine.vectors import open_vectors, vector_problems
-from fusionrag.retriever.errors import ConflictError, InputError
+from fusionrag.retriever.errors import ConflictError, FusionRAGError, InputError
 from fusionrag.retriever.progress import Progress
 
 if TYPE_CHECKING:
@@ -40,6 +42,45 @@ if TYPE_CHECKING:
 CHUNK = 4096  # documents read, checked, embedded and stored at a time
 EMBED_BATCH = 256  # texts embedded at a time: the progress moves as each batch is done (CPU: seconds each)
 _KEYS = {"id", "text", "metadata", "vector"}
+
+
+log = logging.getLogger(__name__)
+
+# An import's state, in import.json beside the collection, so that a restart reports one it cut short: "uploading"
+# (claimed by a request whose files are still arriving), "running", then "done" or "failed" (with the reason), or
+# "interrupted" (the process ended meanwhile). Writes are refused while it is uploading or running.
+ACTIVE = ("uploading", "running")
+STATE = "import.json"
+
+
+def read_state(folder: Path) -> dict | None:
+    """The import state the last process left in folder (None: none, or unreadable)."""
+    try:
+        state = json.loads((Path(folder) / STATE).read_text())
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) else None
+
+
+def record_state(folder: Path, state: dict | None, what: str) -> None:
+    """Write (None: remove) folder's import state; a failure is logged, not raised: the state stays known to this
+    process, and only a restart would not report it. what: the collection, as the log names it."""
+    try:
+        if state is None:
+            (Path(folder) / STATE).unlink(missing_ok=True)
+        else:
+            write_json_atomic(Path(folder) / STATE, state)
+    except OSError:
+        log.exception("%s: cannot record its import's state", what)
+
+
+def public_reason(e: BaseException, path: Path, *folders: Path) -> str:
+    """What an import's state says of the error e, without the service's paths: the collection's own (path), the
+    data directory's (its grandparent), and `folders` (the upload's)."""
+    text = str(e) if isinstance(e, FusionRAGError) else f"{type(e).__name__}: {e}"
+    for folder in folders:
+        text = text.replace(f"{folder}{os.sep}", "").replace(str(folder), ".")
+    return text.replace(f"{path}{os.sep}", "").replace(str(path), ".").replace(str(path.parent.parent), "<data-dir>")
 
 
 def _lines(path: Path) -> Iterator[tuple[int, dict]]:

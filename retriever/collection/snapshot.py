@@ -80,18 +80,33 @@ def _backup(store: Path, copy: Path) -> int:
         src.close()
 
 
-def _finish(tar: tarfile.TarFile, manifest: dict) -> None:
-    data = json.dumps(manifest, indent=1).encode()
-    info = tarfile.TarInfo(MANIFEST)
-    info.size, info.mtime, info.mode = len(data), int(time.time()), 0o644
-    tar.addfile(info, io.BytesIO(data))
-
-
-def _publish(tmp: Path, dest: Path) -> None:
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, dest)
-    fsync_path(dest.parent)
+def _archive(dest: Path, fill) -> dict:
+    """Write a snapshot archive to dest, atomically (a temporary name, fsynced, renamed): fill(tar, files, scratch)
+    adds the members (_add, which records each in files), with scratch a free path beside dest for a store's
+    backup, and returns what snapshot.json says the collection is; snapshot.json goes last. Returns the manifest
+    without its member list, and the archive's bytes."""
+    dest = Path(dest)
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    scratch = dest.with_name(f".{dest.name}.docs.sqlite")
+    files: dict[str, dict] = {}
+    try:
+        with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
+            manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, **fill(tar, files, scratch),
+                        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "files": files}
+            data = json.dumps(manifest, indent=1).encode()
+            info = tarfile.TarInfo(MANIFEST)
+            info.size, info.mtime, info.mode = len(data), int(time.time()), 0o644
+            tar.addfile(info, io.BytesIO(data))
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, dest)
+        fsync_path(dest.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        scratch.unlink(missing_ok=True)
+    return {k: v for k, v in manifest.items() if k != "files"} | {"bytes": dest.stat().st_size}
 
 
 def write_tree(path: Path, describe: dict, dest: Path) -> dict:
@@ -99,33 +114,23 @@ def write_tree(path: Path, describe: dict, dest: Path) -> dict:
     collection.json and every file of its index/ tree (a shard's doc store by SQLite's online backup; locks and
     journals left out). The caller holds the tree still (no write, no merge). describe: what snapshot.json says
     the collection is (name, dimension, metric, embedding, documents, shards)."""
-    path, dest = Path(path), Path(dest)
-    tmp = dest.with_name(f".{dest.name}.tmp")
-    store_copy = dest.with_name(f".{dest.name}.docs.sqlite")
-    files: dict[str, dict] = {}
-    try:
-        with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
-            _add(tar, path / "collection.json", "collection.json", files)
-            for p in sorted((path / "index").rglob("*")) if (path / "index").is_dir() else []:
-                name = p.relative_to(path).as_posix()
-                if not p.is_file() or any(_NOT_COPIED.fullmatch(part) for part in p.relative_to(path).parts):
-                    continue
-                if p.suffix == ".sqlite":
-                    _backup(p, store_copy)
-                    _add(tar, store_copy, name, files)
-                    store_copy.unlink()
-                else:
-                    _add(tar, p, name, files)
-            manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, **describe,
-                        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "files": files}
-            _finish(tar, manifest)
-        _publish(tmp, dest)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    finally:
-        store_copy.unlink(missing_ok=True)
-    return {k: v for k, v in manifest.items() if k != "files"} | {"bytes": dest.stat().st_size}
+    path = Path(path)
+
+    def fill(tar: tarfile.TarFile, files: dict, scratch: Path) -> dict:
+        _add(tar, path / "collection.json", "collection.json", files)
+        for p in sorted((path / "index").rglob("*")) if (path / "index").is_dir() else []:
+            rel = p.relative_to(path)
+            if not p.is_file() or any(_NOT_COPIED.fullmatch(part) for part in rel.parts):
+                continue
+            if p.suffix == ".sqlite":
+                _backup(p, scratch)
+                _add(tar, scratch, rel.as_posix(), files)
+                scratch.unlink()
+            else:
+                _add(tar, p, rel.as_posix(), files)
+        return describe
+
+    return _archive(dest, fill)
 
 
 def _add(tar: tarfile.TarFile, path: Path, name: str, files: dict) -> None:
@@ -140,33 +145,21 @@ def _add(tar: tarfile.TarFile, path: Path, name: str, files: dict) -> None:
 def write(col: Collection, current: dict | None, dest: Path) -> dict:
     """Write col's snapshot to dest (atomically: a temporary name, fsynced, renamed). The caller holds
     col's merge lock, so `current` (CURRENT's contents, None before a first merge) stays published."""
-    dest = Path(dest)
-    tmp = dest.with_name(f".{dest.name}.tmp")
-    store_copy = dest.with_name(f".{dest.name}.docs.sqlite")
-    files: dict[str, dict] = {}
-    try:
-        count = _backup(col.store.path, store_copy)  # a consistent copy while writers go on
-        with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
-            _add(tar, col.path / "collection.json", "collection.json", files)
-            if current is not None:
-                _add(tar, col.path / "CURRENT", "CURRENT", files)
-                gen = gen_dir_name(current["generation"])
-                for p in sorted((col.path / gen).rglob("*")):
-                    if p.is_file():
-                        _add(tar, p, p.relative_to(col.path).as_posix(), files)
-            _add(tar, store_copy, "docs.sqlite", files)
-            manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "collection": col.name,
-                        "dimension": col.dim, "metric": col.metric, "embedding": col.embedding, "documents": count,
-                        "generation": current["generation"] if current else 0,
-                        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "files": files}
-            _finish(tar, manifest)
-        _publish(tmp, dest)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    finally:
-        store_copy.unlink(missing_ok=True)
-    return {k: v for k, v in manifest.items() if k != "files"} | {"bytes": dest.stat().st_size}
+
+    def fill(tar: tarfile.TarFile, files: dict, scratch: Path) -> dict:
+        count = _backup(col.store.path, scratch)  # a consistent copy while writers go on
+        _add(tar, col.path / "collection.json", "collection.json", files)
+        if current is not None:
+            _add(tar, col.path / "CURRENT", "CURRENT", files)
+            gen = gen_dir_name(current["generation"])
+            for p in sorted((col.path / gen).rglob("*")):
+                if p.is_file():
+                    _add(tar, p, p.relative_to(col.path).as_posix(), files)
+        _add(tar, scratch, "docs.sqlite", files)
+        return {"collection": col.name, "dimension": col.dim, "metric": col.metric, "embedding": col.embedding,
+                "documents": count, "generation": current["generation"] if current else 0}
+
+    return _archive(dest, fill)
 
 
 _PLAIN = (tarfile.REGTYPE, tarfile.AREGTYPE)

@@ -15,17 +15,14 @@ put a document before them.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import threading
 import time
 from pathlib import Path
 
-from fusionrag.retriever.collection import quota, snapshot
+from fusionrag.retriever.collection import importer, quota, snapshot
 from fusionrag.retriever.collection.config import CollectionConfig
-from fusionrag.retriever.collection.generations import write_json_atomic
-from fusionrag.retriever.collection.importer import first_vector_dim
 from fusionrag.retriever.engine.config import BuildConfig, EngineConfig
 from fusionrag.retriever.engine.vectors import as_source
 from fusionrag.retriever.errors import ConflictError, FusionRAGError, InputError, StorageError, UnavailableError
@@ -37,7 +34,6 @@ log = logging.getLogger(__name__)
 
 INDEX = "index"
 BUILDING = ".index-building"
-_ACTIVE = ("uploading", "running")
 
 
 def _lines(path: Path) -> int:
@@ -91,7 +87,7 @@ class HostedSharded:
             return inner
         if self._closed is not None:
             raise self._closed
-        running = self._import is not None and self._import.get("state") in _ACTIVE
+        running = self._import is not None and self._import.get("state") in importer.ACTIVE
         raise ConflictError(f"sharded collection {self.name!r} holds no documents yet: " + (
             "its import is building it (progress in the collection's info)" if running else
             f"its first import builds it (POST /v1/collections/{self.name}/import, JSON lines of documents)"))
@@ -193,30 +189,16 @@ class HostedSharded:
     # -- import: the build -----------------------------------------------------------------------------
 
     def _load_import_state(self) -> dict | None:
-        try:
-            state = json.loads((self.path / "import.json").read_text())
-        except (OSError, ValueError):
-            return None
-        if not isinstance(state, dict):
-            return None
-        if state.get("state") in _ACTIVE:
+        state = importer.read_state(self.path)
+        if state is not None and state.get("state") in importer.ACTIVE:
             state = {**state, "state": "interrupted",
                      "reason": "the service stopped during the import: nothing of it was kept; import again"}
-            self._write_import(state)
+            importer.record_state(self.path, state, f"sharded collection {self.name!r}")
         return state
-
-    def _write_import(self, state: dict | None) -> None:
-        try:
-            if state is None:
-                (self.path / "import.json").unlink(missing_ok=True)
-            else:
-                write_json_atomic(self.path / "import.json", state)
-        except OSError:  # known to this process still; only a restart would not report it
-            log.exception("sharded collection %r: cannot record its import's state", self.name)
 
     def _set_import(self, state: dict | None) -> None:
         self._import = state
-        self._write_import(state)
+        importer.record_state(self.path, state, f"sharded collection {self.name!r}")
 
     def _check_importable(self) -> None:
         """Caller holds _lock."""
@@ -225,7 +207,7 @@ class HostedSharded:
         if self._inner is not None:
             raise ConflictError(f"sharded collection {self.name!r} is built: its documents are written by upsert "
                                 "now (an import fills an empty collection)")
-        if self._import is not None and self._import.get("state") in _ACTIVE:
+        if self._import is not None and self._import.get("state") in importer.ACTIVE:
             raise ConflictError(f"sharded collection {self.name!r} is already importing documents (its progress is "
                                 "in the collection's info)")
 
@@ -261,11 +243,9 @@ class HostedSharded:
         except BaseException as e:
             with self._lock:
                 if self._closed is None:
-                    reason = str(e) if isinstance(e, FusionRAGError) else f"{type(e).__name__}: {e}"
-                    for p in (documents, vectors):  # no server path in what the collection's info says
-                        if p is not None:
-                            reason = reason.replace(str(Path(p).parent), "<upload>")
-                    self._set_import({**self._import, "state": "failed", "reason": reason.replace(str(self.path), ".")})
+                    folders = [Path(p).resolve().parent for p in (documents, vectors) if p is not None]
+                    self._set_import({**self._import, "state": "failed",
+                                      "reason": importer.public_reason(e, self.path, *folders)})
             if isinstance(e, _Stopped):
                 raise UnavailableError(f"sharded collection {self.name!r} was closed during its import") from e
             if isinstance(e, OSError):
@@ -289,7 +269,7 @@ class HostedSharded:
         if vectors is not None:
             dim = as_source(vectors).dim
         elif self.embedding is None:
-            dim = first_vector_dim(documents)
+            dim = importer.first_vector_dim(documents)
         else:
             dim = self.dim  # texts the model embeds, lines with vectors checked by the build
         if dim != self.dim:
@@ -331,7 +311,7 @@ class HostedSharded:
                     "embedding": self.embedding, "shards": self.shards}
         with self._lock:
             inner = self._inner
-            if inner is None and self._import is not None and self._import.get("state") in _ACTIVE:
+            if inner is None and self._import is not None and self._import.get("state") in importer.ACTIVE:
                 raise ConflictError(f"sharded collection {self.name!r} is importing: snapshot it once that is done")
         try:
             if inner is None:
