@@ -169,8 +169,11 @@ def _device_sizes() -> tuple[int, int]:
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return total, free
-    page = os.sysconf("SC_PAGE_SIZE")
-    return page * os.sysconf("SC_PHYS_PAGES"), page * os.sysconf("SC_AVPHYS_PAGES")
+    # Host RAM: what the kernel could give now (MemAvailable counts the page cache it would reclaim;
+    # MemFree, sysconf's AVPHYS_PAGES, does not, and a busy machine's cache leaves it small).
+    with open("/proc/meminfo") as f:
+        fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+    return fields["MemTotal"], fields["MemAvailable"]
 
 
 def budget_beside_vllm(config: ServerConfig, args: Namespace) -> ServerConfig:

@@ -410,10 +410,12 @@ def test_plugin_refuses_a_gpu_budget_that_cannot_fit_beside_vllm(gpu_tier, monke
     from fusionrag.retriever.errors import ConfigError
 
     total = _device_total()
-    budget_mb = total // 5 >> 20
+    budget_mb = total // 8 >> 20
     monkeypatch.setenv("FUSIONRAG_GPU_BUDGET_MB", str(budget_mb))
     plugin = FusionRAGEndpointPlugin()
-    # vLLM's default fraction (0.92) and a fifth of the device for the retriever cannot both fit.
+    # vLLM's default fraction (0.92) and an eighth of the device for the retriever cannot both fit (an
+    # eighth, not more: the start below also needs the budget and the reserve free now, and on CPU the
+    # stand-in device is this machine's RAM, shared with the rest of the suite).
     with pytest.raises(ConfigError, match="cannot open its collections on the GPU beside vLLM") as refused:
         asyncio.run(plugin.init_state(None, AppState(), _vllm_args()))
     message = str(refused.value)
