@@ -6,6 +6,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/filesystem.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
@@ -392,19 +393,25 @@ class Graph {
   }
 
   // Writes the k nearest of each query (ascending), padding with -1 / +inf.
+  // entries: a node per query to start level 0's search from (skipping the upper levels' greedy descent), or
+  // nullptr; an entry outside the graph (negative, say) starts that query from the entry point as usual.
   void search(const float* queries, size_t nq, size_t k, size_t ef, size_t threads, int32_t* ids,
-              float* dists) const {
+              float* dists, const int32_t* entries = nullptr) const {
     need_links("search by them (exact_search needs none)");
     std::shared_lock<std::shared_mutex> r(rw_);
     ef = std::max(ef, k);
+    const size_t n = count();
     ThreadPool::instance().parallel_for(nq, threads, [&](size_t i, size_t) {
       Scratch& s = Scratch::local();
       SettleOnExit<Scratch> settle{s};
       const float* q = queries + i * dim_;
       size_t found = 0;
+      const bool start = entries && entries[i] >= 0 && size_t(entries[i]) < n;
       if (entry_ != kNone) {
         if (quantized_)
-          nearest(sq8_query(q, s), ef, s);
+          start ? from(sq8_query(q, s), uint32_t(entries[i]), ef, s) : nearest(sq8_query(q, s), ef, s);
+        else if (start)
+          from(FloatDist{dist_, q, vectors_.data(), dim_}, uint32_t(entries[i]), ef, s);
         else
           nearest(FloatDist{dist_, q, vectors_.data(), dim_}, ef, s);
         std::sort_heap(s.best.begin(), s.best.end(), nearer);
@@ -623,6 +630,12 @@ class Graph {
     float ep_dist = d(ep);
     for (int level = max_level_; level > 0; --level) greedy(d, ep, ep_dist, level, s, nullptr);
     search_layer(d, ep, ep_dist, ef, 0, s, nullptr);
+  }
+
+  // The same from node ep on level 0 alone.
+  template <class D>
+  void from(const D& d, uint32_t ep, size_t ef, Scratch& s) const {
+    search_layer(d, ep, d(ep), ef, 0, s, nullptr);
   }
 
   // A list is [count, ids...].
@@ -1092,15 +1105,22 @@ void bind_graph(nb::module_& m) {
           "vectors"_a, "num_threads"_a = 0, "Append vectors; they get ids size .. size+n-1.")
       .def(
           "search",
-          [](const Graph& g, FloatMatrix queries, int64_t k, int64_t ef, int num_threads) {
+          [](const Graph& g, FloatMatrix queries, int64_t k, int64_t ef, int num_threads,
+             std::optional<nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>> entries) {
             size_t beam = size_t(std::max<int64_t>(ef, 0));
+            if (entries && queries.ndim() == 2 && entries->shape(0) != queries.shape(0))
+              throw std::invalid_argument("entries must have one node per query: " + std::to_string(entries->shape(0)) +
+                                          " for " + std::to_string(queries.shape(0)) + " queries");
+            const int32_t* start = entries ? entries->data() : nullptr;
             return top_k(g, queries, k, num_threads, [&](const float* q, size_t nq, size_t kk, size_t threads,
                                                          int32_t* ids, float* dists) {
-              g.search(q, nq, kk, beam, threads, ids, dists);
+              g.search(q, nq, kk, beam, threads, ids, dists, start);
             });
           },
-          "queries"_a, "k"_a, "ef"_a, "num_threads"_a = 0,
-          "Top-k (ids int32, dists float32), ascending, beam max(ef, k); rows padded with -1 / inf.")
+          "queries"_a, "k"_a, "ef"_a, "num_threads"_a = 0, "entries"_a = nb::none(),
+          "Top-k (ids int32, dists float32), ascending, beam max(ef, k); rows padded with -1 / inf.\n"
+          "entries: int32, a node per query whose level-0 search starts there instead of descending from the\n"
+          "entry point (a node the query is known to be near: the build's own cluster of a row); -1 descends.")
       .def(
           "exact_search",
           [](const Graph& g, FloatMatrix queries, int64_t k, int num_threads, bool screen) {

@@ -118,7 +118,9 @@ class Rows:
 
 def train_index(rows, n: int, dim: int, config: BuildConfig, rng: np.random.Generator, threads: int,
                 steps: Progress, timings: dict, budget: int | None = None, scratch: Path | None = None, w=None):
-    """Steps 1-3: (centroids, navigation graph, l2 graph of the plain centroids for assigning, PQ). budget: the
+    """Steps 1-3: (centroids, navigation graph, l2 graph of the plain centroids for assigning, PQ, each row's leaf:
+    the centroid of the clustering's part it fell in, int32, or None where a resumed build's clustering did not
+    record it). budget: the
     clustering's top-level clusters sized to it (kmeans.cluster_cap); scratch: a directory the centroids go to
     (a read-only memory map of them is returned), so the graph is built beside one copy of them, its own.
     w: the index being written, where it records steps (manifest.ResumableWriter, with scratch): each of the three
@@ -128,6 +130,8 @@ def train_index(rows, n: int, dim: int, config: BuildConfig, rng: np.random.Gene
     # 1. Posting-list centroids.
     if "clustering" in done:
         centroids = np.memmap(scratch / "centroids.f32", np.float32, "r", shape=(done["clustering"]["centroids"], dim))
+        leaf_of = (np.load(scratch / "leaf_of.npy", mmap_mode="r", allow_pickle=False)
+                   if (scratch / "leaf_of.npy").exists() else None)
     else:
         t = time.perf_counter()
         target = 1.0 / config.centroid_ratio
@@ -139,16 +143,22 @@ def train_index(rows, n: int, dim: int, config: BuildConfig, rng: np.random.Gene
         if scratch is not None and budget is not None and n * dim * 4 > budget:
             spill = scratch / "kmeans-spill"
             shutil.rmtree(spill, ignore_errors=True)  # what a killed clustering left
+        # Each row's leaf (4 bytes a row: a file beside the centroids where there is scratch).
+        leaf_of = (np.empty(n, np.int32) if scratch is None
+                   else np.lib.format.open_memmap(scratch / "leaf_of.npy", "w+", np.int32, (n,)))
         with steps.step("clustering", n) as update:
             centroids = hierarchical_balanced_kmeans(
                 rows, n, target, max(1, int(target * config.max_list_factor)), config.kmeans_branching,
                 config.kmeans_iters, rng, progress=update, top_cluster_cap=cap,
-                out=None if scratch is None else scratch / "centroids.f32", spill=spill)
+                out=None if scratch is None else scratch / "centroids.f32", spill=spill, leaf_of=leaf_of)
         if spill is not None:
             shutil.rmtree(spill, ignore_errors=True)
         timings["cluster_s"] = time.perf_counter() - t
+        if isinstance(leaf_of, np.memmap):
+            leaf_of.flush()
         if w is not None and scratch is not None:
-            w.step_done("clustering", {"centroids": len(centroids)}, [scratch / "centroids.f32"], rng, timings)
+            w.step_done("clustering", {"centroids": len(centroids)},
+                        [scratch / "centroids.f32", scratch / "leaf_of.npy"], rng, timings)
 
     # 2. Navigation graph. It is always an l2 graph: cosine is l2 over unit vectors, and for ip
     # the centroids gain one coordinate that turns inner-product order into l2 order (HNSW
@@ -188,22 +198,27 @@ def train_index(rows, n: int, dim: int, config: BuildConfig, rng: np.random.Gene
         if w is not None and scratch is not None:
             np.save(scratch / "pq_codebooks.npy", pq.codebooks, allow_pickle=False)
             w.step_done("pq training", {}, [scratch / "pq_codebooks.npy"], rng, timings)
-    return centroids, graph, assign_graph, pq
+    return centroids, graph, assign_graph, pq, leaf_of
 
 
 def assign_rows(assign_graph, pq: ProductQuantizer, ids: np.ndarray, x: np.ndarray, config: BuildConfig,
-                threads: int, centroids: np.ndarray | None = None):
+                threads: int, centroids: np.ndarray | None = None, leaves: np.ndarray | None = None):
     """Step 4 for rows x (ids): (nearest list, the (list, id) pairs of boundary replication, PQ codes).
     centroids: given where queries find their lists by exact distances (tiers.build_navigation), rows
-    find theirs so too; otherwise by the graph, as queries will. Either way a row goes where a query near it
-    looks: a graph search that misses a row's nearest centroid misses it for queries there too. (Before the graph
-    linked the nodes its heuristic left out of reach, 2-8% of Fashion-MNIST's 5,954 centroids, built on two
-    threads, were reached by no search, and rows put there by exact distance would have been lost to queries.)"""
+    find theirs so too; otherwise by the graph, as queries will. (Before the graph linked the nodes its heuristic
+    left out of reach, 2-8% of Fashion-MNIST's 5,954 centroids, built on two threads, were reached by no search,
+    and rows put there by exact distance would have been lost to queries.)
+    leaves: each row's leaf of the clustering (train_index), where the row's graph search starts: from the graph's
+    entry point, a search at the build's beam (32) ended in another cluster of the data for 9-11% of the rows of
+    bench/peers/scale_lists's clustered sets (1M-20M), which then joined the same few far lists: lists of up to
+    111k postings that queries, searching at their calibrated beam, did not probe (a ceiling of recall@10 near
+    0.93 at 20M). From its own leaf a row's search stays in its cluster and finds the lists around it."""
     reps = min(config.max_replicas, assign_graph.size)
     if centroids is not None:
         near, sqd = nearest_rows(x, centroids, reps)
     else:
-        near, sqd = assign_graph.search(x, reps, max(32, 2 * reps), threads)
+        entries = None if leaves is None else np.ascontiguousarray(leaves, np.int32)
+        near, sqd = assign_graph.search(x, reps, max(32, 2 * reps), threads, entries=entries)
     dist = np.sqrt(np.maximum(sqd, 0))
     keep = (dist <= (1 + config.replica_eps) * dist[:, :1]) & (near >= 0)
     keep[:, 0] = True
@@ -483,8 +498,8 @@ def build_index(source, out_dir, config: BuildConfig = BuildConfig(), progress: 
         scratch.mkdir(exist_ok=True)
         if "pages" not in done:
             # 1-3. Centroids, navigation graph, PQ codebooks.
-            centroids, graph, assign_graph, pq = train_index(rows, n, dim, config, rng, threads, steps, timings,
-                                                             budget, scratch, w)
+            centroids, graph, assign_graph, pq, leaf_of = train_index(rows, n, dim, config, rng, threads, steps,
+                                                                      timings, budget, scratch, w)
         n_centroids = done["clustering"]["centroids"] if "pages" in done else len(centroids)
         navigation = build_navigation(config.navigation, n_centroids, dim + (metric == "ip"))
 
@@ -509,11 +524,11 @@ def build_index(source, out_dir, config: BuildConfig = BuildConfig(), progress: 
                     ids = np.arange(s, min(n, s + chunk))
                     x = rows(ids)
                     integral.update(x)
-                    primary[ids], lists, members, codes[ids] = assign_rows(assign_graph, pq, ids, x, config,
-                                                                           threads, exact)
+                    primary[ids], lists, members, codes[ids] = assign_rows(
+                        assign_graph, pq, ids, x, config, threads, exact, None if leaf_of is None else leaf_of[ids])
                     pairs.add(lists, members)
                     update(len(ids))
-            del exact
+            del exact, leaf_of
             list_offsets, list_ids = pairs.grouped(w.path("list_ids.npy"), max(CHUNK_ROWS, budget // 32))
             store_dtype = integral.dtype() or rows.dtype
             timings["assign_s"] = time.perf_counter() - t

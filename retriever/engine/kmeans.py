@@ -141,6 +141,7 @@ def hierarchical_balanced_kmeans(
     top_cluster_cap: int = 1 << 18,
     out: Path | None = None,
     spill: Path | None = None,
+    leaf_of: np.ndarray | None = None,
 ) -> np.ndarray:
     """Centroids of posting lists of at most max_size vectors and about `target` on average.
 
@@ -158,10 +159,15 @@ def hierarchical_balanced_kmeans(
     of the part's own as it reads them, so that a part is later read from its file in order, not gathered row by
     row from the source (scattered 4 KiB page reads where the source is larger than the page cache may hold: a
     build under a memory cap); the files are removed as their parts are done. The centroids are the same.
+    leaf_of: an integer array of count (a memory map, say) given each row's leaf, the number of the centroid that is
+    its part's mean: where the build starts a row's search for its lists (a search from the graph's entry point can
+    end in another cluster of the data; a row's own leaf is in its own).
     """
     leaves = _Leaves(out)
     if count <= max_size:
         leaves.add(rows(np.arange(count)).mean(axis=0, keepdims=True))
+        if leaf_of is not None:
+            leaf_of[:] = 0
         progress(count)
         return leaves.done()
     cap = max(top_cluster_cap, max_size)
@@ -175,7 +181,8 @@ def hierarchical_balanced_kmeans(
             read = rows if path is None else _PartRows(path, ids)
             if depth and (len(ids) <= cap or depth >= _MAX_PASSES):
                 mine: list[np.ndarray] = []
-                _split(read(ids.astype(np.int64)), target, max_size, branching, iters, rng, mine, progress)
+                _split(read(ids.astype(np.int64)), target, max_size, branching, iters, rng, mine, progress,
+                       ids, leaf_of, leaves.rows)
                 leaves.add(np.concatenate(mine))  # one array a top-level cluster, not one a leaf
             else:
                 k = k_top if not depth else max(2, min(branching, 2 * int(np.ceil(len(ids) / cap))))
@@ -315,13 +322,21 @@ def cluster_cap(budget: int, dim: int, branching: int) -> int:
 
 
 def _split(x: np.ndarray, target: float, max_size: int, branching: int, iters: int,
-           rng: np.random.Generator, leaves: list, progress) -> None:
-    stack = [x]
+           rng: np.random.Generator, leaves: list, progress, ids: np.ndarray, leaf_of: np.ndarray | None,
+           first: int) -> None:
+    """x (rows ids) split until every part has at most max_size rows; each part's mean appended to leaves, and
+    where leaf_of is given, leaf_of[its ids] = first + its place in leaves."""
+    def leaf(part: np.ndarray, part_ids: np.ndarray) -> None:
+        if leaf_of is not None:
+            leaf_of[part_ids] = first + len(leaves)
+        leaves.append(part.mean(axis=0, keepdims=True))
+        progress(len(part))
+
+    stack = [(x, ids)]
     while stack:
-        x = stack.pop()
+        x, ids = stack.pop()
         if len(x) <= max_size:
-            leaves.append(x.mean(axis=0, keepdims=True))
-            progress(len(x))
+            leaf(x, ids)
             continue
         k = int(min(branching, np.ceil(len(x) / target)))
         _, labels = kmeans(x, k, iters, rng, balance=0.25)
@@ -329,12 +344,11 @@ def _split(x: np.ndarray, target: float, max_size: int, branching: int, iters: i
         if sizes.max() == len(x):
             # k-means cannot separate identical points: cut them into equal parts instead.
             parts = int(np.ceil(len(x) / max_size))
-            for part in np.array_split(x, parts):
-                leaves.append(part.mean(axis=0, keepdims=True))
-                progress(len(part))
+            for part, part_ids in zip(np.array_split(x, parts), np.array_split(ids, parts)):
+                leaf(part, part_ids)
             continue
         order = np.argsort(labels, kind="stable")
         bounds = np.concatenate([[0], np.cumsum(sizes)])
         for j in range(k):
             if sizes[j]:
-                stack.append(x[order[bounds[j]:bounds[j + 1]]])
+                stack.append((x[order[bounds[j]:bounds[j + 1]]], ids[order[bounds[j]:bounds[j + 1]]]))

@@ -42,8 +42,9 @@ log = logging.getLogger(__name__)
 
 
 def _assign_range(source, metric: str, graph_path: str, codebooks: np.ndarray, dim: int, config: BuildConfig,
-                  lo: int, hi: int, threads: int):
-    """Step 4 of the build for rows lo..hi-1 (a Ray task, or called in this process)."""
+                  lo: int, hi: int, threads: int, leaves: np.ndarray | None = None):
+    """Step 4 of the build for rows lo..hi-1 (a Ray task, or called in this process); leaves: those rows' leaves of
+    the clustering, where their graph searches start (build.assign_rows)."""
     rows = Rows(as_source(source), metric)
     graph = native.Graph.load(graph_path)
     # As the router's queries find lists (build.assign_rows); config.navigation is the build's resolved one.
@@ -55,7 +56,8 @@ def _assign_range(source, metric: str, graph_path: str, codebooks: np.ndarray, d
         ids = np.arange(s, min(hi, s + CHUNK_ROWS))
         x = rows(ids)
         integral.update(x)
-        out.append(assign_rows(graph, pq, ids, x, config, threads, exact))
+        out.append(assign_rows(graph, pq, ids, x, config, threads, exact,
+                               None if leaves is None else leaves[s - lo:s - lo + len(ids)]))
     primary, lists, members, codes = (np.concatenate(parts) for parts in zip(*out))
     return primary, lists, members, codes, (integral.possible, integral.lo, integral.hi)
 
@@ -244,7 +246,7 @@ def _build_sharded(source, out_dir, shards, config, placement, replicate, sample
     timings: dict = {}
     steps = Progress(progress, on_progress)
 
-    centroids, graph, assign_graph, pq = train_index(rows, n, dim, config, rng, threads, steps, timings)
+    centroids, graph, assign_graph, pq, leaf_of = train_index(rows, n, dim, config, rng, threads, steps, timings)
     n_lists = len(centroids)
     navigation = build_navigation(config.navigation, graph.size, graph.dim)
     part_config = config.with_overrides(navigation=navigation)  # what assigning and the parts follow
@@ -270,8 +272,8 @@ def _build_sharded(source, out_dir, shards, config, placement, replicate, sample
                 task = ray.remote(_assign_range).options(num_cpus=1)
                 src_ref = ray.put(_ray_source(source))
                 cb_ref = ray.put(pq.codebooks)
-                pending = {task.remote(src_ref, metric, graph_path, cb_ref, dim, part_config, lo, hi, 1): (lo, hi)
-                           for lo, hi in ranges}
+                pending = {task.remote(src_ref, metric, graph_path, cb_ref, dim, part_config, lo, hi, 1,
+                                       leaf_of[lo:hi]): (lo, hi) for lo, hi in ranges}
                 while pending:
                     done, _ = ray.wait(list(pending), num_returns=1)
                     lo, hi = pending.pop(done[0])
@@ -280,7 +282,7 @@ def _build_sharded(source, out_dir, shards, config, placement, replicate, sample
             else:
                 for lo, hi in ranges:
                     results[lo] = _assign_range(source, metric, graph_path, pq.codebooks, dim, part_config, lo, hi,
-                                                threads)
+                                                threads, leaf_of[lo:hi])
                     update(hi - lo)
         Path(graph_path).unlink()
         primary, pair_lists, pair_ids, codes = (np.concatenate(parts) for parts in

@@ -270,3 +270,53 @@ def test_a_bucket_longer_than_a_chunk_is_chained_in_pieces_within_the_chunk():
     by_id = np.sqrt(((x[1:6000] - x[:5999]) ** 2).sum(1)).mean()
     whole = chain_order(bucket_of, 101, centers, lambda ids: x[ids], chunk_floats=1 << 26)[:6000]
     assert step < 1.1 * np.sqrt(((x[whole[1:]] - x[whole[:-1]]) ** 2).sum(1)).mean() and step < 0.6 * by_id
+
+
+@pytest.mark.parametrize("how", ["one leaf", "in memory", "capped", "spilled"])
+def test_each_rows_leaf_is_the_part_whose_mean_is_its_centroid(tmp_path, how):
+    """leaf_of records the leaf every row fell in: each centroid is the mean of the rows given its number (checked
+    against the rows themselves, not the clustering's bookkeeping), every leaf has rows, and none has more than
+    max_size, whether the clustering runs in memory, with a cap on its top-level clusters, or spilling them."""
+    from fusionrag.retriever.engine import kmeans as km
+    rng = np.random.default_rng(3)
+    x = np.concatenate([clustered(4500, 8, 3, seed=4, spread=0.05), clustered(500, 8, 20, seed=5)])
+    x = x[rng.permutation(len(x))]
+    n = 15 if how == "one leaf" else len(x)
+    leaf_of = np.full(n, -1, np.int32)
+    extra = {"capped": {"top_cluster_cap": 400},
+             "spilled": {"top_cluster_cap": 400, "spill": tmp_path / "spill", "out": tmp_path / "c.f32"}}.get(how, {})
+    cents = km.hierarchical_balanced_kmeans(lambda ids: x[ids], n, 10, 20, 16, 5, np.random.default_rng(0),
+                                            leaf_of=leaf_of, **extra)
+    sizes = np.bincount(leaf_of, minlength=len(cents))
+    assert leaf_of.min() == 0 and len(sizes) == len(cents) and sizes.min() >= 1
+    assert sizes.max() <= (n if how == "one leaf" else 20)
+    means = np.stack([x[:n][leaf_of == j].mean(0) for j in range(len(cents))])
+    np.testing.assert_allclose(cents, means, atol=1e-5)
+
+
+def test_rows_start_their_list_search_at_their_leaf_and_find_their_nearest_list():
+    """Far-apart clusters of data (1,000 centres in 128-d), ~3,400 lists: a search from the graph's entry point at
+    the build's beam ends in another cluster for some rows, which then all join the few lists it ends at (the
+    hub lists of bench/peers/scale_lists). Started at their leaf of the clustering, rows land in their nearest
+    list, by exact distance in numpy, and no list swells."""
+    from fusionrag.native import Graph
+    from fusionrag.retriever.engine.build import assign_rows, nearest_rows
+    from fusionrag.retriever.engine.config import BuildConfig
+
+    n, dim = 40_000, 128
+    c = np.random.default_rng(5).standard_normal((1000, dim)).astype(np.float32)
+    r = np.random.default_rng(7)
+    x = c[r.integers(0, 1000, n)] + 0.3 * r.standard_normal((n, dim), dtype=np.float32)
+    leaf = np.full(n, -1, np.int32)
+    cents = np.ascontiguousarray(hierarchical_balanced_kmeans(lambda i: x[i], n, 10, 40, 16, 10,
+                                                              np.random.default_rng(0), leaf_of=leaf))
+    graph = Graph(dim, "l2", 16, 200, 0)
+    graph.add(cents, 1)
+    pq = ProductQuantizer.train(x[:5000], 8, 5, np.random.default_rng(0))
+    nearest = nearest_rows(x, cents, 1)[0][:, 0]
+    ids = np.arange(n)
+    plain, plain_lists, _, _ = assign_rows(graph, pq, ids, x, BuildConfig(), 2)
+    started, lists, members, codes = assign_rows(graph, pq, ids, x, BuildConfig(), 2, leaves=leaf)
+    assert np.mean(plain == nearest) < 0.97 and np.bincount(plain_lists).max() > 500  # the data loses searches
+    assert np.mean(started == nearest) >= 0.995 and np.bincount(lists).max() <= 2 * 40
+    assert np.array_equal(codes, pq.encode(x)) and set(np.unique(members)) == set(ids)
