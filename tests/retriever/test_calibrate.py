@@ -465,6 +465,45 @@ def test_where_no_rung_reaches_the_target_wider_probes_are_tried():
     assert chosen == {} and len(tried) == 1  # reached at the defaults: nothing widened
 
 
+def test_a_wider_probe_that_reaches_the_target_at_once_is_given_the_cheapest_rung_that_holds_it():
+    """#51: the climb at a wider probe begins at the narrower one's plateau, set by the lists probed; where its first
+    rung already reaches the target, the cheaper rungs are tried at that width from the top down, and the cheapest
+    whose lower bound holds is chosen (a rung that falls short ends the descent)."""
+    from fusionrag.retriever.engine.calibrate import LADDER, WIDER, climb
+
+    truth = np.arange(500 * 10).reshape(500, 10)
+
+    def found_with(share: float) -> np.ndarray:
+        out, left = truth.copy(), round((1 - share) * 5000)
+        for col in range(9, -1, -1):
+            out[:min(500, left), col] = -1
+            left -= min(500, left)
+        return out
+
+    def model(at_512):  # plateau at 0.90 from rerank 600 at nprobe 256; at 512 recall by rung
+        def recall_of(p) -> float:
+            if p.nprobe < 512:
+                return min(0.90, 0.80 + p.rerank / 6000)
+            return at_512(p.rerank)
+        return lambda q, p: found_with(recall_of(p))
+
+    plateau = next(i for i, (r, _) in enumerate(LADDER) if min(0.90, 0.80 + r / 6000) >= 0.90 - 0.005)
+    assert plateau >= 3  # the model leaves rungs below the plateau to descend to
+
+    tried, chosen = climb(model(lambda rerank: 0.99 if rerank >= 300 else 0.94), np.zeros((500, 4)), truth, 0.95)
+    wide = tried[len(LADDER):]
+    assert [(t["rerank"], t["beta"]) for t in wide] == [LADDER[plateau], *reversed(LADDER[:plateau])][:len(wide)]
+    assert all(t["nprobe"] == WIDER[0] for t in wide)
+    assert wide[-1]["rerank"] == 200 and wide[-1]["recall_low"] < 0.95  # the first that falls short ends it
+    cheapest = min((t for t in wide if t["recall_low"] >= 0.95), key=lambda t: (t["rerank"], t["beta"]))
+    assert chosen == {"rerank": cheapest["rerank"], "beta": cheapest["beta"], "nprobe": WIDER[0]}
+    assert cheapest["rerank"] == 300
+
+    tried, chosen = climb(model(lambda rerank: 0.99), np.zeros((500, 4)), truth, 0.95)
+    assert chosen == {"rerank": LADDER[0][0], "beta": LADDER[0][1], "nprobe": WIDER[0]}  # down to the defaults' rung
+    assert len(tried) == len(LADDER) + 1 + plateau
+
+
 def test_the_truth_of_a_built_index_is_read_in_the_order_of_its_page_file(built):
     """#51: calibration's brute force over an index's page file (page_rows) passes over the vectors in the order
     they lie in the file, not by id (by id, every chunk touched pages all over it: under a cap below the file each
