@@ -109,7 +109,8 @@ def run_n(n: int, dim: int, cap_share: float, floor_mib: int, rounds: int) -> di
     budget = built.get("budget_bytes") or cap // 4
     in_ram = (tiers["host_per_vector"] + tiers["pq_per_vector"]) * n
     out_dir = d / "diskann" / "index"
-    record = {"n": n, "dim": dim, "cap_bytes": cap, "build_budget_bytes": budget, "search_memory_bytes": in_ram,
+    record = {"n": n, "dim": dim, "measured": time.strftime("%Y-%m-%d"), "cap_bytes": cap, "build_budget_bytes": budget,
+              "search_memory_bytes": in_ram,
               "fusionrag_build": {k: built.get(k) for k in ("build_s", "peak_anon_bytes_last_run", "read_bytes_last_run")}}
     spec = {"base": str(fbin(d)), "out": str(out_dir), "build_gb": budget / 2**30, "search_gb": in_ram / 2**30,
             "r": 64, "l_build": 100, "threads": THREADS}
@@ -173,7 +174,7 @@ def report(records: list[dict]) -> None:
         def cell(x):
             return "-" if not x else f"{x['recall@10']:.3f} / {x['qps']:,.0f}" + (f" ({x['L']})" if "L" in x else "")
         lines.append(
-            f"| {r['n']:,} | {mib(r['cap_bytes'])} / {mib(db['cap_bytes'])}, {mib(last['diskann']['cap_bytes'])} | "
+            f"| {r['n']:,}{' (' + r['note'] + ')' if r.get('note') else ''} | {mib(r['cap_bytes'])} / {mib(db['cap_bytes'])}, {mib(last['diskann']['cap_bytes'])} | "
             f"{fb['build_s']:,.0f} / {db['build_s']:,.0f} | "
             f"{mib(fb['peak_anon_bytes_last_run'])} / {mib(db['peak_anon_bytes'])} | {r['diskann_disk_bytes'] / 1e9:.2f} | "
             f"{cell(last['fusionrag']['at_0.90'])} | {cell(last['diskann']['at_0.90'])} | "
@@ -198,7 +199,11 @@ def main() -> None:
         return ours_worker(args.ours_worker)
     if not VENV.exists():
         raise SystemExit(f"{VENV} is missing: make bench makes it (bench/harness/requirements-diskann.txt)")
-    report([run_n(n, args.dim, args.cap_share, args.floor_mib, args.rounds) for n in args.n])
+    fresh = [run_n(n, args.dim, args.cap_share, args.floor_mib, args.rounds) for n in args.n]
+    kept = []  # rows of other N measured before stay, each with the fusionrag build it was measured against
+    if (OUT / "scale_peer.json").exists():
+        kept = [r for r in json.loads((OUT / "scale_peer.json").read_text()) if r["n"] not in args.n]
+    report(sorted(kept + fresh, key=lambda r: r["n"]))
 
 
 if __name__ == "__main__":

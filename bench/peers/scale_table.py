@@ -199,7 +199,9 @@ def rows(dim: int) -> list[dict]:
     for d in sorted((WORK / "scale").glob(f"*x{dim}"), key=lambda p: int(p.name.split("x")[0])):
         if (d / "build.json").exists():
             b = json.loads((d / "build.json").read_text())
-            r = {"build": b, "tiers": tier_bytes(d / "index", b["n"])}
+            if (d / "index" / "manifest.json").exists():  # kept beside build.json: the row outlives its index's files
+                (d / "tiers.json").write_text(json.dumps(tier_bytes(d / "index", b["n"]), indent=1))
+            r = {"build": b, "tiers": json.loads((d / "tiers.json").read_text())}
             if (d / "search.json").exists():
                 r["search"] = json.loads((d / "search.json").read_text())
             found.append(r)
