@@ -131,6 +131,13 @@ def climb(search, q: np.ndarray, truth: np.ndarray, target: float, graph: bool =
     return tried, chosen
 
 
+def _measure(search, q: np.ndarray, truth: np.ndarray, params: dict, tried: list) -> tuple[float, float]:
+    """Recall and its lower bound at params, recorded in tried."""
+    r, low = recall_bounds(search(q, SearchParams(**params)), truth)
+    tried.append({**params, "recall": round(r, 4), "recall_low": round(low, 4)})
+    return r, low
+
+
 def _widen(search, q: np.ndarray, truth: np.ndarray, target: float, last: dict, tried: list) -> dict:
     """No rung reached target: at each of WIDER's probes (nprobe), the ladder climbed again from the plateau's first
     rung (MORE rungs past its top) while a rung gains GAIN, up to the first whose recall's lower bound reaches target;
@@ -143,8 +150,7 @@ def _widen(search, q: np.ndarray, truth: np.ndarray, target: float, last: dict, 
         width_best = -1.0
         for step, (rerank, beta) in enumerate(rungs):
             params = {"rerank": rerank, "beta": beta, "nprobe": nprobe}
-            r, low = recall_bounds(search(q, SearchParams(**params)), truth)
-            tried.append({**params, "recall": round(r, 4), "recall_low": round(low, 4)})
+            r, low = _measure(search, q, truth, params, tried)
             if r > best_r:
                 chosen, best_r = params, r
             if low >= target:
@@ -166,9 +172,7 @@ def _cheaper(search, q: np.ndarray, truth: np.ndarray, target: float, chosen: di
     rerank 200 0.992 at 714 q/s, 800 0.992 at 424)."""
     for rerank, beta in reversed(below):
         params = {**chosen, "rerank": rerank, "beta": beta}
-        r, low = recall_bounds(search(q, SearchParams(**params)), truth)
-        tried.append({**params, "recall": round(r, 4), "recall_low": round(low, 4)})
-        if low < target:
+        if _measure(search, q, truth, params, tried)[1] < target:
             break
         chosen = params
     return chosen

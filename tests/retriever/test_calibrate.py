@@ -424,6 +424,15 @@ def test_a_rung_is_chosen_by_the_lower_bound_of_its_recall_not_its_mean():
     assert chosen == {"rerank": tried[-1]["rerank"], "beta": tried[-1]["beta"]} and tried[-1]["recall_low"] >= 0.95
 
 
+def _missing_columnwise(truth: np.ndarray, share: float) -> np.ndarray:
+    """truth (500 x 10) with (1 - share) of its 5000 true neighbours missed, a column at a time."""
+    out, left = truth.copy(), round((1 - share) * truth.size)
+    for col in range(truth.shape[1] - 1, -1, -1):
+        out[:min(len(truth), left), col] = -1
+        left -= min(len(truth), left)
+    return out
+
+
 def test_where_no_rung_reaches_the_target_wider_probes_are_tried():
     """#51: at 10M clustered vectors the re-rank ladder plateaued near 0.908 at nprobe 256 (the lists probed bound
     the recall), and at nprobe 512 the re-rank mattered again. Calibration then climbs the ladder again at wider
@@ -434,12 +443,8 @@ def test_where_no_rung_reaches_the_target_wider_probes_are_tried():
 
     truth = np.arange(500 * 10).reshape(500, 10)
 
-    def found_with(share: float) -> np.ndarray:  # (1 - share) of the 5000 true neighbours missed, a column at a time
-        out, left = truth.copy(), round((1 - share) * 5000)
-        for col in range(9, -1, -1):
-            out[:min(500, left), col] = -1
-            left -= min(500, left)
-        return out
+    def found_with(share: float) -> np.ndarray:
+        return _missing_columnwise(truth, share)
 
     def model(reach: float):  # plateau at 0.90 at nprobe 256; from 512 the re-rank counts, up to `reach`
         def recall_of(p) -> float:
@@ -474,11 +479,7 @@ def test_a_wider_probe_that_reaches_the_target_at_once_is_given_the_cheapest_run
     truth = np.arange(500 * 10).reshape(500, 10)
 
     def found_with(share: float) -> np.ndarray:
-        out, left = truth.copy(), round((1 - share) * 5000)
-        for col in range(9, -1, -1):
-            out[:min(500, left), col] = -1
-            left -= min(500, left)
-        return out
+        return _missing_columnwise(truth, share)
 
     def model(at_512):  # plateau at 0.90 from rerank 600 at nprobe 256; at 512 recall by rung
         def recall_of(p) -> float:
