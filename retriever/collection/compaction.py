@@ -26,8 +26,11 @@ def can_grow(config: CollectionConfig, old: Generation, live: int, fresh_vecs: n
     m = old.index.manifest
     layout = m["pages"]
     slots = layout["num_blocks"] * layout["records_per_block"]
+    unsplit = int((m.get("merge") or {}).get("unsplit_postings", 0))
     return (live <= config.rebuild_growth * int(m.get("full_build_count", m["count"]))
-            and live >= config.rebuild_live_fraction * slots and can_store(old.index, fresh_vecs))
+            and live >= config.rebuild_live_fraction * slots
+            and unsplit <= config.rebuild_unsplit_share * int(m.get("postings", 0) or 1)
+            and can_store(old.index, fresh_vecs))
 
 
 def next_generation(path: Path, old: Generation, dead: np.ndarray, fresh_rows: np.ndarray, fresh_vecs: np.ndarray,

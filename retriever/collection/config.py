@@ -121,5 +121,10 @@ class CollectionConfig(ConfigBase):
                                           "build", ge=1)] = 4.0
     rebuild_live_fraction: Annotated[float, knob("rebuild once less than this fraction of the SSD slots hold live "
                                                  "vectors", ge=0, lt=1)] = 0.5
+    # Under a memory limit a merge may have no room for the graph's second copy a split needs (merge.SPLIT_ROOM): its
+    # oversized lists stay whole, slower to scan. Once they hold this share of the postings, the next merge rebuilds
+    # (within the same budget) rather than grow the index further.
+    rebuild_unsplit_share: Annotated[float, knob("rebuild once posting lists a merge could not split (no room under "
+                                                 "the memory limit) hold this share of the postings", gt=0, le=1)] = 0.05
     build: Annotated[BuildConfig, knob("how the collection's index is built", flag=False)] = \
         field(default_factory=BuildConfig)

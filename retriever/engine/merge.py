@@ -62,6 +62,7 @@ class MergeStats:
     slots_reused: int
     blocks_appended: int
     splits_deferred: int = 0  # oversized lists left for a later merge: no room for a second copy of the graph
+    unsplit_postings: int = 0  # the postings those lists hold (compaction.can_grow rebuilds past a share of all)
 
 
 def can_store(index: Index, vectors: np.ndarray) -> bool:
@@ -213,12 +214,12 @@ def merge_index(old: Index, dead: np.ndarray, new_vectors: np.ndarray, out_dir: 
         sizes = kept_per_list + np.bincount(new_pairs.lists, minlength=n_lists)
         bound = max(16, int(2 * config.max_list_factor * len(f.list_ids) / max(1, len(f.list_offsets) - 1)))
         oversized = np.flatnonzero(sizes > bound).tolist()
-        deferred = 0
+        deferred = unsplit = 0
         if oversized and not _room_for_graph(old.path / "graph.bin"):
             # A split adds a node to a private copy of the graph, beside the one the open index searches: where
             # the process has no room for it, the lists stay oversized (slower to scan, never wrong) until a merge
             # that has, or a rebuild.
-            deferred, oversized = len(oversized), []
+            deferred, unsplit, oversized = len(oversized), int(sizes[oversized].sum()), []
             log.warning("%s: %d oversized posting lists left unsplit: no room for a second copy of the %d MiB "
                         "graph beside the open index", old.path, deferred,
                         (old.path / "graph.bin").stat().st_size >> 20)
@@ -285,7 +286,7 @@ def merge_index(old: Index, dead: np.ndarray, new_vectors: np.ndarray, out_dir: 
             w.save_array(MODEL_FILE, old.nav.model.trees)
         if extra is not None:
             extra(w)
-        stats = MergeStats(int(dead.sum()), n_new, splits, reuse, extra_blocks, deferred)
+        stats = MergeStats(int(dead.sum()), n_new, splits, reuse, extra_blocks, deferred, unsplit)
         manifest = {k: v for k, v in m_old.items() if k not in ("format", "format_version", "files")}
         manifest.update({
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -262,11 +262,51 @@ def test_splits_are_deferred_where_a_second_graph_does_not_fit(tmp_path, monkeyp
     assert stats.splits == 0 and stats.splits_deferred > 0
     idx = Index.open(tmp_path / "g2")
     assert idx.manifest["merge"]["splits_deferred"] == stats.splits_deferred
+    # The postings they hold, counted from the written lists: every list past the split bound.
+    sizes = np.diff(np.load(tmp_path / "g2" / "list_offsets.npy"))
+    bound = max(16, int(2 * BuildConfig().max_list_factor * old.manifest["postings"] / old.manifest["centroids"]))
+    assert stats.unsplit_postings == int(sizes[sizes > bound].sum()) > 0
+    assert idx.manifest["merge"]["unsplit_postings"] == stats.unsplit_postings
     assert idx.manifest["centroids"] == old.manifest["centroids"]
     vecs = np.concatenate([base, new])
     q = (base[7] + 0.3 * rng.standard_normal((20, DIM))).astype(np.float32)
     truth = exact_knn(vecs, q, 10, "l2")
     assert recall(idx.search(q, 10, nprobe=10**6, rerank=10**4, beta=0).ids, truth) == 1.0
+
+
+def test_lists_left_unsplit_past_their_share_make_the_next_merge_a_rebuild(tmp_path, monkeypatch):
+    """Under a memory limit a merge may leave oversized lists whole (no room for the graph's second copy): once
+    those hold more than rebuild_unsplit_share of the postings, the next merge rebuilds (a full build: its lists
+    within the bound again) rather than grow the index further; below the share it grows it."""
+    from fusionrag.retriever.engine import merge
+
+    monkeypatch.setattr(merge, "_room_for_graph", lambda graph_file: False)
+    cfg = CollectionConfig(min_index_count=200, background_merge=False, rebuild_unsplit_share=0.05)
+    cat = Catalog(tmp_path, collection_config=cfg)
+    col = cat.create("c", DIM, "l2")
+    base = clustered(1200, DIM, 30, seed=1)
+    col.add([Document(str(i), None, v) for i, v in enumerate(base)])
+    col.merge()  # the first: a full build
+    manifest = lambda: col._main.index.manifest  # noqa: E731
+    rng = np.random.default_rng(2)
+    near = lambda n: (base[7] + 0.3 * rng.standard_normal((n, DIM))).astype(np.float32)  # noqa: E731
+    col.add([Document(f"a{i}", None, v) for i, v in enumerate(near(20))])
+    col.merge()  # grown: too few crowd in to make a list oversized
+    m = manifest()["merge"]
+    assert m["added"] == 20 and m["unsplit_postings"] <= 0.05 * manifest()["postings"]
+    col.add([Document(f"b{i}", None, v) for i, v in enumerate(near(900))])
+    col.merge()  # grown again, its crowded lists left whole
+    m = manifest()["merge"]
+    assert m["added"] == 900 and m["splits"] == 0 and m["splits_deferred"] > 0
+    assert m["unsplit_postings"] > 0.05 * manifest()["postings"]
+    last = near(1)[0]
+    col.add([Document("c0", None, last)])
+    col.merge()  # rebuilt
+    assert "merge" not in manifest() and manifest()["count"] == 1200 + 20 + 900 + 1
+    sizes = np.diff(np.load(col._main.index.path / "list_offsets.npy"))
+    assert sizes.max() <= max(16, 2 * BuildConfig().max_list_factor * sizes.mean())
+    assert col.search(last[None], k=1).hits[0][0].id == "c0"
+    cat.close()
 
 
 def test_a_rebuild_cut_short_resumes_from_its_last_finished_step(tmp_path, monkeypatch):
