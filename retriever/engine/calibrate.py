@@ -119,8 +119,7 @@ def climb(search, q: np.ndarray, truth: np.ndarray, target: float, graph: bool =
     the beam narrowed (_narrow)."""
     tried, chosen = [], {}
     for rerank, beta in LADDER:
-        r, low = recall_bounds(search(q, SearchParams(rerank=rerank, beta=beta)), truth)
-        tried.append({"rerank": rerank, "beta": beta, "recall": round(r, 4), "recall_low": round(low, 4)})
+        r, low = _measure(search, q, truth, {"rerank": rerank, "beta": beta}, tried)
         chosen = {} if (rerank, beta) == LADDER[0] else {"rerank": rerank, "beta": beta}
         if low >= target:
             break
@@ -187,10 +186,8 @@ def _narrow(search, q: np.ndarray, truth: np.ndarray, target: float, full: float
     0.959 at 32.)"""
     best = full
     for nprobe in BEAMS:
-        params = {**chosen, "nprobe": nprobe}
-        r, low = recall_bounds(search(q, SearchParams(**params)), truth)
-        tried.append({"rerank": LADDER[0][0], "beta": LADDER[0][1], **params, "recall": round(r, 4),
-                      "recall_low": round(low, 4)})
+        params = {**chosen, "nprobe": nprobe}  # chosen {}: LADDER[0], the class defaults, recorded as such
+        r, low = _measure(search, q, truth, {"rerank": LADDER[0][0], "beta": LADDER[0][1], **params}, tried)
         if low < target or r < best - BEAM_SLACK:
             break
         chosen, best = params, max(best, r)
