@@ -77,6 +77,9 @@ def main() -> None:
              "| centroid ratio | graph B/vec | host B/vec | build s | build peak anon MiB | defaults (nprobe, rerank) | "
              "at defaults | at 0.90 | at 0.95 |", "|---:|---:|---:|---:|---:|---|---|---|---|"]
     lines += [row(r["ratio"], r["build"], r["tiers"], r["search"]) for r in sorted(runs, key=lambda r: r["ratio"])]
+    load = lambda b: f"{b['load_at_start'][0]:.1f}-{b['load_at_end'][0]:.1f}"  # noqa: E731
+    lines += ["", "Machine load (1-minute average) at each build's start and end: " + ", ".join(
+        f"{r['ratio']:g}: {load(r['build'])}" for r in sorted(runs, key=lambda r: r["ratio"])) + "."]
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "coarse_lists.md").write_text("\n".join(lines) + "\n")
     (OUT / "coarse_lists.json").write_text(json.dumps(runs, indent=1, default=str))
