@@ -46,7 +46,10 @@ _DTYPES = {v: k for k, v in STORAGE_DTYPES.items()}
 _NEIGHBOURS = 8  # lists around a split whose vectors may join the new centroid
 _CHUNK = 65536  # new vectors assigned at a time: a step of the progress shown
 _CHUNK_BYTES = 8 << 20  # rows of vectors a step of the merge holds at once (and a few temporaries of that size)
-_MERGE_BEAM = 256  # the graph search beam that assigns new rows to lists (_nearest)
+_MERGE_BEAM = 64  # the graph search beam that assigns new rows to lists (_nearest), from their sampled entries
+# A new row's graph search starts at the nearest of this many centroids (at most _ENTRY_SAMPLE_BYTES of them), taken
+# evenly over the graph's order and compared exactly: a sample of the data's regions (_entry_sample).
+_ENTRY_SAMPLE, _ENTRY_SAMPLE_BYTES = 16384, 16 << 20
 
 
 def _rows_of(dim: int) -> int:
@@ -154,12 +157,13 @@ def merge_index(old: Index, dead: np.ndarray, new_vectors: np.ndarray, out_dir: 
 
     # New vectors to their nearest lists, with the build's boundary replication.
     x = np.ascontiguousarray(new_vectors, dtype=np.float32)
+    entry = None if metric == "ip" or old.nav.exhaustive else _entry_sample(centroids)
     primary = np.empty(n_new, np.int64)
     with steps.step("assigning", n_new) as update:
         for s in range(0, n_new, _CHUNK):
             part = slice(s, min(n_new, s + _CHUNK))
             kk = min(config.max_replicas, n_lists)
-            near, sqd = _nearest(x[part], centroids, shared, metric, kk, threads, old.nav.exhaustive)
+            near, sqd = _nearest(x[part], centroids, shared, metric, kk, threads, old.nav.exhaustive, entry)
             dist = np.sqrt(np.maximum(sqd, 0))
             take = (dist <= (1 + config.replica_eps) * dist[:, :1]) & (near >= 0)
             take[:, 0] = True
@@ -469,18 +473,32 @@ def _room_for_graph(graph_file: Path) -> bool:
     return SPLIT_ROOM * graph_file.stat().st_size <= memory_limit() - anonymous_bytes()
 
 
-def _nearest(x: np.ndarray, centroids: _Centroids, graph, metric: str, k: int, threads: int, exact: bool):
+def _entry_sample(centroids: _Centroids) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, vectors) of _ENTRY_SAMPLE centroids taken evenly over the graph's order (the build's clustering
+    writes a region's centroids together), at most _ENTRY_SAMPLE_BYTES of them."""
+    n = min(len(centroids), _ENTRY_SAMPLE, max(1, _ENTRY_SAMPLE_BYTES // (4 * centroids.dim)))
+    ids = np.unique(np.linspace(0, len(centroids) - 1, n).astype(np.int64))
+    return ids, np.ascontiguousarray(centroids[ids], dtype=np.float32)
+
+
+def _nearest(x: np.ndarray, centroids: _Centroids, graph, metric: str, k: int, threads: int, exact: bool,
+             entry: tuple[np.ndarray, np.ndarray] | None = None):
     """The k nearest centroids by exact l2 (what the build's replication uses), ids and squared dists. l2 and
     cosine: the graph's 4k nearest (by its exact search where the index navigates so: queries look where rows
     went), ranked again by their full centroids; ip (whose graph orders by inner product): every centroid, a
-    chunk of the memory-mapped ones at a time. The graph is searched at beam _MERGE_BEAM: a new row has no leaf of
-    the build's clustering to start from (build.assign_rows), and from the entry point a narrow beam ends in
-    another cluster of the data for 5-11% of rows at beam 32-64, 0.7-1.4% at 256 (bench/peers/scale_lists, 1M-20M
-    clustered); a merge assigns only the rows written since the last, so the wider beam costs little."""
+    chunk of the memory-mapped ones at a time. A new row has no leaf of the build's clustering to start its graph
+    search from (build.assign_rows); from the graph's entry point the search ended in another cluster of the data
+    for 5.1% of rows at beam 64 and 1.1% at 256. Started at the nearest centroid of entry (_entry_sample), none at
+    beam 64, in less time than 256 from the entry point (bench/results/peers/merge_beam.md, 3M clustered)."""
     if metric != "ip":
         m = min(len(centroids), max(4 * k, 32))
+        entries = None
+        if entry is not None and not exact:
+            ids, vecs = entry
+            e, _ = nearest_rows(x, vecs, 1, rows=max(64, (4 << 20) // len(ids)))
+            entries = np.ascontiguousarray(ids[e[:, 0]], dtype=np.int32)
         cand, _ = (graph.exact_search(x, m, threads) if exact
-                   else graph.search(x, m, max(2 * m, _MERGE_BEAM), threads))
+                   else graph.search(x, m, max(2 * m, _MERGE_BEAM), threads, entries=entries))
         cand = cand.astype(np.int64)
         near = np.empty((len(x), k), np.int64)
         sqd = np.empty((len(x), k), np.float32)

@@ -320,3 +320,31 @@ def test_rows_start_their_list_search_at_their_leaf_and_find_their_nearest_list(
     assert np.mean(plain == nearest) < 0.97 and np.bincount(plain_lists).max() > 500  # the data loses searches
     assert np.mean(started == nearest) >= 0.995 and np.bincount(lists).max() <= 2 * 40
     assert np.array_equal(codes, pq.encode(x)) and set(np.unique(members)) == set(ids)
+
+
+def test_a_merges_new_rows_start_at_a_sampled_centroid_and_find_their_nearest_list(tmp_path):
+    """A merge's new rows have no leaf of the clustering: on far-apart clusters (1,000 centres in 128-d, ~3,400
+    lists) a search from the graph's entry point at the merge's beam ends in another cluster for some of them.
+    Started at the nearest of the centroids sampled evenly over the graph (merge._entry_sample, read from the graph
+    file as a merge reads them), they land in their nearest list, by exact distance in numpy."""
+    from fusionrag.native import Graph
+    from fusionrag.retriever.engine import merge
+    from fusionrag.retriever.engine.build import nearest_rows
+
+    n, dim = 40_000, 128
+    c = np.random.default_rng(5).standard_normal((1000, dim)).astype(np.float32)
+    r = np.random.default_rng(7)
+    x = c[r.integers(0, 1000, n)] + 0.3 * r.standard_normal((n, dim), dtype=np.float32)
+    cents = np.ascontiguousarray(hierarchical_balanced_kmeans(lambda i: x[i], n, 10, 40, 16, 10,
+                                                              np.random.default_rng(0), leaf_of=np.full(n, -1, np.int32)))
+    graph = Graph(dim, "l2", 16, 200, 0)
+    graph.add(cents, 1)
+    graph.save(str(tmp_path / "graph.bin"))
+    mapped = merge._Centroids(tmp_path / "graph.bin", dim)
+    new = (c[r.integers(0, 1000, 10_000)] + 0.3 * r.standard_normal((10_000, dim), dtype=np.float32))
+    nearest = nearest_rows(new, cents, 1)[0][:, 0]
+    entry = merge._entry_sample(mapped)
+    assert len(entry[0]) == min(len(cents), merge._ENTRY_SAMPLE) and np.array_equal(entry[1], cents[entry[0]])
+    plain = merge._nearest(new, mapped, graph, "l2", 8, 2, False)[0][:, 0]
+    started = merge._nearest(new, mapped, graph, "l2", 8, 2, False, entry)[0][:, 0]
+    assert np.mean(plain == nearest) < 0.99 and np.mean(started == nearest) >= 0.995
