@@ -76,10 +76,11 @@ def main() -> None:
              "reaching them on the other 500.", "",
              "| centroid ratio | graph B/vec | host B/vec | build s | build peak anon MiB | defaults (nprobe, rerank) | "
              "at defaults | at 0.90 | at 0.95 |", "|---:|---:|---:|---:|---:|---|---|---|---|"]
-    lines += [row(r["ratio"], r["build"], r["tiers"], r["search"]) for r in sorted(runs, key=lambda r: r["ratio"])]
+    runs.sort(key=lambda r: r["ratio"])
+    lines += [row(r["ratio"], r["build"], r["tiers"], r["search"]) for r in runs]
     load = lambda b: f"{b['load_at_start'][0]:.1f}-{b['load_at_end'][0]:.1f}"  # noqa: E731
     lines += ["", "Machine load (1-minute average) at each build's start and end: " + ", ".join(
-        f"{r['ratio']:g}: {load(r['build'])}" for r in sorted(runs, key=lambda r: r["ratio"])) + "."]
+        f"{r['ratio']:g}: {load(r['build'])}" for r in runs) + "."]
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "coarse_lists.md").write_text("\n".join(lines) + "\n")
     (OUT / "coarse_lists.json").write_text(json.dumps(runs, indent=1, default=str))

@@ -39,7 +39,6 @@ BEAMS = (64, 128, 256, 512)  # 64: the least _nearest searches at (twice its 32 
 
 def worker(d: Path, rows: int) -> None:
     from fusionrag.retriever.engine import merge
-    from fusionrag.retriever.engine.build import nearest_rows
     from fusionrag.retriever.engine.config import BuildConfig
     from fusionrag.retriever.engine.index import Index
 
@@ -54,16 +53,7 @@ def worker(d: Path, rows: int) -> None:
     config = BuildConfig()
     kk = min(config.max_replicas, idx.nav.graph.size)
     cents = merge._Centroids(d / "index" / "graph.bin", dim)
-    exact, exact_sq = None, None
-    step = max(1024, (64 << 20) // (4 * dim))
-    for lo in range(0, len(cents), step):  # every centroid as the merge reads them, a block at a time
-        i, sq = nearest_rows(x, np.ascontiguousarray(cents.full[lo:lo + step, :dim]), 1, rows=256)
-        i = i.astype(np.int64) + lo
-        if exact is None:
-            exact, exact_sq = i, sq
-        else:
-            better = sq[:, 0] < exact_sq[:, 0]
-            exact[better], exact_sq[better] = i[better], sq[better]
+    exact, exact_sq = merge._nearest_every(x, cents, 1)  # every centroid as the merge reads them
     out = {"rows": rows, "threads": threads, "max_replicas": kk, "centroids": int(len(cents)), "beams": [],
            "entry_sample": int(len(merge._entry_sample(cents)[0])), "merge_beam": merge._MERGE_BEAM}
     default = merge._MERGE_BEAM

@@ -157,7 +157,7 @@ def merge_index(old: Index, dead: np.ndarray, new_vectors: np.ndarray, out_dir: 
 
     # New vectors to their nearest lists, with the build's boundary replication.
     x = np.ascontiguousarray(new_vectors, dtype=np.float32)
-    entry = None if metric == "ip" or old.nav.exhaustive else _entry_sample(centroids)
+    entry = None if not n_new or metric == "ip" or old.nav.exhaustive else _entry_sample(centroids)
     primary = np.empty(n_new, np.int64)
     with steps.step("assigning", n_new) as update:
         for s in range(0, n_new, _CHUNK):
@@ -511,6 +511,12 @@ def _nearest(x: np.ndarray, centroids: _Centroids, graph, metric: str, k: int, t
             near[s:s + rows] = np.where(np.isfinite(np.take_along_axis(d, o, 1)), np.take_along_axis(c, o, 1), -1)
             sqd[s:s + rows] = np.take_along_axis(d, o, 1)
         return near, sqd
+    return _nearest_every(x, centroids, k)
+
+
+def _nearest_every(x: np.ndarray, centroids: _Centroids, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k nearest of every old centroid by exact squared l2, ids and squared dists: a chunk of the memory-mapped
+    ones at a time."""
     step = max(1024, _CHUNK_BYTES // (4 * centroids.dim))
     best_i, best_d = None, None
     for lo in range(0, len(centroids), step):
