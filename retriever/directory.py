@@ -21,7 +21,7 @@ def catalog(root, engine_config=None, collection_config=None, limits=None):
 def _open_sharded(path, desc: dict, catalog):
     from fusionrag.retriever.sharded.hosted import HostedSharded
 
-    return HostedSharded(path, desc, catalog.engine_config, catalog.collection_config, catalog.limits)
+    return HostedSharded(path, desc, catalog.engine_config, catalog.collection_config, catalog.limits, catalog.files)
 
 
 def recalibrate(index_dir, sample_queries=None, queries: int | None = None, target: float | None = None,

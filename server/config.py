@@ -62,10 +62,12 @@ class ServerConfig(ConfigBase):
                                            ge=1024)] = 64 << 30
     max_collections: Annotated[int, knob("collections the service holds at most (0: no limit)", ge=0)] = 1000
     max_collections_per_key: Annotated[int, knob("collections an API key restricted to some collections may "
-                                                 "hold at most, counting those its patterns cover (0: no limit)",
+                                                 "hold at most, counting those it reaches (its patterns cover; another "
+                                                 "key's vector stores never count) (0: no limit)",
                                                  ge=0)] = 100
-    max_open_collections: Annotated[int, knob("collections with their doc store and log open at most; idle ones "
-                                              "past it close their files until their next call",
+    max_open_collections: Annotated[int, knob("collections with their doc store and log open at most (a sharded "
+                                              "one counts for its shards' files); idle ones past it close their "
+                                              "files until their next call",
                                               ge=0, note="0 = from the open-files limit")] = 0
     descriptor_reserve: Annotated[int, knob("open files the collections never take: kept for connections and logs",
                                             ge=16)] = 128

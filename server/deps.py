@@ -1,5 +1,5 @@
-"""What routes depend on: the service's state, the caller's key, a collection name the key covers, the open
-collection, and the path convertors for ids."""
+"""What routes depend on: the service's state, the caller's key, a collection name the key reaches (`reaches`,
+the one rule of which key may use which collection), the open collection, and the path convertors for ids."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from fusionrag.server.auth import Key
 from fusionrag.server.schemas import NAME_PATTERN
 from fusionrag.server.errors import http_error
 from fusionrag.server.life import State
+from fusionrag.server.vector_stores import STORE_RE, VectorStores
 
 class _AnyText(Convertor):
     """A path parameter matched whole: `path` is `.*`, which stops at a newline that the route's `$` then lets
@@ -64,24 +65,68 @@ def check_name(name: str) -> None:
                           "starting with a letter or digit")
 
 
-def allowed(name: Annotated[str, PathParam(json_schema_extra={"pattern": NAME_PATTERN})],
+def viewer(key: Key | None) -> str | None:
+    """Whose files and vector stores a key owns and sees: a key restricted to some collections its own (by its
+    digest); the service's keys that cover every collection, or no keys at all, every one (None)."""
+    return None if key is None or key.unrestricted else key.digest.hex()
+
+
+def reaches(state: State, key: Key | None, name: str) -> bool:
+    """Whether this key may use collection `name` through the collection routes and see it in any listing: the
+    one rule every route's name check, every listing of names and the per-key count use. Without keys, or with
+    a key unrestricted, every collection. A restricted key: those its patterns cover, except that a name of a
+    vector store's form (`vs_` and 24 hex digits) is reached only by the key that owns that store (whatever
+    other keys' patterns cover), and a name of that form that no store has (an unrestricted key made it) by no
+    restricted key."""
+    if key is None or key.unrestricted:
+        return True
+    if not key.allows(name):
+        return False
+    if STORE_RE.fullmatch(name):
+        stores = state.vector_stores  # a service over a sharded collection has none
+        return isinstance(stores, VectorStores) and stores.owner_of(name) == viewer(key)
+    return True
+
+
+def allowed(request: Request, name: Annotated[str, PathParam(json_schema_extra={"pattern": NAME_PATTERN})],
             key: Key | None = Depends(authenticate)) -> str:
     """The collection name of the path, valid and open to this key."""
     check_name(name)
+    if not reaches(state_of(request), key, name):
+        raise http_error(403, f"this API key has no rights to collection {name!r}")
+    return name
+
+
+def check_new_name(name: str, key: Key | None) -> None:
+    """A name this key may create (or restore) a collection under: valid, covered by its patterns, and, for a
+    key restricted to some collections, not of a vector store's form, which only POST /v1/vector_stores makes
+    (the answer is the same whether a store of that id exists or not)."""
+    check_name(name)
     if key is not None and not key.allows(name):
         raise http_error(403, f"this API key has no rights to collection {name!r}")
+    if key is not None and not key.unrestricted and STORE_RE.fullmatch(name):
+        raise http_error(403, f"collection names of the form vs_<24 hex digits> are reserved for vector stores "
+                              f"(POST /v1/vector_stores); this API key cannot create {name!r}")
+
+
+def creatable(name: Annotated[str, PathParam(json_schema_extra={"pattern": NAME_PATTERN})],
+              key: Key | None = Depends(authenticate)) -> str:
+    """The collection name of the path, for a collection this key would make (a restore): see check_new_name."""
+    check_new_name(name, key)
     return name
 
 
 def collection_quota(request: Request, key: Key | None) -> Callable[[list[str]], None] | None:
     """The check a create or restore by this key makes under the catalog's lock: a key restricted to some
-    collections may hold at most max_collections_per_key of those its patterns cover."""
-    limit = state_of(request).config.max_collections_per_key
+    collections may hold at most max_collections_per_key of those it reaches (another key's stores are not
+    counted, nor shown in the refusal's count)."""
+    state = state_of(request)
+    limit = state.config.max_collections_per_key
     if key is None or key.unrestricted or not limit:
         return None
 
     def allow(names: list[str]) -> None:
-        mine = sum(key.allows(n) for n in names)
+        mine = sum(reaches(state, key, n) for n in names)
         if mine >= limit:
             raise QuotaError(f"this API key's collections ({', '.join(key.patterns)}) number {mine}, its limit "
                              "(max_collections_per_key): delete one before making another")

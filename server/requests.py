@@ -12,6 +12,7 @@ from fastapi.exceptions import HTTPException
 
 from fusionrag.retriever.collection import Collection
 from fusionrag.retriever.collection.embedding import get_embedder
+from fusionrag.retriever.collection.values import check_text
 from fusionrag.retriever.engine.config import SearchOverrides, SearchParams
 from fusionrag.retriever.engine.queries import PreparedQueries, QueryWords, prepare_queries
 from fusionrag.retriever.errors import InputError
@@ -32,9 +33,16 @@ def search_params(given: dict) -> SearchOverrides:
 
 
 def check_texts(texts, limit: int, what: str) -> None:
+    """Texts a body brings, refused (422) before anything embeds or stores them: longer than max_text_chars, or
+    not valid Unicode (a lone surrogate, which JSON's \\ud800 escape lets through: values.check_text)."""
     for i, t in enumerate(texts):
         if t is not None and len(t) > limit:
             raise http_error(422, f"{what}[{i}] has {len(t)} characters, at most {limit} allowed (max_text_chars)")
+        if t is not None:
+            try:
+                check_text(t, f"{what}[{i}]")
+            except InputError as e:
+                raise http_error(422, str(e)) from None
 
 
 def search_queries(mode: str, vectors: list | None, texts: list | None) -> list:

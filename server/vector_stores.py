@@ -36,6 +36,7 @@ from fusionrag.retriever.collection import Document
 from fusionrag.retriever.collection.embedding import get_embedder
 from fusionrag.retriever.collection.generations import write_json_atomic
 from fusionrag.retriever.collection.quota import check_room
+from fusionrag.retriever.collection.values import bad_value
 from fusionrag.retriever.errors import (ConflictError, FusionRAGError, InputError, NotFoundError, QuotaError)
 
 log = logging.getLogger("fusionrag.server")
@@ -75,6 +76,9 @@ def check_pairs(pairs, what: str, values: tuple = (str,)) -> dict:
             raise InputError(f"{what}: the value of {k!r} must be {kinds}")
         if isinstance(v, str) and len(v) > MAX_VALUE:
             raise InputError(f"{what}: the value of {k!r} is {len(v)} characters, at most {MAX_VALUE} allowed")
+    bad = bad_value(pairs)  # a lone surrogate, an integer past int64: what no store can hold
+    if bad:
+        raise InputError(f"{what}: {bad[0]!r} {bad[1]}")
     return dict(pairs)
 
 
@@ -302,6 +306,12 @@ class VectorStores:
         if s is None or s.get("deleting") or not self._visible(s, owner):
             raise NotFoundError(f"no vector store {vsid[:60]!r}")
         return s
+
+    def owner_of(self, name: str) -> str | None:
+        """The owner recorded for the store of id `name` ("" for one an unrestricted key made, or made without
+        keys); None where no store has that id (server/deps.py `reaches` asks it for every collection route)."""
+        s = self._stores.get(name)
+        return None if s is None else s["owner"]
 
     def _save(self, s: dict) -> None:
         write_json_atomic(self.stores_dir / f"{s['id']}.json", s)

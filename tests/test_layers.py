@@ -172,6 +172,7 @@ def test_the_client_loads_no_engine():
     light = {"fusionrag", "fusionrag.client", "fusionrag.lazy", "fusionrag.retriever", "fusionrag.retriever.errors",
              "fusionrag.retriever.engine", "fusionrag.retriever.engine.config", "fusionrag.retriever.engine.queries",
              "fusionrag.retriever.engine.vectors", "fusionrag.retriever.collection",
-             "fusionrag.retriever.collection.config", "fusionrag.retriever.collection.records"}
+             "fusionrag.retriever.collection.config", "fusionrag.retriever.collection.records",
+             "fusionrag.retriever.collection.values"}
     assert loaded <= light, f"the client loaded {sorted(loaded - light)}"
     assert "fusionrag.client" in loaded

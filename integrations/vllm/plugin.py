@@ -46,7 +46,7 @@ from fusionrag.integrations.vllm.prompt import augment, question_of
 from fusionrag.retriever.errors import ConfigError, FusionRAGError, InputError, NotFoundError, UnavailableError
 from fusionrag.server.auth import Key
 from fusionrag.server.config import ServerConfig, load_config
-from fusionrag.server.deps import authenticate
+from fusionrag.server.deps import authenticate, reaches
 from fusionrag.server.errors import engine_error
 from fusionrag.server.life import Service, State
 from fusionrag.server.routes import v1
@@ -117,7 +117,7 @@ async def rag_chat_completions(raw_request: Request, key: Key | None = Depends(a
         return _invalid("chat request", e)
 
     svc: State = raw_request.app.state.fusionrag
-    if key is not None and not key.allows(opts.collection):
+    if not reaches(svc, key, opts.collection):
         return _error(403, f"this API key has no rights to collection {opts.collection!r}")
     if opts.k > svc.config.max_k:
         return _error(422, f"retrieval.k is {opts.k}, at most {svc.config.max_k} allowed (max_k)")

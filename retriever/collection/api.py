@@ -44,6 +44,7 @@ from fusionrag.retriever.collection.generations import (Generation, ReadView, ge
 from fusionrag.retriever.collection.quota import Limits, OpenFiles
 from fusionrag.retriever.collection.records import (METADATA_OPS, QUERY_WORDS, CollectionSearch, Document, Hit, Write,
                                                     engine_form, metadata_record, upsert_record)
+from fusionrag.retriever.collection.values import check_ids, logged_problem
 from fusionrag.retriever.collection.wal import WriteAheadLog
 from fusionrag.retriever.engine.config import EngineConfig, SearchOverrides, SearchParams, resolve_params
 from fusionrag.retriever.engine.index import STAT_KEYS, Index
@@ -56,7 +57,11 @@ from fusionrag.retriever.errors import (ConflictError, FusionRAGError, IndexForm
 
 log = logging.getLogger(__name__)
 
-log = logging.getLogger(__name__)
+# What applying a logged write raises when the write itself cannot be stored (a value SQLite refuses, a filter that
+# no longer compiles), as opposed to the disk failing (sqlite3.OperationalError, OSError): such an entry is set
+# aside and the log goes on (_set_aside).
+ENTRY_ERRORS = (ValueError, TypeError, OverflowError, KeyError, IndexError, RecursionError,
+                sqlite3.IntegrityError, sqlite3.DataError, sqlite3.InterfaceError)
 
 
 def _in_use(method):
@@ -110,6 +115,7 @@ class Collection:
         self._import: dict | None = None  # the last bulk import: its state, and what it did or why it failed
         self._files = files
         self._dormant = False  # its doc store and log are closed until its next call
+        self._set_aside_count = 0  # log entries the doc store could not apply (_set_aside)
 
         self._wal = WriteAheadLog(self.path / "wal.log")
         self._main = Generation(0, None, np.empty(0, np.int64), -1)
@@ -131,9 +137,10 @@ class Collection:
                 raise IndexFormatError(f"docs.sqlite has applied writes up to {applied}, but wal.log starts at "
                                        f"write {records[0][0]}: the doc store is older than the log (restored?)")
             self._next_row = self._applied_next_row = next_row
+            self._set_aside_count = self.store.set_aside_entries(0)[0]
             replay = [Write.decode(lsn, p, self.dim) for lsn, p in records if lsn > applied]
             if replay:
-                self._apply_to_store(replay)
+                self._apply_to_store(replay, check=True)
             self._next_lsn = max([applied] + [lsn for lsn, _ in records]) + 1
             self._last_appended = self._next_lsn - 1
             self._load_memory()
@@ -253,9 +260,7 @@ class Collection:
 
     @_in_use
     def delete(self, ids: Sequence[str]) -> int:
-        if isinstance(ids, str) or not all(isinstance(i, str) for i in ids):
-            raise InputError("delete takes a sequence of string ids")
-        ids = list(dict.fromkeys(ids))
+        ids = check_ids(ids, "delete")
         return self._commit(Write("delete", ids)) if ids else 0
 
     @_in_use
@@ -308,6 +313,8 @@ class Collection:
         with self._lock:
             if not w.applied and w.error is None:
                 self._apply_pending()
+        if isinstance(w.error, InputError):  # set aside: what it holds cannot be stored
+            raise w.error
         if w.error is not None:
             raise StorageError(f"collection {self.name!r}: write not applied: {w.error}") from w.error
         self._maybe_merge()
@@ -346,11 +353,51 @@ class Collection:
         self._pending = self._pending[len(batch):]
         with self._mem_lock:
             for p, gone in zip(batch, removed):
-                self._apply_to_memory(p, gone)
-                p.applied = True
+                if gone is not None:  # None: set aside, its error set
+                    self._apply_to_memory(p, gone)
+                    p.applied = True
 
-    def _apply_to_store(self, batch: list[Write]) -> list[list[int]]:
-        """One SQLite transaction for the batch, with the last lsn it applied; rows removed per write."""
+    def _apply_to_store(self, batch: list[Write], check: bool = False) -> list[list[int] | None]:
+        """Apply a batch of log records to the doc store, in log order: rows removed per write, None for a write
+        set aside (_set_aside), so that no entry blocks those after it or the opening of the collection. check:
+        the records come from the log at open (a replay), and each is checked again as a write is today
+        (values.logged_problem: a version that checked less may have logged it); those that fail are set aside.
+        Live writes were checked before they were logged."""
+        if not check:
+            return self._apply_run(batch)
+        out, run = [], []
+        for w in batch:  # in log order: a run of good writes applied before the bad one after it is set aside
+            problem = logged_problem(w.ids, w.texts, w.metas)
+            if problem is None:
+                run.append(w)
+                continue
+            if run:
+                out += self._apply_run(run)
+                run = []
+            self._set_aside(w, problem)
+            out.append(None)
+        return out + (self._apply_run(run) if run else [])
+
+    def _apply_run(self, batch: list[Write]) -> list[list[int] | None]:
+        """One SQLite transaction for the batch, with the last lsn it applied; where a write cannot be applied
+        (ENTRY_ERRORS: what it holds, not the disk), each is applied in its own transaction and the one that
+        cannot is set aside. A disk's error (sqlite3.OperationalError, OSError) fails the batch as before."""
+        try:
+            return self._apply_batch(batch)
+        except ENTRY_ERRORS as e:
+            if len(batch) == 1:
+                self._set_aside(batch[0], e)
+                return [None]
+        removed = []
+        for w in batch:
+            try:
+                removed += self._apply_batch([w])
+            except ENTRY_ERRORS as e:
+                self._set_aside(w, e)
+                removed.append(None)
+        return removed
+
+    def _apply_batch(self, batch: list[Write]) -> list[list[int]]:
         removed = []
         self.store.begin()
         try:
@@ -375,6 +422,27 @@ class Collection:
             self.store.rollback()
             raise
         return removed
+
+    def _set_aside(self, w: Write, error: BaseException) -> None:
+        """A log record the doc store cannot apply, kept whole in the store's set_aside table with why, in the
+        transaction that moves applied_lsn past it: the writes after it apply, a reopen does not replay it, and
+        info() reports it. Its writer (if still waiting) gets InputError; the rows an upsert took are not reused."""
+        reason = f"{type(error).__name__}: {error}".encode("utf-8", "backslashreplace").decode()[:2000]
+        if w.op == "upsert" and w.rows is not None and len(w.rows):
+            self._applied_next_row = max(self._applied_next_row, int(w.rows[-1]) + 1)
+            self._next_row = max(self._next_row, self._applied_next_row)
+        self.store.begin()
+        try:
+            self.store.set_aside(w.lsn, w.op, w.ids, reason, w.payload())
+            self.store.commit(w.lsn, self._next_row)
+        except BaseException:
+            self.store.rollback()
+            raise
+        self._set_aside_count += 1
+        w.error = InputError(f"collection {self.name!r}: write {w.lsn} ({w.op} of {len(w.ids)} documents) cannot "
+                             f"be applied and was set aside ({reason}); the collection's info lists it")
+        log.error("collection %r: log entry %d (%s of %d documents) cannot be applied and is set aside: %s",
+                  self.name, w.lsn, w.op, len(w.ids), reason)
 
     def _apply_to_memory(self, w: Write, gone: list[int]) -> None:
         self._remove_rows(gone)
@@ -413,9 +481,7 @@ class Collection:
 
     @_in_use
     def get(self, ids: Sequence[str], with_vectors: bool = False) -> list[Document]:
-        if isinstance(ids, str) or not all(isinstance(i, str) for i in ids):
-            raise InputError("get takes a sequence of string ids")
-        found = self.store.get(list(dict.fromkeys(ids)), with_vectors)
+        found = self.store.get(check_ids(ids, "get"), with_vectors)
         return [Document(i, found[i][0], found[i][2], found[i][1]) for i in ids if i in found]
 
     @_in_use
@@ -927,7 +993,15 @@ class Collection:
                 "progress": self._progress,  # while a merge or an import runs: {"step", "done", "total"}
                 "import": self._import,
             },
+            # log entries that could not be applied, kept aside (the writes after them applied)
+            "set_aside": self._set_aside_info(),
         }
+
+    def _set_aside_info(self) -> dict:
+        if not self._set_aside_count:
+            return {"count": 0, "last": []}
+        count, last = self.store.set_aside_entries(10)
+        return {"count": count, "last": last}
 
     def close(self, error: FusionRAGError | None = None) -> None:
         """Refuse new calls (with `error`, else "closed"), wait for those in progress and a

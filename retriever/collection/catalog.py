@@ -126,6 +126,12 @@ class Catalog:
         if shards is not None and self.open_sharded is None:
             raise UnsupportedError("this catalog opens no sharded collection (open the data directory with "
                                    "fusionrag.retriever.directory.catalog)")
+        if shards is not None and not self.files.fits(int(shards) * quota.DESCRIPTORS_PER_SHARD):
+            room = quota.descriptor_limit() - self.files.reserve
+            raise QuotaError(f"a sharded collection of {shards} shards may hold "
+                             f"{int(shards) * quota.DESCRIPTORS_PER_SHARD} open files, and the service's open-files "
+                             f"limit leaves {room} past its reserve (descriptor_reserve): ask for at most "
+                             f"{max(0, room // quota.DESCRIPTORS_PER_SHARD)} shards")
         self.files.make_room()
         with self._lock:
             final = self.dir / name

@@ -9,6 +9,7 @@ from typing import Annotated, Sequence
 import numpy as np
 
 from fusionrag.retriever.engine.config import BuildConfig, ConfigBase, config_class, knob
+from fusionrag.retriever.collection.values import check_text
 from fusionrag.retriever.errors import InputError
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -93,6 +94,8 @@ def check_search(k, mode: str, texts, vectors, text_weight) -> int:
         if isinstance(texts, str) or not isinstance(texts, Sequence) or not texts \
                 or not all(isinstance(t, str) for t in texts):
             raise InputError(f"mode {mode!r} needs texts: a non-empty list of strings")
+        for i, t in enumerate(texts):
+            check_text(t, f"texts[{i}]")
         if isinstance(text_weight, bool) or not isinstance(text_weight, (int, float)) or not 0 <= text_weight <= 1:
             raise InputError(f"text_weight must be a number in [0, 1], got {text_weight!r}")
     return int(k)

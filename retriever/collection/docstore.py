@@ -16,6 +16,7 @@ import os
 import re
 import sqlite3
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -61,6 +62,11 @@ END;
 CREATE TRIGGER IF NOT EXISTS text_guests_delete AFTER DELETE ON text_guests BEGIN
     UPDATE guest_totals SET docs = docs - 1, tokens = tokens - old.tokens WHERE owner = old.owner;
 END;
+-- Writes in the log that could not be applied (written before their values were refused, or refused by SQLite):
+-- each kept whole with why, in the transaction that moved applied_lsn past it, so that it never blocks the writes
+-- after it or the opening of the collection (Collection._set_aside).
+CREATE TABLE IF NOT EXISTS set_aside (lsn INTEGER PRIMARY KEY, op TEXT NOT NULL, ids TEXT NOT NULL,
+                                      reason TEXT NOT NULL, at REAL NOT NULL, payload BLOB NOT NULL);
 CREATE TRIGGER IF NOT EXISTS docs_guest_delete AFTER DELETE ON docs BEGIN
     DELETE FROM text_guests WHERE row = old.row;
 END;
@@ -300,6 +306,20 @@ class DocStore:
     def rollback(self) -> None:
         if self._writer.in_transaction:
             self._writer.execute("ROLLBACK")
+
+    def set_aside(self, lsn: int, op: str, ids: list[str], reason: str, payload: bytes) -> None:
+        """Keep a log entry that cannot be applied, whole, with why (in the writer's transaction)."""
+        self._writer.execute("INSERT OR REPLACE INTO set_aside VALUES (?, ?, ?, ?, ?, ?)",
+                             (lsn, op, json.dumps(ids[:20]), reason, time.time(), payload))
+
+    def set_aside_entries(self, limit: int = 10) -> tuple[int, list[dict]]:
+        """How many log entries were set aside, and the last `limit` of them (lsn, op, first ids, reason, when)."""
+        with self._reader() as con:
+            n = con.execute("SELECT count(*) FROM set_aside").fetchone()[0]
+            rows = con.execute("SELECT lsn, op, ids, reason, at FROM set_aside ORDER BY lsn DESC LIMIT ?",
+                               (limit,)).fetchall()
+        return n, [{"lsn": lsn, "op": op, "ids": json.loads(ids), "reason": reason, "at": at}
+                   for lsn, op, ids, reason, at in rows]
 
     def remove(self, ids: list[str]) -> list[int]:
         """Delete these ids; returns the rows they had (unknown ids are skipped)."""

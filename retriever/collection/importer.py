@@ -30,6 +30,7 @@ import numpy as np
 
 from fusionrag.retriever.collection import quota
 from fusionrag.retriever.collection.generations import write_json_atomic
+from fusionrag.retriever.collection.values import check_id, check_text, metadata_json
 from fusionrag.retriever.engine.build import build_index
 from fusionrag.retriever.engine.manifest import fsync_path
 from fusionrag.retriever.engine.vectors import open_vectors, vector_problems
@@ -114,15 +115,16 @@ def _check_doc(number: int, doc: dict) -> tuple[str | None, str | None, str]:
     doc_id, text, meta = doc.get("id"), doc.get("text"), doc.get("metadata", {})
     if doc_id is not None and (not isinstance(doc_id, str) or not doc_id or len(doc_id) > 512):
         raise InputError(f"documents line {number}: id must be a non-empty string of at most 512 characters")
+    if doc_id is not None:
+        check_id(doc_id, f"documents line {number}: id")
     if text is not None and not isinstance(text, str):
         raise InputError(f"documents line {number}: text must be a string")
+    if text is not None:
+        check_text(text, f"documents line {number}: text")
     if not isinstance(meta, dict):
         raise InputError(f"documents line {number}: metadata must be an object")
-    try:
-        meta_json = json.dumps(meta, separators=(",", ":"), allow_nan=False)
-    except ValueError as e:
-        raise InputError(f"documents line {number}: metadata is not JSON-serialisable ({e})") from e
-    return doc_id, text, meta_json
+    # The one check of what a store can hold (values.py), in this line's words.
+    return doc_id, text, metadata_json(doc_id, meta, f"documents line {number}")
 
 
 def import_files(col: Collection, documents: Path | None, vectors: Path | None, progress: bool | None,

@@ -6,8 +6,10 @@
   will write, and again as it writes.
 - Descriptors: the soft limit is raised to the hard one at start; collections keep their files open only
   while they are among the most recently used (OpenFiles below; an idle one closes its doc store and log and
-  reopens them on its next call), and no collection opens files once fewer than a reserve of descriptors
-  is left, so the service can always accept a connection, answer and log.
+  reopens them on its next call; an idle sharded collection closes its shards whole), and no collection opens
+  files once fewer than a reserve of descriptors is left, so the service can always accept a connection,
+  answer and log. Each collection counts in the pool for the descriptors it may hold: a collection's, or a
+  sharded one's per shard.
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ if TYPE_CHECKING:
 # -shm), the log, up to docstore.MAX_READERS read connections (database and -wal each), a merge's snapshot
 # connection, and the index's page file with its io_uring ring.
 DESCRIPTORS_PER_COLLECTION = 3 + 1 + 2 * 8 + 2 + 2
+# Descriptors one shard of a sharded collection (retriever/sharded/hosted.py) holds at most while its files are
+# open: its lock, its doc store's writer (database, -wal, -shm), its log, up to docstore.MAX_READERS read
+# connections (database and -wal each), and its index's page file with its io_uring rings (one per read in
+# progress), again for the next generation a merge opens beside the current one. What a 2-shard collection was
+# measured to hold (/proc/self/fd) after searches and writes: 9 to 10 a shard.
+DESCRIPTORS_PER_SHARD = 1 + 3 + 1 + 2 * 8 + 2 * 3
 MiB = 1 << 20
 
 
@@ -37,7 +45,9 @@ class Limits:
     """A catalog's bounds (0: none, or derived where said)."""
 
     max_collections: int = 0  # collections in the data directory at most
-    max_open_collections: int = 0  # collections with their files open at most (0: derived from the fd limit)
+    # collections with their files open at most, a sharded one counted for its shards' descriptors (0: derived
+    # from the fd limit)
+    max_open_collections: int = 0
     descriptor_reserve: int = 64  # descriptors collections never take
     disk_reserve_bytes: int = 0  # snapshots, imports and restores leave at least this free
     max_restore_bytes: int = 0  # bytes one restore may write at most
@@ -116,63 +126,80 @@ def open_descriptors() -> int | None:
 
 
 class OpenFiles:
-    """The collections whose files are open, least recently used first. Once more than `limit` are open, the
+    """The collections whose files are open, least recently used first, each counted for the descriptors it may
+    hold (its `descriptors`: DESCRIPTORS_PER_COLLECTION for a collection, its shards' for a sharded one; 0, one
+    that holds none, is not counted). Once those of the open ones pass `limit` collections' worth (`budget`), the
     longest unused of those idle (no call in progress, no merge, no import) close their files; and before a
-    collection opens its files, idle ones close theirs until the process has a reserve of descriptors free,
-    else the call is refused with UnavailableError (503) rather than taking the last ones."""
+    collection opens its files, idle ones close theirs until the process, as /proc/self/fd counts it, has a
+    reserve of descriptors free besides what the collection may open, else the call is refused with
+    UnavailableError (503) rather than taking the last ones."""
 
     def __init__(self, limits: Limits):
         self.limit = limits.open_collections()
+        self.budget = self.limit * DESCRIPTORS_PER_COLLECTION  # descriptors the open collections may hold in all
         self.reserve = limits.descriptor_reserve
         self._lock = threading.Lock()
-        self._lru: collections.OrderedDict[Collection, None] = collections.OrderedDict()
+        self._lru: collections.OrderedDict[Collection, int] = collections.OrderedDict()  # -> its descriptors
+        self._held = 0  # the descriptors of those in _lru, summed
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._lru)
 
+    @property
+    def held(self) -> int:
+        """Descriptors the open collections may hold, summed (what `budget` bounds)."""
+        with self._lock:
+            return self._held
+
     def used(self, col: Collection, opened: bool) -> None:
         """col is in use; opened: it has just opened its files."""
+        need = getattr(col, "descriptors", DESCRIPTORS_PER_COLLECTION)
         with self._lock:
-            self._lru[col] = None
-            self._lru.move_to_end(col)
-            if not opened or len(self._lru) <= self.limit:
+            self._held += need - self._lru.pop(col, 0)
+            if not need:  # it holds no file (a sharded collection not built yet)
                 return
-            over = len(self._lru) - self.limit
+            self._lru[col] = need
+            if not opened or self._held <= self.budget:
+                return
             idle = [c for c in self._lru if c is not col]
-        self._release(idle, lambda released: released >= over)
+        self._release(idle, lambda: self.held <= self.budget)
 
     def forget(self, col: Collection) -> None:
         with self._lock:
-            self._lru.pop(col, None)
+            self._held -= self._lru.pop(col, 0)
 
-    def make_room(self) -> None:
-        """Before a collection opens its files: UnavailableError unless the process keeps `reserve` descriptors
-        free after they are open (idle collections close theirs first where that is needed)."""
+    def make_room(self, need: int = DESCRIPTORS_PER_COLLECTION) -> None:
+        """Before a collection opens its files (need: the descriptors they may take): UnavailableError unless the
+        process keeps `reserve` descriptors free after they are open (idle collections close theirs first where
+        that is needed)."""
         limit = descriptor_limit()
-        room = limit - self.reserve - DESCRIPTORS_PER_COLLECTION
+        room = limit - self.reserve - need
         n = open_descriptors()
         if n is None or n <= room:
             return
         with self._lock:
             idle = list(self._lru)
 
-        def enough(_released: int) -> bool:
+        def enough() -> bool:
             now = open_descriptors()
             return now is None or now <= room
 
         self._release(idle, enough)
-        if not enough(0):
+        if not enough():
             raise UnavailableError(f"the service has {open_descriptors()} of its {limit} files open and keeps "
                                    f"{self.reserve} for connections and logs: retry once calls in progress have ended")
 
+    def fits(self, need: int) -> bool:
+        """Whether a collection that may hold `need` descriptors can ever open its files here: past the reserve,
+        within the open-files limit."""
+        return need <= descriptor_limit() - self.reserve
+
     def _release(self, candidates: list, done) -> None:
-        released = 0
         for c in candidates:
-            if done(released):
+            if done():
                 return
             if c.release_files():
-                released += 1
                 with self._lock:
                     if c.dormant:
-                        self._lru.pop(c, None)
+                        self._held -= self._lru.pop(c, 0)

@@ -13,6 +13,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from fusionrag.retriever.collection.config import MAX_ID_CHARS
+from fusionrag.retriever.collection.values import check_id, check_text, metadata_json
 from fusionrag.retriever.engine.queries import QueryWords
 from fusionrag.retriever.engine.vectors import normalize, vector_problems
 from fusionrag.retriever.errors import InputError
@@ -94,16 +95,6 @@ QUERY_WORDS = QueryWords(
 )
 
 
-def metadata_json(doc_id: str, metadata) -> str:
-    """A document's metadata as the log and the doc store keep it, checked: a dict with string keys, JSON."""
-    if not isinstance(metadata, dict) or not all(isinstance(k, str) for k in metadata):
-        raise InputError(f"document {doc_id!r}: metadata must be a dict with string keys")
-    try:
-        return json.dumps(metadata, separators=(",", ":"), allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise InputError(f"document {doc_id!r}: metadata is not JSON-serialisable ({e})") from e
-
-
 def upsert_record(docs: Sequence[Document], dim: int, metric: str) -> tuple[Write, list[str]]:
     """The log record of an upsert, every document checked (an id given twice: the last one wins), and the ids
     in input order (made up where a document has none)."""
@@ -117,8 +108,11 @@ def upsert_record(docs: Sequence[Document], dim: int, metric: str) -> tuple[Writ
         if not isinstance(doc_id, str) or not doc_id or len(doc_id) > MAX_ID_CHARS:
             raise InputError(f"document {i}: id must be a non-empty string of at most {MAX_ID_CHARS} "
                              f"characters, got {d.id!r:.80}")
-        if d.text is not None and not isinstance(d.text, str):
-            raise InputError(f"document {doc_id!r}: text must be a string or None")
+        check_id(doc_id, f"document {i}: id")
+        if d.text is not None:
+            if not isinstance(d.text, str):
+                raise InputError(f"document {doc_id!r}: text must be a string or None")
+            check_text(d.text, f"document {doc_id!r}: text")
         if d.vector is None:
             raise InputError(f"document {doc_id!r}: a vector is required")
         meta = metadata_json(doc_id, d.metadata)
@@ -160,6 +154,7 @@ def metadata_record(updates: Mapping[str, dict], merge: bool) -> Write:
     for doc_id, meta in updates.items():
         if not isinstance(doc_id, str) or not doc_id or len(doc_id) > MAX_ID_CHARS:
             raise InputError(f"id must be a non-empty string of at most {MAX_ID_CHARS} characters, got {doc_id!r:.80}")
+        check_id(doc_id)
         metas.append(metadata_json(doc_id, meta))
         ids.append(doc_id)
     return Write("merge_metadata" if merge else "set_metadata", ids, [], metas)

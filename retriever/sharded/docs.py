@@ -36,6 +36,7 @@ from fusionrag.retriever.collection.filters import compile_filter, filter_warnin
 from fusionrag.retriever.collection.fusion import fuse, fused_hits
 from fusionrag.retriever.collection.docstore import merge_patch
 from fusionrag.retriever.collection.records import metadata_record, upsert_record
+from fusionrag.retriever.collection.values import check_ids
 from fusionrag.retriever.engine.config import SearchParams
 from fusionrag.retriever.errors import InputError, UnavailableError, UnsupportedError
 from fusionrag.retriever.sharded.parts import NAMED_IDS, part_name
@@ -106,9 +107,7 @@ class ShardedCollection:
 
     @staticmethod
     def _check_names(ids, what: str) -> list[str]:
-        if isinstance(ids, str) or not isinstance(ids, Sequence) or not all(isinstance(i, str) for i in ids):
-            raise InputError(f"{what} takes a sequence of string ids")
-        return list(dict.fromkeys(ids))
+        return check_ids(ids, what)
 
     # -- writes --------------------------------------------------------------------------------------
 

@@ -11,12 +11,20 @@ held still while the files are copied), restored and dropped as a collection is.
 nothing, and what needs documents (a write, a search) is refused with ConflictError (409) saying to import first:
 a sharded collection's lists and their placement on shards are learnt from its documents, so there is nowhere to
 put a document before them.
+
+Its files take part in the catalog's pool of open files (quota.OpenFiles) as a collection's do, counted for what
+its shards may hold (quota.DESCRIPTORS_PER_SHARD each): once the pool needs room, an idle one (no call in
+progress, no merge, no import) closes its shards whole (their doc stores, logs, page files and locks) and its next
+call opens them again, its shards' logs replayed; a call that would open them without leaving the pool's reserve
+of descriptors free gets UnavailableError (503).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
+import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -45,31 +53,56 @@ class _Stopped(Exception):
     """Raised into a build whose collection was closed meanwhile (dropped, or the service stopping)."""
 
 
+def _in_use(method):
+    """Run a public method as one use of the collection (as a Collection's are): its shards are open throughout
+    (opened first where it had closed them), and neither the pool of open files nor close closes them under it."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        self._enter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._leave()
+    return call
+
+
 class HostedSharded:
     """A sharded collection in a catalog (see the module). Everything a ShardedCollection does, once built, is
     passed to it; before, reads answer empty and what needs documents is refused."""
 
     sharded = True
-    dormant = False  # its shards keep their files open (the catalog's pool of open files never closes them)
 
     def __init__(self, path, desc: dict, engine_config: EngineConfig | None = None,
-                 collection_config: CollectionConfig | None = None, limits: quota.Limits | None = None):
+                 collection_config: CollectionConfig | None = None, limits: quota.Limits | None = None,
+                 files: quota.OpenFiles | None = None):
+        """files: the catalog's pool of open files, which this collection's shards take part in (closed while it is
+        idle and others need the room; see the module); None keeps them open until close."""
         self.path = Path(path)
         self.name, self.dim, self.metric = desc["name"], int(desc["dim"]), desc["metric"]
         self.embedding, self.shards, self.analyzer = desc.get("embedding"), int(desc["shards"]), desc.get("analyzer")
         self._engine_config = engine_config or EngineConfig()
         self._collection_config = collection_config or CollectionConfig()
         self._limits = limits or quota.Limits()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the import's state, and the build's switch to the index
         self._closed: FusionRAGError | None = None
-        self._inner: ShardedCollection | None = None
+        self._inner: ShardedCollection | None = None  # the built index, while its shards' files are open
         self._progress: dict | None = None
         self._merging: threading.Thread | None = None
+        self._files = files
+        self._users = 0  # calls in progress, an import, and a background merge
+        self._users_cv = threading.Condition()  # _users, and the shards' opening and closing
+        self._dormant = False  # built, its shards closed until its next call
         for p in self.path.glob(f".*{BUILDING[1:]}*"):  # a build a crash cut short (and its staging): imported again
             shutil.rmtree(p, ignore_errors=True)
         self._import = self._load_import_state()
         if (self.path / INDEX).is_dir():
-            self._inner = self._open()
+            try:
+                if self._files is not None:
+                    self._files.make_room(self.shards * quota.DESCRIPTORS_PER_SHARD)
+            except UnavailableError:  # no room now: its first call opens it (or says why it cannot)
+                self._dormant = True
+            else:
+                self._inner = self._open()
 
     def _open(self) -> ShardedCollection:
         index = ShardedIndex.open(self.path / INDEX, self._engine_config)
@@ -78,6 +111,58 @@ class HostedSharded:
             raise InputError(f"sharded collection {self.name!r}: its index is of dimension {index.dim} and metric "
                              f"{index.metric}, the collection's {self.dim} and {self.metric}")
         return ShardedCollection(index, self.name, self._collection_config)
+
+    # -- its files: open while it is used, closed while it is idle and the pool needs the room ---------
+
+    @property
+    def descriptors(self) -> int:
+        """What its files may take while they are open (quota.OpenFiles counts it so): its shards' share each, or
+        0 while it holds none open (not built yet, or closed while idle)."""
+        return self.shards * quota.DESCRIPTORS_PER_SHARD if self._inner is not None else 0
+
+    @property
+    def dormant(self) -> bool:
+        """Built, and its shards' files closed while it is idle (its next call opens them)."""
+        return self._dormant
+
+    def _enter(self) -> None:
+        if self._dormant and self._files is not None:
+            self._files.make_room(self.shards * quota.DESCRIPTORS_PER_SHARD)
+        with self._users_cv:
+            if self._closed is not None:
+                raise self._closed
+            woke = self._dormant
+            if woke:
+                self._wake()
+            self._users += 1
+        if self._files is not None:
+            self._files.used(self, woke)
+
+    def _leave(self) -> None:
+        with self._users_cv:
+            self._users -= 1
+            if not self._users:
+                self._users_cv.notify_all()
+
+    def _wake(self) -> None:
+        """Open the shards release_files closed (caller holds _users_cv)."""
+        try:
+            self._inner = self._open()
+        except (FusionRAGError, OSError, sqlite3.Error) as e:
+            raise UnavailableError(f"sharded collection {self.name!r} cannot reopen its shards: {e}") from e
+        self._dormant = False
+
+    def release_files(self) -> bool:
+        """Close its shards whole (their doc stores, logs, page files and locks) if nothing uses the collection now
+        (no call, import or merge in progress); its next call opens them again. True when they were closed."""
+        with self._users_cv:
+            if self._users or self._closed is not None or self._dormant or self._inner is None:
+                return False
+            inner, self._inner = self._inner, None
+            self._dormant = True
+            # Under the lock: a call that comes now opens the shards once these have let go of them.
+            inner.close()
+            return True
 
     # -- what is passed to the built collection --------------------------------------------------------
 
@@ -95,34 +180,61 @@ class HostedSharded:
     def __getattr__(self, attr: str):
         if attr.startswith("_"):
             raise AttributeError(attr)
-        inner = self._inner
-        if inner is not None:
-            return getattr(inner, attr)
         if not callable(getattr(ShardedCollection, attr, None)):  # what it lacks, it lacks built or not
             raise AttributeError(attr)
 
-        def refused(*_, **__):  # a call that needs documents
-            self._built()
-        return refused
+        def call(*args, **kwargs):  # one use of the built collection's method (refused while it holds nothing)
+            self._enter()
+            try:
+                return getattr(self._built(), attr)(*args, **kwargs)
+            finally:
+                self._leave()
+        return call
+
+    @property
+    def config(self) -> CollectionConfig:
+        return self._collection_config
 
     @property
     def index(self) -> ShardedIndex:
-        return self._built().index
+        """The built index, its shards opened where they were closed (a caller holding it past its use may see them
+        closed again: tests and tools)."""
+        self._enter()
+        try:
+            return self._built().index
+        finally:
+            self._leave()
 
+    @_in_use
+    def search(self, *args, **kwargs):
+        return self._built().search(*args, **kwargs)
+
+    @_in_use
+    def scroll(self, *args, **kwargs):
+        return self._built().scroll(*args, **kwargs)
+
+    @_in_use
+    def filter_warnings(self, filter: dict) -> list[str]:
+        return self._built().filter_warnings(filter)
+
+    @_in_use
     def __len__(self) -> int:
         inner = self._inner
         return 0 if inner is None else len(inner)
 
+    @_in_use
     def count(self, filter: dict | None = None) -> int:
         inner = self._inner
         return 0 if inner is None else inner.count(filter)
 
+    @_in_use
     def get(self, ids, with_vectors: bool = False) -> list:
         inner = self._inner
         return [] if inner is None else inner.get(ids, with_vectors)
 
     # -- writes, and the merges they call for ----------------------------------------------------------
 
+    @_in_use
     def upsert(self, docs) -> list[str]:
         out = self._built().upsert(docs)
         self._written()
@@ -130,6 +242,7 @@ class HostedSharded:
 
     add = upsert
 
+    @_in_use
     def delete(self, ids) -> int:
         inner = self._inner
         if inner is None:
@@ -138,11 +251,13 @@ class HostedSharded:
         self._written()
         return out
 
+    @_in_use
     def delete_where(self, filter: dict) -> int:
         out = self._built().delete_where(filter)
         self._written()
         return out
 
+    @_in_use
     def set_metadata(self, updates, merge: bool = True) -> int:
         out = self._built().set_metadata(updates, merge)
         self._written()
@@ -151,26 +266,35 @@ class HostedSharded:
     def _written(self) -> None:
         """After a write: once the shards' fresh tiers and tombstones hold the collection's merge_fresh_count
         rows in all, merge in a background thread (one at a time) each shard holding its share of them, as the
-        service on Ray merges its shards; searches and writes go on meanwhile."""
+        service on Ray merges its shards; searches and writes go on meanwhile. The merge is a use of the collection
+        until it ends (its shards stay open). Caller: a use of the collection."""
         cfg, inner = self._collection_config, self._inner
         if inner is None or not cfg.background_merge:
             return
         ix = inner.index
         if len(ix.fresh_owner) + len(ix.base_gone) < cfg.merge_fresh_count:
             return
-        with self._lock:
+        with self._users_cv:
             if self._closed is not None or (self._merging is not None and self._merging.is_alive()):
                 return
+            self._users += 1  # left by the merge's thread
             self._merging = threading.Thread(target=self._merge, args=(ix, max(1, cfg.merge_fresh_count // ix.n_shards)),
                                              name=f"merge-{self.name}", daemon=True)
-            self._merging.start()
+            try:
+                self._merging.start()
+            except BaseException:
+                self._users -= 1
+                raise
 
     def _merge(self, ix: ShardedIndex, min_fresh: int) -> None:
         try:
             ix.merge_shards(min_fresh=min_fresh)
         except Exception:  # noqa: BLE001 - the next write past the threshold tries again
             log.warning("sharded collection %r: merging its shards failed", self.name, exc_info=True)
+        finally:
+            self._leave()
 
+    @_in_use
     def info(self) -> dict:
         inner = self._inner
         if inner is not None:
@@ -182,9 +306,6 @@ class HostedSharded:
         out["text_analyzer"] = self.analyzer
         out["build_state"] = {**out.get("build_state", {}), "import": self._import, "progress": self._progress}
         return out
-
-    def release_files(self) -> bool:
-        return False
 
     # -- import: the build -----------------------------------------------------------------------------
 
@@ -211,24 +332,36 @@ class HostedSharded:
             raise ConflictError(f"sharded collection {self.name!r} is already importing documents (its progress is "
                                 "in the collection's info)")
 
+    @_in_use
     def claim_import(self) -> None:
-        """Reserve this empty collection for one import before its files arrive (as Collection.claim_import)."""
+        """Reserve this empty collection for one import before its files arrive (as Collection.claim_import);
+        UnavailableError (503) while the pool of open files has no room for the shards it would build."""
+        self._room_for_shards()
         with self._lock:
             self._check_importable()
             self._before_claim = self._import
             self._set_import({"state": "uploading", "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+
+    def _room_for_shards(self) -> None:
+        """Before a build: UnavailableError unless the process has room for the shards' files past the pool's
+        reserve (idle collections close theirs first where needed)."""
+        if self._files is not None and self._inner is None:
+            self._files.make_room(self.shards * quota.DESCRIPTORS_PER_SHARD)
 
     def release_import(self) -> None:
         with self._lock:
             if self._import is not None and self._import.get("state") == "uploading":
                 self._set_import(getattr(self, "_before_claim", None))
 
+    @_in_use
     def import_files(self, documents=None, vectors=None, progress: bool | None = None, claimed: bool = False) -> dict:
         """Build this empty sharded collection from files: JSON lines of documents (a line's vector, else its
         text embedded by the collection's model), or a vector file with (or without) its JSON-lines sidecar, line
         i describing vector i. Returns what it did; whatever happens, the import's state ends "done" or "failed"
         with the reason (info()'s build_state.import)."""
         t0 = time.perf_counter()
+        if not claimed:
+            self._room_for_shards()
         with self._lock:
             state = None if self._import is None else self._import.get("state")
             if claimed and state != "uploading":
@@ -280,6 +413,7 @@ class HostedSharded:
         if vectors is None and self.embedding is not None:  # texts the model embeds: staged, then paged
             need = max(need, 3 * 4 * self.dim * _lines(documents))
         quota.check_room(self.path, need, self._limits.disk_reserve_bytes, "the sharded collection's build")
+        self._room_for_shards()  # the build opens the shards' files, then the collection holds them
         out = self.path / BUILDING
         shutil.rmtree(out, ignore_errors=True)
         try:
@@ -299,11 +433,14 @@ class HostedSharded:
                     raise
         finally:
             shutil.rmtree(out, ignore_errors=True)
+        if self._files is not None:  # its shards' files are open now: counted in the pool
+            self._files.used(self, True)
         return {"documents": int(manifest["count"]), "stored": int(manifest["count"]), "indexed": True,
                 "shards": self.shards}
 
     # -- snapshot, close ------------------------------------------------------------------------------
 
+    @_in_use
     def snapshot(self, dest) -> dict:
         """Write this collection's state now to the archive dest (snapshot.write_tree): its writes and merges
         wait while the files are copied; searches go on. Returns what the archive holds."""
@@ -322,15 +459,18 @@ class HostedSharded:
             raise StorageError(f"sharded collection {self.name!r}: cannot write its snapshot: {e}") from e
 
     def close(self, error: FusionRAGError | None = None) -> None:
-        """Refuse what comes next (with error, else "closed"), stop an import's build at its next step, and
-        stop the shards."""
+        """Refuse what comes next (with error, else "closed"), stop an import's build at its next step, wait for
+        the calls in progress and a merge to end, and stop the shards."""
         with self._lock:
             if self._closed is not None:
                 return
             self._closed = error or UnavailableError(f"collection {self.name!r} is closed")
+        with self._users_cv:
+            while self._users:
+                self._users_cv.wait()
             inner, self._inner = self._inner, None
-            merging = self._merging
-        if merging is not None:
-            merging.join()  # a merge ends before its shards stop
+        # Nothing uses the collection now, and nothing can start to.
+        if self._files is not None:
+            self._files.forget(self)
         if inner is not None:
             inner.close()

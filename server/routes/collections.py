@@ -10,7 +10,8 @@ from fastapi import APIRouter, Depends, Request
 from fusionrag.retriever.collection.embedding import canonical_name, get_embedder
 from fusionrag.retriever.errors import NotFoundError, UnavailableError
 from fusionrag.server.auth import Key
-from fusionrag.server.deps import allowed, authenticate, check_name, collection_quota, open_collection, state_of
+from fusionrag.server.deps import (allowed, authenticate, check_new_name, collection_quota, open_collection, reaches,
+                                   state_of)
 from fusionrag.server.errors import documented, http_error
 from fusionrag.server.schemas import CreateCollection
 
@@ -26,7 +27,7 @@ def list_collections(request: Request, key: Key | None = Depends(authenticate)):
         building = set(state.building)
     out = []
     for name in state.catalog.names():
-        if key is None or key.allows(name):
+        if reaches(state, key, name):
             try:
                 coll = state.catalog.get(name)
                 # "building": there, but its search answers 503 until the build is done (the demo's first start)
@@ -42,9 +43,7 @@ def list_collections(request: Request, key: Key | None = Depends(authenticate)):
 @router.post("/collections", status_code=201, summary="Create an empty collection",
          responses=documented(400, 401, 403, 409, 413, 422, 507))
 def create_collection(body: CreateCollection, request: Request, key: Key | None = Depends(authenticate)):
-    check_name(body.name)
-    if key is not None and not key.allows(body.name):
-        raise http_error(403, f"this API key has no rights to collection {body.name!r}")
+    check_new_name(body.name, key)
     dim = body.dimension
     embedding = canonical_name(body.embedding) if body.embedding else None
     if embedding:
@@ -89,6 +88,6 @@ def drop_collection(request: Request, name: str = Depends(allowed)):
         responses=documented(401))
 def stats(request: Request, key: Key | None = Depends(authenticate)):
     state = state_of(request)
-    infos = {n: i for n, i in state.collections_info().items() if key is None or key.allows(n)}
+    infos = {n: i for n, i in state.collections_info().items() if reaches(state, key, n)}
     return {"ready": state.ready.is_set(), "collections": infos, "recent": state.metrics.recent.summary(),
             "page_buffer_hit_ratio": {n: r for n, r in state.metrics.hit_ratios().items() if n in infos}}

@@ -17,7 +17,7 @@ from fusionrag.retriever.collection.embedding import canonical_name, get_embedde
 from fusionrag.retriever.errors import StorageError
 from fusionrag.server.auth import Key
 from fusionrag.server.config import data_path
-from fusionrag.server.deps import allowed, authenticate, collection_quota, open_collection, state_of
+from fusionrag.server.deps import allowed, authenticate, collection_quota, creatable, open_collection, state_of
 from fusionrag.server.errors import documented, http_error
 from fusionrag.server.uploads import spool, spool_import
 
@@ -102,7 +102,8 @@ async def import_documents(request: Request, coll: Collection = Depends(open_col
 @router.post("/collections/{name}/restore", status_code=201, summary="A new collection from a snapshot (the archive "
          "as the body, up to max_upload_bytes)", openapi_extra={"requestBody": {"required": True, "content": _BINARY}},
          responses=documented(400, 401, 403, 409, 413, 422, 503, 507))
-async def restore_collection(request: Request, name: str = Depends(allowed), key: Key | None = Depends(authenticate)):
+async def restore_collection(request: Request, name: str = Depends(creatable),
+                             key: Key | None = Depends(authenticate)):
     catalog = state_of(request).catalog
     allow = collection_quota(request, key)
     catalog.check_free(name, allow)  # before the upload, not after it

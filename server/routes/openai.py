@@ -16,7 +16,7 @@ from fusionrag.retriever.collection.config import DEFAULT_TEXT_WEIGHT
 from fusionrag.retriever.errors import InputError, StorageError
 from fusionrag.server.auth import Key
 from fusionrag.server.batcher import ServiceClosing
-from fusionrag.server.deps import authenticate, state_of
+from fusionrag.server.deps import authenticate, state_of, viewer
 from fusionrag.server.errors import documented, http_error
 from fusionrag.server.requests import check_texts
 from fusionrag.server.uploads import Room, spool_multipart
@@ -84,12 +84,6 @@ class VectorStoreSearch(_Body):
 
 def stores_of(request: Request) -> VectorStores:
     return state_of(request).vector_stores
-
-
-def viewer(key: Key | None) -> str | None:
-    """Whose objects a key sees: a key restricted to some collections its own (by its digest); the service's
-    keys that cover every collection, or no keys at all, every one."""
-    return None if key is None or key.unrestricted else key.digest.hex()
 
 
 _Limit = Query(20, ge=1, le=100)

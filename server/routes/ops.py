@@ -7,7 +7,7 @@ from fastapi.exceptions import HTTPException
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from fusionrag.server.deps import authenticate, state_of
+from fusionrag.server.deps import authenticate, reaches, state_of
 from fusionrag.server.errors import documented, http_error
 from fusionrag.server.schemas import Readiness
 
@@ -19,15 +19,16 @@ NAMED = ("collections", "building", "failed")  # the members of readyz's body th
 
 def _for_caller(request: Request, body: dict) -> dict:
     """`body` with its collection names (its lists of names, its dicts by name) cut to those the caller's key
-    covers; with API keys, a caller without a valid key is told the status only."""
-    if not state_of(request).keys.enabled:
+    reaches (deps.reaches); with API keys, a caller without a valid key is told the status only."""
+    state = state_of(request)
+    if not state.keys.enabled:
         return body
     try:
         key = authenticate(request)
     except HTTPException:
         return {"status": body["status"]}
-    return {k: v if k not in NAMED else [n for n in v if key.allows(n)] if isinstance(v, list) else
-            {n: x for n, x in v.items() if key.allows(n)} for k, v in body.items()}
+    return {k: v if k not in NAMED else [n for n in v if reaches(state, key, n)] if isinstance(v, list) else
+            {n: x for n, x in v.items() if reaches(state, key, n)} for k, v in body.items()}
 
 
 @router.get("/healthz", summary="Live: the process answers")

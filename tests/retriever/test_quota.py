@@ -241,3 +241,200 @@ def test_an_import_interrupted_by_the_process_end_is_reported_and_its_staging_re
     col.upsert(_docs(2))
     assert len(col) == 2
     cat.close()
+
+
+# -- sharded collections in the pool of open files (#66, finding 2) --------------------------------------
+
+EXHAUSTIVE = {"nprobe": 4096, "rerank": 4096, "beta": 0}
+
+
+def _sharded(cat, name: str, seed: int, n: int = 300, shards: int = 2):
+    """A built sharded collection of n documents (texts, vectors, metadata), and one written after its build."""
+    x = clustered(n, DIM, 4, seed=seed)
+    path = cat.root.parent / f"{name}.jsonl"
+    path.write_text("".join(json.dumps({"id": f"{name}-{i}", "text": f"note {i} on topic {i % 7}",
+                                        "metadata": {"i": i}, "vector": v.tolist()}) + "\n" for i, v in enumerate(x)))
+    col = cat.create(name, DIM, "l2", shards=shards)
+    col.import_files(path)
+    col.upsert([Document(f"{name}-late", "written after the build", x[0] + 0.01, {"late": True})])
+    return col
+
+
+def _answers(col) -> tuple:
+    q = clustered(3, DIM, 4, seed=99)
+    by_vector = [[h.id for h in hits] for hits in col.search(q, k=5, params=EXHAUSTIVE).hits]
+    by_text = [[h.id for h in hits] for hits in col.search(texts=["topic 3", "note 12"], k=5, mode="text").hits]
+    return by_vector, by_text, len(col), [d.id for d in col.get([f"{col.name}-late", f"{col.name}-7"])]
+
+
+def test_idle_sharded_collections_close_their_shards_and_reopen_them_on_their_next_call(tmp_path):
+    """#66: a sharded collection's shards never left the pool of open files, so a tenant's built sharded
+    collections kept their descriptors for good. Now each counts for its shards' descriptors, and the idle ones
+    close their shards whole once the pool needs the room: six 2-shard collections under a pool of 5 collections'
+    worth of descriptors (room for two of them) hold at most two collections' files between calls, a released one
+    holds none (the process's descriptors drop by what it held), and each answers as it did, its writes kept."""
+    from fusionrag.retriever.directory import catalog
+
+    cat = catalog(tmp_path / "data", collection_config=CollectionConfig(background_merge=False),
+                  limits=quota.Limits(max_open_collections=5))
+    assert 2 * 2 * quota.DESCRIPTORS_PER_SHARD <= cat.files.budget < 3 * 2 * quota.DESCRIPTORS_PER_SHARD
+    root = tmp_path / "data" / "collections"
+    expect, held, most = {}, 0, 0
+    for j in range(6):
+        col = _sharded(cat, f"s{j}", seed=j)
+        expect[col.name] = _answers(col)
+        held = max(held, _fds_under(root / col.name))
+        most = max(most, _fds_under(root))
+    assert held >= 2 * 4, held  # each shard's lock, doc store and page file at least
+    for _ in range(2):
+        for j in reversed(range(6)):
+            col = cat.get(f"s{j}")
+            assert _answers(col) == expect[col.name]
+            most = max(most, _fds_under(root))
+            assert cat.files.held <= cat.files.budget
+    # Without the pool all six keep their shards open: 6 * held.
+    assert most <= 2 * held + 4, (most, held)
+    dormant = [n for n in cat.names() if cat.get(n).dormant]
+    assert len(dormant) >= 4, dormant
+    assert all(_fds_under(root / n) == 0 for n in dormant)
+
+    # Released by hand: the process's descriptors drop by what its shards held; its next call opens them again.
+    col = next(cat.get(n) for n in cat.names() if not cat.get(n).dormant)
+    had, before = _fds_under(root / col.name), quota.open_descriptors()
+    assert had > 0 and col.release_files() and col.dormant
+    assert quota.open_descriptors() <= before - had and _fds_under(root / col.name) == 0
+    assert _answers(col) == expect[col.name] and not col.dormant
+
+    # A write to a collection that had closed its shards is durable: there after a restart.
+    late = cat.get(dormant[0])
+    late.upsert([Document("after-release", "kept", np.ones(DIM, np.float32))])
+    cat.close()
+    assert _fds_under(root) == 0
+    cat = catalog(tmp_path / "data")
+    assert [d.id for d in cat.get(dormant[0]).get(["after-release"])] == ["after-release"]
+    assert _answers(cat.get(dormant[1])) == expect[dormant[1]]
+    cat.close()
+
+
+def test_a_sharded_collection_in_use_keeps_its_shards(tmp_path):
+    """A call in progress (or a merge, or an import) holds the shards open: the pool passes over it."""
+    from fusionrag.retriever.directory import catalog
+
+    cat = catalog(tmp_path / "data", collection_config=CollectionConfig(background_merge=False),
+                  limits=quota.Limits(max_open_collections=2))
+    a = _sharded(cat, "a", seed=1)
+    want = _answers(a)
+    a._enter()
+    try:
+        assert not a.release_files()
+        b = cat.create("b", DIM, "l2")  # past the pool's budget, but a is busy: it keeps its shards
+        b.upsert(_docs(3))
+        assert not a.dormant and len(a.index.shards) == 2
+    finally:
+        a._leave()
+    cat.create("c", DIM, "l2")  # now a is idle and the longest unused: it closes its shards
+    assert a.dormant and _fds_under(a.path) == 0
+    assert _answers(a) == want
+    cat.close()
+
+
+def test_other_tenants_keep_their_descriptors_beside_built_sharded_collections(tmp_path):
+    """Under a reserve set so that the process has no room for one more collection's files: with a tenant's
+    collection busy (it cannot close its files), the idle sharded collections close their shards so that the other
+    tenant's create, write and search go through; a sharded collection that finds no room to open its shards again
+    gets UnavailableError (503) and opens nothing, and answers as before once there is room."""
+    from fusionrag.retriever.directory import catalog
+
+    limit = quota.descriptor_limit()
+    cat = catalog(tmp_path / "data", collection_config=CollectionConfig(background_merge=False))
+    shards = [_sharded(cat, f"s{j}", seed=j) for j in range(3)]
+    expect = {s.name: _answers(s) for s in shards}
+    b = cat.create("b", DIM, "l2")
+    b.upsert(_docs(20))
+    q = np.ones((1, DIM), np.float32)
+    b_hits = [h.id for h in b.search(q, k=3).hits[0]]
+    now = quota.open_descriptors()
+    cat.files.reserve = limit - now - quota.DESCRIPTORS_PER_COLLECTION + 1  # no room for one more collection
+    b._enter()  # the other tenant's collection is busy: only the sharded ones can make room
+    try:
+        c = cat.create("b2", DIM, "l2")
+        c.upsert(_docs(5, prefix="c"))
+        assert len(c) == 5
+        assert [h.id for h in b.search(q, k=3).hits[0]] == b_hits
+        b.upsert(_docs(2, seed=5, prefix="w"))
+        assert any(s.dormant for s in shards)
+        assert quota.open_descriptors() <= limit - cat.files.reserve
+        # No room left at all: a dormant sharded collection's call is refused, and opens nothing.
+        c._enter()
+        try:
+            cat.files.reserve = limit - quota.open_descriptors() + 1
+            sleeping = next(s for s in shards if s.dormant)
+            before = quota.open_descriptors()
+            with pytest.raises(UnavailableError, match="files open and keeps"):
+                sleeping.search(q, k=3)
+            assert sleeping.dormant and quota.open_descriptors() <= before
+        finally:
+            c._leave()
+    finally:
+        b._leave()
+    cat.files.reserve = quota.Limits().descriptor_reserve
+    for s in shards:
+        assert _answers(s) == expect[s.name]
+    cat.close()
+
+
+def test_a_sharded_collection_that_could_never_open_its_shards_is_refused_at_create(tmp_path):
+    from fusionrag.retriever.directory import catalog
+
+    cat = catalog(tmp_path / "data")
+    cat.files.reserve = quota.descriptor_limit() - 3 * quota.DESCRIPTORS_PER_SHARD
+    with pytest.raises(QuotaError, match="at most 3 shards"):
+        cat.create("big", DIM, "l2", shards=4)
+    assert cat.names() == []
+    cat.create("small", DIM, "l2", shards=3)
+    cat.close()
+
+
+def test_concurrent_calls_on_sharded_collections_that_close_each_other_all_answer(tmp_path, monkeypatch):
+    """Room in the pool for one 2-shard collection: threads searching and writing three of them at once make each
+    close and reopen the others' shards over and over. No call is closed under (every answer is right, no
+    error), and the writes are all there."""
+    from fusionrag.retriever.directory import catalog
+    from fusionrag.retriever.sharded.hosted import HostedSharded
+
+    released = []
+    release = HostedSharded.release_files
+
+    def counted(self):
+        done = release(self)
+        released.append(done)
+        return done
+    monkeypatch.setattr(HostedSharded, "release_files", counted)
+    cat = catalog(tmp_path / "data", collection_config=CollectionConfig(background_merge=False),
+                  limits=quota.Limits(max_open_collections=3))
+    cols = [_sharded(cat, f"s{j}", seed=j, n=200) for j in range(3)]
+    expect = {c.name: _answers(c)[0] for c in cols}
+    q = clustered(3, DIM, 4, seed=99)
+    errors: list = []
+
+    def work(t: int):
+        try:
+            for i in range(25):
+                col = cols[(t + i) % 3]
+                got = [[h.id for h in hits] for hits in col.search(q, k=5, params=EXHAUSTIVE).hits]
+                assert got == expect[col.name], (col.name, got)
+                col.upsert([Document(f"t{t}-{i}", "w", np.full(DIM, 50.0 + t, np.float32))])
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert sum(released) >= 3, sum(released)  # closed while idle, and opened again by the next call, many times
+    for t in range(4):
+        for i in range(25):
+            assert len(cols[(t + i) % 3].get([f"t{t}-{i}"])) == 1
+    cat.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -109,6 +110,106 @@ def test_one_tenant_creating_collections_cannot_exhaust_the_descriptors(tmp_path
             assert c.post("/v1/collections/b-main/snapshots").status_code == 201
         assert b_status and set(b_status) == {200}, sorted(set(b_status))
         assert most[0] <= 1024 - 128 + 8, most[0]
+    finally:
+        stop.set()
+        srv.stop()
+
+
+def _holding_files(srv: ServerProcess, root: Path) -> dict[str, int]:
+    """Descriptors the server process holds on each collection's files under root (by collection name)."""
+    out: dict[str, int] = {}
+    fds = Path(f"/proc/{srv.proc.pid}/fd")
+    for fd in fds.iterdir():
+        try:
+            target = Path(os.readlink(fd))
+        except OSError:
+            continue
+        if target.is_relative_to(root):
+            name = target.relative_to(root).parts[0]
+            out[name] = out.get(name, 0) + 1
+    return out
+
+
+def test_a_tenants_built_sharded_collections_take_no_descriptors_from_another(tmp_path):
+    """#66: a sharded collection's shards never left the pool of open files, so under a 1,024 limit one key's seven
+    16-shard collections held the descriptors for good and another key's searches, writes, creates and snapshots got
+    503. Under `ulimit -n 384`: tenant A builds ten 4-shard collections (room in the pool for two at a time) while
+    tenant B searches, writes and creates. Every call of both goes through, B never sees an error, the server never
+    holds more descriptors than its limit less the reserve, and each of A's collections, its shards closed while
+    idle, answers afterwards as it did when built."""
+    srv = ServerProcess(tmp_path / "data", tmp_path / "log", "--no-demo", "--api-keys-file", str(_keys(tmp_path)),
+                        "--descriptor-reserve", "64", nofile=384)
+    stop = threading.Event()
+    b_status: list[tuple[str, int]] = []
+    most = [0]
+    q = np.random.default_rng(7).standard_normal((2, DIM)).round(4).tolist()
+    exhaustive = {"nprobe": 4096, "rerank": 4096, "beta": 0}
+
+    def answers(c: httpx.Client, name: str) -> list:
+        out = []
+        for body in ({"vectors": q, "k": 5, "params": exhaustive}, {"texts": ["topic 3"], "mode": "text", "k": 5}):
+            r = c.post(f"/v1/collections/{name}/search", json=body)
+            assert r.status_code == 200, (name, r.status_code, r.text)
+            out.append([[h["id"] for h in hits] for hits in r.json()["results"]])
+        return out
+
+    try:
+        srv.wait_ready()
+        with srv.client(headers=B) as c:
+            r = c.post("/v1/collections", json={"name": "b-main", "dimension": DIM, "metric": "l2"})
+            assert r.status_code == 201
+            assert c.post("/v1/collections/b-main/documents", json={"documents": _docs(50)}).status_code == 200
+
+        def tenant_b():
+            rng = np.random.default_rng(1)
+            with srv.client(headers=B) as c:
+                i = 0
+                while not stop.is_set():
+                    v = rng.standard_normal((1, DIM)).tolist()
+                    r = c.post("/v1/collections/b-main/search", json={"vectors": v, "k": 3})
+                    b_status.append(("search", r.status_code))
+                    r = c.post("/v1/collections/b-main/documents",
+                               json={"documents": _docs(2, seed=i, prefix=f"w{i}-")})
+                    b_status.append(("write", r.status_code))
+                    if i % 10 == 0:
+                        r = c.post("/v1/collections", json={"name": f"b-{i}", "dimension": DIM, "metric": "l2"})
+                        b_status.append(("create", r.status_code))
+                    most[0] = max(most[0], srv.open_files())
+                    i += 1
+
+        t = threading.Thread(target=tenant_b)
+        t.start()
+        built = {}
+        with srv.client(headers=A) as c:
+            for j in range(10):
+                name = f"a-s{j}"
+                r = c.post("/v1/collections", json={"name": name, "dimension": DIM, "metric": "l2", "shards": 4})
+                assert r.status_code == 201, (name, r.status_code, r.text)
+                body = "".join(json.dumps(d) + "\n" for d in _docs(200, seed=100 + j, prefix=f"{name}-"))
+                r = c.post(f"/v1/collections/{name}/import", content=body,
+                           headers={"content-type": "application/x-ndjson"})
+                assert r.status_code == 202, (name, r.status_code, r.text)
+                state = _wait_import(c, name, timeout=300)
+                assert state["state"] == "done", (name, state)
+                built[name] = answers(c, name)
+                most[0] = max(most[0], srv.open_files())
+        stop.set()
+        t.join()
+        with srv.client(headers=B) as c:
+            assert c.post("/v1/collections/b-main/snapshots").status_code == 201
+            r = c.post("/v1/collections", json={"name": "b-last", "dimension": DIM, "metric": "l2"})
+            assert r.status_code == 201, r.text
+        bad = [(what, s) for what, s in b_status if s not in (200, 201)]
+        assert b_status and not bad, bad[:5]
+        assert {what for what, _ in b_status} == {"search", "write", "create"}
+        assert most[0] <= 384 - 64 + 8, most[0]
+        holding = _holding_files(srv, tmp_path / "data" / "collections")
+        assert len({n for n in holding if n.startswith("a-s")}) <= 2, holding  # the others closed their shards
+        with srv.client(headers=A) as c:
+            for name, want in built.items():  # each one's shards were closed while idle, and opened again now
+                assert answers(c, name) == want, name
+                most[0] = max(most[0], srv.open_files())
+        assert most[0] <= 384 - 64 + 8, most[0]
     finally:
         stop.set()
         srv.stop()
