@@ -15,6 +15,7 @@ from pydantic.json_schema import models_json_schema
 from fusionrag import __version__
 from fusionrag.server.config import ServerConfig
 from fusionrag.server.errors import install_handlers
+from fusionrag.server.fastpath import FastRoutes
 from fusionrag.server.life import Service, State
 from fusionrag.server.auth import KeyRing
 from fusionrag.server.middleware import AddHeaders, BodyLimit, ObserveMiddleware
@@ -47,10 +48,11 @@ def _document_page_limit(paths: dict, config: ServerConfig) -> None:
 
 
 def create_app(config: ServerConfig, catalog=None, keys: KeyRing | None = None,
-               headers: dict[str, str] | None = None) -> FastAPI:
+               headers: dict[str, str] | None = None, fast_routes: bool = True) -> FastAPI:
     """The service's app. catalog, keys: as State takes them (a ShardedCatalog: the sharded service, every router
     replica of it building this same app from the user's ServerConfig); headers: added to every answer (a router
-    replica's id)."""
+    replica's id); fast_routes: the search route answered below FastAPI's routing (server/fastpath.py; False
+    leaves every request to FastAPI, as tests compare)."""
     service = Service(config, catalog, keys)
     state = service.state
 
@@ -66,6 +68,8 @@ def create_app(config: ServerConfig, catalog=None, keys: KeyRing | None = None,
                   description="Retrieval for RAG over a FusionANNS-style index. Send `Authorization: Bearer <key>` "
                               "when the service has API keys.")
     app.state.fusionrag = state
+    if fast_routes:
+        app.add_middleware(FastRoutes)  # innermost: below the limits, metrics and log
     app.add_middleware(BodyLimit, limit=config.max_body_bytes, upload_limit=config.max_upload_bytes,
                        timeout=config.body_timeout_s, file_limit=config.max_file_bytes)
     app.add_middleware(ObserveMiddleware, metrics=state.metrics)

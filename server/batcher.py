@@ -2,14 +2,18 @@
 
 A batch opens with the first waiting request and closes after `max_wait_s` or once `max_queries`
 queries wait, whichever comes first; a request that finds no batch running goes at once. Requests are then grouped by what the engine needs to share one
-call (collection, k, filter, tuning, whether hits carry vectors); texts are embedded together, one model
-call per batch; each group is one `Collection.search`, whose rows are handed back to the requests they came from. While
+call (collection, k, filter, tuning, whether hits carry vectors); each group is one `Collection.search`, whose rows are handed back to the requests they came from. While
 every engine thread is busy, new requests keep queueing and join the next batch, so batches grow with
 the load instead of the wait. A collection whose index serves calls from a size on from the GPU
 (`Collection.crossover`: filter_tier auto with CUDA, the size from which the GPU is measured cheaper) has its
 batch held open up to `gpu_wait_s` longer to reach that size, only while other requests keep arriving fast
 enough to fill it in the time left (their rate since the batch's first request): under load the device gets the
 batches it needs, and a lone client, whose next query waits for this answer, waits no longer than before.
+
+Texts to embed never reach a search thread: each model has its own queue and thread (`_ModelQueue`), where the
+texts of concurrent requests are embedded together, one model call for all that wait, before the requests join
+a search batch with their vectors. A slow or hung model (an endpoint) holds only the requests that need it, and
+no search of another collection waits behind it.
 """
 
 from __future__ import annotations
@@ -70,6 +74,62 @@ class ServiceClosing(RuntimeError):
     """A search arrived after shutdown began."""
 
 
+class _ModelQueue:
+    """The texts waiting for one embedding model, embedded a batch a model call in the model's own thread (never a
+    search thread): a call takes every text waiting when it starts (at most max_texts), and texts that arrive
+    while it runs wait for the next, so a lone query waits for nothing and concurrent ones share calls. A slow
+    or hung model (an endpoint) holds only the requests that need it; the endpoint's own total deadline
+    (embedding._Endpoint.DEADLINE_S) bounds each call."""
+
+    def __init__(self, embedder, max_texts: int, metrics: Metrics):
+        self.embedder, self.max_texts, self.metrics = embedder, max_texts, metrics
+        self._waiting: deque[tuple[list[str], asyncio.Future]] = deque()
+        self._running = False
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="fusionrag-embed")
+
+    async def embed(self, texts: list[str]) -> np.ndarray:
+        future = asyncio.get_running_loop().create_future()
+        self._waiting.append((texts, future))
+        if not self._running:
+            self._next()
+        return await future
+
+    def _next(self) -> None:
+        batch, n = [], 0
+        while self._waiting and (not batch or n + len(self._waiting[0][0]) <= self.max_texts):
+            texts, future = self._waiting.popleft()
+            if future.done():  # its client went away
+                continue
+            batch.append((texts, future))
+            n += len(texts)
+        if not batch:
+            self._running = False
+            return
+        self._running = True
+        task = asyncio.ensure_future(self._call(batch))
+        task.add_done_callback(lambda _: self._next())
+
+    async def _call(self, batch: list[tuple[list[str], asyncio.Future]]) -> None:
+        texts = [t for part, _ in batch for t in part]
+        t = time.perf_counter()
+        try:
+            vectors = await asyncio.get_running_loop().run_in_executor(self._executor, self.embedder.embed, texts)
+        except Exception as e:  # noqa: BLE001 - handed to every request of the call
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(e)
+            return
+        self.metrics.stage_seconds.labels("embed").observe(time.perf_counter() - t)
+        at = 0
+        for part, future in batch:
+            if not future.done():
+                future.set_result(vectors[at:at + len(part)])
+            at += len(part)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+
 class MicroBatcher:
     def __init__(self, max_wait_s: float, max_queries: int, threads: int, metrics: Metrics, gpu_wait_s: float = 0.0):
         self.max_wait_s, self.max_queries, self.threads = max_wait_s, max_queries, threads
@@ -77,6 +137,7 @@ class MicroBatcher:
         self._pending: deque[_Request] = deque()
         self._queued = 0  # queries in _pending
         self._closing = False
+        self._models: dict[int, _ModelQueue] = {}  # by id of the embedder: texts waiting for each model
 
     async def start(self) -> None:
         self._wake = asyncio.Event()
@@ -93,6 +154,8 @@ class MicroBatcher:
         if self._inflight:
             await asyncio.gather(*self._inflight, return_exceptions=True)
         self._executor.shutdown(wait=True)
+        for queue in self._models.values():
+            queue.close()
 
     async def search(self, collection: Collection, k: int, *, vectors: np.ndarray | None = None,
                      texts: list[str] | None = None, filter: dict | None = None,
@@ -103,6 +166,14 @@ class MicroBatcher:
         or both in hybrid mode; see Collection.search for the modes (and `partial`, a sharded collection's)."""
         if self._closing:
             raise ServiceClosing("the service is shutting down")
+        if vectors is None and mode != "text":  # the texts embedded first, by their model's own queue and thread
+            embedder = get_embedder(collection.embedding)
+            queue = self._models.get(id(embedder))
+            if queue is None:
+                queue = self._models[id(embedder)] = _ModelQueue(embedder, self.max_queries, self.metrics)
+            vectors = await queue.embed(texts)
+            if self._closing:
+                raise ServiceClosing("the service is shutting down")
         future = asyncio.get_running_loop().create_future()
         req = _Request(collection, vectors, texts, k, filter, params, mode, text_weight, future, time.perf_counter(),
                        with_vectors, fusion, partial)
@@ -205,25 +276,9 @@ class MicroBatcher:
 
     def _run_batch(self, batch: list[_Request]) -> dict:
         answers: dict[_Request, CollectionSearch | Exception] = {}
-        by_model = defaultdict(list)
-        for req in batch:
-            if req.vectors is None and req.mode != "text":
-                by_model[req.collection.embedding].append(req)
-        for model, reqs in by_model.items():
-            t = time.perf_counter()
-            try:
-                vectors = get_embedder(model).embed([text for req in reqs for text in req.texts])
-            except Exception as e:  # noqa: BLE001
-                answers.update((req, e) for req in reqs)
-                continue
-            self.metrics.stage_seconds.labels("embed").observe(time.perf_counter() - t)
-            at = 0
-            for req in reqs:
-                req.vectors, at = vectors[at: at + len(req.texts)], at + len(req.texts)
         groups = defaultdict(list)
         for req in batch:
-            if req not in answers:
-                groups[req.group()].append(req)
+            groups[req.group()].append(req)
         for reqs in groups.values():
             try:
                 answers.update(self._search_group(reqs))

@@ -5,7 +5,7 @@ route may count its queries: a 16 MiB search body cost ~85 MB before its 257th q
 that take vectors walk their body's bytes here instead: a list over its limit is refused at the item past it,
 a vector goes straight into a float32 array (its length checked before its numbers are parsed), and the other
 values, which pydantic then validates, count against MAX_VALUES. Strings, numbers and vectors are parsed in C
-(json, numpy); only the structure is walked in Python, MAX_DEPTH levels deep at most.
+(orjson, json, numpy); only the structure is walked in Python, MAX_DEPTH levels deep at most.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import re
 from typing import Any, Callable
 
 import numpy as np
+import orjson
 from fastapi import HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, TypeAdapter, ValidationError
@@ -179,12 +180,15 @@ class Body:
             n = row.count(b",") + 1 if row[1:-1].strip() else 0
             if n != dim:
                 raise wrong_dim(n)
-            try:
-                v = json.loads(row)
-            except json.JSONDecodeError as e:
-                self.fail(i + e.pos, e.msg)
-            except ValueError as e:  # an integer of more digits than Python converts
-                raise HTTPException(422, f"{'.'.join(map(str, loc))}: {e}") from None
+            try:  # orjson parses a row of floats ~5x faster than json (13 against 70 us for 384)
+                v = orjson.loads(row)
+            except orjson.JSONDecodeError:  # NaN, Infinity, a number past float64, a typo: json's words for it
+                try:
+                    v = json.loads(row)
+                except json.JSONDecodeError as e:
+                    self.fail(i + e.pos, e.msg)
+                except ValueError as e:  # an integer of more digits than Python converts
+                    raise HTTPException(422, f"{'.'.join(map(str, loc))}: {e}") from None
         if len(v) != dim:
             raise wrong_dim(len(v))
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Annotated, Callable
 
 from fastapi import Depends, Path as PathParam, Request
+from starlette.concurrency import run_in_threadpool
 from starlette.convertors import Convertor, register_url_convertor
 
 from fusionrag.retriever.collection import NAME_RE, Collection
@@ -44,7 +45,12 @@ def state_of(request: Request) -> State:
     return request.app.state.fusionrag
 
 
-def authenticate(request: Request) -> Key | None:
+# The dependencies routes declare (authenticate, allowed, creatable, open_collection) are coroutines: FastAPI runs
+# a plain function dependency in its thread pool, a thread hop (and two GIL hand-offs) per dependency per request,
+# which cost more than the checks themselves. Each is a check in memory; open_collection goes to a thread only to
+# open a collection that is not open yet. Their plain twins (key_of, ...) serve code that calls them directly.
+
+def key_of(request: Request) -> Key | None:
     """The caller's key; None when the service runs without keys."""
     ring = state_of(request).keys
     if not ring.enabled:
@@ -57,6 +63,11 @@ def authenticate(request: Request) -> Key | None:
     if key is None:
         raise http_error(401, "invalid API key", challenge)
     return key
+
+
+async def authenticate(request: Request) -> Key | None:
+    """The caller's key (key_of), as a route's dependency."""
+    return key_of(request)
 
 
 def check_name(name: str) -> None:
@@ -88,13 +99,18 @@ def reaches(state: State, key: Key | None, name: str) -> bool:
     return True
 
 
-def allowed(request: Request, name: Annotated[str, PathParam(json_schema_extra={"pattern": NAME_PATTERN})],
-            key: Key | None = Depends(authenticate)) -> str:
-    """The collection name of the path, valid and open to this key."""
+def check_reaches(request: Request, name: str, key: Key | None) -> str:
+    """The collection name of the path, valid and open to this key (400, 403)."""
     check_name(name)
     if not reaches(state_of(request), key, name):
         raise http_error(403, f"this API key has no rights to collection {name!r}")
     return name
+
+
+async def allowed(request: Request, name: Annotated[str, PathParam(json_schema_extra={"pattern": NAME_PATTERN})],
+                  key: Key | None = Depends(authenticate)) -> str:
+    """check_reaches as a route's dependency."""
+    return check_reaches(request, name, key)
 
 
 def check_new_name(name: str, key: Key | None) -> None:
@@ -109,8 +125,8 @@ def check_new_name(name: str, key: Key | None) -> None:
                               f"(POST /v1/vector_stores); this API key cannot create {name!r}")
 
 
-def creatable(name: Annotated[str, PathParam(json_schema_extra={"pattern": NAME_PATTERN})],
-              key: Key | None = Depends(authenticate)) -> str:
+async def creatable(name: Annotated[str, PathParam(json_schema_extra={"pattern": NAME_PATTERN})],
+                    key: Key | None = Depends(authenticate)) -> str:
     """The collection name of the path, for a collection this key would make (a restore): see check_new_name."""
     check_new_name(name, key)
     return name
@@ -133,10 +149,21 @@ def collection_quota(request: Request, key: Key | None) -> Callable[[list[str]],
     return allow
 
 
-def open_collection(request: Request, name: str = Depends(allowed)) -> Collection:
+def collection_of(request: Request, name: str) -> Collection:
+    """The open collection of a name this key may use (opened if it is not: files are read)."""
     state = state_of(request)
     with state.lock:
         building = name in state.building
     if building:
         raise http_error(503, f"collection {name!r} is being built; /readyz says when it is done", {"Retry-After": "5"})
     return state.catalog.get(name)
+
+
+async def open_collection(request: Request, name: str = Depends(allowed)) -> Collection:
+    """collection_of as a route's dependency: an open collection is taken on the event loop (a dict read; a set's
+    membership read without the lock, atomic under the GIL), one still to open in a thread."""
+    state = state_of(request)
+    col = state.catalog.peek(name)
+    if col is not None and name not in state.building:
+        return col
+    return await run_in_threadpool(collection_of, request, name)

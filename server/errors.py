@@ -64,7 +64,7 @@ def answer(request: Request, content: dict, status: int, headers: dict | None = 
     return JSONResponse(shaped(request.url.path, content, status), status, headers)
 
 
-def validation_response(request: Request, exc: RequestValidationError) -> JSONResponse:
+async def validation_response(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     bad_json = next((e for e in errors if e.get("type") == "json_invalid"), None)
     if bad_json:
@@ -80,7 +80,7 @@ def validation_response(request: Request, exc: RequestValidationError) -> JSONRe
                   422)
 
 
-def engine_error(request: Request, exc: FusionRAGError) -> JSONResponse:
+async def engine_error(request: Request, exc: FusionRAGError) -> JSONResponse:
     # The service's own paths are none of a client's business: the data directory's (or, for the sharded service, the
     # index directory's) is named by what it is.
     catalog = request.app.state.fusionrag.catalog
@@ -93,7 +93,7 @@ def engine_error(request: Request, exc: FusionRAGError) -> JSONResponse:
     return answer(request, {"detail": f"{type(exc).__name__}: {detail}"}, 500)
 
 
-def unexpected(request: Request, exc: Exception) -> JSONResponse:
+async def unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.error("unhandled error", exc_info=exc, extra={"path": request.url.path})
     # uvicorn closes the connection after an unhandled error: the client is told so, not left to find out.
     return JSONResponse({"detail": "internal error; see the service's log"}, 500, {"Connection": "close"})
@@ -111,7 +111,8 @@ async def http_error_handler(request: Request, exc: StarletteHTTPException) -> R
 
 
 def install_handlers(app: FastAPI) -> None:
-    """Every error answered as JSON with its status: engine errors by the table, refused bodies with what was
+    """Every error answered as JSON with its status (each handler a coroutine: Starlette runs a plain function
+    handler in its thread pool, a thread hop an error): engine errors by the table, refused bodies with what was
     wrong, 405 with the methods the path takes, and anything unexpected as a 500 that closes the connection."""
     app.add_exception_handler(RequestValidationError, validation_response)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)

@@ -7,15 +7,28 @@ import logging
 import sys
 import time
 
+import orjson
+
 # Attributes every LogRecord has; anything else was passed in `extra=` and belongs in the line.
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName",
                                                                         "color_message"}
 
 
 class JsonFormatter(logging.Formatter):
+    """One JSON object a line, written by orjson, its time stamp formatted once a second (the service logs a line a
+    request: a one-query search cost 6% more CPU with the log at info than at warning)."""
+
+    _second, _stamp = -1, ""
+
+    def _ts(self, created: float, msecs: float) -> str:
+        second = int(created)
+        if second != self._second:  # the date and time to the second, formatted once a second
+            self._second, self._stamp = second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+        return f"{self._stamp}.{int(msecs):03d}Z"
+
     def format(self, record: logging.LogRecord) -> str:
         line = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "ts": self._ts(record.created, record.msecs),
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
@@ -23,7 +36,10 @@ class JsonFormatter(logging.Formatter):
         line.update((k, v) for k, v in vars(record).items() if k not in _STANDARD)
         if record.exc_info:
             line["exc"] = self.formatException(record.exc_info)
-        return json.dumps(line, default=str)
+        try:
+            return orjson.dumps(line, default=str).decode()
+        except TypeError:  # what orjson does not write (an integer past 64 bits, a dict with keys not strings)
+            return json.dumps(line, default=str)
 
 
 def setup_logging(level: str, fmt: str) -> None:

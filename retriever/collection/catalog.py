@@ -245,6 +245,11 @@ class Catalog:
             with self._lock:
                 self._restoring.discard(name)
 
+    def peek(self, name: str):
+        """The collection of this name if it is open now, else None: no lock, no file touched (a dict read), so the
+        service's routes take an open collection on the event loop and go to a thread only to open one (get)."""
+        return None if self._closed else self._open.get(name)
+
     def get(self, name: str) -> Collection:
         self._check_name(name)
         with self._lock:

@@ -31,6 +31,10 @@ class ShardedCatalog:
     def open_all(self) -> dict[str, str]:
         return {}
 
+    def peek(self, name: str):
+        """The collection if it is this one (always open), as Catalog.peek."""
+        return self.collection if name == self.name else None
+
     def get(self, name: str) -> ShardedCollection:
         if name != self.name:
             raise NotFoundError(f"no collection {name!r} (this service serves the sharded collection {self.name!r})")

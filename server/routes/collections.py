@@ -10,8 +10,8 @@ from fastapi import APIRouter, Depends, Request
 from fusionrag.retriever.collection.embedding import canonical_name, get_embedder
 from fusionrag.retriever.errors import NotFoundError, UnavailableError
 from fusionrag.server.auth import Key
-from fusionrag.server.deps import (allowed, authenticate, check_new_name, collection_quota, open_collection, reaches,
-                                   state_of)
+from fusionrag.server.deps import (allowed, authenticate, check_new_name, collection_of, collection_quota,
+                                   open_collection, reaches, state_of)
 from fusionrag.server.errors import documented, http_error
 from fusionrag.server.schemas import CreateCollection
 
@@ -74,7 +74,7 @@ def collection_info(request: Request, name: str = Depends(allowed)):
     state = state_of(request)
     if name in state.catalog.failed():
         return state.failed_info(name)
-    return open_collection(request, name).info()
+    return collection_of(request, name).info()
 
 
 @router.delete("/collections/{name}", summary="Delete a collection and its files",

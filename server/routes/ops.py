@@ -7,7 +7,7 @@ from fastapi.exceptions import HTTPException
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from fusionrag.server.deps import authenticate, reaches, state_of
+from fusionrag.server.deps import key_of, reaches, state_of
 from fusionrag.server.errors import documented, http_error
 from fusionrag.server.schemas import Readiness
 
@@ -24,7 +24,7 @@ def _for_caller(request: Request, body: dict) -> dict:
     if not state.keys.enabled:
         return body
     try:
-        key = authenticate(request)
+        key = key_of(request)
     except HTTPException:
         return {"status": body["status"]}
     return {k: v if k not in NAMED else [n for n in v if reaches(state, key, n)] if isinstance(v, list) else
@@ -60,6 +60,6 @@ def readyz(request: Request):
                                 "every collection)", response_class=PlainTextResponse, responses=documented(401, 403))
 def metrics(request: Request):
     state = state_of(request)
-    if state.config.metrics_auth and state.keys.enabled and not authenticate(request).unrestricted:
+    if state.config.metrics_auth and state.keys.enabled and not key_of(request).unrestricted:
         raise http_error(403, "/metrics names every collection: it needs a key that covers them all")
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -109,3 +109,97 @@ def test_a_request_to_an_idle_engine_goes_at_once_and_batches_gather_while_one_r
 
     asyncio.run(main())
     assert started == [1, 4] and calls == [1, 4]
+
+
+class _Model:
+    """An embedding model stand-in: a vector per text from its words (the same text, the same vector), each call
+    recorded; calls for texts holding "hang" wait for `gate`."""
+
+    def __init__(self, dim: int):
+        self.dim, self.calls = dim, []
+        self.gate = __import__("threading").Event()
+
+    def embed(self, texts):
+        self.calls.append(len(texts))
+        if any("hang" in t for t in texts):
+            assert self.gate.wait(30)
+        out = np.stack([np.random.default_rng(abs(hash(t)) % (1 << 32)).standard_normal(self.dim) for t in texts])
+        return out.astype(np.float32)
+
+
+def _text_collection(tmp_path, name, model, n=300):
+    cat = Catalog(tmp_path / name, collection_config=CollectionConfig(background_merge=False, min_index_count=100))
+    col = cat.create(name, DIM, "l2", embedding="all-MiniLM-L6-v2")  # the name only: the batcher asks get_embedder
+    texts = [f"passage {i} about topic {i % 17}" for i in range(n)]
+    col.add([Document(str(i), t, v) for i, (t, v) in enumerate(zip(texts, model.embed(texts)))])
+    col.merge()  # an index, not only the exact fresh tier
+    model.calls.clear()
+    return cat, col, texts
+
+
+def test_concurrent_text_queries_share_model_calls_and_answer_as_alone(tmp_path, monkeypatch):
+    """Texts are embedded off the search threads, by their model's own queue: 24 concurrent text queries take far
+    fewer model calls than queries (those waiting while a call runs go together), and each answers what it answers
+    alone, in vector and hybrid mode."""
+    model = _Model(DIM)
+    monkeypatch.setattr("fusionrag.server.batcher.get_embedder", lambda name: model)
+    cat, col, texts = _text_collection(tmp_path, "t", model)
+    queries = [texts[i] for i in range(0, 240, 10)]
+
+    async def main():
+        batcher = MicroBatcher(0.002, 256, 2, Metrics(lambda: {}))
+        await batcher.start()
+        alone = []
+        for mode in ("vector", "hybrid"):
+            for q in queries:
+                alone.append(await batcher.search(col, 5, texts=[q], mode=mode))
+        calls_alone = list(model.calls)
+        model.calls.clear()
+        together = await asyncio.gather(*(batcher.search(col, 5, texts=[q], mode=mode)
+                                          for mode in ("vector", "hybrid") for q in queries))
+        await batcher.stop()
+        return alone, calls_alone, together
+
+    alone, calls_alone, together = asyncio.run(main())
+    assert calls_alone == [1] * 48
+    assert sum(model.calls) == 48 and len(model.calls) < 12, model.calls  # shared calls
+    for a, b in zip(alone, together):
+        assert [h.id for h in a.hits[0]] == [h.id for h in b.hits[0]]
+        np.testing.assert_allclose([h.score for h in a.hits[0]], [h.score for h in b.hits[0]], rtol=1e-5)
+    # Each query's own passage comes first (its vector is the stored one).
+    assert [r.hits[0][0].id for r in together[:24]] == [str(i) for i in range(0, 240, 10)]
+    cat.close()
+
+
+def test_a_hung_model_holds_only_the_requests_that_need_it(tmp_path, monkeypatch):
+    """A model that hangs (an endpoint that stopped answering) holds its own requests, not the search threads: another
+    collection's vector searches, sent while it hangs, are all answered; the held ones are answered once it does."""
+    model = _Model(DIM)
+    monkeypatch.setattr("fusionrag.server.batcher.get_embedder", lambda name: model)
+    cat, col, texts = _text_collection(tmp_path, "t", model)
+    other = Catalog(tmp_path / "o", collection_config=CollectionConfig(background_merge=False))
+    vec = other.create("o", DIM, "l2")
+    rng = np.random.default_rng(3)
+    vec.add([Document(str(i), None, rng.standard_normal(DIM)) for i in range(200)])
+
+    async def main():
+        batcher = MicroBatcher(0.002, 256, 1, Metrics(lambda: {}))  # one search thread: nothing may hold it
+        await batcher.start()
+        searches = lambda n: [batcher.search(vec, 5, vectors=rng.standard_normal((1, DIM)).astype(np.float32))  # noqa
+                              for _ in range(n)]
+        first = [asyncio.ensure_future(s) for s in searches(5)]  # sent with the held ones: one batch before
+        held = [asyncio.create_task(batcher.search(col, 5, texts=[f"hang {i}"])) for i in range(3)]
+        await asyncio.sleep(0.2)
+        answered = await asyncio.wait_for(asyncio.gather(*first, *searches(35)), 20)
+        still = [t.done() for t in held]
+        model.gate.set()
+        done = await asyncio.wait_for(asyncio.gather(*held), 20)
+        await batcher.stop()
+        return answered, still, done
+
+    answered, still, done = asyncio.run(main())
+    assert len(answered) == 40 and all(len(r.hits[0]) == 5 for r in answered)
+    assert still == [False] * 3  # held the while, by their model alone
+    assert all(len(r.hits[0]) == 5 for r in done)
+    cat.close()
+    other.close()
