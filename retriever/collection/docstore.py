@@ -187,6 +187,23 @@ def merge_patch(target, patch):
     return out
 
 
+_LONG_NUMBER = re.compile(r"\d{19}")
+
+try:  # the server's extra holds orjson: a stored metadata's JSON read ~9x faster (a search reads k a query)
+    import orjson as _orjson
+
+    def _metadata(text: str):
+        # orjson reads an integer past 64 bits as a float; json keeps it exact (stored before writes refused them)
+        if _LONG_NUMBER.search(text):
+            return json.loads(text)
+        try:
+            return _orjson.loads(text)
+        except _orjson.JSONDecodeError:  # a lone surrogate's escape, stored before writes refused them
+            return json.loads(text)
+except ImportError:  # the engine alone
+    _metadata = json.loads
+
+
 def _chunks(seq, n=_CHUNK):
     for s in range(0, len(seq), n):
         yield seq[s:s + n]
@@ -438,7 +455,7 @@ class DocStore:
             for part in _chunks(ids):
                 q = ",".join("?" * len(part))
                 for i, t, m, v in con.execute(f"SELECT id, text, metadata, vector FROM docs WHERE id IN ({q})", part):
-                    out[i] = (t, json.loads(m), self._vec(v) if with_vectors else None)
+                    out[i] = (t, _metadata(m), self._vec(v) if with_vectors else None)
         return out
 
     def by_rows(self, rows, with_vectors: bool) -> dict[int, tuple]:
@@ -451,7 +468,7 @@ class DocStore:
                 q = ",".join("?" * len(part))
                 for r, i, t, m, v in con.execute(
                         f"SELECT row, id, text, metadata, {col} FROM docs WHERE row IN ({q})", part):
-                    out[r] = (i, t, json.loads(m), self._vec(v) if with_vectors else None)
+                    out[r] = (i, t, _metadata(m), self._vec(v) if with_vectors else None)
         return out
 
     def page(self, after: int, limit: int, where: tuple[str, list] | None, with_vectors: bool) -> list[tuple]:
@@ -465,7 +482,7 @@ class DocStore:
             params += where[1]
         with self._reader() as con:
             found = con.execute(sql + " ORDER BY row LIMIT ?", params + [limit]).fetchall()
-        return [(r, i, t, json.loads(m), self._vec(v) if with_vectors else None) for r, i, t, m, v in found]
+        return [(r, i, t, _metadata(m), self._vec(v) if with_vectors else None) for r, i, t, m, v in found]
 
     def field_types(self, key: str) -> set[str]:
         """The types (filters.TYPES) of the values stored under a metadata key: an index seek each."""

@@ -57,7 +57,7 @@ class Generation:
 @dataclass
 class ReadView:
     main: Generation
-    tomb: np.ndarray  # uint8 bitmap over main vector ids, a copy
+    tomb: np.ndarray  # uint8 bitmap over main vector ids, as of the snapshot (the collection replaces, never writes it)
     tomb_count: int
     fresh: FreshView
 
