@@ -67,7 +67,14 @@ class SnapshotShelf:
             quota.check_room(folder, need + sum(self._writing.values()), self.reserve, "the snapshot")
             self._writing[(coll.name, snapshot_id)] = need
         try:
-            info = {"id": snapshot_id, **coll.snapshot(folder / f"{snapshot_id}.tar")}
+            try:
+                info = {"id": snapshot_id, **coll.snapshot(folder / f"{snapshot_id}.tar")}
+            except StorageError as e:
+                # A drop waits for a snapshot in progress and refuses one that comes after it (NotFoundError,
+                # 404); should the collection's files be gone all the same, that is what the caller is told.
+                if not coll.path.is_dir():
+                    raise NotFoundError(f"collection {coll.name!r} was deleted") from e
+                raise
             try:
                 (folder / f"{snapshot_id}.json").write_text(json.dumps(info))
             except OSError as e:

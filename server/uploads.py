@@ -1,6 +1,7 @@
-"""Request bodies written to the data disk as they arrive (an upload may be far larger than memory), checked
-against the disk reserve as they are written: a whole body (a snapshot to restore), or a multipart body's files
-(a bulk import's documents and vectors, an OpenAI file upload) with its small fields kept in memory."""
+"""Request bodies written to the data disk as they arrive (an upload may be far larger than memory), kept out of
+the disk reserve as they are written (Room: their room claimed before it is written, and counted by every other
+upload's check): a whole body (a snapshot to restore), or a multipart body's files (a bulk import's documents and
+vectors, an OpenAI file upload) with its small fields kept in memory."""
 
 from __future__ import annotations
 
@@ -25,20 +26,33 @@ FIELD_BYTES = 4096  # a multipart field kept in memory (not a file) is at most t
 
 
 class Room:
-    """Checks, as an upload is written, that the disk reserve stays free: before each few MiB (a statvfs), that
-    they fit above it."""
+    """Keeps an upload out of the disk reserve as it is written, whatever other uploads write meanwhile: before
+    its first bytes are written it claims the room its request declares (Content-Length), else EVERY bytes at a
+    time as they arrive (a quota.DiskClaim, which every check of the reserve counts until those bytes are
+    written), and is refused (StorageError, 507) where that room is not there above the reserve besides what
+    the uploads in progress have claimed. claim(n) before writing n bytes, wrote(n) after, close() at the end
+    (whatever happened: what was claimed and not written is given back)."""
 
     EVERY = 4 << 20
 
     def __init__(self, request: Request, folder: Path):
-        self.folder, self.reserve = folder, state_of(request).catalog.limits.disk_reserve_bytes
-        self.left = 0  # bytes checked for and not yet written
+        self.claimed = quota.DiskClaim(folder, state_of(request).catalog.limits.disk_reserve_bytes, "the upload")
+        declared = request.headers.get("content-length", "")
+        self.declared = int(declared) if declared.isascii() and declared.isdigit() else 0  # 0: not declared
+
+    def claim(self, n: int) -> None:
+        """Before n bytes are written."""
+        short = n - self.claimed.held
+        if short > 0:
+            self.claimed.take(max(short, self.declared or self.EVERY))
+            self.declared = 0  # claimed whole: what passes it (nothing, HTTP framing holds it) claimed as it comes
 
     def wrote(self, n: int) -> None:
-        if n > self.left:
-            quota.check_room(self.folder, max(n, self.EVERY), self.reserve, "the upload")
-            self.left = max(n, self.EVERY)
-        self.left -= n
+        """After n bytes were written."""
+        self.claimed.wrote(n)
+
+    def close(self) -> None:
+        self.claimed.release()
 
 
 async def spool(request: Request) -> Path:
@@ -46,20 +60,23 @@ async def spool(request: Request) -> Path:
     folder = data_path(state_of(request).config) / "uploads"
     path = folder / f"{uuid.uuid4().hex}.part"
     size = 0
+    room = Room(request, folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        room = Room(request, folder)
         async with await anyio.open_file(path, "wb") as f:
             async for chunk in request.stream():
-                room.wrote(len(chunk))
+                room.claim(len(chunk))
                 size += len(chunk)
                 await f.write(chunk)
+                room.wrote(len(chunk))
     except OSError as e:
         path.unlink(missing_ok=True)
         raise StorageError(f"cannot store the upload: {e}") from e
     except BaseException:
         path.unlink(missing_ok=True)
         raise
+    finally:
+        room.close()
     if not size:
         path.unlink(missing_ok=True)
         raise http_error(422, "the body is empty: send the file as the request's body")
@@ -70,7 +87,16 @@ async def spool_multipart(request: Request, room: Room, place: Callable[[str, st
                           ) -> tuple[dict[str, Path], dict[str, str]]:
     """A multipart/form-data body: each part that place(name, filename) gives a path is written there as it
     arrives, the others (fields) kept in memory, up to FIELD_BYTES each. place raises (an HTTPException) for a
-    part the route does not take. (files by name, fields by name); the caller removes the files, also on error."""
+    part the route does not take. (files by name, fields by name); the caller removes the files, also on error.
+    room is closed at the end."""
+    try:
+        return await _spool_multipart(request, room, place)
+    finally:
+        room.close()
+
+
+async def _spool_multipart(request: Request, room: Room, place: Callable[[str, str], Path | None]
+                           ) -> tuple[dict[str, Path], dict[str, str]]:
     ctype, params = parse_options_header(request.headers.get("content-type", ""))
     if ctype.decode("latin-1").lower() != "multipart/form-data" or not params.get(b"boundary"):
         raise http_error(415, "send the body as multipart/form-data")
@@ -126,8 +152,9 @@ async def spool_multipart(request: Request, room: Room, place: Callable[[str, st
     try:
         try:
             async for chunk in request.stream():
-                room.wrote(len(chunk))
+                room.claim(len(chunk))
                 await anyio.to_thread.run_sync(parser.write, chunk)
+                room.wrote(len(chunk))
             parser.finalize()
         except MultipartParseError as e:
             raise http_error(400, f"malformed multipart body: {e}") from e
@@ -152,13 +179,17 @@ async def spool_import(request: Request, folder: Path) -> dict[str, Path]:
     format by its file name's extension)."""
     ctype, _ = parse_options_header(request.headers.get("content-type", ""))
     ctype = ctype.decode("latin-1").lower()
-    room = Room(request, folder)
     if ctype in _JSONL:
         path = folder / "documents.jsonl"
-        async with await anyio.open_file(path, "wb") as f:
-            async for chunk in request.stream():
-                room.wrote(len(chunk))
-                await f.write(chunk)
+        room = Room(request, folder)
+        try:
+            async with await anyio.open_file(path, "wb") as f:
+                async for chunk in request.stream():
+                    room.claim(len(chunk))
+                    await f.write(chunk)
+                    room.wrote(len(chunk))
+        finally:
+            room.close()
         return {"documents": path}
     if ctype != "multipart/form-data":
         raise http_error(415, f"send the documents as {' or '.join(_JSONL)} (JSON lines), or multipart/form-data with "
@@ -174,7 +205,7 @@ async def spool_import(request: Request, folder: Path) -> dict[str, Path]:
             return folder / f"vectors{ext}"
         raise http_error(422, f"unknown part {name[:40]!r}: an import takes 'documents' and 'vectors'")
 
-    files, _ = await spool_multipart(request, room, place)
+    files, _ = await spool_multipart(request, Room(request, folder), place)
     if not files:
         raise http_error(422, "the multipart body has neither a 'documents' nor a 'vectors' part")
     return files

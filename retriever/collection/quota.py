@@ -3,7 +3,9 @@
 - Disk: writes (upserts, deletes, merges) may use the disk to its last byte, but a snapshot, an import and a
   restore are refused (StorageError, 507) when they would leave less than a reserve free, so bulk operations
   run out of room before a tenant's ordinary writes do. Each checks before it writes what it declares it
-  will write, and again as it writes.
+  will write, and again as it writes. An upload claims its room (DiskClaim: what its request declares, else a
+  few MiB at a time) before it writes, and every check counts the room the writers in flight have claimed and
+  not yet written, so writers at once never each take the same room above the reserve.
 - Descriptors: the soft limit is raised to the hard one at start; collections keep their files open only
   while they are among the most recently used (OpenFiles below; an idle one closes its doc store and log and
   reopens them on its next call; an idle sharded collection closes its shards whole), and no collection opens
@@ -72,12 +74,72 @@ def disk_bytes(path: str | os.PathLike) -> int:
     return st.f_blocks * st.f_frsize
 
 
+# Room claimed on each file system (by st_dev) by writers in flight (DiskClaim) and not yet written: what
+# the free space does not show yet, and every check_room there counts.
+_claims_lock = threading.Lock()
+_claimed: dict[int, int] = {}
+
+
 def check_room(path: str | os.PathLike, need: int, reserve: int, what: str) -> None:
-    """StorageError unless writing `need` more bytes under `path` leaves `reserve` free."""
-    free = free_bytes(path)
-    if free - need < reserve:
-        raise StorageError(f"{what} needs {_size(need)} and the data disk has {_size(free)} free, of which "
+    """StorageError unless writing `need` more bytes under `path` leaves `reserve` free, besides the room the
+    writers in flight on its file system have claimed (DiskClaim) and not yet written."""
+    with _claims_lock:
+        _check(path, os.stat(path).st_dev, need, reserve, what)
+
+
+def _check(path, dev: int, need: int, reserve: int, what: str) -> None:
+    """check_room's test; caller holds _claims_lock."""
+    free, claimed = free_bytes(path), _claimed.get(dev, 0)
+    if free - claimed - need < reserve:
+        held = f", {_size(claimed)} of it claimed by uploads in progress" if claimed else ""
+        raise StorageError(f"{what} needs {_size(need)} and the data disk has {_size(free)} free{held}, of which "
                            f"{_size(reserve)} is kept in reserve (disk_reserve_mb) for the collections' writes")
+
+
+class DiskClaim:
+    """Room on the file system of `path` that one writer in flight (an upload as it arrives) has claimed and not
+    yet written: every check_room there counts it (other uploads', snapshots', imports', restores'), so writers
+    at once cannot each take the same room above the reserve. take() before writing, wrote() after, release()
+    at the end, whatever happened (what was claimed and not written is given back). Thread-safe."""
+
+    def __init__(self, path: str | os.PathLike, reserve: int, what: str):
+        self.path, self.reserve, self.what = path, reserve, what
+        self.held = 0  # claimed, not yet written
+        self._dev: int | None = None
+
+    def take(self, n: int) -> None:
+        """Claim n bytes more: StorageError, claiming nothing, unless they fit above the reserve besides every
+        claim on the file system (this one's included)."""
+        with _claims_lock:
+            dev = os.stat(self.path).st_dev if self._dev is None else self._dev
+            _check(self.path, dev, n, self.reserve, self.what)
+            self._dev = dev
+            _claimed[dev] = _claimed.get(dev, 0) + n
+            self.held += n
+
+    def wrote(self, n: int) -> None:
+        """n bytes of what it claimed are written now (the free space counts them)."""
+        self._give(min(n, self.held))
+
+    def release(self) -> None:
+        self._give(self.held)
+
+    def _give(self, n: int) -> None:
+        if n <= 0:
+            return
+        with _claims_lock:
+            self.held -= n
+            left = _claimed.get(self._dev, 0) - n
+            if left > 0:
+                _claimed[self._dev] = left
+            else:
+                _claimed.pop(self._dev, None)
+
+    def __enter__(self) -> "DiskClaim":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 def _size(n: int) -> str:

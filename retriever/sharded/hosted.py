@@ -455,7 +455,7 @@ class HostedSharded:
                 return snapshot.write_tree(self.path, {**describe, "documents": 0}, Path(dest))
             with inner.index.quiesced():
                 return snapshot.write_tree(self.path, {**describe, "documents": len(inner)}, Path(dest))
-        except OSError as e:
+        except (OSError, sqlite3.Error) as e:  # a shard's doc store copied by SQLite's backup: its errors too
             raise StorageError(f"sharded collection {self.name!r}: cannot write its snapshot: {e}") from e
 
     def close(self, error: FusionRAGError | None = None) -> None:

@@ -117,6 +117,7 @@ class ShardedIndex(ManifestShape):
         # (epoch, version): epoch is this process's, version counts the changes (under _lock).
         self.epoch, self.version = os.urandom(8).hex(), 0
         self._views: tuple[int, dict] | None = None  # the last view built, by version
+        self._closed = False  # close() began: a call to a shard is refused (UnavailableError), not sent
 
     @classmethod
     def open(cls, path, config: EngineConfig | None = None, params: SearchParams | None = None,
@@ -253,7 +254,20 @@ class ShardedIndex(ManifestShape):
         return shard, planned
 
     def _call(self, s: int, method: str, *args):
-        return self.shard_kind.call(self.shards[s], method, *args)
+        shards = self.shards
+        self._check_open()
+        try:
+            return self.shard_kind.call(shards[s], method, *args)
+        except (RuntimeError, IndexError) as e:  # the threads shut down ("cannot schedule new futures after shutdown")
+            self._check_open(e)
+            raise
+
+    def _check_open(self, cause: BaseException | None = None) -> None:
+        """UnavailableError (503) once close() has begun: a call that would reach a shard then is refused, rather
+        than failing on the shards' threads shut down under it. (A collection that holds the index, hosted.py,
+        waits for its calls in progress before it closes the index, and refuses later ones itself.)"""
+        if self._closed:
+            raise UnavailableError(f"{self.path}: the sharded index is closed") from cause
 
     def _get(self, handle):
         return self.shard_kind.get(handle, self.call_timeout_s)
@@ -752,6 +766,7 @@ class ShardedIndex(ManifestShape):
             todo = [s for s, w in state.items() if w["fresh"] + w["tombstones"] >= min_fresh]
         else:
             todo = [s for s in shards if self.alive[s]]
+        self._check_open()
         handles = {s: self.shard_kind.call_apart(self.shards[s], "merge") for s in todo}
         out = {}
         for s, h in handles.items():
@@ -858,5 +873,8 @@ class ShardedIndex(ManifestShape):
             yield
 
     def close(self) -> None:
+        """Refuse the calls that come next (UnavailableError), then stop the shards: their threads end once the
+        calls already sent have answered, and the shards close after them."""
+        self._closed = True
         self.shard_kind.stop(self.shards)
         self.shards = []
