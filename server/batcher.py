@@ -177,6 +177,20 @@ class MicroBatcher:
         future = asyncio.get_running_loop().create_future()
         req = _Request(collection, vectors, texts, k, filter, params, mode, text_weight, future, time.perf_counter(),
                        with_vectors, fusion, partial)
+        if not self._pending and not self._inflight and self.gpu_wait_s <= 0:
+            # An idle engine: this request goes at once from its own task, as the gathering loop would send it
+            # (alone, without waiting), without the loop's two hand-offs; requests arriving meanwhile gather.
+            task = asyncio.current_task()
+            await self._slots.acquire()  # free: nothing is in flight
+            self._inflight.add(task)
+            try:
+                await self._execute([req])
+            finally:
+                self._inflight.discard(task)
+                self._slots.release()
+                if self._pending:
+                    self._wake.set()
+            return await future
         self._pending.append(req)
         self._queued += req.size
         self._wake.set()
