@@ -25,6 +25,7 @@ from fusionrag.retriever.errors import ConfigError
 ENV_PREFIX = "FUSIONRAG_"
 LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["json", "text"]
+EmbedRuntime = Literal["auto", "torch"]
 LOG_LEVELS = get_args(LogLevel)
 LOG_FORMATS = get_args(LogFormat)
 
@@ -58,6 +59,11 @@ class ServerConfig(ConfigBase):
                                            "or the service's keys together, may hold at most", ge=1)] = 10000
     max_file_bytes_per_key: Annotated[int, knob("bytes those files may take on the data disk at most",
                                                 ge=1024)] = 8 << 30
+    max_file_tokens: Annotated[int, knob("tokens of the embedding model one file added to a vector store may have "
+                                         "at most (counted before anything is embedded; OpenAI's limit)",
+                                         ge=1)] = 5_000_000
+    file_workers: Annotated[int, knob("threads that add files to vector stores (each a different owner's, in "
+                                      "turns by owner, a batch of chunks at a time)", ge=1, le=16)] = 1
     max_restore_bytes: Annotated[int, knob("bytes one restore may write at most (its archive's members)",
                                            ge=1024)] = 64 << 30
     max_collections: Annotated[int, knob("collections the service holds at most (0: no limit)", ge=0)] = 1000
@@ -132,6 +138,10 @@ class ServerConfig(ConfigBase):
                                    "collections"), AfterValidator(canonical_name)] = DEFAULT_MODEL
     embed_threads: Annotated[int, knob("CPU threads that embed texts (0: every core; more than one pays only on an "
                                        "idle machine)", ge=0)] = 1
+    embed_bulk_threads: Annotated[int, knob("CPU threads that embed an import's texts, on ONNX Runtime (0: every "
+                                            "core)", ge=0)] = 0
+    embed_runtime: Annotated[EmbedRuntime, knob("what runs the embedding models from a directory: auto (ONNX "
+                                                "Runtime where a model can run there, else torch) or torch")] = "auto"
     log_level: Annotated[LogLevel, knob("how much to log")] = "info"
     log_format: Annotated[LogFormat, knob("log lines as JSON objects or text")] = "json"
     header_timeout_s: Annotated[float, knob("a connection's request line and headers must arrive within this "

@@ -10,7 +10,7 @@ import threading
 
 from fusionrag.retriever.collection import Catalog, CollectionConfig, quota
 from fusionrag.retriever.directory import catalog as data_catalog
-from fusionrag.retriever.collection.embedding import get_embedder, set_threads
+from fusionrag.retriever.collection.embedding import get_embedder, set_runtime, set_threads
 from fusionrag.retriever.engine.config import BuildConfig, EngineConfig
 from fusionrag.retriever.errors import NotFoundError, UnavailableError, UnsupportedError
 from fusionrag.server.auth import KeyRing
@@ -62,7 +62,8 @@ class State:
 
     def __init__(self, config: ServerConfig, catalog=None, keys: KeyRing | None = None):
         self.config = config
-        set_threads(config.embed_threads)
+        set_threads(config.embed_threads, config.embed_bulk_threads)
+        set_runtime(config.embed_runtime)
         self.keys = keys if keys is not None else KeyRing.from_config(config.api_keys, config.api_keys_file)
         self.open_files_limit = quota.raise_descriptor_limit()  # before the catalog sizes its pool of open files
         self.own_catalog = catalog is None
@@ -79,7 +80,7 @@ class State:
             self.vector_stores = VectorStores(
                 data_path(config) / "openai", self.catalog, config.embedding,
                 FileLimits(config.max_files_per_key, config.max_file_bytes_per_key, config.max_collections_per_key,
-                           self.catalog.limits.disk_reserve_bytes))
+                           self.catalog.limits.disk_reserve_bytes, config.max_file_tokens), config.file_workers)
         self.metrics = Metrics(self.collections_info)
         self.batcher = MicroBatcher(config.batch_wait_ms / 1000, config.batch_max_queries,
                                     config.search_threads, self.metrics, config.gpu_batch_wait_ms / 1000)

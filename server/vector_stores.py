@@ -5,12 +5,21 @@
   (the service's, without keys); one key sees its own files and stores, a key unrestricted sees all.
 - A vector store is a collection named by its id (`vs_` and 24 hex digits), cosine, embedded by the service's
   embedding model, with a JSON record under <data-dir>/openai/stores/ holding its name, metadata and files.
-- Adding a file to a store queues it; a worker thread chunks its text by the embedding model's own tokens
-  (a static strategy's window and overlap, or `auto`: the model's window, half of it overlapping, as OpenAI's
-  auto is 800 and 400), embeds the chunks and upserts them as documents `<file id>#<n>` with metadata
-  {"file_id", "filename", "attributes"}. A file's status goes in_progress -> completed (or failed, with the
-  reason); a restart takes up the files still in progress. Removing a file from a store deletes its chunks by
-  filter; attributes changed later reach the chunks as a metadata update (nothing re-embedded).
+- Adding a file to a store queues it; worker threads (`file_workers`, 1 by default) chunk its text by the
+  embedding model's own tokens (a static strategy's window and overlap, or `auto`: the model's window, half of
+  it overlapping, as OpenAI's auto is 800 and 400), embed the chunks and upsert them as documents
+  `<file id>#<n>` with metadata {"file_id", "filename", "attributes"}. A file's status goes in_progress ->
+  completed (or failed, with the reason); a restart takes up the files still in progress, from their start.
+  Removing a file from a store deletes its chunks by filter; attributes changed later reach the chunks as a
+  metadata update (nothing re-embedded).
+- The work goes in turns by owner (the store's): a worker does one step of an owner's first file (a part of
+  its tokens counted, or one batch of EMBED_BATCH chunks embedded and written), then goes to the next owner
+  with files waiting, so one owner's large or many files hold another's for about one batch. A file is read
+  as a stream (server/file_chunks.py: a step reads from where the one before stopped), so a step takes a
+  batch's memory whatever the file's size. Its tokens are counted first, before anything is embedded (a file
+  of no more bytes than the limit only read: a token is at least a byte): a file that is not UTF-8 text,
+  holds none, or has more than `max_file_tokens` (OpenAI's 5,000,000) fails then, after at most that many
+  tokens counted.
 - Records are written whole and renamed into place (fsynced), so a crash leaves the old record or the new one.
   A store being deleted is marked first, its collection dropped, then its record removed: a restart finishes
   what a crash cut short.
@@ -21,14 +30,13 @@ from __future__ import annotations
 import logging
 import math
 import os
-import queue
 import re
 import secrets
 import threading
 import time
-from dataclasses import dataclass
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import json
 
@@ -38,6 +46,7 @@ from fusionrag.retriever.collection.generations import write_json_atomic
 from fusionrag.retriever.collection.quota import check_room
 from fusionrag.retriever.collection.values import bad_value
 from fusionrag.retriever.errors import (ConflictError, FusionRAGError, InputError, NotFoundError, QuotaError)
+from fusionrag.server.file_chunks import BadText, Chunker, Mark, chunk_count, count_tokens
 
 log = logging.getLogger("fusionrag.server")
 
@@ -48,8 +57,10 @@ PURPOSES = ("assistants", "batch", "fine-tune", "vision", "user_data", "evals")
 MAX_PAIRS, MAX_KEY, MAX_VALUE = 16, 64, 512  # OpenAI's bounds on metadata and attributes
 STATIC_MAX, STATIC_MIN = 4096, 100  # OpenAI's bounds on a static strategy's max_chunk_size_tokens
 AUTO_MAX = 800
-EMBED_BATCH = 64
-_TOKENIZE_PIECE = 50_000  # characters tokenized at a time (a file may be far longer)
+EMBED_BATCH = 64  # chunks embedded and written in one step of the worker
+COUNT_CHARS = 1 << 20  # characters whose tokens one step counts (about 0.3 s of tokenizing on a CPU core)
+LIVE_CHUNKERS = 16  # files whose Chunker is kept between steps (each under a MiB); the others start from a mark
+_NO_TEXT = {"code": "invalid_file", "message": "the file holds no text"}
 _FILTER_OPS = {"eq": "$eq", "ne": "$ne", "gt": "$gt", "gte": "$gte", "lt": "$lt", "lte": "$lte", "in": "$in",
                "nin": "$nin"}
 
@@ -106,33 +117,6 @@ def chunking(strategy, model_tokens: int) -> dict:
     return {"type": "static", "static": {"max_chunk_size_tokens": size, "chunk_overlap_tokens": overlap}}
 
 
-def chunk_text(text: str, spans: Callable[[str], list[tuple[int, int]]], size: int, overlap: int) -> list[str]:
-    """The text cut into windows of `size` tokens, each starting `size - overlap` tokens after the one before;
-    spans(text) gives each token's (start, end) characters. Each chunk is the text from its first token's start
-    to its last one's end, so nothing between them is lost."""
-    starts: list[int] = []
-    ends: list[int] = []
-    pos = 0
-    while pos < len(text):  # tokenized a piece at a time, each cut at whitespace
-        stop = len(text) if len(text) - pos <= _TOKENIZE_PIECE else pos + _TOKENIZE_PIECE
-        if stop < len(text):
-            ws = max(text.rfind(" ", pos, stop), text.rfind("\n", pos, stop))
-            stop = ws + 1 if ws > pos else stop
-        for a, b in spans(text[pos:stop]):
-            if b > a:
-                starts.append(pos + a)
-                ends.append(pos + b)
-        pos = stop
-    out = []
-    step = max(1, size - overlap)
-    for i in range(0, len(starts), step):
-        j = min(len(starts), i + size)
-        out.append(text[starts[i]:ends[j - 1]])
-        if j == len(starts):
-            break
-    return out
-
-
 def translate_filter(f) -> dict:
     """OpenAI's attribute filter (comparison {type, key, value}, compound {type: and/or, filters}) as the
     collection's filter over the chunks' `attributes`."""
@@ -183,18 +167,84 @@ class FileLimits:
     max_bytes: int  # bytes of files one owner may hold
     max_stores: int  # vector stores one restricted key may own (0: no limit)
     reserve: int  # the disk reserve an upload must leave free
+    max_tokens: int = 5_000_000  # tokens of one file added to a store (OpenAI's limit)
+
+
+@dataclass(eq=False)
+class _Job:
+    """One file being added to a store, and where its next step starts."""
+    vsid: str
+    fid: str
+    owner: str  # the store's: whose turn it takes
+    entry: dict  # the store's entry for the file when it was queued: one added again is another job
+    counted: bool = False  # its tokens counted (then it is embedded)
+    mark: Mark = field(default_factory=Mark)
+    chunk: int = 0  # the next chunk to embed
+    total: int | None = None  # its chunks, once counted (None: not counted, only checked to be text)
+    usage: int = 0  # the bytes of the chunks written
+    chunker: Chunker | None = None  # kept between its steps while it is among the LIVE_CHUNKERS last stepped
+    attributes: dict | None = None  # those its chunks were written with (new ones reach them as it completes)
+
+
+class _Turns:
+    """The jobs waiting, taken in turns by owner: take() gives the first job of the owner whose turn it is, and
+    takes that owner out of the turns until back() puts it at their end, so each owner has at most one job
+    running and every owner with work waits at most one step of each other owner's."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._jobs: dict[str, deque[_Job]] = {}  # an owner's jobs, in the order added; the first one runs
+        self._turns: deque[str] = deque()  # the owners with work and none running, next first
+        self._closed = False
+
+    def put(self, job: _Job) -> None:
+        with self._cond:
+            if job.owner not in self._jobs:  # an owner with jobs is in the turns, or running one
+                self._jobs[job.owner] = deque()
+                self._turns.append(job.owner)
+                self._cond.notify()
+            self._jobs[job.owner].append(job)
+
+    def take(self) -> _Job | None:
+        """The next step's job (None once closed), waiting for one."""
+        with self._cond:
+            while not self._turns and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                return None
+            return self._jobs[self._turns.popleft()][0]
+
+    def back(self, job: _Job, done: bool) -> None:
+        """After a step of `job`: its owner goes to the end of the turns (or out, with nothing left)."""
+        with self._cond:
+            jobs = self._jobs[job.owner]
+            if done:
+                jobs.popleft()
+            if jobs:
+                self._turns.append(job.owner)
+                self._cond.notify()
+            else:
+                del self._jobs[job.owner]
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
 
 class VectorStores:
     """The files and vector stores of one service (see the module's docstring)."""
 
-    def __init__(self, root: Path, catalog, embedding: str, limits: FileLimits):
+    def __init__(self, root: Path, catalog, embedding: str, limits: FileLimits, workers: int = 1):
         self.root, self.catalog, self.embedding, self.limits = root, catalog, embedding, limits
         self.files_dir, self.stores_dir = root / "files", root / "stores"
         self._lock = threading.RLock()
-        self._queue: queue.Queue = queue.Queue()
-        self._worker: threading.Thread | None = None
+        self._turns = _Turns()
+        self._nworkers = max(1, workers)
+        self._workers: list[threading.Thread] = []
         self._closing = threading.Event()
+        self._live: OrderedDict[_Job, None] = OrderedDict()  # the jobs holding a Chunker, last stepped last
+        self._live_lock = threading.Lock()
         self._files: dict[str, dict] = {}
         self._stores: dict[str, dict] = {}
         self.files_dir.mkdir(parents=True, exist_ok=True)
@@ -210,7 +260,7 @@ class VectorStores:
     # -- life ----------------------------------------------------------------------------------------
     def start(self) -> None:
         """After the catalog is open: finishes deletes a crash cut short, queues the files still in progress,
-        and starts the worker."""
+        and starts the workers."""
         for vsid, s in list(self._stores.items()):
             if s.get("creating") and vsid not in self.catalog.names():  # its collection never made
                 (self.stores_dir / f"{vsid}.json").unlink(missing_ok=True)
@@ -227,15 +277,18 @@ class VectorStores:
                 if entry.get("removing"):
                     self._finish_removal(vsid, fid)
                 elif entry["status"] == "in_progress":
-                    self._queue.put((vsid, fid))
-        self._worker = threading.Thread(target=self._work, name="fusionrag-vector-stores", daemon=True)
-        self._worker.start()
+                    self._queue(s, fid)
+        for i in range(self._nworkers):
+            t = threading.Thread(target=self._work, name=f"fusionrag-vector-stores-{i}", daemon=True)
+            t.start()
+            self._workers.append(t)
 
     def stop(self) -> None:
+        """The steps running finish (a batch each); the files in progress stay so, for the next start."""
         self._closing.set()
-        self._queue.put(None)
-        if self._worker is not None:
-            self._worker.join()
+        self._turns.close()
+        for t in self._workers:
+            t.join()
 
     # -- files ---------------------------------------------------------------------------------------
     def _visible(self, obj: dict, owner: str | None) -> bool:
@@ -430,8 +483,11 @@ class VectorStores:
                  "usage_bytes": 0, "attributes": attributes, "chunking_strategy": plan, "chunks": 0,
                  "filename": self._files[fid]["filename"], "batch": batch}
         s["files"][fid] = entry
-        self._queue.put((s["id"], fid))
+        self._queue(s, fid)
         return entry
+
+    def _queue(self, s: dict, fid: str) -> None:
+        self._turns.put(_Job(s["id"], fid, s["owner"], s["files"][fid]))
 
     def add_store_file(self, owner: str | None, vsid: str, fid: str, attributes, strategy) -> dict:
         attributes = check_attributes(attributes)
@@ -548,7 +604,8 @@ class VectorStores:
             e["attributes"] = attributes
             self._save(s)
             chunks, done = e["chunks"], e["status"] == "completed"
-        if done and chunks:  # metadata alone: replaced whole, nothing re-embedded (in progress: it takes them)
+        if done and chunks:  # metadata alone: replaced whole, nothing re-embedded (in progress: the worker
+            # gives them to the file's chunks before it completes, _finish)
             meta = {"file_id": fid, "filename": e["filename"], "attributes": attributes}
             self.catalog.get(vsid).set_metadata({f"{fid}#{i}": meta for i in range(chunks)}, merge=False)
         return self.file_view(s, e)
@@ -578,82 +635,128 @@ class VectorStores:
 
     # -- the worker ----------------------------------------------------------------------------------
     def _work(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None or self._closing.is_set():
-                return
+        while (job := self._turns.take()) is not None:
+            done = True
             try:
-                self._process(*job)
+                done = self._step(job)
             except Exception:  # noqa: BLE001 - the file's status says it failed; the log has the rest
-                log.exception("adding file %s to vector store %s failed", job[1], job[0])
-                self._finish(job[0], job[1], 0, 0, {"code": "server_error", "message": "internal error; see the "
-                                                                                       "service's log"})
+                log.exception("adding file %s to vector store %s failed", job.fid, job.vsid)
+                self._finish(job, 0, 0, {"code": "server_error", "message": "internal error; see the service's log"})
+            finally:
+                if done:
+                    self._keep(job, None)
+                self._turns.back(job, done or self._closing.is_set())
 
-    def _process(self, vsid: str, fid: str) -> None:
+    def _keep(self, job: _Job, chunker: Chunker | None) -> None:
+        """The job's Chunker kept for its next step (None: let go); past LIVE_CHUNKERS the one stepped least
+        recently is let go (its next step starts from its mark)."""
+        with self._live_lock:
+            job.chunker = chunker
+            self._live.pop(job, None)
+            if chunker is not None:
+                self._live[job] = None
+                while len(self._live) > LIVE_CHUNKERS:
+                    self._live.popitem(last=False)[0].chunker = None
+
+    def _step(self, job: _Job) -> bool:
+        """One step of the job: a part of its tokens counted (with the last part, its first batch), or one batch
+        of its chunks embedded and written. True when it is done (completed, failed, or no longer wanted)."""
+        if self._closing.is_set():
+            return True  # still in progress: taken up again at the next start
         with self._lock:
-            s = self._stores.get(vsid)
-            e = None if s is None or s.get("deleting") else s["files"].get(fid)
-            if e is None or e["status"] != "in_progress":
-                return
-            plan, attributes, filename = e["chunking_strategy"]["static"], e["attributes"], e["filename"]
-            rec = self._files.get(fid)
-        path = self.files_dir / f"{fid}.data"
-        try:
-            raw = path.read_bytes() if rec is not None else None
-        except FileNotFoundError:
-            raw = None
-        if raw is None:
-            return self._finish(vsid, fid, 0, 0, {"code": "invalid_file", "message": "the file was deleted"})
-        try:
-            text = raw.decode("utf-8-sig")
-        except UnicodeDecodeError as err:
-            return self._finish(vsid, fid, 0, 0, {"code": "unsupported_file", "message": "not UTF-8 text (byte "
-                                                  f"{err.start}); fusionrag reads text files only"})
-        if "\x00" in text:
-            return self._finish(vsid, fid, 0, 0, {"code": "unsupported_file", "message": "a binary file (it holds "
-                                                  "NUL characters); fusionrag reads text files only"})
+            wanted = self._still_wanted(job)
+            plan, attributes, filename = job.entry["chunking_strategy"]["static"], job.entry["attributes"], \
+                job.entry["filename"]
+            rec = self._files.get(job.fid)
+        if not wanted:
+            return self._finish(job, 0, 0, None)  # removed or cancelled meanwhile: what it wrote goes
+        path = self.files_dir / f"{job.fid}.data"
+        if rec is None or not path.exists():
+            return self._finish(job, 0, 0, {"code": "invalid_file", "message": "the file was deleted"})
+        size, overlap = plan["max_chunk_size_tokens"], plan["chunk_overlap_tokens"]
         embedder = get_embedder(self.embedding)
-        chunks = chunk_text(text, embedder.token_spans, plan["max_chunk_size_tokens"], plan["chunk_overlap_tokens"])
-        if not chunks:
-            return self._finish(vsid, fid, 0, 0, {"code": "invalid_file", "message": "the file holds no text"})
-        coll = self.catalog.get(vsid)
         try:
-            coll.delete_where({"file_id": fid})  # what an earlier add of the same file left
-            meta = {"file_id": fid, "filename": filename, "attributes": attributes}
-            for lo in range(0, len(chunks), EMBED_BATCH):
-                if self._closing.is_set():
-                    return  # still in progress: taken up again at the next start
-                if not self._still_wanted(vsid, fid):
-                    return self._finish(vsid, fid, 0, 0, None)  # removed or cancelled meanwhile: its chunks go
-                part = chunks[lo:lo + EMBED_BATCH]
-                vectors = embedder.embed(part)
-                coll.upsert([Document(f"{fid}#{lo + i}", t, v, meta) for i, (t, v) in enumerate(zip(part, vectors))])
+            if not job.counted:  # a part of its tokens counted: nothing is embedded before the file is known good
+                limit = self.limits.max_tokens
+                # A token is at least a byte of the text: a file of no more bytes than the limit is only read, to
+                # check that it is text (a step reads more of it, as reading costs far less than tokenizing).
+                exact = rec["bytes"] > limit
+                job.mark, ended = count_tokens(path, job.mark, embedder.token_spans if exact else None, limit,
+                                               COUNT_CHARS if exact else 16 * COUNT_CHARS)
+                if not ended:
+                    return False
+                if job.mark.tokens > limit:
+                    return self._finish(job, 0, 0, {"code": "invalid_file", "message": f"the file has more than "
+                                                    f"{limit:,} tokens, the limit of one file (max_file_tokens)"})
+                if exact and not job.mark.tokens:
+                    return self._finish(job, 0, 0, _NO_TEXT)
+                job.total = chunk_count(job.mark.tokens, size, overlap) if exact else None
+                job.counted, job.mark = True, Mark()  # and its first batch in the same turn
+            chunker = job.chunker or Chunker(path, job.mark, job.chunk, embedder.token_spans, size, overlap)
+            chunks = chunker.step(EMBED_BATCH)
+            job.mark, ended = chunker.mark, chunker.done
+            self._keep(job, chunker)
+        except BadText as err:
+            return self._finish(job, 0, 0, {"code": err.code, "message": err.message})
+        except FileNotFoundError:
+            return self._finish(job, 0, 0, {"code": "invalid_file", "message": "the file was deleted"})
+        try:
+            coll = self.catalog.get(job.vsid)
+            if job.chunk == 0:
+                coll.delete_where({"file_id": job.fid})  # what an earlier add of the same file left
+                job.attributes = attributes
+            if chunks:
+                meta = {"file_id": job.fid, "filename": filename, "attributes": job.attributes}
+                vectors = embedder.embed(chunks)
+                coll.upsert([Document(f"{job.fid}#{job.chunk + i}", t, v, meta)
+                             for i, (t, v) in enumerate(zip(chunks, vectors))])
         except FusionRAGError as err:
-            return self._finish(vsid, fid, 0, 0, {"code": "server_error", "message": str(err)})
-        usage = sum(len(c.encode()) for c in chunks) + len(chunks) * embedder.dim * 4
-        self._finish(vsid, fid, len(chunks), usage, None)
+            return self._finish(job, 0, 0, {"code": "server_error", "message": str(err)})
+        job.chunk += len(chunks)
+        job.usage += sum(len(c.encode()) for c in chunks)
+        if ended or (job.total is not None and job.chunk >= job.total):
+            if not job.chunk:
+                return self._finish(job, 0, 0, _NO_TEXT)
+            if job.total is not None and job.chunk != job.total:  # never: files are written once
+                log.error("file %s made %d chunks, %d counted", job.fid, job.chunk, job.total)
+            return self._finish(job, job.chunk, job.usage + job.chunk * embedder.dim * 4, None)
+        return False
 
-    def _still_wanted(self, vsid: str, fid: str) -> bool:
-        s = self._stores.get(vsid)
-        e = None if s is None or s.get("deleting") else s["files"].get(fid)
-        return e is not None and e["status"] == "in_progress" and not e.get("removing")
+    def _still_wanted(self, job: _Job) -> bool:
+        s = self._stores.get(job.vsid)
+        e = None if s is None or s.get("deleting") else s["files"].get(job.fid)
+        return e is job.entry and e["status"] == "in_progress" and not e.get("removing")
 
-    def _finish(self, vsid: str, fid: str, chunks: int, usage: int, error: dict | None) -> None:
-        with self._lock:
-            s = self._stores.get(vsid)
-            e = None if s is None or s.get("deleting") else s["files"].get(fid)
-            if e is None or e["status"] != "in_progress":
-                removed = True
-            else:
-                removed = False
-                e.update(status="failed" if error else "completed", last_error=error, chunks=chunks, usage_bytes=usage)
-                self._save(s)
-        if removed and s is not None and not s.get("deleting"):
-            # Removed (or cancelled) while it was embedded: what it wrote goes too.
+    def _finish(self, job: _Job, chunks: int, usage: int, error: dict | None) -> bool:
+        """The file's status set (True: the job is done). What a job wrote goes when it fails, or when it is no
+        longer wanted (removed, cancelled): a failed file has no chunks."""
+        while True:
+            with self._lock:
+                s = self._stores.get(job.vsid)
+                wanted = self._still_wanted(job)
+                attributes = job.entry["attributes"]
+                stale = wanted and not error and chunks and attributes != job.attributes
+                if wanted and not stale:
+                    job.entry.update(status="failed" if error else "completed", last_error=error, chunks=chunks,
+                                     usage_bytes=usage)
+                    self._save(s)
+            if not stale:
+                break
+            # Attributes changed while it was added: they reach its chunks before it completes (then
+            # update_store_file does it).
+            meta = {"file_id": job.fid, "filename": job.entry["filename"], "attributes": attributes}
             try:
-                self.catalog.get(vsid).delete_where({"file_id": fid})
+                self.catalog.get(job.vsid).set_metadata({f"{job.fid}#{i}": meta for i in range(chunks)}, merge=False)
+                job.attributes = attributes
+            except FusionRAGError as err:
+                error = {"code": "server_error", "message": str(err)}
+        if (error or not wanted) and job.counted and s is not None and not s.get("deleting"):
+            # The owner's next job (this file added again, say) starts after this one ends: it loses nothing.
+            try:
+                self.catalog.get(job.vsid).delete_where({"file_id": job.fid})
             except FusionRAGError:
-                log.exception("removing the chunks of file %s from vector store %s failed", fid, vsid)
+                log.exception("removing the chunks of file %s from vector store %s failed", job.fid, job.vsid)
+        return True
 
     def idle(self) -> bool:
         """No file in progress in any store."""

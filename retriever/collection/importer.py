@@ -253,6 +253,7 @@ def stage_vectors(documents: Path | None, vectors: Path | None, path: Path, step
     out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(count, dim))
     name = "checking vectors" if src is not None else "staging vectors" if embedder is None else \
         "staging vectors (embedding texts)"
+    embedded, embed_s = 0, 0.0
     with steps.step(name, count) as update:
         if src is not None:
             for s in range(0, count, CHUNK):
@@ -293,13 +294,20 @@ def stage_vectors(documents: Path | None, vectors: Path | None, path: Path, step
                                          f"vector (line {chunk[to_embed[0][0]][0]} has none)")
                     for s in range(0, len(to_embed), EMBED_BATCH):
                         part = to_embed[s:s + EMBED_BATCH]
-                        for (j, _), v in zip(part, embedder.embed([t for _, t in part])):
+                        t0 = time.perf_counter()
+                        # bulk: on every core (embedding.set_threads' bulk threads), beside the queries' own session
+                        vectors = embedder.embed([t for _, t in part], bulk=True)
+                        embed_s, embedded = embed_s + time.perf_counter() - t0, embedded + len(part)
+                        for (j, _), v in zip(part, vectors):
                             out[row + j] = v
                         update(len(part))  # documents staged: their vectors are ready
                 _check_block(np.asarray(out[row:row + len(chunk)]), metric, 0,
                              "documents line", [number for number, _ in chunk])
                 row += len(chunk)
                 update(len(chunk) - len(to_embed))
+    if embedded:
+        log.info("%s: embedded %d texts in %.1f s (%.0f docs/s)", owner, embedded, embed_s,
+                 embedded / max(embed_s, 1e-9))
     out.flush()
     del out
     fsync_path(path)

@@ -451,7 +451,8 @@ def test_import_progress_moves_as_texts_are_embedded(tmp_path, monkeypatch):
     class Embedder:  # the model's shape, without the model: each call's size recorded
         dim, calls = 16, []
 
-        def embed(self, texts):
+        def embed(self, texts, bulk=False):
+            assert bulk  # an import embeds on the bulk threads
             self.calls.append(len(texts))
             return rng.standard_normal((len(texts), 16)).astype(np.float32)
 

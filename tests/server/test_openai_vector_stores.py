@@ -2,7 +2,8 @@
 service (#49 item 6): files uploaded, vector stores created and listed, files chunked by the embedding model's
 tokens, embedded and indexed, searched with attribute filters, changed and removed; a store merged into the
 engine's index and searched again after a restart; keys that see only their own stores; a server killed while a
-file is added finishes it after its restart, with no chunk lost or doubled."""
+file is added finishes it after its restart, with no chunk lost or doubled; one key's large file does not hold
+another key's small one, and a file past --max-file-tokens fails before anything of it is embedded (#66)."""
 
 from __future__ import annotations
 
@@ -323,3 +324,110 @@ def test_a_restart_finishes_what_a_crash_cut_short(tmp_path):
                                                      poll_interval_ms=100).status == "completed"
     finally:
         srv.stop()
+
+
+# -- files added in turns by owner, and bounded by their tokens (#66 finding 4) ----------------------------------
+
+KEYS = "admin-key-0001;team-a-key-01 team-a-*;team-b-key-01 team-b-*"
+
+
+def wait_for(check, what: str, timeout: float = 600):
+    """Polls check() until it is true; the timeout only guards against a hang, it measures nothing."""
+    deadline = time.monotonic() + timeout
+    while not (got := check()):
+        assert time.monotonic() < deadline, f"{what}: not after {timeout} s"
+        time.sleep(0.1)
+    return got
+
+
+def test_one_owners_large_file_does_not_hold_anothers_small_file(tmp_path):
+    srv = ServerProcess(tmp_path / "data", tmp_path / "server.log", "--no-demo", env={"FUSIONRAG_API_KEYS": KEYS})
+    try:
+        srv.wait_ready()
+        a, b = sdk(srv, "team-a-key-01"), sdk(srv, "team-b-key-01")
+        big_text = "\n\n".join(text_of(t, 250) for t in TOPICS)  # ~1,300 chunks: ~20 batches of the worker
+        big = a.files.create(file=("big.txt", big_text.encode()), purpose="assistants")
+        store_a = a.vector_stores.create(name="a's")
+        a.vector_stores.files.create(vector_store_id=store_a.id, file_id=big.id, chunking_strategy=STATIC)
+        with httpx.Client(base_url=srv.url, headers={"Authorization": "Bearer admin-key-0001"}) as ca:
+            wait_for(lambda: ca.get(f"/v1/collections/{store_a.id}").json()["count"] > 0, "a's first chunks")
+
+            # b's small file, added while a's large one is being embedded: done before a's is.
+            small_text = text_of("space", 1)
+            small = b.files.create(file=("small.txt", small_text.encode()), purpose="assistants")
+            store_b = b.vector_stores.create(name="b's")
+            b.vector_stores.files.create(vector_store_id=store_b.id, file_id=small.id, chunking_strategy=STATIC)
+            done = wait_for(lambda: (f := b.vector_stores.files.retrieve(small.id, vector_store_id=store_b.id)).status
+                            != "in_progress" and f, "b's small file")
+            a_file = a.vector_stores.files.retrieve(big.id, vector_store_id=store_a.id)
+            a_chunks = ca.get(f"/v1/collections/{store_a.id}").json()["count"]
+        assert done.status == "completed", done
+        assert a_file.status == "in_progress", a_file  # b's file did not wait for a's
+        assert 0 < a_chunks < len(expected_chunks(big_text, 100, 40))
+        assert len(list(b.vector_stores.files.content(file_id=small.id, vector_store_id=store_b.id))) == len(
+            expected_chunks(small_text, 100, 40))
+        assert a.vector_stores.delete(store_a.id).deleted  # stops a's work at its next batch
+    finally:
+        srv.stop()
+
+
+def test_a_file_past_max_file_tokens_fails_before_anything_is_embedded(tmp_path):
+    srv = ServerProcess(tmp_path / "data", tmp_path / "server.log", "--no-demo", "--max-file-tokens", "2000")
+    try:
+        srv.wait_ready()
+        c = sdk(srv)
+        text = text_of("cooking", 20)  # more than 2,000 tokens
+        assert sum(expected_chunks(text, 100, 0)) > 2000
+        f = c.files.create(file=("long.txt", text.encode()), purpose="assistants")
+        vs = c.vector_stores.create(name="kb")
+        got = c.vector_stores.files.create_and_poll(vector_store_id=vs.id, file_id=f.id, poll_interval_ms=100)
+        assert got.status == "failed" and got.last_error.code == "invalid_file", got
+        assert "max_file_tokens" in got.last_error.message and "2,000" in got.last_error.message
+        assert httpx.get(f"{srv.url}/v1/collections/{vs.id}").json()["count"] == 0
+        # One within the bound, in the same store, is added as ever.
+        ok = c.files.create(file=("short.txt", text_of("space", 1).encode()), purpose="assistants")
+        assert c.vector_stores.files.create_and_poll(vector_store_id=vs.id, file_id=ok.id,
+                                                     poll_interval_ms=100).status == "completed"
+        assert httpx.get(f"{srv.url}/v1/collections/{vs.id}").json()["count"] == len(
+            expected_chunks(text_of("space", 1), 254, 127))  # auto: the model's window, half overlapping
+        # Files without a token, shorter than the bound (only read before they are chunked) or longer (counted).
+        for blank in (b" \n\t " * 10, b" \n" * 1500):
+            empty = c.files.create(file=("blank.txt", blank), purpose="assistants")
+            got = c.vector_stores.files.create_and_poll(vector_store_id=vs.id, file_id=empty.id, poll_interval_ms=100)
+            assert got.status == "failed" and got.last_error.message == "the file holds no text", got
+        assert c.vector_stores.retrieve(vs.id).file_counts.failed == 3
+    finally:
+        srv.stop()
+
+
+def test_a_file_not_text_past_its_first_blocks_fails_before_any_chunk_is_written(tmp_path):
+    """Read as a stream, a file is still known good before anything of it is embedded (as when the whole file
+    was decoded first): its count finds the bad byte, and reports where it is."""
+    srv = ServerProcess(tmp_path / "data", tmp_path / "server.log", "--no-demo")
+    try:
+        srv.wait_ready()
+        c = sdk(srv)
+        raw = text_of("networking", 200).encode() + b"\xff\xfe" + b"tail " * 100
+        f = c.files.create(file=("mixed.txt", raw), purpose="assistants")
+        vs = c.vector_stores.create(name="kb")
+        got = c.vector_stores.files.create_and_poll(vector_store_id=vs.id, file_id=f.id, poll_interval_ms=100)
+        assert got.status == "failed" and got.last_error.code == "unsupported_file", got
+        assert f"byte {raw.index(bytes([0xff]))}" in got.last_error.message
+        assert httpx.get(f"{srv.url}/v1/collections/{vs.id}").json()["count"] == 0
+    finally:
+        srv.stop()
+
+
+def test_attributes_changed_while_a_file_is_added_reach_all_its_chunks(server):
+    c = sdk(server)
+    text = "\n\n".join(text_of(t, 30) for t in TOPICS)  # 156 chunks: three batches
+    f = c.files.create(file=("notes.txt", text.encode()), purpose="assistants")
+    vs = c.vector_stores.create(name="kb")
+    c.vector_stores.files.create(vector_store_id=vs.id, file_id=f.id, attributes={"v": 1}, chunking_strategy=STATIC)
+    wait_for(lambda: httpx.get(f"{server.url}/v1/collections/{vs.id}").json()["count"] > 0, "its first chunks")
+    assert c.vector_stores.files.update(file_id=f.id, vector_store_id=vs.id, attributes={"v": 2}).status == \
+        "in_progress"
+    assert c.vector_stores.files.poll(f.id, vector_store_id=vs.id, poll_interval_ms=100).status == "completed"
+    docs = httpx.get(f"{server.url}/v1/collections/{vs.id}/documents", params={"limit": 1000}).json()
+    attrs = [d["metadata"]["attributes"] for d in docs["documents"]]
+    assert len(attrs) == len(expected_chunks(text, SIZE, OVERLAP)) and all(a == {"v": 2} for a in attrs), attrs
