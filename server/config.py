@@ -142,6 +142,9 @@ class ServerConfig(ConfigBase):
                                             "core)", ge=0)] = 0
     embed_runtime: Annotated[EmbedRuntime, knob("what runs the embedding models from a directory: auto (ONNX "
                                                 "Runtime where a model can run there, else torch) or torch")] = "auto"
+    embedding_timeout_s: Annotated[float, knob("an embedding endpoint's whole answer to a call must arrive within "
+                                               "this many seconds (503 past it; only that model's requests wait)",
+                                               gt=0)] = 30.0
     log_level: Annotated[LogLevel, knob("how much to log")] = "info"
     log_format: Annotated[LogFormat, knob("log lines as JSON objects or text")] = "json"
     header_timeout_s: Annotated[float, knob("a connection's request line and headers must arrive within this "

@@ -10,7 +10,7 @@ import threading
 
 from fusionrag.retriever.collection import Catalog, CollectionConfig, quota
 from fusionrag.retriever.directory import catalog as data_catalog
-from fusionrag.retriever.collection.embedding import get_embedder, set_runtime, set_threads
+from fusionrag.retriever.collection.embedding import get_embedder, set_endpoint_deadline, set_runtime, set_threads
 from fusionrag.retriever.engine.config import BuildConfig, EngineConfig
 from fusionrag.retriever.errors import NotFoundError, UnavailableError, UnsupportedError
 from fusionrag.server.auth import KeyRing
@@ -64,6 +64,7 @@ class State:
         self.config = config
         set_threads(config.embed_threads, config.embed_bulk_threads)
         set_runtime(config.embed_runtime)
+        set_endpoint_deadline(config.embedding_timeout_s)
         self.keys = keys if keys is not None else KeyRing.from_config(config.api_keys, config.api_keys_file)
         self.open_files_limit = quota.raise_descriptor_limit()  # before the catalog sizes its pool of open files
         self.own_catalog = catalog is None

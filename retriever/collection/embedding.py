@@ -17,6 +17,7 @@ import os
 import re
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -121,35 +122,71 @@ class _Endpoint:
     tokenizer = None
     runtime = "endpoint"
     BATCH = 64
-    TIMEOUT_S = 60.0
+    # A call's whole time (connect, send, every byte of the answer), not a read's: a server that trickles its
+    # answer a byte every few seconds never trips a read timeout (#66: 200 s held so). The answer's size is
+    # bounded too (a 64-text batch of 4,096-d floats as JSON is ~6 MB).
+    DEADLINE_S = 30.0
+    MAX_ANSWER_BYTES = 64 << 20
 
     def __init__(self, url: str, model: str):
         self.url, self.model = url.rstrip("/"), model
 
-    def encode(self, texts, batch_size: int = 64, normalize_embeddings: bool = True, **_) -> np.ndarray:
+    def _post(self, part: list[str], headers: dict) -> bytes:
+        """The answer's body to one call, within DEADLINE_S (UnavailableError past it)."""
         import httpx
+
+        where = f"embedding endpoint {self.url} (model {self.model})"
+        deadline = time.monotonic() + self.DEADLINE_S
+        # Each read waits at most half the deadline, and the deadline is checked between reads: a call ends
+        # within 1.5 x DEADLINE_S however the server sends.
+        wait = httpx.Timeout(self.DEADLINE_S / 2, connect=min(10.0, self.DEADLINE_S / 2))
+        try:
+            with httpx.stream("POST", f"{self.url}/embeddings", json={"model": self.model, "input": part},
+                              headers=headers, timeout=wait) as r:
+                body, size = [], 0
+                for chunk in r.iter_bytes():
+                    body.append(chunk)
+                    size += len(chunk)
+                    if size > self.MAX_ANSWER_BYTES:
+                        raise UnavailableError(f"{where} answered more than {self.MAX_ANSWER_BYTES} bytes")
+                    if time.monotonic() > deadline:
+                        raise UnavailableError(f"{where} did not finish its answer within {self.DEADLINE_S:g} s")
+                status = r.status_code
+        except httpx.HTTPError as e:
+            raise UnavailableError(f"{where} did not answer within {self.DEADLINE_S:g} s: "
+                                   f"{type(e).__name__}: {e}") from e
+        data = b"".join(body)
+        if status != 200:
+            raise UnavailableError(f"{where} answered {status}: {data[:300].decode(errors='replace')}")
+        return data
+
+    def encode(self, texts, batch_size: int = 64, normalize_embeddings: bool = True, **_) -> np.ndarray:
+        import json
 
         key = os.environ.get("FUSIONRAG_EMBEDDING_API_KEY")
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         out = []
         for lo in range(0, len(texts), self.BATCH):
             part = list(texts[lo:lo + self.BATCH])
+            raw = self._post(part, headers)
+            shape = f"what is not OpenAI's embeddings shape: {raw[:200].decode(errors='replace')}"
             try:
-                r = httpx.post(f"{self.url}/embeddings", json={"model": self.model, "input": part}, headers=headers,
-                               timeout=self.TIMEOUT_S)
-            except httpx.HTTPError as e:
-                raise UnavailableError(f"embedding endpoint {self.url} (model {self.model}) did not answer: "
-                                       f"{type(e).__name__}: {e}") from e
-            if r.status_code != 200:
-                raise UnavailableError(f"embedding endpoint {self.url} (model {self.model}) answered "
-                                       f"{r.status_code}: {r.text[:300]}")
-            try:
-                data = sorted(r.json()["data"], key=lambda d: d["index"])
-                vectors = np.asarray([d["embedding"] for d in data], dtype=np.float32)
+                data = json.loads(raw)["data"]
+                index = [d["index"] for d in data]
+                rows = [d["embedding"] for d in data]
             except (ValueError, KeyError, TypeError) as e:
-                raise UnavailableError(f"embedding endpoint {self.url} answered what is not OpenAI's embeddings "
-                                       f"shape: {r.text[:200]}") from e
-            if vectors.ndim != 2 or len(vectors) != len(part) or not np.isfinite(vectors).all():
+                raise UnavailableError(f"embedding endpoint {self.url} answered {shape}") from e
+            # One embedding per text, each text's once: duplicate or missing indices would attach vectors to the
+            # wrong texts.
+            if sorted(i if type(i) is int else -1 for i in index) != list(range(len(part))):
+                raise UnavailableError(f"embedding endpoint {self.url} answered indices {index[:10]} for "
+                                       f"{len(part)} texts: not each text's once")
+            try:
+                vectors = np.asarray([rows[j] for j in np.argsort(index)], dtype=np.float32)
+            except (ValueError, TypeError) as e:  # ragged rows, or not numbers
+                raise UnavailableError(f"embedding endpoint {self.url} answered {shape}") from e
+            if vectors.ndim != 2 or len(vectors) != len(part) or not np.isfinite(vectors).all() or (
+                    out and vectors.shape[1] != out[0].shape[1]):
                 raise UnavailableError(f"embedding endpoint {self.url} answered {vectors.shape} for {len(part)} "
                                        "texts, or non-finite numbers")
             out.append(vectors)
@@ -160,6 +197,11 @@ class _Endpoint:
 
     def get_embedding_dimension(self) -> int:
         return int(self.encode(["dimension"]).shape[1])
+
+
+def set_endpoint_deadline(seconds: float) -> None:
+    """The whole time an embedding endpoint's call may take (the service's --embedding-timeout-s)."""
+    _Endpoint.DEADLINE_S = float(seconds)
 
 
 _WORDS = re.compile(r"\w+|[^\w\s]")
@@ -236,7 +278,11 @@ class Embedder:
         if isinstance(model, embedding_onnx.OnnxModel):  # its sessions' own locks
             out = model.encode(list(texts), batch_size=batch_size, show_progress_bar=bars_wanted(progress),
                                bulk=bulk)
-        return np.ascontiguousarray(out, dtype=np.float32)
+        out = np.ascontiguousarray(out, dtype=np.float32)
+        if out.shape != (len(texts), self.dim):  # an endpoint that changed its model, say
+            raise UnavailableError(f"embedding model {self.name!r} gave vectors of shape {out.shape} for "
+                                   f"{len(texts)} texts, not (count, {self.dim})")
+        return out
 
 
 _cache: dict[str, Embedder] = {}

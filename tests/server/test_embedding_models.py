@@ -10,6 +10,8 @@ import json
 import subprocess
 import sys
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
@@ -156,3 +158,101 @@ def test_a_malformed_model_entry_stops_the_service_with_the_reason(tmp_path):
                               "--no-demo", "--port", "0", "--embedding-models", entry], capture_output=True, text=True,
                              timeout=120)
         assert run.returncode != 0 and why in run.stderr, (entry, run.stderr[-2000:])
+
+
+class Misbehaving:
+    """An OpenAI-compatible endpoint on 127.0.0.1 that answers as `mode` says: "ok" (the model's vectors),
+    "dup" (one index given twice), "count" (one vector short), "ragged" (one vector shorter), "trickle" (a valid
+    answer a byte every 0.3 s)."""
+
+    def __init__(self, model):
+        self.mode = "ok"
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                vectors = model.encode(body["input"], normalize_embeddings=False).tolist()
+                data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
+                if outer.mode == "dup" and body["input"] != ["dimension"]:
+                    data[-1]["index"] = 0
+                elif outer.mode == "count" and body["input"] != ["dimension"]:
+                    data = data[:-1] or [{"object": "embedding", "index": 0, "embedding": vectors[0][:-1]}]
+                elif outer.mode == "ragged" and body["input"] != ["dimension"]:
+                    data[-1]["embedding"] = data[-1]["embedding"][:-3]
+                raw = json.dumps({"object": "list", "model": body["model"], "data": data}).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(raw)))
+                self.end_headers()
+                if outer.mode == "trickle" and body["input"] != ["dimension"]:
+                    for i in range(len(raw)):
+                        try:
+                            self.wfile.write(raw[i:i + 1])
+                            self.wfile.flush()
+                        except OSError:  # the client gave up
+                            return
+                        time.sleep(0.3)
+                else:
+                    self.wfile.write(raw)
+
+            def log_message(self, *a):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_an_endpoint_that_answers_wrong_or_trickles_is_refused_in_every_mode(tmp_path, minilm):
+    """#66 finding 5: an answer with an index twice (vectors attached to the wrong texts), one vector short, or
+    ragged rows gets 503 in vector and hybrid mode alike (hybrid answered 200 before); an answer trickled a byte at a
+    time is cut at --embedding-timeout-s (a read timeout never fired: 200 s held before) while another collection's
+    searches are answered; and writes of texts are refused the same way, nothing stored."""
+    _, model = minilm
+    bad = Misbehaving(model)
+    srv = ServerProcess(tmp_path / "data", tmp_path / "server.log", "--no-demo", "--embedding-timeout-s", "2",
+                        "--embedding-models", f"remote={bad.url}#m")
+    try:
+        srv.wait_ready()
+        c = srv.client()
+        assert c.post("/v1/collections", json={"name": "r", "embedding": "remote"}).status_code == 201
+        assert c.post("/v1/collections/r/documents", json={"documents": [
+            {"id": k, "text": t} for k, t in TEXTS.items()]}).status_code == 200
+        assert c.post("/v1/collections", json={"name": "v", "dimension": 4, "metric": "l2"}).status_code == 201
+        assert c.post("/v1/collections/v/documents", json={"documents": [
+            {"id": str(i), "vector": [i, 1, 2, 3]} for i in range(20)]}).status_code == 200
+        for mode in ("dup", "count", "ragged"):
+            bad.mode = mode
+            for body in ({"texts": ["bread", "mars"], "k": 1},
+                         {"texts": ["bread", "mars"], "k": 1, "mode": "hybrid"}):
+                r = c.post("/v1/collections/r/search", json=body)
+                assert r.status_code == 503, (mode, body, r.text)
+            r = c.post("/v1/collections/r/documents", json={"documents": [{"id": "x", "text": "a"}, {"id": "y", "text": "b"}]})
+            assert r.status_code == 503, (mode, r.text)
+        bad.mode = "trickle"
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(4) as pool:
+            held = [pool.submit(c.post, "/v1/collections/r/search", json={"texts": ["bread"], "k": 1, "mode": m})
+                    for m in ("vector", "hybrid")]
+            others = [c.post("/v1/collections/v/search", json={"vectors": [[i, 1, 2, 3]], "k": 1}) for i in range(20)]
+            done_while_held = sum(not f.done() for f in held)
+            answers = [f.result() for f in held]
+        assert all(r.status_code == 200 for r in others) and done_while_held >= 1
+        assert all(r.status_code == 503 and "within 2 s" in r.json()["detail"] for r in answers), \
+            [r.text for r in answers]
+        elapsed = time.monotonic() - t0
+        bad.mode = "ok"
+        r = c.post("/v1/collections/r/search", json={"texts": ["which planet has the highest volcano?"], "k": 1})
+        assert r.status_code == 200 and r.json()["results"][0][0]["id"] == "mars"
+        assert c.post("/v1/collections/r/documents/count", json={}).json()["count"] == 3  # nothing refused stored
+        print(f"trickled calls answered 503 after {elapsed:.1f} s (deadline 2 s)")
+    finally:
+        srv.stop()
+        bad.stop()
