@@ -171,7 +171,7 @@ class FileLimits:
 
 
 @dataclass(eq=False)
-class _Job:
+class FileJob:
     """One file being added to a store, and where its next step starts."""
     vsid: str
     fid: str
@@ -186,18 +186,18 @@ class _Job:
     attributes: dict | None = None  # those its chunks were written with (new ones reach them as it completes)
 
 
-class _Turns:
+class OwnerTurns:
     """The jobs waiting, taken in turns by owner: take() gives the first job of the owner whose turn it is, and
     takes that owner out of the turns until back() puts it at their end, so each owner has at most one job
     running and every owner with work waits at most one step of each other owner's."""
 
     def __init__(self):
         self._cond = threading.Condition()
-        self._jobs: dict[str, deque[_Job]] = {}  # an owner's jobs, in the order added; the first one runs
+        self._jobs: dict[str, deque[FileJob]] = {}  # an owner's jobs, in the order added; the first one runs
         self._turns: deque[str] = deque()  # the owners with work and none running, next first
         self._closed = False
 
-    def put(self, job: _Job) -> None:
+    def put(self, job: FileJob) -> None:
         with self._cond:
             if job.owner not in self._jobs:  # an owner with jobs is in the turns, or running one
                 self._jobs[job.owner] = deque()
@@ -205,7 +205,7 @@ class _Turns:
                 self._cond.notify()
             self._jobs[job.owner].append(job)
 
-    def take(self) -> _Job | None:
+    def take(self) -> FileJob | None:
         """The next step's job (None once closed), waiting for one."""
         with self._cond:
             while not self._turns and not self._closed:
@@ -214,7 +214,7 @@ class _Turns:
                 return None
             return self._jobs[self._turns.popleft()][0]
 
-    def back(self, job: _Job, done: bool) -> None:
+    def back(self, job: FileJob, done: bool) -> None:
         """After a step of `job`: its owner goes to the end of the turns (or out, with nothing left)."""
         with self._cond:
             jobs = self._jobs[job.owner]
@@ -239,11 +239,11 @@ class VectorStores:
         self.root, self.catalog, self.embedding, self.limits = root, catalog, embedding, limits
         self.files_dir, self.stores_dir = root / "files", root / "stores"
         self._lock = threading.RLock()
-        self._turns = _Turns()
+        self._turns = OwnerTurns()
         self._nworkers = max(1, workers)
         self._workers: list[threading.Thread] = []
         self._closing = threading.Event()
-        self._live: OrderedDict[_Job, None] = OrderedDict()  # the jobs holding a Chunker, last stepped last
+        self._live: OrderedDict[FileJob, None] = OrderedDict()  # the jobs holding a Chunker, last stepped last
         self._live_lock = threading.Lock()
         self._files: dict[str, dict] = {}
         self._stores: dict[str, dict] = {}
@@ -487,7 +487,7 @@ class VectorStores:
         return entry
 
     def _queue(self, s: dict, fid: str) -> None:
-        self._turns.put(_Job(s["id"], fid, s["owner"], s["files"][fid]))
+        self._turns.put(FileJob(s["id"], fid, s["owner"], s["files"][fid]))
 
     def add_store_file(self, owner: str | None, vsid: str, fid: str, attributes, strategy) -> dict:
         attributes = check_attributes(attributes)
@@ -647,7 +647,7 @@ class VectorStores:
                     self._keep(job, None)
                 self._turns.back(job, done or self._closing.is_set())
 
-    def _keep(self, job: _Job, chunker: Chunker | None) -> None:
+    def _keep(self, job: FileJob, chunker: Chunker | None) -> None:
         """The job's Chunker kept for its next step (None: let go); past LIVE_CHUNKERS the one stepped least
         recently is let go (its next step starts from its mark)."""
         with self._live_lock:
@@ -658,7 +658,7 @@ class VectorStores:
                 while len(self._live) > LIVE_CHUNKERS:
                     self._live.popitem(last=False)[0].chunker = None
 
-    def _step(self, job: _Job) -> bool:
+    def _step(self, job: FileJob) -> bool:
         """One step of the job: a part of its tokens counted (with the last part, its first batch), or one batch
         of its chunks embedded and written. True when it is done (completed, failed, or no longer wanted)."""
         if self._closing.is_set():
@@ -722,12 +722,12 @@ class VectorStores:
             return self._finish(job, job.chunk, job.usage + job.chunk * embedder.dim * 4, None)
         return False
 
-    def _still_wanted(self, job: _Job) -> bool:
+    def _still_wanted(self, job: FileJob) -> bool:
         s = self._stores.get(job.vsid)
         e = None if s is None or s.get("deleting") else s["files"].get(job.fid)
         return e is job.entry and e["status"] == "in_progress" and not e.get("removing")
 
-    def _finish(self, job: _Job, chunks: int, usage: int, error: dict | None) -> bool:
+    def _finish(self, job: FileJob, chunks: int, usage: int, error: dict | None) -> bool:
         """The file's status set (True: the job is done). What a job wrote goes when it fails, or when it is no
         longer wanted (removed, cancelled): a failed file has no chunks."""
         while True:

@@ -177,12 +177,12 @@ def test_chunking_a_large_file_takes_a_batchs_memory(tmp_path):
 
 
 def test_turns_go_round_by_owner_a_step_each():
-    from fusionrag.server.vector_stores import _Job, _Turns
+    from fusionrag.server.vector_stores import FileJob, OwnerTurns
 
-    turns = _Turns()
+    turns = OwnerTurns()
     steps = {"a1": 3, "a2": 1, "b1": 1, "c1": 2}  # a has two files, the first of three steps
     for name in steps:
-        turns.put(_Job("vs", name, name[0], {}))
+        turns.put(FileJob("vs", name, name[0], {}))
     order = []
     while steps:
         job = turns.take()
@@ -191,7 +191,7 @@ def test_turns_go_round_by_owner_a_step_each():
         if not steps[job.fid]:
             del steps[job.fid]
         if job.fid == "b1":  # b adds a file while its first one runs: it waits for b's turn
-            turns.put(_Job("vs", "b2", "b", {}))
+            turns.put(FileJob("vs", "b2", "b", {}))
             steps["b2"] = 1
         turns.back(job, job.fid not in steps)
     assert order == ["a1", "b1", "c1", "a1", "b2", "c1", "a1", "a2"]
