@@ -1,4 +1,4 @@
-"""The C++ core (nanobind): navigation graph, CPU PQ scan, SSD page file and re-ranking.
+"""The C++ core (nanobind): navigation graph, CPU PQ scan, SSD page file, re-ranking, and query vectors of JSON.
 
 Every entry point releases the GIL and runs on a persistent worker pool.
 """

@@ -20,6 +20,8 @@ from fastapi import HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from fusionrag import native
+
 MAX_VALUES = 1 << 18
 MAX_DEPTH = 100  # a filter nests $and/$or 32 deep at most: 2 levels each
 
@@ -200,6 +202,18 @@ class Body:
             raise HTTPException(422, f"{'.'.join(map(str, loc))}: holds a number that is not finite "
                                      "(NaN, infinity, or past float32's range)")
         return a, end
+
+    def vectors(self, i: int, dim: int, what: str, wrong_dim: Callable[[int], HTTPException], limit: int,
+                too_many: Callable[[], HTTPException]) -> tuple[Any, int]:
+        """The list of query vectors at i, each row as vector() reads it (at most `limit` of them): read in C++ where
+        it is the plain case, rows of `dim` numbers finite as float32 (native parse_vectors: the same float32 bits,
+        without a Python object per number); anything else, and every error, by the walker, in its words."""
+        i = self._ws(i)
+        fast = native.parse_vectors(self.b, i, dim, limit)
+        if fast is not None:
+            rows, end = fast
+            return list(rows), end
+        return self.array(i, 1, lambda n, j: self.vector(j, dim, (what, n), wrong_dim), limit, too_many)
 
     def document(self, fields: dict[str, Reader]) -> dict:
         """The whole body: a JSON object, its members in `fields` read by their reader."""

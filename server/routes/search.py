@@ -37,8 +37,7 @@ async def search(request: Request, coll: Collection = Depends(open_collection)):
         return http_error(422, words.dimension.format(got=d, dim=coll.dim))
 
     data = await read_json(request, lambda b: {
-        "vectors": lambda i: b.array(i, 1, lambda n, j: b.vector(j, coll.dim, ("vectors", n), wrong_dim),
-                                     cfg.max_queries, too_many),
+        "vectors": lambda i: b.vectors(i, coll.dim, "vectors", wrong_dim, cfg.max_queries, too_many),
         "texts": lambda i: b.array(i, 1, lambda _, j: b.value(j, 2), cfg.max_queries, too_many)})
     rows = data.pop("vectors", None)
     # Vectors that are not a list are the model's to refuse, with its message.
