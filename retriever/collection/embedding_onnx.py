@@ -326,8 +326,8 @@ def _remove_stale(root: Path) -> None:
 
 class OnnxModel:
     """An exported model with the parts of a SentenceTransformer an Embedder uses (encode, max_seq_length,
-    get_embedding_dimension) and token_spans. Each pass takes its session's lock (one pass at a time on a session),
-    so a query's session is not held behind a bulk import's."""
+    get_embedding_dimension) and token_spans. Each pass takes a slot of its session (as many passes at once as the
+    cores hold the session's threads), so a query's session is not held behind a bulk import's."""
 
     runtime = "onnx"
 
@@ -387,7 +387,11 @@ class OnnxModel:
                                                    providers=["CPUExecutionProvider"])
                 except Exception as e:  # noqa: BLE001 - ONNX Runtime's own error types
                     raise Corrupt(f"ONNX Runtime cannot load {self._graph}: {str(e)[:300]}") from None
-                self._sessions[threads] = (session, threading.Lock())
+                # Passes at once on a session: as many as its threads leave cores for (ONNX Runtime runs a session
+                # from several threads); the query session's single-threaded passes use every core together,
+                # the bulk session's own threads do.
+                passes = max(1, (os.cpu_count() or 1) // threads)
+                self._sessions[threads] = (session, threading.BoundedSemaphore(passes))
             return self._sessions[threads]
 
     def get_embedding_dimension(self) -> int:
