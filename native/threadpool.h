@@ -5,11 +5,15 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>
+#include <cerrno>
 #include <cstddef>
 #include <exception>
 #include <functional>
 #include <mutex>
 #include <stdexcept>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <string>
 #include <thread>
 #include <vector>
@@ -46,7 +50,7 @@ class ThreadPool {
     }
     std::unique_lock<std::mutex> one_job(one_job_mutex_, std::defer_lock);
     if (one_job_) one_job.lock();
-    Job job{fn, n, threads - 1};
+    Job job{fn, n, threads - 1, thread_nice()};
     {
       std::lock_guard<std::mutex> lk(mutex_);
       jobs_.push_back(&job);
@@ -75,17 +79,35 @@ class ThreadPool {
 
  private:
   struct Job {
-    Job(const std::function<void(size_t, size_t)>& f, size_t items, size_t helpers)
-        : fn(f), n(items), wanted(helpers) {}
+    Job(const std::function<void(size_t, size_t)>& f, size_t items, size_t helpers, int priority)
+        : fn(f), n(items), wanted(helpers), nice(priority) {}
     const std::function<void(size_t, size_t)>& fn;
     const size_t n;
     std::atomic<size_t> next{0};
     size_t wanted;       // helpers it may still take (under the pool's mutex)
     size_t running = 0;  // helpers working on it (under the pool's mutex)
     size_t joined = 0;   // helpers that took it: their worker numbers are 1..joined
+    const int nice;      // the calling thread's: a background call's (a build, a merge) is helped last
     std::exception_ptr error;
     std::mutex error_mutex;
   };
+
+  // Background work (an import's build, a merge, a vector store's file: their threads lower their own priority,
+  // retriever/process.lower_thread_priority) shares this pool with searches. Helpers take the listed job of the
+  // least nice caller first (the oldest among equals), and where the process may set a thread's nice both ways
+  // (root, or RLIMIT_NICE allowing it) a helper runs at its job's nice: a build's helpers yield the cores to the
+  // searches' threads as the build's own thread does.
+  static int thread_nice() {
+    errno = 0;
+    int v = getpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)));
+    return errno ? 0 : v;
+  }
+
+  static bool may_set_nice(int base) {
+    if (geteuid() == 0) return true;
+    struct rlimit r;
+    return getrlimit(RLIMIT_NICE, &r) == 0 && (r.rlim_cur == RLIM_INFINITY || 20 - long(r.rlim_cur) <= base);
+  }
 
   explicit ThreadPool(size_t n) {
     const char* jobs = std::getenv("FUSIONRAG_POOL_JOBS");
@@ -94,6 +116,8 @@ class ThreadPool {
     } else if (jobs && *jobs && std::string(jobs) != "many") {
       throw std::invalid_argument(std::string("FUSIONRAG_POOL_JOBS must be 'one' or 'many', got '") + jobs + "'");
     }
+    base_nice_ = thread_nice();
+    adopt_nice_ = may_set_nice(base_nice_);
     for (size_t i = 1; i < n; ++i) workers_.emplace_back([this] { loop(); });
   }
 
@@ -109,14 +133,19 @@ class ThreadPool {
     }
   }
 
-  // The oldest listed job that wants a helper and has items left; under mutex_.
+  // The listed job that wants a helper and has items left, of the least nice caller, the oldest of those; under
+  // mutex_.
   Job* wanting() const {
+    Job* best = nullptr;
     for (Job* j : jobs_)
-      if (j->wanted > 0 && j->next.load(std::memory_order_relaxed) < j->n) return j;
-    return nullptr;
+      if (j->wanted > 0 && j->next.load(std::memory_order_relaxed) < j->n && (!best || j->nice < best->nice))
+        best = j;
+    return best;
   }
 
   void loop() {
+    int nice = base_nice_;
+    const id_t tid = static_cast<id_t>(syscall(SYS_gettid));
     for (;;) {
       Job* job;
       size_t worker;
@@ -128,6 +157,7 @@ class ThreadPool {
         ++job->running;
         worker = ++job->joined;
       }
+      if (adopt_nice_ && job->nice != nice && setpriority(PRIO_PROCESS, tid, job->nice) == 0) nice = job->nice;
       run(*job, worker);
       {
         std::lock_guard<std::mutex> lk(mutex_);
@@ -141,7 +171,8 @@ class ThreadPool {
   std::mutex mutex_, one_job_mutex_;
   std::condition_variable cv_, done_cv_;
   std::vector<Job*> jobs_;
-  bool stop_ = false, one_job_ = false;
+  bool stop_ = false, one_job_ = false, adopt_nice_ = false;
+  int base_nice_ = 0;
 };
 
 // An entry point's num_threads: 0 means every worker of the pool.

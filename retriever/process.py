@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import threading
 from pathlib import Path
 
 # mallopt parameters (malloc.h); values fixed, so the dynamic threshold stays off.
@@ -104,3 +105,18 @@ def anonymous_bytes() -> int:
         if line.startswith("RssAnon:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+BACKGROUND_NICE = 10
+
+
+def lower_thread_priority(nice: int = BACKGROUND_NICE) -> bool:
+    """Make the calling thread's CPU time yield to the process's other threads (Linux: a thread is scheduled by its
+    own nice value; setpriority on its thread id sets it): background work (a vector store's file embedded, an
+    import's build) then takes the cores the requests leave, rather than half of them. False where the system
+    does not allow it."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        return True
+    except (AttributeError, OSError):
+        return False

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 
 import logging
 
@@ -31,6 +32,7 @@ class _Server(uvicorn.Server):
 
 
 log = logging.getLogger("fusionrag.server")
+SWITCH_INTERVAL_S = 0.001
 
 
 class _HeadDeadline(AutoHTTPProtocol):
@@ -88,6 +90,9 @@ def serve(config: ServerConfig) -> None:
     """Serve until SIGTERM or SIGINT; then stop accepting, let requests in flight finish, close the collections,
     and return (the process exits 0)."""
     setup_logging(config.log_level, config.log_format)
+    # A thread running Python keeps the GIL up to the switch interval while another waits for it: 5 ms by default,
+    # which background work (an import's build, a file's chunks) added to each of a search's waits for the GIL.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     app = create_app(config)
     protocol = type("HTTPProtocol", (_HeadDeadline,), {"head_timeout": config.header_timeout_s})
     _Server(uvicorn.Config(

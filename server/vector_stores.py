@@ -45,6 +45,7 @@ from fusionrag.retriever.collection.embedding import get_embedder
 from fusionrag.retriever.collection.generations import write_json_atomic
 from fusionrag.retriever.collection.quota import check_room
 from fusionrag.retriever.collection.values import bad_value
+from fusionrag.retriever.process import lower_thread_priority
 from fusionrag.retriever.errors import (ConflictError, FusionRAGError, InputError, NotFoundError, QuotaError)
 from fusionrag.server.file_chunks import BadText, Chunker, Mark, chunk_count, count_tokens
 
@@ -635,6 +636,7 @@ class VectorStores:
 
     # -- the worker ----------------------------------------------------------------------------------
     def _work(self) -> None:
+        lower_thread_priority()  # files are embedded on the cores that searches leave
         while (job := self._turns.take()) is not None:
             done = True
             try:

@@ -51,7 +51,7 @@ from fusionrag.retriever.engine.index import STAT_KEYS, Index
 from fusionrag.retriever.engine.manifest import ArrayFileWriter
 from fusionrag.retriever.engine.queries import PreparedQueries, prepare_queries
 from fusionrag.retriever.engine.vectors import vector_problems
-from fusionrag.retriever.process import memory_limit
+from fusionrag.retriever.process import lower_thread_priority, memory_limit
 from fusionrag.retriever.errors import (ConflictError, FusionRAGError, IndexFormatError, InputError, StorageError,
                                         UnavailableError)
 
@@ -706,6 +706,7 @@ class Collection:
         return min(self.config.merge_fresh_bytes, max(1 << 20, self._memory_limit // FRESH_SHARE))
 
     def _background_merge(self) -> None:
+        lower_thread_priority()  # a merge takes the cores that searches leave
         try:
             while True:
                 with self._merge_lock:

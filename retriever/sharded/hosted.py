@@ -34,6 +34,7 @@ from fusionrag.retriever.collection.config import CollectionConfig
 from fusionrag.retriever.engine.config import BuildConfig, EngineConfig
 from fusionrag.retriever.engine.vectors import as_source
 from fusionrag.retriever.errors import ConflictError, FusionRAGError, InputError, StorageError, UnavailableError
+from fusionrag.retriever.process import lower_thread_priority
 from fusionrag.retriever.sharded.build import build_sharded
 from fusionrag.retriever.sharded.docs import ShardedCollection
 from fusionrag.retriever.sharded.router import ShardedIndex
@@ -287,6 +288,7 @@ class HostedSharded:
                 raise
 
     def _merge(self, ix: ShardedIndex, min_fresh: int) -> None:
+        lower_thread_priority()  # a merge takes the cores that searches leave
         try:
             ix.merge_shards(min_fresh=min_fresh)
         except Exception:  # noqa: BLE001 - the next write past the threshold tries again

@@ -15,6 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from fusionrag.retriever.collection import Collection
 from fusionrag.retriever.collection.embedding import canonical_name, get_embedder
 from fusionrag.retriever.errors import StorageError
+from fusionrag.retriever.process import lower_thread_priority
 from fusionrag.server.auth import Key
 from fusionrag.server.config import data_path
 from fusionrag.server.deps import allowed, authenticate, collection_quota, creatable, open_collection, state_of
@@ -61,6 +62,7 @@ def delete_snapshot(request: Request, snapshot_id: str, name: str = Depends(allo
 
 
 def _run_import(coll: Collection, files: dict[str, Path], folder: Path) -> None:
+    lower_thread_priority()  # a build takes the cores that searches leave (threads it starts inherit it)
     try:
         coll.import_files(files.get("documents"), files.get("vectors"), progress=False, claimed=True)
     except Exception:  # noqa: BLE001 - the collection's info says why; the log has the rest
