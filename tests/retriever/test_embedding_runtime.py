@@ -219,7 +219,9 @@ def test_torch_runs_a_model_onnx_runtime_cannot_and_says_why(tmp_path, monkeypat
     monkeypatch.setattr(embedding, "_runtime", "torch")
     with caplog.at_level(logging.WARNING, logger="fusionrag.retriever.collection.embedding"):
         assert minilm().runtime == "torch"
-    assert caplog.text == ""
+    # fusionrag's own records: another package may warn here (vLLM's CPU worker, imported by an earlier test of the
+    # suite, patches torch.set_num_threads and warns when it is called).
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("fusionrag")] == []
     with pytest.raises(embedding.ConfigError, match="one of auto, torch"):
         embedding.set_runtime("tensorrt")
     # Without onnxruntime.
