@@ -15,7 +15,7 @@ from pydantic.json_schema import models_json_schema
 from fusionrag import __version__
 from fusionrag.server.config import ServerConfig
 from fusionrag.server.errors import install_handlers
-from fusionrag.server.fastpath import FastRoutes
+from fusionrag.server.fastpath import FastRoutes, ServiceApp
 from fusionrag.server.life import Service, State
 from fusionrag.server.auth import KeyRing
 from fusionrag.server.middleware import AddHeaders, BodyLimit, ObserveMiddleware
@@ -64,17 +64,27 @@ def create_app(config: ServerConfig, catalog=None, keys: KeyRing | None = None,
         finally:
             await service.stop()
 
-    app = FastAPI(title="fusionrag", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+    app = ServiceApp(title="fusionrag", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Retrieval for RAG over a FusionANNS-style index. Send `Authorization: Bearer <key>` "
                               "when the service has API keys.")
     app.state.fusionrag = state
-    if fast_routes:
-        app.add_middleware(FastRoutes)  # innermost: below the limits, metrics and log
-    app.add_middleware(BodyLimit, limit=config.max_body_bytes, upload_limit=config.max_upload_bytes,
-                       timeout=config.body_timeout_s, file_limit=config.max_file_bytes)
-    app.add_middleware(ObserveMiddleware, metrics=state.metrics)
+    # The service's middleware, innermost first (Starlette adds each around those before): the same classes wrap
+    # the search route's own chain (fastpath.FastRoutes) and the rest of the app.
+    middleware = [(BodyLimit, {"limit": config.max_body_bytes, "upload_limit": config.max_upload_bytes,
+                               "timeout": config.body_timeout_s, "file_limit": config.max_file_bytes}),
+                  (ObserveMiddleware, {"metrics": state.metrics})]
     if headers:
-        app.add_middleware(AddHeaders, headers=headers)
+        middleware.append((AddHeaders, {"headers": headers}))
+    for cls, options in middleware:
+        app.add_middleware(cls, **options)
+
+    def wrap(inner):
+        for cls, options in middleware:
+            inner = cls(inner, **options)
+        return inner
+
+    if fast_routes:
+        app.fast_routes = FastRoutes(wrap)
     install_handlers(app)
     app.include_router(v1)
     app.include_router(ops)

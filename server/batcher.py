@@ -126,7 +126,7 @@ class _ModelQueue:
                 if not future.done():
                     future.set_exception(e)
             return
-        self.metrics.stage_seconds.labels("embed").observe(time.perf_counter() - t)
+        self.metrics.stage["embed"].observe(time.perf_counter() - t)
         at = 0
         for part, future in batch:
             if not future.done():
@@ -282,7 +282,7 @@ class MicroBatcher:
     async def _execute(self, batch: list[_Request]) -> None:
         now = time.perf_counter()
         for req in batch:
-            self.metrics.stage_seconds.labels("queue").observe(now - req.enqueued)
+            self.metrics.stage["queue"].observe(now - req.enqueued)
         self.metrics.batch_requests.observe(len(batch))
         try:
             answers = await asyncio.get_running_loop().run_in_executor(self._executor, self._run_batch, batch)
@@ -316,7 +316,7 @@ class MicroBatcher:
         res = first.collection.search(vectors, first.k, first.filter, first.params, texts=texts, mode=first.mode,
                                       text_weight=first.text_weight, with_vectors=first.with_vectors,
                                       fusion=first.fusion, partial=first.partial)
-        self.metrics.stage_seconds.labels("engine").observe(time.perf_counter() - t)
+        self.metrics.stage["engine"].observe(time.perf_counter() - t)
         self.metrics.batch_queries.observe(len(res.hits))
         self.metrics.observe_search(first.collection.name, res.stats)
         out, at = {}, 0

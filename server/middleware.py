@@ -133,8 +133,9 @@ class ObserveMiddleware:
         finally:
             seconds = time.perf_counter() - start
             route = getattr(scope.get("route"), "path", "unmatched")
-            self.metrics.requests.labels(scope["method"], route, str(status)).inc()
-            self.metrics.request_seconds.labels(route).observe(seconds)
+            series = self.metrics.series
+            series(self.metrics.requests, scope["method"], route, str(status)).inc()
+            series(self.metrics.request_seconds, route).observe(seconds)
             log.info("request", extra={"method": scope["method"], "path": scope["path"], "status": status,
                                        "ms": round(seconds * 1000, 3),
                                        "client": (scope.get("client") or ("",))[0]})

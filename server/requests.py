@@ -3,6 +3,7 @@ the embedding model, and bodies read with their limits (server/bodies.py)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import fields
 from typing import Callable
 
@@ -20,9 +21,12 @@ from fusionrag.server.bodies import Body, read_body
 from fusionrag.server.errors import http_error
 
 
+_KINDS: dict[str, type] = {}  # SearchParams' knobs and their types, read once
+
+
 def search_params(given: dict) -> SearchOverrides:
     """A request's search knobs, checked, to apply over the collection index's own defaults (its calibrated ones)."""
-    kinds = {f.name: type(f.default) for f in fields(SearchParams)}
+    kinds = _KINDS or _KINDS.update({f.name: type(f.default) for f in fields(SearchParams)}) or _KINDS
     for name, value in given.items():
         kind = kinds.get(name)
         ok = kind is None or (isinstance(value, kind) and not isinstance(value, bool)) or \
@@ -64,7 +68,12 @@ def search_queries(mode: str, vectors: list | None, texts: list | None) -> list:
 
 def query_words(coll: Collection, what: str) -> QueryWords:
     """The API's words for query vectors that `coll` cannot search."""
-    name = repr(coll.name).replace("{", "{{").replace("}", "}}")
+    return _query_words(coll.name, what)
+
+
+@functools.lru_cache(maxsize=1024)
+def _query_words(name: str, what: str) -> QueryWords:  # made once a collection (five formatted strings a search)
+    name = repr(name).replace("{", "{{").replace("}", "}}")
     return QueryWords(
         numeric=f"{what} must be numbers, got {{detail}}",
         shape=f"{what} have dimension ragged, collection {name} has dimension {{dim}}",

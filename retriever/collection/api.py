@@ -64,6 +64,11 @@ ENTRY_ERRORS = (ValueError, TypeError, OverflowError, KeyError, IndexError, Recu
                 sqlite3.IntegrityError, sqlite3.DataError, sqlite3.InterfaceError)
 
 
+# A query's statistics before its search fills them, and the engine's columns' Python types (counts int, seconds float).
+_NO_STATS = dict.fromkeys(STAT_KEYS, 0) | {"fresh_candidates": 0, "filtered_exact": False}
+_STAT_TYPES = tuple((key, np.float64 if key.endswith("_s") else np.int64) for key in STAT_KEYS)
+
+
 def _in_use(method):
     """Run a public method as one use of the collection: close (a drop, a shutdown) waits for every
     use to end before it closes the store and the index, and a call that starts later is refused."""
@@ -594,8 +599,7 @@ class Collection:
     def _search(self, snap: ReadView, q: PreparedQueries, k, where, params):
         """Rows and exact distances of each query's k nearest (unsorted, padded with -1), and statistics."""
         nq = len(q)
-        stats = [{key: 0 for key in STAT_KEYS} | {"fresh_candidates": 0, "filtered_exact": False}
-                 for _ in range(nq)]
+        stats = [_NO_STATS.copy() for _ in range(nq)]
         allowed, among = None, False
         if where is not None:
             # A filter few documents pass: every one is a candidate (search_among: PQ over their codes, the best
@@ -642,12 +646,12 @@ class Collection:
                     nprobe=main.index.nav.graph.size, probe="ratio", probe_ratio=0.0)
                 again = main.index.search(q.rows(short), k, p, exclude=exclude)
                 ids[short], dists[short] = again.ids, again.distances
-        tier = res.info.get("filter_tier")
-        for i, s in enumerate(stats):
-            for key in STAT_KEYS:
-                v = res.stats[key][i]
-                s[key] = float(v) if key.endswith("_s") else int(v)
-            s["filter_tier"] = tier  # which tier served (under filter_tier auto with CUDA, the cheaper)
+        # Python numbers, a column at a time (int counts, float seconds), then a query's all at once.
+        columns = [res.stats[key].astype(t, copy=False).tolist() for key, t in _STAT_TYPES]
+        tier = res.info.get("filter_tier")  # which tier served (under filter_tier auto with CUDA, the cheaper)
+        for s, values in zip(stats, zip(*columns)):
+            s.update(zip(STAT_KEYS, values))
+            s["filter_tier"] = tier
         rows = np.where(ids >= 0, main.rows[np.maximum(ids, 0)] if n else -1, -1)
         return rows, np.where(ids >= 0, dists, np.inf).astype(np.float32)
 
@@ -659,15 +663,16 @@ class Collection:
         rows = np.take_along_axis(rows, order, axis=1)
         dists = np.take_along_axis(dists, order, axis=1)
         docs = self.store.by_rows(np.unique(rows[rows >= 0]), with_vectors)
-        for qr, qd in zip(rows, dists):
+        get = docs.get
+        for qr, qd in zip(rows.tolist(), dists.tolist()):
             hits = []
-            for r, d in zip(qr.tolist(), qd.tolist()):
-                doc = docs.get(r)
+            for r, d in zip(qr, qd):
+                doc = get(r)
                 if doc is None:  # padding, or deleted since the snapshot
                     continue
+                hits.append(Hit(doc[0], d, score(d), doc[1], doc[2], doc[3]))
                 if len(hits) == k:
                     break
-                hits.append(Hit(doc[0], d, score(d), doc[1], doc[2], doc[3]))
             k_all.append(hits)
         return CollectionSearch(k_all, stats)
 

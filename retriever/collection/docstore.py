@@ -193,6 +193,8 @@ try:  # the server's extra holds orjson: a stored metadata's JSON read ~9x faste
     import orjson as _orjson
 
     def _metadata(text: str):
+        if text == "{}":  # most documents' (a new dict each: callers may change theirs)
+            return {}
         # orjson reads an integer past 64 bits as a float; json keeps it exact (stored before writes refused them)
         if _LONG_NUMBER.search(text):
             return json.loads(text)
@@ -461,14 +463,18 @@ class DocStore:
     def by_rows(self, rows, with_vectors: bool) -> dict[int, tuple]:
         """row -> (id, text, metadata, vector or None) for the rows still live."""
         out = {}
-        rows = [int(r) for r in rows]
-        col = "vector" if with_vectors else "NULL"
+        rows = rows.tolist() if isinstance(rows, np.ndarray) else [int(r) for r in rows]
         with self._reader() as con:
             for part in _chunks(rows):
                 q = ",".join("?" * len(part))
-                for r, i, t, m, v in con.execute(
-                        f"SELECT row, id, text, metadata, {col} FROM docs WHERE row IN ({q})", part):
-                    out[r] = (i, t, _metadata(m), self._vec(v) if with_vectors else None)
+                if with_vectors:
+                    for r, i, t, m, v in con.execute(
+                            f"SELECT row, id, text, metadata, vector FROM docs WHERE row IN ({q})", part):
+                        out[r] = (i, t, _metadata(m), self._vec(v))
+                else:  # the search path's: a tuple less to unpack and no test a row
+                    meta = _metadata
+                    for r, i, t, m in con.execute(f"SELECT row, id, text, metadata FROM docs WHERE row IN ({q})", part):
+                        out[r] = (i, t, meta(m), None)
         return out
 
     def page(self, after: int, limit: int, where: tuple[str, list] | None, with_vectors: bool) -> list[tuple]:

@@ -360,14 +360,34 @@ class SearchOverrides:
 
     @classmethod
     def of(cls, given: dict) -> "SearchOverrides":
-        SearchParams.from_dict(dict(given))  # names and ranges
-        return cls(tuple(sorted(given.items())))
+        items = tuple(sorted(given.items()))
+        try:
+            return _overrides(cls, items)  # requests mostly ask the same few: each set checked once
+        except TypeError:  # a value that cannot be a cache key (a list): checked, and refused, on its own
+            SearchParams.from_dict(dict(given))  # names and ranges
+            return cls(items)
 
     def over(self, base: SearchParams) -> SearchParams:
-        return base.with_overrides(**dict(self.items))
+        try:
+            return _over(self, base)
+        except TypeError:  # unhashable values
+            return base.with_overrides(**dict(self.items))
 
     def to_dict(self) -> dict:
         return dict(self.items)
+
+
+@functools.lru_cache(maxsize=256)
+def _overrides(cls, items: tuple) -> "SearchOverrides":
+    """SearchOverrides.of's check (a whole SearchParams made: ~20 us) once a set of knobs; ConfigErrors aren't kept."""
+    SearchParams.from_dict(dict(items))
+    return cls(items)
+
+
+@functools.lru_cache(maxsize=256)
+def _over(overrides: "SearchOverrides", base: SearchParams) -> SearchParams:
+    """The knobs over an index's defaults, once a pair (both frozen; each search resolved them anew before)."""
+    return base.with_overrides(**dict(overrides.items))
 
 
 def resolve_params(params: "SearchParams | SearchOverrides | dict | None", base: SearchParams) -> SearchParams:

@@ -218,15 +218,17 @@ def vector_problems(block: np.ndarray, metric: str) -> tuple[np.ndarray, list[st
         b = np.where(ok[:, None], part, 0).astype(np.float64)
         sq[lo:lo + step] = np.einsum("ij,ij->i", b, b)
     bad = np.flatnonzero(~finite | (sq > MAX_SQ_NORM) | ((sq == 0) if metric == "cosine" else False))
-    why = []
-    for i in bad.tolist():
-        if not finite[i]:
-            why.append("contains NaN or infinity")
-        elif sq[i] > MAX_SQ_NORM:
-            why.append(f"has squared norm {sq[i]:.3g}, over the {MAX_SQ_NORM:.0e} that float32 distances allow")
-        else:
-            why.append("is a zero vector, which has no cosine direction")
-    return bad, why
+    return bad, [problem(1 if not finite[i] else 2 if sq[i] > MAX_SQ_NORM else 3, sq[i]) for i in bad.tolist()]
+
+
+def problem(why: int, sq: float) -> str:
+    """What is wrong with a row, by native.check_rows' code: 1 not finite, 2 too long (sq its squared norm), 3 zero
+    under cosine."""
+    if why == 1:
+        return "contains NaN or infinity"
+    if why == 2:
+        return f"has squared norm {sq:.3g}, over the {MAX_SQ_NORM:.0e} that float32 distances allow"
+    return "is a zero vector, which has no cosine direction"
 
 
 def check_vectors(block: np.ndarray, metric: str, where: str, row_ids: np.ndarray | None = None) -> None:

@@ -90,12 +90,11 @@ def test_a_collection_checks_and_normalises_queries_once(tmp_path, monkeypatch):
         col.upsert([Document(f"d{i}", None, v) for i, v in enumerate(vecs)])
         col.merge()
         col.upsert([Document(f"f{i}", None, v) for i, v in enumerate(vecs[:20])])  # a fresh tier too
-        checks, norms = [], []
-        problems, normalize = queries_mod.vector_problems, queries_mod.normalize
-        monkeypatch.setattr(queries_mod, "vector_problems", lambda *a: checks.append(1) or problems(*a))
-        monkeypatch.setattr(queries_mod, "normalize", lambda x: norms.append(1) or normalize(x))
+        checks = []  # each a (whether it made unit rows) of the one pass that checks rows (and normalises them)
+        rows = queries_mod._rows
+        monkeypatch.setattr(queries_mod, "_rows", lambda q, m, w, unit: checks.append(unit) or rows(q, m, w, unit))
         got = col.search(vecs[:7] * 3.0, k=4)
-        assert len(checks) == 1 and len(norms) == 1
+        assert checks == [True]
         assert all(s["centroids_probed"] > 0 and s["fresh_candidates"] == 20 for s in got.stats)  # both tiers searched
         assert all(h[0].distance < 1e-5 for h in got.hits)  # each query's own vector (d_i, or its copy f_i)
     finally:
@@ -111,7 +110,7 @@ def test_prepared_queries_are_searched_as_they_are(cosine_index, monkeypatch):
     assert prepare_queries(prepared, DIM, "cosine") is prepared
     assert index.prepare_queries(prepared) is prepared.vectors
     want = index.search(prepared.vectors, k=10)
-    monkeypatch.setattr(queries_mod, "vector_problems", lambda *a: pytest.fail("checked again"))
+    monkeypatch.setattr(queries_mod, "_rows", lambda *a, **k: pytest.fail("checked again"))
     got = index.search(prepared, k=10)
     np.testing.assert_array_equal(got.ids, want.ids)
     np.testing.assert_array_equal(got.distances, want.distances)

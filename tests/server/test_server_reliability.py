@@ -306,11 +306,11 @@ def test_a_search_checks_and_normalises_its_queries_once(app_client, monkeypatch
         assert c.post("/v1/collections", json={"name": "cos", "dimension": 3, "metric": "cosine"}).status_code == 201
         docs = [{"id": f"d{i}", "vector": [1.0, float(i), 0.5]} for i in range(5)]
         assert c.post("/v1/collections/cos/documents", json={"documents": docs}).status_code == 200
-        checks, norms = [], []
-        real_check, real_normalize = queries_mod.check_queries, queries_mod.normalize
-        monkeypatch.setattr(queries_mod, "check_queries", lambda *a, **kw: checks.append(1) or real_check(*a, **kw))
-        monkeypatch.setattr(queries_mod, "normalize", lambda q: norms.append(len(q)) or real_normalize(q))
+        checks = []  # (rows, whether made unit length) of each pass that checks query rows
+        real_rows = queries_mod._rows
+        monkeypatch.setattr(queries_mod, "_rows", lambda q, m, w, unit: checks.append((len(q), unit)) or
+                            real_rows(q, m, w, unit))
         r = c.post("/v1/collections/cos/search", json={"vectors": [[2.0, 6.0, 1.0]], "k": 2})
         assert r.status_code == 200, r.text
         assert [h["id"] for h in r.json()["results"][0]][0] == "d3"  # (2, 6, 1) points as (1, 3, 0.5)
-        assert (len(checks), norms) == (1, [1])
+        assert checks == [(1, True)]
