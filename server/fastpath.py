@@ -17,6 +17,7 @@ caller that reaches the app below this.
 from __future__ import annotations
 
 import re
+import time
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -76,12 +77,22 @@ class ServiceApp(FastAPI):
     """The service's FastAPI app: searches go to `fast_routes` (when set) before FastAPI's own stack."""
 
     fast_routes: FastRoutes | None = None
+    _telemetry_on, _telemetry_at = False, -1.0
+
+    def _telemetry_enabled(self) -> bool:
+        """Whether FastAPI's own telemetry is on (OpenTelemetry configured): then it sees every request, searches
+        too. Asked at most once a second (its check reads three global providers: ~10 us a request); once on, on,
+        as OpenTelemetry's global providers are set once."""
+        now = time.monotonic()
+        if not self._telemetry_on and now - self._telemetry_at > 1.0:
+            telemetry = getattr(self, "_native_telemetry", None)
+            self._telemetry_on, self._telemetry_at = telemetry is not None and telemetry.enabled(), now
+        return self._telemetry_on
 
     async def __call__(self, scope, receive, send):
         fast = self.fast_routes
         if fast is not None and not self.root_path and (name := fast.match(scope)) is not None:
-            telemetry = getattr(self, "_native_telemetry", None)  # FastAPI's own, when configured: it sees every request
-            if telemetry is None or "fastapi.telemetry" in scope or not telemetry.enabled():
+            if "fastapi.telemetry" in scope or not self._telemetry_enabled():
                 scope["app"] = self
                 return await fast(scope, receive, send, name)
         await super().__call__(scope, receive, send)
