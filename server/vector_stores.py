@@ -7,7 +7,8 @@
   embedding model, with a JSON record under <data-dir>/openai/stores/ holding its name, metadata and files.
 - Adding a file to a store queues it; worker threads (`file_workers`, 1 by default) chunk its text by the
   embedding model's own tokens (a static strategy's window and overlap, or `auto`: the model's window, half of
-  it overlapping, as OpenAI's auto is 800 and 400), embed the chunks and upsert them as documents
+  it overlapping, as OpenAI's auto is 800 and 400; each chunk cut between words, never inside one a word of more
+  tokens than a chunk excepted: server/file_chunks.py), embed the chunks and upsert them as documents
   `<file id>#<n>` with metadata {"file_id", "filename", "attributes"}. A file's status goes in_progress ->
   completed (or failed, with the reason); a restart takes up the files still in progress, from their start.
   Removing a file from a store deletes its chunks by filter; attributes changed later reach the chunks as a
@@ -47,7 +48,7 @@ from fusionrag.retriever.collection.quota import check_room
 from fusionrag.retriever.collection.values import bad_value
 from fusionrag.retriever.process import lower_thread_priority
 from fusionrag.retriever.errors import (ConflictError, FusionRAGError, InputError, NotFoundError, QuotaError)
-from fusionrag.server.file_chunks import BadText, Chunker, Mark, chunk_count, count_tokens
+from fusionrag.server.file_chunks import BadText, Chunker, Mark, count_tokens
 
 log = logging.getLogger("fusionrag.server")
 
@@ -181,7 +182,6 @@ class FileJob:
     counted: bool = False  # its tokens counted (then it is embedded)
     mark: Mark = field(default_factory=Mark)
     chunk: int = 0  # the next chunk to embed
-    total: int | None = None  # its chunks, once counted (None: not counted, only checked to be text)
     usage: int = 0  # the bytes of the chunks written
     chunker: Chunker | None = None  # kept between its steps while it is among the LIVE_CHUNKERS last stepped
     attributes: dict | None = None  # those its chunks were written with (new ones reach them as it completes)
@@ -692,9 +692,10 @@ class VectorStores:
                                                     f"{limit:,} tokens, the limit of one file (max_file_tokens)"})
                 if exact and not job.mark.tokens:
                     return self._finish(job, 0, 0, _NO_TEXT)
-                job.total = chunk_count(job.mark.tokens, size, overlap) if exact else None
                 job.counted, job.mark = True, Mark()  # and its first batch in the same turn
-            chunker = job.chunker or Chunker(path, job.mark, job.chunk, embedder.token_spans, size, overlap)
+            # Cut between words, so the chunk count is known only at the end (about chunk_count's).
+            chunker = job.chunker or Chunker(path, job.mark, job.chunk, embedder.token_spans, size, overlap,
+                                             whole_words=True)
             chunks = chunker.step(EMBED_BATCH)
             job.mark, ended = chunker.mark, chunker.done
             self._keep(job, chunker)
@@ -716,11 +717,9 @@ class VectorStores:
             return self._finish(job, 0, 0, {"code": "server_error", "message": str(err)})
         job.chunk += len(chunks)
         job.usage += sum(len(c.encode()) for c in chunks)
-        if ended or (job.total is not None and job.chunk >= job.total):
+        if ended:
             if not job.chunk:
                 return self._finish(job, 0, 0, _NO_TEXT)
-            if job.total is not None and job.chunk != job.total:  # never: files are written once
-                log.error("file %s made %d chunks, %d counted", job.fid, job.chunk, job.total)
             return self._finish(job, job.chunk, job.usage + job.chunk * embedder.dim * 4, None)
         return False
 

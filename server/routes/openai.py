@@ -12,7 +12,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from fusionrag.retriever.collection.config import DEFAULT_TEXT_WEIGHT
+from fusionrag.retriever.collection.config import DEFAULT_TEXT_WEIGHT, Fusion
 from fusionrag.retriever.errors import InputError, StorageError
 from fusionrag.server.auth import Key
 from fusionrag.server.batcher import ServiceClosing
@@ -72,6 +72,25 @@ class FileBatch(_Body):
 class RankingOptions(_Body):
     ranker: Literal["none", "auto", "default-2024-11-15"] = "auto"
     score_threshold: float = Field(0.0, ge=0, le=1)
+
+
+# A hybrid search's fusion (Collection.search's default, reciprocal rank) and the highest score it can give: a
+# chunk first in both rankings. A search's `score` is the fused score divided by it.
+SEARCH_FUSION = Fusion()
+
+
+def top_fused_score(fusion: Fusion, text_weight: float) -> float:
+    """The fused score of a chunk first in both rankings (config.Fusion): (1 - w) / (k + 1) + w / (k + 1) for
+    reciprocal rank, (1 - w) + w for the weighted fusion (each ranking's best normalised to 1)."""
+    best = 1.0 / (fusion.k + 1) if fusion.method == "rrf" else 1.0
+    return (1 - text_weight) * best + text_weight * best
+
+
+def search_score(hit, fused: bool, top: float) -> float:
+    """OpenAI's score in [0, 1], higher better, in the order of the ranking: a hybrid hit's fused score over the
+    highest one (1.0: first in both rankings), a vector hit's cosine similarity (negative ones as 0)."""
+    score = float(hit.score) / top if fused else 1.0 - float(hit.distance)
+    return min(1.0, max(0.0, score))
 
 
 class VectorStoreSearch(_Body):
@@ -201,25 +220,27 @@ async def search_vector_store(body: VectorStoreSearch, request: Request, vector_
     ranking = body.ranking_options or RankingOptions()
     coll = await run_in_threadpool(stores_of(request).collection, viewer(key), vector_store_id)
     k = body.max_num_results
+    fused = ranking.ranker != "none"  # auto and default-2024-11-15: hybrid; none: the vectors alone
     try:
-        res = await state.batcher.search(coll, k, texts=queries, filter=where, mode="vector" if ranking.ranker == "none"
-                                         else "hybrid", text_weight=DEFAULT_TEXT_WEIGHT)
+        res = await state.batcher.search(coll, k, texts=queries, filter=where, mode="hybrid" if fused else "vector",
+                                         text_weight=DEFAULT_TEXT_WEIGHT, fusion=SEARCH_FUSION)
     except ServiceClosing as e:
         raise http_error(503, str(e)) from e
-    # The score is the chunk's cosine similarity to the query (its place, under a hybrid ranker, the fused rank's).
-    best: dict[str, tuple[int, float, object]] = {}
+    # The score is the ranking's own, so the results come by it, best first, and score_threshold drops those
+    # below it (search_score); over several queries a chunk counts with its best score.
+    top = top_fused_score(SEARCH_FUSION, DEFAULT_TEXT_WEIGHT)
+    best: dict[str, tuple[float, int, object]] = {}
     for hits in res.hits:
         for rank, h in enumerate(hits):
-            score = 1.0 - float(h.distance)
+            score = search_score(h, fused, top)
             if score < ranking.score_threshold:
                 continue
-            if h.id not in best or score > best[h.id][1]:
-                best[h.id] = (rank, score, h)
-    order = sorted(best.values(), key=lambda t: (t[0], -t[1])) if len(queries) == 1 else sorted(
-        best.values(), key=lambda t: -t[1])
+            if h.id not in best or score > best[h.id][0]:
+                best[h.id] = (score, rank, h)
+    order = sorted(best.values(), key=lambda t: (-t[0], t[1]))
     data = [{"file_id": h.metadata.get("file_id"), "filename": h.metadata.get("filename", ""), "score": score,
              "attributes": h.metadata.get("attributes") or {}, "content": [{"type": "text", "text": h.text}]}
-            for _, score, h in order[:k]]
+            for score, _, h in order[:k]]
     return {"object": "vector_store.search_results.page", "search_query": queries, "data": data, "has_more": False,
             "next_page": None}
 
