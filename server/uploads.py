@@ -1,12 +1,15 @@
 """Request bodies written to the data disk as they arrive (an upload may be far larger than memory), kept out of
 the disk reserve as they are written (Room: their room claimed before it is written, and counted by every other
 upload's check): a whole body (a snapshot to restore), or a multipart body's files (a bulk import's documents and
-vectors, an OpenAI file upload) with its small fields kept in memory."""
+vectors, an OpenAI file upload) with its small fields kept in memory. A bulk import's body sent with
+Content-Encoding: gzip, or its part whose file name ends in .gz, is decompressed as it arrives (Inflate)."""
 
 from __future__ import annotations
 
 import os
 import uuid
+import zlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Callable
 
@@ -55,6 +58,134 @@ class Room:
         self.claimed.release()
 
 
+class Inflate:
+    """A gzip stream decompressed as it arrives: push() its compressed bytes, pull() the decompressed ones a piece
+    of at most PIECE bytes at a time (never the whole in memory), members one after another as gzip allows, zero
+    padding after the last taken. Refused with 413, as soon as it passes either, where its decompressed bytes pass
+    `limit` (max_upload_bytes: gzip takes an upload no further than the same bytes sent plain) or RATIO times the
+    compressed bytes pushed, once past FLOOR (a decompression bomb: 200 MB of zeros gzip to 200 KB, where JSON lines
+    compress 3 to 10-fold, and a vector file less); with 400 where it is not gzip or is corrupt, or (finish) where
+    it stops inside its compressed data. what: the stream, as messages name it."""
+
+    PIECE = 1 << 20
+    RATIO = 200  # Apache's mod_deflate refuses a request body past the same (DeflateInflateRatioLimit)
+    FLOOR = 16 << 20
+
+    def __init__(self, what: str, limit: int):
+        self.what, self.limit = what, limit
+        self.compressed = self.size = 0  # bytes pushed, bytes pulled
+        self._d = zlib.decompressobj(zlib.MAX_WBITS | 16)  # gzip's header and trailer (CRC-32, size) checked
+        self._in = b""
+
+    def push(self, data: bytes) -> None:
+        self.compressed += len(data)
+        self._in += data
+
+    def pull(self) -> bytes:
+        """The next piece of what was pushed, decompressed; b"" once all of it is (push more, or finish)."""
+        while self._in:
+            if self._d.eof:  # a member ended: zero padding (as gzip reads it), or the next member
+                self._in = self._in.lstrip(b"\0")
+                if not b"\x1f\x8b".startswith(self._in[:2]):  # not a member's magic
+                    raise self._bad("after the end of its gzip data come bytes that are neither gzip nor padding")
+                if len(self._in) < 2:  # padding, or the next member's first byte: wait for more
+                    break
+                self._d = zlib.decompressobj(zlib.MAX_WBITS | 16)
+            before = len(self._in)
+            try:
+                out = self._d.decompress(self._in, self.PIECE)
+            except zlib.error as e:
+                raise self._bad(f"not a valid gzip stream ({e}), in its first {self.compressed} bytes") from e
+            self._in = self._d.unused_data if self._d.eof else self._d.unconsumed_tail
+            if out:
+                self.size += len(out)
+                self._bound()
+                return out
+            if len(self._in) >= before and not self._d.eof:  # no progress: wait for more
+                break
+        return b""
+
+    def finish(self) -> None:
+        """After the last bytes were pushed and pulled: refused where the stream stops inside a member."""
+        if self.compressed and (not self._d.eof or self._in):
+            raise self._bad(f"the gzip stream stops after {self.compressed} bytes, inside its compressed data (cut "
+                            "short?)")
+
+    def _bound(self) -> None:
+        if self.size > self.limit:
+            raise http_error(413, f"{self.what}: its decompressed bytes pass {self.limit}, the limit of an upload "
+                             "(max_upload_bytes), which holds for what a gzip upload decompresses to as well")
+        if self.size > self.FLOOR and self.size > self.RATIO * self.compressed:
+            raise http_error(413, f"{self.what} inflates over {self.RATIO}-fold ({self.size} bytes from the first "
+                             f"{self.compressed} compressed): refused as a decompression bomb (JSON lines compress "
+                             "3 to 10-fold); send it uncompressed, or less compressible")
+
+    def _bad(self, why: str):
+        return http_error(400, f"{self.what}: {why}")
+
+
+class _Sink:
+    """A file that a part of an upload is written into as it arrives: decompressed first where inflate is given,
+    and its room claimed before each write where room is given (what a gzip part decompresses to is more than
+    its request declared). write() (in a worker thread: it may decompress), finish() after its last bytes,
+    close() whatever happened."""
+
+    def __init__(self, path: Path, inflate: Inflate | None = None, room: Room | None = None):
+        self._f = open(path, "wb")
+        self._inflate, self._room = inflate, room
+
+    def write(self, data: bytes) -> None:
+        if self._inflate is None:
+            self._put(data)
+            return
+        self._inflate.push(data)
+        while piece := self._inflate.pull():
+            self._put(piece)
+
+    def _put(self, data: bytes) -> None:
+        if self._room is not None:
+            self._room.claim(len(data))
+        self._f.write(data)
+        if self._room is not None:
+            self._room.wrote(len(data))
+
+    def finish(self) -> None:
+        if self._inflate is not None:
+            self._inflate.finish()
+        self._f.close()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+_GZIP = ("gzip", "x-gzip")
+
+
+def _content_encoding(request: Request, limit: int) -> Inflate | None:
+    """An Inflate for a body sent with Content-Encoding: gzip, None for one sent as it is; 415 for another coding."""
+    codings = [c.strip().lower() for c in request.headers.get("content-encoding", "").split(",")]
+    codings = [c for c in codings if c and c != "identity"]
+    if not codings:
+        return None
+    if len(codings) == 1 and codings[0] in _GZIP:
+        return Inflate("the body (Content-Encoding: gzip)", limit)
+    raise http_error(415, f"Content-Encoding {request.headers['content-encoding'][:40]!r} is not one an import takes: "
+                          "gzip, or none")
+
+
+async def _inflated(chunks: AsyncIterator[bytes], inflate: Inflate | None) -> AsyncIterator[bytes]:
+    """chunks, decompressed as they arrive where inflate is given (in a worker thread, a piece at a time)."""
+    async for chunk in chunks:
+        if inflate is None:
+            yield chunk
+            continue
+        inflate.push(chunk)
+        while piece := await anyio.to_thread.run_sync(inflate.pull):
+            yield piece
+    if inflate is not None:
+        inflate.finish()
+
+
 async def spool(request: Request) -> Path:
     """The request's body, written to a file of the data directory as it arrives; the caller removes it."""
     folder = data_path(state_of(request).config) / "uploads"
@@ -83,19 +214,24 @@ async def spool(request: Request) -> Path:
     return path
 
 
-async def spool_multipart(request: Request, room: Room, place: Callable[[str, str], Path | None]
+async def spool_multipart(request: Request, room: Room, place: Callable[[str, str], Path | None],
+                          body: AsyncIterator[bytes] | None = None,
+                          opener: Callable[[str, str, Path], _Sink] | None = None
                           ) -> tuple[dict[str, Path], dict[str, str]]:
     """A multipart/form-data body: each part that place(name, filename) gives a path is written there as it
     arrives, the others (fields) kept in memory, up to FIELD_BYTES each. place raises (an HTTPException) for a
     part the route does not take. (files by name, fields by name); the caller removes the files, also on error.
-    room is closed at the end."""
+    room is closed at the end. body: the body's bytes (the request's stream, unless given); opener(name, filename,
+    path): the _Sink a part is written into (a plain file, unless given)."""
     try:
-        return await _spool_multipart(request, room, place)
+        return await _spool_multipart(request, room, place, request.stream() if body is None else body,
+                                      opener or (lambda name, filename, path: _Sink(path)))
     finally:
         room.close()
 
 
-async def _spool_multipart(request: Request, room: Room, place: Callable[[str, str], Path | None]
+async def _spool_multipart(request: Request, room: Room, place: Callable[[str, str], Path | None],
+                           body: AsyncIterator[bytes], opener: Callable[[str, str, Path], _Sink]
                            ) -> tuple[dict[str, Path], dict[str, str]]:
     ctype, params = parse_options_header(request.headers.get("content-type", ""))
     if ctype.decode("latin-1").lower() != "multipart/form-data" or not params.get(b"boundary"):
@@ -110,14 +246,15 @@ async def _spool_multipart(request: Request, room: Room, place: Callable[[str, s
         name = disposition.get(b"name", b"").decode("latin-1")
         if name in files or name in fields:
             raise http_error(422, f"part {name[:40]!r} given twice")
-        path = place(name, disposition.get(b"filename", b"").decode("utf-8", "replace"))
+        filename = disposition.get(b"filename", b"").decode("utf-8", "replace")
+        path = place(name, filename)
         part["name"] = name
         if path is None:
             fields[name] = ""
             part["value_bytes"] = bytearray()
         else:
             files[name] = path
-            part["file"] = open(path, "wb")
+            part["file"] = opener(name, filename, path)
 
     def data(d, s, e) -> None:
         if part.get("file") is not None:
@@ -130,7 +267,7 @@ async def _spool_multipart(request: Request, room: Room, place: Callable[[str, s
 
     def part_end() -> None:
         if part.get("file") is not None:
-            part["file"].close()
+            part["file"].finish()
         else:
             fields[part["name"]] = bytes(part["value_bytes"]).decode("utf-8", "replace")
 
@@ -151,7 +288,7 @@ async def _spool_multipart(request: Request, room: Room, place: Callable[[str, s
     parser = MultipartParser(params[b"boundary"], callbacks)
     try:
         try:
-            async for chunk in request.stream():
+            async for chunk in body:
                 room.claim(len(chunk))
                 await anyio.to_thread.run_sync(parser.write, chunk)
                 room.wrote(len(chunk))
@@ -176,15 +313,20 @@ _JSONL = ("application/x-ndjson", "application/jsonl")
 async def spool_import(request: Request, folder: Path) -> dict[str, Path]:
     """The files of an import request, written into `folder` as they arrive: a JSON-lines body is the
     documents; a multipart body has parts `documents` (JSON lines) and `vectors` (a vector file, its
-    format by its file name's extension)."""
+    format by its file name's extension). A body sent with Content-Encoding: gzip, and a part whose file name
+    ends in .gz, are decompressed as they arrive (Inflate: max_upload_bytes bounds the bytes on the wire and,
+    with the bomb's ratio, those they decompress to; the room of the decompressed bytes claimed as they are
+    written)."""
+    limit = state_of(request).config.max_upload_bytes
     ctype, _ = parse_options_header(request.headers.get("content-type", ""))
     ctype = ctype.decode("latin-1").lower()
+    body = _inflated(request.stream(), _content_encoding(request, limit))
     if ctype in _JSONL:
         path = folder / "documents.jsonl"
         room = Room(request, folder)
         try:
             async with await anyio.open_file(path, "wb") as f:
-                async for chunk in request.stream():
+                async for chunk in body:
                     room.claim(len(chunk))
                     await f.write(chunk)
                     room.wrote(len(chunk))
@@ -199,13 +341,25 @@ async def spool_import(request: Request, folder: Path) -> dict[str, Path]:
         if name == "documents":
             return folder / "documents.jsonl"
         if name == "vectors":
-            ext = os.path.splitext(filename)[1].lower()
+            ext = os.path.splitext(filename[:-3] if _gz(filename) else filename)[1].lower()
             if ext not in VECTOR_EXTENSIONS:
-                raise http_error(422, f"the vectors part's file name must end in one of {', '.join(VECTOR_EXTENSIONS)}")
+                raise http_error(422, f"the vectors part's file name must end in one of {', '.join(VECTOR_EXTENSIONS)}"
+                                      " (and .gz after it where it is gzipped)")
             return folder / f"vectors{ext}"
         raise http_error(422, f"unknown part {name[:40]!r}: an import takes 'documents' and 'vectors'")
 
-    files, _ = await spool_multipart(request, Room(request, folder), place)
+    room = Room(request, folder)
+
+    def opener(name: str, filename: str, path: Path) -> _Sink:
+        if _gz(filename):
+            return _Sink(path, Inflate(f"part {name!r} ({filename[:80]})", limit), room)
+        return _Sink(path)
+
+    files, _ = await spool_multipart(request, room, place, body, opener)
     if not files:
         raise http_error(422, "the multipart body has neither a 'documents' nor a 'vectors' part")
     return files
+
+
+def _gz(filename: str) -> bool:
+    return filename.lower().endswith(".gz")

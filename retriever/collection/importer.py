@@ -6,7 +6,9 @@ has its text embedded by the collection's model), or a vector file (.fvecs .fbin
 `fusionrag build` reads) with an optional JSON-lines sidecar describing row i on line i (id, text,
 metadata; ids default to the row number). Nothing is held whole: the files are read in chunks,
 three times (check and stage the vectors in a memory-mapped float32 file, build the index from it,
-store the documents).
+store the documents). check_start checks the start of the files as the import will (check_record, one line's
+checks, shared by both), so that the service refuses an upload whose first lines the import would refuse
+before it accepts it.
 
 The import is one write: its documents are stored in one SQLite transaction, made durable, and then
 published with the index as a new generation, so a failure before that leaves the collection as it
@@ -43,6 +45,10 @@ if TYPE_CHECKING:
 CHUNK = 4096  # documents read, checked, embedded and stored at a time
 EMBED_BATCH = 256  # texts embedded at a time: the progress moves as each batch is done (CPU: seconds each)
 _KEYS = {"id", "text", "metadata", "vector"}
+# The start of an upload the service checks before it accepts an import (check_start): the documents' lines within
+# their first CHECKED_BYTES, the first line whole up to FIRST_LINE_BYTES, the vector file's first rows.
+CHECKED_BYTES = 64 << 10
+FIRST_LINE_BYTES = 16 << 20
 
 
 log = logging.getLogger(__name__)
@@ -84,20 +90,42 @@ def public_reason(e: BaseException, path: Path, *folders: Path) -> str:
     return text.replace(f"{path}{os.sep}", "").replace(str(path), ".").replace(str(path.parent.parent), "<data-dir>")
 
 
+def parse_line(number: int, raw: bytes) -> dict | None:
+    """Line `number` of an import's JSON lines (raw: its bytes), as every reader of them takes it: None where it is
+    blank, else its document, an object with keys among _KEYS. InputError naming the line and the problem: not
+    UTF-8, not JSON, not an object, an unknown key."""
+    if not raw.strip():
+        return None
+    try:
+        doc = json.loads(raw)
+    except UnicodeDecodeError as e:  # json.loads decodes bytes (UTF-8, or UTF-16/32 by the first bytes) itself
+        hint = ("; it looks gzip-compressed: decompress it (over HTTP: send it with Content-Encoding: gzip, or as a "
+                "part whose file name ends in .gz)") if number == 1 and raw[:2] == b"\x1f\x8b" else ""
+        raise InputError(f"documents line {number}: not UTF-8 (byte 0x{e.object[e.start]:02x} at byte {e.start + 1} "
+                         f"of the line){hint}") from e
+    except ValueError as e:
+        raise InputError(f"documents line {number}: not JSON ({e})") from e
+    if not isinstance(doc, dict):
+        raise InputError(f"documents line {number}: a document is an object with keys among {sorted(_KEYS)}, got "
+                         f"{_JSON_KINDS.get(type(doc), type(doc).__name__)} {str(doc)[:80]}")
+    unknown = sorted(set(doc) - _KEYS)
+    if unknown:
+        raise InputError(f"documents line {number}: unknown key {unknown[0][:80]!r}: a document is an object with "
+                         f"keys among {sorted(_KEYS)}")
+    return doc
+
+
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+               type(None): "null"}
+
+
 def _lines(path: Path) -> Iterator[tuple[int, dict]]:
-    """(line number, document) of each non-blank line, checked for shape."""
+    """(line number, document) of each non-blank line, checked for shape (parse_line)."""
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                doc = json.loads(raw)
-            except ValueError as e:
-                raise InputError(f"documents line {number}: not JSON ({e})") from e
-            if not isinstance(doc, dict) or not set(doc) <= _KEYS:
-                raise InputError(f"documents line {number}: a document is an object with keys among "
-                                 f"{sorted(_KEYS)}, got {str(doc)[:80]}")
-            yield number, doc
+            doc = parse_line(number, raw)
+            if doc is not None:
+                yield number, doc
 
 
 def _chunks(it, n: int = CHUNK):
@@ -125,6 +153,94 @@ def _check_doc(number: int, doc: dict) -> tuple[str | None, str | None, str]:
         raise InputError(f"documents line {number}: metadata must be an object")
     # The one check of what a store can hold (values.py), in this line's words.
     return doc_id, text, metadata_json(doc_id, meta, f"documents line {number}")
+
+
+def check_record(number: int, doc: dict, dim: int, embeds: bool, vector_file: bool, owner: str
+                 ) -> tuple[str | None, str | None, str, np.ndarray | None]:
+    """The checks of one document of an import (line `number`, as parse_line read it), the same wherever it is
+    read: as the import stages it (stage_vectors), as a sharded build reads a vector file's sidecar, and on the
+    first lines of an upload before the service accepts it (check_start). Its id, text and metadata (_check_doc);
+    with a vector file (vector_file), no vector of its own; else a vector of dim numbers, or a text for the
+    collection's model to embed (embeds: it has one; owner names the collection). Returns (id, text, metadata
+    JSON, the vector as float32, None where the line gives none). Whether a vector is finite and within the
+    metric's bounds is checked a block of them at a time (_check_block)."""
+    doc_id, text, meta = _check_doc(number, doc)
+    if vector_file:
+        if "vector" in doc:
+            raise InputError(f"documents line {number}: with a vector file, vectors come from it, not from the "
+                             "documents")
+        return doc_id, text, meta, None
+    vec = doc.get("vector")
+    if vec is None:
+        if text is None:
+            raise InputError(f"documents line {number}: a document needs a text, a vector, or both")
+        if not embeds:
+            raise InputError(f"{owner} has no embedding model, so every document needs a vector (line {number} has "
+                             "none)")
+        return doc_id, text, meta, None
+    try:
+        with np.errstate(over="ignore"):
+            v = np.asarray(vec, dtype=np.float32) if isinstance(vec, list) else None
+    except OverflowError:  # an integer past float64's range: refused as not finite by _check_block
+        v = np.full(dim, np.inf, np.float32) if len(vec) == dim else None
+    except (TypeError, ValueError):
+        v = None
+    if v is None or v.shape != (dim,):
+        raise InputError(f"documents line {number}: vector must be {dim} numbers")
+    return doc_id, text, meta, v
+
+
+def _count_mismatch(lines: int, vectors: int) -> InputError:
+    return InputError(f"the documents file has {lines} lines, the vector file {vectors} vectors: line i describes "
+                      "vector i")
+
+
+def check_start(documents: Path | None, vectors: Path | None, dim: int, metric: str, embeds: bool, owner: str,
+                limit: int = CHECKED_BYTES) -> int:
+    """What the start of an import's files shows, checked as the import checks it, before the import is accepted
+    (the service checks an upload so before it answers 202): the vector file's header and size (open_vectors), its
+    dimension against dim and its first rows; the documents' lines within their first `limit` bytes (the first
+    line whole, up to FIRST_LINE_BYTES), each by check_record (embeds, owner: as there) and their vectors as a
+    block; and where the documents are whole within `limit`, that there are some, and as many as vectors. Raises
+    the InputError the import would raise for them later; returns the lines checked."""
+    if documents is None and vectors is None:
+        raise InputError("an import needs documents (JSON lines), vectors (a vector file), or both")
+    src = None
+    if vectors is not None:
+        src = open_vectors(vectors)
+        if src.dim != dim:
+            raise InputError(f"vectors: dimension {src.dim}, {owner} has dimension {dim}")
+        rows = max(1, limit // max(1, src.dim * src.dtype.itemsize))
+        _check_block(np.asarray(src[:rows], dtype=np.float32), metric, 0, "vectors: row")
+    if documents is None:
+        return 0
+    with open(documents, "rb") as f:
+        head = f.read(limit)
+        whole = not f.read(1)
+        lines = head.split(b"\n")
+        if head.endswith(b"\n") or not whole:
+            lines.pop()  # not a line: what follows the last newline, or a line the limit cuts
+        if not lines and not whole:  # a first line longer than the limit: read on to its end
+            f.seek(0)
+            first = f.readline(FIRST_LINE_BYTES)
+            lines = [first] if first.endswith(b"\n") or not f.read(1) else []
+    count, vecs, numbers = 0, [], []
+    for number, raw in enumerate(lines, 1):
+        doc = parse_line(number, raw)
+        if doc is None:
+            continue
+        _, _, _, v = check_record(number, doc, dim, embeds, src is not None, owner)
+        if v is not None:
+            vecs.append(v)
+            numbers.append(number)
+        count += 1
+    if vecs:
+        _check_block(np.stack(vecs), metric, 0, "documents line", numbers)
+    if whole and src is None and not count:
+        raise InputError("nothing to import: no documents")
+    if whole and src is not None and count != src.count:
+        raise _count_mismatch(count, src.count)
+    return count
 
 
 def import_files(col: Collection, documents: Path | None, vectors: Path | None, progress: bool | None,
@@ -174,15 +290,13 @@ def check_sidecar(path: Path, n: int, vectors_in_lines: bool = False) -> None:
     at fault."""
     hashes, count = [], 0
     for number, doc in _lines(Path(path)):
-        doc_id, _, _ = _check_doc(number, doc)
-        if "vector" in doc and not vectors_in_lines:
-            raise InputError(f"documents line {number}: with a vector file, vectors come from it, not from the "
-                             "documents")
+        # lines that were the vectors' source were checked whole as they were staged (stage_vectors)
+        doc_id, _, _, _ = check_record(number, doc, 0, False, True, "") if not vectors_in_lines else \
+            (*_check_doc(number, doc), None)
         hashes.append(hash(doc_id if doc_id is not None else str(count)))
         count += 1
     if count != n:
-        raise InputError(f"the documents file has {count} lines, the vector file {n} vectors: line i describes "
-                         "vector i")
+        raise _count_mismatch(count, n)
     h = np.sort(np.asarray(hashes, dtype=np.int64))
     if len(h) and (h[1:] == h[:-1]).any():  # a hash met twice: find the id met twice, if it is one
         seen = {}
@@ -243,8 +357,7 @@ def stage_vectors(documents: Path | None, vectors: Path | None, path: Path, step
         if src.dim != dim:
             raise InputError(f"vectors: dimension {src.dim}, {owner} has dimension {dim}")
         if documents is not None and count != src.count:
-            raise InputError(f"the documents file has {count} lines, the vector file {src.count} vectors: "
-                             "line i describes vector i")
+            raise _count_mismatch(count, src.count)
         count = src.count
     if not count:
         raise InputError("nothing to import: no documents")
@@ -262,36 +375,18 @@ def stage_vectors(documents: Path | None, vectors: Path | None, path: Path, step
                 out[s:s + len(block)] = block
                 update(len(block))
             for number, doc in _lines(documents) if documents is not None else ():
-                _check_doc(number, doc)
-                if "vector" in doc:
-                    raise InputError(f"documents line {number}: with a vector file, vectors come from it, not from "
-                                     "the documents")
+                check_record(number, doc, dim, embedder is not None, True, owner)
         else:
             row = 0
             for chunk in _chunks(_lines(documents)):
                 to_embed = []
                 for j, (number, doc) in enumerate(chunk):
-                    _, text, _ = _check_doc(number, doc)
-                    vec = doc.get("vector")
-                    if vec is None:
-                        if text is None:
-                            raise InputError(f"documents line {number}: a document needs a text, a vector, or both")
+                    _, text, _, v = check_record(number, doc, dim, embedder is not None, False, owner)
+                    if v is None:  # its text, for the model to embed
                         to_embed.append((j, text))
                         continue
-                    try:
-                        with np.errstate(over="ignore"):
-                            v = np.asarray(vec, dtype=np.float32) if isinstance(vec, list) else None
-                    except OverflowError:  # an integer past float64's range: refused as not finite below
-                        v = np.full(dim, np.inf, np.float32) if len(vec) == dim else None
-                    except (TypeError, ValueError):
-                        v = None
-                    if v is None or v.shape != (dim,):
-                        raise InputError(f"documents line {number}: vector must be {dim} numbers")
                     out[row + j] = v
                 if to_embed:
-                    if embedder is None:
-                        raise InputError(f"{owner} has no embedding model, so every document needs a "
-                                         f"vector (line {chunk[to_embed[0][0]][0]} has none)")
                     for s in range(0, len(to_embed), EMBED_BATCH):
                         part = to_embed[s:s + EMBED_BATCH]
                         t0 = time.perf_counter()

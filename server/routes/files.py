@@ -12,9 +12,9 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import FileResponse, JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from fusionrag.retriever.collection import Collection
+from fusionrag.retriever.collection import Collection, importer
 from fusionrag.retriever.collection.embedding import canonical_name, get_embedder
-from fusionrag.retriever.errors import StorageError
+from fusionrag.retriever.errors import InputError, StorageError
 from fusionrag.retriever.process import lower_thread_priority
 from fusionrag.server.auth import Key
 from fusionrag.server.config import data_path
@@ -61,6 +61,17 @@ def delete_snapshot(request: Request, snapshot_id: str, name: str = Depends(allo
     return {"deleted": snapshot_id}
 
 
+def _check_start(coll: Collection, files: dict[str, Path], folder: Path) -> None:
+    """Before the 202: the start of the upload (the documents' first lines, the vector file's header and first rows)
+    checked as the import will check it (importer.check_start), so that what the import would refuse there is
+    refused now (InputError, 422, naming the line and the problem) rather than failing after the 202."""
+    try:
+        importer.check_start(files.get("documents"), files.get("vectors"), coll.dim, coll.metric,
+                             coll.embedding is not None, f"collection {coll.name!r}")
+    except InputError as e:  # its words, without the upload's path on the server
+        raise InputError(importer.public_reason(e, coll.path, folder)) from e
+
+
 def _run_import(coll: Collection, files: dict[str, Path], folder: Path) -> None:
     lower_thread_priority()  # a build takes the cores that searches leave (threads it starts inherit it)
     try:
@@ -72,8 +83,9 @@ def _run_import(coll: Collection, files: dict[str, Path], folder: Path) -> None:
 
 
 @router.post("/collections/{name}/import", status_code=202, summary="Bulk import into an empty collection: JSON lines "
-         "(or a vector file and JSON lines) streamed to disk, then indexed in the background; progress and outcome "
-         "in the collection's info", responses=documented(400, 401, 403, 404, 409, 413, 415, 422, 503, 507),
+         "(or a vector file and JSON lines; gzipped with Content-Encoding: gzip, or as parts named *.gz) streamed "
+         "to disk, their first lines checked, then indexed in the background; progress and outcome in the "
+         "collection's info", responses=documented(400, 401, 403, 404, 409, 413, 415, 422, 503, 507),
          openapi_extra={"requestBody": {"required": True, "content": {
              "application/x-ndjson": {"schema": {"type": "string", "format": "binary"}},
              "multipart/form-data": {"schema": {"type": "object", "properties": {
@@ -93,6 +105,7 @@ async def import_documents(request: Request, coll: Collection = Depends(open_col
         sizes = {k: p.stat().st_size for k, p in files.items()}
         if not any(sizes.values()):
             raise http_error(422, "the upload is empty")
+        await run_in_threadpool(_check_start, coll, files, folder)
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         coll.release_import()

@@ -108,6 +108,7 @@ class Request:
     safe: bool = False  # a read: may be sent again after a 503 with Retry-After
     upload: Path | None = None  # a file streamed as the body, of upload_type
     upload_type: str | None = None
+    upload_encoding: str | None = None  # its Content-Encoding ("gzip": the file is gzipped)
     files: dict[str, Path] | None = None  # multipart/form-data parts, each a file streamed
     save_to: Path | None = None  # the answer's body streamed into this file (the answer is then its path)
 
@@ -287,12 +288,15 @@ class Ops:
     def import_documents(collection: str, documents: str | os.PathLike,
                          vectors: str | os.PathLike | None = None) -> Op[dict]:
         """Bulk import into an empty collection: `documents` a JSON-lines file (one document an object), and
-        optionally `vectors` a vector file (.fvecs, .npy, ...) for them in order; both streamed up. The import
-        runs in the background once they have arrived: its progress and outcome are in
-        `info(collection).build_state["import"]`. Returns what the service took (the files' sizes)."""
+        optionally `vectors` a vector file (.fvecs, .npy, ...) for them in order; both streamed up, a file whose
+        name ends in .gz as it is (gzipped: the service decompresses it). The service checks the start of the
+        files before it accepts them (InputError naming the line); the import runs in the background once they
+        have arrived: its progress and outcome are in `info(collection).build_state["import"]`. Returns what the
+        service took (the files' sizes, decompressed)."""
         if vectors is None:
+            gz = Path(documents).name.lower().endswith(".gz")
             return (yield Request("POST", _path(collection, "/import"), upload=Path(documents),
-                                  upload_type="application/x-ndjson"))
+                                  upload_type="application/x-ndjson", upload_encoding="gzip" if gz else None))
         return (yield Request("POST", _path(collection, "/import"),
                               files={"documents": Path(documents), "vectors": Path(vectors)}))
 
@@ -355,6 +359,8 @@ def _body(req: Request, stack: contextlib.ExitStack, sync: bool) -> dict:
         f = stack.enter_context(open(req.upload, "rb"))
         headers = {"Content-Type": req.upload_type or "application/octet-stream",
                    "Content-Length": str(os.fstat(f.fileno()).st_size)}
+        if req.upload_encoding:
+            headers["Content-Encoding"] = req.upload_encoding
         if sync:
             return {"content": iter(lambda: f.read(UPLOAD_CHUNK), b""), "headers": headers}
 

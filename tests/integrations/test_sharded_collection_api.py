@@ -163,10 +163,9 @@ def test_a_vector_file_with_its_sidecar_imports_into_a_sharded_collection(server
         wrong = io.BytesIO()
         np.save(wrong, x[:, :8])
         r = c.post("/v1/collections/vecs/import", files={"vectors": ("base.npy", wrong.getvalue())})
-        assert r.status_code == 202
-        state = wait_import(c, "vecs")
-        assert state["state"] == "failed" and "dimension 8" in state["reason"]
-        assert c.get("/v1/collections/vecs").json()["count"] == 0  # nothing kept: imported again below
+        assert r.status_code == 422 and "dimension 8" in r.json()["detail"], r.text  # refused before a 202 (#67)
+        info = c.get("/v1/collections/vecs").json()
+        assert info["count"] == 0 and info["build_state"]["import"] is None  # nothing kept: imported again below
         r = c.post("/v1/collections/vecs/import", files={"vectors": ("base.npy", buf.getvalue()),
                                                          "documents": ("d.jsonl", sidecar)})
         assert r.status_code == 202, r.text

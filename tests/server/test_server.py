@@ -705,11 +705,15 @@ def test_web_page_shows_how_imports_went(server, client, browser):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    vecs = np.random.default_rng(3).standard_normal((40, 8)).astype(np.float32)
-    for name, dim in (("page-import", 8), ("page-badimport", 9)):
-        assert client.post("/v1/collections", json={"name": name, "dimension": dim, "metric": "l2"}).status_code == 201
-        lines = "".join(json.dumps({"id": f"i{i}", "vector": v.tolist()}) + "\n" for i, v in enumerate(vecs))
-        r = client.post(f"/v1/collections/{name}/import", content=lines, headers={"content-type": "application/x-ndjson"})
+    vecs = np.random.default_rng(3).standard_normal((400, 8)).astype(np.float32)
+    lines = ["".join(json.dumps({"id": f"i{i}", "vector": v.tolist()}) + "\n" for i, v in enumerate(vecs[:n]))
+             for n in (40, 400)]
+    # a vector of the wrong dimension past the start that the service checks before its 202 (#67): the import finds it
+    lines[1] += json.dumps({"id": "bad", "vector": [0.5] * 9}) + "\n"
+    assert len(lines[1]) > 64 << 10
+    for name, body in zip(("page-import", "page-badimport"), lines):
+        assert client.post("/v1/collections", json={"name": name, "dimension": 8, "metric": "l2"}).status_code == 201
+        r = client.post(f"/v1/collections/{name}/import", content=body, headers={"content-type": "application/x-ndjson"})
         assert r.status_code == 202, r.text
     try:
         browser.get(server.url + "/")
@@ -720,7 +724,7 @@ def test_web_page_shows_how_imports_went(server, client, browser):
 
         wait = WebDriverWait(browser, 60)
         wait.until(lambda d: (r := row("page-import")) and r[-1] == "ready" and r[1] == "40")
-        wait.until(lambda d: (r := row("page-badimport")) and r[-1].startswith("import failed: documents line 1"))
+        wait.until(lambda d: (r := row("page-badimport")) and r[-1].startswith("import failed: documents line 401"))
     finally:
         for name in ("page-import", "page-badimport"):
             client.delete(f"/v1/collections/{name}")

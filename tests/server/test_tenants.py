@@ -19,7 +19,7 @@ import httpx
 import numpy as np
 from server_util import ServerProcess
 
-from fusionrag.retriever.collection import quota
+from fusionrag.retriever.collection import importer, quota
 
 DIM = 16
 KEYS = "key-a-000000 a-*\nkey-b-000000 b-*\n"
@@ -262,12 +262,15 @@ def test_a_second_import_or_a_write_during_an_upload_is_refused_and_the_first_im
 
 def test_imports_that_fail_at_once_are_answered_and_recorded(tmp_path):
     """#48: a quick failure removed the upload's files before the 202 was built (500 for 20 of 81). 30 imports of
-    a bad first line: each answered 202 with its files' sizes, each recorded as failed with its reason, no
-    server path in it; and a multipart body without its closing boundary is refused with 400."""
+    a bad line (past the start that the service checks before its 202, #67): each answered 202 with its files'
+    sizes, each recorded as failed with its reason, no server path in it; and a multipart body without its closing
+    boundary is refused with 400."""
     srv = ServerProcess(tmp_path / "data", tmp_path / "log", "--no-demo")
     try:
         srv.wait_ready()
-        bad = b'{"id": "x", "vector": [1, 2]}\n' + b"".join(json.dumps(d).encode() + b"\n" for d in _docs(20))
+        good = b"".join(json.dumps(d).encode() + b"\n" for d in _docs(400))
+        assert len(good) > importer.CHECKED_BYTES
+        bad = good + b'{"id": "x", "vector": [1, 2]}\n'
         with srv.client() as c:
             for i in range(30):
                 assert c.post("/v1/collections", json={"name": f"c{i}", "dimension": DIM}).status_code == 201
@@ -276,14 +279,13 @@ def test_imports_that_fail_at_once_are_answered_and_recorded(tmp_path):
                 assert r.status_code == 202 and r.json()["files"] == {"documents": len(bad)}, r.text
             for i in range(30):
                 state = _wait_import(c, f"c{i}")
-                assert state["state"] == "failed" and "line 1" in state["reason"], state
+                assert state["state"] == "failed" and "line 401" in state["reason"], state
                 assert str(srv.data_dir) not in json.dumps(state) and "/uploads/" not in state["reason"]
-            # a truncated vector file's reason names the file as the upload named it, not where the server put it
+            # a truncated vector file, refused before the 202 (#67): named as the file, not where the server put it
             assert c.post("/v1/collections", json={"name": "v", "dimension": DIM}).status_code == 201
             r = c.post("/v1/collections/v/import", files={"vectors": ("v.fvecs", b"\x10\0\0\0" + b"\0" * 30)})
-            assert r.status_code == 202, r.text
-            state = _wait_import(c, "v")
-            assert state["state"] == "failed" and str(srv.data_dir) not in state["reason"], state
+            assert r.status_code == 422 and "vectors.fvecs" in r.text and str(srv.data_dir) not in r.text, r.text
+            assert c.get("/v1/collections/v").json()["build_state"]["import"] is None
             assert c.post("/v1/collections", json={"name": "m", "dimension": DIM}).status_code == 201
             cut = (b"--XyZ\r\nContent-Disposition: form-data; name=\"documents\"; filename=\"d.jsonl\"\r\n\r\n"
                    + json.dumps(_docs(1)[0]).encode() + b"\n")
