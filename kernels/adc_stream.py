@@ -12,6 +12,11 @@ One program per (query, probed list): it walks the list's postings in tiles of B
 and IDs contiguously, sums the table entries each code selects, and writes rank keys (topn.pack_key) at the
 segment's place in the query's output.
 
+Offsets (#70): the segments' positions are int32 where an index's postings fit (below 2^31: every index up to a
+few hundred million vectors) and int64 past that (device_tier.py picks per index at open); a code's byte address is
+computed in int64 either way, since it passes 2^31 from 2^31 / M postings on. Vector IDs stay uint32 (4 bytes a
+posting) up to 2^32 - 1 vectors.
+
 Tiered (TIERED): where not every list's postings fit the device, the cold lists' IDs and codes lie in pinned host
 memory, in list order too, and a segment flagged cold streams them from there over the bus (zero-copy, as the
 lists tier reads its cold codes): a list is one contiguous run in one of the two memories.
@@ -45,7 +50,7 @@ def adc_stream_kernel(segments_ptr, out_ptr, list_ids_ptr, codes_ptr, luts_ptr, 
         p = tile + tl.arange(0, BLOCK)
         inside = p < end
         cols = inside[:, None] & (m[None, :] < M)
-        at = p[:, None] * M + m[None, :]
+        at = p.to(tl.int64)[:, None] * M + m[None, :]  # a code's byte: past 2^31 from 2^31 / M postings on
         if TIERED:
             code = tl.load(tl.where(cold, host_codes_ptr + at, codes_ptr + at), mask=cols, other=0)
             raw = tl.load(tl.where(cold, host_ids_ptr + p, list_ids_ptr + p), mask=inside, other=0)
@@ -59,14 +64,16 @@ def adc_stream_kernel(segments_ptr, out_ptr, list_ids_ptr, codes_ptr, luts_ptr, 
 
 def adc_stream(luts: torch.Tensor, segments: torch.Tensor, list_ids: torch.Tensor, codes: torch.Tensor,
                keys: torch.Tensor | None = None, cold: torch.Tensor | None = None,
-               host_ids: torch.Tensor | None = None, host_codes: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               host_ids: torch.Tensor | None = None, host_codes: torch.Tensor | None = None,
+               total: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank keys of every posting in each query's probed lists. luts float32 (q, M, 256); segments int64
-    (q, nprobe, 2): [start, end) of each probed list in posting order (start == end: none); list_ids int32
+    or int32 (q, nprobe, 2): [start, end) of each probed list in posting order (start == end: none); list_ids int32
     (P,) holding uint32 vector IDs and codes uint8 (P, M), both in posting order. Tiered where cold (int8
     (q, nprobe), nonzero: the segment's run is in host_ids / host_codes, pinned host memory laid out as list_ids
     and codes) is given. Returns (keys int64, offsets int64 (q + 1,)): query i's keys are
-    keys[offsets[i]:offsets[i + 1]], its segments' in probe order."""
+    keys[offsets[i]:offsets[i + 1]], its segments' in probe order. total: the segments' postings, where the caller
+    knows them (device_tier: from the sizes it planned the batch's chunks by); else they are read from the device
+    (a sync), with a check that no segment ends before it starts (another)."""
     q, m = luts.shape[0], luts.shape[1]
     if segments.shape[:1] != (q,) or segments.dim() != 3 or segments.shape[2] != 2:
         raise ValueError(f"segments must be ({q}, nprobe, 2), got {tuple(segments.shape)}")
@@ -82,11 +89,12 @@ def adc_stream(luts: torch.Tensor, segments: torch.Tensor, list_ids: torch.Tenso
             raise ValueError(f"host_codes must be ({host_ids.numel()}, {m}), got {tuple(host_codes.shape)}")
     nprobe = segments.shape[1]
     lengths = (segments[..., 1] - segments[..., 0]).reshape(-1)
-    if bool((lengths < 0).any()):
+    if total is None and bool((lengths < 0).any()):
         raise ValueError("a segment ends before it starts")
     out = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=luts.device)
     torch.cumsum(lengths, 0, out=out[1:])
-    total = int(out[-1])
+    if total is None:
+        total = int(out[-1])
     if keys is None:
         keys = torch.empty(total, dtype=torch.int64, device=luts.device)
     if q and nprobe and total:
@@ -102,11 +110,12 @@ def _params(m: int, interpret: bool, tiered: bool = False) -> dict:
     return dict(M=m, M_P2=triton.next_power_of_2(m), BLOCK=1024 if interpret else 128, TIERED=tiered, num_warps=4)
 
 
-def variants(m: int, tiered: bool = False) -> list[Variant]:
-    """What adc_stream compiles on a GPU for M-byte codes (kernels_compile.py builds it for sm_90)."""
+def variants(m: int, tiered: bool = False, wide: bool = True) -> list[Variant]:
+    """What adc_stream compiles on a GPU for M-byte codes (kernels_compile.py builds it for sm_90); wide: the
+    segments int64 (else int32)."""
     params = _params(m, interpret=False, tiered=tiered)
-    return [variant(adc_stream_kernel, ("*i64", "*i64", "*i32", "*u8", "*fp32", "*i64", "*i8", "*i32", "*u8", "i32"),
-                    params.pop("num_warps"), **params)]
+    signature = ("*i64" if wide else "*i32", "*i64", "*i32", "*u8", "*fp32", "*i64", "*i8", "*i32", "*u8", "i32")
+    return [variant(adc_stream_kernel, signature, params.pop("num_warps"), **params)]
 
 
 def adc_stream_reference(luts: torch.Tensor, segments: torch.Tensor, list_ids: torch.Tensor,

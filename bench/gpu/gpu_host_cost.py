@@ -16,7 +16,8 @@ on the device it receives the top-n and the host re-ranks them. Measured here, o
   (tests/retriever/test_device_tier.py checks those counts against its uploads);
 - the device tier's host work a batch: the torch operations and Triton launches it issues, counted on a small
   index run through it on this machine (Triton's interpreter; the count does not depend on the data's size but
-  through the number of chunks), at a launch cost that is a model input until a GPU window measures it;
+  through the number of chunks), at a launch cost that is a model input until a GPU window measures it, and the
+  host syncs among them (two a batch: its chunk plan and its answers, as the cost model has it);
 - the postings the device tier scans a query (exact navigation) against the CPU tier's (the graph's lists), and
   both recalls, at the same settings (`device_postings`): the scan and top-n of the cost model rest on it;
 - the device tier larger than its budget (a tenth of the postings resident): the bytes its cold lists bring over
@@ -31,6 +32,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -51,16 +53,58 @@ LAUNCH_S = 8e-6  # host seconds a device operation costs to issue (CUDA launch +
 BUS_BPS = 45e9
 
 
+# Operations whose output size depends on the data: on a GPU the host waits for the device at each (#70 item 4)
+_SYNCING = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default",
+            "aten.repeat_interleave.Tensor", "aten.bincount.default", "aten._unique2.default",
+            "aten.unique_consecutive.default", "aten.unique_dim.default"}
+
+
+def _in_triton() -> bool:
+    """Inside Triton's interpreter running a kernel (on a GPU: a launch, not host work)."""
+    f = sys._getframe(2)
+    while f is not None:
+        if "/triton/" in f.f_code.co_filename:
+            return True
+        f = f.f_back
+    return False
+
+
 class _Ops(TorchDispatchMode):
-    """Counts the torch operations dispatched (each a kernel, or a copy, on a GPU)."""
+    """Counts the torch operations dispatched (each a kernel, or a copy, on a GPU), and the host syncs among them
+    (a device tensor read by the host: .cpu(), .item(), int(); boolean-mask indexing, repeat_interleave without
+    its output size, bincount: tests/retriever/test_device_tier_syncs.py counts them the same way)."""
 
     def __init__(self):
         super().__init__()
         self.count = 0
+        self.syncs = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         self.count += 1
-        return func(*args, **(kwargs or {}))
+        name = str(func)
+        syncs = name in _SYNCING and not (name == "aten.repeat_interleave.Tensor" and kwargs.get("output_size"))
+        if name.startswith(("aten.index.Tensor", "aten.index_put")):
+            indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+            syncs = any(i is not None and i.dtype == torch.bool for i in indices)
+        if syncs and not _in_triton():
+            self.syncs += 1
+        return func(*args, **kwargs)
+
+    def __enter__(self):
+        real, ops = torch.Tensor.cpu, self
+
+        def cpu(t, *a, **kw):  # on CPU tensors .cpu() dispatches nothing: counted where it is called
+            if not _in_triton():
+                ops.syncs += 1
+            return real(t, *a, **kw)
+        self._real_cpu = real
+        torch.Tensor.cpu = cpu
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.cpu = self._real_cpu
+        return super().__exit__(*exc)
 
 
 def device_ops_per_batch(work: Path) -> dict:
@@ -101,7 +145,7 @@ def device_ops_per_batch(work: Path) -> dict:
         finally:
             for mod, kernel in real.items():
                 setattr(mod, kernel.fn.__name__, kernel)
-        out[raw] = {"torch_ops": ops.count, "triton_launches": len(launches),
+        out[raw] = {"torch_ops": ops.count, "triton_launches": len(launches), "host_syncs": ops.syncs,
                     "host_s_per_batch_model": round((ops.count + len(launches)) * LAUNCH_S, 6)}
         index.close()
     return out

@@ -10,7 +10,9 @@ device idle 90% of a batch. Here, inside the same budget (kernels/pool.py), the 
   there, as NavigationTier.probe applies it on the host (exact navigation: at least the graph's recall);
 - the posting lists (CSR offsets and IDs) and every posting's PQ code in list order, so the scan streams each
   probed list (kernels/adc_stream.py) instead of gathering codes by ID; a vector replicated in several lists
-  gives equal keys, removed at top-n;
+  gives equal keys, removed at top-n. The offsets, and a batch's scan segments, are int32 where the index's
+  postings fit and int64 past INT32_POSTINGS, chosen per index at open; vector IDs are uint32, up to 2^32 - 1
+  vectors (#70);
 - top-n as two sorts of a batch's keys (by key, then stably by query) and a rank within each query, exact and
   needing no kernel of its own to compile (the unrolled top-n kernel took 26-37 s to compile at open);
 - where they fit in gpu_tiered_share of what is left, every raw vector (float32, converted from how the page
@@ -59,6 +61,11 @@ ALLOCATOR_SLACK = 24 << 20  # as gpu_tier: room for the caching allocator's roun
 # Bytes of working memory per posting of a chunk (keys, their sort's keys and orders, query index, masks and ranks)
 PER_POSTING = 128
 UPLOAD_CHUNK = 1 << 22  # rows of codes or vectors copied up at a time: no host copy of them all at once
+# Offsets (#70): an index of at most so many postings keeps its list starts, sizes and a batch's segments in int32
+# (every index up to a few hundred million vectors); past it, in int64. The margin keeps a scan tile's last position
+# (start + BLOCK) inside int32. Tests lower it to force the wide path at small N.
+INT32_POSTINGS = (1 << 31) - (1 << 16)
+MAX_VECTORS = (1 << 32) - 1  # vector IDs are uint32 in the postings and in the rank keys (topn.pack_key)
 
 
 @dataclass
@@ -81,6 +88,32 @@ def _aligned(n: int) -> int:
     return -(-int(n) // ALIGN) * ALIGN
 
 
+def wide_offsets(postings: int, int32_postings: int | None = None) -> bool:
+    """Whether an index of so many postings keeps its offsets in int64 (#70)."""
+    return postings > (INT32_POSTINGS if int32_postings is None else int32_postings)
+
+
+def fixed_parts(count: int, n_lists: int, cdim: int, codebook_floats: int, wide: bool) -> dict[str, int]:
+    """Bytes of the parts a device tier holds whatever its budget (before alignment): what DeviceTier reserves
+    first, and what a capacity plan (plan.py) counts."""
+    return {"PQ codebooks": codebook_floats * 4, "centroids": n_lists * cdim * 4 + n_lists * 4,
+            "list starts and sizes": n_lists * 2 * (8 if wide else 4), "exclusion bitmap": (count + 7) // 8}
+
+
+def _download(parts: list[torch.Tensor]) -> list[np.ndarray]:
+    """Device tensors to host arrays in one copy (one sync): their bytes laid end to end, split on the host."""
+    flat = torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in parts]).cpu().numpy()
+    out, at = [], 0
+    for t in parts:
+        size = t.numel() * t.element_size()
+        out.append(flat[at:at + size].view(_NUMPY[t.dtype]).reshape(tuple(t.shape)))
+        at += size
+    return out
+
+
+_NUMPY = {torch.int64: np.int64, torch.float32: np.float32, torch.int32: np.int32}
+
+
 def _host(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array))
 
@@ -98,12 +131,13 @@ class DeviceTier:
                  codes: np.ndarray, codebooks: np.ndarray, *, account: BudgetAccount, metric: str, batch_size: int,
                  threads: int, raw: Callable[[int, int], np.ndarray] | None = None, dim: int | None = None,
                  raw_share: float = 0.5, work_bytes: int = 0, compile_kernels: bool = True,
-                 max_resident_postings: int | None = None):
+                 max_resident_postings: int | None = None, int32_postings: int | None = None):
         """centroids: the navigation graph's (graph.vectors(); augmented for ip). raw(start, stop): the raw vectors
         of those ids as float32, read where they are kept, None to keep them off the device. raw_share: at most
         this share of what the fixed parts leave goes to raw vectors (tiered: to postings).
         max_resident_postings: at most so many postings on the device, the rest tiered (a benchmark's stand-in for
-        a collection larger than its budget; None: as many as the budget holds)."""
+        a collection larger than its budget; None: as many as the budget holds). int32_postings: the most postings
+        whose offsets stay int32 (None: INT32_POSTINGS); an index of more has them in int64."""
         self.list_offsets, self.list_ids, self.threads, self.batch_size = list_offsets, list_ids, threads, batch_size
         self.account, self.device = account, account.device
         self._release = weakref.finalize(self, account.release)
@@ -116,13 +150,15 @@ class DeviceTier:
         self.dsub = codebooks.shape[2]
         n_lists, cdim = centroids.shape
         postings = len(list_ids)
-        if count >= 1 << 31 or postings >= 1 << 31:
-            raise BudgetError(f"{count} vectors or {postings} postings: the device tier indexes them with int32")
+        if count > MAX_VECTORS:
+            raise BudgetError(f"{count} vectors: the device tier holds vector IDs as uint32 (at most {MAX_VECTORS})")
+        # Per index at open: int64 offsets only where the postings can pass int32 (#70)
+        self.wide = wide_offsets(postings, int32_postings)
+        self.offset_dtype = torch.int64 if self.wide else torch.int32
         cuda = self.device.type == "cuda"
         budget = account.budget
         self.sizes_host = np.diff(list_offsets).astype(np.int64)
-        fixed = {"PQ codebooks": codebooks.size * 4, "centroids": n_lists * cdim * 4 + n_lists * 4,
-                 "list starts and sizes": n_lists * 16, "exclusion bitmap": (count + 7) // 8}
+        fixed = fixed_parts(count, n_lists, cdim, codebooks.size, self.wide)
         per_posting = m + 4  # its code and its vector ID
         self._codes_src, self._ids_src = codes, list_ids  # where placement reads them (memory maps, mostly)
         with budget.opening:
@@ -162,8 +198,9 @@ class DeviceTier:
                 self.centroids = account.upload("centroids", _host(c))
                 self.centroid_norms = account.empty("centroid norms", (n_lists,), torch.float32)
                 self.centroid_norms.copy_(_host(np.einsum("ij,ij->i", c, c).astype(np.float32)))
-                self.sizes = account.upload("list sizes", _host(self.sizes_host))
-                self.starts = account.empty("list starts", (n_lists,), torch.int64)  # in the memory it lies in
+                self.sizes = account.upload("list sizes", _host(self.sizes_host.astype(np.int64 if self.wide
+                                                                                      else np.int32)))
+                self.starts = account.empty("list starts", (n_lists,), self.offset_dtype)  # in the memory it lies in
                 self.bitmap = account.empty("exclusion bitmap", (max(1, (count + 7) // 8),), torch.uint8)
                 self._bitmap_host: np.ndarray | None = None  # what self.bitmap holds (None: nothing yet)
                 if self.tiered:
@@ -250,8 +287,9 @@ class DeviceTier:
     # -- compile ------------------------------------------------------------------------------------------
     def variants(self) -> list[Variant]:
         # Both scans: whether the postings are tiered is known only once the kernels' own memory is counted.
-        return [*pq_table_mod.variants(self.m, self.dsub, self.metric), *adc_stream_mod.variants(self.m),
-                *adc_stream_mod.variants(self.m, tiered=True)]
+        return [*pq_table_mod.variants(self.m, self.dsub, self.metric),
+                *adc_stream_mod.variants(self.m, wide=self.wide),
+                *adc_stream_mod.variants(self.m, tiered=True, wide=self.wide)]
 
     def _compile(self) -> dict[str, float]:
         with torch.cuda.device(self.device):
@@ -371,20 +409,20 @@ class DeviceTier:
             per_list = torch.where(valid, self.sizes[at], 0)
             bus = 0
             if self.tiered:  # the lists probed, counted for placement; the postings read over the bus
-                self._visits.index_add_(0, dev_lists[valid], torch.ones_like(dev_lists[valid]))
+                self._visits.index_add_(0, at.reshape(-1), valid.reshape(-1).to(torch.int64))  # no mask: no sync
                 counts = torch.stack([per_list.sum(1), (per_list * self.cold_list[at]).sum(1)]).cpu().numpy()
                 sizes, bus = counts[0], int(counts[1].sum()) * (self.m + 4)
                 down += nq * 8
             else:
                 sizes = per_list.sum(1).cpu().numpy()
             for s, e in self._chunks(sizes, n if final else 0):
-                ids, dists, gathered[s:e], unique[s:e] = self._top_n(tables[s:e], dev_lists[s:e], n, excl)
+                total = int(sizes[s:e].sum())  # the chunk's postings, known on the host: no sync for them
+                ids, dists, gathered[s:e], unique[s:e] = self._top_n(tables[s:e], dev_lists[s:e], n, excl, total)
                 if final:
                     ids, dists = self._rerank(q[s:e], ids, width)
                 out_ids[s:e], out_d[s:e] = ids, dists
             down += nq * width * 12 + nq * 32  # results; per query probed, gathered, unique and its postings
-            result = (out_ids.cpu().numpy(), out_d.cpu().numpy(), probed.cpu().numpy(), gathered.cpu().numpy(),
-                      unique.cpu().numpy())
+            result = _download([out_ids, out_d, probed.to(torch.int64), gathered, unique])
         seconds = time.perf_counter() - t0
         self.phases["device_s"] += seconds
         self.phases["batches"] += 1
@@ -445,9 +483,11 @@ class DeviceTier:
         self._bitmap_host = exclude.copy()
         return hi - lo
 
-    def _top_n(self, tables: torch.Tensor, lists: torch.Tensor, n: int, excl: torch.Tensor | None):
+    def _top_n(self, tables: torch.Tensor, lists: torch.Tensor, n: int, excl: torch.Tensor | None,
+               total: int | None = None):
         """The n best distinct candidates of each query's lists: (ids int64 (q, n), PQ distances, postings
-        scanned, distinct candidates not excluded)."""
+        scanned, distinct candidates not excluded). total: the lists' postings where the caller knows them (else
+        read from the device: a sync). Nothing here waits for the device then: no mask indexing, no sizes read."""
         nq = len(lists)
         valid = lists >= 0
         at = lists.clamp(min=0)
@@ -456,15 +496,18 @@ class DeviceTier:
         tiers = {}
         if self.tiered:
             tiers = dict(cold=self.cold_list[at] * valid, host_ids=self.host_ids, host_codes=self.host_codes)
-        keys, seg = adc_stream(tables.contiguous(), torch.stack([starts, ends], -1), self.ids, self.codes, **tiers)
+        keys, seg = adc_stream(tables.contiguous(), torch.stack([starts, ends], -1), self.ids, self.codes, **tiers,
+                               total=total)
         counts = seg[1:] - seg[:-1]
-        out = torch.full((nq, n), EMPTY, dtype=torch.int64, device=lists.device)
-        if keys.numel():
+        total = keys.numel()
+        # one column more: the keys not taken are written there (a scatter with no mask), and it is dropped
+        out = torch.full((nq, n + 1), EMPTY, dtype=torch.int64, device=lists.device)
+        if total:
             if excl is not None:
                 vid = keys & 0xFFFFFFFF
                 bit = (excl[vid >> 3].to(torch.int64) >> (vid & 7)) & 1
                 keys = torch.where(bit == 1, torch.full_like(keys, EMPTY), keys)
-            qidx = torch.repeat_interleave(torch.arange(nq, device=lists.device), counts)
+            qidx = torch.repeat_interleave(torch.arange(nq, device=lists.device), counts, output_size=total)
             order = torch.argsort(keys)  # by (distance, id), then stably by query: each query's keys, ascending
             qs = qidx[order]
             regroup = torch.sort(qs, stable=True).indices
@@ -475,11 +518,11 @@ class DeviceTier:
             before = torch.cat([torch.zeros(1, dtype=seen.dtype, device=seen.device), seen])[seg[:-1]]
             rank = seen - 1 - before[q2]  # among its query's live keys
             take = live & (rank < n)
-            out[q2[take], rank[take]] = k2[take]
-            unique = torch.bincount(q2[live], minlength=nq)
+            out[q2, torch.where(take, rank, n)] = k2  # (query, rank < n) taken once each; the rest to column n
+            unique = torch.zeros(nq, dtype=torch.int64, device=lists.device).index_add_(0, q2, live.to(torch.int64))
         else:
             unique = torch.zeros(nq, dtype=torch.int64, device=lists.device)
-        ids, dists = unpack_keys(out)
+        ids, dists = unpack_keys(out[:, :n])
         return ids, dists, counts, unique
 
     def _rerank(self, q: torch.Tensor, ids: torch.Tensor, k: int):

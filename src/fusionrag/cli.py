@@ -264,6 +264,26 @@ def _cmd_serve(args) -> int:
     return 0
 
 
+def _cmd_plan(args) -> int:
+    from fusionrag.retriever.engine.plan import markdown, plan
+
+    sizes = [int(float(x)) for x in args.n]
+    devices = ["h100", "h200"] if args.device == "both" else [args.device]
+    plans = [plan(n, args.dim, args.pq_m, device, device_bytes=None if args.device_gb is None else
+                  int(args.device_gb * 1e9), budget_bytes=None if args.budget_gb is None else int(args.budget_gb * 1e9),
+                  centroid_ratio=args.centroid_ratio, metric=args.metric, cpus=args.cpus,
+                  build_budget_bytes=int(args.build_budget_gb * 1e9))
+             for device in devices for n in sizes]
+    if args.json:
+        print(json.dumps([p.to_dict() for p in plans]))
+    else:
+        print(markdown(plans))
+        for p in plans:
+            for note in p.notes:
+                print(f"- {p.n:,} on {p.device}: {note}")
+    return 0 if all(p.fits for p in plans) else 3
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fusionrag", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -326,6 +346,23 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--target-recall", type=float, help="recall@10 to reach (default: the build's, 0.95)")
     c.add_argument("--threads", type=int, default=0, help="threads (0: all cores)")
     c.set_defaults(run=_cmd_calibrate)
+
+    pl = sub.add_parser("plan", help="a capacity plan: what an index of N vectors puts on the GPU, in host RAM and "
+                        "on the SSD, its build's memory and time, and the q/s the cost model predicts (docs/gpu.md)")
+    pl.add_argument("--n", nargs="+", default=["1e9"], help="vectors (one or more; 1e9 style allowed)")
+    pl.add_argument("--dim", type=int, default=128)
+    pl.add_argument("--pq-m", type=int, default=0, help="PQ bytes a vector (0: the build's choice, dim/2 at most 64)")
+    pl.add_argument("--device", default="h100", help="h100 (80 GB), h200 (141 GB), both, or a name with --device-gb")
+    pl.add_argument("--device-gb", type=float, help="the device's memory, GB (for a device not named)")
+    pl.add_argument("--budget-gb", type=float, help="GPU memory the process may take, GB (default: the device's)")
+    pl.add_argument("--centroid-ratio", type=float, default=BuildConfig.centroid_ratio,
+                    help="posting-list centroids per vector (the build's)")
+    pl.add_argument("--metric", default="l2", choices=list(METRICS))
+    pl.add_argument("--cpus", type=int, default=16, help="the serving machine's CPUs (the host re-rank's bound)")
+    pl.add_argument("--build-budget-gb", type=float, default=0.0,
+                    help="the build's working memory (memory_budget_bytes), GB: added to its peak")
+    pl.add_argument("--json", action="store_true", help="every figure as JSON")
+    pl.set_defaults(run=_cmd_plan)
 
     offline = "Works on a data directory no service has open (a running service has the same over HTTP)."
     sn = sub.add_parser("snapshot", help="write a snapshot of a collection to one archive", description=offline)
