@@ -23,6 +23,7 @@ CASES = [
     *pq_table.variants(64, 12, "l2"), *pq_table.variants(5, 1, "ip"),
     *adc_scan.variants(48, tiered=False), *adc_scan.variants(48, tiered=True),
     *topn.variants(), *adc_stream.variants(64), *adc_stream.variants(64, tiered=True),
+    *adc_stream.variants(64, wide=False), *adc_stream.variants(64, tiered=True, wide=False),  # under 2^31 postings
     variant(dedup_kernel, ("*i32", "*i64", "*i64", "*i8", "*i64"), 4, BLOCK=256),
 ]
 
