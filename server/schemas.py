@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from fusionrag.retriever.collection import DEFAULT_TEXT_WEIGHT, NAME_RE, RRF_K
+from fusionrag.retriever.collection.config import QUESTION_SHARE
 from fusionrag.retriever.collection.embedding import model_names
 
 NAME_PATTERN = f"^{NAME_RE.pattern}$"
@@ -76,6 +77,10 @@ class FusionSpec(_Body):
                                                "rank) + w/(k + text rank); weighted: each ranking's scores min-max "
                                                "normalised to [0, 1], then (1 - w) x vector + w x text")
     k: Integer = Field(RRF_K, ge=1, le=10_000, description="rrf: the rank constant")
+    question_share: Finite = Field(QUESTION_SHARE, ge=0, le=1,
+                                   description="a query phrased as a question (\"How do I ...?\") is fused with "
+                                               "this share of text_weight, its text ranking made without the words of "
+                                               "questions; 1: as any other query")
 
 
 class SearchRequest(_Body):
@@ -89,7 +94,8 @@ class SearchRequest(_Body):
                               "rankings fused by reciprocal rank")
     text_weight: Finite = Field(DEFAULT_TEXT_WEIGHT, ge=0, le=1,
                                 description="hybrid mode: the text ranking's weight in the fusion (the vector "
-                                            "ranking's is 1 - text_weight)")
+                                            "ranking's is 1 - text_weight; a query phrased as a question gets "
+                                            "fusion.question_share of it)")
     fusion: FusionSpec | None = Field(None, description="hybrid mode: how the two rankings are fused (reciprocal "
                                                         "rank, k 60, by default)")
     k: Integer = Field(10, ge=1, description="hits per query")

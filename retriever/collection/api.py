@@ -549,9 +549,10 @@ class Collection:
         """Top-k of each query. mode "vector": by the query vectors; "text": by BM25 over the documents'
         texts (hits' distance is SQLite's bm25, lower is better); "hybrid": both rankings, each
         HYBRID_DEPTH deep (or k), fused as `fusion` says (reciprocal rank by default; config.Fusion) with the
-        text ranking weighted text_weight (hits' score is the fused score, their distance the exact vector
-        distance). partial: a sharded collection's (whether an answer missing a down shard's lists may be given);
-        a collection's answers are never partial."""
+        text ranking weighted text_weight (a query phrased as a question: a share of it, and its text ranking
+        made without the words of questions; Fusion.query); hits' score is the fused score, their distance the
+        exact vector distance. partial: a sharded collection's (whether an answer missing a down shard's lists may
+        be given); a collection's answers are never partial."""
         k = check_search(k, mode, texts, vectors, text_weight)
         fusion = Fusion.of(fusion)
         if mode != "text":
@@ -581,9 +582,11 @@ class Collection:
 
     def _fused_hits(self, q, vec_rows, vec_d, texts, depth, k, w, fusion, where, stats,
                     with_vectors) -> CollectionSearch:
-        """The vector and the text ranking of each query fused (fuse)."""
+        """The vector and the text ranking of each query fused (fuse); a question's text ranking and weight as
+        fusion.query says."""
         fused = []
         for i, text in enumerate(texts):
+            text, wi = fusion.query(text, w)
             text_rows, text_d = self.store.text_search(text, depth, where)
             stats[i]["text_candidates"] = len(text_rows)
             # The tiers' rows arrive unsorted, each tier's `depth` best: the ranking is the `depth` nearest of all.
@@ -591,7 +594,7 @@ class Collection:
             ranked, ranked_d = vec_rows[i][order], vec_d[i][order]
             keep = ranked >= 0
             ranked, ranked_d = ranked[keep][:depth], ranked_d[keep][:depth]
-            fused.append(fuse(ranked.tolist(), ranked_d, text_rows.tolist(), text_d, w, fusion))
+            fused.append(fuse(ranked.tolist(), ranked_d, text_rows.tolist(), text_d, wi, fusion))
         hits = [fused_hits(q[i], f, k, lambda rows: self.store.by_rows(rows, True), self.metric, with_vectors)
                 for i, f in enumerate(fused)]
         return CollectionSearch(hits, stats)

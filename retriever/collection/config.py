@@ -44,11 +44,37 @@ def check_analyzer(analyzer) -> dict:
     return out
 # Hybrid search: each ranking is taken this deep (or k) before fusion, and fused by reciprocal rank
 # with the usual constant (Cormack et al., 2009); the text ranking's weight by default. Chosen on half of
-# a labelled question set of the Python docs (bench/service/hybrid.py).
+# a labelled question set of the Python docs' headings (bench/service/hybrid.py).
 HYBRID_DEPTH = 20
 RRF_K = 60
 DEFAULT_TEXT_WEIGHT = 0.5
 FUSIONS = ("rrf", "weighted")
+# A query phrased as a question (QUESTION_RE: it ends with "?" or starts with an interrogative or an auxiliary verb,
+# "How do I ...", "Why does ...", "What is ...") is fused with this share of the text weight (0.05 of 0.5), and its
+# text ranking is made from its words less the words of questions (QUESTION_WORDS): BM25 otherwise ranks first the
+# passages that share "how", "do", "I" with it (an FAQ's own questions), and on questions the vectors are far the
+# better ranking, the text one a tie-break among their first few. Chosen on 127 labelled questions over the Python
+# docs, reported on 75 others (bench/service/hybrid_natural.py, docs/collections.md); 1 turns the rule off.
+QUESTION_SHARE = 0.1
+QUESTION_WORDS = frozenset(
+    "how what why when where which who whom whose do does did doing done i me my we our you your can could should "
+    "would may might must shall have has had having get gets got use using used way ways am been being "
+    "about from any some".split())
+QUESTION_RE = re.compile(r"^\W*(how|what|why|when|where|which|who|whom|whose|is|are|was|were|do|does|did|can|could|"
+                         r"should|would|will|may|might|must|shall|has|have)\b|\?\W*$", re.IGNORECASE)
+_WORD = re.compile(r"\w+")
+
+
+def is_question(text: str) -> bool:
+    """Whether a query is phrased as a question (QUESTION_RE)."""
+    return QUESTION_RE.search(text) is not None
+
+
+def question_text(text: str) -> str:
+    """The words of a question that its text ranking is made of: its words less QUESTION_WORDS, lower-cased, in
+    order (the question itself if none is left)."""
+    words = [w for w in _WORD.findall(text.lower()) if w not in QUESTION_WORDS]
+    return " ".join(words) or text
 
 
 @dataclass(frozen=True)
@@ -56,28 +82,43 @@ class Fusion:
     """How hybrid search fuses its two rankings. 'rrf': reciprocal rank, a document scoring (1 - w) / (k + its
     vector rank) + w / (k + its text rank); 'weighted': each ranking's scores min-max normalised to [0, 1] over
     the query's own ranking (the best 1, the worst 0; distances and bm25 alike, lower being better), then
-    (1 - w) x vector + w x text; w = text_weight, a ranking a document is not in adding nothing. Hashable, so
-    that requests asking the same can share a batch."""
+    (1 - w) x vector + w x text; w = text_weight, a ranking a document is not in adding nothing. A query phrased
+    as a question (is_question) is fused with w = text_weight x question_share, its text ranking made without the
+    words of questions (question_text); question_share 1: as any other query. Hashable, so that requests asking
+    the same can share a batch."""
 
     method: str = "rrf"
     k: int = RRF_K
+    question_share: float = QUESTION_SHARE
 
     def __post_init__(self):
         if self.method not in FUSIONS:
             raise InputError(f"fusion method must be one of {FUSIONS}, got {self.method!r}")
         if isinstance(self.k, bool) or not isinstance(self.k, (int, np.integer)) or not 1 <= self.k <= 10_000:
             raise InputError(f"fusion k must be an integer from 1 to 10000, got {self.k!r}")
+        share = self.question_share
+        if isinstance(share, bool) or not isinstance(share, (int, float, np.integer, np.floating)) \
+                or not 0 <= share <= 1:
+            raise InputError(f"fusion question_share must be a number in [0, 1], got {share!r}")
 
     @classmethod
     def of(cls, given) -> "Fusion":
-        """A Fusion, a dict of its fields ({"method", "k"}), or None (the default)."""
+        """A Fusion, a dict of its fields ({"method", "k", "question_share"}), or None (the default)."""
         if given is None:
             return cls()
         if isinstance(given, cls):
             return given
-        if not isinstance(given, dict) or set(given) - {"method", "k"}:
-            raise InputError('fusion must be {"method": "rrf" | "weighted", "k": ...}')
+        if not isinstance(given, dict) or set(given) - {"method", "k", "question_share"}:
+            raise InputError('fusion must be {"method": "rrf" | "weighted", "k": ..., "question_share": ...}')
         return cls(**given)
+
+    def query(self, text: str, text_weight: float) -> tuple[str, float]:
+        """What one query's text ranking is made of and the text weight it is fused with: the query and
+        text_weight, or for a query phrased as a question (unless question_share is 1) its words less the words
+        of questions and text_weight x question_share."""
+        if self.question_share < 1 and is_question(text):
+            return question_text(text), text_weight * float(self.question_share)
+        return text, text_weight
 
 
 def check_search(k, mode: str, texts, vectors, text_weight) -> int:

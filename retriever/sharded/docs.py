@@ -252,13 +252,14 @@ class ShardedCollection:
                     row.append(Hit(doc[0], d, self._score(d), doc[1], doc[2], doc[3] if with_vectors else None))
                 hits.append(row)
             return ShardedSearch(hits, stats, missing_lists, missing_shards)
-        found, down = self._text_ranking(list(texts), depth, where, partial)
+        queries = [fusion.query(t, float(text_weight)) for t in texts]  # a question's text ranking and weight
+        found, down = self._text_ranking([t for t, _ in queries], depth, where, partial)
         hits = []
         for i in range(len(q)):
             order = np.argsort(res.distances[i], kind="stable")
             ids_i, d_i = res.ids[i][order], res.distances[i][order]
             ranked = [d for d in ids_i.tolist() if d >= 0]
-            fused = fuse(ranked, d_i[ids_i >= 0], found[i][0].tolist(), found[i][1], float(text_weight), fusion)
+            fused = fuse(ranked, d_i[ids_i >= 0], found[i][0].tolist(), found[i][1], queries[i][1], fusion)
             stats[i]["text_candidates"] = len(found[i][0])
             hits.append(fused_hits(q[i], fused, k, self._with_vectors(res.docs), self.metric, with_vectors))
         return ShardedSearch(hits, stats, missing_lists, sorted(set(missing_shards) | set(down)))

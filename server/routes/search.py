@@ -59,7 +59,8 @@ async def search(request: Request, coll: Collection = Depends(open_collection)):
     try:
         res = await state.batcher.search(coll, body.k, filter=body.filter, params=params, vectors=vectors,
                                          texts=body.texts, mode=body.mode, text_weight=body.text_weight,
-                                         fusion=Fusion(body.fusion.method, body.fusion.k) if body.fusion else None,
+                                         fusion=Fusion(body.fusion.method, body.fusion.k, body.fusion.question_share)
+                                         if body.fusion else None,
                                          with_vectors=body.with_vectors, partial=body.partial)
     except ServiceClosing as e:
         raise http_error(503, str(e)) from e
