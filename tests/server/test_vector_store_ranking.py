@@ -131,6 +131,7 @@ def test_scores_are_the_documented_formula(service):
     """Each search's scores against the rankings recomputed here: exact cosine similarity over the stored
     vectors (the vector ranking), the collection's BM25 (the text ranking), each K deep, fused as docs/api.md
     says; and against the collection's own hybrid search (its fused score x 61)."""
+    from fusionrag.retriever.collection.config import Fusion
     from fusionrag.retriever.collection.embedding import get_embedder
 
     got = {(q, r): [(h.content[0].text, h.score) for h in service.search(q, ranking_options={"ranker": r})]
@@ -150,9 +151,12 @@ def test_scores_are_the_documented_formula(service):
             qv = embedder.embed([q])[0]
             cos = vectors @ (qv.astype(np.float64) / np.linalg.norm(qv))
             by_vector = [texts[i] for i in np.argsort(-cos, kind="stable")[:K]]
-            by_text = [h.text for h in coll.search(texts=[q], mode="text", k=K).hits[0]]
+            # The hybrid default's rule for a question (#67 item 2, config.Fusion.query): its text ranking by the
+            # words left without the question's, weighted text_weight x question_share.
+            text, w = Fusion().query(q, TEXT_WEIGHT)
+            by_text = [h.text for h in coll.search(texts=[text], mode="text", k=K).hits[0]]
             fused: dict[str, float] = {}
-            for ranking, weight in ((by_vector, 1 - TEXT_WEIGHT), (by_text, TEXT_WEIGHT)):
+            for ranking, weight in ((by_vector, 1 - w), (by_text, w)):
                 for rank, t in enumerate(ranking, 1):
                     fused[t] = fused.get(t, 0.0) + weight * (RRF_K + 1) / (RRF_K + rank)
             want = sorted(fused.items(), key=lambda kv: -kv[1])[:K]
