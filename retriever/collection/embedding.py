@@ -261,9 +261,11 @@ class Embedder:
         return [tuple(o) for o in enc["offset_mapping"]]
 
     def embed(self, texts: Sequence[str], batch_size: int = 64, progress: bool | None = False,
-              bulk: bool = False) -> np.ndarray:
+              bulk: bool = False, wide: bool = False) -> np.ndarray:
         """float32 (len(texts), dim), L2-normalised. progress: a bar on stderr (None: when it is a terminal).
-        bulk: work such as an import, on set_threads' bulk threads (every core by default) on ONNX Runtime."""
+        bulk: work such as an import, on set_threads' bulk threads (every core by default) on ONNX Runtime.
+        wide: a call the caller knows to be alone (a lone text query): on the bulk threads when no bulk work holds
+        them (ONNX Runtime; OnnxModel.encode)."""
         if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
             raise InputError("texts must be a list of strings")
         if not texts:
@@ -277,7 +279,7 @@ class Embedder:
                                    convert_to_numpy=True, show_progress_bar=bars_wanted(progress))
         if isinstance(model, embedding_onnx.OnnxModel):  # its sessions' own locks
             out = model.encode(list(texts), batch_size=batch_size, show_progress_bar=bars_wanted(progress),
-                               bulk=bulk)
+                               bulk=bulk, wide=wide)
         out = np.ascontiguousarray(out, dtype=np.float32)
         if out.shape != (len(texts), self.dim):  # an endpoint that changed its model, say
             raise UnavailableError(f"embedding model {self.name!r} gave vectors of shape {out.shape} for "

@@ -22,6 +22,7 @@ the export goes to a temporary folder this process removes at exit.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import json
 import logging
@@ -401,16 +402,29 @@ class OnnxModel:
         return [tuple(o) for o in self._spans.encode(text, add_special_tokens=False).offsets]
 
     def encode(self, texts: Sequence[str], batch_size: int = 64, normalize_embeddings: bool = True,
-               show_progress_bar: bool = False, bulk: bool = False, **_) -> np.ndarray:
+               show_progress_bar: bool = False, bulk: bool = False, wide: bool = False, **_) -> np.ndarray:
         """float32 (len(texts), dim): batches of texts of like lengths (longest first, as sentence-transformers
-        orders them), each padded to its longest."""
-        from tqdm import tqdm
-
+        orders them), each padded to its longest. wide: a call alone on the machine (the caller knows): on the bulk
+        session's threads (every core by default) where no bulk pass holds it now, else as any call; one query of
+        a paragraph took 9.6 ms on one thread and 6.5 on two (2-core VM)."""
         texts = list(texts)
         out = np.empty((len(texts), self._dim), dtype=np.float32)
         if not texts:
             return out
         session, lock = self._session(bulk)
+        if wide and not bulk:
+            wide_session, wide_lock = self._session(True)
+            if wide_lock is not lock and wide_lock.acquire(blocking=False):
+                try:
+                    return self._encode(texts, out, wide_session, contextlib.nullcontext(), batch_size,
+                                        normalize_embeddings, show_progress_bar)
+                finally:
+                    wide_lock.release()
+        return self._encode(texts, out, session, lock, batch_size, normalize_embeddings, show_progress_bar)
+
+    def _encode(self, texts, out, session, lock, batch_size, normalize_embeddings, show_progress_bar) -> np.ndarray:
+        from tqdm import tqdm
+
         encodings = self._tok.encode_batch(texts)
         lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(texts))
         order = np.argsort(-lengths, kind="stable")

@@ -252,3 +252,40 @@ def test_an_import_embeds_on_the_bulk_threads_and_logs_its_rate(tmp_path, shared
     assert sorted(emb._model._sessions) == [1, 2]  # the import's passes on 2 threads, the queries' on 1
     assert col.search(emb.embed([rows[7]["text"]]), k=1).hits[0][0].id == "d7"
     cat.close()
+
+
+def test_a_lone_call_embeds_on_the_bulk_threads_unless_bulk_work_holds_them(shared_cache, data_dir, monkeypatch):
+    """wide (a call the batcher knows to be alone): on the bulk session's threads when it is free, the same vectors
+    as the query session's; while a bulk pass holds that session, on the query session at once, never waiting."""
+    import threading
+
+    monkeypatch.setenv("FUSIONRAG_CACHE_DIR", str(shared_cache))
+    monkeypatch.setattr(embedding, "_threads", 1)
+    monkeypatch.setattr(embedding, "_bulk_threads", 2)
+    emb = minilm()
+    texts = [r["text"] for r in paragraphs(data_dir, 12)]
+    narrow = emb.embed(texts)
+    model = emb._model
+    model._session(True)  # both sessions made, each's passes counted
+    runs = []
+    for threads, (session, _) in list(model._sessions.items()):
+        real = session.run
+        monkeypatch.setattr(session, "run", lambda *a, _t=threads, _r=real, **k: runs.append(_t) or _r(*a, **k),
+                            raising=False)
+    wide = emb.embed(texts, wide=True)
+    assert set(runs) == {2}, runs  # the bulk session's 2 threads
+    cos = (wide * narrow).sum(1) / np.linalg.norm(wide, axis=1) / np.linalg.norm(narrow, axis=1)
+    assert cos.min() >= 0.99999, cos.min()
+    bulk_session, bulk_lock = model._session(True)
+    runs.clear()
+    assert bulk_lock.acquire(blocking=False)  # a bulk pass holds it
+    try:
+        done = []
+        t = threading.Thread(target=lambda: done.append(emb.embed(texts, wide=True)))
+        t.start()
+        t.join(30)
+        assert done, "a wide call waited for the bulk pass"
+        assert set(runs) == {1}, runs  # the query session's
+        np.testing.assert_allclose(done[0], narrow, rtol=0, atol=1e-6)
+    finally:
+        bulk_lock.release()
