@@ -343,3 +343,50 @@ def test_remote_stores_read_in_one_request(service):
             [f"n{i}" for i in range(5, 8)]
     finally:
         li.close()
+
+
+def test_small_things_a_user_reaches_for(service):
+    """#67 item 6: upsert takes dicts as the API does; count says why a filter matched nothing (a misspelt field);
+    help(Client.search) shows the operation's parameters; a service that is down raises the client's own error
+    naming the URL, sync and async."""
+    import inspect
+    import socket
+    import warnings
+
+    from fusionrag.client import AsyncClient, UnreachableError
+
+    srv, _ = service
+    with Client(srv.url, ADMIN) as client:
+        client.create_collection("team-small", 3, metric="l2")
+        try:
+            ids = client.upsert("team-small", [{"id": "a", "text": "x", "vector": [1, 0, 0], "metadata": {"g": 1}},
+                                               Document("b", None, np.array([0, 1, 0], np.float32), {"g": 2})])
+            assert ids == ["a", "b"]
+            got = client.get("team-small", ["a"], with_vectors=True)[0]
+            assert got.text == "x" and got.metadata == {"g": 1} and got.vector.tolist() == [1, 0, 0]
+            with pytest.raises(InputError, match="unknown field"):
+                client.upsert("team-small", [{"id": "c", "vectr": [1, 1, 1]}])
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                assert client.count("team-small", filter={"gg": 1}) == 0
+                assert client.count("team-small", filter={"g": 1}) == 1
+            assert len(caught) == 1 and "'gg'" in str(caught[0].message), [str(w.message) for w in caught]
+        finally:
+            client.drop_collection("team-small")
+    params = inspect.signature(Client.search).parameters
+    assert {"collection", "k", "filter"} <= set(params), params
+    assert (Client.search.__doc__ or "").startswith("Top-k")
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    with Client(url, ADMIN, timeout=5) as down:
+        with pytest.raises(UnreachableError, match=url) as e:
+            down.collections()
+        assert isinstance(e.value.__cause__, httpx.ConnectError)
+
+    async def unreachable():
+        async with AsyncClient(url, ADMIN, timeout=5) as down:
+            await down.collections()
+
+    with pytest.raises(UnreachableError, match=url):
+        asyncio.run(unreachable())

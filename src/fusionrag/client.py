@@ -20,6 +20,7 @@ import functools
 import json
 import os
 import time
+import warnings
 from collections.abc import Callable, Coroutine, Generator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -52,6 +53,15 @@ class RemoteError(FusionRAGError):
 
 class AuthError(RemoteError):
     """401: no valid API key; 403: the key does not cover this collection."""
+
+
+class UnreachableError(FusionRAGError):
+    """The service did not answer: nothing listens at the URL, the connection broke, or the timeout passed (the
+    httpx error is its __cause__). A write that raised it may or may not have been applied."""
+
+    def __init__(self, url: str, exc: Exception):
+        super().__init__(f"the fusionrag service at {url} did not answer: {type(exc).__name__}: {exc}".rstrip(": "))
+        self.url = url
 
 
 def error_for(status: int, message: str) -> FusionRAGError:
@@ -188,7 +198,7 @@ class Ops:
         the other, each durable when answered: an error stops at its batch, the ones before it written.
         on_progress(documents written, documents in all) after each."""
         if isinstance(documents, Document) or not isinstance(documents, Sequence):
-            raise InputError("upsert takes a sequence of Document")
+            raise InputError("upsert takes a sequence of Document (or of dicts with id, text, vector, metadata)")
         if not isinstance(batch_size, int) or batch_size < 1 or not isinstance(batch_bytes, int) or batch_bytes < 1:
             raise InputError("batch_size and batch_bytes must be positive integers")
         ids: list[str] = []
@@ -201,8 +211,14 @@ class Ops:
         batch: list[dict] = []
         size = 0
         for i, d in enumerate(documents):
+            if isinstance(d, Mapping):  # {"id", "text", "vector", "metadata"}, as the service's API takes them
+                unknown = set(d) - {"id", "text", "vector", "metadata"}
+                if unknown:
+                    raise InputError(f"document {i}: unknown field(s) {', '.join(sorted(map(str, unknown)))}; "
+                                     "a document has id, text, vector and metadata")
+                d = Document(d.get("id"), d.get("text"), d.get("vector"), d.get("metadata") or {})
             if not isinstance(d, Document):
-                raise InputError(f"document {i}: expected a Document, got {type(d).__name__}")
+                raise InputError(f"document {i}: expected a Document or a dict, got {type(d).__name__}")
             doc = _document_json(d)
             cost = len(json.dumps(doc, separators=(",", ":"))) + 1
             if batch and (len(batch) == batch_size or size + cost > batch_bytes):
@@ -247,7 +263,10 @@ class Ops:
     def count(collection: str, *, filter: dict | None = None) -> Op[int]:
         """How many documents the filter passes (all of them without one)."""
         body = {} if filter is None else {"filter": filter}
-        return (yield Request("POST", _path(collection, "/documents/count"), body, safe=True))["count"]
+        data = yield Request("POST", _path(collection, "/documents/count"), body, safe=True)
+        for warning in data.get("warnings", []):  # a misspelt field, say: the count is 0 and says why
+            warnings.warn(f"count of {collection!r}: {warning}", UserWarning, stacklevel=3)
+        return data["count"]
 
     @staticmethod
     def delete(collection: str, ids: Sequence[str] | None = None, *, filter: dict | None = None) -> Op[int]:
@@ -423,7 +442,7 @@ class _Operation(Generic[P, T]):
         self.__doc__ = op.__doc__
 
     @overload
-    def __get__(self, client: None, owner: type) -> _Operation[P, T]: ...
+    def __get__(self, client: None, owner: type) -> Callable[P, Op[T]]: ...
 
     @overload
     def __get__(self, client: AsyncClient, owner: type) -> Callable[P, Coroutine[Any, Any, T]]: ...
@@ -433,7 +452,7 @@ class _Operation(Generic[P, T]):
 
     def __get__(self, client, owner=None):
         if client is None:
-            return self
+            return self.op  # the operation itself: help(Client.search) shows its parameters and doc
         op = self.op
 
         @functools.wraps(op)
@@ -483,6 +502,12 @@ class Client(_Api):
             return done.value
 
     def _send(self, req: Request) -> httpx.Response:
+        try:
+            return self._send_once(req)
+        except httpx.TransportError as e:
+            raise UnreachableError(self.url, e) from e
+
+    def _send_once(self, req: Request) -> httpx.Response:
         attempt = 0
         while True:
             with contextlib.ExitStack() as stack:
@@ -530,6 +555,12 @@ class AsyncClient(_Api):
             return done.value
 
     async def _send(self, req: Request) -> httpx.Response:
+        try:
+            return await self._send_once(req)
+        except httpx.TransportError as e:
+            raise UnreachableError(self.url, e) from e
+
+    async def _send_once(self, req: Request) -> httpx.Response:
         attempt = 0
         while True:
             with contextlib.ExitStack() as stack:
@@ -558,4 +589,5 @@ class AsyncClient(_Api):
 
 
 __all__ = ["AsyncClient", "AuthError", "Client", "CollectionInfo", "Document", "Hit", "Ops", "Page", "RemoteError",
+           "UnreachableError",
            "Request", "SearchResult", "error_for"]
