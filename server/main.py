@@ -13,6 +13,7 @@ import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from uvicorn.server import HANDLED_SIGNALS
 
+from fusionrag.retriever.errors import ConfigError
 from fusionrag.server.app import create_app
 from fusionrag.server.config import ServerConfig
 from fusionrag.server.logs import setup_logging
@@ -34,6 +35,22 @@ class _Server(uvicorn.Server):
 
 log = logging.getLogger("fusionrag.server")
 SWITCH_INTERVAL_S = 0.001
+
+
+def _check_device(config: ServerConfig) -> None:
+    """--filter-tier gpu without a CUDA device is refused at start (it failed each collection as it opened); GPU
+    settings that cannot apply are said once, at start."""
+    from fusionrag.retriever.engine.tiers import cuda_available
+
+    if config.filter_tier != "gpu" and not config.gpu_budget_mb:
+        return
+    if cuda_available():
+        return
+    if config.filter_tier == "gpu":
+        raise ConfigError("--filter-tier gpu needs a CUDA device (and torch with CUDA and triton installed); this "
+                          "machine has none: use auto (the GPU where there is one) or cpu")
+    log.warning("--gpu-budget-mb %g is set, but there is no CUDA device here: the filter tier runs on the CPU",
+                config.gpu_budget_mb)
 
 
 class _HeadDeadline(AutoHTTPProtocol):
@@ -91,6 +108,7 @@ def serve(config: ServerConfig) -> None:
     """Serve until SIGTERM or SIGINT; then stop accepting, let requests in flight finish, close the collections,
     and return (the process exits 0)."""
     setup_logging(config.log_level, config.log_format)
+    _check_device(config)
     # A thread running Python keeps the GIL up to the switch interval while another waits for it: 5 ms by default,
     # which background work (an import's build, a file's chunks) added to each of a search's waits for the GIL.
     sys.setswitchinterval(SWITCH_INTERVAL_S)

@@ -146,3 +146,29 @@ def test_every_setting_is_a_serve_flag_with_its_help_and_environment_name():
 def test_every_setting_is_in_the_api_page():
     api = (ROOT / "docs" / "api.md").read_text()
     assert not [k.name for k in KNOBS.values() if f"`{ENV_PREFIX}{k.name.upper()}`" not in api]
+
+
+def test_gpu_settings_without_a_cuda_device_are_refused_or_said_at_start(tmp_path):
+    """#67 item 6: `--filter-tier gpu` where there is no CUDA device is refused at start, naming what to use
+    instead (it failed each collection as it opened); `--gpu-budget-mb` there is said once in the log."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "-1"}  # no device, whatever this machine has
+    cmd = [sys.executable, "-m", "fusionrag", "serve", "--no-demo", "--host", "127.0.0.1", "--port", "0",
+           "--data-dir", str(tmp_path / "data")]
+    out = subprocess.run(cmd + ["--filter-tier", "gpu"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
+    assert "--filter-tier gpu needs a CUDA device" in out.stderr and "auto" in out.stderr, out.stderr[-2000:]
+    proc = subprocess.Popen(cmd + ["--gpu-budget-mb", "512"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = ""
+        for line in proc.stderr:
+            seen += line
+            if "gpu-budget-mb" in line or "Uvicorn running" in line or "started" in line.lower():
+                break
+        assert "--gpu-budget-mb 512 is set, but there is no CUDA device here" in seen, seen[-2000:]
+    finally:
+        proc.terminate()
+        proc.wait(30)
