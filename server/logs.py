@@ -33,7 +33,9 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        line.update((k, v) for k, v in vars(record).items() if k not in _STANDARD)
+        # What callers passed in `extra=`; not what libraries add to every record for themselves (Ray's log record
+        # factory adds _ray_timestamp_ns to each once a sharded collection starts Ray): their names start with "_".
+        line.update((k, v) for k, v in vars(record).items() if k not in _STANDARD and not k.startswith("_"))
         if record.exc_info:
             line["exc"] = self.formatException(record.exc_info)
         try:

@@ -153,3 +153,18 @@ def test_service_engine_settings_reach_the_index(tmp_path, monkeypatch, policy, 
             assert (store.stats()["read_ahead"] > 0) == prefetch
     finally:
         catalog.close()
+
+
+def test_a_json_log_line_holds_the_callers_extras_and_not_what_libraries_add():
+    """#67 item 6: once a sharded collection starts Ray, Ray's log record factory adds _ray_timestamp_ns to every
+    record; the service's JSON lines hold what callers passed in `extra=` only."""
+    import json as _json
+    import logging as _logging
+
+    from fusionrag.server.logs import JsonFormatter
+
+    record = _logging.LogRecord("fusionrag.server", _logging.INFO, __file__, 1, "request", (), None)
+    record.method, record.status, record._ray_timestamp_ns = "POST", 200, 1234
+    line = _json.loads(JsonFormatter().format(record))
+    assert line["method"] == "POST" and line["status"] == 200 and line["msg"] == "request"
+    assert not any(k.startswith("_") for k in line), line
