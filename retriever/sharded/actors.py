@@ -106,7 +106,14 @@ class LocalShards:
     def __init__(self, n: int):
         from concurrent.futures import ThreadPoolExecutor
 
-        self._pool = ThreadPoolExecutor(max_workers=max(1, n), thread_name_prefix="fusionrag-shard")
+        self._n = max(1, n)
+        self._pool = ThreadPoolExecutor(max_workers=self._n, thread_name_prefix="fusionrag-shard")
+
+    def _shared(self, config: EngineConfig) -> EngineConfig:
+        """The shards of this process share its page buffer (--buffer-mb): each shard a share of it, where each
+        took all of it (a 4-shard collection held 4 x 64 MiB). Shards as Ray actors keep theirs: each its own
+        process, on its own node."""
+        return config.with_overrides(buffer_bytes=config.buffer_bytes // self._n) if self._n > 1 else config
 
     def open_all(self, index: Path, paths: list[str], config: EngineConfig,
                  params: SearchParams) -> tuple[list, list[dict]]:
@@ -116,7 +123,7 @@ class LocalShards:
         shards = []
         try:
             for p in paths:
-                shards.append(ShardServer(p, config, params))
+                shards.append(ShardServer(p, self._shared(config), params))
         except BaseException:
             for opened in shards:
                 opened.close()
@@ -153,7 +160,7 @@ class LocalShards:
         self.kill(shard)
         from fusionrag.retriever.sharded.shard import ShardServer
 
-        new = ShardServer(path, config, params)
+        new = ShardServer(path, self._shared(config), params)
         return new, new.where()
 
     def release(self) -> None:
