@@ -99,6 +99,11 @@ class SearchRequest(_Body):
     fusion: FusionSpec | None = Field(None, description="hybrid mode: how the two rankings are fused (reciprocal "
                                                         "rank, k 60, by default)")
     k: Integer = Field(10, ge=1, description="hits per query")
+    offset: Integer = Field(0, ge=0, description="hits to skip first: each query's k hits after its best `offset` "
+                                                 "(pages of a ranking; k + offset at most max_k)")
+    score_threshold: Finite | None = Field(None, description="only hits whose score is at least this (vector "
+                                                             "mode: 1 - distance under cosine, -distance under l2 "
+                                                             "and ip; text: -bm25; hybrid: the fused score)")
     filter: dict[str, Any] | None = Field(None, description="metadata filter, e.g. {\"source\": \"design.md\"}")
     params: dict[str, Any] | None = Field(None, description="tuning: nprobe, probe_ratio, rerank, ...")
     stats: bool = Field(False, description="return the engine's statistics of each query")

@@ -364,6 +364,11 @@ def test_small_things_a_user_reaches_for(service):
             assert ids == ["a", "b"]
             got = client.get("team-small", ["a"], with_vectors=True)[0]
             assert got.text == "x" and got.metadata == {"g": 1} and got.vector.tolist() == [1, 0, 0]
+            full = client.search("team-small", [1, 0, 0], k=2).hits[0]
+            assert [h.id for h in client.search("team-small", [1, 0, 0], k=1, offset=1).hits[0]] == [full[1].id]
+            low = (full[0].score + full[1].score) / 2
+            assert [h.id for h in client.search("team-small", [1, 0, 0], k=2, score_threshold=low).hits[0]] == \
+                [full[0].id]
             with pytest.raises(InputError, match="unknown field"):
                 client.upsert("team-small", [{"id": "c", "vectr": [1, 1, 1]}])
             with warnings.catch_warnings(record=True) as caught:

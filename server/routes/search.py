@@ -45,6 +45,8 @@ async def search(request: Request, coll: Collection = Depends(open_collection)):
     queries = search_queries(body.mode, rows, body.texts)
     if body.k > cfg.max_k:
         raise http_error(422, f"k is {body.k}, at most {cfg.max_k} allowed (max_k)")
+    if body.k + body.offset > cfg.max_k:
+        raise http_error(422, f"k + offset is {body.k + body.offset}, at most {cfg.max_k} allowed (max_k)")
     params = search_params(body.params) if body.params else None
     if body.filter is not None:
         compile_filter(body.filter)  # a bad filter fails its own request here, not the batch it would join
@@ -57,7 +59,7 @@ async def search(request: Request, coll: Collection = Depends(open_collection)):
             embedder_of(coll, "queries")
     t = time.perf_counter()
     try:
-        res = await state.batcher.search(coll, body.k, filter=body.filter, params=params, vectors=vectors,
+        res = await state.batcher.search(coll, body.k + body.offset, filter=body.filter, params=params, vectors=vectors,
                                          texts=body.texts, mode=body.mode, text_weight=body.text_weight,
                                          fusion=Fusion(body.fusion.method, body.fusion.k, body.fusion.question_share)
                                          if body.fusion else None,
@@ -67,7 +69,11 @@ async def search(request: Request, coll: Collection = Depends(open_collection)):
     state.metrics.recent.add(time.perf_counter() - t, len(queries),
                              sum(int(s.get("pages_read", 0)) for s in res.stats),
                              sum(int(s.get("pages_buffered", 0)) for s in res.stats))
-    out = {"results": [[hit_json(h, body.with_vectors) for h in hits] for hits in res.hits]}
+    found = res.hits
+    if body.offset or body.score_threshold is not None:  # a page of each ranking, and a floor on its scores
+        low = body.score_threshold
+        found = [[h for h in hits[body.offset:] if low is None or h.score >= low] for hits in found]
+    out = {"results": [[hit_json(h, body.with_vectors) for h in hits] for hits in found]}
     if hasattr(res, "missing_lists"):  # a sharded collection: whether a shard down left lists unsearched, and which
         out["partial"] = res.partial
         if res.partial:

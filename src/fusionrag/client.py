@@ -323,11 +323,17 @@ class Ops:
     def search(collection: str, vectors=None, *, texts: Sequence[str] | None = None, k: int = 10,
                filter: dict | None = None, params: SearchParams | SearchOverrides | dict | None = None, mode: str = "vector",
                text_weight: float = DEFAULT_TEXT_WEIGHT, with_vectors: bool = False,
-               stats: bool = False, fusion: dict | None = None) -> Op[SearchResult]:
+               stats: bool = False, fusion: dict | None = None, offset: int = 0,
+               score_threshold: float | None = None) -> Op[SearchResult]:
         """Top-k of each query: `vectors` (one, or a (q, dim) array) or `texts` (embedded by the collection's
         model), or both in mode "hybrid" (fused as `fusion` says: {"method": "rrf", "k": 60}, the default, or
-        {"method": "weighted"}); mode "text" ranks by BM25 over the texts. See docs/collections.md."""
+        {"method": "weighted"}); mode "text" ranks by BM25 over the texts. See docs/collections.md. offset: the k
+        hits after each query's best `offset`; score_threshold: only hits whose score is at least this."""
         body: dict[str, Any] = {"k": k, "mode": mode}
+        if offset:
+            body["offset"] = offset
+        if score_threshold is not None:
+            body["score_threshold"] = score_threshold
         if vectors is not None:
             v = np.asarray(vectors, dtype=np.float32)
             body["vectors"] = (v[None, :] if v.ndim == 1 else v).tolist()

@@ -190,3 +190,21 @@ def test_every_backend_takes_the_fast_search_path(service, base, monkeypatch):
     assert r.status_code == 200 and r.json()["results"][0][0]["id"] == "3", r.text
     assert httpx.get(f"{url}/v1/collections/{NAME}", headers=GOOD).status_code == 200
     assert passes == [f"/v1/collections/{NAME}"], passes  # the search passed none of FastAPI's layers
+
+
+def test_offset_and_score_threshold_page_and_floor_the_ranking(service, base):
+    """#67 item 7: `offset` gives each query's k hits after its best `offset`, `score_threshold` keeps the hits
+    scored at least it; both checked against the same search asked for more, and k + offset bounded by max_k."""
+    _, url = service
+    q = (base[[11, 2222]] + 0.03).tolist()
+    full = post(url, "/search", {"vectors": q, "k": 12, "params": EXHAUSTIVE}).json()["results"]
+    page = post(url, "/search", {"vectors": q, "k": 5, "offset": 4, "params": EXHAUSTIVE}).json()["results"]
+    assert [[h["id"] for h in hits] for hits in page] == [[h["id"] for h in hits[4:9]] for hits in full]
+    for hits in full:
+        low = (hits[5]["score"] + hits[6]["score"]) / 2
+        r = post(url, "/search", {"vectors": [q[full.index(hits)]], "k": 12, "score_threshold": low,
+                                  "params": EXHAUSTIVE})
+        assert [h["id"] for h in r.json()["results"][0]] == [h["id"] for h in hits if h["score"] >= low]
+    r = post(url, "/search", {"vectors": q, "k": 40, "offset": 20})
+    assert r.status_code == 422 and "k + offset" in r.text, r.text
+    assert post(url, "/search", {"vectors": q, "k": 2, "offset": -1}).status_code == 422
