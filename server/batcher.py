@@ -179,14 +179,7 @@ class MicroBatcher:
         if self._closing:
             raise ServiceClosing("the service is shutting down")
         if vectors is None and mode != "text":  # the texts embedded first, by their model's own queue and thread
-            embedder = get_embedder(collection.embedding)
-            queue = self._models.get(id(embedder))
-            if queue is None:
-                queue = self._models[id(embedder)] = _ModelQueue(embedder, self.max_queries, self.metrics,
-                                                                 os.cpu_count() or 1)
-            vectors = await queue.embed(texts)
-            if self._closing:
-                raise ServiceClosing("the service is shutting down")
+            vectors = await self.embed(get_embedder(collection.embedding), texts)
         future = asyncio.get_running_loop().create_future()
         req = _Request(collection, vectors, texts, k, filter, params, mode, text_weight, future, time.perf_counter(),
                        with_vectors, fusion, partial)
@@ -208,6 +201,19 @@ class MicroBatcher:
         self._queued += req.size
         self._wake.set()
         return await future
+
+    async def embed(self, embedder, texts: list[str]) -> np.ndarray:
+        """Texts embedded by their model's own queue (and threads): those of concurrent requests share calls."""
+        if self._closing:
+            raise ServiceClosing("the service is shutting down")
+        queue = self._models.get(id(embedder))
+        if queue is None:
+            queue = self._models[id(embedder)] = _ModelQueue(embedder, self.max_queries, self.metrics,
+                                                             os.cpu_count() or 1)
+        vectors = await queue.embed(texts)
+        if self._closing:
+            raise ServiceClosing("the service is shutting down")
+        return vectors
 
     async def _gather_loop(self) -> None:
         loop = asyncio.get_running_loop()

@@ -48,7 +48,7 @@ def json_body(model, required: bool = True) -> dict:
 
 
 def _openai(path: str) -> bool:
-    return path.startswith(("/v1/files", "/v1/vector_stores"))
+    return path.startswith(("/v1/files", "/v1/vector_stores", "/v1/embeddings"))
 
 
 def shaped(path: str, content: dict, status: int) -> dict:

@@ -1,19 +1,23 @@
-"""OpenAI's files and vector stores API (/v1/files, /v1/vector_stores), in OpenAI's shapes, so that the OpenAI
-SDK's `client.files` and `client.vector_stores` work unchanged against the service or its vLLM plugin; the
+"""OpenAI's files, vector stores and embeddings API (/v1/files, /v1/vector_stores, /v1/embeddings), in OpenAI's
+shapes, so that the OpenAI SDK's `client.files`, `client.vector_stores` and `client.embeddings` work unchanged
+against the service or its vLLM plugin; the
 stores themselves are server/vector_stores.py's. Errors carry OpenAI's {"error": {"message", "type"}} beside the
 service's "detail" (server/errors.py)."""
 
 from __future__ import annotations
 
+import base64
 from typing import Annotated, Literal, Optional, Union
 
+import numpy as np
 from fastapi import APIRouter, Depends, Path as PathParam, Query, Request
 from fastapi.responses import FileResponse, JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from fusionrag.retriever.collection.config import DEFAULT_TEXT_WEIGHT, Fusion
-from fusionrag.retriever.errors import InputError, StorageError
+from fusionrag.retriever.collection.embedding import canonical_name, get_embedder, model_names
+from fusionrag.retriever.errors import ConfigError, InputError, StorageError
 from fusionrag.server.auth import Key
 from fusionrag.server.batcher import ServiceClosing
 from fusionrag.server.deps import authenticate, state_of, viewer
@@ -327,3 +331,46 @@ def list_file_batch_files(request: Request, vector_store_id: StoreId, batch_id: 
                           before: Optional[str] = None, key: Key | None = Depends(authenticate)):
     return stores_of(request).list_store_files(viewer(key), vector_store_id, filter, limit, order, after, before,
                                                batch=batch_id)
+
+
+# -- embeddings ---------------------------------------------------------------------------------------
+
+class EmbeddingsRequest(_Body):
+    model: str
+    input: Union[str, list[str]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = None
+
+
+@router.post("/embeddings", summary="Texts embedded by one of the service's models (OpenAI's embeddings API): a "
+             "client embeds with exactly its collections' model", tags=["OpenAI embeddings"],
+             responses=documented(400, 401, 404, 408, 413, 422, 503))
+async def embeddings(body: EmbeddingsRequest, request: Request, key: Key | None = Depends(authenticate)):
+    state = state_of(request)
+    cfg = state.config
+    texts = [body.input] if isinstance(body.input, str) else list(body.input)
+    if not texts or len(texts) > cfg.max_documents:
+        raise http_error(422, f"input must be a string or 1-{cfg.max_documents} strings (max_documents)")
+    if any(not t for t in texts):
+        raise http_error(422, "input holds an empty string, which has nothing to embed")
+    check_texts(texts, cfg.max_text_chars, "input")
+    try:
+        name = canonical_name(body.model)
+    except ConfigError:
+        raise http_error(404, f"model {body.model!r} is not served here; the service's models: "
+                              f"{', '.join(model_names())}") from None
+    embedder = await run_in_threadpool(get_embedder, name)
+    if body.dimensions is not None and body.dimensions != embedder.dim:
+        raise http_error(422, f"model {name!r} gives {embedder.dim}-dimensional vectors; dimensions "
+                              f"{body.dimensions} cannot be asked of it")
+    try:
+        vectors = await state.batcher.embed(embedder, texts)
+    except ServiceClosing as e:
+        raise http_error(503, str(e)) from e
+    # The texts' own tokens, as OpenAI counts them (tokenized off the event loop).
+    tokens = await run_in_threadpool(lambda: sum(len(embedder.token_spans(t)) for t in texts))
+    vectors = np.ascontiguousarray(vectors, dtype="<f4")
+    data = [{"object": "embedding", "index": i,
+             "embedding": base64.b64encode(v.tobytes()).decode() if body.encoding_format == "base64" else v.tolist()}
+            for i, v in enumerate(vectors)]
+    return {"object": "list", "data": data, "model": name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
