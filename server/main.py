@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 
@@ -39,12 +40,13 @@ SWITCH_INTERVAL_S = 0.001
 
 def _check_device(config: ServerConfig) -> None:
     """--filter-tier gpu without a CUDA device is refused at start (it failed each collection as it opened); GPU
-    settings that cannot apply are said once, at start."""
+    settings that cannot apply are said once, at start. Under TRITON_INTERPRET=1 the GPU tier runs its kernels on
+    the CPU (tests, the GPU acceptance's dry run), and is let be."""
     from fusionrag.retriever.engine.tiers import cuda_available
 
     if config.filter_tier != "gpu" and not config.gpu_budget_mb:
         return
-    if cuda_available():
+    if cuda_available() or os.environ.get("TRITON_INTERPRET") == "1":  # (the interpreter: the kernels on the CPU)
         return
     if config.filter_tier == "gpu":
         raise ConfigError("--filter-tier gpu needs a CUDA device (and torch with CUDA and triton installed); this "

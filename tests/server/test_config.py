@@ -155,7 +155,8 @@ def test_gpu_settings_without_a_cuda_device_are_refused_or_said_at_start(tmp_pat
     import subprocess
     import sys
 
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "-1"}  # no device, whatever this machine has
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "-1"}  # no device, whatever this machine has ...
+    env.pop("TRITON_INTERPRET", None)  # ... and not Triton's interpreter, under which the GPU tier runs on the CPU
     cmd = [sys.executable, "-m", "fusionrag", "serve", "--no-demo", "--host", "127.0.0.1", "--port", "0",
            "--data-dir", str(tmp_path / "data")]
     out = subprocess.run(cmd + ["--filter-tier", "gpu"], env=env, capture_output=True, text=True, timeout=120)
