@@ -22,8 +22,8 @@ from fusionrag.server.middleware import AddHeaders, BodyLimit, ObserveMiddleware
 from fusionrag.server.routes import v1
 from fusionrag.server.routes.documents import DEFAULT_PAGE
 from fusionrag.server.routes.ops import router as ops
-from fusionrag.server.schemas import (CountRequest, DeleteRequest, Error, GetRequest, MetadataRequest, SearchRequest,
-                                      UpsertRequest)
+from fusionrag.server.schemas import (CountRequest, DeleteRequest, Error, GetRequest, MetadataRequest, RecommendRequest,
+                                      SearchRequest, UpsertRequest)
 
 __all__ = ["Service", "State", "create_app"]
 
@@ -93,8 +93,8 @@ def create_app(config: ServerConfig, catalog=None, keys: KeyRing | None = None,
         if app.openapi_schema is None:
             schemas = FastAPI.openapi(app)["components"]["schemas"]
             _, read_by_routes = models_json_schema(
-                [(m, "validation") for m in (SearchRequest, UpsertRequest, DeleteRequest, GetRequest, MetadataRequest,
-                                             CountRequest, Error)],
+                [(m, "validation") for m in (SearchRequest, RecommendRequest, UpsertRequest, DeleteRequest, GetRequest,
+                                             MetadataRequest, CountRequest, Error)],
                 ref_template="#/components/schemas/{model}")
             schemas.update(read_by_routes["$defs"])
             _document_limits(schemas, config)

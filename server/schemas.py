@@ -113,6 +113,17 @@ class SearchRequest(_Body):
                                             "never partial)")
 
 
+class RecommendRequest(_Body):
+    positive: list[Annotated[str, Field(min_length=1, max_length=512)]] = Field(
+        min_length=1, description="ids of stored documents like those wanted")
+    negative: list[Annotated[str, Field(min_length=1, max_length=512)]] = Field(
+        default_factory=list, description="ids of stored documents unlike those wanted")
+    k: Integer = Field(10, ge=1, description="hits (the examples themselves left out)")
+    filter: dict[str, Any] | None = Field(None, description="metadata filter")
+    params: dict[str, Any] | None = Field(None, description="tuning: nprobe, probe_ratio, rerank, ...")
+    with_vectors: bool = Field(False, description="return each hit's stored vector (`vector`)")
+
+
 class DocumentIn(_Body):
     model_config = ConfigDict(json_schema_extra={"anyOf": [_given("text", "string"), _given("vector", "array")]})
     id: str | None = Field(None, min_length=1, max_length=512, description="left out: a new id is assigned")

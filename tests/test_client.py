@@ -369,6 +369,8 @@ def test_small_things_a_user_reaches_for(service):
             low = (full[0].score + full[1].score) / 2
             assert [h.id for h in client.search("team-small", [1, 0, 0], k=2, score_threshold=low).hits[0]] == \
                 [full[0].id]
+            like = client.recommend("team-small", ["a"], k=1)
+            assert [h.id for h in like] == ["b"]  # the other document: the example itself left out
             with pytest.raises(InputError, match="unknown field"):
                 client.upsert("team-small", [{"id": "c", "vectr": [1, 1, 1]}])
             with warnings.catch_warnings(record=True) as caught:

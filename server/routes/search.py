@@ -19,7 +19,7 @@ from fusionrag.server.errors import documented, http_error, json_body
 from fusionrag.server.requests import (check_texts, check_vectors, embedder_of, over_limit, query_words, read_json,
                                        search_params, search_queries)
 from fusionrag.server.responses import VectorJSON, hit_json, plain
-from fusionrag.server.schemas import SearchRequest
+from fusionrag.server.schemas import RecommendRequest, SearchRequest
 
 router = APIRouter(prefix="/v1")
 
@@ -84,3 +84,49 @@ async def search(request: Request, coll: Collection = Depends(open_collection)):
     if body.stats:
         out["stats"] = [plain(s) for s in res.stats]
     return VectorJSON(out)
+
+
+@router.post("/collections/{name}/recommend", summary="Documents like some stored ones and unlike others, by their ids "
+             "(Qdrant's recommend, average-vector strategy)", openapi_extra=json_body(RecommendRequest),
+             responses=documented(400, 401, 403, 404, 409, 413, 422, 503))
+async def recommend(request: Request, coll: Collection = Depends(open_collection)):
+    """The query is 2 x the mean of the positive examples' vectors - the mean of the negative ones' (the positive
+    mean alone without negatives; under cosine each example made unit length first), searched as a query vector;
+    the examples themselves are left out of the hits."""
+    state = state_of(request)
+    cfg = state.config
+    body = validate(RecommendRequest, await read_json(request, lambda b: {}))
+    examples = list(dict.fromkeys(body.positive + body.negative))
+    if len(examples) > cfg.max_documents:
+        raise http_error(422, f"{len(examples)} examples, at most {cfg.max_documents} allowed (max_documents)")
+    if body.k + len(examples) > cfg.max_k:
+        raise http_error(422, f"k and the examples are {body.k + len(examples)} hits to look for, at most "
+                              f"{cfg.max_k} allowed (max_k)")
+    params = search_params(body.params) if body.params else None
+    if body.filter is not None:
+        compile_filter(body.filter)
+    docs = await run_in_threadpool(coll.get, examples, True)
+    found = {d.id: np.asarray(d.vector, dtype=np.float64) for d in docs}
+    missing = [i for i in examples if i not in found]
+    if missing:
+        raise http_error(404, f"no document {missing[0]!r} in collection {coll.name!r}"
+                              + (f" (and {len(missing) - 1} more examples)" if len(missing) > 1 else ""))
+
+    def mean(ids: list[str]) -> np.ndarray:
+        rows = np.stack([found[i] for i in ids])
+        if coll.metric == "cosine":
+            rows /= np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1e-300)
+        return rows.mean(axis=0)
+
+    query = mean(body.positive)
+    if body.negative:
+        query = 2 * query - mean(body.negative)
+    vectors = check_vectors(query[None, :].astype(np.float32), coll, "the recommendation's query")
+    try:
+        res = await state.batcher.search(coll, body.k + len(examples), filter=body.filter, params=params,
+                                         vectors=vectors, with_vectors=body.with_vectors)
+    except ServiceClosing as e:
+        raise http_error(503, str(e)) from e
+    skip = set(examples)
+    hits = [h for h in res.hits[0] if h.id not in skip][:body.k]
+    return VectorJSON({"results": [hit_json(h, body.with_vectors) for h in hits]})

@@ -356,6 +356,24 @@ class Ops:
                             data.get("warnings", []))
 
 
+    @staticmethod
+    def recommend(collection: str, positive: Sequence[str], negative: Sequence[str] = (), *, k: int = 10,
+                  filter: dict | None = None, params: SearchParams | SearchOverrides | dict | None = None,
+                  with_vectors: bool = False) -> Op[list[Hit]]:
+        """Documents like the stored documents `positive` and unlike `negative`, by their ids: the nearest of
+        2 x the positives' mean vector - the negatives' mean (the positives' mean alone without negatives), the
+        examples themselves left out."""
+        body: dict[str, Any] = {"positive": list(positive), "negative": list(negative), "k": k}
+        if filter is not None:
+            body["filter"] = filter
+        if params:
+            body["params"] = params.to_dict() if isinstance(params, (SearchParams, SearchOverrides)) else params
+        if with_vectors:
+            body["with_vectors"] = True
+        data = yield Request("POST", _path(collection, "/recommend"), body, safe=True)
+        return [_hit(h) for h in data["results"]]
+
+
 # -- running operations ---------------------------------------------------------------------------
 
 def _answer(resp: httpx.Response) -> Any:
@@ -479,6 +497,7 @@ class _Api:
     set_metadata = _Operation(Ops.set_metadata)
     delete = _Operation(Ops.delete)
     search = _Operation(Ops.search)
+    recommend = _Operation(Ops.recommend)
     snapshot = _Operation(Ops.snapshot)
     snapshots = _Operation(Ops.snapshots)
     download_snapshot = _Operation(Ops.download_snapshot)

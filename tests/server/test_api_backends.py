@@ -208,3 +208,19 @@ def test_offset_and_score_threshold_page_and_floor_the_ranking(service, base):
     r = post(url, "/search", {"vectors": q, "k": 40, "offset": 20})
     assert r.status_code == 422 and "k + offset" in r.text, r.text
     assert post(url, "/search", {"vectors": q, "k": 2, "offset": -1}).status_code == 422
+
+
+def test_recommend_by_ids_is_the_exact_search_of_its_query(service, base):
+    """#67 item 7: recommend by stored ids (Qdrant's average-vector strategy): the hits are the exact nearest of
+    2 x mean(positive) - mean(negative), the examples left out; an unknown id is 404, no positive 422."""
+    _, url = service
+    pos, neg = ["5", "17", "1200"], ["2900"]
+    r = post(url, "/recommend", {"positive": pos, "negative": neg, "k": 8, "params": EXHAUSTIVE})
+    assert r.status_code == 200, r.text
+    q = 2 * base[[int(i) for i in pos]].astype(np.float64).mean(0) - base[[int(i) for i in neg]].mean(0)
+    want = [i for i in exact(base, q.astype(np.float32), 12) if i not in pos + neg][:8]
+    assert [h["id"] for h in r.json()["results"]] == want
+    only = post(url, "/recommend", {"positive": ["42"], "k": 5, "params": EXHAUSTIVE}).json()["results"]
+    assert [h["id"] for h in only] == [i for i in exact(base, base[42], 6) if i != "42"][:5]
+    assert post(url, "/recommend", {"positive": ["nope"], "k": 3}).status_code == 404
+    assert post(url, "/recommend", {"positive": [], "k": 3}).status_code == 422
