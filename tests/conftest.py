@@ -29,6 +29,19 @@ def data_dir() -> Path:
     return DATA
 
 
+@pytest.fixture
+def device_tier_bookkeeping(monkeypatch):
+    """For the device tier's tests (test_device_tier*.py): each starts with no process budget, and budgets count the
+    tiers' parts only, no CUDA context (DeviceBudget.true_up) and no allocator slack (test_gpu_tier.py's
+    bookkeeping_budgets says why)."""
+    from fusionrag.kernels.pool import DeviceBudget
+    from fusionrag.retriever.engine import device_tier, gpu_tier
+
+    monkeypatch.setattr(gpu_tier, "_budgets", {})
+    monkeypatch.setattr(DeviceBudget, "true_up", lambda self: None)
+    monkeypatch.setattr(device_tier, "ALLOCATOR_SLACK", 0)
+
+
 def clustered(n: int, dim: int, clusters: int, seed: int = 0, spread: float = 0.3) -> np.ndarray:
     """A Gaussian mixture: real embeddings are clustered, uniform noise is not."""
     rng = np.random.default_rng(seed)

@@ -12,7 +12,6 @@ import pytest
 import torch
 from conftest import clustered, exact_knn, recall
 
-from fusionrag.kernels.pool import DeviceBudget
 from fusionrag.retriever import BuildConfig, ConfigError, EngineConfig, Index
 from fusionrag.retriever.collection import Catalog, CollectionConfig, Document
 from fusionrag.retriever.engine import device_tier as device_tier_mod
@@ -24,12 +23,7 @@ DIM = 24
 DEVICE = dict(filter_tier="gpu", gpu_search="device", gpu_budget_bytes=128 << 20, batch_size=16)
 
 
-@pytest.fixture(autouse=True)
-def bookkeeping_budgets(monkeypatch):
-    """As test_gpu_tier.py: each test starts with no process budget, and budgets count the tiers' parts only."""
-    monkeypatch.setattr(gpu_tier_mod, "_budgets", {})
-    monkeypatch.setattr(DeviceBudget, "true_up", lambda self: None)
-    monkeypatch.setattr(device_tier_mod, "ALLOCATOR_SLACK", 0)
+pytestmark = pytest.mark.usefixtures("device_tier_bookkeeping")  # tests/conftest.py
 
 
 def _build(tmp_path_factory, metric):

@@ -17,10 +17,8 @@ import torch
 from conftest import clustered
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fusionrag.kernels.pool import DeviceBudget
 from fusionrag.retriever import BuildConfig, EngineConfig, Index
 from fusionrag.retriever.engine import device_tier as device_tier_mod
-from fusionrag.retriever.engine import gpu_tier as gpu_tier_mod
 from fusionrag.retriever.engine.device_tier import DeviceTier
 
 DIM = 24
@@ -78,11 +76,7 @@ def counting(monkeypatch):
     monkeypatch.undo()
 
 
-@pytest.fixture(autouse=True)
-def bookkeeping_budgets(monkeypatch):
-    monkeypatch.setattr(gpu_tier_mod, "_budgets", {})
-    monkeypatch.setattr(DeviceBudget, "true_up", lambda self: None)
-    monkeypatch.setattr(device_tier_mod, "ALLOCATOR_SLACK", 0)
+pytestmark = pytest.mark.usefixtures("device_tier_bookkeeping")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

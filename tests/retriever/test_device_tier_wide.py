@@ -11,22 +11,15 @@ import torch
 from conftest import clustered, exact_knn, recall
 
 from fusionrag.kernels.adc_stream import adc_stream, adc_stream_reference
-from fusionrag.kernels.pool import DeviceBudget
 from fusionrag.retriever import BuildConfig, EngineConfig, Index
 from fusionrag.retriever.engine import device_tier as device_tier_mod
-from fusionrag.retriever.engine import gpu_tier as gpu_tier_mod
 from fusionrag.retriever.engine.device_tier import DeviceTier
 
 DIM = 24
 DEVICE = dict(filter_tier="gpu", gpu_search="device", gpu_budget_bytes=128 << 20, batch_size=16)
 
 
-@pytest.fixture(autouse=True)
-def bookkeeping_budgets(monkeypatch):
-    """As test_device_tier.py: no process budget between tests, budgets count the tiers' parts only."""
-    monkeypatch.setattr(gpu_tier_mod, "_budgets", {})
-    monkeypatch.setattr(DeviceBudget, "true_up", lambda self: None)
-    monkeypatch.setattr(device_tier_mod, "ALLOCATOR_SLACK", 0)
+pytestmark = pytest.mark.usefixtures("device_tier_bookkeeping")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
