@@ -42,6 +42,23 @@ def device_tier_bookkeeping(monkeypatch):
     monkeypatch.setattr(device_tier, "ALLOCATOR_SLACK", 0)
 
 
+@pytest.fixture
+def fastapi_stack_passes(monkeypatch) -> list[str]:
+    """The paths of the requests that pass FastAPI's own stack (its ServerErrorMiddleware, the outermost layer),
+    in order: a search the service answers on its fast path (server/fastpath.py) is not among them."""
+    from starlette.middleware.errors import ServerErrorMiddleware
+
+    passes: list[str] = []
+    real = ServerErrorMiddleware.__call__
+
+    async def counted(self, scope, receive, send):
+        passes.append(scope.get("path", ""))
+        return await real(self, scope, receive, send)
+
+    monkeypatch.setattr(ServerErrorMiddleware, "__call__", counted)
+    return passes
+
+
 def clustered(n: int, dim: int, clusters: int, seed: int = 0, spread: float = 0.3) -> np.ndarray:
     """A Gaussian mixture: real embeddings are clustered, uniform noise is not."""
     rng = np.random.default_rng(seed)

@@ -171,21 +171,12 @@ def test_what_only_a_collection_does(service, base):
         assert ready["status"] == "ready" and ready["shards_alive"] == [True, True, True]
 
 
-def test_every_backend_takes_the_fast_search_path(service, base, monkeypatch):
+def test_every_backend_takes_the_fast_search_path(service, base, fastapi_stack_passes):
     """#65 item 4: a search of a collection, of a sharded collection hosted by the service and of the app every Ray
     Serve router replica builds is answered before FastAPI's own stack (server/fastpath.py), as any other request is
     not: no second, slower path for sharded collections."""
-    from starlette.middleware.errors import ServerErrorMiddleware
-
     _, url = service
-    passes = []
-    real = ServerErrorMiddleware.__call__
-
-    async def counted(self, scope, receive, send):
-        passes.append(scope.get("path", ""))
-        return await real(self, scope, receive, send)
-
-    monkeypatch.setattr(ServerErrorMiddleware, "__call__", counted)
+    passes = fastapi_stack_passes
     r = post(url, "/search", {"vectors": [base[3].tolist()], "k": 5, "params": EXHAUSTIVE})
     assert r.status_code == 200 and r.json()["results"][0][0]["id"] == "3", r.text
     assert httpx.get(f"{url}/v1/collections/{NAME}", headers=GOOD).status_code == 200

@@ -120,22 +120,13 @@ def test_the_fast_search_route_answers_as_the_fastapi_route(data):
     assert fast_counts == slow_counts and fast_counts.get("200") == 5, (fast_counts, slow_counts)
 
 
-def test_a_search_skips_fastapis_stack_and_keeps_the_services_middleware(data, monkeypatch):
+def test_a_search_skips_fastapis_stack_and_keeps_the_services_middleware(data, monkeypatch, fastapi_stack_passes):
     """The fast route is taken before FastAPI's own layers (no pass through its server-error middleware), yet keeps
     the service's: a router replica's headers, the request log and metrics, and an unexpected error answered as the
     app's 500 (closing the connection) and raised to the server, as through FastAPI."""
-    from starlette.middleware.errors import ServerErrorMiddleware
-
     from fusionrag.retriever.collection import Collection
 
-    passes = []
-    real = ServerErrorMiddleware.__call__
-
-    async def counted(self, scope, receive, send):
-        passes.append(scope.get("path", ""))
-        return await real(self, scope, receive, send)
-
-    monkeypatch.setattr(ServerErrorMiddleware, "__call__", counted)
+    passes = fastapi_stack_passes
     cfg = ServerConfig(data_dir=str(data), demo=False, api_keys=KEYS)
     answers = {}
     for fast in (True, False):
