@@ -343,18 +343,12 @@ class Ops:
             body["text_weight"] = text_weight
             if fusion is not None:
                 body["fusion"] = fusion
-        if filter is not None:
-            body["filter"] = filter
-        if params:
-            body["params"] = params.to_dict() if isinstance(params, (SearchParams, SearchOverrides)) else params
-        if with_vectors:
-            body["with_vectors"] = True
+        _query_options(body, filter, params, with_vectors)
         if stats:
             body["stats"] = True
         data = yield Request("POST", _path(collection, "/search"), body, safe=True)
         return SearchResult([[_hit(h) for h in q] for q in data["results"]], data.get("stats"),
                             data.get("warnings", []))
-
 
     @staticmethod
     def recommend(collection: str, positive: Sequence[str], negative: Sequence[str] = (), *, k: int = 10,
@@ -364,14 +358,19 @@ class Ops:
         2 x the positives' mean vector - the negatives' mean (the positives' mean alone without negatives), the
         examples themselves left out."""
         body: dict[str, Any] = {"positive": list(positive), "negative": list(negative), "k": k}
-        if filter is not None:
-            body["filter"] = filter
-        if params:
-            body["params"] = params.to_dict() if isinstance(params, (SearchParams, SearchOverrides)) else params
-        if with_vectors:
-            body["with_vectors"] = True
+        _query_options(body, filter, params, with_vectors)
         data = yield Request("POST", _path(collection, "/recommend"), body, safe=True)
         return [_hit(h) for h in data["results"]]
+
+
+def _query_options(body: dict, filter: dict | None, params, with_vectors: bool) -> None:
+    """The options a search and a recommendation share, put in the request's body where given."""
+    if filter is not None:
+        body["filter"] = filter
+    if params:
+        body["params"] = params.to_dict() if isinstance(params, (SearchParams, SearchOverrides)) else params
+    if with_vectors:
+        body["with_vectors"] = True
 
 
 # -- running operations ---------------------------------------------------------------------------
