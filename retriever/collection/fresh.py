@@ -43,20 +43,17 @@ class FreshView:
             d = distances(q, self.vectors, self.sq, metric).astype(np.float32, copy=False)
             if idx.size < len(mask):
                 d[:, ~mask] = np.inf
-            kk = min(k, idx.size)
-            part = np.argpartition(d, kk - 1, axis=1)[:, :kk] if kk < d.shape[1] else np.broadcast_to(
-                np.arange(d.shape[1]), (len(q), d.shape[1]))
-            pd = np.take_along_axis(d, part, axis=1)
-            order = np.argsort(pd, axis=1, kind="stable")
-            return self.rows[np.take_along_axis(part, order, axis=1)], np.take_along_axis(pd, order, axis=1)
-        d = distances(q, self.vectors[idx], self.sq[idx], metric).astype(np.float32)
-        kk = min(k, idx.size)
-        part = np.argpartition(d, kk - 1, axis=1)[:, :kk] if kk < idx.size else np.broadcast_to(
-            np.arange(idx.size), (len(q), idx.size))
+            slots = None  # d's columns are the slots
+        else:
+            d = distances(q, self.vectors[idx], self.sq[idx], metric).astype(np.float32)
+            slots = idx  # d's columns are these slots
+        kk = min(k, idx.size)  # at most the searched ones: those out of reach are never among the kk nearest
+        part = np.argpartition(d, kk - 1, axis=1)[:, :kk] if kk < d.shape[1] else np.broadcast_to(
+            np.arange(d.shape[1]), (len(q), d.shape[1]))
         pd = np.take_along_axis(d, part, axis=1)
         order = np.argsort(pd, axis=1, kind="stable")
-        return self.rows[idx[np.take_along_axis(part, order, axis=1)]], np.take_along_axis(pd, order, axis=1)
-
+        best = np.take_along_axis(part, order, axis=1)
+        return self.rows[best if slots is None else slots[best]], np.take_along_axis(pd, order, axis=1)
 
 class FreshTier:
     def __init__(self, dim: int, capacity: int = 1024):
