@@ -21,12 +21,15 @@ from fusionrag.server.bodies import Body, read_body
 from fusionrag.server.errors import http_error
 
 
-_KINDS: dict[str, type] = {}  # SearchParams' knobs and their types, read once
+@functools.cache
+def _kinds() -> dict[str, type]:
+    """SearchParams' knobs and their types, read once."""
+    return {f.name: type(f.default) for f in fields(SearchParams)}
 
 
 def search_params(given: dict) -> SearchOverrides:
     """A request's search knobs, checked, to apply over the collection index's own defaults (its calibrated ones)."""
-    kinds = _KINDS or _KINDS.update({f.name: type(f.default) for f in fields(SearchParams)}) or _KINDS
+    kinds = _kinds()
     for name, value in given.items():
         kind = kinds.get(name)
         ok = kind is None or (isinstance(value, kind) and not isinstance(value, bool)) or \
