@@ -1,7 +1,7 @@
 """The README and docs/ hold: each of their Python snippets runs as written (in a fresh directory, against a real
 service where it says it talks to one), every relative link and #anchor resolves inside the repository, the code
 map of docs/design.md names what its files hold, the README's two commands are what CI and the Makefile run, and
-the license pyproject.toml names is the text in LICENSE."""
+the license pyproject.toml names is the text in LICENSE. Their shell commands: tests/test_docs_commands.py."""
 
 from __future__ import annotations
 
