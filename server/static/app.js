@@ -3,7 +3,10 @@
 
 const $ = (id) => document.getElementById(id);
 const collections = new Map(); // name -> {embedding, dimension}
+const storeNames = new Map(); // vector store id (its collection's name) -> the store's name, from /v1/vector_stores
+const STORE_RE = /^vs_[0-9a-f]{24}$/; // an OpenAI vector store's collection is named by the store's id
 let lastStatus = "";
+let searchDefaults = null; // what a search that names no fusion gets: the defaults of the service's OpenAPI document
 
 function headers() {
   const h = { "Content-Type": "application/json" };
@@ -35,21 +38,57 @@ function bytes(n) {
   return `${n.toFixed(i ? 1 : 0)} ${units[i]}`;
 }
 
+// -- vector stores: their collections (vs_<hex>) labelled with the store's name --------------------------------
+async function loadStoreNames() {
+  // Every page of the stores this key may see; a collection whose store is not among them stays "vector store".
+  let after = null;
+  for (;;) {
+    const params = new URLSearchParams({ limit: "100", order: "asc" });
+    if (after) params.set("after", after);
+    const page = await api(`/v1/vector_stores?${params}`);
+    for (const st of page.data) storeNames.set(st.id, st.name);
+    if (!page.has_more || !page.last_id) break;
+    after = page.last_id;
+  }
+}
+
+function storeLabel(name) {
+  const label = storeNames.get(name);
+  return label ? `vector store "${label}"` : "vector store";
+}
+
+function storeBadge(name) {
+  const badge = document.createElement("span");
+  badge.className = "badge store";
+  badge.textContent = storeLabel(name);
+  badge.title = `${storeLabel(name)}: the collection of the OpenAI vector store ${name} (/v1/vector_stores)`;
+  return badge;
+}
+
+async function storeNamesFor(names) {
+  // Asked again only when a store's collection not yet named shows up.
+  if (names.some((n) => STORE_RE.test(n) && !storeNames.has(n))) {
+    await loadStoreNames().catch(() => {});
+  }
+}
+
 async function loadCollections() {
   const data = await api("/v1/collections");
+  await storeNamesFor(data.collections.map((c) => c.name));
   const select = $("collection");
   const keep = select.value;
   select.replaceChildren();
   collections.clear();
   for (const c of data.collections) {
     collections.set(c.name, c);
-    select.append(new Option(`${c.name} (${c.count})`, c.name));
+    const label = STORE_RE.test(c.name) ? `${storeLabel(c.name)} · ${c.name}` : c.name;
+    select.append(new Option(`${label} (${c.count})`, c.name));
   }
   if (collections.has(keep)) select.value = keep;
   else if (collections.has("demo")) select.value = "demo";
 }
 
-function renderHits(hits) {
+function renderHits(hits, fusion) {
   const list = $("results");
   list.replaceChildren();
   for (const h of hits) {
@@ -62,7 +101,8 @@ function renderHits(hits) {
     id.textContent = h.id;
     const score = document.createElement("span");
     score.className = "hit-score";
-    score.textContent = `score ${h.score.toFixed(4)}`;
+    score.textContent = `score ${h.score.toFixed(4)}` + (fusion ? ` (${fusion.method === "rrf" ? "RRF" : "weighted"})` : "");
+    if (fusion) score.title = "the fusion's score: see the note above the results";
     const meta = document.createElement("span");
     meta.className = "hit-meta";
     meta.textContent = Object.entries(h.metadata || {}).map(([k, v]) => `${k}: ${v}`).join(" · ");
@@ -147,6 +187,47 @@ async function openDocument(id) {
   }
 }
 
+// -- hybrid scores, explained: the fusion a search gets when it names none, from the service's own OpenAPI document
+async function fusionDefaults() {
+  if (!searchDefaults) {
+    const doc = await fetch("/openapi.json").then((r) => r.json());
+    const schemas = doc.components.schemas;
+    const f = schemas.FusionSpec.properties;
+    searchDefaults = { method: f.method.default, k: f.k.default, share: f.question_share.default,
+                       w: schemas.SearchRequest.properties.text_weight.default };
+  }
+  return searchDefaults;
+}
+
+function fusionNote(d) {
+  const q = d.share < 1
+    ? ` (${+(d.w * d.share).toFixed(4)} for a query phrased as a question, whose text ranking leaves out words such as "how" and "do")`
+    : "";
+  const head = "Hybrid scores are the fusion's, not similarities: ";
+  if (d.method === "rrf") {
+    return head + `reciprocal rank fusion (RRF, k = ${d.k}) of the vector ranking and the text (BM25) ranking. ` +
+      `A document scores (1 − w) / (${d.k} + its vector rank) + w / (${d.k} + its text rank), text weight ` +
+      `w = ${d.w}${q}; a ranking it is not in adds nothing. Higher is better: first in both scores ` +
+      `1 / ${d.k + 1} = ${(1 / (d.k + 1)).toFixed(4)}.`;
+  }
+  return head + `weighted fusion of the vector ranking and the text (BM25) ranking, each ranking's scores ` +
+    `min-max normalised to [0, 1] over the query's own ranking, then (1 − w) × vector + w × text, text weight ` +
+    `w = ${d.w}${q}. Higher is better, at most 1.`;
+}
+
+function searchFilter() {
+  // The search box's filter, as the API takes it ({"field": value, "field": {"$op": value}, "$and": [...]}), or
+  // null; a string saying what is wrong with it.
+  const text = $("search-filter").value.trim();
+  if (!text) return { filter: null };
+  let filter;
+  try { filter = JSON.parse(text); } catch (e) { return { error: `the search filter is not JSON: ${e.message}` }; }
+  if (filter === null || typeof filter !== "object" || Array.isArray(filter)) {
+    return { error: 'the search filter must be a JSON object, e.g. {"source": "concepts.md"}' };
+  }
+  return { filter };
+}
+
 async function search(event) {
   event.preventDefault();
   showError("");
@@ -158,20 +239,34 @@ async function search(event) {
   if (mode !== "text" && !(collections.get(name) || {}).embedding) {
     return showError(`collection ${name} has no embedding model: search it in text mode, or with vectors through the API`);
   }
+  const { filter, error } = searchFilter();
+  if (error) return showError(error);
   const k = parseInt($("k").value, 10) || 5;
   const t0 = performance.now();
+  $("fusion-note").hidden = true;
   try {
-    const data = await api(`/v1/collections/${encodeURIComponent(name)}/search`,
-                           { texts: [query], k, mode, stats: true });
+    const body = { texts: [query], k, mode, stats: true };
+    if (filter) body.filter = filter;
+    const data = await api(`/v1/collections/${encodeURIComponent(name)}/search`, body);
     const st = data.stats[0];
-    renderHits(data.results[0]);
+    let fusion = null;
+    if (mode === "hybrid") {
+      fusion = await fusionDefaults().catch(() => null);
+      $("fusion-note").textContent = fusion ? fusionNote(fusion)
+        : "Hybrid scores are the fusion's (the vector and the text rankings fused), not similarities: see /docs.";
+      $("fusion-note").hidden = false;
+    }
+    renderHits(data.results[0], fusion);
     const parts = [];
     if (mode !== "text") {
       parts.push(`${st.pages_read} pages read, ${st.pages_buffered} from the buffer, ${st.centroids_probed} lists probed`);
     }
     if (mode !== "vector") parts.push(`${st.text_candidates} matched by words`);
+    if (filter) parts.push("filtered");
+    const warn = (data.warnings || []).join("; ");
     $("summary").textContent =
-      `${data.results[0].length} hits in ${(performance.now() - t0).toFixed(1)} ms · ` + parts.join(" · ");
+      `${data.results[0].length} hits in ${(performance.now() - t0).toFixed(1)} ms · ` + parts.join(" · ") +
+      (warn ? ` · ${warn}` : "");
   } catch (e) {
     renderHits([]);
     $("summary").textContent = "";
@@ -222,6 +317,7 @@ async function refreshFigures() {
       dd.dataset.figure = k;
       dl.append(dt, dd);
     }
+    await storeNamesFor(Object.keys(data.collections));
     const body = $("tiers").tBodies[0];
     body.replaceChildren();
     for (const [name, info] of Object.entries(data.collections)) {
@@ -236,6 +332,8 @@ async function refreshFigures() {
       for (const v of cells) {
         tr.insertCell().textContent = v;
       }
+      tr.cells[tr.cells.length - 1].className = "state";
+      if (STORE_RE.test(name)) tr.cells[0].append(" ", storeBadge(name));
     }
     if (ready.status === "ready" && lastStatus !== "ready") await loadCollections();
     lastStatus = ready.status;

@@ -551,7 +551,7 @@ def browser():
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--window-size=1280,900"):
+                "--window-size=1280,800"):
         options.add_argument(arg)
     driver = webdriver.Chrome(service=Service(driver_path), options=options)
     try:
@@ -728,6 +728,162 @@ def test_web_page_shows_how_imports_went(server, client, browser):
     finally:
         for name in ("page-import", "page-badimport"):
             client.delete(f"/v1/collections/{name}")
+
+
+def _page_search(browser, wait, query: str, mode: str, k: int, filter_text: str):
+    """Search from the page's form; the ids of its hits, once the page has answered."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    browser.execute_script("document.getElementById('summary').textContent = '';"
+                           "document.getElementById('results').replaceChildren();")
+    Select(browser.find_element(By.ID, "mode")).select_by_value(mode)
+    for box, value in (("query", query), ("k", str(k)), ("search-filter", filter_text)):
+        el = browser.find_element(By.ID, box)
+        el.clear()
+        el.send_keys(value)
+    browser.find_element(By.ID, "search").click()
+    wait.until(lambda d: d.find_element(By.ID, "summary").text or d.find_element(By.ID, "error").is_displayed())
+    return browser.execute_script("return [...document.querySelectorAll('#results li')].map(li => li.dataset.id)")
+
+
+def test_web_page_search_form_filters_as_the_api_does(server, browser, client):
+    """#67 item 6: the search form's filter box sends the API's own filter: in each mode the page shows exactly the
+    ids the API returns for the same query, k and filter; a filter that is not a JSON object is refused on the
+    page, one the service refuses shows its reason, and a misspelt field its warning."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as EC
+
+    wait = _open_page(server, browser)
+    query, k = "how are deleted documents kept out of results?", 5
+    filt = {"section": {"$nin": ["Tombstones", "Merging generations"]}}
+    for mode in ("vector", "text", "hybrid"):
+        unfiltered = search(client, texts=[query], k=k, mode=mode).json()["results"][0]
+        want = [h["id"] for h in search(client, texts=[query], k=k, mode=mode, filter=filt).json()["results"][0]]
+        assert "concepts/tombstones" in [h["id"] for h in unfiltered] and "concepts/tombstones" not in want, mode
+        assert len(want) == k
+        shown = _page_search(browser, wait, query, mode, k, json.dumps(filt))
+        assert shown == want, (mode, shown, want)
+        assert not browser.find_element(By.ID, "error").is_displayed()
+        assert "filtered" in browser.find_element(By.ID, "summary").text
+    # Not JSON, and JSON but not an object: said on the page, nothing asked of the service.
+    for text, words in (("{section: Tombstones}", "search filter is not JSON"),
+                        ('["Tombstones"]', "must be a JSON object")):
+        _page_search(browser, wait, query, "vector", k, text)
+        wait.until(EC.visibility_of_element_located((By.ID, "error")))
+        assert words in browser.find_element(By.ID, "error").text
+        assert not browser.find_elements(By.CSS_SELECTOR, "#results li")
+    # An operator the service does not know: its 422 and reason, as the API gives them.
+    bad = {"section": {"$like": "Tomb%"}}
+    api = search(client, texts=[query], k=k, filter=bad)
+    assert api.status_code == 422
+    _page_search(browser, wait, query, "vector", k, json.dumps(bad))
+    wait.until(EC.visibility_of_element_located((By.ID, "error")))
+    assert browser.find_element(By.ID, "error").text == f"422: {api.json()['detail']}"
+    # A misspelt field: no hits, and the service's warning naming the field it meant.
+    typo = {"sectoin": "Tombstones"}
+    warning = search(client, texts=[query], k=k, filter=typo).json()["warnings"][0]
+    assert _page_search(browser, wait, query, "vector", k, json.dumps(typo)) == []
+    assert warning in browser.find_element(By.ID, "summary").text and "'section'" in warning
+
+
+def test_web_page_explains_hybrid_scores(server, browser, client):
+    """#67 item 6: hybrid results come with what their score is, the fusion's: its method and constants are the ones
+    the service's OpenAPI document gives a search that names none, each hit's score the API's, and the formula the
+    note states gives those scores from the API's own vector and text rankings."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as EC
+
+    schemas = client.get("/openapi.json").json()["components"]["schemas"]
+    fusion = {name: p["default"] for name, p in schemas["FusionSpec"]["properties"].items()}
+    w = schemas["SearchRequest"]["properties"]["text_weight"]["default"]
+    assert fusion["method"] == "rrf"
+    rrf_k = fusion["k"]
+    wait = _open_page(server, browser)
+    query, k = "tombstones merge deleted documents", 5  # not a question: the full text weight
+    _page_search(browser, wait, query, "vector", k, "")
+    assert not browser.find_element(By.ID, "fusion-note").is_displayed()  # vector scores are no fusion's
+    shown = _page_search(browser, wait, query, "hybrid", k, "")
+    wait.until(EC.visibility_of_element_located((By.ID, "fusion-note")))
+    note = browser.find_element(By.ID, "fusion-note").text
+    assert f"reciprocal rank fusion (RRF, k = {rrf_k})" in note and f"text weight w = {w}" in note, note
+    assert f"(1 − w) / ({rrf_k} + its vector rank) + w / ({rrf_k} + its text rank)" in note, note
+    assert f"{w * fusion['question_share']:g} for a query phrased as a question" in note, note
+    hybrid = search(client, texts=[query], k=k, mode="hybrid").json()["results"][0]
+    assert shown == [h["id"] for h in hybrid]
+    scores = browser.execute_script(
+        "return [...document.querySelectorAll('#results li .hit-score')].map(s => s.textContent)")
+    assert scores == [f"score {h['score']:.4f} (RRF)" for h in hybrid], scores
+    # The note's formula, from the API's own rankings (each taken 20 deep, as hybrid takes them).
+    ranks = {mode: {h["id"]: r for r, h in enumerate(search(client, texts=[query], k=20, mode=mode).json()
+                                                     ["results"][0], 1)} for mode in ("vector", "text")}
+    for h in hybrid:
+        want = sum(weight / (rrf_k + ranks[mode][h["id"]]) for mode, weight in (("vector", 1 - w), ("text", w))
+                   if h["id"] in ranks[mode])
+        assert h["score"] == pytest.approx(want, rel=1e-9), (h["id"], h["score"], want)
+
+
+def test_web_page_memory_table_shows_the_state_at_1280_px(server, browser, client):
+    """#67 item 6: at a 1280 x 800 window the memory table's state column is in view for every collection (it was
+    scrolled out of its panel): each row's state cell lies inside the table's visible box, is the element drawn at
+    its own centre, and says what the API's build_state says, with the collection's name in view beside it."""
+    names = [f"a-rather-long-collection-name-{i:02d}" for i in range(5)]
+    for name in names:
+        assert client.post("/v1/collections", json={"name": name, "dimension": 4, "metric": "l2"}).status_code == 201
+    try:
+        from selenium.webdriver.common.by import By
+
+        wait = _open_page(server, browser)
+        assert browser.execute_script("return [window.innerWidth, window.outerWidth]")[1] == 1280
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#tiers tbody tr")) >= len(names) + 1)
+        for name in ["demo", *names]:
+            cells = browser.execute_script(
+                "const tr = document.querySelector(`#tiers tr[data-collection='${arguments[0]}']`);"
+                "window.scrollTo(0, window.scrollY + tr.getBoundingClientRect().top - 200);"  # down only
+                "const wrap = document.getElementById('tiers').parentElement.getBoundingClientRect();"
+                "const out = {};"
+                "for (const [key, td] of [['name', tr.cells[0]], ['state', tr.cells[tr.cells.length - 1]]]) {"
+                "  const r = td.getBoundingClientRect();"
+                "  const at = document.elementFromPoint(r.left + r.width / 2, r.top + r.height / 2);"
+                "  out[key] = {left: r.left, right: r.right, wrap_left: wrap.left, wrap_right: wrap.right,"
+                "              width: r.width, drawn: td === at || td.contains(at), text: td.textContent};"
+                "}"
+                "return out;", name)
+            for key, c in cells.items():
+                assert c["width"] > 0 and c["wrap_left"] - 0.5 <= c["left"] and c["right"] <= c["wrap_right"] + 0.5, \
+                    (name, key, c)
+                assert c["drawn"], (name, key, c)
+            assert cells["name"]["text"] == name
+            assert cells["state"]["text"] == "ready"
+            info = client.get(f"/v1/collections/{name}").json()["build_state"]
+            assert info["progress"] is None and not info["merging"] and (info["import"] or {}).get("state") in \
+                (None, "done"), info
+    finally:
+        for name in names:
+            client.delete(f"/v1/collections/{name}")
+
+
+def test_web_page_labels_vector_store_collections(server, browser, client):
+    """#67 item 6: a vector store's collection (vs_<hex>) is labelled as one, with the store's name as
+    /v1/vector_stores gives it, in the memory table and in the collection menu; other collections are not."""
+    from selenium.webdriver.common.by import By
+
+    store = client.post("/v1/vector_stores", json={"name": "team handbook"}).json()
+    sid = store["id"]
+    assert re.fullmatch(r"vs_[0-9a-f]{24}", sid) and client.get(f"/v1/collections/{sid}").status_code == 200
+    try:
+        wait = _open_page(server, browser)
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, f"#tiers tr[data-collection='{sid}'] .badge.store"))
+        name = client.get(f"/v1/vector_stores/{sid}").json()["name"]
+        badge = browser.find_element(By.CSS_SELECTOR, f"#tiers tr[data-collection='{sid}'] .badge.store")
+        assert badge.text == f'vector store "{name}"' and badge.is_displayed()
+        assert not browser.find_elements(By.CSS_SELECTOR, "#tiers tr[data-collection='demo'] .badge.store")
+        options = {o.get_attribute("value"): o.text
+                   for o in browser.find_elements(By.CSS_SELECTOR, "#collection option")}
+        assert options[sid] == f'vector store "{name}" · {sid} (0)', options
+        assert options["demo"] == f"demo ({len(corpus())})"
+    finally:
+        client.delete(f"/v1/vector_stores/{sid}")
 
 
 def test_openapi_page_renders_the_operations_in_a_browser(server, browser):
