@@ -172,10 +172,14 @@ def write_report(path: Path) -> None:
            "- QPS: all measured queries (the first 1000 of the set's queries, fewer where the set has fewer) as one "
            "batch call, after a warm-up of 300 other queries (noisy base rows) that fills caches and page buffers.",
            "- Resident memory: VmHWM of the search process, reset (/proc/self/clear_refs 5) after imports and query "
-           "loading; 'net' subtracts the RSS at that moment (interpreter, libraries, queries). For fusionrag this "
-           "counts the navigation graph, posting lists, the PQ codes (host RAM: no GPU here), the slot map and the "
-           "page buffer; the page file on SSD is not counted. For DiskANN it counts the PQ codes, the node cache and "
-           "its I/O buffers; its disk index is not counted.",
+           "loading; 'net' subtracts the RSS at that moment (interpreter, libraries, queries). Each system's library "
+           "is imported before it: for fusionrag its engine (`fusionrag.retriever.engine.index`, ~14 MiB of code and "
+           "imports; runs before 2026-12-06 imported the lazy package only and counted them in net). For fusionrag "
+           "net counts the navigation graph, posting lists, the PQ codes (host RAM: no GPU here), the slot map, the "
+           "page buffer and its bookkeeping, the threads' scratch and a call's arrays (Index.memory()'s parts, "
+           "in the JSON beside each point), and ~1-3 MiB of interpreter and allocator slack and code pages; the "
+           "page file on SSD is not counted. For DiskANN it counts the PQ codes, the node cache and its I/O "
+           "buffers; its disk index is not counted.",
            "- Pages per query: bytes this process read from storage (/proc/self/io read_bytes, which the kernel "
            "counts in submit_bio for O_DIRECT and buffered reads alike; page-cache hits are not counted) / 4096 / "
            "queries. Both fusionrag and DiskANN read with O_DIRECT, so every counted byte came from the device. "

@@ -21,6 +21,7 @@ from fusionrag.retriever.engine.filtering import Candidates
 from fusionrag.retriever.engine.layout import PageLayout, raw_reader
 from fusionrag.retriever.engine.learned_probe import load_probe_model
 from fusionrag.retriever.engine.manifest import ManifestShape, load_array, read_manifest
+from fusionrag.retriever.engine.memory import held_bytes, search_call_bytes, split_buffer
 from fusionrag.retriever.engine.overlap import overlapped
 from fusionrag.retriever.engine.pipeline import STAT_KEYS, DeviceParts, QueryBatch, cut, filter_kind, open_filter_tier
 from fusionrag.retriever.engine.pq import ProductQuantizer
@@ -147,23 +148,6 @@ def arrays_mapped(config: EngineConfig, path: Path) -> bool:
     return wanted > memory_limit() // MAP_ARRAYS_SHARE
 
 
-def split_buffer(buffer_bytes: int, config: EngineConfig, layout, compressed: bool = False) -> tuple[int, int, bool]:
-    """(page buffer blocks, record cache records, adaptive) of buffer_bytes. record_cache 'auto': all of it as
-    blocks or as records, one at a time (adaptive: the store switches between the two by a miniature of both),
-    where it holds at least one of each, and blocks alone where the buffer is compressed; 'on': record_cache_share
-    of it goes to records, each costing its bytes and its metadata (native.PageStore.record_cache_overhead), the
-    rest to blocks; 'off': blocks."""
-    per_record = layout.record_bytes + native.PageStore.record_cache_overhead
-    blocks, records = buffer_bytes // layout.block_bytes, buffer_bytes // per_record
-    if config.record_cache == "auto" and compressed:
-        return blocks, 0, False
-    if config.record_cache == "auto" and blocks and records:
-        return blocks, records, True
-    on = config.record_cache == "on" or (config.record_cache == "auto" and records_cache_denser(layout))
-    record_bytes = int(buffer_bytes * config.record_cache_share) if on else 0
-    return (buffer_bytes - record_bytes) // layout.block_bytes, record_bytes // per_record, False
-
-
 class Index(ManifestShape):
     """A built index, opened. Thread-safe for concurrent `search` calls."""
 
@@ -184,6 +168,9 @@ class Index(ManifestShape):
         # pages are pinned; racy under concurrent searches, and harmless: it only orders the pinning.
         self.visits = np.zeros(len(filter_tier.list_offsets) - 1, np.int64) if config.pin_fraction > 0 else None
         self._rebalanced_at = 0  # visits summed at the GPU tier's last rebalance
+        # The page buffer's budget as opened (config.buffer_bytes, or less where fitted_buffer cut it) and the zero-run
+        # gain its blocks are held at (buffer_gain; 0.0: plain): what memory() bounds the buffer's parts by.
+        self.buffer_budget, self.buffer_gain = config.buffer_bytes, 0.0
         self._closing = threading.Event()
         self._manager = None
         if config.manager_interval_s > 0 and (self.visits is not None or filter_tier.tiered):
@@ -266,7 +253,7 @@ class Index(ManifestShape):
         try:
             gain = buffer_gain(path / "vectors.pages", layout, config)
             room = fitted_buffer(config.buffer_bytes, path, MAPPED_BUFFER_SHARE if mapped else BUFFER_SHARE)
-            buffer_blocks, cache_records, adaptive = split_buffer(room, config, layout, gain > 1)
+            buffer_blocks, cache_records, adaptive = split_buffer(room, config, layout, gain > 1, gain)
             store = native.PageStore(str(path / "vectors.pages"), layout.record_bytes, layout.records_per_block,
                                      layout.pages_per_block, block_crc, buffer_blocks, config.io_backend,
                                      config.direct_io, config.io_threads, config.buffer_policy, cache_records,
@@ -279,7 +266,7 @@ class Index(ManifestShape):
         if config.filter_tier == "auto" and filter_tier.name != "cpu":  # a GPU box is never slower than its CPUs
             cpu_beside = open_filter_tier(config.with_overrides(filter_tier="cpu"), offsets, list_ids, codes,
                                           codebooks, threads, str(path), engine_metric)
-        return cls(
+        index = cls(
             path, m,
             NavigationTier(graph, metric == "ip", threads, navigation, load_probe_model(path, m), np.diff(offsets)),
             filter_tier,
@@ -287,16 +274,73 @@ class Index(ManifestShape):
                        config.rerank_prefetch),
             config, params, codes, cpu_beside,
         )
+        index.buffer_budget, index.buffer_gain = room, gain
+        return index
 
     def __len__(self) -> int:
         return self.count
 
-    def memory(self) -> dict:
-        """Bytes held per tier (docs/design.md, "The three tiers")."""
+    def memory_parts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(host parts, mapped parts): the bytes of every part a search of this index holds in host memory, by
+        name, and of the arrays read through memory maps (EngineConfig.map_arrays; the page cache's, resident as
+        searches read them, at most their files' bytes). The page buffer's parts are what it holds full, within
+        buffer_budget; search_scratch is the process's (native.scratch_bytes(): every thread that searched keeps
+        its kernels' scratch, docs/design.md), not this index's alone. A GPU tier's device memory is not here
+        (memory()["filter"]); its pinned host part is."""
+        nav, rr, f, store = self.nav, self.reranker, self.filter, self.reranker.store
+        arrays = {"list_offsets": f.list_offsets, "list_ids": f.list_ids, "slot_map": rr.locations}
+        if f.name == "cpu":
+            arrays["pq_codes"] = f.codes
+        host = {"navigation_graph": int(nav.memory_bytes())}
+        mapped = {}
+        for name, a in arrays.items():
+            (mapped if isinstance(a, np.memmap) else host)[name] = int(a.nbytes)
+        host["list_sizes"] = int(nav.list_sizes.nbytes) if nav.list_sizes is not None else 0
+        host["block_crc"] = int(store.num_blocks * 4) if store is not None else 0
+        if f.name == "cpu":
+            host["pq_codebooks"] = int(f.codebooks.nbytes)
+        elif hasattr(f, "host_pinned_bytes"):
+            host["pq_host_pinned"] = int(f.host_pinned_bytes())
+        if self.cpu_beside is not None:  # scans the codes file memory-mapped
+            mapped["cpu_beside_pq_codes"] = int(self.cpu_beside.codes.nbytes)
+        if self.visits is not None:
+            host["list_visits"] = int(self.visits.nbytes)
+        if nav.model is not None:
+            host["probe_model"] = int(sum(a.nbytes for a in vars(nav.model).values() if isinstance(a, np.ndarray)))
+        if store is not None:
+            # The layout on (an adaptive layout's other one holds nothing), its bookkeeping, and the miniatures.
+            layout = PageLayout(**self.manifest["pages"])
+            records_on = store.layout == "records"
+            blocks, records = store.buffer_capacity, store.record_cache_capacity
+            host["page_buffer"] = int(store.buffer_bytes)
+            host["record_cache"] = int(store.record_cache_bytes)  # records and their metadata
+            host["page_buffer_metadata"] = int(
+                held_bytes(blocks, records, store.adaptive_layout, layout, store.buffer_policy, self.buffer_gain,
+                           records_on) - host["page_buffer"] - host["record_cache"])
+        host["search_scratch"] = int(native.scratch_bytes())
+        return host, mapped
+
+    def memory(self, params: SearchParams | SearchOverrides | dict | None = None, queries: int | None = None,
+               k: int = 10) -> dict:
+        """Bytes held per tier (docs/design.md, "The three tiers"), and every part a search holds (memory_parts,
+        and search_call: what a call of `queries` queries (default: one internal batch) at `params` (default: the
+        index's) holds at most while it runs, memory.search_call_bytes): parts, mapped (by name), total_bytes
+        (their sum: what a process searching this index alone holds for it beyond the engine's code, as the
+        benchmark runner's net search RSS measures it) and buffer_budget_bytes (what the page buffer, its
+        bookkeeping and the record cache stay within). docs/engine.md, "Memory a search holds"."""
         nav, rr, f = self.nav, self.reranker, self.filter
         host = (nav.memory_bytes() + f.list_offsets.nbytes + f.list_ids.nbytes + rr.locations.nbytes
                 + rr.store.num_blocks * 4)
+        parts, mapped = self.memory_parts()
+        p = resolve_params(params, self.params)
+        parts["search_call"] = search_call_bytes(
+            f.batch_size if queries is None else int(queries), k, p.nprobe, p.rerank, self.dim, f.batch_size,
+            len(f.list_offsets) - 1, bool(getattr(f, "overlaps", False)), len(STAT_KEYS))
         return {
+            "parts": parts,
+            "mapped": mapped,
+            "total_bytes": int(sum(parts.values()) + sum(mapped.values())),
+            "buffer_budget_bytes": int(self.buffer_budget),
             "host_index_bytes": int(host),
             "pq_bytes": int(f.memory_bytes()),
             "pq_tier": f.name,
