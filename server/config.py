@@ -98,6 +98,9 @@ class ServerConfig(ConfigBase):
                                              "the GPU serves it cheaper than the CPU", ge=0)] = 5.0
     search_threads: Annotated[int, knob("engine batches running at once", ge=1, le=64)] = 2
     buffer_mb: Annotated[float, knob("DRAM page buffer per collection, MiB", ge=0)] = 64.0
+    doc_cache_mb: Annotated[float, knob("documents searches returned (id, text, metadata), kept for the searches "
+                                        "that return them again, MiB, all collections together", ge=0,
+                                        note="0 = read each from the store")] = 32.0
     buffer_policy: Annotated[BufferPolicy, knob("page buffer replacement: auto (lfu or clock, whichever serves more "
                                                 "now), lfu (counts use, weighted by the queries asking, aged) or "
                                                 "clock")] = "auto"

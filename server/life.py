@@ -8,7 +8,7 @@ import logging
 import shutil
 import threading
 
-from fusionrag.retriever.collection import Catalog, CollectionConfig, quota
+from fusionrag.retriever.collection import Catalog, CollectionConfig, docstore, quota
 from fusionrag.retriever.directory import catalog as data_catalog
 from fusionrag.retriever.collection.embedding import get_embedder, set_endpoint_deadline, set_runtime, set_threads
 from fusionrag.retriever.engine.config import BuildConfig, EngineConfig
@@ -25,6 +25,7 @@ log = logging.getLogger("fusionrag.server")
 
 
 def open_catalog(config: ServerConfig) -> Catalog:
+    docstore.ROW_CACHE.resize(int(config.doc_cache_mb * (1 << 20)))
     engine = EngineConfig(buffer_bytes=int(config.buffer_mb * (1 << 20)), filter_tier=config.filter_tier,
                           buffer_policy=config.buffer_policy, record_cache=config.record_cache,
                           buffer_compression=config.buffer_compression,

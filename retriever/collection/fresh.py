@@ -65,6 +65,7 @@ class FreshTier:
         self._slot: dict[int, int] = {}
         self.n = 0
         self.live_count = 0
+        self._empty: FreshView | None = None
 
     def _grow(self, need: int) -> None:
         cap = len(self._rows)
@@ -103,6 +104,10 @@ class FreshTier:
 
     def view(self) -> FreshView:
         n = self.n
+        if not n:  # nothing written since the merge (most searches): one view of nothing, shared
+            if self._empty is None or self._empty.vectors.base is not self._vecs:
+                self._empty = FreshView(self._vecs[:0], self._sq[:0], self._rows[:0], self._live[:0].copy())
+            return self._empty
         return FreshView(self._vecs[:n], self._sq[:n], self._rows[:n], self._live[:n].copy())
 
     def contains(self, rows) -> np.ndarray:

@@ -82,12 +82,23 @@ def _shaped(queries, dim: int, words: QueryWords) -> np.ndarray:
     return np.ascontiguousarray(q, dtype=np.float32)
 
 
+_check_rows = None  # native.check_rows, once loaded
+
+
+def _native_check_rows():
+    """The native check, imported on first use: the client imports these words and checks, and loads no engine
+    (and a `from ... import` each call cost ~1 us through importlib's fromlist handling)."""
+    global _check_rows
+    from fusionrag import native
+
+    _check_rows = native.check_rows
+    return _check_rows
+
+
 def _rows(q: np.ndarray, metric: str, words: QueryWords, unit: bool) -> np.ndarray | None:
     """The rows' check (vector_problems' rules and words) in one native pass, and with `unit` their unit-length
     copy (normalize's, bit for bit): numpy's ten calls cost ~16 us on one query, this ~1.3."""
-    from fusionrag import native  # here: the client imports these words and checks, and loads no engine
-
-    out, bad, why, sq = native.check_rows(q, metric == "cosine", unit, MAX_SQ_NORM)
+    out, bad, why, sq = (_check_rows or _native_check_rows())(q, metric == "cosine", unit, MAX_SQ_NORM)
     if bad >= 0:
         raise InputError(words.row.format(row=bad, why=problem(why, sq)))
     return out
