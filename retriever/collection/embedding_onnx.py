@@ -40,6 +40,12 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
+# ONNX Runtime's wheels (1.29 and later) send telemetry from Linux too: its uploader looked up
+# mobile.events.data.microsoft.com every few seconds from a retrieval service that calls out to nothing else.
+# Off unless the operator says otherwise; read once, when onnxruntime first initialises (so set here, before
+# any import of it).
+os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
+
 FORMAT = 1  # of a cache folder: a change here exports every model anew
 MIN_COSINE = 0.9999  # an export whose vectors are further than this from the torch model's is refused
 # Model types onnxruntime's transformer optimizer fuses as BERT (optimum maps them so too); an export of any
@@ -103,9 +109,10 @@ def load(path: Path, reference: Callable[[], object], threads: Callable[[bool], 
     Unsupported when it cannot run there (onnxruntime missing, a model of another shape, an export whose vectors
     differ from the torch model's)."""
     try:
-        import onnxruntime  # noqa: F401
+        import onnxruntime
     except (ImportError, OSError) as e:  # OSError: its shared library does not load
         raise Unsupported(f"onnxruntime is not installed ({e})") from None
+    onnxruntime.disable_telemetry_events()  # (ORT_DISABLE_TELEMETRY, set above, is what stops its uploader)
     root = cache_root()
     key = model_hash(path)
     entry = root / key

@@ -289,3 +289,24 @@ def test_a_lone_call_embeds_on_the_bulk_threads_unless_bulk_work_holds_them(shar
         np.testing.assert_allclose(done[0], narrow, rtol=0, atol=1e-6)
     finally:
         bulk_lock.release()
+
+
+def test_onnx_runtime_telemetry_is_off_before_it_loads():
+    """ONNX Runtime's wheels send telemetry from Linux (its uploader looked up mobile.events.data.microsoft.com
+    every few seconds from the service, seen with strace): ORT_DISABLE_TELEMETRY, which it reads once as it
+    initialises, is set by the embedding module before anything imports onnxruntime; an operator's own value
+    stays."""
+    import subprocess
+    import sys
+
+    probe = ("import os, sys\n"
+             "import fusionrag.retriever.collection.embedding_onnx\n"
+             "assert 'onnxruntime' not in sys.modules\n"
+             "import onnxruntime\n"
+             "print(os.environ.get('ORT_DISABLE_TELEMETRY'))\n")
+    env = {k: v for k, v in os.environ.items() if k != "ORT_DISABLE_TELEMETRY"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "1"
+    out = subprocess.run([sys.executable, "-c", probe], env={**env, "ORT_DISABLE_TELEMETRY": "0"},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "0"
