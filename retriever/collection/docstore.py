@@ -569,8 +569,9 @@ class DocStore:
             e = get(r)
             if e is None:
                 missing.append(r)
-            else:
-                out[r] = (e[0], e[1], meta(e[2]), None)
+            else:  # most documents' metadata is empty: a new dict each without the call (callers may change theirs)
+                m = e[2]
+                out[r] = (e[0], e[1], {} if m == "{}" else meta(m), None)
         if missing:
             epoch = self._cache_epoch  # before the read: a commit after it may have changed what is read
             with self._reader() as con:
