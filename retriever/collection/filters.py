@@ -14,6 +14,13 @@ Each node of the filter is a CTE that names the nodes below it, so a deep filter
 SQL: SQLite's parser overflows at about ten nested subqueries. A filter has at most MAX_TERMS
 comparisons, MAX_VALUES values in its $in/$nin lists and MAX_DEPTH levels of $and/$or, and a
 compound of more than SQLite's 500 terms is split.
+
+The document's text is filtered by the reserved top-level key DOCUMENT ("$document", Chroma's `where_document`):
+{"$document": {"$contains": "s"}} passes the documents whose text holds the string s, {"$not_contains": "s"} the
+others (a document without text among them), and $and/$or of such conditions nest inside it as in Chroma;
+"$document" combines with metadata comparisons as any field does. The match is SQLite's instr() on the stored
+text: an exact substring, case-sensitive (code points compared, no folding, no word boundaries), over the live
+rows, not the full-text index, so that it is exact for any string, punctuation and partial words included.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from fusionrag.retriever.errors import InputError
 _CMP = {"$eq": "=", "$ne": "=", "$gt": ">", "$gte": ">=", "$lt": "<", "$lte": "<="}
 _LIST = ("$in", "$nin")
 _CONTAINS = "$contains"
+DOCUMENT = "$document"  # the text filter's key (module docstring)
+_TEXT_OPS = ("$contains", "$not_contains")
 _ELEMENT = "l"  # type prefix of a list's elements
 TYPES = ("s", "n", "b", "ls", "ln", "lb")
 _TYPE_NAMES = {"s": "strings", "n": "numbers", "b": "bools", "ls": "lists of strings", "ln": "lists of numbers",
@@ -176,6 +185,39 @@ def _field(q: _Query, field: str, cond) -> str:
     return q.compound(parts, "INTERSECT")
 
 
+def _text(q: _Query, cond, depth: int) -> str:
+    """A text condition under DOCUMENT: {"$contains": s}, {"$not_contains": s} (both in one dict: each must hold),
+    or {"$and" / "$or": [conditions]}."""
+    if not isinstance(cond, dict) or not cond:
+        raise InputError(f"filter {DOCUMENT}: expects a non-empty dict such as {{\"$contains\": \"word\"}}, got "
+                         f"{cond!r:.200}")
+    parts = []
+    for op, value in cond.items():
+        where = f"{DOCUMENT} {op}"
+        if op in ("$and", "$or"):
+            if not isinstance(value, (list, tuple)) or not value:
+                raise InputError(f"filter {where}: expects a non-empty list of text conditions")
+            if depth == MAX_DEPTH:
+                raise InputError(f"filter: $and/$or nest at most {MAX_DEPTH} deep")
+            parts.append(q.compound([_text(q, sub, depth + 1) for sub in value],
+                                    "INTERSECT" if op == "$and" else "UNION"))
+        elif op in _TEXT_OPS:
+            if not isinstance(value, str):
+                raise InputError(f"filter {where}: the value must be a string, not {type(value).__name__} "
+                                 f"({value!r:.200})")
+            if not value:
+                raise InputError(f"filter {where}: the value must be a non-empty string")
+            check_text(value, f"filter {where}: the value")
+            q.term(where)
+            q.params.append(value)
+            name = q.add("SELECT row FROM docs WHERE instr(text, ?) > 0")
+            parts.append(q.negate(name) if op == "$not_contains" else name)
+        else:
+            raise InputError(f"filter {DOCUMENT}: unknown operator {op!r}; expected one of $contains, $not_contains, "
+                             f"$and, $or")
+    return q.compound(parts, "INTERSECT")
+
+
 def _node(q: _Query, f, depth: int) -> str:
     if not isinstance(f, dict) or not f:
         raise InputError(f"a filter must be a non-empty dict, got {f!r:.200}")
@@ -188,8 +230,11 @@ def _node(q: _Query, f, depth: int) -> str:
                 raise InputError(f"filter: $and/$or nest at most {MAX_DEPTH} deep")
             parts.append(q.compound([_node(q, sub, depth + 1) for sub in value],
                                     "INTERSECT" if key == "$and" else "UNION"))
+        elif key == DOCUMENT:
+            parts.append(_text(q, value, depth))
         elif isinstance(key, str) and key.startswith("$"):
-            raise InputError(f"filter: unknown operator {key!r} at the top level; expected $and, $or or a field name")
+            raise InputError(f"filter: unknown operator {key!r} at the top level; expected $and, $or, {DOCUMENT} or a "
+                             f"field name")
         else:
             parts.append(_field(q, key, value))
     return q.compound(parts, "INTERSECT")

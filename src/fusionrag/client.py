@@ -239,9 +239,11 @@ class Ops:
 
     @staticmethod
     def scroll(collection: str, *, limit: int | None = None, cursor: str | None = None, filter: dict | None = None,
-               with_vectors: bool = False) -> Op[Page]:
+               with_vectors: bool = False, where_document: dict | None = None) -> Op[Page]:
         """One page of the documents (those the filter passes) in a stable order; `cursor`: the page before's
-        `next_cursor`. A document present throughout is seen once, however the collection changes meanwhile."""
+        `next_cursor`. A document present throughout is seen once, however the collection changes meanwhile.
+        where_document: a text condition, {"$contains": "s"} and the like (`with_document`)."""
+        filter = with_document(filter, where_document)
         params: dict[str, Any] = {"with_vectors": "true"} if with_vectors else {}
         if limit is not None:
             params["limit"] = limit
@@ -260,8 +262,10 @@ class Ops:
         return (yield Request("POST", _path(collection, "/documents/metadata"), body))["updated"]
 
     @staticmethod
-    def count(collection: str, *, filter: dict | None = None) -> Op[int]:
-        """How many documents the filter passes (all of them without one)."""
+    def count(collection: str, *, filter: dict | None = None, where_document: dict | None = None) -> Op[int]:
+        """How many documents the filter passes (all of them without one); where_document: a text condition
+        (`with_document`)."""
+        filter = with_document(filter, where_document)
         body = {} if filter is None else {"filter": filter}
         data = yield Request("POST", _path(collection, "/documents/count"), body, safe=True)
         for warning in data.get("warnings", []):  # a misspelt field, say: the count is 0 and says why
@@ -269,8 +273,11 @@ class Ops:
         return data["count"]
 
     @staticmethod
-    def delete(collection: str, ids: Sequence[str] | None = None, *, filter: dict | None = None) -> Op[int]:
-        """Delete by id (unknown ids are ignored) or every document a filter passes (one write); how many."""
+    def delete(collection: str, ids: Sequence[str] | None = None, *, filter: dict | None = None,
+               where_document: dict | None = None) -> Op[int]:
+        """Delete by id (unknown ids are ignored) or every document a filter passes (one write); how many.
+        where_document: a text condition (`with_document`), part of the filter."""
+        filter = with_document(filter, where_document)
         if (ids is None) == (filter is None):
             raise InputError("give exactly one of ids and filter")
         body: dict[str, Any] = {"ids": list(ids)} if ids is not None else {"filter": filter}
@@ -324,11 +331,13 @@ class Ops:
                filter: dict | None = None, params: SearchParams | SearchOverrides | dict | None = None, mode: str = "vector",
                text_weight: float = DEFAULT_TEXT_WEIGHT, with_vectors: bool = False,
                stats: bool = False, fusion: dict | None = None, offset: int = 0,
-               score_threshold: float | None = None) -> Op[SearchResult]:
+               score_threshold: float | None = None, where_document: dict | None = None) -> Op[SearchResult]:
         """Top-k of each query: `vectors` (one, or a (q, dim) array) or `texts` (embedded by the collection's
         model), or both in mode "hybrid" (fused as `fusion` says: {"method": "rrf", "k": 60}, the default, or
         {"method": "weighted"}); mode "text" ranks by BM25 over the texts. See docs/collections.md. offset: the k
-        hits after each query's best `offset`; score_threshold: only hits whose score is at least this."""
+        hits after each query's best `offset`; score_threshold: only hits whose score is at least this;
+        where_document: only documents whose text passes this condition (`with_document`), in every mode."""
+        filter = with_document(filter, where_document)
         body: dict[str, Any] = {"k": k, "mode": mode}
         if offset:
             body["offset"] = offset
@@ -353,14 +362,26 @@ class Ops:
     @staticmethod
     def recommend(collection: str, positive: Sequence[str], negative: Sequence[str] = (), *, k: int = 10,
                   filter: dict | None = None, params: SearchParams | SearchOverrides | dict | None = None,
-                  with_vectors: bool = False) -> Op[list[Hit]]:
+                  with_vectors: bool = False, where_document: dict | None = None) -> Op[list[Hit]]:
         """Documents like the stored documents `positive` and unlike `negative`, by their ids: the nearest of
         2 x the positives' mean vector - the negatives' mean (the positives' mean alone without negatives), the
         examples themselves left out."""
+        filter = with_document(filter, where_document)
         body: dict[str, Any] = {"positive": list(positive), "negative": list(negative), "k": k}
         _query_options(body, filter, params, with_vectors)
         data = yield Request("POST", _path(collection, "/recommend"), body, safe=True)
         return [_hit(h) for h in data["results"]]
+
+
+def with_document(filter: dict | None, where_document: dict | None) -> dict | None:
+    """A metadata filter and a text condition on the documents' text (Chroma's where_document: {"$contains": "s"},
+    {"$not_contains": "s"}, $and/$or of those) as one filter, the form the service takes: the condition under the
+    filter's "$document" key, ANDed with the rest. Substring match, case-sensitive (docs/collections.md)."""
+    if where_document is None:
+        return filter
+    if filter is None:
+        return {"$document": where_document}
+    return {"$and": [filter, {"$document": where_document}]}
 
 
 def _query_options(body: dict, filter: dict | None, params, with_vectors: bool) -> None:
