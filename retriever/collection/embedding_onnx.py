@@ -465,19 +465,19 @@ class OnnxModel:
         return summed / (counts if self._pooling == "mean" else np.sqrt(counts))
 
 
-CUT = 0.75  # a batch ends before a text shorter than this share of its longest (the padding it would bring) ...
-CUT_TOKENS = 1024  # ... once the batch holds this many tokens: big enough passes, little padding
+CUT = 0.75  # a batch ends before a text shorter than this share of its longest: the padding it would bring
 
 
 def _batches(lengths: np.ndarray, order: np.ndarray, batch_size: int) -> list[np.ndarray]:
-    """Texts (their indices, `order`, longest first, `lengths` theirs) in batches of at most batch_size, cut early
-    where the next text is much shorter than the batch's longest: padding costs as much as tokens do (batches of
-    128 cut so from 384 paragraphs: 1.2x the tokens computed instead of 2x)."""
+    """Texts (their indices, `order`, longest first, `lengths` theirs) in batches of at most batch_size, each cut
+    before a text shorter than CUT of the batch's longest: padding costs as much as tokens do, and a transformer's
+    attention more. (A batch used to take texts of any length until it held 1,024 tokens: 16 concurrent paragraph
+    queries then cost 20 ms of CPU each, against 11.4 cut so and 14 one at a time; a bulk pass of 256 paragraphs
+    costs the same either way, 12-13 ms each: 2-core VM, all-MiniLM-L6-v2.)"""
     out, lo = [], 0
     while lo < len(order):
         width, hi = int(lengths[lo]), lo + 1
-        while hi < len(order) and hi - lo < batch_size and not (
-                lengths[hi] < CUT * width and (hi - lo) * width >= CUT_TOKENS):
+        while hi < len(order) and hi - lo < batch_size and lengths[hi] >= CUT * width:
             hi += 1
         out.append(order[lo:hi])
         lo = hi
