@@ -99,12 +99,25 @@ def reaches(state: State, key: Key | None, name: str) -> bool:
     return True
 
 
+def resolve(state: State, name: str) -> str:
+    """The collection a name stands for: an alias's target (Catalog.resolve), else the name."""
+    of = getattr(state.catalog, "resolve", None)  # a service over a sharded collection has no aliases
+    return name if of is None else of(name)
+
+
 def check_reaches(request: Request, name: str, key: Key | None) -> str:
-    """The collection name of the path, valid and open to this key (400, 403)."""
+    """The collection the name of the path stands for (itself, or an alias's target), the name valid and both it
+    and the collection open to this key (400, 403): an alias never lets a key reach a collection it could not reach
+    by name."""
     check_name(name)
-    if not reaches(state_of(request), key, name):
+    state = state_of(request)
+    target = resolve(state, name)
+    if not reaches(state, key, name):
         raise http_error(403, f"this API key has no rights to collection {name!r}")
-    return name
+    if target != name and not reaches(state, key, target):
+        # The words of a name the key does not cover: they say nothing of what the alias points to.
+        raise http_error(403, f"this API key has no rights to collection {name!r}")
+    return target
 
 
 async def allowed(request: Request, name: Annotated[str, PathParam(json_schema_extra={"pattern": NAME_PATTERN})],

@@ -223,3 +223,41 @@ class Readiness(BaseModel):
     failed: dict[str, str] | None = Field(None, description="collections that failed to open, and why")
     building: list[str] | None = None
     shards_alive: list[bool] | None = Field(None, description="a sharded collection: whether each shard answers")
+
+
+_NAME = Field(description="1-64 letters, digits, '_', '.' or '-', starting with a letter or digit",
+              json_schema_extra={"pattern": NAME_PATTERN})
+
+
+class CreateAlias(_Body):
+    collection_name: str = _NAME
+    alias_name: str = _NAME
+
+
+class DeleteAlias(_Body):
+    alias_name: str = _NAME
+
+
+class RenameAlias(_Body):
+    old_alias_name: str = _NAME
+    new_alias_name: str = _NAME
+
+
+class AliasAction(_Body):
+    """One of create_alias (also points an existing alias elsewhere), delete_alias, rename_alias."""
+    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["create_alias"]}, {"required": ["delete_alias"]},
+                                                           {"required": ["rename_alias"]}]})
+    create_alias: CreateAlias | None = None
+    delete_alias: DeleteAlias | None = None
+    rename_alias: RenameAlias | None = None
+
+    @model_validator(mode="after")
+    def _one(self):
+        if sum(a is not None for a in (self.create_alias, self.delete_alias, self.rename_alias)) != 1:
+            raise ValueError("an action is exactly one of create_alias, delete_alias and rename_alias")
+        return self
+
+
+class AliasActions(_Body):
+    actions: list[AliasAction] = Field(min_length=1, max_length=1000, description="applied together, in order, or "
+                                       "none of them (Qdrant's POST /collections/aliases)")

@@ -53,7 +53,12 @@ class Catalog:
 
     A sharded collection (create's shards; its collection.json says how many) is opened by open_sharded(path,
     description, catalog), which the layer above gives (retriever/directory.py catalog(): a HostedSharded); a
-    catalog without it sets such a collection aside as one it cannot open."""
+    catalog without it sets such a collection aside as one it cannot open.
+
+    Aliases (Qdrant's): other names for collections, kept in root/aliases.json ({alias: collection}, written
+    atomically) and changed only by `update_aliases`, whose actions apply together or not at all; `resolve` gives
+    the collection a name stands for. An alias never shares a name with a collection, points to a collection (not
+    to another alias), and a collection an alias points to is not dropped (ConflictError) until no alias does."""
 
     def __init__(self, root: str | os.PathLike, engine_config: EngineConfig | None = None,
                  collection_config: CollectionConfig | None = None, limits: quota.Limits | None = None,
@@ -74,6 +79,7 @@ class Catalog:
         self._dropping: set[str] = set()  # dropped, waiting for their calls in progress to end
         self._restoring: set[str] = set()  # names a restore is unpacking a snapshot for
         self._closed = False
+        self._aliases: dict[str, str] = _load_aliases(self.root / ALIASES_FILE)  # replaced whole, never changed
         for p in self.dir.glob(".*"):  # creates and drops a crash interrupted
             shutil.rmtree(p, ignore_errors=True)
 
@@ -188,12 +194,89 @@ class Catalog:
             raise ConflictError(f"collection {name!r} is being restored from a snapshot")
         if (self.dir / name).exists():
             raise ConflictError(f"collection {name!r} already exists")
+        if name in self._aliases:
+            raise ConflictError(f"{name!r} is an alias (of collection {self._aliases[name]!r}); a collection may not "
+                                "take an alias's name: delete the alias first")
         taken = sorted({p.name for p in self.dir.iterdir() if NAME_RE.fullmatch(p.name)} | self._restoring)
         if self.limits.max_collections and len(taken) >= self.limits.max_collections:
             raise QuotaError(f"the service holds {len(taken)} collections, its limit (max_collections): delete one "
                              "before making another")
         if allow is not None:
             allow(taken)
+
+    # -- aliases ---------------------------------------------------------------------------------------------------
+
+    def resolve(self, name: str) -> str:
+        """The collection `name` stands for: an alias's target, else the name itself (a dict read, no lock)."""
+        return self._aliases.get(name, name)
+
+    def aliases(self) -> dict[str, str]:
+        """Every alias and the collection it points to."""
+        return dict(self._aliases)
+
+    def update_aliases(self, actions: list[tuple], allow: Callable[[str, str], None] | None = None) -> dict[str, str]:
+        """Apply alias actions together, in order, or none of them: ("create", alias, collection) makes an alias or
+        points an existing one elsewhere (a switch), ("delete", alias), ("rename", old, new). Checked against the
+        aliases as the actions before it leave them; the whole set is written (aliases.json, atomically) before
+        any search sees it. Returns the aliases after. InputError, NotFoundError, ConflictError say what is wrong.
+        allow(kind, name): raises unless the caller may use this alias name (kind "alias") or collection (kind
+        "collection"): asked, under the lock, for every alias an action names and every collection an alias it
+        changes points to, before and after."""
+        def check(kind: str, name: str) -> None:
+            if allow is not None:
+                allow(kind, name)
+
+        with self._lock:
+            new = dict(self._aliases)
+            for action in actions:
+                op, *args = action
+                if op == "create":
+                    alias, target = args
+                    self._check_alias_name(alias)
+                    self._check_name(target)
+                    check("alias", alias)
+                    check("collection", target)
+                    if alias in new:  # a switch: the collection it leaves is one the caller may use too
+                        check("collection", new[alias])
+                    if target in new:
+                        raise InputError(f"{target!r} is an alias; an alias points to a collection, not to an alias")
+                    if target in self._dropping or not (self.dir / target).is_dir():
+                        raise NotFoundError(f"collection {target!r} does not exist")
+                    new[alias] = target
+                elif op == "delete":
+                    (alias,) = args
+                    check("alias", alias)
+                    if alias not in new:
+                        raise NotFoundError(f"alias {alias!r} does not exist")
+                    check("collection", new.pop(alias))
+                elif op == "rename":
+                    old, alias = args
+                    check("alias", old)
+                    if old not in new:
+                        raise NotFoundError(f"alias {old!r} does not exist")
+                    self._check_alias_name(alias)
+                    check("alias", alias)
+                    check("collection", new[old])
+                    if alias in new and alias != old:
+                        raise ConflictError(f"alias {alias!r} already exists")
+                    new[alias] = new.pop(old)
+                else:
+                    raise InputError(f"unknown alias action {op!r}")
+            if new != self._aliases:
+                try:
+                    write_json_atomic(self.root / ALIASES_FILE, {"format": 1, "aliases": new})
+                except OSError as e:
+                    raise StorageError(f"cannot write the aliases: {self._reason(e, self.root)}") from e
+                self._aliases = new
+            return dict(new)
+
+    def _check_alias_name(self, alias) -> None:
+        """An alias may take this name: valid, and no collection's (caller holds _lock)."""
+        if not isinstance(alias, str) or not NAME_RE.fullmatch(alias):
+            raise InputError(f"alias name {alias!r:.80} must be 1-64 letters, digits, '_', '.' or '-', "
+                             "starting with a letter or digit")
+        if (self.dir / alias).exists() or alias in self._restoring or alias in self._dropping:
+            raise ConflictError(f"{alias!r} is a collection's name; an alias may not shadow a collection")
 
     def restore(self, name: str, archive, embedding_dim: Callable[[str], int] | None = None,
                 allow: Callable[[list[str]], None] | None = None) -> Collection:
@@ -278,6 +361,10 @@ class Catalog:
             path = self.dir / name
             if name in self._dropping or not path.is_dir():
                 raise NotFoundError(f"collection {name!r} does not exist")
+            if pointing := sorted(a for a, t in self._aliases.items() if t == name):
+                raise ConflictError(f"collection {name!r} is the target of alias{'es' if len(pointing) > 1 else ''} "
+                                    f"{', '.join(map(repr, pointing))}: delete or switch "
+                                    f"{'them' if len(pointing) > 1 else 'it'} first (POST /v1/aliases)")
             self._dropping.add(name)
             self._failed.pop(name, None)
             col = self._open.pop(name, None)
@@ -306,6 +393,23 @@ class Catalog:
         for col in cols:
             col.close()
         self._release()  # after the collections: nothing of this catalog writes any more
+
+
+ALIASES_FILE = "aliases.json"
+
+
+def _load_aliases(path: Path) -> dict[str, str]:
+    """The aliases stored at path ({} where there is no file); StorageError for a file that is not one of them."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise StorageError(f"cannot read the aliases ({path.name}): {e}") from e
+    aliases = data.get("aliases") if isinstance(data, dict) else None
+    if not isinstance(aliases, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
+        raise StorageError(f"{path.name} does not hold aliases ({{\"aliases\": {{alias: collection}}}})")
+    return dict(aliases)
 
 
 def check_shards(shards) -> None:

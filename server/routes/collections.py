@@ -8,12 +8,13 @@ import threading
 from fastapi import APIRouter, Depends, Request
 
 from fusionrag.retriever.collection.embedding import canonical_name, get_embedder
-from fusionrag.retriever.errors import NotFoundError, UnavailableError
+from fusionrag.retriever.errors import NotFoundError, UnavailableError, UnsupportedError
 from fusionrag.server.auth import Key
-from fusionrag.server.deps import (allowed, authenticate, check_new_name, collection_of, collection_quota,
-                                   open_collection, reaches, state_of)
+from fusionrag.server.deps import (allowed, authenticate, check_name, check_new_name, collection_of,
+                                   collection_quota, key_of, open_collection, reaches, state_of)
 from fusionrag.server.errors import documented, http_error
-from fusionrag.server.schemas import CreateCollection
+from fusionrag.server.schemas import AliasActions, CreateCollection
+from fusionrag.server.vector_stores import STORE_RE
 
 log = logging.getLogger("fusionrag.server")
 
@@ -82,6 +83,60 @@ def collection_info(request: Request, name: str = Depends(allowed)):
 def drop_collection(request: Request, name: str = Depends(allowed)):
     state_of(request).catalog.drop(name)
     return {"deleted": name}
+
+
+@router.post("/aliases", summary="Create, switch, rename and delete collection aliases: the actions applied together, "
+             "or none of them (Qdrant's POST /collections/aliases)",
+             responses=documented(400, 401, 403, 404, 405, 409, 413, 422, 507))
+def update_aliases(body: AliasActions, request: Request, key: Key | None = Depends(authenticate)):
+    """Each action: {"create_alias": {"alias_name", "collection_name"}} (an existing alias is pointed at the
+    collection: a switch), {"delete_alias": {"alias_name"}} or {"rename_alias": {"old_alias_name",
+    "new_alias_name"}}. The key must reach every alias name an action names and every collection an alias it
+    changes points to, before and after. Every route that takes a collection's name takes an alias for it."""
+    state = state_of(request)
+    update = getattr(state.catalog, "update_aliases", None)
+    if update is None:
+        raise UnsupportedError("aliases are not served over a sharded collection under Ray Serve")
+    actions = []
+    for a in body.actions:
+        if a.create_alias is not None:
+            actions.append(("create", a.create_alias.alias_name, a.create_alias.collection_name))
+        elif a.delete_alias is not None:
+            actions.append(("delete", a.delete_alias.alias_name))
+        else:
+            actions.append(("rename", a.rename_alias.old_alias_name, a.rename_alias.new_alias_name))
+
+    def allow(kind: str, name: str) -> None:
+        check_name(name)
+        if kind == "alias" and STORE_RE.fullmatch(name):
+            raise http_error(422, f"alias names of the form vs_<24 hex digits> are reserved for vector stores: "
+                                  f"{name!r}")
+        if not reaches(state, key, name):
+            raise http_error(403, f"this API key has no rights to {kind} {name!r}")
+    return {"aliases": _alias_list(state, key, update(actions, allow))}
+
+
+@router.get("/aliases", summary="The aliases (those whose name and collection this key reaches)",
+            responses=documented(401))
+def list_aliases(request: Request, key: Key | None = Depends(authenticate)):
+    state = state_of(request)
+    aliases = getattr(state.catalog, "aliases", None)
+    return {"aliases": _alias_list(state, key, aliases() if aliases is not None else {})}
+
+
+@router.get("/collections/{name}/aliases", summary="The aliases of a collection (of an alias's collection)",
+            responses=documented(400, 401, 403, 404, 422))
+def collection_aliases(request: Request, name: str = Depends(allowed)):
+    state = state_of(request)
+    collection_of(request, name)  # 404 for no collection
+    aliases = getattr(state.catalog, "aliases", None)
+    mine = {a: t for a, t in (aliases() if aliases is not None else {}).items() if t == name}
+    return {"aliases": _alias_list(state, key_of(request), mine)}
+
+
+def _alias_list(state, key: Key | None, aliases: dict[str, str]) -> list[dict]:
+    return [{"alias_name": a, "collection_name": t} for a, t in sorted(aliases.items())
+            if reaches(state, key, a) and reaches(state, key, t)]
 
 
 @router.get("/stats", summary="Live figures for the web page: memory per tier, pages per query, latency",

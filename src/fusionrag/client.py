@@ -189,6 +189,31 @@ class Ops:
         yield Request("DELETE", _path(collection))
 
     @staticmethod
+    def update_aliases(actions: Sequence[Mapping]) -> Op[dict[str, str]]:
+        """Apply alias actions together, or none of them (Qdrant's form: {"create_alias": {"alias_name",
+        "collection_name"}} also switches an existing alias, {"delete_alias": {"alias_name"}}, {"rename_alias":
+        {"old_alias_name", "new_alias_name"}}); the aliases after ({alias: collection}, those this key reaches)."""
+        data = yield Request("POST", "/v1/aliases", {"actions": [dict(a) for a in actions]})
+        return {a["alias_name"]: a["collection_name"] for a in data["aliases"]}
+
+    @staticmethod
+    def create_alias(alias: str, collection: str) -> Op[dict[str, str]]:
+        """Point `alias` at `collection` (made, or switched from the collection it pointed to, atomically): every
+        call that takes a collection's name takes the alias for it."""
+        return (yield from Ops.update_aliases([{"create_alias": {"alias_name": alias, "collection_name": collection}}]))
+
+    @staticmethod
+    def delete_alias(alias: str) -> Op[dict[str, str]]:
+        return (yield from Ops.update_aliases([{"delete_alias": {"alias_name": alias}}]))
+
+    @staticmethod
+    def aliases(collection: str | None = None) -> Op[dict[str, str]]:
+        """{alias: collection}: every alias (this key reaches), or those of one collection."""
+        path = "/v1/aliases" if collection is None else _path(collection, "/aliases")
+        data = yield Request("GET", path, safe=True)
+        return {a["alias_name"]: a["collection_name"] for a in data["aliases"]}
+
+    @staticmethod
     def upsert(collection: str, documents: Sequence[Document], *, batch_size: int = UPSERT_BATCH,
                batch_bytes: int = UPSERT_BYTES, on_progress: Callable[[int, int], None] | None = None
                ) -> Op[list[str]]:
@@ -524,6 +549,10 @@ class _Api:
     delete_snapshot = _Operation(Ops.delete_snapshot)
     restore = _Operation(Ops.restore)
     import_documents = _Operation(Ops.import_documents)
+    update_aliases = _Operation(Ops.update_aliases)
+    create_alias = _Operation(Ops.create_alias)
+    delete_alias = _Operation(Ops.delete_alias)
+    aliases = _Operation(Ops.aliases)
 
 
 class Client(_Api):
