@@ -22,8 +22,8 @@ from fusionrag.server.middleware import AddHeaders, BodyLimit, ObserveMiddleware
 from fusionrag.server.routes import v1
 from fusionrag.server.routes.documents import DEFAULT_PAGE
 from fusionrag.server.routes.ops import router as ops
-from fusionrag.server.schemas import (CountRequest, DeleteRequest, Error, GetRequest, MetadataRequest, RecommendRequest,
-                                      SearchRequest, UpsertRequest)
+from fusionrag.server.schemas import (CountRequest, DeleteRequest, Error, GetRequest, GroupSearchRequest, MetadataRequest,
+                                      RecommendRequest, SearchRequest, UpsertRequest)
 
 __all__ = ["Service", "State", "create_app"]
 
@@ -34,6 +34,9 @@ def _document_limits(schemas: dict, config: ServerConfig) -> None:
     search["k"]["maximum"] = config.max_k
     search["vectors"]["maxItems"] = search["texts"]["maxItems"] = config.max_queries
     search["texts"]["anyOf"][0]["items"]["maxLength"] = config.max_text_chars
+    groups = schemas["GroupSearchRequest"]["properties"]
+    groups["group_size"]["maximum"] = groups["limit"]["maximum"] = config.max_k
+    groups["vectors"]["maxItems"] = groups["texts"]["maxItems"] = config.max_queries
     schemas["DocumentIn"]["properties"]["text"]["maxLength"] = config.max_text_chars
     schemas["UpsertRequest"]["properties"]["documents"]["maxItems"] = config.max_documents
     schemas["DeleteRequest"]["properties"]["ids"]["maxItems"] = config.max_documents
@@ -93,8 +96,8 @@ def create_app(config: ServerConfig, catalog=None, keys: KeyRing | None = None,
         if app.openapi_schema is None:
             schemas = FastAPI.openapi(app)["components"]["schemas"]
             _, read_by_routes = models_json_schema(
-                [(m, "validation") for m in (SearchRequest, RecommendRequest, UpsertRequest, DeleteRequest, GetRequest,
-                                             MetadataRequest, CountRequest, Error)],
+                [(m, "validation") for m in (SearchRequest, GroupSearchRequest, RecommendRequest, UpsertRequest,
+                                             DeleteRequest, GetRequest, MetadataRequest, CountRequest, Error)],
                 ref_template="#/components/schemas/{model}")
             schemas.update(read_by_routes["$defs"])
             _document_limits(schemas, config)

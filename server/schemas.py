@@ -113,6 +113,26 @@ class SearchRequest(_Body):
                                             "never partial)")
 
 
+class GroupSearchRequest(_Body):
+    model_config = ConfigDict(json_schema_extra={"oneOf": _search_kinds()})
+    vectors: list[list[Finite]] | None = Field(None, description="query vectors", json_schema_extra={"minItems": 1})
+    texts: list[str] | None = Field(None, description="query texts, as a search takes them",
+                                    json_schema_extra={"minItems": 1})
+    mode: Literal["vector", "text", "hybrid"] = Field("vector", description="as a search's")
+    text_weight: Finite = Field(DEFAULT_TEXT_WEIGHT, ge=0, le=1, description="hybrid mode: as a search's")
+    fusion: FusionSpec | None = Field(None, description="hybrid mode: as a search's")
+    group_by: str = Field(min_length=1, max_length=512, description="the metadata field whose value groups the hits "
+                          "(a dotted path reaches into objects); a hit with a list value is in each of its values' "
+                          "groups, one without a string or integer value under the field in none")
+    group_size: Integer = Field(3, ge=1, description="hits per group at most, best first")
+    limit: Integer = Field(10, ge=1, description="groups per query at most, ordered by their best hit "
+                                                 "(limit x group_size at most max_k)")
+    filter: dict[str, Any] | None = Field(None, description="metadata filter, as a search's")
+    params: dict[str, Any] | None = Field(None, description="tuning: nprobe, probe_ratio, rerank, ...")
+    with_vectors: bool = Field(False, description="return each hit's stored vector (`vector`)")
+    partial: bool = Field(True, description="a sharded collection: as a search's")
+
+
 class RecommendRequest(_Body):
     positive: list[Annotated[str, Field(min_length=1, max_length=512)]] = Field(
         min_length=1, description="ids of stored documents like those wanted")

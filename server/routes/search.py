@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import numpy as np
@@ -19,7 +20,8 @@ from fusionrag.server.errors import documented, http_error, json_body
 from fusionrag.server.requests import (check_texts, check_vectors, embedder_of, over_limit, query_words, read_json,
                                        search_params, search_queries)
 from fusionrag.server.responses import VectorJSON, hit_json, plain
-from fusionrag.server.schemas import RecommendRequest, SearchRequest
+from fusionrag.server.groups import first_depth, group_hits, next_depth
+from fusionrag.server.schemas import GroupSearchRequest, RecommendRequest, SearchRequest
 
 router = APIRouter(prefix="/v1")
 
@@ -130,3 +132,89 @@ async def recommend(request: Request, coll: Collection = Depends(open_collection
     skip = set(examples)
     hits = [h for h in res.hits[0] if h.id not in skip][:body.k]
     return VectorJSON({"results": [hit_json(h, body.with_vectors) for h in hits]})
+
+
+@router.post("/collections/{name}/search/groups", summary="Hits grouped by a metadata field: the best `limit` groups "
+             "of each query, each its best `group_size` hits sharing one value of `group_by` (Qdrant's search "
+             "groups)", openapi_extra=json_body(GroupSearchRequest),
+             responses=documented(400, 401, 403, 404, 409, 413, 422, 503))
+async def search_groups(request: Request, coll: Collection = Depends(open_collection)):
+    """Each query's ranking (as a search makes it, with the filter) is grouped best first (server/groups.py): a
+    document with a list under the field is in each of its values' groups, one without a string or integer value
+    there in none. The ranking is searched to a depth of 2 x limit x group_size first (at most max_k), then 4 times
+    deeper each time until its groups fill, the ranking ends (fewer hits than the depth), or the depth is max_k."""
+    state = state_of(request)
+    cfg = state.config
+    too_many = over_limit("queries", cfg.max_queries, "max_queries")
+    words = query_words(coll, "query vectors")
+
+    def wrong_dim(d: int) -> HTTPException:
+        return http_error(422, words.dimension.format(got=d, dim=coll.dim))
+
+    data = await read_json(request, lambda b: {
+        "vectors": lambda i: b.vectors(i, coll.dim, "vectors", wrong_dim, cfg.max_queries, too_many),
+        "texts": lambda i: b.array(i, 1, lambda _, j: b.value(j, 2), cfg.max_queries, too_many)})
+    rows = data.pop("vectors", None)
+    body = validate(GroupSearchRequest, data if isinstance(rows, (list, type(None))) else {**data, "vectors": rows})
+    queries = search_queries(body.mode, rows, body.texts)
+    if body.limit * body.group_size > cfg.max_k:
+        raise http_error(422, f"limit x group_size is {body.limit * body.group_size} hits, at most {cfg.max_k} "
+                              "allowed (max_k)")
+    params = search_params(body.params) if body.params else None
+    if body.filter is not None:
+        compile_filter(body.filter)
+    vectors = None
+    if rows is not None:
+        vectors = check_vectors(np.stack(rows), coll, "query vectors")
+    if body.texts is not None:
+        check_texts(body.texts, cfg.max_text_chars, "texts")
+    fusion = Fusion(body.fusion.method, body.fusion.k, body.fusion.question_share) if body.fusion else None
+    try:
+        if vectors is None and body.mode != "text":  # embedded once, for every depth searched
+            embedded = await state.batcher.embed(embedder_of(coll, "queries"), body.texts)
+            vectors = check_vectors(np.asarray(embedded, dtype=np.float32), coll, "the texts' vectors")
+        texts = body.texts if body.mode != "vector" else None
+        answers: list = [None] * len(queries)
+        pending, k = list(range(len(queries))), first_depth(body.limit, body.group_size, cfg.max_k)
+        partial, last = False, None
+        while pending:
+            which = np.asarray(pending)
+            res = await state.batcher.search(
+                coll, k, filter=body.filter, params=params, mode=body.mode, text_weight=body.text_weight,
+                vectors=None if vectors is None else vectors.rows(which),
+                texts=None if texts is None else [texts[i] for i in pending], fusion=fusion,
+                with_vectors=body.with_vectors, partial=body.partial)
+            if hasattr(res, "missing_lists") and (last is None or res.partial):  # a sharded collection's
+                partial, last = partial or res.partial, res
+            deeper = []
+            for i, hits in zip(pending, res.hits):
+                answers[i], full = group_hits(hits, body.group_by, body.limit, body.group_size)
+                if not full and len(hits) >= k and k < cfg.max_k:
+                    deeper.append(i)
+            pending, k = deeper, next_depth(k, cfg.max_k)
+    except ServiceClosing as e:
+        raise http_error(503, str(e)) from e
+    out = {"results": [[{"id": value, "hits": [hit_json(h, body.with_vectors) for h in hits]}
+                        for value, hits in groups] for groups in answers]}
+    if last is not None:  # a sharded collection, as its search answers
+        out["partial"] = partial
+        if partial:
+            out["missing_lists"], out["missing_shards"] = last.missing_lists, last.missing_shards
+    warnings = []
+    if body.filter is not None:
+        warnings += await run_in_threadpool(coll.filter_warnings, body.filter)
+    if not all(answers):  # a query without a group: a misspelt field, or one of other types, said
+        warnings += [_group_warning(body.group_by, w) for w in await run_in_threadpool(
+            coll.filter_warnings, {body.group_by: {"$in": ["", 0]}})]
+    if warnings:
+        out["warnings"] = warnings
+    return VectorJSON(out)
+
+
+def _group_warning(field: str, said: str) -> str:
+    """A filter's warning on `field` (filters.filter_warnings) in a group search's words."""
+    if "no document holds" not in said:  # held as other types only
+        return f"group_by {field!r}: " + said.split(": ", 1)[-1]
+    near = re.search(r"the documents hold ('.*?)\)", said)
+    return (f"group_by {field!r}: no document holds a string or number under it, so no hit is in a group (a "
+            f"misspelled field?{' the documents hold ' + near.group(1) if near else ''})")

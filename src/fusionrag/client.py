@@ -101,6 +101,18 @@ class SearchResult:
 
 
 @dataclass
+class Group:
+    id: str | int  # the value of the field grouped by that its hits share
+    hits: list[Hit]  # best first
+
+
+@dataclass
+class GroupsResult:
+    groups: list[list[Group]]  # per query, the group of the best hit first
+    warnings: list[str] = field(default_factory=list)  # parts of the filter, or a group_by field, matching nothing
+
+
+@dataclass
 class Page:
     documents: list[Document]
     next_cursor: str | None  # give it as `cursor` for the next page; None after the last
@@ -397,6 +409,32 @@ class Ops:
         data = yield Request("POST", _path(collection, "/recommend"), body, safe=True)
         return [_hit(h) for h in data["results"]]
 
+    @staticmethod
+    def search_groups(collection: str, vectors=None, *, group_by: str, group_size: int = 3, limit: int = 10,
+                      texts: Sequence[str] | None = None, filter: dict | None = None,
+                      params: SearchParams | SearchOverrides | dict | None = None, mode: str = "vector",
+                      text_weight: float = DEFAULT_TEXT_WEIGHT, with_vectors: bool = False,
+                      fusion: dict | None = None, where_document: dict | None = None) -> Op[GroupsResult]:
+        """Hits grouped by the metadata field `group_by` (Qdrant's search groups): for each query the best `limit`
+        groups, ordered by their best hit, each its best `group_size` hits sharing one value of the field. A
+        document whose field holds a list is in each of its values' groups; one without a string or integer value
+        there in none. Queries, modes and filters as `search` takes them. See docs/collections.md."""
+        filter = with_document(filter, where_document)
+        body: dict[str, Any] = {"group_by": group_by, "group_size": group_size, "limit": limit, "mode": mode}
+        if vectors is not None:
+            v = np.asarray(vectors, dtype=np.float32)
+            body["vectors"] = (v[None, :] if v.ndim == 1 else v).tolist()
+        if texts is not None:
+            body["texts"] = [texts] if isinstance(texts, str) else list(texts)
+        if mode == "hybrid":
+            body["text_weight"] = text_weight
+            if fusion is not None:
+                body["fusion"] = fusion
+        _query_options(body, filter, params, with_vectors)
+        data = yield Request("POST", _path(collection, "/search/groups"), body, safe=True)
+        return GroupsResult([[Group(g["id"], [_hit(h) for h in g["hits"]]) for g in q] for q in data["results"]],
+                            data.get("warnings", []))
+
 
 def with_document(filter: dict | None, where_document: dict | None) -> dict | None:
     """A metadata filter and a text condition on the documents' text (Chroma's where_document: {"$contains": "s"},
@@ -543,6 +581,7 @@ class _Api:
     delete = _Operation(Ops.delete)
     search = _Operation(Ops.search)
     recommend = _Operation(Ops.recommend)
+    search_groups = _Operation(Ops.search_groups)
     snapshot = _Operation(Ops.snapshot)
     snapshots = _Operation(Ops.snapshots)
     download_snapshot = _Operation(Ops.download_snapshot)
@@ -662,6 +701,7 @@ class AsyncClient(_Api):
         await self.aclose()
 
 
-__all__ = ["AsyncClient", "AuthError", "Client", "CollectionInfo", "Document", "Hit", "Ops", "Page", "RemoteError",
+__all__ = ["AsyncClient", "AuthError", "Client", "CollectionInfo", "Document", "Group", "GroupsResult", "Hit", "Ops",
+           "Page", "RemoteError",
            "UnreachableError",
            "Request", "SearchResult", "error_for"]
