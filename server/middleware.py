@@ -18,9 +18,9 @@ log = logging.getLogger("fusionrag.server")
 
 
 # Routes whose body is a file, written to disk as it arrives: a restore and an import take max_upload_bytes, an
-# OpenAI file upload (a document for a vector store) max_file_bytes.
+# OpenAI file upload (a document for a vector store) and a file chunked into a collection max_file_bytes.
 _UPLOADS = re.compile(r"/v1/collections/[^/]+/(restore|import)")
-_FILES = re.compile(r"/v1/files")
+_FILES = re.compile(r"/v1/files|/v1/collections/[^/]+/files")
 
 
 def _deadline(seconds: float):

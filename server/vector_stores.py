@@ -67,6 +67,22 @@ _FILTER_OPS = {"eq": "$eq", "ne": "$ne", "gt": "$gt", "gte": "$gte", "lt": "$lt"
                "nin": "$nin"}
 
 
+def too_many_tokens(limit: int) -> str:
+    return f"the file has more than {limit:,} tokens, the limit of one file (max_file_tokens)"
+
+
+def over_token_limit(path: Path, nbytes: int, spans, limit: int) -> bool:
+    """Whether the file has more than `limit` tokens, read as a store's file is before anything of it is embedded
+    (VectorStores._step, there a part a step); BadText where it is not UTF-8 text. A file of no more bytes than the
+    limit is only read (a token is at least a byte)."""
+    exact = nbytes > limit
+    mark, ended = Mark(), False
+    while not ended:
+        mark, ended = count_tokens(path, mark, spans if exact else None, limit,
+                                   COUNT_CHARS if exact else 16 * COUNT_CHARS)
+    return mark.tokens > limit
+
+
 def new_id(prefix: str) -> str:
     return prefix + secrets.token_hex(12)
 
@@ -688,8 +704,7 @@ class VectorStores:
                 if not ended:
                     return False
                 if job.mark.tokens > limit:
-                    return self._finish(job, 0, 0, {"code": "invalid_file", "message": f"the file has more than "
-                                                    f"{limit:,} tokens, the limit of one file (max_file_tokens)"})
+                    return self._finish(job, 0, 0, {"code": "invalid_file", "message": too_many_tokens(limit)})
                 if exact and not job.mark.tokens:
                     return self._finish(job, 0, 0, _NO_TEXT)
                 job.counted, job.mark = True, Mark()  # and its first batch in the same turn

@@ -132,6 +132,8 @@ class Request:
     upload_type: str | None = None
     upload_encoding: str | None = None  # its Content-Encoding ("gzip": the file is gzipped)
     files: dict[str, Path] | None = None  # multipart/form-data parts, each a file streamed
+    fields: dict[str, str] | None = None  # multipart/form-data fields beside the files
+    file_names: dict[str, str] | None = None  # a file part's name where not its path's
     save_to: Path | None = None  # the answer's body streamed into this file (the answer is then its path)
 
 
@@ -364,6 +366,22 @@ class Ops:
                               files={"documents": Path(documents), "vectors": Path(vectors)}))
 
     @staticmethod
+    def upload_file(collection: str, path: str | os.PathLike, *, filename: str | None = None,
+                    max_chunk_size_tokens: int | None = None, chunk_overlap_tokens: int | None = None,
+                    metadata: dict | None = None) -> Op[dict]:
+        """A text file (streamed up) cut into chunks by the vector stores' chunker, by the collection model's
+        tokens (by default the model's window or 800 tokens, half overlapping), each embedded and stored as the
+        document `<filename>#<n>` with metadata {**metadata, "filename", "chunk": n}; an upload of the same
+        `filename` (the path's name unless given) replaces its chunks. Returns {"collection", "filename",
+        "chunks", "max_chunk_size_tokens", "chunk_overlap_tokens"}. See docs/collections.md."""
+        fields = {k: str(v) for k, v in (("max_chunk_size_tokens", max_chunk_size_tokens),
+                                         ("chunk_overlap_tokens", chunk_overlap_tokens)) if v is not None}
+        if metadata is not None:
+            fields["metadata"] = json.dumps(metadata)
+        return (yield Request("POST", _path(collection, "/files"), files={"file": Path(path)}, fields=fields or None,
+                              file_names={"file": filename} if filename else None))
+
+    @staticmethod
     def search(collection: str, vectors=None, *, texts: Sequence[str] | None = None, k: int = 10,
                filter: dict | None = None, params: SearchParams | SearchOverrides | dict | None = None, mode: str = "vector",
                text_weight: float = DEFAULT_TEXT_WEIGHT, with_vectors: bool = False,
@@ -479,8 +497,10 @@ UPLOAD_CHUNK = 1 << 20
 def _body(req: Request, stack: contextlib.ExitStack, sync: bool) -> dict:
     """httpx's keywords for the request's body: JSON, a file streamed, or multipart parts (files streamed)."""
     if req.files is not None:
-        return {"files": {name: (path.name, stack.enter_context(open(path, "rb")), "application/octet-stream")
-                          for name, path in req.files.items()}}
+        names = req.file_names or {}
+        return {"files": {name: (names.get(name, path.name), stack.enter_context(open(path, "rb")),
+                                 "application/octet-stream") for name, path in req.files.items()},
+                **({"data": req.fields} if req.fields else {})}
     if req.upload is not None:
         f = stack.enter_context(open(req.upload, "rb"))
         headers = {"Content-Type": req.upload_type or "application/octet-stream",
@@ -588,6 +608,7 @@ class _Api:
     delete_snapshot = _Operation(Ops.delete_snapshot)
     restore = _Operation(Ops.restore)
     import_documents = _Operation(Ops.import_documents)
+    upload_file = _Operation(Ops.upload_file)
     update_aliases = _Operation(Ops.update_aliases)
     create_alias = _Operation(Ops.create_alias)
     delete_alias = _Operation(Ops.delete_alias)
