@@ -435,7 +435,7 @@ class OnnxModel:
         encodings = self._tok.encode_batch(texts)
         lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(texts))
         order = np.argsort(-lengths, kind="stable")
-        for rows in tqdm(_batches(lengths[order], order, batch_size), desc="Batches",  # as sentence-transformers'
+        for rows in tqdm(length_batches(lengths[order], order, batch_size), desc="Batches",  # as sentence-transformers'
                          disable=not show_progress_bar):
             width = int(lengths[rows[0]])
             feed = {n: np.zeros((len(rows), width), dtype=np.int64) for n in self._names}
@@ -468,7 +468,7 @@ class OnnxModel:
 CUT = 0.75  # a batch ends before a text shorter than this share of its longest: the padding it would bring
 
 
-def _batches(lengths: np.ndarray, order: np.ndarray, batch_size: int) -> list[np.ndarray]:
+def length_batches(lengths: np.ndarray, order: np.ndarray, batch_size: int) -> list[np.ndarray]:
     """Texts (their indices, `order`, longest first, `lengths` theirs) in batches of at most batch_size, each cut
     before a text shorter than CUT of the batch's longest: padding costs as much as tokens do, and a transformer's
     attention more. (A batch used to take texts of any length until it held 1,024 tokens: 16 concurrent paragraph

@@ -315,13 +315,13 @@ def test_onnx_runtime_telemetry_is_off_before_it_loads():
 def test_batches_pad_each_text_to_at_most_a_third_more_tokens():
     """However few texts a call holds (16 concurrent queries, say), no text is padded past 1/CUT of its own
     tokens: a batch of paragraphs used to fill to 1,024 tokens first, and 16 queries then cost 1.8x the CPU."""
-    from fusionrag.retriever.collection.embedding_onnx import CUT, _batches
+    from fusionrag.retriever.collection.embedding_onnx import CUT, length_batches
 
     rng = np.random.default_rng(7)
     for n, batch_size in ((16, 64), (5, 64), (384, 128), (1000, 64), (40, 4)):
         lengths = rng.integers(3, 257, n)
         order = np.argsort(-lengths, kind="stable")
-        batches = _batches(lengths[order], order, batch_size)
+        batches = length_batches(lengths[order], order, batch_size)
         assert np.array_equal(np.concatenate(batches), order)  # every text once, longest first
         for rows in batches:
             width = lengths[rows].max()
