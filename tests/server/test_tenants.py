@@ -82,6 +82,7 @@ def test_one_tenant_creating_collections_cannot_exhaust_the_descriptors(tmp_path
 
         def tenant_b():
             rng = np.random.default_rng(1)
+            made = []
             with srv.client(headers=B) as c:
                 i = 0
                 while not stop.is_set():
@@ -162,6 +163,7 @@ def test_a_tenants_built_sharded_collections_take_no_descriptors_from_another(tm
 
         def tenant_b():
             rng = np.random.default_rng(1)
+            made = []
             with srv.client(headers=B) as c:
                 i = 0
                 while not stop.is_set():
@@ -174,6 +176,10 @@ def test_a_tenants_built_sharded_collections_take_no_descriptors_from_another(tm
                     if i % 10 == 0:
                         r = c.post("/v1/collections", json={"name": f"b-{i}", "dimension": DIM, "metric": "l2"})
                         b_status.append(("create", r.status_code))
+                        made.append(f"b-{i}")
+                        if len(made) > 3:  # a few at a time: B's own per-key limit (100) is not what is tested
+                            r = c.delete(f"/v1/collections/{made.pop(0)}")
+                            b_status.append(("drop", 200 if r.status_code == 204 else r.status_code))
                     most[0] = max(most[0], srv.open_files())
                     i += 1
 
@@ -201,7 +207,7 @@ def test_a_tenants_built_sharded_collections_take_no_descriptors_from_another(tm
             assert r.status_code == 201, r.text
         bad = [(what, s) for what, s in b_status if s not in (200, 201)]
         assert b_status and not bad, bad[:5]
-        assert {what for what, _ in b_status} == {"search", "write", "create"}
+        assert {what for what, _ in b_status} >= {"search", "write", "create"}
         assert most[0] <= 384 - 64 + 8, most[0]
         holding = _holding_files(srv, tmp_path / "data" / "collections")
         assert len({n for n in holding if n.startswith("a-s")}) <= 2, holding  # the others closed their shards
