@@ -377,6 +377,8 @@ def test_small_things_a_user_reaches_for(service):
                 warnings.simplefilter("always")
                 assert client.count("team-small", filter={"gg": 1}) == 0
                 assert client.count("team-small", filter={"g": 1}) == 1
+            # (a ResourceWarning of some earlier test's socket, collected meanwhile, is not the client's)
+            caught = [w for w in caught if not issubclass(w.category, ResourceWarning)]
             assert len(caught) == 1 and "'gg'" in str(caught[0].message), [str(w.message) for w in caught]
         finally:
             client.drop_collection("team-small")
