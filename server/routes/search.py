@@ -26,13 +26,10 @@ from fusionrag.server.schemas import GroupSearchRequest, RecommendRequest, Searc
 router = APIRouter(prefix="/v1")
 
 
-@router.post("/collections/{name}/search", summary="Top-k documents of each query vector or text",
-         openapi_extra=json_body(SearchRequest), responses=documented(400, 401, 403, 404, 409, 413, 422, 503))
-async def search(request: Request, coll: Collection = Depends(open_collection)):
-    state = state_of(request)
-    cfg = state.config
+async def _read_queries(request: Request, coll: Collection, cfg, model):
+    """A search body (a search's, a grouped search's: `model`) read and validated: (body, its vector rows or None,
+    its queries). Rows are read in C++ and refused while the body is read (a row's length, too many queries)."""
     too_many = over_limit("queries", cfg.max_queries, "max_queries")
-
     words = query_words(coll, "query vectors")
 
     def wrong_dim(d: int) -> HTTPException:  # a row's length, refused while the body is read
@@ -43,8 +40,16 @@ async def search(request: Request, coll: Collection = Depends(open_collection)):
         "texts": lambda i: b.array(i, 1, lambda _, j: b.value(j, 2), cfg.max_queries, too_many)})
     rows = data.pop("vectors", None)
     # Vectors that are not a list are the model's to refuse, with its message.
-    body = validate(SearchRequest, data if isinstance(rows, (list, type(None))) else {**data, "vectors": rows})
-    queries = search_queries(body.mode, rows, body.texts)
+    body = validate(model, data if isinstance(rows, (list, type(None))) else {**data, "vectors": rows})
+    return body, rows, search_queries(body.mode, rows, body.texts)
+
+
+@router.post("/collections/{name}/search", summary="Top-k documents of each query vector or text",
+         openapi_extra=json_body(SearchRequest), responses=documented(400, 401, 403, 404, 409, 413, 422, 503))
+async def search(request: Request, coll: Collection = Depends(open_collection)):
+    state = state_of(request)
+    cfg = state.config
+    body, rows, queries = await _read_queries(request, coll, cfg, SearchRequest)
     if body.k > cfg.max_k:
         raise http_error(422, f"k is {body.k}, at most {cfg.max_k} allowed (max_k)")
     if body.k + body.offset > cfg.max_k:
@@ -145,18 +150,7 @@ async def search_groups(request: Request, coll: Collection = Depends(open_collec
     deeper each time until its groups fill, the ranking ends (fewer hits than the depth), or the depth is max_k."""
     state = state_of(request)
     cfg = state.config
-    too_many = over_limit("queries", cfg.max_queries, "max_queries")
-    words = query_words(coll, "query vectors")
-
-    def wrong_dim(d: int) -> HTTPException:
-        return http_error(422, words.dimension.format(got=d, dim=coll.dim))
-
-    data = await read_json(request, lambda b: {
-        "vectors": lambda i: b.vectors(i, coll.dim, "vectors", wrong_dim, cfg.max_queries, too_many),
-        "texts": lambda i: b.array(i, 1, lambda _, j: b.value(j, 2), cfg.max_queries, too_many)})
-    rows = data.pop("vectors", None)
-    body = validate(GroupSearchRequest, data if isinstance(rows, (list, type(None))) else {**data, "vectors": rows})
-    queries = search_queries(body.mode, rows, body.texts)
+    body, rows, queries = await _read_queries(request, coll, cfg, GroupSearchRequest)
     if body.limit * body.group_size > cfg.max_k:
         raise http_error(422, f"limit x group_size is {body.limit * body.group_size} hits, at most {cfg.max_k} "
                               "allowed (max_k)")

@@ -398,15 +398,7 @@ class Ops:
             body["offset"] = offset
         if score_threshold is not None:
             body["score_threshold"] = score_threshold
-        if vectors is not None:
-            v = np.asarray(vectors, dtype=np.float32)
-            body["vectors"] = (v[None, :] if v.ndim == 1 else v).tolist()
-        if texts is not None:
-            body["texts"] = [texts] if isinstance(texts, str) else list(texts)
-        if mode == "hybrid":
-            body["text_weight"] = text_weight
-            if fusion is not None:
-                body["fusion"] = fusion
+        _queries(body, vectors, texts, mode, text_weight, fusion)
         _query_options(body, filter, params, with_vectors)
         if stats:
             body["stats"] = True
@@ -439,15 +431,7 @@ class Ops:
         there in none. Queries, modes and filters as `search` takes them. See docs/collections.md."""
         filter = with_document(filter, where_document)
         body: dict[str, Any] = {"group_by": group_by, "group_size": group_size, "limit": limit, "mode": mode}
-        if vectors is not None:
-            v = np.asarray(vectors, dtype=np.float32)
-            body["vectors"] = (v[None, :] if v.ndim == 1 else v).tolist()
-        if texts is not None:
-            body["texts"] = [texts] if isinstance(texts, str) else list(texts)
-        if mode == "hybrid":
-            body["text_weight"] = text_weight
-            if fusion is not None:
-                body["fusion"] = fusion
+        _queries(body, vectors, texts, mode, text_weight, fusion)
         _query_options(body, filter, params, with_vectors)
         data = yield Request("POST", _path(collection, "/search/groups"), body, safe=True)
         return GroupsResult([[Group(g["id"], [_hit(h) for h in g["hits"]]) for g in q] for q in data["results"]],
@@ -463,6 +447,20 @@ def with_document(filter: dict | None, where_document: dict | None) -> dict | No
     if filter is None:
         return {"$document": where_document}
     return {"$and": [filter, {"$document": where_document}]}
+
+
+def _queries(body: dict, vectors, texts, mode: str, text_weight: float, fusion: dict | None) -> None:
+    """The queries a search and a grouped search take (vectors, texts, hybrid's weight and fusion), put in the
+    request's body where given."""
+    if vectors is not None:
+        v = np.asarray(vectors, dtype=np.float32)
+        body["vectors"] = (v[None, :] if v.ndim == 1 else v).tolist()
+    if texts is not None:
+        body["texts"] = [texts] if isinstance(texts, str) else list(texts)
+    if mode == "hybrid":
+        body["text_weight"] = text_weight
+        if fusion is not None:
+            body["fusion"] = fusion
 
 
 def _query_options(body: dict, filter: dict | None, params, with_vectors: bool) -> None:
