@@ -1,9 +1,11 @@
+import gzip
 import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 from cgroup import cgroup_factory  # noqa: F401 (a fixture: a memory cgroup of the test's own, tests/cgroup.py)
+from rss import status
 
 # Without a GPU the Triton kernels run in Triton's interpreter, which reads this variable when
 # triton is first imported: set it before any test module imports the kernels.
@@ -16,11 +18,15 @@ DATA = Path(os.environ.get("FUSIONRAG_DATA", Path(__file__).resolve().parents[2]
 
 def status_bytes(key: str) -> int:
     """A size line of /proc/self/status (VmRSS, VmHWM ...), bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no {key} in /proc/self/status")
+    return status(key)[key]
+
+
+def idx_images(path) -> np.ndarray:
+    """The images of a gzipped IDX file (Fashion-MNIST's), one uint8 row each."""
+    with gzip.open(path, "rb") as f:
+        raw = f.read()
+    n, rows, cols = (int.from_bytes(raw[i:i + 4], "big") for i in (4, 8, 12))
+    return np.frombuffer(raw, dtype=np.uint8, offset=16).reshape(n, rows * cols)
 
 
 @pytest.fixture(scope="session")

@@ -55,6 +55,40 @@ def serving(app, lifespan: str = "on") -> Iterator[str]:
 
 
 @contextlib.contextmanager
+def serving_filled(config: ServerConfig, kind: str, name: str, dim: int, first: list[dict],
+                   rest: list) -> Iterator[tuple[str, object]]:
+    """The service (config) holding collection `name` (l2): kind "single", `first` (documents as the API takes
+    them) written and merged into its index, or "sharded" (2 shards), `first` built by its import; then `rest`
+    (client Documents) written after, fresh. (base URL, a Client) while the block runs."""
+    import json
+
+    from fusionrag.client import Client
+
+    app = create_app(config)
+    with serving(app) as url, Client(url) as c:
+        body = {"name": name, "dimension": dim, "metric": "l2"}
+        if kind == "sharded":
+            body["shards"] = 2
+        assert httpx.post(f"{url}/v1/collections", json=body).status_code == 201
+        if kind == "sharded":  # built by its import, then written to
+            lines = "".join(json.dumps(d) + "\n" for d in first)
+            r = httpx.post(f"{url}/v1/collections/{name}/import", content=lines.encode(),
+                           headers={"Content-Type": "application/x-ndjson"}, timeout=60)
+            assert r.status_code == 202, r.text
+            deadline = time.monotonic() + 120
+            while c.info(name).build_state["import"]["state"] in ("uploading", "running"):
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            assert c.info(name).build_state["import"]["state"] == "done", c.info(name).build_state
+        else:
+            c.upsert(name, first)
+            app.state.fusionrag.catalog.get(name).merge()  # `first` in the index, the rest fresh
+        c.upsert(name, rest)
+        assert c.count(name) == len(first) + len(rest)
+        yield url, c
+
+
+@contextlib.contextmanager
 def serving_sharded(built: Path, at: Path, name: str, config: ServerConfig | None = None,
                     keys=None) -> Iterator[tuple[str, object]]:
     """A copy (at `at`) of the sharded index built at `built`, opened with its shards in this process and served as

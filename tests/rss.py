@@ -7,13 +7,22 @@ import sys
 from pathlib import Path
 
 
-def rss_anon() -> int:
-    """Anonymous resident bytes of this process (/proc/self/status RssAnon)."""
+def status(*keys: str) -> dict[str, int]:
+    """These size lines of this process's /proc/self/status (VmRSS, VmHWM, RssAnon, RssFile ...), bytes."""
+    out = {}
     with open("/proc/self/status") as fh:
         for line in fh:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no RssAnon in /proc/self/status")
+            key = line.split(":")[0]
+            if key in keys:
+                out[key] = int(line.split()[1]) * 1024
+    missing = set(keys) - set(out)
+    assert not missing, f"no {sorted(missing)} in /proc/self/status"
+    return out
+
+
+def rss_anon() -> int:
+    """Anonymous resident bytes of this process (/proc/self/status RssAnon)."""
+    return status("RssAnon")["RssAnon"]
 
 
 def run_alone(script: str, *args: str, timeout: float = 300) -> str:

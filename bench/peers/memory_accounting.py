@@ -23,20 +23,14 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness.paths import ROOT, WORK, module_argv, results
+from bench.harness.paths import ROOT, WORK, module_argv, results, tests_module
 
 MiB = 1 << 20
 
 
 def status() -> dict:
-    """VmRSS, VmHWM, RssAnon, RssFile of this process, bytes."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key = line.split(":")[0]
-            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
-                out[key] = int(line.split()[1]) * 1024
-    return out
+    """VmRSS, VmHWM, RssAnon, RssFile of this process, bytes (the tests' reader, tests/rss.py)."""
+    return tests_module("rss").status("VmRSS", "VmHWM", "RssAnon", "RssFile")
 
 
 def smaps() -> dict:

@@ -1,6 +1,5 @@
 """The engine end to end: build, open, search; exactness, recall on real data, bad input."""
 
-import gzip
 import json
 import os
 import shutil
@@ -10,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import clustered, exact_knn, recall
+from conftest import clustered, exact_knn, idx_images, recall
 
 from fusionrag.retriever import BuildConfig, ConfigError, Index, IndexFormatError, InputError
 from fusionrag.retriever.engine.manifest import FORMAT_VERSION
@@ -257,20 +256,13 @@ def test_graph_sq8_against_float_graph(small):
     assert recall(sq8.search(queries, k=10, **EXHAUSTIVE).ids, truth) == 1.0
 
 
-def _idx_images(path):
-    with gzip.open(path, "rb") as f:
-        raw = f.read()
-    n, rows, cols = (int.from_bytes(raw[i:i + 4], "big") for i in (4, 8, 12))
-    return np.frombuffer(raw, dtype=np.uint8, offset=16).reshape(n, rows * cols)
-
-
 @pytest.fixture(scope="module")
 def fashion(tmp_path_factory, data_dir):
     """Fashion-MNIST's 60,000 training images built at the defaults, and the first 1000 test images."""
     d, tmp = data_dir / "fashion-mnist-784-euclidean", tmp_path_factory.mktemp("fashion")
-    write_bin(tmp / "base.u8bin", _idx_images(d / "train-images-idx3-ubyte.gz"))
+    write_bin(tmp / "base.u8bin", idx_images(d / "train-images-idx3-ubyte.gz"))
     Index.build(tmp / "base.u8bin", tmp / "idx", progress=False)
-    return tmp / "idx", _idx_images(d / "t10k-images-idx3-ubyte.gz")[:1000], d
+    return tmp / "idx", idx_images(d / "t10k-images-idx3-ubyte.gz")[:1000], d
 
 
 def test_real_fashion_mnist_recall_at_defaults(fashion):

@@ -9,13 +9,13 @@ MiB) and the code pages a first search touches (file-backed, ~1.5-2 MiB; bench/r
 hence the tolerances below.
 """
 
-import gzip
 import json
 import sys
 
 import numpy as np
 import pytest
-from rss import run_alone
+from conftest import idx_images
+from rss import run_alone, status
 
 MiB = 1 << 20
 # |measured growth - memory()'s total|, the interpreter's and allocator's slack and first-touched code between them.
@@ -25,13 +25,6 @@ OPEN_TOLERANCE = int(1.5 * MiB)
 QUERIES, KNOB = 1000, {"nprobe": 128, "rerank": 400}
 
 
-def _idx_images(path):
-    with gzip.open(path, "rb") as f:
-        raw = f.read()
-    n, rows, cols = (int.from_bytes(raw[i:i + 4], "big") for i in (4, 8, 12))
-    return np.frombuffer(raw, dtype=np.uint8, offset=16).reshape(n, rows * cols)
-
-
 @pytest.fixture(scope="module")
 def fashion(tmp_path_factory, data_dir):
     """Fashion-MNIST's 60,000 training images built at the defaults (2 build threads), and 1000 test images."""
@@ -39,20 +32,14 @@ def fashion(tmp_path_factory, data_dir):
     from fusionrag.retriever.engine.vectors import write_bin
 
     d, tmp = data_dir / "fashion-mnist-784-euclidean", tmp_path_factory.mktemp("fashion_memory")
-    write_bin(tmp / "base.u8bin", _idx_images(d / "train-images-idx3-ubyte.gz"))
+    write_bin(tmp / "base.u8bin", idx_images(d / "train-images-idx3-ubyte.gz"))
     Index.build(tmp / "base.u8bin", tmp / "idx", BuildConfig(threads=2), progress=False)
-    np.save(tmp / "queries.npy", _idx_images(d / "t10k-images-idx3-ubyte.gz")[:QUERIES].astype(np.float32))
+    np.save(tmp / "queries.npy", idx_images(d / "t10k-images-idx3-ubyte.gz")[:QUERIES].astype(np.float32))
     return tmp / "idx", tmp / "queries.npy"
 
 
 def _status() -> dict:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key = line.split(":")[0]
-            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
-                out[key] = int(line.split()[1]) * 1024
-    return out
+    return status("VmRSS", "VmHWM", "RssAnon", "RssFile")
 
 
 def _measure(path: str, queries: str, engine: str) -> dict:

@@ -8,15 +8,13 @@ the grouping of the service's own BM25 ranking at depth max_k. Bad input gets 42
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import numpy as np
 import pytest
-from integration_helpers import serving
+from integration_helpers import serving_filled
 
-from fusionrag.client import Client, Document
-from fusionrag.server.app import create_app
+from fusionrag.client import Document
 from fusionrag.server.config import ServerConfig
 
 DIM, N, BEFORE, BIG, NAME, MAX_K = 8, 600, 480, 150, "grouped", 300
@@ -109,27 +107,11 @@ def _doc(i: int) -> dict:
 @pytest.fixture(scope="module", params=["single", "sharded"])
 def service(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"groups-{request.param}")
-    app = create_app(ServerConfig(data_dir=str(root / "data"), demo=False, log_level="warning", max_k=MAX_K))
-    with serving(app) as url, Client(url) as c:
-        body = {"name": NAME, "dimension": DIM, "metric": "l2"}
-        if request.param == "sharded":
-            body["shards"] = 2
-        assert httpx.post(f"{url}/v1/collections", json=body).status_code == 201
-        if request.param == "sharded":  # built by its import, then written to
-            lines = "".join(json.dumps(_doc(i)) + "\n" for i in range(BEFORE))
-            r = httpx.post(f"{url}/v1/collections/{NAME}/import", content=lines.encode(),
-                           headers={"Content-Type": "application/x-ndjson"}, timeout=60)
-            assert r.status_code == 202, r.text
-            deadline = time.monotonic() + 120
-            while c.info(NAME).build_state["import"]["state"] in ("uploading", "running"):
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
-            assert c.info(NAME).build_state["import"]["state"] == "done", c.info(NAME).build_state
-        else:
-            c.upsert(NAME, [_doc(i) for i in range(BEFORE)])
-            app.state.fusionrag.catalog.get(NAME).merge()  # the first BEFORE in the index, the rest fresh
-        c.upsert(NAME, [Document(str(i), TEXTS[i], X[i].tolist(), METAS[i]) for i in range(BEFORE, N)])
-        assert c.count(NAME) == N
+    config = ServerConfig(data_dir=str(root / "data"), demo=False, log_level="warning", max_k=MAX_K)
+    with serving_filled(config, request.param, NAME, DIM,
+                        [_doc(i) for i in range(BEFORE)],
+                        [Document(str(i), TEXTS[i], X[i].tolist(), METAS[i]) for i in range(BEFORE, N)]
+                        ) as (url, c):
         yield request.param, url, c
 
 

@@ -7,15 +7,13 @@ nearest by numpy); a bad text condition gets 422 naming it on every route that t
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import numpy as np
 import pytest
-from integration_helpers import serving
+from integration_helpers import serving_filled
 
-from fusionrag.client import Client, Document, with_document
-from fusionrag.server.app import create_app
+from fusionrag.client import Document, with_document
 from fusionrag.server.config import ServerConfig
 
 DIM, N, BEFORE, NAME = 8, 400, 340, "texts"
@@ -70,27 +68,11 @@ def _doc(i: int) -> dict:
 @pytest.fixture(scope="module", params=["single", "sharded"])
 def service(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"text-filter-{request.param}")
-    app = create_app(ServerConfig(data_dir=str(root / "data"), demo=False, log_level="warning"))
-    with serving(app) as url, Client(url) as c:
-        body = {"name": NAME, "dimension": DIM, "metric": "l2"}
-        if request.param == "sharded":
-            body["shards"] = 2
-        assert httpx.post(f"{url}/v1/collections", json=body).status_code == 201
-        if request.param == "sharded":  # built by its import, then written to
-            lines = "".join(json.dumps(_doc(i)) + "\n" for i in range(BEFORE))
-            r = httpx.post(f"{url}/v1/collections/{NAME}/import", content=lines.encode(),
-                           headers={"Content-Type": "application/x-ndjson"}, timeout=60)
-            assert r.status_code == 202, r.text
-            deadline = time.monotonic() + 120
-            while c.info(NAME).build_state["import"]["state"] in ("uploading", "running"):
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
-            assert c.info(NAME).build_state["import"]["state"] == "done", c.info(NAME).build_state
-        else:
-            c.upsert(NAME, [_doc(i) for i in range(BEFORE)])
-            app.state.fusionrag.catalog.get(NAME).merge()  # the first BEFORE in the index, the rest fresh
-        c.upsert(NAME, [Document(str(i), TEXTS[i], X[i].tolist(), METAS[i]) for i in range(BEFORE, N)])
-        assert c.count(NAME) == N
+    config = ServerConfig(data_dir=str(root / "data"), demo=False, log_level="warning")
+    with serving_filled(config, request.param, NAME, DIM,
+                        [_doc(i) for i in range(BEFORE)],
+                        [Document(str(i), TEXTS[i], X[i].tolist(), METAS[i]) for i in range(BEFORE, N)]
+                        ) as (url, c):
         yield request.param, url, c
 
 
