@@ -117,7 +117,7 @@ class ShardedCollection:
         w, ids = upsert_record(docs, self.dim, self.metric)
         if not w.ids:
             return ids
-        with self.index._write_lock:
+        with self.index.write_lock:
             nums = self._ids(w.ids, create=True)
             self.index.upsert(nums, w.vectors, list(zip(w.ids, w.texts, w.metas)))
         return ids
@@ -127,14 +127,14 @@ class ShardedCollection:
     def delete(self, ids: Sequence[str]) -> int:
         """Delete by id (unknown ids are ignored); how many were live."""
         names = self._check_names(ids, "delete")
-        with self.index._write_lock:
+        with self.index.write_lock:
             nums = self._ids(names, create=False)
             return self.index.delete(nums[nums >= 0]) if (nums >= 0).any() else 0
 
     def delete_where(self, filter: dict) -> int:
         """Delete every document the filter passes, as of now (writes wait meanwhile); how many."""
         where = compile_filter(filter)
-        with self.index._write_lock:
+        with self.index.write_lock:
             nums = self.index.matching(where)
             return self.index.delete(nums) if len(nums) else 0
 
@@ -149,7 +149,7 @@ class ShardedCollection:
         w = metadata_record(updates, merge)
         if not w.ids:
             return 0
-        with self.index._write_lock:  # no write between reading the documents and writing them again
+        with self.index.write_lock:  # no write between reading the documents and writing them again
             found = self.get(w.ids, with_vectors=True)
             new = dict(zip(w.ids, w.metas))
             docs = [Document(d.id, d.text, d.vector,
@@ -296,7 +296,7 @@ class ShardedCollection:
 
     def info(self) -> dict:
         ix = self.index
-        with ix._write_lock:
+        with ix.write_lock:
             count, fresh = ix.live_count(), len(ix.fresh_owner)
         return {"name": self.name, "dimension": self.dim, "metric": self.metric, "embedding": self.embedding,
                 "state": "ready",

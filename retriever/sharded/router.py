@@ -96,7 +96,9 @@ class ShardedIndex(ManifestShape):
         self._lock = threading.Lock()
         self.outstanding = np.zeros(self.n_shards, dtype=np.int64)  # list-size units sent, not yet answered
         self.alive = np.ones(self.n_shards, dtype=bool)
-        self._write_lock = threading.RLock()  # writes one at a time: the router's maps follow the shards' logs
+        # Writes one at a time: the router's maps follow the shards' logs. Public: a caller that reads the name map
+        # (named, next_named) and then writes by it (ShardedCollection) holds it across both.
+        self.write_lock = threading.RLock()
         self._merge_lock = threading.Lock()  # merges one at a time, none while quiesced() holds the files still
         self.fresh_owner: dict[int, tuple[int, ...]] = {}  # id -> the shards whose fresh tier holds it
         # How many fresh ids each set of owners holds (under _lock): what a search asks when a shard is down, read
@@ -540,7 +542,7 @@ class ShardedIndex(ManifestShape):
         if not len(ids):
             return 0
         near = self.nav.nearest(v, self.params.with_overrides(nprobe=min(UPSERT_PROBE, len(self.list_shards))))[0]
-        with self._write_lock:
+        with self.write_lock:
             if not self.alive.any():
                 raise UnavailableError(f"{self.path}: upsert refused: every shard is down")
             base = self._base_holders(ids)
@@ -588,7 +590,7 @@ class ShardedIndex(ManifestShape):
         """Delete by id from every shard holding a version (unknown ids are ignored); durable when it returns;
         how many ids were live. UnavailableError (503) when a shard holding one of them is down."""
         ids = self._check_ids(ids)
-        with self._write_lock:
+        with self.write_lock:
             base = self._base_holders(ids)
             holders = [set(b) | set(self.fresh_owner.get(int(i), ())) for i, b in zip(ids.tolist(), base)]
             self._refuse_if_down(set().union(*holders) if holders else set(), "delete")
@@ -607,7 +609,7 @@ class ShardedIndex(ManifestShape):
     def live_count(self) -> int:
         """Live vectors, each counted once however many shards hold it: those in the shards' indexes not deleted
         or replaced since, and those in their fresh tiers."""
-        with self._write_lock:
+        with self.write_lock:
             if self._base_count is None:
                 self._base_count = len(np.unique(np.concatenate(self.base_ids))) if self.base_ids else 0
             return self._base_count - len(self.base_gone) + len(self.fresh_owner)
@@ -646,7 +648,7 @@ class ShardedIndex(ManifestShape):
         """id -> (name, text, metadata, vector or None) of those of these ids that are live, each asked of one live
         shard holding it. UnavailableError (503) when every shard holding one of them is down."""
         ids = np.asarray(ids, dtype=np.int64)
-        with self._write_lock:
+        with self.write_lock:
             holders = [set(b) | set(self.fresh_owner.get(i, ())) for i, b in zip(ids.tolist(), self._base_holders(ids))]
         asks: dict[int, list[int]] = {}
         down: set[int] = set()
@@ -778,7 +780,7 @@ class ShardedIndex(ManifestShape):
                 self._mark_down(s)
         merged = [s for s, r in out.items() if r.get("merged")]
         if merged:
-            with self._write_lock:
+            with self.write_lock:
                 for s in merged:
                     self.base_ids[s] = load_global_ids(current_part(self.shard_paths[s])[0])
                 if self.alive.all():
@@ -854,7 +856,7 @@ class ShardedIndex(ManifestShape):
         if where["count"] != want:
             raise IndexFormatError(f"{path}: the restarted shard holds {where['count']} vectors, the router expects "
                                    f"{want}")
-        with self._write_lock:
+        with self.write_lock:
             self.shards[s] = shard
             self.where[s] = where
             self.base_ids[s] = load_global_ids(gen_dir)
@@ -869,7 +871,7 @@ class ShardedIndex(ManifestShape):
     def quiesced(self):
         """Hold the index's files still: no merge, no write (each waits) until the block ends; searches go on. What
         a snapshot copies the files under."""
-        with self._merge_lock, self._write_lock:
+        with self._merge_lock, self.write_lock:
             yield
 
     def close(self) -> None:
