@@ -162,17 +162,25 @@ def test_the_check_sees_a_cycle_a_private_name_and_a_layer_crossed(tmp_path):
         PACKAGES["fusionrag.retriever"], MODULES = saved, saved_modules
 
 
+def loaded_by(imports: str) -> set[str]:
+    """The fusionrag modules a fresh interpreter has loaded after `import <imports>`."""
+    code = f"import sys, json, {imports}; print(json.dumps(sorted(m for m in sys.modules if m.startswith('fusionrag'))))"
+    return set(json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                         check=True).stdout))
+
+
 def test_the_client_loads_no_engine():
-    """`import fusionrag.client` (and `import fusionrag.retriever`) load the light modules only: no C++ extension,
-    no index, no collection code, no Triton; measured in a fresh interpreter."""
-    code = ("import sys, json, fusionrag.client, fusionrag.retriever, fusionrag.retriever.collection; "
-            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('fusionrag'))))")
-    loaded = set(json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                           check=True).stdout))
+    """`import fusionrag.client` loads the client, the types it shares with the engine (fusionrag.types) and the
+    error classes, nothing else; `import fusionrag.retriever` and its collection package load the light modules
+    only: no C++ extension, no index, no collection code, no Triton; measured in a fresh interpreter."""
+    client = loaded_by("fusionrag.client")
+    assert client == {"fusionrag", "fusionrag.client", "fusionrag.types", "fusionrag.lazy", "fusionrag.retriever",
+                      "fusionrag.retriever.errors"}, f"the client alone loaded {sorted(client)}"
+    loaded = loaded_by("fusionrag.client, fusionrag.retriever, fusionrag.retriever.collection")
     light = {"fusionrag", "fusionrag.client", "fusionrag.lazy", "fusionrag.retriever", "fusionrag.retriever.errors",
              "fusionrag.retriever.engine", "fusionrag.retriever.engine.config", "fusionrag.retriever.engine.queries",
              "fusionrag.retriever.engine.vectors", "fusionrag.retriever.collection",
              "fusionrag.retriever.collection.config", "fusionrag.retriever.collection.records",
-             "fusionrag.retriever.collection.values"}
+             "fusionrag.retriever.collection.values", "fusionrag.types"}
     assert loaded <= light, f"the client loaded {sorted(loaded - light)}"
     assert "fusionrag.client" in loaded

@@ -12,16 +12,18 @@ The package, a module for each thing a collection is made of:
 - embedding.py: the text embedding models; quota.py: what one tenant may take from the others;
 - catalog.py: Catalog, every collection of one data directory.
 
-The names below are imported on first use (fusionrag.lazy): the client takes Document and Hit without the engine.
+The names below are imported on first use (fusionrag.lazy), but for Document, Hit and DEFAULT_TEXT_WEIGHT: the
+types the client shares, from fusionrag.types, which loads no engine.
 """
 
 from fusionrag.lazy import face
+from fusionrag.types import DEFAULT_TEXT_WEIGHT, Document, Hit
 
 __all__ = ["Catalog", "Collection", "CollectionConfig", "CollectionSearch", "DEFAULT_TEXT_WEIGHT", "Document",
            "HYBRID_DEPTH", "Hit", "MAX_ID_CHARS", "NAME_RE", "RRF_K", "SEARCH_MODES"]
 __getattr__, __dir__ = face(__name__, {
     "Collection": "api", "Catalog": "catalog",
-    **dict.fromkeys(["DEFAULT_TEXT_WEIGHT", "HYBRID_DEPTH", "MAX_ID_CHARS", "NAME_RE", "RRF_K", "SEARCH_MODES",
-                     "CollectionConfig"], "config"),
-    **dict.fromkeys(["CollectionSearch", "Document", "Hit"], "records"),
+    **dict.fromkeys(["HYBRID_DEPTH", "MAX_ID_CHARS", "NAME_RE", "RRF_K", "SEARCH_MODES", "CollectionConfig"],
+                    "config"),
+    "CollectionSearch": "records",
 })

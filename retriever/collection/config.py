@@ -11,6 +11,7 @@ import numpy as np
 from fusionrag.retriever.engine.config import BuildConfig, ConfigBase, config_class, knob
 from fusionrag.retriever.collection.values import check_text
 from fusionrag.retriever.errors import InputError
+from fusionrag.types import DEFAULT_TEXT_WEIGHT  # noqa: F401 (named here as ever)
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 MAX_ID_CHARS = 512
@@ -43,11 +44,11 @@ def check_analyzer(analyzer) -> dict:
         raise InputError(f"stop_words must be one of {STOP_WORD_LISTS}, got {out['stop_words']!r}")
     return out
 # Hybrid search: each ranking is taken this deep (or k) before fusion, and fused by reciprocal rank
-# with the usual constant (Cormack et al., 2009); the text ranking's weight by default. Chosen on half of
-# a labelled question set of the Python docs' headings (bench/service/hybrid.py).
+# with the usual constant (Cormack et al., 2009); the text ranking's weight by default (DEFAULT_TEXT_WEIGHT, in
+# fusionrag.types, which the client shares). Chosen on half of a labelled question set of the Python docs'
+# headings (bench/service/hybrid.py).
 HYBRID_DEPTH = 20
 RRF_K = 60
-DEFAULT_TEXT_WEIGHT = 0.5
 FUSIONS = ("rrf", "weighted")
 # A query phrased as a question (QUESTION_RE: it ends with "?" or starts with an interrogative or an auxiliary verb,
 # "How do I ...", "Why does ...", "What is ...") is fused with this share of the text weight (0.05 of 0.5), and its

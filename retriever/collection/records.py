@@ -17,30 +17,8 @@ from fusionrag.retriever.collection.values import check_id, check_text, metadata
 from fusionrag.retriever.engine.queries import QueryWords
 from fusionrag.retriever.engine.vectors import normalize, vector_problems
 from fusionrag.retriever.errors import InputError
-
-
-@dataclass
-class Document:
-    id: str | None = None
-    text: str | None = None
-    vector: np.ndarray | list[float] | None = None
-    metadata: dict = field(default_factory=dict)
-
-    def __post_init__(self):
-        if isinstance(self.vector, dict):  # Document(id, text, {...}): the third field is the vector
-            raise InputError(f"document {self.id!r}: its third field is the vector, and a dict was given there; "
-                             "pass metadata by name: Document(id, text, metadata={...}) or "
-                             "Document(id, text, vector, {...})")
-
-
-@dataclass
-class Hit:
-    id: str
-    distance: float
-    score: float
-    text: str | None
-    metadata: dict
-    vector: np.ndarray | None = None
+# Document and Hit are the types the client shares (fusionrag.types); named here as ever.
+from fusionrag.types import Document, Hit
 
 
 @dataclass

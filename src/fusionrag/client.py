@@ -6,10 +6,11 @@ returns is the call's result. `Client` runs operations over an `httpx.Client`, `
 `httpx.AsyncClient`; they differ only in how they send a request and wait. Operations compose with `yield from`,
 and `run(op)` runs one of your own the same way in both.
 
-Results are the engine's own types (`Document`, `Hit`) or dataclasses of this module, and errors are the engine's
-classes (retriever/errors.py), so code catches the same errors in embedded and remote mode: 400, 413 and 422 raise
-`InputError`, 404 `NotFoundError`, 409 `ConflictError`, 503 `UnavailableError`, 507 `StorageError` (each with the
-status as `.status`); 401 and 403 `AuthError`, any other `RemoteError`. Network failures are httpx's own.
+Results are the types the engine answers with too (`Document`, `Hit`: fusionrag.types) or dataclasses of this
+module, and errors are the engine's classes (retriever/errors.py), so code catches the same errors in embedded and
+remote mode: 400, 413 and 422 raise `InputError`, 404 `NotFoundError`, 409 `ConflictError`, 503 `UnavailableError`,
+507 `StorageError` (each with the status as `.status`); 401 and 403 `AuthError`, any other `RemoteError`. Network
+failures are httpx's own.
 """
 
 from __future__ import annotations
@@ -24,16 +25,18 @@ import warnings
 from collections.abc import Callable, Coroutine, Generator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Generic, ParamSpec, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
 from urllib.parse import quote
 
 import httpx
 import numpy as np
 
 from fusionrag import __version__
-from fusionrag.retriever.collection import DEFAULT_TEXT_WEIGHT, Document, Hit
-from fusionrag.retriever.engine.config import SearchOverrides, SearchParams
 from fusionrag.retriever.errors import FusionRAGError, InputError, error_class
+from fusionrag.types import DEFAULT_TEXT_WEIGHT, Document, Hit
+
+if TYPE_CHECKING:  # the engine's configuration: loaded only where a caller made one (_params_body)
+    from fusionrag.retriever.engine.config import SearchOverrides, SearchParams
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -468,9 +471,20 @@ def _query_options(body: dict, filter: dict | None, params, with_vectors: bool) 
     if filter is not None:
         body["filter"] = filter
     if params:
-        body["params"] = params.to_dict() if isinstance(params, (SearchParams, SearchOverrides)) else params
+        body["params"] = _params_body(params)
     if with_vectors:
         body["with_vectors"] = True
+
+
+def _params_body(params):
+    """A search's knobs as the body carries them: a SearchParams or SearchOverrides as its to_dict(), anything else
+    (a dict) as given. Their module (retriever/engine/config.py) is imported here, not with the client: a caller
+    that made one has loaded it already, and a dict needs it not."""
+    if isinstance(params, dict):
+        return params
+    from fusionrag.retriever.engine.config import SearchOverrides, SearchParams
+
+    return params.to_dict() if isinstance(params, (SearchParams, SearchOverrides)) else params
 
 
 # -- running operations ---------------------------------------------------------------------------
