@@ -29,8 +29,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fusionrag.retriever.collection import DEFAULT_TEXT_WEIGHT, Collection, CollectionSearch
+from fusionrag.retriever.collection import DEFAULT_TEXT_WEIGHT, CollectionSearch
 from fusionrag.retriever.collection.config import Fusion
+from fusionrag.retriever.collection.contract import CollectionContract
 from fusionrag.retriever.collection.embedding import get_embedder
 from fusionrag.retriever.engine.config import SearchOverrides, SearchParams
 from fusionrag.retriever.engine.queries import PreparedQueries
@@ -47,7 +48,7 @@ def _joined(parts: list) -> PreparedQueries | np.ndarray:
 
 @dataclass(eq=False)
 class _Request:
-    collection: Collection
+    collection: CollectionContract
     # (q, dim) float32: PreparedQueries as the route checked them, an array once `texts` are embedded;
     # None until then, and in text mode
     vectors: PreparedQueries | np.ndarray | None
@@ -169,7 +170,7 @@ class MicroBatcher:
         for queue in self._models.values():
             queue.close()
 
-    async def search(self, collection: Collection, k: int, *, vectors: np.ndarray | None = None,
+    async def search(self, collection: CollectionContract, k: int, *, vectors: np.ndarray | None = None,
                      texts: list[str] | None = None, filter: dict | None = None,
                      params: SearchParams | SearchOverrides | None = None, mode: str = "vector",
                      text_weight: float = DEFAULT_TEXT_WEIGHT, with_vectors: bool = False,
@@ -257,8 +258,7 @@ class MicroBatcher:
         collection's GPU serves a call cheaper, and queries arrive fast enough to reach that size in time."""
         if self.gpu_wait_s <= 0 or not self._pending or self._closing:
             return
-        crossover = getattr(self._pending[0].collection, "crossover", None)
-        want = crossover() if crossover is not None else None
+        want = self._pending[0].collection.crossover()
         if not want:
             return
         want = min(want, self.max_queries)
@@ -333,10 +333,6 @@ class MicroBatcher:
         out, at = {}, 0
         for req in reqs:
             end = at + req.size
-            if hasattr(res, "missing_lists"):  # a sharded collection's: each query's lists no live shard searched
-                out[req] = type(res)(hits=res.hits[at:end], stats=res.stats[at:end],
-                                     missing_lists=res.missing_lists[at:end], missing_shards=res.missing_shards)
-            else:
-                out[req] = CollectionSearch(hits=res.hits[at:end], stats=res.stats[at:end])
+            out[req] = res.part(at, end)
             at = end
         return out

@@ -9,7 +9,8 @@ from fastapi import Depends, Path as PathParam, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.convertors import Convertor, register_url_convertor
 
-from fusionrag.retriever.collection import NAME_RE, Collection
+from fusionrag.retriever.collection import NAME_RE
+from fusionrag.retriever.collection.contract import CollectionContract
 from fusionrag.retriever.errors import QuotaError
 from fusionrag.server.auth import Key
 from fusionrag.server.schemas import NAME_PATTERN
@@ -101,8 +102,7 @@ def reaches(state: State, key: Key | None, name: str) -> bool:
 
 def resolve(state: State, name: str) -> str:
     """The collection a name stands for: an alias's target (Catalog.resolve), else the name."""
-    of = getattr(state.catalog, "resolve", None)  # a service over a sharded collection has no aliases
-    return name if of is None else of(name)
+    return state.catalog.resolve(name)
 
 
 def check_reaches(request: Request, name: str, key: Key | None) -> str:
@@ -162,7 +162,7 @@ def collection_quota(request: Request, key: Key | None) -> Callable[[list[str]],
     return allow
 
 
-def collection_of(request: Request, name: str) -> Collection:
+def collection_of(request: Request, name: str) -> CollectionContract:
     """The open collection of a name this key may use (opened if it is not: files are read)."""
     state = state_of(request)
     with state.lock:
@@ -172,7 +172,7 @@ def collection_of(request: Request, name: str) -> Collection:
     return state.catalog.get(name)
 
 
-async def open_collection(request: Request, name: str = Depends(allowed)) -> Collection:
+async def open_collection(request: Request, name: str = Depends(allowed)) -> CollectionContract:
     """collection_of as a route's dependency: an open collection is taken on the event loop (a dict read; a set's
     membership read without the lock, atomic under the GIL), one still to open in a thread."""
     state = state_of(request)

@@ -84,7 +84,7 @@ async def engine_error(request: Request, exc: FusionRAGError) -> JSONResponse:
     # The service's own paths are none of a client's business: the data directory's (or, for the sharded service, the
     # index directory's) is named by what it is.
     catalog = request.app.state.fusionrag.catalog
-    root, word = str(catalog.root), "<index-dir>" if getattr(catalog, "sharded", False) else "<data-dir>"
+    root, word = str(catalog.root), "<index-dir>" if catalog.sharded else "<data-dir>"
     detail = str(exc).replace(root, word)
     status = http_status(exc)
     if status is not None:

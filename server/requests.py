@@ -11,7 +11,7 @@ import numpy as np
 from fastapi import Request
 from fastapi.exceptions import HTTPException
 
-from fusionrag.retriever.collection import Collection
+from fusionrag.retriever.collection.contract import CollectionContract
 from fusionrag.retriever.collection.embedding import get_embedder
 from fusionrag.retriever.collection.values import check_text
 from fusionrag.retriever.engine.config import SearchOverrides, SearchParams
@@ -69,7 +69,7 @@ def search_queries(mode: str, vectors: list | None, texts: list | None) -> list:
     return queries
 
 
-def query_words(coll: Collection, what: str) -> QueryWords:
+def query_words(coll: CollectionContract, what: str) -> QueryWords:
     """The API's words for query vectors that `coll` cannot search."""
     return _query_words(coll.name, what)
 
@@ -86,7 +86,7 @@ def _query_words(name: str, what: str) -> QueryWords:  # made once a collection 
     )
 
 
-def check_vectors(vectors: np.ndarray, coll: Collection, what: str) -> PreparedQueries:
+def check_vectors(vectors: np.ndarray, coll: CollectionContract, what: str) -> PreparedQueries:
     """What Collection.search would refuse, refused here (queries.prepare_queries, in the API's words): in a
     batch, one bad query would fail its neighbours. The queries come back prepared (unit rows under cosine),
     so that neither the collection nor its index checks or normalises them again."""
@@ -96,7 +96,7 @@ def check_vectors(vectors: np.ndarray, coll: Collection, what: str) -> PreparedQ
         raise http_error(422, str(e)) from None
 
 
-def embedder_of(coll: Collection, what: str):
+def embedder_of(coll: CollectionContract, what: str):
     if not coll.embedding:
         raise http_error(422, f"collection {coll.name!r} has no embedding model, so {what} need vectors")
     return get_embedder(coll.embedding)

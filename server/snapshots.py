@@ -12,7 +12,8 @@ import time
 import uuid
 from pathlib import Path
 
-from fusionrag.retriever.collection import Collection, quota
+from fusionrag.retriever.collection import quota
+from fusionrag.retriever.collection.contract import CollectionContract
 from fusionrag.retriever.errors import NotFoundError, QuotaError, StorageError
 
 SNAPSHOT_ID = re.compile(r"\d{8}T\d{6}Z-[0-9a-f]{8}")
@@ -44,7 +45,7 @@ class SnapshotShelf:
     def _bytes_limit(self) -> int:
         return self.max_bytes or quota.disk_bytes(self.root) // 2
 
-    def take(self, coll: Collection) -> dict:
+    def take(self, coll: CollectionContract) -> dict:
         """Write a snapshot of coll: QuotaError when it would be one too many of coll's or pass the bytes coll's
         may take, StorageError when it would write into the disk reserve."""
         folder = self.folder(coll.name)

@@ -35,6 +35,7 @@ from fusionrag.retriever.collection import compaction, importer, snapshot, tombs
 from fusionrag.retriever.collection.config import (CURRENT_FORMAT, DEFAULT_TEXT_WEIGHT, FRESH_HOLD, FRESH_SHARE,
                                                    HYBRID_DEPTH, MERGE_RETRY_S, CollectionConfig, Fusion, check_analyzer,
                                                    check_search)
+from fusionrag.retriever.collection.contract import CollectionContract
 from fusionrag.retriever.collection.docstore import DocStore
 from fusionrag.retriever.collection.filters import compile_filter, filter_warnings
 from fusionrag.retriever.collection.fresh import FreshTier
@@ -99,7 +100,7 @@ def _in_use(method):
     return call
 
 
-class Collection:
+class Collection(CollectionContract):
     """One collection, opened. Thread-safe: searches run concurrently with writes and a merge."""
 
     def __init__(self, path: Path, engine_config: EngineConfig | None = None,

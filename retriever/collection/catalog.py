@@ -20,6 +20,7 @@ from fusionrag.retriever import dirlock
 from fusionrag.retriever.collection import quota, snapshot
 from fusionrag.retriever.collection.api import Collection
 from fusionrag.retriever.collection.config import COLLECTION_FORMAT, NAME_RE, CollectionConfig, check_analyzer
+from fusionrag.retriever.collection.contract import CatalogContract
 from fusionrag.retriever.collection.docstore import DocStore
 from fusionrag.retriever.collection.generations import write_json_atomic
 from fusionrag.retriever.engine.config import METRICS, EngineConfig
@@ -42,7 +43,7 @@ def check_description(dim, metric, embedding) -> None:
         raise InputError(f"embedding must be a model name or None, got {embedding!r:.80}")
 
 
-class Catalog:
+class Catalog(CatalogContract):
     """All collections under one data directory (root/collections/<name>/). Thread-safe.
 
     A collection that fails to open is set aside with the reason (its calls get UnavailableError,

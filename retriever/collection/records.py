@@ -23,8 +23,25 @@ from fusionrag.types import Document, Hit
 
 @dataclass
 class CollectionSearch:
+    """A search's answer, whatever the collection (the one answer type of the collection contract, contract.py):
+    per query its hits and statistics. A sharded collection's also says, per query, the lists (the router's
+    numbers) no live shard could search, and which down shards' fresh documents went unsearched; missing_lists
+    is None for a collection that cannot miss any (one local store)."""
     hits: list[list[Hit]]
     stats: list[dict]
+    missing_lists: list[list[int]] | None = None
+    missing_shards: list[int] = field(default_factory=list)
+
+    @property
+    def partial(self) -> bool:
+        """Whether a shard down left some of it unsearched."""
+        return bool(self.missing_shards) or any(self.missing_lists or ())
+
+    def part(self, start: int, end: int) -> "CollectionSearch":
+        """The answer of queries start..end-1 alone (the batcher's split of a batched call)."""
+        return CollectionSearch(self.hits[start:end], self.stats[start:end],
+                                None if self.missing_lists is None else self.missing_lists[start:end],
+                                self.missing_shards)
 
 
 # -- writes as log records ---------------------------------------------------------------------

@@ -6,11 +6,12 @@ follow.py), with the same routes, limits, keys, errors and bodies."""
 from __future__ import annotations
 
 from fusionrag.retriever.collection import quota
+from fusionrag.retriever.collection.contract import CatalogContract
 from fusionrag.retriever.errors import ConflictError, InputError, NotFoundError, UnsupportedError
 from fusionrag.retriever.sharded.docs import ShardedCollection
 
 
-class ShardedCatalog:
+class ShardedCatalog(CatalogContract):
     """The catalog of one sharded collection (a ShardedCollection, or a FollowerCollection). owns: close() closes
     it (a router replica's own; the caller closes it otherwise)."""
 
@@ -61,6 +62,9 @@ class ShardedCatalog:
         """What /readyz adds: each shard's liveness (asked now); not ready while no shard answers."""
         alive = self.collection.index.check_shards()
         return {"shards_alive": alive.tolist(), "degraded": not alive.all(), "ready": bool(alive.any())}
+
+    def update_aliases(self, actions: list[tuple], allow=None) -> dict[str, str]:
+        raise UnsupportedError("aliases are not served over a sharded collection under Ray Serve")
 
     def close(self) -> None:
         if self.owns:

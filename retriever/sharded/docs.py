@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from fusionrag.retriever.collection import CollectionSearch, Document, Hit
 from fusionrag.retriever.collection.config import (DEFAULT_TEXT_WEIGHT, HYBRID_DEPTH, CollectionConfig, Fusion,
                                                    check_search)
+from fusionrag.retriever.collection.contract import CollectionContract
 from fusionrag.retriever.collection.filters import compile_filter, filter_warnings
 from fusionrag.retriever.collection.fusion import fuse, fused_hits
 from fusionrag.retriever.collection.docstore import merge_patch
@@ -52,21 +52,11 @@ def numeric_id(name: str) -> int | None:
     return None
 
 
-@dataclass
-class ShardedSearch(CollectionSearch):
-    """A collection's search answer, and what a sharded one adds: per query, the router's numbers of the probed
-    lists no live shard could search, and the down shards whose fresh documents went unsearched."""
-    missing_lists: list[list[int]] = field(default_factory=list)
-    missing_shards: list[int] = field(default_factory=list)
-
-    @property
-    def partial(self) -> bool:
-        return bool(self.missing_shards) or any(self.missing_lists)
-
-
-class ShardedCollection:
+class ShardedCollection(CollectionContract):
     """A sharded index (opened: ShardedIndex.open) as a collection named `name`. Thread-safe as the index is;
     writes are one at a time (the index's write lock, which also guards the name map)."""
+
+    sharded = True
 
     def __init__(self, index: ShardedIndex, name: str, config: CollectionConfig | None = None):
         """config: the collection settings that apply to a sharded one (filter_exact_max: a filter at most that
@@ -216,7 +206,7 @@ class ShardedCollection:
     def search(self, vectors=None, k: int = 10, filter: dict | None = None, params: SearchParams | None = None,
                with_vectors: bool = False, *, texts: Sequence[str] | None = None, mode: str = "vector",
                text_weight: float = DEFAULT_TEXT_WEIGHT, partial: bool = True, fusion: Fusion | dict | None = None,
-               **_) -> ShardedSearch:
+               **_) -> CollectionSearch:
         """Top-k documents of each query (those a filter passes), as Collection.search answers them: mode "vector"
         by the query vectors, with exact distances; "text" by BM25 over the documents' texts (distance: the bm25
         score, lower is better); "hybrid" both rankings, each HYBRID_DEPTH deep (or k), fused by reciprocal rank
@@ -251,7 +241,7 @@ class ShardedCollection:
                         continue
                     row.append(Hit(doc[0], d, self._score(d), doc[1], doc[2], doc[3] if with_vectors else None))
                 hits.append(row)
-            return ShardedSearch(hits, stats, missing_lists, missing_shards)
+            return CollectionSearch(hits, stats, missing_lists, missing_shards)
         queries = [fusion.query(t, float(text_weight)) for t in texts]  # a question's text ranking and weight
         found, down = self._text_ranking([t for t, _ in queries], depth, where, partial)
         hits = []
@@ -262,7 +252,7 @@ class ShardedCollection:
             fused = fuse(ranked, d_i[ids_i >= 0], found[i][0].tolist(), found[i][1], queries[i][1], fusion)
             stats[i]["text_candidates"] = len(found[i][0])
             hits.append(fused_hits(q[i], fused, k, self._with_vectors(res.docs), self.metric, with_vectors))
-        return ShardedSearch(hits, stats, missing_lists, sorted(set(missing_shards) | set(down)))
+        return CollectionSearch(hits, stats, missing_lists, sorted(set(missing_shards) | set(down)))
 
     def _with_vectors(self, have: dict):
         """fetch(ids) for fused_hits: the documents the shards returned with their vectors, the others asked of
@@ -282,14 +272,14 @@ class ShardedCollection:
                                    f"{', '.join(part_name(s) for s in down)} are down")
         return found, down
 
-    def _text_hits(self, texts: list[str], k: int, where, with_vectors: bool, partial: bool) -> ShardedSearch:
+    def _text_hits(self, texts: list[str], k: int, where, with_vectors: bool, partial: bool) -> CollectionSearch:
         found, down = self._text_ranking(texts, k, where, partial)
         wanted = sorted({d for ids, _ in found for d in ids.tolist()})
         docs = self.index.documents(wanted, with_vectors) if wanted else {}
         hits = [[Hit(docs[d][0], sc, -sc, docs[d][1], docs[d][2], docs[d][3] if with_vectors else None)
                  for d, sc in zip(ids.tolist(), scores.tolist()) if d in docs] for ids, scores in found]
         stats = [{"text_candidates": len(ids)} for ids, _ in found]
-        return ShardedSearch(hits, stats, [[] for _ in texts], down)
+        return CollectionSearch(hits, stats, [[] for _ in texts], down)
 
     def _score(self, d: float) -> float:
         return 1.0 - d if self.metric == "cosine" else -d

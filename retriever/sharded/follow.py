@@ -35,11 +35,12 @@ from typing import Any
 import numpy as np
 
 from fusionrag.retriever.collection.config import CollectionConfig
+from fusionrag.retriever.collection.records import CollectionSearch
 from fusionrag.retriever.engine.config import EngineConfig, SearchParams, cpu_threads
 from fusionrag.retriever.engine.learned_probe import load_probe_model
 from fusionrag.retriever.engine.tiers import NavigationTier
 from fusionrag.retriever.errors import ConfigError
-from fusionrag.retriever.sharded.docs import ShardedCollection, ShardedSearch
+from fusionrag.retriever.sharded.docs import ShardedCollection
 from fusionrag.retriever.sharded.router import ShardedIndex
 from fusionrag.retriever.sharded.actors import shards_of
 
@@ -192,7 +193,7 @@ class FollowerCollection(ShardedCollection):
         return self._on_leader("info")
 
     def search(self, vectors=None, k: int = 10, filter: dict | None = None, params: SearchParams | None = None,
-               with_vectors: bool = False, *, texts=None, mode: str = "vector", **kw) -> ShardedSearch:
+               with_vectors: bool = False, *, texts=None, mode: str = "vector", **kw) -> CollectionSearch:
         """Vector searches here; text and hybrid ones (they read the leader's write maps) on the leader."""
         if mode == "vector":
             return super().search(vectors, k, filter, params, with_vectors, texts=texts, mode=mode, **kw)

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from fusionrag.retriever.collection import importer, quota, snapshot
 from fusionrag.retriever.collection.config import CollectionConfig
+from fusionrag.retriever.collection.contract import CollectionContract
 from fusionrag.retriever.engine.config import BuildConfig, EngineConfig
 from fusionrag.retriever.engine.vectors import as_source
 from fusionrag.retriever.errors import ConflictError, FusionRAGError, InputError, StorageError, UnavailableError
@@ -67,7 +68,7 @@ def _in_use(method):
     return call
 
 
-class HostedSharded:
+class HostedSharded(CollectionContract):
     """A sharded collection in a catalog (see the module). Everything a ShardedCollection does, once built, is
     passed to it; before, reads answer empty and what needs documents is refused."""
 
@@ -178,20 +179,6 @@ class HostedSharded:
             "its import is building it (progress in the collection's info)" if running else
             f"its first import builds it (POST /v1/collections/{self.name}/import, JSON lines of documents)"))
 
-    def __getattr__(self, attr: str):
-        if attr.startswith("_"):
-            raise AttributeError(attr)
-        if not callable(getattr(ShardedCollection, attr, None)):  # what it lacks, it lacks built or not
-            raise AttributeError(attr)
-
-        def call(*args, **kwargs):  # one use of the built collection's method (refused while it holds nothing)
-            self._enter()
-            try:
-                return getattr(self._built(), attr)(*args, **kwargs)
-            finally:
-                self._leave()
-        return call
-
     @property
     def config(self) -> CollectionConfig:
         return self._collection_config
@@ -263,6 +250,10 @@ class HostedSharded:
         out = self._built().set_metadata(updates, merge)
         self._written()
         return out
+
+    @_in_use
+    def clear(self) -> None:
+        self._built().clear()
 
     def _written(self) -> None:
         """After a write: once the shards' fresh tiers and tombstones hold the collection's merge_fresh_count

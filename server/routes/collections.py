@@ -8,7 +8,7 @@ import threading
 from fastapi import APIRouter, Depends, Request
 
 from fusionrag.retriever.collection.embedding import canonical_name, get_embedder
-from fusionrag.retriever.errors import NotFoundError, UnavailableError, UnsupportedError
+from fusionrag.retriever.errors import NotFoundError, UnavailableError
 from fusionrag.server.auth import Key
 from fusionrag.server.deps import (allowed, authenticate, check_name, check_new_name, collection_of,
                                    collection_quota, key_of, open_collection, reaches, state_of)
@@ -94,9 +94,6 @@ def update_aliases(body: AliasActions, request: Request, key: Key | None = Depen
     "new_alias_name"}}. The key must reach every alias name an action names and every collection an alias it
     changes points to, before and after. Every route that takes a collection's name takes an alias for it."""
     state = state_of(request)
-    update = getattr(state.catalog, "update_aliases", None)
-    if update is None:
-        raise UnsupportedError("aliases are not served over a sharded collection under Ray Serve")
     actions = []
     for a in body.actions:
         if a.create_alias is not None:
@@ -113,15 +110,14 @@ def update_aliases(body: AliasActions, request: Request, key: Key | None = Depen
                                   f"{name!r}")
         if not reaches(state, key, name):
             raise http_error(403, f"this API key has no rights to {kind} {name!r}")
-    return {"aliases": _alias_list(state, key, update(actions, allow))}
+    return {"aliases": _alias_list(state, key, state.catalog.update_aliases(actions, allow))}
 
 
 @router.get("/aliases", summary="The aliases (those whose name and collection this key reaches)",
             responses=documented(401))
 def list_aliases(request: Request, key: Key | None = Depends(authenticate)):
     state = state_of(request)
-    aliases = getattr(state.catalog, "aliases", None)
-    return {"aliases": _alias_list(state, key, aliases() if aliases is not None else {})}
+    return {"aliases": _alias_list(state, key, state.catalog.aliases())}
 
 
 @router.get("/collections/{name}/aliases", summary="The aliases of a collection (of an alias's collection)",
@@ -129,8 +125,7 @@ def list_aliases(request: Request, key: Key | None = Depends(authenticate)):
 def collection_aliases(request: Request, name: str = Depends(allowed)):
     state = state_of(request)
     collection_of(request, name)  # 404 for no collection
-    aliases = getattr(state.catalog, "aliases", None)
-    mine = {a: t for a, t in (aliases() if aliases is not None else {}).items() if t == name}
+    mine = {a: t for a, t in state.catalog.aliases().items() if t == name}
     return {"aliases": _alias_list(state, key_of(request), mine)}
 
 

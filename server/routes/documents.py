@@ -8,7 +8,8 @@ from fastapi import APIRouter, Depends, Path as PathParam, Query, Request
 from fastapi.exceptions import HTTPException
 from starlette.concurrency import run_in_threadpool
 
-from fusionrag.retriever.collection import Collection, Document
+from fusionrag.retriever.collection import Document
+from fusionrag.retriever.collection.contract import CollectionContract
 from fusionrag.server.bodies import Body, read_body, validate
 from fusionrag.server.schemas import (Counted, CountRequest, Deleted, DeleteRequest, Documents, DocumentsPage, GetRequest,
                                       MetadataRequest, Updated, UpsertRequest)
@@ -23,7 +24,7 @@ router = APIRouter(prefix="/v1")
 
 @router.post("/collections/{name}/documents", summary="Add or replace documents (by id); returns their ids",
          openapi_extra=json_body(UpsertRequest), responses=documented(400, 401, 403, 404, 409, 413, 422, 503, 507))
-async def upsert_documents(request: Request, coll: Collection = Depends(open_collection)):
+async def upsert_documents(request: Request, coll: CollectionContract = Depends(open_collection)):
     cfg = state_of(request).config
 
     def document(b: Body, n: int, i: int):
@@ -60,7 +61,7 @@ async def upsert_documents(request: Request, coll: Collection = Depends(open_col
 @router.get("/collections/{name}/documents/{doc_id:document_id}", summary="One document by id (ids 'get' and "
         "'delete' through POST …/documents/get)", responses=documented(400, 401, 403, 404, 405, 422, 503))
 def get_document(doc_id: Annotated[str, PathParam(json_schema_extra={"not": {"enum": list(DOCUMENT_VERBS)}})],
-                 vector: bool = False, coll: Collection = Depends(open_collection)):
+                 vector: bool = False, coll: CollectionContract = Depends(open_collection)):
     found = coll.get([doc_id], with_vectors=vector)
     if not found:
         raise http_error(404, f"no document {doc_id!r} in collection {coll.name!r}")
@@ -77,7 +78,7 @@ def _ids_reader(request: Request) -> Callable[[Body], dict]:
 @router.post("/collections/{name}/documents/get", summary="Documents by id, in the order asked; ids not found are left "
          "out", openapi_extra=json_body(GetRequest),
          responses={200: {"model": Documents}, **documented(400, 401, 403, 404, 413, 422, 503)})
-async def get_documents(request: Request, coll: Collection = Depends(open_collection)):
+async def get_documents(request: Request, coll: CollectionContract = Depends(open_collection)):
     body = validate(GetRequest, await read_json(request, _ids_reader(request)))
     docs = await run_in_threadpool(coll.get, body.ids, body.with_vectors)
     return VectorJSON({"documents": [document_json(d, body.with_vectors) for d in docs]})
@@ -111,7 +112,7 @@ def query_filter(request: Request) -> dict | None:
 @router.post("/collections/{name}/documents/count", summary="How many documents a filter passes (all without one)",
          openapi_extra=json_body(CountRequest, required=False),
          responses={200: {"model": Counted}, **documented(400, 401, 403, 404, 413, 422, 503)})
-async def count_documents(request: Request, coll: Collection = Depends(open_collection)):
+async def count_documents(request: Request, coll: CollectionContract = Depends(open_collection)):
     body = Body(await read_body(request))
     data = body.document({}) if body.b.strip() else {}  # no body: count them all
     flt = validate(CountRequest, data).filter
@@ -128,7 +129,7 @@ async def count_documents(request: Request, coll: Collection = Depends(open_coll
         "order: each page's next_cursor gives the next", openapi_extra={"parameters": [_FILTER_PARAMETER]},
         responses={200: {"model": DocumentsPage}, **documented(400, 401, 403, 404, 409, 413, 422, 503)})
 def list_documents(request: Request, limit: PageLimit = DEFAULT_PAGE, cursor: Cursor = None,
-                   with_vectors: bool = False, coll: Collection = Depends(open_collection)):
+                   with_vectors: bool = False, coll: CollectionContract = Depends(open_collection)):
     cfg = state_of(request).config
     if "limit" not in request.query_params:
         limit = min(limit, cfg.max_documents)
@@ -153,7 +154,7 @@ def page_answer(coll, limit: int, cursor: str | None, flt: dict | None, with_vec
 @router.post("/collections/{name}/documents/metadata", summary="Change documents' metadata alone (their text, vector "
          "and place in the index stay), merged or replaced, in one write", openapi_extra=json_body(MetadataRequest),
          responses={200: {"model": Updated}, **documented(400, 401, 403, 404, 409, 413, 422, 503, 507)})
-async def set_metadata(request: Request, coll: Collection = Depends(open_collection)):
+async def set_metadata(request: Request, coll: CollectionContract = Depends(open_collection)):
     cfg = state_of(request).config
     too_many = over_limit("documents", cfg.max_documents, "max_documents")
     data = await read_json(request, lambda b: {
@@ -172,7 +173,7 @@ async def set_metadata(request: Request, coll: Collection = Depends(open_collect
 @router.delete("/collections/{name}/documents", summary="Delete documents by id (unknown ids are ignored) or by filter "
            "(in one write)", openapi_extra=json_body(DeleteRequest),
            responses={200: {"model": Deleted}, **documented(400, 401, 403, 404, 409, 413, 422, 503, 507)})
-async def delete_documents(request: Request, coll: Collection = Depends(open_collection)):
+async def delete_documents(request: Request, coll: CollectionContract = Depends(open_collection)):
     data = await read_json(request, _ids_reader(request))
     body = validate(DeleteRequest, data)
     if ("ids" in data) == ("filter" in data):

@@ -15,7 +15,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import FileResponse, JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from fusionrag.retriever.collection import Collection, Document, importer
+from fusionrag.retriever.collection import Document, importer
+from fusionrag.retriever.collection.contract import CollectionContract
 from fusionrag.retriever.collection.embedding import canonical_name, get_embedder
 from fusionrag.retriever.errors import InputError, StorageError
 from fusionrag.retriever.process import lower_thread_priority
@@ -42,7 +43,7 @@ _BINARY = {"application/octet-stream": {"schema": {"type": "string", "format": "
 @router.post("/collections/{name}/snapshots", status_code=201, responses=documented(400, 401, 403, 404, 409, 422, 503,
                                                                                     507),
          summary="Write a snapshot of a collection (its state now, while writes go on); returns its id")
-def create_snapshot(request: Request, coll: Collection = Depends(open_collection)):
+def create_snapshot(request: Request, coll: CollectionContract = Depends(open_collection)):
     return state_of(request).snapshots.take(coll)
 
 
@@ -67,7 +68,7 @@ def delete_snapshot(request: Request, snapshot_id: str, name: str = Depends(allo
     return {"deleted": snapshot_id}
 
 
-def _check_start(coll: Collection, files: dict[str, Path], folder: Path) -> None:
+def _check_start(coll: CollectionContract, files: dict[str, Path], folder: Path) -> None:
     """Before the 202: the start of the upload (the documents' first lines, the vector file's header and first rows)
     checked as the import will check it (importer.check_start), so that what the import would refuse there is
     refused now (InputError, 422, naming the line and the problem) rather than failing after the 202."""
@@ -78,7 +79,7 @@ def _check_start(coll: Collection, files: dict[str, Path], folder: Path) -> None
         raise InputError(importer.public_reason(e, coll.path, folder)) from e
 
 
-def _run_import(coll: Collection, files: dict[str, Path], folder: Path) -> None:
+def _run_import(coll: CollectionContract, files: dict[str, Path], folder: Path) -> None:
     lower_thread_priority()  # a build takes the cores that searches leave (threads it starts inherit it)
     try:
         coll.import_files(files.get("documents"), files.get("vectors"), progress=False, claimed=True)
@@ -97,7 +98,7 @@ def _run_import(coll: Collection, files: dict[str, Path], folder: Path) -> None:
              "multipart/form-data": {"schema": {"type": "object", "properties": {
                  "documents": {"type": "string", "format": "binary"},
                  "vectors": {"type": "string", "format": "binary"}}}}}}})
-async def import_documents(request: Request, coll: Collection = Depends(open_collection)):
+async def import_documents(request: Request, coll: CollectionContract = Depends(open_collection)):
     state = state_of(request)
     # Claimed before the upload, not after it: a second import, or a write, is refused (409) while it arrives.
     await run_in_threadpool(coll.claim_import)
@@ -185,7 +186,7 @@ def _file_metadata(fields: dict[str, str]) -> dict:
     return meta
 
 
-def _store_file(coll: Collection, path: Path, filename: str, size: int, overlap: int, meta: dict,
+def _store_file(coll: CollectionContract, path: Path, filename: str, size: int, overlap: int, meta: dict,
                 max_tokens: int) -> int:
     """The file's chunks written as documents `<filename>#<n>`, those a former upload of the name left past them
     deleted; nothing written where the file is refused. The number of chunks."""
@@ -226,7 +227,7 @@ def _store_file(coll: Collection, path: Path, filename: str, size: int, overlap:
                      "max_chunk_size_tokens": {"type": "integer", "minimum": 100, "maximum": 4096},
                      "chunk_overlap_tokens": {"type": "integer", "minimum": 0},
                      "metadata": {"type": "string", "description": "a JSON object given to every chunk"}}}}}}})
-async def upload_collection_file(request: Request, coll: Collection = Depends(open_collection)):
+async def upload_collection_file(request: Request, coll: CollectionContract = Depends(open_collection)):
     state = state_of(request)
     cfg = state.config
     embedder_of(coll, "a file's chunks")  # before the upload: a collection without a model is refused at once

@@ -46,9 +46,8 @@ def readyz(request: Request):
         if state.demo_error:
             failed.setdefault("demo", state.demo_error)
         body = {"status": "ready", "collections": state.catalog.names(), "failed": failed}
-        readiness = getattr(state.catalog, "readiness", None)
-        if readiness is not None:  # a sharded collection: its shards asked now; degraded with one down, 503 with all
-            r = readiness()
+        r = state.catalog.readiness()
+        if r is not None:  # a sharded collection: its shards asked now; degraded with one down, 503 with all
             body.update(status="degraded" if r["degraded"] else "ready", shards_alive=r["shards_alive"])
             if not r["ready"]:
                 return JSONResponse(_for_caller(request, body), 503)

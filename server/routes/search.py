@@ -10,8 +10,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import HTTPException
 from starlette.concurrency import run_in_threadpool
 
-from fusionrag.retriever.collection import Collection
 from fusionrag.retriever.collection.config import Fusion
+from fusionrag.retriever.collection.contract import CollectionContract
 from fusionrag.retriever.collection.filters import compile_filter
 from fusionrag.server.batcher import ServiceClosing
 from fusionrag.server.bodies import validate
@@ -26,7 +26,7 @@ from fusionrag.server.schemas import GroupSearchRequest, RecommendRequest, Searc
 router = APIRouter(prefix="/v1")
 
 
-async def _read_queries(request: Request, coll: Collection, cfg, model):
+async def _read_queries(request: Request, coll: CollectionContract, cfg, model):
     """A search body (a search's, a grouped search's: `model`) read and validated: (body, its vector rows or None,
     its queries). Rows are read in C++ and refused while the body is read (a row's length, too many queries)."""
     too_many = over_limit("queries", cfg.max_queries, "max_queries")
@@ -46,7 +46,7 @@ async def _read_queries(request: Request, coll: Collection, cfg, model):
 
 @router.post("/collections/{name}/search", summary="Top-k documents of each query vector or text",
          openapi_extra=json_body(SearchRequest), responses=documented(400, 401, 403, 404, 409, 413, 422, 503))
-async def search(request: Request, coll: Collection = Depends(open_collection)):
+async def search(request: Request, coll: CollectionContract = Depends(open_collection)):
     state = state_of(request)
     cfg = state.config
     body, rows, queries = await _read_queries(request, coll, cfg, SearchRequest)
@@ -81,7 +81,7 @@ async def search(request: Request, coll: Collection = Depends(open_collection)):
         low = body.score_threshold
         found = [[h for h in hits[body.offset:] if low is None or h.score >= low] for hits in found]
     out = {"results": [[hit_json(h, body.with_vectors) for h in hits] for hits in found]}
-    if hasattr(res, "missing_lists"):  # a sharded collection: whether a shard down left lists unsearched, and which
+    if res.missing_lists is not None:  # a sharded collection: whether a shard down left lists unsearched, and which
         out["partial"] = res.partial
         if res.partial:
             out["missing_lists"], out["missing_shards"] = res.missing_lists, res.missing_shards
@@ -96,7 +96,7 @@ async def search(request: Request, coll: Collection = Depends(open_collection)):
 @router.post("/collections/{name}/recommend", summary="Documents like some stored ones and unlike others, by their ids "
              "(Qdrant's recommend, average-vector strategy)", openapi_extra=json_body(RecommendRequest),
              responses=documented(400, 401, 403, 404, 409, 413, 422, 503))
-async def recommend(request: Request, coll: Collection = Depends(open_collection)):
+async def recommend(request: Request, coll: CollectionContract = Depends(open_collection)):
     """The query is 2 x the mean of the positive examples' vectors - the mean of the negative ones' (the positive
     mean alone without negatives; under cosine each example made unit length first), searched as a query vector;
     the examples themselves are left out of the hits."""
@@ -143,7 +143,7 @@ async def recommend(request: Request, coll: Collection = Depends(open_collection
              "of each query, each its best `group_size` hits sharing one value of `group_by` (Qdrant's search "
              "groups)", openapi_extra=json_body(GroupSearchRequest),
              responses=documented(400, 401, 403, 404, 409, 413, 422, 503))
-async def search_groups(request: Request, coll: Collection = Depends(open_collection)):
+async def search_groups(request: Request, coll: CollectionContract = Depends(open_collection)):
     """Each query's ranking (as a search makes it, with the filter) is grouped best first (server/groups.py): a
     document with a list under the field is in each of its values' groups, one without a string or integer value
     there in none. The ranking is searched to a depth of 2 x limit x group_size first (at most max_k), then 4 times
@@ -178,7 +178,7 @@ async def search_groups(request: Request, coll: Collection = Depends(open_collec
                 vectors=None if vectors is None else vectors.rows(which),
                 texts=None if texts is None else [texts[i] for i in pending], fusion=fusion,
                 with_vectors=body.with_vectors, partial=body.partial)
-            if hasattr(res, "missing_lists") and (last is None or res.partial):  # a sharded collection's
+            if res.missing_lists is not None and (last is None or res.partial):  # a sharded collection's
                 partial, last = partial or res.partial, res
             deeper = []
             for i, hits in zip(pending, res.hits):
