@@ -20,6 +20,7 @@ shards. The catalogs (Catalog, ShardedCatalog) are CatalogContracts the same way
 
 from __future__ import annotations
 
+import functools
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
@@ -32,6 +33,20 @@ from fusionrag.retriever.errors import UnsupportedError
 
 if TYPE_CHECKING:
     from fusionrag.retriever.collection.quota import Limits
+
+
+def in_use(method):
+    """Run a public method as one use of the collection (Collection's and HostedSharded's): its class's _enter
+    before it (refused once closing began; files reopened where they were closed while idle), its _leave after,
+    so close (a drop, a shutdown) and the pool of open files wait for every use to end."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        self._enter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._leave()
+    return call
 
 
 class CollectionContract(ABC):

@@ -246,11 +246,13 @@ def check_start(documents: Path | None, vectors: Path | None, dim: int, metric: 
 def import_files(col: Collection, documents: Path | None, vectors: Path | None, progress: bool | None,
                  embedder=None) -> dict:
     """Import into `col` (see the module); the caller holds col's merge lock. embedder: the collection's
-    model, needed when documents carry texts without vectors."""
+    model, needed when documents carry texts without vectors. What it needs of col beyond its description:
+    col.import_steps() (each step's progress, the build's config, the publication of the staged import)."""
     t0 = time.perf_counter()
     if documents is None and vectors is None:
         raise InputError("an import needs documents (JSON lines), vectors (a vector file), or both")
-    steps = Progress(progress, col._merge_step)
+    on_step, build_config, publish = col.import_steps()
+    steps = Progress(progress, on_step)
     staging = col.path / f".import-{uuid.uuid4().hex}"
     staging.mkdir()
     try:
@@ -258,10 +260,10 @@ def import_files(col: Collection, documents: Path | None, vectors: Path | None, 
         index_dir = staging / "index"
         indexed = n >= col.config.min_index_count
         if indexed:
-            build_index(str(source), index_dir, col._build_config, progress, on_progress=col._merge_step,
+            build_index(str(source), index_dir, build_config, progress, on_progress=on_step,
                             resume=False)  # staging is the import's own: a killed import starts over
-        stored = col._publish_import(n, source, lambda: _documents(documents, n, vectors is not None),
-                                     index_dir if indexed else None, steps)
+        stored = publish(n, source, lambda: _documents(documents, n, vectors is not None),
+                         index_dir if indexed else None, steps)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return {"documents": n, "stored": stored, "indexed": indexed, "seconds": round(time.perf_counter() - t0, 3)}
@@ -417,6 +419,6 @@ def _check_block(block: np.ndarray, metric: str, offset: int, what: str, numbers
 
 
 def check_empty(col: Collection) -> None:
-    if col.store.count() or len(col._main.rows) or col._fresh.n:
+    if not col.is_empty():
         raise ConflictError(f"collection {col.name!r} already holds documents: import into a new, empty collection "
                             "(or write through the documents API)")

@@ -21,7 +21,6 @@ of descriptors free gets UnavailableError (503).
 
 from __future__ import annotations
 
-import functools
 import logging
 import shutil
 import sqlite3
@@ -31,7 +30,7 @@ from pathlib import Path
 
 from fusionrag.retriever.collection import importer, quota, snapshot
 from fusionrag.retriever.collection.config import CollectionConfig
-from fusionrag.retriever.collection.contract import CollectionContract
+from fusionrag.retriever.collection.contract import CollectionContract, in_use
 from fusionrag.retriever.engine.config import BuildConfig, EngineConfig
 from fusionrag.retriever.engine.vectors import as_source
 from fusionrag.retriever.errors import ConflictError, FusionRAGError, InputError, StorageError, UnavailableError
@@ -53,19 +52,6 @@ def _lines(path: Path) -> int:
 
 class _Stopped(Exception):
     """Raised into a build whose collection was closed meanwhile (dropped, or the service stopping)."""
-
-
-def _in_use(method):
-    """Run a public method as one use of the collection (as a Collection's are): its shards are open throughout
-    (opened first where it had closed them), and neither the pool of open files nor close closes them under it."""
-    @functools.wraps(method)
-    def call(self, *args, **kwargs):
-        self._enter()
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self._leave()
-    return call
 
 
 class HostedSharded(CollectionContract):
@@ -193,36 +179,36 @@ class HostedSharded(CollectionContract):
         finally:
             self._leave()
 
-    @_in_use
+    @in_use
     def search(self, *args, **kwargs):
         return self._built().search(*args, **kwargs)
 
-    @_in_use
+    @in_use
     def scroll(self, *args, **kwargs):
         return self._built().scroll(*args, **kwargs)
 
-    @_in_use
+    @in_use
     def filter_warnings(self, filter: dict) -> list[str]:
         return self._built().filter_warnings(filter)
 
-    @_in_use
+    @in_use
     def __len__(self) -> int:
         inner = self._inner
         return 0 if inner is None else len(inner)
 
-    @_in_use
+    @in_use
     def count(self, filter: dict | None = None) -> int:
         inner = self._inner
         return 0 if inner is None else inner.count(filter)
 
-    @_in_use
+    @in_use
     def get(self, ids, with_vectors: bool = False) -> list:
         inner = self._inner
         return [] if inner is None else inner.get(ids, with_vectors)
 
     # -- writes, and the merges they call for ----------------------------------------------------------
 
-    @_in_use
+    @in_use
     def upsert(self, docs) -> list[str]:
         out = self._built().upsert(docs)
         self._written()
@@ -230,7 +216,7 @@ class HostedSharded(CollectionContract):
 
     add = upsert
 
-    @_in_use
+    @in_use
     def delete(self, ids) -> int:
         inner = self._inner
         if inner is None:
@@ -239,19 +225,19 @@ class HostedSharded(CollectionContract):
         self._written()
         return out
 
-    @_in_use
+    @in_use
     def delete_where(self, filter: dict) -> int:
         out = self._built().delete_where(filter)
         self._written()
         return out
 
-    @_in_use
+    @in_use
     def set_metadata(self, updates, merge: bool = True) -> int:
         out = self._built().set_metadata(updates, merge)
         self._written()
         return out
 
-    @_in_use
+    @in_use
     def clear(self) -> None:
         self._built().clear()
 
@@ -287,7 +273,7 @@ class HostedSharded(CollectionContract):
         finally:
             self._leave()
 
-    @_in_use
+    @in_use
     def info(self) -> dict:
         inner = self._inner
         if inner is not None:
@@ -325,7 +311,7 @@ class HostedSharded(CollectionContract):
             raise ConflictError(f"sharded collection {self.name!r} is already importing documents (its progress is "
                                 "in the collection's info)")
 
-    @_in_use
+    @in_use
     def claim_import(self) -> None:
         """Reserve this empty collection for one import before its files arrive (as Collection.claim_import);
         UnavailableError (503) while the pool of open files has no room for the shards it would build."""
@@ -346,7 +332,7 @@ class HostedSharded(CollectionContract):
             if self._import is not None and self._import.get("state") == "uploading":
                 self._set_import(getattr(self, "_before_claim", None))
 
-    @_in_use
+    @in_use
     def import_files(self, documents=None, vectors=None, progress: bool | None = None, claimed: bool = False) -> dict:
         """Build this empty sharded collection from files: JSON lines of documents (a line's vector, else its
         text embedded by the collection's model), or a vector file with (or without) its JSON-lines sidecar, line
@@ -433,7 +419,7 @@ class HostedSharded(CollectionContract):
 
     # -- snapshot, close ------------------------------------------------------------------------------
 
-    @_in_use
+    @in_use
     def snapshot(self, dest) -> dict:
         """Write this collection's state now to the archive dest (snapshot.write_tree): its writes and merges
         wait while the files are copied; searches go on. Returns what the archive holds."""
