@@ -1,5 +1,5 @@
 """The sharded build (docs/sharded.md, "Build"): train once at the driver, assign and encode in chunks, write one
-shard part per task (Ray tasks when Ray is initialised, this process otherwise)."""
+shard part per task (Ray tasks when Ray is initialised, this process otherwise: executors.py, chosen once)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from fusionrag.retriever.engine.tiers import NavigationTier, build_navigation
 from fusionrag.retriever.engine.vectors import STORAGE_DTYPES, as_source
 from fusionrag.retriever.errors import ConfigError, InputError
 from fusionrag.retriever.progress import OnProgress, Progress
-from fusionrag.retriever.sharded.actors import ray_active, require_ray
+from fusionrag.retriever.sharded.executors import LocalExecutor, RayExecutor, executor_for
 from fusionrag.retriever.sharded.parts import KIND, PLACEMENTS, part_name
 from fusionrag.retriever.sharded.placement import place_lists, sample_visits
 from fusionrag.retriever.sharded.writes import DOCS
@@ -151,12 +151,6 @@ def _write_shard(part_dir: str, plan: _ShardPlan, source, metric: str, store_dty
     return manifest
 
 
-def _ray_source(source):
-    """What Ray tasks read the vectors from: a file's path (every node reads it), else the array."""
-    src = as_source(source)
-    return src.path if isinstance(source, (str, Path)) else src.data
-
-
 def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfig(), placement: str = "hotness",
                   replicate: float = 0.02, sample_queries=None, num_sample_queries: int = 2000,
                   params: SearchParams = SearchParams(), use_ray: bool | None = None,
@@ -193,10 +187,7 @@ def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfi
         raise ConfigError(f"replicate must be in [0, 1], got {replicate}")
     if num_sample_queries < 1:
         raise ConfigError(f"num_sample_queries must be >= 1, got {num_sample_queries}")
-    use_ray = ray_active() if use_ray is None else use_ray
-    ray = require_ray() if use_ray else None
-    if use_ray and not ray.is_initialized():
-        raise ConfigError("use_ray: connect to a Ray cluster first (ray.init(address=...))")
+    executor = executor_for(use_ray, cpu_threads(config.threads))
     embedder = None
     if embedding is not None:
         from fusionrag.retriever.collection.embedding import canonical_name, get_embedder
@@ -205,7 +196,7 @@ def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfi
         embedder = get_embedder(embedding)
     if source is not None:
         return _build_sharded(source, out_dir, shards, config, placement, replicate, sample_queries,
-                              num_sample_queries, params, use_ray, ray, progress, overwrite, on_progress, probe_model,
+                              num_sample_queries, params, executor, progress, overwrite, on_progress, probe_model,
                               documents, embedder, t_start)
     if documents is None:
         raise ConfigError("build_sharded: give a vector source, or documents (JSON lines) to take the vectors from")
@@ -222,15 +213,15 @@ def build_sharded(source, out_dir, shards: int, config: BuildConfig = BuildConfi
         stage_vectors(Path(documents), None, vectors, Progress(progress, on_progress), embedder, dim, config.metric,
                       f"the sharded build of {out_dir.name!r}")
         return _build_sharded(str(vectors), out_dir, shards, config, placement, replicate, sample_queries,
-                              num_sample_queries, params, use_ray, ray, progress, overwrite, on_progress, probe_model,
+                              num_sample_queries, params, executor, progress, overwrite, on_progress, probe_model,
                               documents, embedder, t_start, vectors_in_lines=True)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
 
 def _build_sharded(source, out_dir, shards, config, placement, replicate, sample_queries, num_sample_queries,
-                   params, use_ray, ray, progress, overwrite, on_progress, probe_model, documents, embedder,
-                   t_start, vectors_in_lines: bool = False) -> dict:
+                   params, executor: LocalExecutor | RayExecutor, progress, overwrite, on_progress, probe_model,
+                   documents, embedder, t_start, vectors_in_lines: bool = False) -> dict:
     src = open_source(source)
     n, dim = src.count, src.dim
     if embedder is not None and embedder.dim != dim:
@@ -260,30 +251,15 @@ def _build_sharded(source, out_dir, shards, config, placement, replicate, sample
         graph_path = str(w.path("assign-graph.tmp"))
         assign_graph.save(graph_path)
         del assign_graph
-        bounds = list(range(0, n, CHUNK_ROWS)) + [n]
-        if use_ray:
-            per = max(1, -(-(len(bounds) - 1) // max(1, int(ray.cluster_resources().get("CPU", 1)))))
-            ranges = [(bounds[i], bounds[min(i + per, len(bounds) - 1)]) for i in range(0, len(bounds) - 1, per)]
-        else:
-            ranges = [(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+        ranges = executor.ranges(list(range(0, n, CHUNK_ROWS)) + [n])
         results = {}
         with steps.step("assigning", n) as update:
-            if use_ray:
-                task = ray.remote(_assign_range).options(num_cpus=1)
-                src_ref = ray.put(_ray_source(source))
-                cb_ref = ray.put(pq.codebooks)
-                pending = {task.remote(src_ref, metric, graph_path, cb_ref, dim, part_config, lo, hi, 1,
-                                       leaf_of[lo:hi]): (lo, hi) for lo, hi in ranges}
-                while pending:
-                    done, _ = ray.wait(list(pending), num_returns=1)
-                    lo, hi = pending.pop(done[0])
-                    results[lo] = ray.get(done[0])
-                    update(hi - lo)
-            else:
-                for lo, hi in ranges:
-                    results[lo] = _assign_range(source, metric, graph_path, pq.codebooks, dim, part_config, lo, hi,
-                                                threads, leaf_of[lo:hi])
-                    update(hi - lo)
+            src_ref, cb_ref = executor.source(source), executor.put(pq.codebooks)
+            calls = (((lo, hi), (src_ref, metric, graph_path, cb_ref, dim, part_config, lo, hi, executor.threads,
+                                 leaf_of[lo:hi])) for lo, hi in ranges)
+            for (lo, hi), result in executor.map(_assign_range, calls):
+                results[lo] = result
+                update(hi - lo)
         Path(graph_path).unlink()
         primary, pair_lists, pair_ids, codes = (np.concatenate(parts) for parts in
                                                 zip(*(results[lo][:4] for lo, _ in ranges)))
@@ -339,25 +315,13 @@ def _build_sharded(source, out_dir, shards, config, placement, replicate, sample
         store_dtype = STORAGE_DTYPES[integral.dtype() or rows.dtype]
         shard_manifests = {}
         with steps.step("writing shards", shards, "shard") as update:
-            args = (metric, store_dtype, centroids, pq.codebooks)
-            if use_ray:
-                task = ray.remote(_write_shard).options(num_cpus=1)
-                shared = [ray.put(a) for a in (_ray_source(source), centroids, pq.codebooks)]
-                pending = {task.remote(str(w.dir / part_name(sp.index)), sp, shared[0], metric, store_dtype,
-                                       shared[1], shared[2], codes[sp.global_ids], part_config, 1, shards, documents,
-                                       None if owners is None else owners[sp.global_ids]): sp.index
-                           for sp in shard_plans}
-                while pending:
-                    done, _ = ray.wait(list(pending), num_returns=1)
-                    shard_manifests[pending.pop(done[0])] = ray.get(done[0])
-                    update(1)
-            else:
-                for sp in shard_plans:
-                    shard_manifests[sp.index] = _write_shard(str(w.dir / part_name(sp.index)), sp, source, *args,
-                                                             codes[sp.global_ids], part_config, threads, shards,
-                                                             documents,
-                                                             None if owners is None else owners[sp.global_ids])
-                    update(1)
+            shared = (executor.source(source), executor.put(centroids), executor.put(pq.codebooks))
+            calls = ((sp.index, (str(w.dir / part_name(sp.index)), sp, shared[0], metric, store_dtype, shared[1],
+                                 shared[2], codes[sp.global_ids], part_config, executor.threads, shards, documents,
+                                 None if owners is None else owners[sp.global_ids])) for sp in shard_plans)
+            for index, part in executor.map(_write_shard, calls):
+                shard_manifests[index] = part
+                update(1)
         timings["write_s"] = time.perf_counter() - t
 
         graph.save(str(w.path("graph.bin")))
@@ -377,7 +341,7 @@ def _build_sharded(source, out_dir, shards, config, placement, replicate, sample
                        "sample_queries": int(len(queries)), "probe": params.to_dict(),
                        "expected_work": [float(x) for x in expected],
                        "expected_imbalance": float(expected.max() / expected.mean()),
-                       "built_with": "ray" if use_ray else "local"},
+                       "built_with": executor.kind},
             parts={part_name(s): {"manifest_sha256": hashlib.sha256(
                 (w.dir / part_name(s) / MANIFEST).read_bytes()).hexdigest(),
                 "count": shard_manifests[s]["count"], "lists": shard_manifests[s]["centroids"]}
