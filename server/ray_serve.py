@@ -40,7 +40,6 @@ LEADER = "fusionrag-leader"  # with more than one router replica: the one that w
 log = logging.getLogger(__name__)
 
 
-MERGE_FRESH_COUNT = CollectionConfig().merge_fresh_count  # a shard merges at a collection's threshold
 
 
 def replica_app(coll: ShardedCollection, config: ServerConfig | None = None, keys: KeyRing | None = None,
@@ -74,16 +73,20 @@ def _keep_replica_on_loopback() -> None:
     replica.add_port_to_grpc_server = on_loopback
 
 
-def _keep_healthy(index, every_s: float, stop: threading.Event, merge_fresh_count: int = MERGE_FRESH_COUNT,
+def _keep_healthy(index, every_s: float, stop: threading.Event, config: CollectionConfig | None = None,
                   after=None) -> None:
-    """Every every_s: ask each shard whether it runs, restart those that do not from their directories, and merge
-    those whose fresh tier and tombstones hold merge_fresh_count rows or more (searches and writes go on); then
+    """Every every_s: ask each shard whether it runs, restart those that do not from their directories, and, once
+    a merge is due by a collection's rule over all the shards (CollectionConfig.shard_merge, as a sharded
+    collection in a data directory merges), merge each shard holding its share (searches and writes go on); then
     call after() (where given)."""
+    config = config or CollectionConfig()
     while not stop.wait(every_s):
         try:
             index.check_shards()
             index.heal()
-            index.merge_shards(min_fresh=merge_fresh_count)
+            share = config.shard_merge(len(index.fresh_owner), len(index.base_gone), index.n_shards)
+            if share is not None:
+                index.merge_shards(min_fresh=share)
         except Exception:  # noqa: BLE001 - the next round tries again
             log.warning("fusionrag: checking or merging the shards failed", exc_info=True)
         if after is not None:
@@ -106,7 +109,7 @@ class _IndexOwner:
         self.stop = threading.Event()
 
     def _heal_every(self, every_s: float, after=None) -> None:
-        threading.Thread(target=_keep_healthy, args=(self.index, every_s, self.stop, MERGE_FRESH_COUNT, after),
+        threading.Thread(target=_keep_healthy, args=(self.index, every_s, self.stop, None, after),
                          daemon=True, name="fusionrag-heal").start()
 
     def __del__(self):

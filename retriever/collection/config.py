@@ -173,3 +173,25 @@ class CollectionConfig(ConfigBase):
                                                  "the memory limit) hold this share of the postings", gt=0, le=1)] = 0.05
     build: Annotated[BuildConfig, knob("how the collection's index is built", flag=False)] = \
         field(default_factory=BuildConfig)
+
+    # -- the rules a local store follows, a collection's or a shard's (#69: one rule, where each had its own) -----
+
+    def merge_due(self, fresh: int, tombstones: int) -> bool:
+        """Whether a collection's writes call for a merge, by count: its fresh tier or its tombstones hold
+        merge_fresh_count rows (deletes alone call for one: tombstones cost scan time and the log grows). A
+        collection also merges on bytes (its fresh tier's and its log's: MergeOps._merge_due)."""
+        return fresh >= self.merge_fresh_count or tombstones >= self.merge_fresh_count
+
+    def shard_merge(self, fresh: int, tombstones: int, shards: int) -> int | None:
+        """A sharded collection's merge, by the same rule over all its shards (fresh: its fresh documents, each
+        once; tombstones: its indexed documents deleted or replaced): None while none is due, else the share of
+        merge_fresh_count from which a shard folds its rows in (each shard holds about a share of them), whether
+        the service holds it in its data directory (sharded/hosted.py) or on Ray (server/ray_serve.py)."""
+        if not self.merge_due(fresh, tombstones):
+            return None
+        return max(1, self.merge_fresh_count // shards)
+
+    def filter_exact(self, passing: int) -> bool:
+        """Whether a filter that `passing` of a store's documents pass is answered by exact search over them
+        (a collection's documents, or one shard's: each shard decides for its own)."""
+        return passing <= self.filter_exact_max

@@ -30,9 +30,8 @@ class MergeOps:
     # -- merge ---------------------------------------------------------------------------------
     def _merge_due(self) -> bool:
         f, cfg = self._fresh, self.config
-        # Deletes alone also call for a merge: tombstones cost scan time and the log grows.
-        return not (f.live_count < cfg.merge_fresh_count and f.bytes < self._fresh_limit()
-                    and self._tomb_count < cfg.merge_fresh_count and self._wal.bytes < cfg.merge_fresh_bytes)
+        return (cfg.merge_due(f.live_count, self._tomb_count) or f.bytes >= self._fresh_limit()
+                or self._wal.bytes >= cfg.merge_fresh_bytes)
 
     def _maybe_merge(self) -> None:
         cfg = self.config

@@ -178,7 +178,7 @@ class SearchOps:
             # A filter few documents pass: every one is a candidate (search_among: PQ over their codes, the best
             # re-ranked exactly), none lost to the lists probed; else the index searches with the rest excluded.
             allowed = self.store.rows_where(*where)
-            among = len(allowed) <= self.config.filter_exact_max
+            among = self.config.filter_exact(len(allowed))
             for s in stats:
                 s["filtered_exact"] = among
         parts_rows, parts_d = [], []

@@ -242,21 +242,23 @@ class HostedSharded(CollectionContract):
         self._built().clear()
 
     def _written(self) -> None:
-        """After a write: once the shards' fresh tiers and tombstones hold the collection's merge_fresh_count
-        rows in all, merge in a background thread (one at a time) each shard holding its share of them, as the
-        service on Ray merges its shards; searches and writes go on meanwhile. The merge is a use of the collection
+        """After a write: once a merge is due by a collection's rule over all the shards (CollectionConfig.
+        shard_merge: their fresh documents or their tombstones number merge_fresh_count), merge in a background
+        thread (one at a time) each shard holding its share of them, as the service on Ray merges its shards;
+        searches and writes go on meanwhile. The merge is a use of the collection
         until it ends (its shards stay open). Caller: a use of the collection."""
         cfg, inner = self._collection_config, self._inner
         if inner is None or not cfg.background_merge:
             return
         ix = inner.index
-        if len(ix.fresh_owner) + len(ix.base_gone) < cfg.merge_fresh_count:
+        share = cfg.shard_merge(len(ix.fresh_owner), len(ix.base_gone), ix.n_shards)
+        if share is None:
             return
         with self._users_cv:
             if self._closed is not None or (self._merging is not None and self._merging.is_alive()):
                 return
             self._users += 1  # left by the merge's thread
-            self._merging = threading.Thread(target=self._merge, args=(ix, max(1, cfg.merge_fresh_count // ix.n_shards)),
+            self._merging = threading.Thread(target=self._merge, args=(ix, share),
                                              name=f"merge-{self.name}", daemon=True)
             try:
                 self._merging.start()
