@@ -50,20 +50,21 @@ from fusionrag.retriever.sharded.actors import LocalShards, RayShards, is_down
 from fusionrag.retriever.sharded.calls import ShardCall
 from fusionrag.retriever.sharded.generations import current_part, load_global_ids
 from fusionrag.retriever.sharded.parts import NAMED_IDS, ROUTER_FILES, is_sharded, part_name
-from fusionrag.retriever.sharded.router_admin import AdminOps
-from fusionrag.retriever.sharded.router_reads import ReadOps
-from fusionrag.retriever.sharded.router_search import SearchOps, ShardedResult
-from fusionrag.retriever.sharded.router_writes import WriteOps
+from fusionrag.retriever.sharded.router_admin import RouterAdmin
+from fusionrag.retriever.sharded.router_reads import RouterReads
+from fusionrag.retriever.sharded.router_search import RouterSearch, ShardedResult
+from fusionrag.retriever.sharded.router_writes import RouterWrites
 from fusionrag.retriever.sharded.shard import MISSING
 
 __all__ = ["ShardedIndex", "ShardedResult"]
 
 
-class ShardedIndex(SearchOps, ReadOps, WriteOps, AdminOps, ManifestShape):
+class ShardedIndex(RouterSearch, RouterReads, RouterWrites, RouterAdmin, ManifestShape):
     """A sharded index, opened: the router in this process, the shards as Ray actors (ray=True) or as
     objects in this process (ray=False: the same code, threads for the shards). Thread-safe. Its operations are
-    in its parts (SearchOps, ReadOps, WriteOps, AdminOps: the module docstring); its state and its calls to
-    shards are here."""
+    in its parts (RouterSearch, RouterReads, RouterWrites, RouterAdmin: the module docstring); its state and its
+    calls to shards are here."""
+
     def __init__(self, path: Path, manifest: dict, nav: NavigationTier, list_shards: np.ndarray,
                  list_local: np.ndarray, list_sizes: np.ndarray, shards: list, kind: LocalShards | RayShards,
                  params: SearchParams, batch_size: int):

@@ -1,4 +1,4 @@
-"""The administration of the sharded router (ShardedIndex, sharded/router.py): AdminOps, the part of ShardedIndex
+"""The administration of the sharded router (ShardedIndex, sharded/router.py): RouterAdmin, the part of ShardedIndex
 that merges the shards' fresh tiers into their indexes, measures the default search settings again, finds shards
 down and restarts them, and holds the files still for a snapshot (quiesced).
 
@@ -26,7 +26,7 @@ from fusionrag.retriever.sharded.parts import part_name
 log = logging.getLogger("fusionrag.retriever.sharded.router")  # the router's log, as before its parts were apart
 
 
-class AdminOps:
+class RouterAdmin:
     """ShardedIndex's merges, calibration and faults (mixed into it: it reads the router's state and calls its
     shards through ShardedIndex's plumbing, sharded/router.py)."""
 

@@ -1,4 +1,4 @@
-"""The reads of documents through the sharded router (ShardedIndex, sharded/router.py): ReadOps, the part of
+"""The reads of documents through the sharded router (ShardedIndex, sharded/router.py): RouterReads, the part of
 ShardedIndex that sharded/docs.py's ShardedCollection reads by: documents by id, pages of them in id order (a
 scroll), the ids a metadata filter passes, the types a metadata key holds, BM25 text search, and the memory the
 shards hold. Each is one round of calls to the shards (ShardCall, sharded/calls.py), merged here."""
@@ -12,7 +12,7 @@ from fusionrag.retriever.sharded.calls import ShardCall
 from fusionrag.retriever.sharded.shard import best_text_hits, sum_text_stats
 
 
-class ReadOps:
+class RouterReads:
     """ShardedIndex's reads of documents (mixed into it: it reads the router's state and calls its shards through
     ShardedIndex's plumbing, sharded/router.py)."""
 

@@ -1,4 +1,4 @@
-"""The vector search of the sharded router (ShardedIndex, sharded/router.py): SearchOps, the part of ShardedIndex
+"""The vector search of the sharded router (ShardedIndex, sharded/router.py): RouterSearch, the part of ShardedIndex
 that probes, sends and merges, and ShardedResult, what a search returns.
 
 Query path: the router finds each query's lists (as Index does), sends each shard only the lists it owns, the
@@ -38,7 +38,7 @@ class ShardedResult:
         return bool(self.missing_shards) or any(len(m) for m in self.missing_lists)
 
 
-class SearchOps:
+class RouterSearch:
     """ShardedIndex's vector search (mixed into it: it reads the router's state and calls its shards through
     ShardedIndex's plumbing, sharded/router.py)."""
 

@@ -1,4 +1,4 @@
-"""The writes of the sharded router (ShardedIndex, sharded/router.py): WriteOps, the part of ShardedIndex that
+"""The writes of the sharded router (ShardedIndex, sharded/router.py): RouterWrites, the part of ShardedIndex that
 upserts and deletes by id, and keeps the write maps those go by.
 
 Writes (sharded/writes.py): each shard owns a log and a fresh tier; an upsert goes to the live shards holding the
@@ -20,7 +20,7 @@ from fusionrag.retriever.sharded.calls import ShardCall
 from fusionrag.retriever.sharded.parts import NAMED_IDS, UPSERT_PROBE
 
 
-class WriteOps:
+class RouterWrites:
     """ShardedIndex's writes and write maps (mixed into it: it reads the router's state and calls its shards
     through ShardedIndex's plumbing, sharded/router.py)."""
 
