@@ -28,8 +28,8 @@ from fusionrag.retriever.engine.learned_probe import csr_lists_of, save_probe_mo
 from fusionrag.retriever.engine.manifest import copy_file, resumable_index, writing_index
 from fusionrag.retriever.engine.pq import ProductQuantizer, auto_m
 from fusionrag.retriever.engine.tiers import build_navigation, nearest_exhaustive
-from fusionrag.retriever.engine.vectors import (STORAGE_DTYPES, VectorFile, as_source, check_vectors, normalize,
-                                                storage_dtype)
+from fusionrag.retriever.engine.vectors import (STORAGE_DTYPES, VectorFile, as_source, check_vectors,
+                                                internal_metric, normalize, sample_query_matrix, storage_dtype)
 from fusionrag.retriever.errors import ConfigError, InputError
 from fusionrag.retriever.progress import OnProgress, Progress
 
@@ -43,11 +43,6 @@ def rows_per_chunk(budget: int | None, dim: int) -> int:
     if budget is None:
         return CHUNK_ROWS
     return int(min(CHUNK_ROWS, max(1024, budget // 16 // (4 * dim * 3 + 256 * 4 + 256))))
-
-
-def internal_metric(metric: str) -> str:
-    """Cosine is L2 over unit vectors inside the engine; the others are themselves."""
-    return "ip" if metric == "ip" else "l2"
 
 
 def mips_augment(centroids: np.ndarray) -> np.ndarray:
@@ -388,16 +383,6 @@ def index_manifest(count: int, dim: int, metric: str, storage_dtype: str, src, c
     manifest["build_config"] = config.to_dict()
     manifest["build_timings"] = timings
     return manifest
-
-
-def sample_query_matrix(sample_queries, dim: int, metric: str) -> np.ndarray:
-    """A build's sample queries (a query log) as the engine searches them: float32 (count, dim), unit rows
-    under cosine; InputError naming what is wrong."""
-    queries = np.ascontiguousarray(np.asarray(sample_queries), dtype=np.float32)
-    if queries.ndim != 2 or queries.shape[1] != dim or not len(queries):
-        raise InputError(f"sample_queries must be a non-empty (count, {dim}) array, got {queries.shape}")
-    check_vectors(queries, metric, "sample_queries")
-    return normalize(queries) if metric == "cosine" else queries
 
 
 def train_single_probe(graph, rows, n: int, list_offsets: np.ndarray, list_ids: np.ndarray, config: BuildConfig,

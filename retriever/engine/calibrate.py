@@ -32,10 +32,14 @@ from pathlib import Path
 
 import numpy as np
 
-from fusionrag.retriever.engine.config import EngineConfig, SearchParams
+from fusionrag.retriever.engine.config import BuildConfig, EngineConfig, SearchParams, cpu_threads
+from fusionrag.retriever.engine.config import search_defaults  # noqa: F401 (named here as ever: engine/config.py's)
+from fusionrag.retriever.engine.index import Index
+from fusionrag.retriever.engine.layout import PageLayout
 from fusionrag.retriever.engine.learned_probe import exact_topk
 from fusionrag.retriever.engine.manifest import MANIFEST, rewrite_manifest
-from fusionrag.retriever.errors import ConfigError, IndexFormatError
+from fusionrag.retriever.engine.vectors import STORAGE_DTYPES, internal_metric, sample_query_matrix
+from fusionrag.retriever.errors import ConfigError
 
 K = 10
 # (rerank, beta): the class defaults first, then about 1.5x the candidates and the patience a rung (on the 1M
@@ -93,15 +97,6 @@ def recall_bounds(found: np.ndarray, truth: np.ndarray) -> tuple[float, float]:
     if len(r) < 2:
         return float(r.mean()) if len(r) else 0.0, float(r.mean()) if len(r) else 0.0
     return float(r.mean()), float(r.mean() - Z * r.std(ddof=1) / np.sqrt(len(r)))
-
-
-def search_defaults(manifest: dict, path) -> SearchParams:
-    """An index's (or a sharded router's) default SearchParams: its manifest's search_defaults, what its build's
-    calibration chose (the class defaults where it has none)."""
-    try:
-        return SearchParams.from_dict(manifest.get("search_defaults") or {})
-    except (ConfigError, TypeError) as e:
-        raise IndexFormatError(f"{path}: the manifest's search_defaults are not search settings ({e})") from e
 
 
 def sample_for_calibration(rows, n: int, queries: int, seed: int, sample_queries: np.ndarray | None):
@@ -246,8 +241,6 @@ def calibrate(index_dir: Path, rows, n: int, engine_metric: str, queries: int, t
               threads: int, sample_queries: np.ndarray | None = None) -> dict:
     """The manifest's "calibration" entry for the complete (not yet published) index in index_dir: recall of each
     rung tried, and "params", the SearchParams fields of the one chosen (empty: the class defaults)."""
-    from fusionrag.retriever.engine.index import Index
-
     t0 = time.perf_counter()
     if sample_queries is None and n < MIN_ROWS:
         return {"skipped": f"fewer than {MIN_ROWS} rows", "params": {}, "count": int(n)}
@@ -280,9 +273,6 @@ def page_rows(index):
     """rows(ids) over an opened index's page file: the stored vectors (float32, as the index holds them: unit
     length under cosine), gathered through a read-only memory map, for the brute-force truth of an index already
     built. Holds its own copy of the slot map, so it outlives the index's closing."""
-    from fusionrag.retriever.engine.layout import PageLayout
-    from fusionrag.retriever.engine.vectors import STORAGE_DTYPES
-
     layout = PageLayout(**index.manifest["pages"])
     dtype = np.dtype({v: k for k, v in STORAGE_DTYPES.items()}[index.reranker.dtype])
     locations = np.array(index.reranker.locations, dtype=np.int64)
@@ -308,10 +298,6 @@ def recalibrate(index_dir, sample_queries=None, queries: int | None = None, targ
     as a build does. For an index built before calibration, or one whose build's sample does not stand for the
     queries it gets. queries, target: calibrate_queries and target_recall (the build's, where None). An index
     opened elsewhere keeps the settings it opened with until it is opened again. Returns the calibration."""
-    from fusionrag.retriever.engine.build import internal_metric, sample_query_matrix
-    from fusionrag.retriever.engine.config import cpu_threads
-    from fusionrag.retriever.engine.index import Index
-
     path = Path(index_dir)
     threads = cpu_threads(threads)
     index = Index.open(path, EngineConfig(filter_tier="cpu", manager_interval_s=0, threads=threads))
@@ -340,8 +326,6 @@ def write_calibration(path: Path, cal: dict) -> dict:
 def config_of(m: dict, queries: int | None, target: float | None):
     """The BuildConfig a recalibration measures with: the build's calibrate_queries and target_recall where not
     given (the class defaults for an older build)."""
-    from fusionrag.retriever.engine.config import BuildConfig
-
     built, d = m.get("build_config") or {}, BuildConfig()
     return d.with_overrides(
         calibrate_queries=built.get("calibrate_queries", d.calibrate_queries) if queries is None else queries,

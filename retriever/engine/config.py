@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass as _pydantic_dataclass
 
-from fusionrag.retriever.errors import ConfigError
+from fusionrag.retriever.errors import ConfigError, IndexFormatError
 
 Metric = Literal["l2", "ip", "cosine"]
 IoBackend = Literal["auto", "io_uring", "pread"]
@@ -400,6 +400,15 @@ def resolve_params(params: "SearchParams | SearchOverrides | dict | None", base:
     if isinstance(params, dict):
         return base.with_overrides(**params)
     return params
+
+
+def search_defaults(manifest: dict, path) -> SearchParams:
+    """An index's (or a sharded router's) default SearchParams: its manifest's search_defaults, what its build's
+    calibration chose (the class defaults where it has none)."""
+    try:
+        return SearchParams.from_dict(manifest.get("search_defaults") or {})
+    except (ConfigError, TypeError) as e:
+        raise IndexFormatError(f"{path}: the manifest's search_defaults are not search settings ({e})") from e
 
 
 @config_class

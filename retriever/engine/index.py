@@ -14,14 +14,14 @@ from pathlib import Path
 import numpy as np
 
 from fusionrag import native
-from fusionrag.retriever.engine.calibrate import search_defaults
 from fusionrag.retriever.engine.config import (BuildConfig, EngineConfig, SearchOverrides, SearchParams, cpu_threads,
-                                               resolve_params)
+                                               resolve_params, search_defaults)
 from fusionrag.retriever.engine.filtering import Candidates
 from fusionrag.retriever.engine.layout import PageLayout, raw_reader
 from fusionrag.retriever.engine.learned_probe import load_probe_model
 from fusionrag.retriever.engine.manifest import ManifestShape, load_array, read_manifest
 from fusionrag.retriever.engine.memory import held_bytes, search_call_bytes, split_buffer
+from fusionrag.retriever.engine.memory import records_cache_denser  # noqa: F401 (named here as ever)
 from fusionrag.retriever.engine.overlap import overlapped
 from fusionrag.retriever.engine.pipeline import STAT_KEYS, DeviceParts, QueryBatch, cut, filter_kind, open_filter_tier
 from fusionrag.retriever.engine.pq import ProductQuantizer
@@ -66,13 +66,6 @@ def prepare_queries(queries, dim: int, metric: str) -> np.ndarray:
     normalised for cosine; InputError saying what is wrong (queries.check_queries, in the index's words).
     PreparedQueries of this dimension and metric are taken as they are. Shared by Index and the sharded router."""
     return prepared(queries, dim, metric).vectors
-
-
-def records_cache_denser(layout) -> bool:
-    """Whether a record cached alone (its bytes and metadata) costs less than its share of a block: records
-    that leave part of their pages empty (1536-byte records two to a 4 KiB page). The store's own rule, which
-    an adaptive layout starts by."""
-    return native.PageStore.records_denser(layout.record_bytes, layout.records_per_block, layout.pages_per_block)
 
 
 # buffer_compression 'auto' codes the blocks where they fit at least this many times as many in the same bytes.

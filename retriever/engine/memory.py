@@ -90,6 +90,13 @@ def held_bytes(blocks: int, records: int, adaptive: bool, layout, policy: str, c
     return as_blocks + as_records + minis
 
 
+def records_cache_denser(layout) -> bool:
+    """Whether a record cached alone (its bytes and metadata) costs less than its share of a block: records
+    that leave part of their pages empty (1536-byte records two to a 4 KiB page). The store's own rule, which
+    an adaptive layout starts by."""
+    return native.PageStore.records_denser(layout.record_bytes, layout.records_per_block, layout.pages_per_block)
+
+
 def split_buffer(buffer_bytes: int, config, layout, compressed: bool = False,
                  compress_gain: float = 0.0) -> tuple[int, int, bool]:
     """(page buffer blocks, record cache records, adaptive) of buffer_bytes, so that what the buffer holds full, its
@@ -98,8 +105,6 @@ def split_buffer(buffer_bytes: int, config, layout, compressed: bool = False,
     least one of each, and blocks alone where the buffer is compressed; 'on': record_cache_share of it goes to
     records, each costing its bytes and its metadata (native.PageStore.record_cache_overhead), the rest to blocks;
     'off': blocks."""
-    from fusionrag.retriever.engine.index import records_cache_denser
-
     per_record = layout.record_bytes + native.PageStore.record_cache_overhead
     compressed = compressed or compress_gain > 1
 

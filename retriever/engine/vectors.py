@@ -251,6 +251,21 @@ def normalize(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def internal_metric(metric: str) -> str:
+    """Cosine is L2 over unit vectors inside the engine; the others are themselves."""
+    return "ip" if metric == "ip" else "l2"
+
+
+def sample_query_matrix(sample_queries, dim: int, metric: str) -> np.ndarray:
+    """A build's sample queries (a query log) as the engine searches them: float32 (count, dim), unit rows
+    under cosine; InputError naming what is wrong."""
+    queries = np.ascontiguousarray(np.asarray(sample_queries), dtype=np.float32)
+    if queries.ndim != 2 or queries.shape[1] != dim or not len(queries):
+        raise InputError(f"sample_queries must be a non-empty (count, {dim}) array, got {queries.shape}")
+    check_vectors(queries, metric, "sample_queries")
+    return normalize(queries) if metric == "cosine" else queries
+
+
 def write_bin(path: str | os.PathLike, arr: np.ndarray) -> None:
     """Write a big-ann-benchmarks .fbin/.u8bin/.i8bin/.ibin file."""
     arr = np.ascontiguousarray(arr)
