@@ -73,7 +73,7 @@ def _keep_replica_on_loopback() -> None:
     replica.add_port_to_grpc_server = on_loopback
 
 
-def _keep_healthy(index, every_s: float, stop: threading.Event, config: CollectionConfig | None = None,
+def keep_healthy(index, every_s: float, stop: threading.Event, config: CollectionConfig | None = None,
                   after=None) -> None:
     """Every every_s: ask each shard whether it runs, restart those that do not from their directories, and, once
     a merge is due by a collection's rule over all the shards (CollectionConfig.shard_merge, as a sharded
@@ -109,7 +109,7 @@ class _IndexOwner:
         self.stop = threading.Event()
 
     def _heal_every(self, every_s: float, after=None) -> None:
-        threading.Thread(target=_keep_healthy, args=(self.index, every_s, self.stop, None, after),
+        threading.Thread(target=keep_healthy, args=(self.index, every_s, self.stop, None, after),
                          daemon=True, name="fusionrag-heal").start()
 
     def __del__(self):

@@ -10,7 +10,7 @@ import threading
 import numpy as np
 
 from fusionrag.retriever.collection.config import CollectionConfig
-from fusionrag.server.ray_serve import _keep_healthy
+from fusionrag.server.ray_serve import keep_healthy
 
 
 def test_a_merge_is_due_on_fresh_rows_or_tombstones_alone():
@@ -46,7 +46,7 @@ def _rounds(router: _Router, config: CollectionConfig, n: int = 3) -> list[int]:
         router.rounds += 1
         if router.rounds >= n:
             router.stop.set()
-    _keep_healthy(router, 0.001, router.stop, config, after)
+    keep_healthy(router, 0.001, router.stop, config, after)
     return router.merges
 
 
