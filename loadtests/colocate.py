@@ -241,7 +241,7 @@ def run(args) -> dict:
         "llm_alone": _llm_side(llm_alone, tok_alone), "llm_beside_retrieval": _llm_side(llm_beside, tok_beside),
         "gpu_peak_bytes_by_process": by_process or None,
         "collection": prep.get("vectors"), "service_alive_at_end": service_alive,
-        "machine": runner._machine(), "seconds_per_phase": args.seconds, "users": args.users,
+        "machine": runner.machine(), "seconds_per_phase": args.seconds, "users": args.users,
     }
     (out / "colocate.json").write_text(json.dumps(report, indent=1))
     (out / "colocate.md").write_text(markdown(report))

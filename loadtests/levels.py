@@ -72,7 +72,7 @@ def run(args) -> dict:
     report = {"device": "cuda" if _cuda() else "cpu", "levels": levels, "auto_over_cpu": ratios,
               "auto_over_cpu_worst": worst, "min_ratio": args.min_ratio, "failures": failures,
               "passed": worst is not None and worst >= args.min_ratio and failures == 0,
-              "collection": prep.get("vectors"), "seconds_per_level": args.seconds, "machine": runner._machine()}
+              "collection": prep.get("vectors"), "seconds_per_level": args.seconds, "machine": runner.machine()}
     (out / "levels.json").write_text(json.dumps(report, indent=1))
     (out / "levels.md").write_text(markdown(report))
     return report

@@ -253,7 +253,7 @@ def scrape(url: str, required: bool = True) -> tuple[str, dict]:
     return text, parse_prometheus(text)
 
 
-def _machine() -> dict:
+def machine() -> dict:
     info = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
     try:
         import torch
@@ -357,7 +357,7 @@ def run(args) -> dict:
         "service_metrics": None if plugin else summarize_metrics(before, after),
         "llm_metrics": summarize_llm_metrics(llm_before, llm_after),
         "rag_route": args.rag_route,
-        "machine": _machine(),
+        "machine": machine(),
     }
     (out / "report.json").write_text(json.dumps(report, indent=1))
     (out / "report.md").write_text(markdown(report))

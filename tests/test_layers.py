@@ -1,6 +1,7 @@
 """The package's structure (docs/design.md, "Code map"): retriever/ in three layers, engine/ below collection/
 below sharded/, and above them only the modules that tell a single index directory from a sharded one; no
-import cycle among module-level imports; no module importing another's private name; and package faces light
+import cycle among module-level imports, nor among the engine's modules counting imports inside functions; no
+module importing another's private name or reaching another's private attributes; and package faces light
 enough that `import fusionrag.client` loads no engine. Read from the source (ast), not from what imports."""
 
 from __future__ import annotations
@@ -169,6 +170,70 @@ def test_no_module_imports_another_modules_private_name():
                             and n != "_native":  # the C++ extension module
                         wrong.append(f"{path.relative_to(ROOT)}: from {target} import {n}")
     assert not wrong, "\n".join(wrong)
+
+
+# Private attributes reached from outside the module that defines them, allowed by file and expression.
+REACHES_ALLOWED = {
+    # Triton's compiled kernel (what kernel.warmup returns: a third-party object, not a module imported by name):
+    # Variant.load builds its launcher ahead of the first launch, which Triton has no public call for.
+    ("kernels/variants.py", "compiled._init_handles"),
+}
+
+
+def private_reaches(path: Path) -> list[tuple[int, str]]:
+    """(line, expression) of each `X._name` (one leading underscore, not a dunder) in the file whose _name the
+    file does not define (as a def, a class, or an assignment to `_name` or `something._name`): an attribute
+    private to another module's code. X = self or cls is the class's own; a chain rooted at a name imported from
+    outside fusionrag (np._x) is the third party's."""
+    tree = ast.parse(path.read_text(), str(path))
+    defined, foreign = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            defined.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            defined.add(node.id)
+        elif isinstance(node, ast.Import):
+            foreign |= {(a.asname or a.name).split(".")[0] for a in node.names if not a.name.startswith("fusionrag")}
+        elif isinstance(node, ast.ImportFrom) and not node.level and not (node.module or "").startswith("fusionrag"):
+            foreign |= {a.asname or a.name for a in node.names}
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+            continue
+        root = node.value
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            continue
+        if isinstance(root, ast.Name) and root.id in foreign or node.attr in defined:
+            continue
+        found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_no_module_reaches_another_modules_private_attributes():
+    """A class's private attributes are its module's: no other module reads, writes or calls them (what it
+    needs of them is public, named in that class's API)."""
+    wrong = []
+    for path in sorted(set(MODULES.values())):
+        where = str(path.relative_to(ROOT))
+        wrong += [f"{where}:{line}: {expr}" for line, expr in private_reaches(path)
+                  if (where, expr) not in REACHES_ALLOWED]
+    assert not wrong, "private attributes reached from another module:\n" + "\n".join(wrong)
+
+
+def test_the_check_sees_a_private_attribute_reached(tmp_path):
+    """On made-up modules: reaching another module's _secret is caught; the module's own private attributes,
+    self's, and a third party's (np._x) are not."""
+    (tmp_path / "b.py").write_text("_secret = 1\n")
+    (tmp_path / "a.py").write_text(
+        "import numpy as np\nfrom fusionrag.retriever import b\n\n\nclass A:\n    def __init__(self):\n"
+        "        self._state = 0\n\n    def _own(self):\n        return self._state\n\n\n"
+        "def f(x: A, y):\n    x._state = x._own()\n    return b._secret, y._hidden, np._x, np.linalg._umath\n")
+    assert private_reaches(tmp_path / "a.py") == [(15, "b._secret"), (15, "y._hidden")]
+    assert private_reaches(tmp_path / "b.py") == []
 
 
 def test_the_check_sees_a_cycle_a_private_name_and_a_layer_crossed(tmp_path):

@@ -150,7 +150,7 @@ class ShardedIndex(RouterSearch, RouterReads, RouterWrites, RouterAdmin, Manifes
         out.where, out.config, out.shard_paths = where, config, shard_paths
         out.call_timeout_s = call_timeout_s
         out.base_ids = [load_global_ids(current_part(p)[0]) for p in shard_paths]
-        out._load_write_maps()
+        out.load_write_maps()
         out.nav.model = load_probe_model(path, m)
         return out
 

@@ -63,7 +63,7 @@ class RouterAdmin:
                 for s in merged:
                     self.base_ids[s] = load_global_ids(current_part(self.shard_paths[s])[0])
                 if self.alive.all():
-                    self._load_write_maps()
+                    self.load_write_maps()
                 else:  # the maps are rebuilt when the down shard is back; the merged ones hold no fresh rows now
                     self.fresh_count[merged] = 0
                     self._base_count = None
@@ -143,7 +143,7 @@ class RouterAdmin:
                 self.outstanding[s] = 0
                 self.alive[s] = True
                 self.version += 1
-            self._load_write_maps()
+            self.load_write_maps()
         return where
 
     @contextlib.contextmanager

@@ -5,7 +5,7 @@ Writes (sharded/writes.py): each shard owns a log and a fresh tier; an upsert go
 vector's nearest list, a delete to every shard holding the id; a shard's answers merge its index's top-k with its
 fresh tier's exact top-k. The router's write maps (which shards' fresh tiers hold an id, which built ids are gone,
 the names of documents, how many upserts each replica of a list took) follow the shards' logs: built from them at
-opening (_load_write_maps), changed by each write under ShardedIndex.write_lock. A write that a shard down would
+opening (load_write_maps), changed by each write under ShardedIndex.write_lock. A write that a shard down would
 miss is refused (UnavailableError), not acknowledged.
 """
 
@@ -168,7 +168,7 @@ class RouterWrites:
                 self._base_count = len(np.unique(np.concatenate(self.base_ids))) if self.base_ids else 0
             return self._base_count - len(self.base_gone) + len(self.fresh_owner)
 
-    def _load_write_maps(self) -> None:
+    def load_write_maps(self) -> None:
         """The router's maps (which shards' fresh tiers hold an id, which built ids are gone) from the shards'
         replayed logs."""
         self._base_count = None  # the shards' indexes may have changed (a merge, a restart)
