@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fusionrag.retriever.collection import importer
 from fusionrag.retriever.collection.config import CollectionConfig, check_analyzer
 from fusionrag.retriever.collection.contract import CollectionContract, in_use
 from fusionrag.retriever.collection.docstore import DocStore
@@ -71,6 +72,8 @@ class Collection(WriteOps, SearchOps, MergeOps, ImportOps, CollectionContract):
             self.analyzer = check_analyzer(desc.get("analyzer"))  # absent: made before analyzers, the default
         except (OSError, ValueError, KeyError, InputError) as e:
             raise IndexFormatError(f"{self.path}: not a readable collection ({e})") from e
+        # The last bulk import: its state, and what it did or why it failed (import_ops.py).
+        self._imports = importer.ImportState(self.path, f"collection {self.name!r}")
         self._build_config = replace(self.config.build, metric=self.metric)
         self._lock = threading.Lock()  # log appends, applies, publishes
         self._mem_lock = threading.Lock()  # the in-memory state searches snapshot
@@ -85,7 +88,6 @@ class Collection(WriteOps, SearchOps, MergeOps, ImportOps, CollectionContract):
         self._closed: tuple[type, str] | None = None  # once closing began: what a later call raises
         self._unsearchable = 0  # stored vectors the engine cannot use (written before they were refused)
         self._progress: dict | None = None  # the running merge's or import's step, for info()
-        self._import: dict | None = None  # the last bulk import: its state, and what it did or why it failed
         self._files = files
         self._dormant = False  # its doc store and log are closed until its next call
         self._set_aside_count = 0  # log entries the doc store could not apply (_set_aside)
@@ -258,7 +260,7 @@ class Collection(WriteOps, SearchOps, MergeOps, ImportOps, CollectionContract):
                 "generation": main.generation,
                 "unsearchable": self._unsearchable,
                 "progress": self._progress,  # while a merge or an import runs: {"step", "done", "total"}
-                "import": self._import,
+                "import": self._imports.now,
             },
             # log entries that could not be applied, kept aside (the writes after them applied)
             "set_aside": self._set_aside_info(),

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import sqlite3
-import time
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +18,7 @@ from fusionrag.retriever.collection.contract import in_use
 from fusionrag.retriever.collection.generations import (Generation, gen_dir_name, rows_digest, write_json_atomic,
                                                         write_rows)
 from fusionrag.retriever.engine.index import Index
-from fusionrag.retriever.errors import ConflictError, StorageError
+from fusionrag.retriever.errors import StorageError
 
 
 class ImportOps:
@@ -38,28 +37,19 @@ class ImportOps:
                 raise StorageError(f"collection {self.name!r}: cannot write its snapshot: {e}") from e
 
     # -- bulk import -----------------------------------------------------------------------------
-    # Its state (importer.read_state, record_state): "uploading", "running", then "done", "failed" or "interrupted".
-    _IMPORT_ACTIVE = importer.ACTIVE
+    # Its state: self._imports (importer.ImportState, the lifecycle a sharded collection's import shares).
 
     def _load_import_state(self) -> None:
         """The last import's state, as the previous process left it; staging an interrupted one left removed."""
         for p in self.path.glob(".import-*"):
             shutil.rmtree(p, ignore_errors=True)
-        state = importer.read_state(self.path)
-        if state is None:
-            return
-        if state.get("state") in self._IMPORT_ACTIVE:
-            n = self.store.count()
-            state = {**state, "state": "interrupted", "reason": (
-                "the service stopped during the import: nothing of it was stored; import again" if not n else
-                f"the service stopped during the import, after its {n} documents were stored (the next merge "
-                "indexes them)")}
-            self._set_import(state)
-        self._import = state
 
-    def _set_import(self, state: dict | None) -> None:
-        self._import = state
-        importer.record_state(self.path, state, f"collection {self.name!r}")
+        def interrupted() -> str:
+            n = self.store.count()
+            return ("the service stopped during the import: nothing of it was stored; import again" if not n else
+                    f"the service stopped during the import, after its {n} documents were stored (the next merge "
+                    "indexes them)")
+        self._imports.load(interrupted)
 
     @in_use
     def claim_import(self) -> None:
@@ -69,17 +59,12 @@ class ImportOps:
         upload failed."""
         with self._lock:
             importer.check_empty(self)
-            if self._import is not None and self._import["state"] in self._IMPORT_ACTIVE:
-                raise ConflictError(f"collection {self.name!r} is already importing documents (its progress is in "
-                                    "the collection's info)")
-            self._before_claim = self._import
-            self._set_import({"state": "uploading", "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+            self._imports.claim()
 
     def release_import(self) -> None:
         """Give up a claim (its upload was refused, and the caller told so): the import state is as before it."""
         with self._lock:
-            if self._import is not None and self._import["state"] == "uploading":
-                self._set_import(getattr(self, "_before_claim", None))
+            self._imports.release()
 
     def import_files(self, documents: str | os.PathLike | None = None, vectors: str | os.PathLike | None = None,
                      progress: bool | None = None, claimed: bool = False) -> dict:
@@ -93,10 +78,9 @@ class ImportOps:
             return self._import_files(documents, vectors, progress, claimed, ran)
         except BaseException as e:
             with self._lock:
-                state = None if self._import is None else self._import["state"]
+                state = None if self._imports.now is None else self._imports.now["state"]
                 if self._closed is None and ((ran and state == "running") or (claimed and state == "uploading")):
-                    reason = importer.public_reason(e, self.path, *folders)
-                    self._set_import({**self._import, "state": "failed", "reason": reason})
+                    self._imports.failed(importer.public_reason(e, self.path, *folders))
             if isinstance(e, OSError) and not isinstance(e, StorageError):
                 raise StorageError(f"collection {self.name!r}: the import could not write: {e}") from e
             raise
@@ -107,15 +91,9 @@ class ImportOps:
 
         with self._merge_lock:  # no merge meanwhile: the import publishes the next generation itself
             with self._lock:
-                state = None if self._import is None else self._import["state"]
-                if claimed and state != "uploading":
-                    raise ConflictError(f"collection {self.name!r}: the import's claim was lost")
                 if not claimed:
                     importer.check_empty(self)
-                    if state in self._IMPORT_ACTIVE:
-                        raise ConflictError(f"collection {self.name!r} is already importing documents")
-                started = self._import["started"] if claimed else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-                self._set_import({"state": "running", "started": started})
+                self._imports.start(claimed)
                 ran.append(True)
             try:
                 embedder = get_embedder(self.embedding) if self.embedding else None
@@ -124,7 +102,7 @@ class ImportOps:
             finally:
                 self._progress = None
             with self._lock:
-                self._set_import({**self._import, "state": "done", **done})
+                self._imports.done(done)
             return done
 
     def is_empty(self) -> bool:

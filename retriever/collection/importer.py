@@ -24,7 +24,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -79,6 +79,72 @@ def record_state(folder: Path, state: dict | None, what: str) -> None:
             write_json_atomic(Path(folder) / STATE, state)
     except OSError:
         log.exception("%s: cannot record its import's state", what)
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+class ImportState:
+    """One bulk import at a time into an empty collection, and its state kept in the collection's directory
+    (read_state, record_state): "uploading" (claimed, its files arriving), "running", then "done" (what it did),
+    "failed" (why) or "interrupted" (the process stopped during it; found so at the next open). A collection
+    (import_ops.py) and a sharded collection in a data directory (sharded/hosted.py) each hold one, under their own
+    lock: one lifecycle, the same words. what: the collection as messages name it ("collection 'c'")."""
+
+    def __init__(self, path: Path, what: str):
+        self.path, self.what = Path(path), what
+        self.now: dict | None = None
+        self._before_claim: dict | None = None
+
+    @property
+    def active(self) -> bool:
+        """An import claimed or running."""
+        return self.now is not None and self.now.get("state") in ACTIVE
+
+    def load(self, interrupted: Callable[[], str]) -> None:
+        """The last import's state, as the previous process left it: one it left active is interrupted
+        (interrupted(): why, in the state's words)."""
+        state = read_state(self.path)
+        if state is not None and state.get("state") in ACTIVE:
+            state = {**state, "state": "interrupted", "reason": interrupted()}
+            record_state(self.path, state, self.what)
+        self.now = state
+
+    def set(self, state: dict | None) -> None:
+        self.now = state
+        record_state(self.path, state, self.what)
+
+    def refuse_if_active(self) -> None:
+        if self.active:
+            raise ConflictError(f"{self.what} is already importing documents (its progress is in the collection's "
+                                "info)")
+
+    def claim(self) -> None:
+        """Reserve the collection for one import before its files arrive (the caller checked it may take one)."""
+        self.refuse_if_active()
+        self._before_claim = self.now
+        self.set({"state": "uploading", "started": _now()})
+
+    def release(self) -> None:
+        """Give up a claim whose upload was refused: the state as before it."""
+        if self.now is not None and self.now.get("state") == "uploading":
+            self.set(self._before_claim)
+
+    def start(self, claimed: bool) -> None:
+        """The import runs now (claimed: the caller claimed it first; else the caller checked it may take one)."""
+        state = None if self.now is None else self.now.get("state")
+        if claimed and state != "uploading":
+            raise ConflictError(f"{self.what}: the import's claim was lost")
+        if not claimed:
+            self.refuse_if_active()
+        self.set({"state": "running", "started": self.now["started"] if claimed else _now()})
+
+    def failed(self, reason: str) -> None:
+        self.set({**self.now, "state": "failed", "reason": reason})
+
+    def done(self, done: dict) -> None:
+        self.set({**self.now, "state": "done", **done})
 
 
 def public_reason(e: BaseException, path: Path, *folders: Path) -> str:

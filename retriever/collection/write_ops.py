@@ -72,7 +72,7 @@ class WriteOps:
 
     def _commit(self, w: Write) -> int:
         with self._lock:
-            if self._import is not None and self._import["state"] in self._IMPORT_ACTIVE:
+            if self._imports.active:
                 raise ConflictError(f"collection {self.name!r} is importing documents: write once the import is "
                                     "done (its progress is in the collection's info)")
             if w.op == "upsert" and self._merging and self._fresh.bytes >= FRESH_HOLD * self._fresh_limit():

@@ -82,7 +82,9 @@ class HostedSharded(CollectionContract):
         self._dormant = False  # built, its shards closed until its next call
         for p in self.path.glob(f".*{BUILDING[1:]}*"):  # a build a crash cut short (and its staging): imported again
             shutil.rmtree(p, ignore_errors=True)
-        self._import = self._load_import_state()
+        # The last import's state (importer.ImportState: a collection's import lifecycle).
+        self._imports = importer.ImportState(self.path, f"sharded collection {self.name!r}")
+        self._imports.load(lambda: "the service stopped during the import: nothing of it was kept; import again")
         if (self.path / INDEX).is_dir():
             try:
                 if self._files is not None:
@@ -160,7 +162,7 @@ class HostedSharded(CollectionContract):
             return inner
         if self._closed is not None:
             raise self._closed
-        running = self._import is not None and self._import.get("state") in importer.ACTIVE
+        running = self._imports.active
         raise ConflictError(f"sharded collection {self.name!r} holds no documents yet: " + (
             "its import is building it (progress in the collection's info)" if running else
             f"its first import builds it (POST /v1/collections/{self.name}/import, JSON lines of documents)"))
@@ -285,22 +287,10 @@ class HostedSharded(CollectionContract):
                    "state": "empty", "count": 0, "sharded": True, "shards": self.shards,
                    "build_state": {"indexed": 0, "fresh": 0}}
         out["text_analyzer"] = self.analyzer
-        out["build_state"] = {**out.get("build_state", {}), "import": self._import, "progress": self._progress}
+        out["build_state"] = {**out.get("build_state", {}), "import": self._imports.now, "progress": self._progress}
         return out
 
     # -- import: the build -----------------------------------------------------------------------------
-
-    def _load_import_state(self) -> dict | None:
-        state = importer.read_state(self.path)
-        if state is not None and state.get("state") in importer.ACTIVE:
-            state = {**state, "state": "interrupted",
-                     "reason": "the service stopped during the import: nothing of it was kept; import again"}
-            importer.record_state(self.path, state, f"sharded collection {self.name!r}")
-        return state
-
-    def _set_import(self, state: dict | None) -> None:
-        self._import = state
-        importer.record_state(self.path, state, f"sharded collection {self.name!r}")
 
     def _check_importable(self) -> None:
         """Caller holds _lock."""
@@ -309,9 +299,7 @@ class HostedSharded(CollectionContract):
         if self._inner is not None:
             raise ConflictError(f"sharded collection {self.name!r} is built: its documents are written by upsert "
                                 "now (an import fills an empty collection)")
-        if self._import is not None and self._import.get("state") in importer.ACTIVE:
-            raise ConflictError(f"sharded collection {self.name!r} is already importing documents (its progress is "
-                                "in the collection's info)")
+        self._imports.refuse_if_active()
 
     @in_use
     def claim_import(self) -> None:
@@ -320,8 +308,7 @@ class HostedSharded(CollectionContract):
         self._room_for_shards()
         with self._lock:
             self._check_importable()
-            self._before_claim = self._import
-            self._set_import({"state": "uploading", "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+            self._imports.claim()
 
     def _room_for_shards(self) -> None:
         """Before a build: UnavailableError unless the process has room for the shards' files past the pool's
@@ -331,8 +318,7 @@ class HostedSharded(CollectionContract):
 
     def release_import(self) -> None:
         with self._lock:
-            if self._import is not None and self._import.get("state") == "uploading":
-                self._set_import(getattr(self, "_before_claim", None))
+            self._imports.release()
 
     @in_use
     def import_files(self, documents=None, vectors=None, progress: bool | None = None, claimed: bool = False) -> dict:
@@ -344,13 +330,9 @@ class HostedSharded(CollectionContract):
         if not claimed:
             self._room_for_shards()
         with self._lock:
-            state = None if self._import is None else self._import.get("state")
-            if claimed and state != "uploading":
-                raise ConflictError(f"sharded collection {self.name!r}: the import's claim was lost")
             if not claimed:
                 self._check_importable()
-            started = self._import["started"] if claimed else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-            self._set_import({"state": "running", "started": started})
+            self._imports.start(claimed)
         try:
             done = self._build(None if documents is None else Path(documents),
                                None if vectors is None else Path(vectors), progress)
@@ -358,8 +340,7 @@ class HostedSharded(CollectionContract):
             with self._lock:
                 if self._closed is None:
                     folders = [Path(p).resolve().parent for p in (documents, vectors) if p is not None]
-                    self._set_import({**self._import, "state": "failed",
-                                      "reason": importer.public_reason(e, self.path, *folders)})
+                    self._imports.failed(importer.public_reason(e, self.path, *folders))
             if isinstance(e, _Stopped):
                 raise UnavailableError(f"sharded collection {self.name!r} was closed during its import") from e
             if isinstance(e, OSError):
@@ -369,7 +350,7 @@ class HostedSharded(CollectionContract):
             self._progress = None
         done["seconds"] = round(time.perf_counter() - t0, 3)
         with self._lock:
-            self._set_import({**self._import, "state": "done", **done})
+            self._imports.done(done)
         return done
 
     def _step(self, step: str, done: int, total: int) -> None:
@@ -429,7 +410,7 @@ class HostedSharded(CollectionContract):
                     "embedding": self.embedding, "shards": self.shards}
         with self._lock:
             inner = self._inner
-            if inner is None and self._import is not None and self._import.get("state") in importer.ACTIVE:
+            if inner is None and self._imports.active:
                 raise ConflictError(f"sharded collection {self.name!r} is importing: snapshot it once that is done")
         try:
             if inner is None:
