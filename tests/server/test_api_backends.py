@@ -9,6 +9,7 @@ backend."""
 from __future__ import annotations
 
 import io
+import json
 import time
 
 import httpx
@@ -215,3 +216,52 @@ def test_recommend_by_ids_is_the_exact_search_of_its_query(service, base):
     assert [h["id"] for h in only] == [i for i in exact(base, base[42], 6) if i != "42"][:5]
     assert post(url, "/recommend", {"positive": ["nope"], "k": 3}).status_code == 404
     assert post(url, "/recommend", {"positive": [], "k": 3}).status_code == 422
+
+
+def test_filters_answer_alike_in_search_count_scroll_and_delete(service, base):
+    """#69 item 1: the filter routes on every backend. Twelve documents with metadata beside the 3000 without: a
+    search under a filter answers the exact top-k of the documents it passes, count and a filtered scroll see
+    exactly those, a delete by filter removes exactly those and no other."""
+    _, url = service
+    ids = [f"f{i}" for i in range(12)]
+    vecs = base[100:112] + 0.003
+    docs = [{"id": d, "vector": v.tolist(), "metadata": {"colour": "red" if i % 3 == 0 else "blue", "i": i}}
+            for i, (d, v) in enumerate(zip(ids, vecs))]
+    assert post(url, "/documents", {"documents": docs}).status_code == 200
+    red, blue = [d for i, d in enumerate(ids) if i % 3 == 0], [d for i, d in enumerate(ids) if i % 3]
+    try:
+        q = vecs[1]
+        r = post(url, "/search", {"vectors": [q.tolist()], "k": 10, "filter": {"colour": "red"}, "params": EXHAUSTIVE})
+        assert r.status_code == 200, r.text
+        dist = ((vecs[[0, 3, 6, 9]].astype(np.float64) - q) ** 2).sum(1)
+        assert [h["id"] for h in r.json()["results"][0]] == [red[j] for j in np.argsort(dist, kind="stable")]
+        assert post(url, "/documents/count", {"filter": {"colour": "red"}}).json()["count"] == 4
+        assert post(url, "/documents/count", {"filter": {"i": {"$gte": 6}}}).json()["count"] == 6
+        seen, cursor = [], None
+        while True:
+            params = {"limit": 3, "filter": json.dumps({"colour": "blue"}), **({"cursor": cursor} if cursor else {})}
+            page = httpx.get(f"{url}/v1/collections/{NAME}/documents", params=params, headers=GOOD).json()
+            seen += [d["id"] for d in page["documents"]]
+            cursor = page["next_cursor"]
+            if cursor is None:
+                break
+        assert sorted(seen) == sorted(blue)
+        assert post(url, "/documents/delete", {"filter": {"colour": "red"}}).json() == {"deleted": 4}
+        assert post(url, "/documents/count", {"filter": {"colour": "red"}}).json()["count"] == 0
+        assert post(url, "/documents/count", {}).json()["count"] == N + 8
+    finally:
+        post(url, "/documents/delete", {"ids": ids})
+    assert httpx.get(f"{url}/v1/collections/{NAME}", headers=GOOD).json()["count"] == N
+
+
+def test_an_import_into_a_collection_that_holds_documents_is_refused_alike(service, base):
+    """The contract's optional import: a collection (and a sharded one in a data directory) built already refuses
+    a second import with 409, the sharded service with 405; nothing changes either way."""
+    kind, url = service
+    buf = io.BytesIO()
+    np.save(buf, base[:10])
+    r = httpx.post(f"{url}/v1/collections/{NAME}/import", files={"vectors": ("more.npy", buf.getvalue())},
+                   headers=GOOD, timeout=60)
+    assert r.status_code == (405 if kind == "sharded" else 409), r.text
+    assert "import" in r.text
+    assert httpx.get(f"{url}/v1/collections/{NAME}", headers=GOOD).json()["count"] == N
