@@ -32,13 +32,13 @@ import numpy as np
 
 from fusionrag.retriever.collection import importer
 from fusionrag.retriever.collection.config import CollectionConfig, check_analyzer
-from fusionrag.retriever.collection.contract import CollectionContract, in_use
+from fusionrag.retriever.collection.contract import CollectionContract, Uses, in_use
 from fusionrag.retriever.collection.docstore import DocStore
 from fusionrag.retriever.collection.fresh import FreshTier
 from fusionrag.retriever.collection.generations import Generation, load_published
 from fusionrag.retriever.collection.import_ops import ImportOps
 from fusionrag.retriever.collection.merge_ops import MergeOps
-from fusionrag.retriever.collection.quota import Limits, OpenFiles
+from fusionrag.retriever.collection.quota import DESCRIPTORS_PER_COLLECTION, Limits, OpenFiles
 from fusionrag.retriever.collection.records import Write, engine_form
 from fusionrag.retriever.collection.search_ops import SearchOps
 from fusionrag.retriever.collection.wal import WriteAheadLog
@@ -51,7 +51,7 @@ from fusionrag.retriever.errors import FusionRAGError, IndexFormatError, InputEr
 log = logging.getLogger(__name__)
 
 
-class Collection(WriteOps, SearchOps, MergeOps, ImportOps, CollectionContract):
+class Collection(WriteOps, SearchOps, MergeOps, ImportOps, Uses, CollectionContract):
     """One collection, opened. Thread-safe: searches run concurrently with writes and a merge."""
 
     def __init__(self, path: Path, engine_config: EngineConfig | None = None,
@@ -173,19 +173,8 @@ class Collection(WriteOps, SearchOps, MergeOps, ImportOps, CollectionContract):
         return rows[:k], out.array()[:k], unusable
 
     # -- input checks --------------------------------------------------------------------------
-    def _enter(self) -> None:
-        if self._dormant and self._files is not None:
-            self._files.make_room()
-        with self._users_cv:
-            if self._closed is not None:
-                cls, message = self._closed
-                raise cls(message)
-            woke = self._dormant
-            if woke:
-                self._wake()
-            self._users += 1
-        if self._files is not None:
-            self._files.used(self, woke)
+    def _room_to_open(self) -> int:
+        return DESCRIPTORS_PER_COLLECTION
 
     @property
     def dormant(self) -> bool:
@@ -215,12 +204,6 @@ class Collection(WriteOps, SearchOps, MergeOps, ImportOps, CollectionContract):
         except (OSError, sqlite3.Error) as e:
             raise UnavailableError(f"collection {self.name!r} cannot reopen its files: {e}") from e
         self._dormant = False
-
-    def _leave(self) -> None:
-        with self._users_cv:
-            self._users -= 1
-            if not self._users:
-                self._users_cv.notify_all()
 
     # -- reads ---------------------------------------------------------------------------------
     @in_use

@@ -49,6 +49,44 @@ def in_use(method):
     return call
 
 
+class Uses:
+    """The uses of a collection in progress (in_use), Collection's and HostedSharded's alike: close waits for them
+    to end, a call that starts once closing began is refused with why (`_closed`: (the error's type, its words)),
+    and a collection whose files were closed while idle (release_files) opens them at its next call, once the
+    catalog's pool of open files has room for them (quota.OpenFiles). The class holds `_users`, `_users_cv`,
+    `_closed`, `_dormant` and `_files`, and says how to open its files again (`_wake`, called holding _users_cv)
+    and how many descriptors they take open (`_room_to_open`)."""
+
+    def _room_to_open(self) -> int:
+        raise NotImplementedError
+
+    def _wake(self) -> None:
+        raise NotImplementedError
+
+    def _refuse_if_closed(self) -> None:
+        if self._closed is not None:
+            cls, message = self._closed
+            raise cls(message)
+
+    def _enter(self) -> None:
+        if self._dormant and self._files is not None:
+            self._files.make_room(self._room_to_open())
+        with self._users_cv:
+            self._refuse_if_closed()
+            woke = self._dormant
+            if woke:
+                self._wake()
+            self._users += 1
+        if self._files is not None:
+            self._files.used(self, woke)
+
+    def _leave(self) -> None:
+        with self._users_cv:
+            self._users -= 1
+            if not self._users:
+                self._users_cv.notify_all()
+
+
 class CollectionContract(ABC):
     """A collection as the routes see it (see the module). Attributes every class has: `name`, `dim`, `metric`,
     `embedding` (the model its texts are embedded with, or None), `config` (CollectionConfig) and `path` (its

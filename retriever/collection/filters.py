@@ -195,12 +195,8 @@ def _text(q: _Query, cond, depth: int) -> str:
     for op, value in cond.items():
         where = f"{DOCUMENT} {op}"
         if op in ("$and", "$or"):
-            if not isinstance(value, (list, tuple)) or not value:
-                raise InputError(f"filter {where}: expects a non-empty list of text conditions")
-            if depth == MAX_DEPTH:
-                raise InputError(f"filter: $and/$or nest at most {MAX_DEPTH} deep")
-            parts.append(q.compound([_text(q, sub, depth + 1) for sub in value],
-                                    "INTERSECT" if op == "$and" else "UNION"))
+            parts.append(_compound(q, op, value, depth, _text,
+                                   f"filter {where}: expects a non-empty list of text conditions"))
         elif op in _TEXT_OPS:
             if not isinstance(value, str):
                 raise InputError(f"filter {where}: the value must be a string, not {type(value).__name__} "
@@ -218,18 +214,23 @@ def _text(q: _Query, cond, depth: int) -> str:
     return q.compound(parts, "INTERSECT")
 
 
+def _compound(q: _Query, op: str, value, depth: int, each, expects: str) -> str:
+    """$and / $or over a list of conditions, each compiled by each(q, condition, depth + 1), a document's text
+    conditions (_text) or metadata filters (_node); expects: the words for a value that is no such list."""
+    if not isinstance(value, (list, tuple)) or not value:
+        raise InputError(expects)
+    if depth == MAX_DEPTH:
+        raise InputError(f"filter: $and/$or nest at most {MAX_DEPTH} deep")
+    return q.compound([each(q, sub, depth + 1) for sub in value], "INTERSECT" if op == "$and" else "UNION")
+
+
 def _node(q: _Query, f, depth: int) -> str:
     if not isinstance(f, dict) or not f:
         raise InputError(f"a filter must be a non-empty dict, got {f!r:.200}")
     parts = []
     for key, value in f.items():
         if key in ("$and", "$or"):
-            if not isinstance(value, (list, tuple)) or not value:
-                raise InputError(f"filter {key} expects a non-empty list of filters")
-            if depth == MAX_DEPTH:
-                raise InputError(f"filter: $and/$or nest at most {MAX_DEPTH} deep")
-            parts.append(q.compound([_node(q, sub, depth + 1) for sub in value],
-                                    "INTERSECT" if key == "$and" else "UNION"))
+            parts.append(_compound(q, key, value, depth, _node, f"filter {key} expects a non-empty list of filters"))
         elif key == DOCUMENT:
             parts.append(_text(q, value, depth))
         elif isinstance(key, str) and key.startswith("$"):

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from fusionrag.retriever.collection import importer, quota, snapshot
 from fusionrag.retriever.collection.config import CollectionConfig
-from fusionrag.retriever.collection.contract import CollectionContract, in_use
+from fusionrag.retriever.collection.contract import CollectionContract, Uses, in_use
 from fusionrag.retriever.engine.config import BuildConfig, EngineConfig
 from fusionrag.retriever.engine.vectors import as_source
 from fusionrag.retriever.errors import ConflictError, FusionRAGError, InputError, StorageError, UnavailableError
@@ -54,7 +54,7 @@ class _Stopped(Exception):
     """Raised into a build whose collection was closed meanwhile (dropped, or the service stopping)."""
 
 
-class HostedSharded(CollectionContract):
+class HostedSharded(Uses, CollectionContract):
     """A sharded collection in a catalog (see the module). Everything a ShardedCollection does, once built, is
     passed to it; before, reads answer empty and what needs documents is refused."""
 
@@ -72,7 +72,7 @@ class HostedSharded(CollectionContract):
         self._collection_config = collection_config or CollectionConfig()
         self._limits = limits or quota.Limits()
         self._lock = threading.Lock()  # the import's state, and the build's switch to the index
-        self._closed: FusionRAGError | None = None
+        self._closed: tuple[type, str] | None = None  # once closing began: what a later call raises
         self._inner: ShardedCollection | None = None  # the built index, while its shards' files are open
         self._progress: dict | None = None
         self._merging: threading.Thread | None = None
@@ -115,24 +115,8 @@ class HostedSharded(CollectionContract):
         """Built, and its shards' files closed while it is idle (its next call opens them)."""
         return self._dormant
 
-    def _enter(self) -> None:
-        if self._dormant and self._files is not None:
-            self._files.make_room(self.shards * quota.DESCRIPTORS_PER_SHARD)
-        with self._users_cv:
-            if self._closed is not None:
-                raise self._closed
-            woke = self._dormant
-            if woke:
-                self._wake()
-            self._users += 1
-        if self._files is not None:
-            self._files.used(self, woke)
-
-    def _leave(self) -> None:
-        with self._users_cv:
-            self._users -= 1
-            if not self._users:
-                self._users_cv.notify_all()
+    def _room_to_open(self) -> int:
+        return self.shards * quota.DESCRIPTORS_PER_SHARD
 
     def _wake(self) -> None:
         """Open the shards release_files closed (caller holds _users_cv)."""
@@ -160,8 +144,7 @@ class HostedSharded(CollectionContract):
         inner = self._inner
         if inner is not None:
             return inner
-        if self._closed is not None:
-            raise self._closed
+        self._refuse_if_closed()
         running = self._imports.active
         raise ConflictError(f"sharded collection {self.name!r} holds no documents yet: " + (
             "its import is building it (progress in the collection's info)" if running else
@@ -294,8 +277,7 @@ class HostedSharded(CollectionContract):
 
     def _check_importable(self) -> None:
         """Caller holds _lock."""
-        if self._closed is not None:
-            raise self._closed
+        self._refuse_if_closed()
         if self._inner is not None:
             raise ConflictError(f"sharded collection {self.name!r} is built: its documents are written by upsert "
                                 "now (an import fills an empty collection)")
@@ -426,7 +408,8 @@ class HostedSharded(CollectionContract):
         with self._lock:
             if self._closed is not None:
                 return
-            self._closed = error or UnavailableError(f"collection {self.name!r} is closed")
+            error = error or UnavailableError(f"collection {self.name!r} is closed")
+            self._closed = (type(error), str(error))
         with self._users_cv:
             while self._users:
                 self._users_cv.wait()
