@@ -39,8 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from fusionrag import native
-from fusionrag.retriever.engine.calibrate import search_defaults
-from fusionrag.retriever.engine.config import EngineConfig, SearchParams, cpu_threads
+from fusionrag.retriever.engine.config import EngineConfig, SearchParams, cpu_threads, search_defaults
 from fusionrag.retriever.engine.index import prepare_queries
 from fusionrag.retriever.engine.learned_probe import load_probe_model
 from fusionrag.retriever.engine.manifest import MANIFEST, ManifestShape, load_array, read_manifest
