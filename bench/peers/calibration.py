@@ -24,9 +24,9 @@ import numpy as np
 from bench.harness.sets import load, prepare  # noqa: E402
 
 import fusionrag.retriever as fr  # noqa: E402
-from fusionrag.retriever.engine.build import internal_metric  # noqa: E402
 from fusionrag.retriever.engine.calibrate import calibrate, recall_at  # noqa: E402
 from fusionrag.retriever.engine.config import cpu_threads  # noqa: E402
+from fusionrag.retriever.engine.vectors import internal_metric  # noqa: E402
 from bench.harness.paths import BENCH, WORK, results
 
 

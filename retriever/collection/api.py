@@ -176,11 +176,6 @@ class Collection(WriteOps, SearchOps, MergeOps, ImportOps, Uses, CollectionContr
     def _room_to_open(self) -> int:
         return DESCRIPTORS_PER_COLLECTION
 
-    @property
-    def dormant(self) -> bool:
-        """Its doc store and log are closed while it is idle (reopened by its next call)."""
-        return self._dormant
-
     def release_files(self) -> bool:
         """Close the doc store and the log if nothing uses the collection now (no call, merge or import in
         progress); its next call reopens them. True when they were closed."""

@@ -86,6 +86,11 @@ class Uses:
             if not self._users:
                 self._users_cv.notify_all()
 
+    @property
+    def dormant(self) -> bool:
+        """Its files closed while it was idle (release_files), opened again by its next call."""
+        return self._dormant
+
 
 class CollectionContract(ABC):
     """A collection as the routes see it (see the module). Attributes every class has: `name`, `dim`, `metric`,

@@ -33,7 +33,6 @@ from pathlib import Path
 import numpy as np
 
 from fusionrag.retriever.engine.config import BuildConfig, EngineConfig, SearchParams, cpu_threads
-from fusionrag.retriever.engine.config import search_defaults  # noqa: F401 (named here as ever: engine/config.py's)
 from fusionrag.retriever.engine.index import Index
 from fusionrag.retriever.engine.layout import PageLayout
 from fusionrag.retriever.engine.learned_probe import exact_topk

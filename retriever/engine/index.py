@@ -21,7 +21,6 @@ from fusionrag.retriever.engine.layout import PageLayout, raw_reader
 from fusionrag.retriever.engine.learned_probe import load_probe_model
 from fusionrag.retriever.engine.manifest import ManifestShape, load_array, read_manifest
 from fusionrag.retriever.engine.memory import held_bytes, search_call_bytes, split_buffer
-from fusionrag.retriever.engine.memory import records_cache_denser  # noqa: F401 (named here as ever)
 from fusionrag.retriever.engine.overlap import overlapped
 from fusionrag.retriever.engine.pipeline import STAT_KEYS, DeviceParts, QueryBatch, cut, filter_kind, open_filter_tier
 from fusionrag.retriever.engine.pq import ProductQuantizer

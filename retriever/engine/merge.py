@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from fusionrag import native
-from fusionrag.retriever.engine.build import internal_metric, nearest_rows, save_index_files
+from fusionrag.retriever.engine.build import nearest_rows, save_index_files
 from fusionrag.retriever.engine.calibrate import calibrate, calibrate_build, merge_remeasures
 from fusionrag.retriever.engine.config import BuildConfig, cpu_threads
 from fusionrag.retriever.engine.index import Index
@@ -38,7 +38,7 @@ from fusionrag.retriever.engine.kmeans import kmeans
 from fusionrag.retriever.engine.layout import PageLayout
 from fusionrag.retriever.engine.learned_probe import MODEL_FILE
 from fusionrag.retriever.engine.manifest import ArrayFileWriter, copy_file, load_array, writing_index
-from fusionrag.retriever.engine.vectors import STORAGE_DTYPES
+from fusionrag.retriever.engine.vectors import STORAGE_DTYPES, internal_metric
 from fusionrag.retriever.progress import OnProgress, Progress
 
 log = logging.getLogger(__name__)

@@ -110,11 +110,6 @@ class HostedSharded(Uses, CollectionContract):
         0 while it holds none open (not built yet, or closed while idle)."""
         return self.shards * quota.DESCRIPTORS_PER_SHARD if self._inner is not None else 0
 
-    @property
-    def dormant(self) -> bool:
-        """Built, and its shards' files closed while it is idle (its next call opens them)."""
-        return self._dormant
-
     def _room_to_open(self) -> int:
         return self.shards * quota.DESCRIPTORS_PER_SHARD
 
@@ -276,12 +271,11 @@ class HostedSharded(Uses, CollectionContract):
     # -- import: the build -----------------------------------------------------------------------------
 
     def _check_importable(self) -> None:
-        """Caller holds _lock."""
+        """Caller holds _lock; what an import claims or starts then checks itself (ImportState: none active)."""
         self._refuse_if_closed()
         if self._inner is not None:
             raise ConflictError(f"sharded collection {self.name!r} is built: its documents are written by upsert "
                                 "now (an import fills an empty collection)")
-        self._imports.refuse_if_active()
 
     @in_use
     def claim_import(self) -> None:

@@ -14,9 +14,9 @@ import logging
 
 import numpy as np
 
-from fusionrag.retriever.engine.build import sample_query_matrix
 from fusionrag.retriever.engine.calibrate import config_of, merge_remeasures, write_calibration
 from fusionrag.retriever.engine.config import SearchParams
+from fusionrag.retriever.engine.vectors import sample_query_matrix
 from fusionrag.retriever.errors import IndexFormatError
 from fusionrag.retriever.sharded.actors import is_down
 from fusionrag.retriever.sharded.calls import ShardCall

@@ -93,17 +93,39 @@ def test_the_service_uses_only_the_contract_of_a_collection():
     assert not outside, "members outside the collection contract:\n" + "\n".join(outside)
 
 
+def _catalog_uses(tree: ast.AST):
+    """(attribute, line) for each state.catalog.X, the one way the routes reach the catalog."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "catalog":
+            yield node.attr, node.lineno
+
+
+SNIFFED = {c.__name__ for c in COLLECTIONS + CATALOGS} | {"CollectionSearch"}
+
+
+def _sniffs(tree: ast.AST):
+    """(line, call) for each hasattr, or getattr with a default, on a collection, a catalog or a search's answer,
+    and each isinstance against a class that holds one."""
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)) or not node.args:
+            continue
+        if node.func.id == "isinstance" and len(node.args) == 2:
+            if any(c in ast.unparse(node.args[1]) for c in SNIFFED):
+                yield node.lineno, ast.unparse(node)
+        elif node.func.id == "hasattr" or (node.func.id == "getattr" and len(node.args) == 3):
+            target = ast.unparse(node.args[0])
+            if any(w in target.split(".")[-1] for w in ("coll", "catalog", "res")) or target in ("c", "res"):
+                yield node.lineno, ast.unparse(node)
+
+
 def test_the_service_uses_only_the_contract_of_its_catalog():
     allowed = _members(CatalogContract)
     seen, outside = 0, []
     for path, tree in _service_sources():
-        for node in ast.walk(tree):
-            # state.catalog.X, the one way the routes reach the catalog
-            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
-                    and node.value.attr == "catalog"):
-                seen += 1
-                if node.attr not in allowed:
-                    outside.append(f"{path.relative_to(ROOT)}:{node.lineno}: catalog.{node.attr}")
+        for attr, line in _catalog_uses(tree):
+            seen += 1
+            if attr not in allowed:
+                outside.append(f"{path.relative_to(ROOT)}:{line}: catalog.{attr}")
     assert seen >= 10
     assert not outside, "members outside the catalog contract:\n" + "\n".join(outside)
 
@@ -111,31 +133,27 @@ def test_the_service_uses_only_the_contract_of_its_catalog():
 def test_the_service_never_asks_which_class_it_holds():
     """No hasattr/getattr-with-default on a collection, a catalog or a search's answer, and no isinstance against
     the classes that hold one: what differs between them is the contract's to say."""
-    classes = {c.__name__ for c in COLLECTIONS + CATALOGS} | {"CollectionSearch"}
-    found = []
-    for path, tree in _service_sources():
-        for node in ast.walk(tree):
-            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
-                continue
-            text = ast.unparse(node)
-            if node.func.id == "isinstance" and any(c in ast.unparse(node.args[1]) for c in classes):
-                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {text}")
-            elif (node.func.id == "hasattr" or node.func.id == "getattr" and len(node.args) == 3) and node.args:
-                target = ast.unparse(node.args[0])
-                if any(w in target.split(".")[-1] for w in ("coll", "catalog", "res")) or target in ("c", "res"):
-                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {text}")
+    found = [f"{path.relative_to(ROOT)}:{line}: {call}" for path, tree in _service_sources()
+             for line, call in _sniffs(tree)]
     assert not found, "the service sniffs the class it holds:\n" + "\n".join(found)
 
 
-def test_the_checks_see_a_member_outside_the_contract_and_a_sniff(tmp_path):
-    """The two source checks above fail where they should (a route reading coll.index, a getattr on the catalog)."""
+def test_the_checks_see_a_member_outside_the_contract_and_a_sniff():
+    """The three source checks above fail where they should, on the code the service had before the contract (a
+    route reading coll.index, getattr on the catalog and on a collection, hasattr on an answer, isinstance), and
+    pass what it does now (a dispatch by name, getattr without a default)."""
     src = ("async def route(coll: CollectionContract):\n    return coll.index, coll.name\n"
-           "def other(state):\n    return getattr(state.catalog, 'aliases', None)\n")
+           "def other(state):\n    return getattr(state.catalog, 'aliases', None), state.catalog.names()\n"
+           "def batch(self, res):\n"
+           "    c = getattr(self._pending[0].collection, 'crossover', None)\n"
+           "    return hasattr(res, 'missing_lists'), isinstance(res, ShardedCollection)\n"
+           "def leader(self, method):\n    return getattr(self.coll, method)\n")
     tree = ast.parse(src)
     assert [(a, line) for _, _, a, line in _uses(tree, "CollectionContract")] == [("index", 2), ("name", 2)]
     assert "index" not in _members(CollectionContract) and "name" in _members(CollectionContract)
-    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "getattr"]
-    assert calls and "catalog" in ast.unparse(calls[0].args[0])
+    assert list(_catalog_uses(tree)) == [("names", 4)]
+    assert "names" in _members(CatalogContract) and "limits" in _members(CatalogContract)
+    assert sorted(line for line, _ in _sniffs(tree)) == [4, 6, 7, 7]
 
 
 def test_optional_features_are_refused_with_405_by_default():
