@@ -38,7 +38,8 @@ class ShardedCatalog(CatalogContract):
 
     def get(self, name: str) -> ShardedCollection:
         if name != self.name:
-            raise NotFoundError(f"no collection {name!r} (this service serves the sharded collection {self.name!r})")
+            raise NotFoundError(f"collection {name!r} does not exist (this service serves the sharded collection "
+                                f"{self.name!r})")  # a collection's words (Catalog.get), then which one it serves
         return self.collection
 
     def create(self, name: str, *_, **__):

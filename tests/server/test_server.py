@@ -1,4 +1,12 @@
-"""The service end to end: the real uvicorn server in a subprocess on a loopback port, spoken to over HTTP."""
+"""The service end to end: the real uvicorn server in a subprocess on a loopback port, spoken to over HTTP.
+
+The tests of a collection's routes (searches, filters, documents, bad input, batching) run on every backend
+(#69 item 1; integration_helpers.BACKENDS) through the fixture `demo`: "single" is the subprocess's demo
+collection, "sharded" and "hosted" the same documents (ids, texts, metadata and the demo's own vectors) as a
+sharded collection named demo, served with the same limits and batch window by the app every Ray Serve router
+replica builds (its shards in the test process) and by the service holding it in its data directory. Each asserts
+what the demo asserts; where a backend does not do what a test is about, the test asserts that backend's
+documented refusal (new_collection)."""
 
 from __future__ import annotations
 
@@ -11,13 +19,17 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 import numpy as np
 import pytest
+from integration_helpers import BACKENDS, serving_backend
 from prometheus_client.parser import text_string_to_metric_families
 from server_util import ServerProcess
 
+from fusionrag.server.config import ServerConfig
 from fusionrag.server.demo import corpus
 
 # Paraphrased questions whose answer is one known chunk of the demo corpus.
@@ -56,6 +68,64 @@ def demo_vectors(client):
     ids = [d.id for d in corpus()]
     return {i: np.asarray(client.get(f"/v1/collections/demo/documents/{i}", params={"vector": True}).json()["vector"],
                           dtype=np.float32) for i in ids}
+
+
+class Backend(NamedTuple):
+    kind: str  # one of BACKENDS
+    url: str
+    client: httpx.Client
+    data_dir: Path
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def demo(request, server, client, demo_vectors, tmp_path_factory):
+    """The demo collection on each backend: the subprocess's own ("single"), or its documents with their vectors
+    as a sharded collection of 3 shards named demo (built by build_sharded with a documents sidecar, "sharded";
+    created with "shards" and built by its import, "hosted"), served in this process with the subprocess's limits
+    and batch window."""
+    if request.param == "single":
+        yield Backend("single", server.url, client, server.data_dir)
+        return
+    root = tmp_path_factory.mktemp(f"demo-{request.param}")
+    limits = {flag[2:].replace("-", "_"): int(v) for flag, v in zip(LIMITS[::2], LIMITS[1::2])}
+    config = ServerConfig(data_dir=str(root / "data"), demo=False, log_level="warning", batch_wait_ms=50, **limits)
+    docs = corpus()
+    vectors = np.stack([demo_vectors[d.id] for d in docs])
+    embedding = client.get("/v1/collections/demo").json()["embedding"]
+    with serving_backend(request.param, root, "demo", config, vectors, metric="cosine", embedding=embedding,
+                         documents=[{"id": d.id, "text": d.text, "metadata": d.metadata} for d in docs]) as url, \
+            httpx.Client(base_url=url, timeout=60) as c:
+        yield Backend(request.param, url, c, root / "data")
+
+
+def new_collection(demo: Backend, body: dict) -> httpx.Response | None:
+    """Create a collection (body: as POST /v1/collections takes it) for a test of what a new collection does:
+    the answer to its creation where the backend makes one that takes writes, else None, its refusals asserted. The
+    Ray service serves its one sharded index alone and creates none (422, "alone"); a sharded collection in a data
+    directory (created with "shards") holds nothing until its first import builds it, its lists learnt from those
+    documents, and refuses a write or a search before that (409, "import"): it is dropped again. What such a test
+    does with documents runs on those backends over the demo's copy (and in test_api_backends.py)."""
+    client = demo.client
+    if demo.kind == "sharded":
+        r = client.post("/v1/collections", json=body)
+        assert r.status_code == 422 and "alone" in r.json()["detail"], r.text
+        assert body["name"] not in [c["name"] for c in client.get("/v1/collections").json()["collections"]]
+        return None
+    if demo.kind == "hosted":
+        name = body["name"]
+        r = client.post("/v1/collections", json={**body, "shards": 3})
+        assert r.status_code == 201 and r.json()["sharded"] and r.json()["count"] == 0, r.text
+        try:
+            vector = [0.5] * r.json()["dimension"]
+            write = {"documents": [{"id": "a", "vector": vector}]}
+            for r in (client.post(f"/v1/collections/{name}/documents", json=write),
+                      search(client, name, vectors=[vector], k=1)):
+                assert r.status_code == 409 and "import" in r.json()["detail"], r.text
+            assert client.get(f"/v1/collections/{name}").json()["count"] == 0
+        finally:
+            assert client.delete(f"/v1/collections/{name}").status_code == 200
+        return None
+    return client.post("/v1/collections", json=body)
 
 
 def search(client, name="demo", **body):
@@ -98,7 +168,8 @@ def test_the_listing_says_building_until_the_demo_answers(tmp_path):
     assert seen[-1] == "ready" and "building" in seen, seen[-5:]
 
 
-def test_text_search_finds_known_documents(client):
+def test_text_search_finds_known_documents(demo):
+    client = demo.client
     r = search(client, texts=list(KNOWN), k=3)
     assert r.status_code == 200, r.text
     results = r.json()["results"]
@@ -110,8 +181,9 @@ def test_text_search_finds_known_documents(client):
         assert hits[0]["metadata"]["source"] == "concepts.md"
 
 
-def test_phrase_from_a_document_returns_it_first(client):
+def test_phrase_from_a_document_returns_it_first(demo):
     """Every sentence of eight words or more, searched as text, finds the document it was taken from."""
+    client = demo.client
     phrases = [(doc, sentence) for doc in corpus() for sentence in re.split(r"(?<=\.)\s+", doc.text)
                if len(sentence.split()) >= 8]
     assert len(phrases) > 2 * len(corpus())
@@ -122,7 +194,10 @@ def test_phrase_from_a_document_returns_it_first(client):
         assert [hits[0]["text"] for hits in results] == [doc.text for doc, _ in part]
 
 
-def test_vector_search_returns_the_document_of_its_vector(client, demo_vectors):
+def test_vector_search_returns_the_document_of_its_vector(demo, demo_vectors):
+    """Each query's stats are its engine's: a collection's index's (centroids probed, pages read or found in the
+    buffer), a sharded collection's router's (lists and shards probed)."""
+    client = demo.client
     ids = list(demo_vectors)[:8]
     r = search(client, vectors=[demo_vectors[i].tolist() for i in ids], k=2, stats=True)
     assert r.status_code == 200, r.text
@@ -131,11 +206,15 @@ def test_vector_search_returns_the_document_of_its_vector(client, demo_vectors):
     for hits in body["results"]:
         assert hits[0]["score"] == pytest.approx(1.0, abs=1e-4) and hits[0]["distance"] == pytest.approx(0, abs=1e-4)
     stats = body["stats"]
-    assert len(stats) == 8 and all(s["centroids_probed"] >= 1 and s["pages_read"] + s["pages_buffered"] >= 1
-                                   for s in stats)
+    assert len(stats) == 8
+    if demo.kind == "single":
+        assert all(s["centroids_probed"] >= 1 and s["pages_read"] + s["pages_buffered"] >= 1 for s in stats), stats
+    else:
+        assert all(s["lists_probed"] >= 1 and s["shards_probed"] >= 1 for s in stats), stats
 
 
-def test_filter_and_tuning(client):
+def test_filter_and_tuning(demo):
+    client = demo.client
     r = search(client, texts=["what is the ssd tier"], k=5, filter={"section": "Tombstones"}, params={"nprobe": 4})
     assert r.status_code == 200, r.text
     assert [h["id"] for h in r.json()["results"][0]] == ["concepts/tombstones"]
@@ -144,7 +223,8 @@ def test_filter_and_tuning(client):
     assert "warnings" not in r.json()
 
 
-def test_a_filter_of_the_wrong_type_is_answered_with_a_warning(client):
+def test_a_filter_of_the_wrong_type_is_answered_with_a_warning(demo):
+    client = demo.client
     # The demo's `part` is a number: "1" matches no document, and the answer says why.
     r = search(client, texts=["tombstones"], k=3, filter={"part": "1"})
     assert r.status_code == 200 and r.json()["results"] == [[]]
@@ -155,7 +235,10 @@ def test_a_filter_of_the_wrong_type_is_answered_with_a_warning(client):
     # Lists in metadata: $contains tests their elements.
     docs = [{"id": "x", "text": "about tombstones", "metadata": {"tags": ["engine", "delete"]}},
             {"id": "y", "text": "about pages", "metadata": {"tags": ["ssd"]}}]
-    assert client.post("/v1/collections", json={"name": "tagged", "embedding": "all-MiniLM-L6-v2"}).status_code == 201
+    created = new_collection(demo, {"name": "tagged", "embedding": "all-MiniLM-L6-v2"})
+    if created is None:  # refused as new_collection says
+        return
+    assert created.status_code == 201
     assert client.post("/v1/collections/tagged/documents", json={"documents": docs}).status_code == 200
     r = search(client, "tagged", texts=["tombstones"], k=2, filter={"tags": {"$contains": "delete"}})
     assert [h["id"] for h in r.json()["results"][0]] == ["x"] and "warnings" not in r.json()
@@ -166,8 +249,11 @@ def test_a_filter_of_the_wrong_type_is_answered_with_a_warning(client):
 
 # -- documents ------------------------------------------------------------------------------------
 
-def test_documents_upsert_get_search_delete(client, demo_vectors):
-    r = client.post("/v1/collections", json={"name": "notes", "embedding": "all-MiniLM-L6-v2"})
+def test_documents_upsert_get_search_delete(demo, demo_vectors):
+    client = demo.client
+    r = new_collection(demo, {"name": "notes", "embedding": "all-MiniLM-L6-v2"})
+    if r is None:  # refused as new_collection says
+        return
     assert r.status_code == 201, r.text
     assert r.json()["dimension"] == 384 and r.json()["count"] == 0
     assert client.post("/v1/collections", json={"name": "notes", "dimension": 384}).status_code == 409
@@ -208,8 +294,11 @@ def test_documents_upsert_get_search_delete(client, demo_vectors):
     assert "notes" not in [c["name"] for c in client.get("/v1/collections").json()["collections"]]
 
 
-def test_vector_only_collection(client):
-    r = client.post("/v1/collections", json={"name": "points", "dimension": 3, "metric": "l2"})
+def test_vector_only_collection(demo):
+    client = demo.client
+    r = new_collection(demo, {"name": "points", "dimension": 3, "metric": "l2"})
+    if r is None:  # refused as new_collection says; a vector-only collection on every backend: test_api_backends.py
+        return
     assert r.status_code == 201, r.text
     pts = [[0, 0, 0], [1, 0, 0], [0, 5, 0]]
     r = client.post("/v1/collections/points/documents",
@@ -279,7 +368,8 @@ BAD = [
 
 
 @pytest.mark.parametrize("what,method,path,body,status,words", BAD, ids=[b[0] for b in BAD])
-def test_bad_input_gets_its_4xx(client, server, what, method, path, body, status, words):
+def test_bad_input_gets_its_4xx(demo, what, method, path, body, status, words):
+    client = demo.client
     if isinstance(body, bytes):
         r = client.request(method, path, content=body, headers={"content-type": "application/json"})
     else:
@@ -288,11 +378,13 @@ def test_bad_input_gets_its_4xx(client, server, what, method, path, body, status
     assert words in r.json()["detail"], r.json()
     # Nothing was written or created by a refused request, and nothing escaped the data directory.
     assert client.get("/v1/collections/demo").json()["count"] == len(corpus())
-    assert not (server.data_dir.parent / "escape").exists()
+    assert not (demo.data_dir.parent / "escape").exists()
     assert not {"m", "x", "escape"} & {c["name"] for c in client.get("/v1/collections").json()["collections"]}
 
 
-def test_streamed_body_over_the_limit_gets_413(client):
+def test_streamed_body_over_the_limit_gets_413(demo):
+    client = demo.client
+
     def chunks():  # no Content-Length: the limit must catch it while reading
         for _ in range(40):
             yield b'{"texts": ["' + b"a" * 2000
@@ -301,7 +393,8 @@ def test_streamed_body_over_the_limit_gets_413(client):
     assert r.status_code == 413 and "max_body_bytes" in r.json()["detail"]
 
 
-def test_the_process_survives_bad_input(client):
+def test_the_process_survives_bad_input(demo):
+    client = demo.client
     assert client.get("/healthz").json() == {"status": "ok"}
     assert search(client, texts=list(KNOWN)[:1], k=1).json()["results"][0][0]["id"] == list(KNOWN.values())[0]
 
@@ -314,12 +407,13 @@ def _batch_counts(client) -> tuple[float, float]:
     return samples["fusionrag_batch_requests_count"], samples["fusionrag_batch_requests_sum"]
 
 
-def test_concurrent_searches_share_batches_and_get_their_own_answers(server, client, demo_vectors):
+def test_concurrent_searches_share_batches_and_get_their_own_answers(demo, demo_vectors):
+    client = demo.client
     batches0, requests0 = _batch_counts(client)
     ids = list(demo_vectors)[:24]
 
     async def burst():
-        async with httpx.AsyncClient(base_url=server.url, timeout=60) as ac:
+        async with httpx.AsyncClient(base_url=demo.url, timeout=60) as ac:
             reqs = []
             for n, i in enumerate(ids):
                 body = {"vectors": [demo_vectors[i].tolist()], "k": 1} if n % 2 else {"texts": [i], "k": 3}
