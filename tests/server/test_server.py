@@ -104,7 +104,8 @@ def new_collection(demo: Backend, body: dict) -> httpx.Response | None:
     Ray service serves its one sharded index alone and creates none (422, "alone"); a sharded collection in a data
     directory (created with "shards") holds nothing until its first import builds it, its lists learnt from those
     documents, and refuses a write or a search before that (409, "import"): it is dropped again. What such a test
-    does with documents runs on those backends over the demo's copy (and in test_api_backends.py)."""
+    does with documents, it then does beside the demo's own documents (deleting them after); a vector-only
+    collection runs on every backend in test_api_backends.py."""
     client = demo.client
     if demo.kind == "sharded":
         r = client.post("/v1/collections", json=body)
@@ -116,6 +117,7 @@ def new_collection(demo: Backend, body: dict) -> httpx.Response | None:
         r = client.post("/v1/collections", json={**body, "shards": 3})
         assert r.status_code == 201 and r.json()["sharded"] and r.json()["count"] == 0, r.text
         try:
+            assert client.post("/v1/collections", json={**body, "shards": 3}).status_code == 409
             vector = [0.5] * r.json()["dimension"]
             write = {"documents": [{"id": "a", "vector": vector}]}
             for r in (client.post(f"/v1/collections/{name}/documents", json=write),
@@ -124,6 +126,7 @@ def new_collection(demo: Backend, body: dict) -> httpx.Response | None:
             assert client.get(f"/v1/collections/{name}").json()["count"] == 0
         finally:
             assert client.delete(f"/v1/collections/{name}").status_code == 200
+        assert name not in [c["name"] for c in client.get("/v1/collections").json()["collections"]]
         return None
     return client.post("/v1/collections", json=body)
 
@@ -232,63 +235,83 @@ def test_a_filter_of_the_wrong_type_is_answered_with_a_warning(demo):
     assert "'part'" in warning and "numbers only" in warning and "strings" in warning
     r = search(client, texts=["tombstones"], k=3, filter={"part": 1})
     assert len(r.json()["results"][0]) == 3 and "warnings" not in r.json()
-    # Lists in metadata: $contains tests their elements.
+    # Lists in metadata: $contains tests their elements; in a collection of their own where the backend makes one
+    # that takes them, else beside the demo's documents (which have no `tags`), deleted after.
     docs = [{"id": "x", "text": "about tombstones", "metadata": {"tags": ["engine", "delete"]}},
             {"id": "y", "text": "about pages", "metadata": {"tags": ["ssd"]}}]
     created = new_collection(demo, {"name": "tagged", "embedding": "all-MiniLM-L6-v2"})
-    if created is None:  # refused as new_collection says
-        return
-    assert created.status_code == 201
-    assert client.post("/v1/collections/tagged/documents", json={"documents": docs}).status_code == 200
-    r = search(client, "tagged", texts=["tombstones"], k=2, filter={"tags": {"$contains": "delete"}})
-    assert [h["id"] for h in r.json()["results"][0]] == ["x"] and "warnings" not in r.json()
-    r = search(client, "tagged", texts=["tombstones"], k=2, filter={"tags": "delete"})
-    assert r.json()["results"] == [[]] and "$contains" in r.json()["warnings"][0]
-    assert client.delete("/v1/collections/tagged").status_code == 200
+    if created is not None:
+        assert created.status_code == 201
+    name = "tagged" if created is not None else "demo"
+    try:
+        assert client.post(f"/v1/collections/{name}/documents", json={"documents": docs}).status_code == 200
+        r = search(client, name, texts=["tombstones"], k=2, filter={"tags": {"$contains": "delete"}})
+        assert [h["id"] for h in r.json()["results"][0]] == ["x"] and "warnings" not in r.json()
+        r = search(client, name, texts=["tombstones"], k=2, filter={"tags": "delete"})
+        assert r.json()["results"] == [[]] and "$contains" in r.json()["warnings"][0]
+    finally:
+        if created is not None:
+            assert client.delete("/v1/collections/tagged").status_code == 200
+        else:
+            client.request("DELETE", "/v1/collections/demo/documents", json={"ids": ["x", "y"]})
+    assert client.get("/v1/collections/demo").json()["count"] == len(corpus())
 
 
 # -- documents ------------------------------------------------------------------------------------
 
 def test_documents_upsert_get_search_delete(demo, demo_vectors):
+    """A new collection with an embedding model: documents written with and without a vector and id, read, found by
+    text and by vector, replaced, deleted; the collection dropped. Where the backend makes no new collection that
+    takes documents (new_collection), the same documents go beside the demo's own and are deleted after."""
     client = demo.client
     r = new_collection(demo, {"name": "notes", "embedding": "all-MiniLM-L6-v2"})
-    if r is None:  # refused as new_collection says
-        return
-    assert r.status_code == 201, r.text
-    assert r.json()["dimension"] == 384 and r.json()["count"] == 0
-    assert client.post("/v1/collections", json={"name": "notes", "dimension": 384}).status_code == 409
+    if r is not None:
+        assert r.status_code == 201, r.text
+        assert r.json()["dimension"] == 384 and r.json()["count"] == 0
+        assert client.post("/v1/collections", json={"name": "notes", "dimension": 384}).status_code == 409
+    name = "notes" if r is not None else "demo"
+    before = client.get(f"/v1/collections/{name}").json()["count"]  # 0 in a new collection
 
+    # n3's vector is none of the demo's: found first by it beside them too
+    given = demo_vectors["concepts/page-buffer"] + demo_vectors["concepts/io-uring"]
+    given = (given / np.linalg.norm(given)).tolist()
     docs = [{"id": "n1", "text": "The lighthouse keeper climbs two hundred steps every evening.", "metadata": {"n": 1}},
             {"text": "Sourdough bread needs a starter fed with flour and water.", "metadata": {"n": 2}},
-            {"id": "n3", "text": "vector given", "vector": demo_vectors["concepts/page-buffer"].tolist()}]
-    r = client.post("/v1/collections/notes/documents", json={"documents": docs})
+            {"id": "n3", "text": "vector given", "vector": given}]
+    r = client.post(f"/v1/collections/{name}/documents", json={"documents": docs})
     assert r.status_code == 200, r.text
     ids = r.json()["ids"]
-    assert ids[0] == "n1" and ids[2] == "n3" and len(ids[1]) == 32  # a new uuid4 hex
+    try:
+        assert ids[0] == "n1" and ids[2] == "n3" and len(ids[1]) == 32  # a new uuid4 hex
 
-    got = client.get("/v1/collections/notes/documents/n1").json()
-    assert got == {"id": "n1", "text": docs[0]["text"], "metadata": {"n": 1}}
-    hits = search(client, "notes", texts=["who climbs the stairs of the lighthouse?"], k=3).json()["results"][0]
-    assert hits[0]["id"] == "n1"
-    hits = search(client, "notes", vectors=[demo_vectors["concepts/page-buffer"].tolist()], k=1).json()["results"][0]
-    assert hits[0]["id"] == "n3"
+        got = client.get(f"/v1/collections/{name}/documents/n1").json()
+        assert got == {"id": "n1", "text": docs[0]["text"], "metadata": {"n": 1}}
+        hits = search(client, name, texts=["who climbs the stairs of the lighthouse?"], k=3).json()["results"][0]
+        assert hits[0]["id"] == "n1"
+        hits = search(client, name, vectors=[given], k=1).json()["results"][0]
+        assert hits[0]["id"] == "n3"
 
-    # Upsert by id replaces the text and the vector.
-    r = client.post("/v1/collections/notes/documents",
-                    json={"documents": [{"id": "n1", "text": "Bees dance to tell the hive where flowers are."}]})
-    assert r.json() == {"ids": ["n1"]}
-    assert client.get("/v1/collections/notes/documents/n1").json()["text"].startswith("Bees")
-    hits = search(client, "notes", texts=["how do bees communicate?"], k=1).json()["results"][0]
-    assert hits[0]["id"] == "n1"
-    assert client.get("/v1/collections/notes").json()["count"] == 3
+        # Upsert by id replaces the text and the vector.
+        r = client.post(f"/v1/collections/{name}/documents",
+                        json={"documents": [{"id": "n1", "text": "Bees dance to tell the hive where flowers are."}]})
+        assert r.json() == {"ids": ["n1"]}
+        assert client.get(f"/v1/collections/{name}/documents/n1").json()["text"].startswith("Bees")
+        hits = search(client, name, texts=["how do bees communicate?"], k=1).json()["results"][0]
+        assert hits[0]["id"] == "n1"
+        assert client.get(f"/v1/collections/{name}").json()["count"] == before + 3
 
-    r = client.request("DELETE", "/v1/collections/notes/documents", json={"ids": ["n1", "unknown"]})
-    assert r.json() == {"deleted": 1}
-    r = client.get("/v1/collections/notes/documents/n1")
-    assert r.status_code == 404 and "n1" in r.json()["detail"]
-    hits = search(client, "notes", texts=["how do bees communicate?"], k=3).json()["results"][0]
-    assert "n1" not in {h["id"] for h in hits} and len(hits) == 2
-
+        r = client.request("DELETE", f"/v1/collections/{name}/documents", json={"ids": ["n1", "unknown"]})
+        assert r.json() == {"deleted": 1}
+        r = client.get(f"/v1/collections/{name}/documents/n1")
+        assert r.status_code == 404 and "n1" in r.json()["detail"]
+        hits = search(client, name, texts=["how do bees communicate?"], k=3).json()["results"][0]
+        assert "n1" not in {h["id"] for h in hits} and len(hits) == min(3, before + 2)
+    finally:
+        if name == "demo":
+            client.request("DELETE", "/v1/collections/demo/documents", json={"ids": ids})
+    if name == "demo":
+        assert client.get("/v1/collections/demo").json()["count"] == len(corpus())
+        return
     assert client.delete("/v1/collections/notes").json() == {"deleted": "notes"}
     assert search(client, "notes", texts=["x"]).status_code == 404
     assert "notes" not in [c["name"] for c in client.get("/v1/collections").json()["collections"]]
