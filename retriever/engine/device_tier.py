@@ -5,9 +5,15 @@ The GPU filter tier (gpu_tier.py) left the host the graph search, the gathering 
 IDs and their upload, and the re-rank of every candidate from SSD: on an H100 it was 0.83x the CPU tier with the
 device idle 90% of a batch. Here, inside the same budget (kernels/pool.py), the device holds:
 
-- the centroids (float32) and their squared norms: a batch's query-to-centroid distances are one GEMM, its
-  probed lists a top-m, and the probe rule (ratio, with the lists that hold the re-rank's candidates) is applied
-  there, as NavigationTier.probe applies it on the host (exact navigation: at least the graph's recall);
+- the centroids and their squared norms: a batch's query-to-centroid distances are one GEMM, its probed lists a
+  top-m, and the probe rule (ratio, with the lists that hold the re-rank's candidates) is applied there, as
+  NavigationTier.probe applies it on the host (exact navigation: at least the graph's recall). The centroids are
+  float32, or float16 where float32 would take more than HALF_CENTROIDS_SHARE of the budget (#70 item 2:
+  half_centroids): then they are held centred on their mean and scaled into float16's range, the queries likewise
+  (each by its own scale), the GEMM multiplies float16 and accumulates in float32, and the norms are the stored
+  float16 centroids' (float32): a distance is then the exact one to the rounded centroid, off only by the query's
+  rounding. Measured (bench/gpu/half_navigation.py): the same probed lists but for a few in a thousand and the
+  same recall, so no float32 re-score follows;
 - the posting lists (CSR offsets and IDs) and every posting's PQ code in list order, so the scan streams each
   probed list (kernels/adc_stream.py) instead of gathering codes by ID; a vector replicated in several lists
   gives equal keys, removed at top-n. The offsets, and a batch's scan segments, are int32 where the index's
@@ -66,6 +72,13 @@ UPLOAD_CHUNK = 1 << 22  # rows of codes or vectors copied up at a time: no host 
 # (start + BLOCK) inside int32. Tests lower it to force the wide path at small N.
 INT32_POSTINGS = (1 << 31) - (1 << 16)
 MAX_VECTORS = (1 << 32) - 1  # vector IDs are uint32 in the postings and in the rank keys (topn.pack_key)
+# Navigation (#70 item 2): centroids whose float32 copy would take more than this share of the device's budget are
+# held in float16 (half the bytes, and the GEMM on the tensor cores). 2%: on an H100's 80 GB, float32 up to ~3M
+# centroids at d 128 (10M vectors at ratio 0.1, 100M at 0.01: ~1M centroids, 0.5 GB), float16 past it (100M at
+# ratio 0.1, and every billion-vector index on an H100 or an H200). Tests set it to 0 to force the half path at
+# small N (or pass centroid_dtype).
+HALF_CENTROIDS_SHARE = 0.02
+CENTROID_DTYPES = ("float32", "float16")
 
 
 @dataclass
@@ -93,10 +106,18 @@ def wide_offsets(postings: int, int32_postings: int | None = None) -> bool:
     return postings > (INT32_POSTINGS if int32_postings is None else int32_postings)
 
 
-def fixed_parts(count: int, n_lists: int, cdim: int, codebook_floats: int, wide: bool) -> dict[str, int]:
+def half_centroids(n_lists: int, cdim: int, budget_bytes: int, share: float | None = None) -> bool:
+    """Whether a device tier holds its centroids in float16 (#70 item 2): where float32 ones would take more than
+    `share` (None: HALF_CENTROIDS_SHARE) of the budget."""
+    return n_lists * cdim * 4 > (HALF_CENTROIDS_SHARE if share is None else share) * budget_bytes
+
+
+def fixed_parts(count: int, n_lists: int, cdim: int, codebook_floats: int, wide: bool,
+                half: bool = False) -> dict[str, int]:
     """Bytes of the parts a device tier holds whatever its budget (before alignment): what DeviceTier reserves
-    first, and what a capacity plan (plan.py) counts."""
-    return {"PQ codebooks": codebook_floats * 4, "centroids": n_lists * cdim * 4 + n_lists * 4,
+    first, and what a capacity plan (plan.py) counts. half: float16 centroids (and their float32 mean)."""
+    centroids = n_lists * cdim * (2 if half else 4) + n_lists * 4 + (cdim * 4 if half else 0)
+    return {"PQ codebooks": codebook_floats * 4, "centroids": centroids,
             "list starts and sizes": n_lists * 2 * (8 if wide else 4), "exclusion bitmap": (count + 7) // 8}
 
 
@@ -131,13 +152,15 @@ class DeviceTier:
                  codes: np.ndarray, codebooks: np.ndarray, *, account: BudgetAccount, metric: str, batch_size: int,
                  threads: int, raw: Callable[[int, int], np.ndarray] | None = None, dim: int | None = None,
                  raw_share: float = 0.5, work_bytes: int = 0, compile_kernels: bool = True,
-                 max_resident_postings: int | None = None, int32_postings: int | None = None):
+                 max_resident_postings: int | None = None, int32_postings: int | None = None,
+                 centroid_dtype: str | None = None):
         """centroids: the navigation graph's (graph.vectors(); augmented for ip). raw(start, stop): the raw vectors
         of those ids as float32, read where they are kept, None to keep them off the device. raw_share: at most
         this share of what the fixed parts leave goes to raw vectors (tiered: to postings).
         max_resident_postings: at most so many postings on the device, the rest tiered (a benchmark's stand-in for
         a collection larger than its budget; None: as many as the budget holds). int32_postings: the most postings
-        whose offsets stay int32 (None: INT32_POSTINGS); an index of more has them in int64."""
+        whose offsets stay int32 (None: INT32_POSTINGS); an index of more has them in int64. centroid_dtype:
+        'float32' or 'float16' (None: half_centroids' rule over the budget)."""
         self.list_offsets, self.list_ids, self.threads, self.batch_size = list_offsets, list_ids, threads, batch_size
         self.account, self.device = account, account.device
         self._release = weakref.finalize(self, account.release)
@@ -158,7 +181,12 @@ class DeviceTier:
         cuda = self.device.type == "cuda"
         budget = account.budget
         self.sizes_host = np.diff(list_offsets).astype(np.int64)
-        fixed = fixed_parts(count, n_lists, cdim, codebooks.size, self.wide)
+        if centroid_dtype is None:
+            centroid_dtype = "float16" if half_centroids(n_lists, cdim, budget.budget) else "float32"
+        if centroid_dtype not in CENTROID_DTYPES:
+            raise InputError(f"centroid_dtype must be one of {CENTROID_DTYPES}, got {centroid_dtype!r}")
+        self.half = centroid_dtype == "float16"
+        fixed = fixed_parts(count, n_lists, cdim, codebooks.size, self.wide, self.half)
         per_posting = m + 4  # its code and its vector ID
         self._codes_src, self._ids_src = codes, list_ids  # where placement reads them (memory maps, mostly)
         with budget.opening:
@@ -194,10 +222,7 @@ class DeviceTier:
                 self.work_bytes = work_bytes // ALIGN * ALIGN
                 account.reserve("working memory", self.work_bytes)
                 self.codebooks = account.upload("PQ codebooks", _host(codebooks.astype(np.float32, copy=False)))
-                c = centroids.astype(np.float32, copy=False)
-                self.centroids = account.upload("centroids", _host(c))
-                self.centroid_norms = account.empty("centroid norms", (n_lists,), torch.float32)
-                self.centroid_norms.copy_(_host(np.einsum("ij,ij->i", c, c).astype(np.float32)))
+                self._upload_centroids(centroids)
                 self.sizes = account.upload("list sizes", _host(self.sizes_host.astype(np.int64 if self.wide
                                                                                       else np.int32)))
                 self.starts = account.empty("list starts", (n_lists,), self.offset_dtype)  # in the memory it lies in
@@ -238,6 +263,36 @@ class DeviceTier:
         if cuda:
             torch.cuda.synchronize(self.device)
         self.phases = {"device_s": 0.0, "batches": 0, "bytes_up": 0, "bytes_down": 0, "bytes_over_bus": 0}
+
+    def _upload_centroids(self, centroids: np.ndarray) -> None:
+        """The centroids and their squared norms on the device: float32 as they are; or (half) centred on their
+        mean, scaled so the largest coordinate is 1, in float16, with the norms of what is stored (float32), a
+        chunk of rows at a time (no float32 copy of them all on the device)."""
+        account, n_lists = self.account, len(centroids)
+        self.centroid_mean, self.centroid_scale = None, 1.0
+        if not self.half:
+            c = centroids.astype(np.float32, copy=False)
+            self.centroids = account.upload("centroids", _host(c))
+            self.centroid_norms = account.empty("centroid norms", (n_lists,), torch.float32)
+            self.centroid_norms.copy_(_host(np.einsum("ij,ij->i", c, c).astype(np.float32)))
+            return
+        step = max(1, UPLOAD_CHUNK // max(1, centroids.shape[1]))
+        total = np.zeros(centroids.shape[1], np.float64)
+        for s in range(0, n_lists, step):
+            total += np.asarray(centroids[s:s + step], np.float64).sum(0)
+        mean = (total / max(1, n_lists)).astype(np.float32)
+        top = 0.0
+        for s in range(0, n_lists, step):
+            top = max(top, float(np.abs(np.asarray(centroids[s:s + step], np.float32) - mean).max(initial=0.0)))
+        self.centroid_scale = top if top > 0 else 1.0
+        self.centroid_mean = account.upload("centroid mean", _host(mean))
+        self.centroids = account.empty("centroids", centroids.shape, torch.float16)
+        self.centroid_norms = account.empty("centroid norms", (n_lists,), torch.float32)
+        for s in range(0, n_lists, step):
+            h = ((np.asarray(centroids[s:s + step], np.float32) - mean) / self.centroid_scale).astype(np.float16)
+            back = h.astype(np.float32) * np.float32(self.centroid_scale)
+            self.centroids[s:s + len(h)].copy_(_host(h))
+            self.centroid_norms[s:s + len(h)].copy_(_host(np.einsum("ij,ij->i", back, back)))
 
     # -- placement (tiered) --------------------------------------------------------------------------------------
     def _choose(self, visits: np.ndarray) -> np.ndarray:
@@ -327,6 +382,7 @@ class DeviceTier:
             "postings_tiered": bool(self.tiered),
             "gpu_host_pinned_bytes": self.host_pinned_bytes(),
             "raw_vectors_resident": bool(self.raw_resident),
+            "centroid_dtype": "float16" if self.half else "float32",
             "kernel_compile_seconds": dict(self.compile_seconds),
         }
 
@@ -334,7 +390,8 @@ class DeviceTier:
         with self._lock:
             if not self._release.alive:
                 return
-            self.codebooks = self.centroids = self.centroid_norms = self.starts = self.sizes = None
+            self.codebooks = self.centroids = self.centroid_norms = self.centroid_mean = None
+            self.starts = self.sizes = None
             self.ids = self.codes = self.bitmap = self.raw = self.cold_list = self._visits = None
             self.host_ids = self.host_codes = None
             self._release()
@@ -454,8 +511,11 @@ class DeviceTier:
         dists = torch.empty((len(q), m), dtype=torch.float32, device=q.device)
         for s in range(0, len(q), rows):
             x = qa[s:s + rows]
-            d = torch.addmm(self.centroid_norms[None, :], x, self.centroids.T, alpha=-2.0)
-            d += (x * x).sum(1, keepdim=True)
+            if self.half:
+                d = self._distances(x)
+            else:
+                d = torch.addmm(self.centroid_norms[None, :], x, self.centroids.T, alpha=-2.0)
+                d += (x * x).sum(1, keepdim=True)
             dists[s:s + rows], lists[s:s + rows] = torch.topk(d, m, dim=1, largest=False, sorted=True)
         if p.probe == "ratio" and p.probe_ratio > 0 and not self.augmented and m > 1:
             r = dists.clamp(min=0).sqrt()
@@ -464,6 +524,21 @@ class DeviceTier:
             keep |= (torch.cumsum(sizes, 1) - sizes) < p.rerank
             lists = torch.where(keep, lists, torch.full_like(lists, -1))
         return lists
+
+    def _distances(self, x: torch.Tensor) -> torch.Tensor:
+        """Half navigation: squared distances (float32 (q, lists)) of queries x (float32, augmented where the index
+        is ip) to the float16 centroids: x centred on their mean, each row scaled so its largest coordinate is 1
+        and rounded to float16; the GEMM float16 x float16 accumulating and written in float32."""
+        x = x - self.centroid_mean
+        scale = x.abs().amax(1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+        xh = (x / scale).to(torch.float16)
+        if x.device.type == "cuda":
+            dot = torch.mm(xh, self.centroids.T, out_dtype=torch.float32)
+        else:  # the CPU reference: the same float16 values, multiplied and summed in float32
+            dot = xh.float() @ self.centroids.float().T
+        back = xh.float() * scale
+        d = torch.addcmul(self.centroid_norms[None, :], dot, scale, value=-2.0 * self.centroid_scale)
+        return d + (back * back).sum(1, keepdim=True)
 
     def _exclude(self, exclude: np.ndarray) -> int:
         """The device bitmap made equal to `exclude`, uploading what changed since the last batch's; bytes sent."""

@@ -62,6 +62,15 @@ POSTING_ID = 4  # bytes a posting: list_ids.npy (uint32)
 
 # The cost model of docs/gpu.md (per batch of 1,024 queries at recall@10 0.95), low and high ends
 GEMM_FLOPS = 30e12  # float32 GEMM rate assumed there
+# float16 x float16 accumulating in float32 on the tensor cores (#70 item 2): a third of the H100's nominal 989
+# TFLOP/s dense, assumed (not measured); the distance matrix it writes is float32 either way
+HALF_GEMM_FLOPS = 300e12
+# Coarser lists for the largest sets (#70 item 2): from this many vectors the plan's default centroid ratio is
+# COARSE_RATIO (at 10M on CPU the same recall as 0.1, the build's peak beyond its budget a quarter:
+# coarse_lists.json); below it, the build's default.
+COARSE_FROM = 100_000_000
+COARSE_RATIO = 0.01
+DEFAULT_RATIO = 0.1
 MEASURED_POSTINGS_A_QUERY = 1191  # the device tier at nprobe 64, rerank 400 on 1M x 128 (docs/gpu.md)
 MEASURED_MEAN_LIST = 3_827_247 / 105_298  # postings a list of a 1M x 128 build at ratio 0.1 (scale_table.json)
 SCAN_SHARE = (0.5, 0.1)  # of the copy bandwidth: the 50% target; the gather scan's measured 9-11%
@@ -105,6 +114,7 @@ class Plan:
     lists: int
     postings: int
     wide_offsets: bool
+    centroid_dtype: str = "float32"  # on the device: device_tier.half_centroids' rule over the budget
     host: dict = field(default_factory=dict)  # bytes, as Index.memory() counts host_index_bytes
     ssd: dict = field(default_factory=dict)  # bytes of the index's files
     gpu: dict = field(default_factory=dict)  # the device tier's parts and choices
@@ -117,16 +127,24 @@ class Plan:
         return asdict(self)
 
 
+def default_ratio(n: int) -> float:
+    """The centroid ratio a plan takes where none is given: COARSE_RATIO from COARSE_FROM vectors, else 0.1."""
+    return COARSE_RATIO if n >= COARSE_FROM else DEFAULT_RATIO
+
+
 def plan(n: int, dim: int, pq_m: int = 0, device: str = "h100", *, device_bytes: int | None = None,
-         budget_bytes: int | None = None, centroid_ratio: float = 0.1, metric: str = "l2", graph_m: int = 16,
-         tiered_share: float = 0.5, cpus: int = 16, build_budget_bytes: int = 0, lists: int | None = None,
+         budget_bytes: int | None = None, centroid_ratio: float | None = None, metric: str = "l2",
+         graph_m: int = 16, tiered_share: float = 0.5, cpus: int = 16, build_budget_bytes: int = 0, lists: int | None = None,
          postings: int | None = None, raw_bytes_per_value: int = 4, overhead_bytes: int = GPU_OVERHEAD,
-         slack_bytes: int = dt.ALLOCATOR_SLACK, batch: int = BATCH, rerank: int = RERANK) -> Plan:
+         slack_bytes: int = dt.ALLOCATOR_SLACK, batch: int = BATCH, rerank: int = RERANK,
+         centroid_dtype: str | None = None) -> Plan:
     """The plan of an index of n x dim vectors, pq_m-byte codes (0: the build's choice) on `device` ('h100', 'h200'
     or any name with device_bytes). budget_bytes: the GPU memory the process may take (gpu_budget_bytes; None: the
     whole device). lists, postings: the index's own where known (else from the measured builds). The build's
     working budget (memory_budget_bytes) comes on top of its peak's measured rest. raw_bytes_per_value: the page
-    file's storage (4: float32)."""
+    file's storage (4: float32). centroid_ratio None: default_ratio(n). centroid_dtype None: float16 where
+    float32 centroids would take more than device_tier.HALF_CENTROIDS_SHARE of the budget, as the device tier
+    chooses."""
     if n < 1 or dim < 1:
         raise ConfigError(f"n and dim must be positive, got {n} and {dim}")
     device = device.lower()
@@ -135,6 +153,8 @@ def plan(n: int, dim: int, pq_m: int = 0, device: str = "h100", *, device_bytes:
             raise ConfigError(f"device must be one of {sorted(DEVICES)} or given with its bytes, got {device!r}")
         device_bytes = int(DEVICES[device])
     m = pq_m or auto_m(dim)
+    if centroid_ratio is None:
+        centroid_ratio = default_ratio(n)
     cdim = dim + (1 if metric == "ip" else 0)  # an ip index's centroids carry one more coordinate
     if lists is None:
         per_vector = _interp(AT_10M, centroid_ratio, 0)
@@ -161,7 +181,16 @@ def plan(n: int, dim: int, pq_m: int = 0, device: str = "h100", *, device_bytes:
     # The device tier's parts, as DeviceTier.__init__ sizes them
     budget = int(device_bytes if budget_bytes is None else budget_bytes)
     left = budget - overhead_bytes - slack_bytes
-    fixed = dt.fixed_parts(n, lists, cdim, 256 * dim, wide)
+    if centroid_dtype is None:
+        centroid_dtype = "float16" if dt.half_centroids(lists, cdim, budget) else "float32"
+    if centroid_dtype not in dt.CENTROID_DTYPES:
+        raise ConfigError(f"centroid_dtype must be one of {dt.CENTROID_DTYPES}, got {centroid_dtype!r}")
+    p.centroid_dtype = centroid_dtype
+    half = centroid_dtype == "float16"
+    if half:
+        p.notes.append(f"centroids in float16 ({lists * cdim * 2:,} bytes; float32 would take "
+                       f"{lists * cdim * 4:,}, over {dt.HALF_CENTROIDS_SHARE:.0%} of the budget)")
+    fixed = dt.fixed_parts(n, lists, cdim, 256 * dim, wide, half)
     need = sum(_aligned(b) for b in fixed.values())
     room = left - need
     all_postings = _aligned(postings * 4) + _aligned(postings * m)
@@ -227,7 +256,8 @@ def _predict(p: Plan, cdim: int, device: str, batch: int, rerank: int, cpus: int
     out = {"postings_a_query": round(per_query)}
     stages, device_qps, host_qps = {}, {}, {}
     for end, i in (("low", 0), ("high", 1)):
-        nav = 2 * batch * p.lists * cdim / GEMM_FLOPS + 2 * batch * p.lists * 4 / bw
+        flops = HALF_GEMM_FLOPS if p.centroid_dtype == "float16" else GEMM_FLOPS
+        nav = 2 * batch * p.lists * cdim / flops + 2 * batch * p.lists * 4 / bw
         scan = max(SCAN_FLOOR_S[i], keys * (m + 4) / (bw * SCAN_SHARE[i]))
         topn = keys * SORT_S_A_KEY[i]
         bus = 0.0
@@ -256,14 +286,14 @@ def rows(plans: list[Plan]) -> list[list[str]]:
     """A table: one row a plan."""
     def gb(b):
         return "-" if b is None else f"{b / 1e9:,.1f}"
-    out = [["N", "device", "ratio", "lists", "postings", "offsets", "GPU: tier, held GB", "postings resident",
+    out = [["N", "device", "ratio", "lists", "postings", "offsets", "centroids", "GPU: tier, held GB", "postings resident",
             "raw on GPU", "host RAM GB: index + pinned postings", "SSD GB", "build peak GB beyond budget",
             "build h (2 CPUs)", "predicted q/s", "bound by"]]
     for p in plans:
         q = p.qps
         qps = "-" if q.get("low") is None else f"{q['low'] / 1e3:,.1f}k-{q['high'] / 1e3:,.1f}k"
         out.append([f"{p.n:,}", p.device, f"{p.centroid_ratio:g}", f"{p.lists:,}", f"{p.postings:,}",
-                    "int64" if p.wide_offsets else "int32", f"{p.gpu['tier']}, {gb(p.gpu['held'])}",
+                    "int64" if p.wide_offsets else "int32", p.centroid_dtype, f"{p.gpu['tier']}, {gb(p.gpu['held'])}",
                     f"{p.gpu['resident_postings']:.0%}", "yes" if p.gpu["raw_resident"] else "no",
                     f"{gb(p.host['host_index_bytes'])} + {gb(p.gpu.get('host_pinned', 0))}", gb(p.ssd["ssd_bytes"]),
                     gb(p.build["peak_bytes_beyond_budget"]),

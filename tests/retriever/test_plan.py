@@ -66,10 +66,15 @@ def test_the_plans_host_and_ssd_bytes_are_what_the_index_reports(built):
     idx.close()
 
 
-@pytest.mark.parametrize("budget, share, tiered", [(128 << 20, 0.5, False), ((4 << 20) + (64 << 10), 1.0, True)])
-def test_the_plans_device_parts_and_choices_are_the_device_tiers(built, budget, share, tiered):
+@pytest.mark.parametrize("budget, share, tiered, half", [(128 << 20, 0.5, False, False),
+                                                          ((4 << 20) + (64 << 10), 1.0, True, False),
+                                                          (128 << 20, 0.5, False, True)])
+def test_the_plans_device_parts_and_choices_are_the_device_tiers(built, budget, share, tiered, half, monkeypatch):
     """All postings and the raw vectors on the device, or a budget that leaves room for a few hundred postings
-    only (tiered): the plan reserves what the opened tier reserves and chooses as it does."""
+    only (tiered), or float16 centroids forced (#70 item 2: the rule's share 0, for the tier and the plan alike):
+    the plan reserves what the opened tier reserves and chooses as it does."""
+    if half:
+        monkeypatch.setattr(device_tier_mod, "HALF_CENTROIDS_SHARE", 0.0)
     idx = Index.open(built, EngineConfig(filter_tier="gpu", gpu_search="device", gpu_budget_bytes=budget,
                                          batch_size=16, gpu_tiered_share=share))
     t = idx.filter
@@ -80,7 +85,8 @@ def test_the_plans_device_parts_and_choices_are_the_device_tiers(built, budget, 
     assert g["raw_resident"] is t.raw_resident and g["working_memory"] == t.work_bytes
     assert ("tiered" in g["tier"]) is tiered
     assert round(g["resident_postings"] * p.postings) == t.capacity
-    assert abs(g["held"] - t.account.used) <= 4 * 512, (g["held"], t.account.used)
+    assert (p.centroid_dtype == "float16") is half is t.half
+    assert abs(g["held"] - t.account.used) <= (5 if half else 4) * 512, (g["held"], t.account.used)
     if tiered:
         assert 0 < t.capacity < p.postings
         assert g["host_pinned"] == (p.postings - t.capacity) * (t.m + 4)
@@ -105,16 +111,29 @@ def test_a_billion_takes_wide_offsets_and_a_plan_that_does_not_fit_is_flagged(ca
     assert not plan(100_000_000, 128, 64, "h100").wide_offsets
     big = plan(1_000_000_000, 128, 64, "h100")
     assert big.wide_offsets and big.fits and "tiered" in big.gpu["tier"] and big.gpu["resident_postings"] < 0.1
-    # 1B at centroid ratio 0.1: ~53 GB of float32 centroids; in a 40 GB budget the device tier is refused
-    small = plan(1_000_000_000, 128, 64, "h100", budget_bytes=40_000_000_000)
+    # The largest sets take coarser lists (#70 item 2) and, past 2% of the budget, float16 centroids
+    assert big.centroid_ratio == 0.01 and big.centroid_dtype == "float16"
+    assert plan(10_000_000, 128, 64, "h100").centroid_ratio == 0.1
+    assert plan(100_000_000, 128, 64, "h100").centroid_dtype == "float32"  # 1M centroids at 0.01: 0.5 GB
+    assert plan(100_000_000, 128, 64, "h100", centroid_ratio=0.1).centroid_dtype == "float16"  # 10M: 5.3 GB
+    # 1B at centroid ratio 0.1: ~53 GB of float32 centroids; in a 40 GB budget the device tier is refused, and
+    # in float16 (26 GB) it fits
+    small = plan(1_000_000_000, 128, 64, "h100", budget_bytes=40_000_000_000, centroid_ratio=0.1,
+                 centroid_dtype="float32")
     assert not small.fits and small.gpu["tier"].startswith("lists tier") and small.qps["low"] is None
     assert any("refused" in note for note in small.notes)
+    halved = plan(1_000_000_000, 128, 64, "h100", budget_bytes=40_000_000_000, centroid_ratio=0.1)
+    assert halved.centroid_dtype == "float16" and halved.fits
+    assert halved.gpu["centroids"] < 0.51 * small.gpu["centroids"]
+    # navigation's GEMM ten times faster as modelled; the distance matrix's float32 bytes then bound it (~3x)
+    assert halved.qps["low"] > 2.5 * plan(1_000_000_000, 128, 64, "h100", centroid_ratio=0.1,
+                                          centroid_dtype="float32").qps["low"]
     from fusionrag.cli import main
 
     assert main(["plan", "--n", "1e9", "--dim", "128", "--device", "h100"]) == 0
     out = capsys.readouterr().out
-    assert "1,000,000,000" in out and "int64" in out and "tiered" in out
-    assert main(["plan", "--n", "1e9", "--dim", "128", "--device", "h100", "--budget-gb", "40"]) == 3
+    assert "1,000,000,000" in out and "int64" in out and "tiered" in out and "float16" in out
+    assert main(["plan", "--n", "1e9", "--dim", "128", "--device", "h100", "--budget-gb", "20"]) == 3
     assert "lists tier" in capsys.readouterr().out
     assert main(["plan", "--n", "1e6", "1e7", "--device", "both", "--json"]) == 0
     plans = json.loads(capsys.readouterr().out)
