@@ -12,6 +12,12 @@ from rss import status
 if "TRITON_INTERPRET" not in os.environ and not Path("/dev/nvidiactl").exists():
     os.environ["TRITON_INTERPRET"] = "1"
 
+# The embedding model on ONNX Runtime in float32 unless a test asks otherwise: on a CPU with bf16 instructions it
+# would otherwise run in bf16 (retriever/collection/embedding_bf16.py), whose vectors are within cosine 0.9999 of the
+# float32 model's but differ in the third decimal, batched or alone, where tests compare vectors to 1e-5; its own
+# tests (tests/retriever/test_embedding_runtime_bf16.py) set it. Subprocesses (the service) inherit it.
+os.environ.setdefault("FUSIONRAG_EMBED_BF16", "off")
+
 # The project's real data sets live in shared/data beside the checkout (each folder has a README).
 DATA = Path(os.environ.get("FUSIONRAG_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 

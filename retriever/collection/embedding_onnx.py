@@ -377,7 +377,10 @@ class OnnxModel:
         self._session(False)  # a file ONNX Runtime cannot load is found now
 
     def _session(self, bulk: bool):
-        threads = max(1, int(self._threads(bulk)))
+        return self._session_of(max(1, int(self._threads(bulk))))
+
+    def _session_of(self, threads: int):
+        """The session of `threads` intra-op threads, and the semaphore of its passes at once."""
         with self._sessions_lock:
             if threads not in self._sessions:
                 import onnxruntime as ort
@@ -432,26 +435,35 @@ class OnnxModel:
     def _encode(self, texts, out, session, lock, batch_size, normalize_embeddings, show_progress_bar) -> np.ndarray:
         from tqdm import tqdm
 
-        encodings = self._tok.encode_batch(texts)
-        lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(texts))
-        order = np.argsort(-lengths, kind="stable")
-        for rows in tqdm(length_batches(lengths[order], order, batch_size), desc="Batches",  # as sentence-transformers'
-                         disable=not show_progress_bar):
-            width = int(lengths[rows[0]])
-            feed = {n: np.zeros((len(rows), width), dtype=np.int64) for n in self._names}
-            feed["input_ids"].fill(self._pad)
-            for r, i in enumerate(rows):
-                e, n = encodings[i], int(lengths[i])
-                feed["input_ids"][r, :n] = e.ids
-                feed["attention_mask"][r, :n] = e.attention_mask
-                if "token_type_ids" in feed:
-                    feed["token_type_ids"][r, :n] = e.type_ids
+        encodings, lengths, batches = self._plan(texts, batch_size)
+        for rows in tqdm(batches, desc="Batches", disable=not show_progress_bar):  # as sentence-transformers'
+            feed = self._feed(encodings, lengths, rows)
             with lock:
                 tokens = session.run(None, feed)[0]
             out[rows] = self._pool(tokens, feed["attention_mask"])
         if normalize_embeddings or self._normalize:
             out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
         return out
+
+    def _plan(self, texts, batch_size):
+        """The texts' encodings, their lengths in tokens, and the batches (length_batches) they run in."""
+        encodings = self._tok.encode_batch(texts)
+        lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(texts))
+        order = np.argsort(-lengths, kind="stable")
+        return encodings, lengths, length_batches(lengths[order], order, batch_size)
+
+    def _feed(self, encodings, lengths, rows) -> dict:
+        """The model's inputs for one batch (the texts `rows`, longest first), padded to its longest."""
+        width = int(lengths[rows[0]])
+        feed = {n: np.zeros((len(rows), width), dtype=np.int64) for n in self._names}
+        feed["input_ids"].fill(self._pad)
+        for r, i in enumerate(rows):
+            e, n = encodings[i], int(lengths[i])
+            feed["input_ids"][r, :n] = e.ids
+            feed["attention_mask"][r, :n] = e.attention_mask
+            if "token_type_ids" in feed:
+                feed["token_type_ids"][r, :n] = e.type_ids
+        return feed
 
     def _pool(self, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """sentence-transformers' Pooling, its mode, over the tokens the attention mask keeps."""

@@ -41,6 +41,13 @@ def minilm() -> Embedder:
     return Embedder("all-MiniLM-L6-v2", 384, embedding._load_minilm)
 
 
+@pytest.fixture(autouse=True)
+def float32_onnx(monkeypatch):
+    """These tests are of the ONNX Runtime model itself: never its bf16 stand-in (test_embedding_runtime_bf16.py),
+    which a CPU with bf16 instructions would otherwise choose; subprocesses inherit it."""
+    monkeypatch.setenv("FUSIONRAG_EMBED_BF16", "off")
+
+
 @pytest.fixture(scope="module")
 def torch_model():
     """Today's path, at one torch thread (on a busy machine torch's spinning OpenMP threads make two slower)."""
@@ -222,7 +229,7 @@ def test_torch_runs_a_model_onnx_runtime_cannot_and_says_why(tmp_path, monkeypat
     # fusionrag's own records: another package may warn here (vLLM's CPU worker, imported by an earlier test of the
     # suite, patches torch.set_num_threads and warns when it is called).
     assert [r.getMessage() for r in caplog.records if r.name.startswith("fusionrag")] == []
-    with pytest.raises(embedding.ConfigError, match="one of auto, torch"):
+    with pytest.raises(embedding.ConfigError, match="one of auto, onnx, bf16, torch"):
         embedding.set_runtime("tensorrt")
     # Without onnxruntime.
     monkeypatch.setattr(embedding, "_runtime", "auto")
