@@ -665,11 +665,14 @@ def test_a_noisy_neighbour_with_sharded_builds_large_files_and_a_hung_model_leav
     """#66: tenant A builds 4-shard collections, adds a large file to its vector store (embedded by the service's
     model, a batch of chunks at a time) and searches a collection whose embedding endpoint never answers, while
     tenant B searches and writes its own collection. B, measured alone first and then beside A: no error at all,
-    and its p99 beside A at most 3x its p99 alone (both measured here and printed; the issue asks 2x: on 2 cores
-    2.1-2.5x was measured, see #66's note); A never gets a 500, its
-    hung model's searches get 503 at --embedding-timeout-s, and its file and builds complete. A's first sharded
-    build runs before B's measurements: it imports scikit-learn (learned pruning's model), a one-time stall of the
-    process that held the GIL ~1 s (17% of the GIL's time while A built)."""
+    and its p99 beside A at most 2x its p99 alone (both measured here and printed); A never gets a 500, its
+    hung model's searches get 503 at --embedding-timeout-s, and its file and builds complete. What kept B's tail
+    past 2x on 2 cores (2.1-2.5x) was A's Python holding the service's GIL: the builds' (22% of the GIL's held
+    time, py-spy --gil), now in a child process of their own (HostedSharded._build_in_child), and the file's
+    tokenizer calls, each holding it throughout (18-35 ms a 50,000-character piece, now 4,000: file_chunks.PIECE).
+    The ratio is of B beside A against B alone on the same machine: other work on the machine in one phase and
+    not the other moves it (run it on a quiet one). A's first sharded build runs before B's measurements: a
+    one-time cost (the service's first sharded index opened, the child's first imports)."""
     hung = _HungEndpoint()
     srv = ServerProcess(tmp_path / "data", tmp_path / "log", "--no-demo", "--api-keys-file", str(_keys(tmp_path)),
                         "--embedding-models", f"hung={hung.url}#m", "--embedding-timeout-s", "3",
@@ -764,7 +767,7 @@ def test_a_noisy_neighbour_with_sharded_builds_large_files_and_a_hung_model_leav
         assert set(a_status["hung"]) == {503}, a_status["hung"]
         assert all(s < 500 for k, v in a_status.items() if k not in ("hung", "built") for s in v), a_status
         assert len(lat["alone"]) > 50 and len(lat["beside"]) > 50
-        assert beside <= 3 * alone, (alone, beside)  # a hung model in B's way would be 3 s, not 3x
+        assert beside <= 2 * alone, (alone, beside)  # a hung model in B's way would be 3 s, not 2x
     finally:
         stop.set()
         srv.stop()
