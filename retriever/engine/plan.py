@@ -22,6 +22,10 @@ vectors on this project's 2-CPU VM, is cited where used:
   (nprobe 64, rerank 400) on the 1M x 128 set of docs/gpu.md, scaled by the mean list length (an assumption: as
   many lists probed at the same recall whatever their length).
 
+The centroids' precision on the device is the device tier's own rule (device_tier.half_centroids: float16 where
+float32 would take more than HALF_CENTROIDS_SHARE of the budget), and a plan given no centroid ratio takes the
+coarser 0.01 from COARSE_FROM vectors (#70 item 2).
+
 Everything is a plan, not a measurement: docs/gpu.md, "A capacity plan", holds the table for 1M-1B on an H100 and an
 H200 and what it leaves out.
 """
