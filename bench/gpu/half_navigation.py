@@ -2,7 +2,8 @@
 (the device tier's CPU reference: the same float16 values, multiplied and summed in float32, as the device's GEMM
 with float32 accumulation).
 
-    python -m bench.gpu.half_navigation [--sets sift5k fashion-mnist glove] [--queries 100] [--out bench/results/gpu/half_navigation.json]
+    python -m bench.gpu.half_navigation [--sets sift5k fashion-mnist glove] [--queries 100]
+        [--out bench/results/gpu/half_navigation.json]
 
 For each set (sift5k: 5,000 x 128, L2; Fashion-MNIST: 60,000 x 784, L2; GloVe 50d: 390,000, cosine, its base rebuilt by
 the set's make_base.py into $GLOVE_BASE; ground truth from shared/data) the index
@@ -110,7 +111,8 @@ def run(name: str, d: Path, n_queries: int, search_nprobes: tuple[int, ...]) -> 
         same = np.array([len(np.intersect1d(x, y)) for x, y in zip(a, b)]) / a.shape[1]
         row = {"nprobe": nprobe, "lists_shared": round(float(same.mean()), 5),
                "queries_same_lists": round(float((same == 1).mean()), 4),
-               "reach_float32": round(reach(a, gt, vector_lists), 4), "reach_float16": round(reach(b, gt, vector_lists), 4)}
+               "reach_float32": round(reach(a, gt, vector_lists), 4),
+               "reach_float16": round(reach(b, gt, vector_lists), 4)}
         rows.append(row)
         print(name, row, flush=True)
     cpu = Index.open(path, EngineConfig(filter_tier="cpu"))

@@ -138,10 +138,10 @@ def default_ratio(n: int) -> float:
 
 def plan(n: int, dim: int, pq_m: int = 0, device: str = "h100", *, device_bytes: int | None = None,
          budget_bytes: int | None = None, centroid_ratio: float | None = None, metric: str = "l2",
-         graph_m: int = 16, tiered_share: float = 0.5, cpus: int = 16, build_budget_bytes: int = 0, lists: int | None = None,
-         postings: int | None = None, raw_bytes_per_value: int = 4, overhead_bytes: int = GPU_OVERHEAD,
-         slack_bytes: int = dt.ALLOCATOR_SLACK, batch: int = BATCH, rerank: int = RERANK,
-         centroid_dtype: str | None = None) -> Plan:
+         graph_m: int = 16, tiered_share: float = 0.5, cpus: int = 16, build_budget_bytes: int = 0,
+         lists: int | None = None, postings: int | None = None, raw_bytes_per_value: int = 4,
+         overhead_bytes: int = GPU_OVERHEAD, slack_bytes: int = dt.ALLOCATOR_SLACK, batch: int = BATCH,
+         rerank: int = RERANK, centroid_dtype: str | None = None) -> Plan:
     """The plan of an index of n x dim vectors, pq_m-byte codes (0: the build's choice) on `device` ('h100', 'h200'
     or any name with device_bytes). budget_bytes: the GPU memory the process may take (gpu_budget_bytes; None: the
     whole device). lists, postings: the index's own where known (else from the measured builds). The build's
@@ -290,7 +290,8 @@ def rows(plans: list[Plan]) -> list[list[str]]:
     """A table: one row a plan."""
     def gb(b):
         return "-" if b is None else f"{b / 1e9:,.1f}"
-    out = [["N", "device", "ratio", "lists", "postings", "offsets", "centroids", "GPU: tier, held GB", "postings resident",
+    out = [["N", "device", "ratio", "lists", "postings", "offsets", "centroids", "GPU: tier, held GB",
+            "postings resident",
             "raw on GPU", "host RAM GB: index + pinned postings", "SSD GB", "build peak GB beyond budget",
             "build h (2 CPUs)", "predicted q/s", "bound by"]]
     for p in plans:

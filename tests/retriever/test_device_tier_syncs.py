@@ -97,10 +97,12 @@ def test_the_counter_sees_a_sync(monkeypatch):
     assert len(c.seen) == 3, c.seen
 
 
-@pytest.mark.parametrize("case", ["raw resident", "raw on SSD", "tiered", "excluded", "chunks"])
+@pytest.mark.parametrize("case", ["raw resident", "raw on SSD", "tiered", "excluded", "chunks", "half"])
 def test_a_batch_syncs_twice(built, monkeypatch, case):
     base, queries, path = built
     share = 1e-9 if case == "raw on SSD" else 0.5
+    if case == "half":  # float16 centroids (#70 item 2): their navigation waits for nothing either
+        monkeypatch.setattr(device_tier_mod, "HALF_CENTROIDS_SHARE", 0.0)
     if case == "tiered":
         real = DeviceTier.__init__
 
@@ -109,7 +111,8 @@ def test_a_batch_syncs_twice(built, monkeypatch, case):
         monkeypatch.setattr(DeviceTier, "__init__", tenth)
     idx = Index.open(path, EngineConfig(**DEVICE, gpu_tiered_share=share))
     t = idx.filter
-    assert t.tiered is (case == "tiered") and t.raw_resident is (case in ("raw resident", "excluded", "chunks"))
+    assert t.tiered is (case == "tiered") and t.raw_resident is (case in ("raw resident", "excluded", "chunks", "half"))
+    assert t.half is (case == "half")
     if case == "chunks":  # a batch in several chunks of queries: their postings are known on the host already
         t.work_bytes = 64 * device_tier_mod.PER_POSTING
     q = idx.prepare_queries(queries)
