@@ -277,13 +277,9 @@ def timing(model, texts: Sequence[str], reps: int = 2) -> tuple[float, float]:
 
 def _one_thread(onnx: embedding_onnx.OnnxModel):
     """The float32 model on a session of one thread, as timing() measures it (thread CPU sees one thread)."""
-    session, lock = onnx._session_of(1)
-
     class One:
         def encode(self, texts, batch_size=64):
-            texts = list(texts)
-            out = np.empty((len(texts), onnx._dim), dtype=np.float32)
-            return onnx._encode(texts, out, session, lock, batch_size, True, False)
+            return onnx.encode_on(1, texts, batch_size)
 
     return One()
 
