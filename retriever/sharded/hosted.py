@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import multiprocessing
 import os
 import pickle
 import shutil
 import signal
+import subprocess
+import sys
 import sqlite3
 import threading
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 from fusionrag.retriever.collection import importer, quota, snapshot
@@ -55,9 +57,15 @@ def _lines(path: Path) -> int:
         return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b"")) + 1
 
 
-def _child_build(send, parent: int, vectors: str | None, out: str, shards: int, metric: str, documents: str | None,
-                 progress: bool | None) -> None:
-    """HostedSharded._build_in_child's process: build_sharded, its progress and its outcome sent to the parent."""
+_CHILD = ("import pickle, sys; args = pickle.load(sys.stdin.buffer); sys.path[:] = args.pop('path'); "
+          "from fusionrag.retriever.sharded.hosted import _child_build; _child_build(**args)")
+
+
+def _child_build(fd: int, parent: int, vectors: str | None, out: str, shards: int, metric: str,
+                 documents: str | None, progress: bool | None) -> None:
+    """HostedSharded._build_in_child's process (python -c _CHILD, its arguments pickled on stdin): build_sharded,
+    its progress and its outcome sent to the parent through the pipe fd."""
+    send = Connection(fd, readable=False)
     try:  # die with the thread that started it (a SIGKILL of the service included)
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -417,33 +425,49 @@ class HostedSharded(Uses, CollectionContract):
 
     def _build_in_child(self, vectors: Path | None, out: Path, documents: Path | None, progress: bool | None) -> dict:
         """build_sharded of the import's files into out, in a child process at the background's priority: its
-        Python then holds a GIL of its own, not the service's, whose requests waited for it (a build's Python
-        steps, between its native ones, held the GIL ~40% of the time). Its progress comes back through a pipe to
+        Python then holds a GIL of its own, not the service's, whose requests waited for it (a build's threads
+        held 22% of the service's GIL-held time while one tenant built beside another's searches, py-spy --gil). Its progress comes back through a pipe to
         _step (which stops it once the collection closes: the child is killed), its error as itself; the child dies
         with the thread that started it (PR_SET_PDEATHSIG), so a service killed mid-import leaves no build
         running, only its staging, which the collection removes as it opens."""
-        ctx = multiprocessing.get_context("spawn")
-        recv, send = ctx.Pipe(duplex=False)
-        child = ctx.Process(target=_child_build, name=f"build-{self.name}", daemon=True, args=(
-            send, os.getpid(), None if vectors is None else str(vectors), str(out), self.shards, self.metric,
-            None if documents is None else str(documents), progress))
-        child.start()
-        send.close()
+        # A fresh interpreter (python -c), not multiprocessing's spawn, which imports the parent's __main__ again:
+        # a caller's script without its `if __name__ == "__main__"` guard would run again in the child.
+        r, w = os.pipe()
+        try:
+            child = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, pass_fds=(w,))
+        except BaseException:
+            os.close(r)
+            raise
+        finally:
+            os.close(w)
+        recv = Connection(r, writable=False)
+        try:
+            child.stdin.write(pickle.dumps({
+                "path": list(sys.path), "fd": w, "parent": os.getpid(),
+                "vectors": None if vectors is None else str(vectors), "out": str(out), "shards": self.shards,
+                "metric": self.metric, "documents": None if documents is None else str(documents),
+                "progress": progress}))
+            child.stdin.close()
+        except OSError:  # it died already: said below
+            pass
         try:
             while True:
                 if not recv.poll(0.2):
                     if self._closed is not None:
                         raise _Stopped()
-                    if not child.is_alive() and not recv.poll(0):
+                    if child.poll() is not None and not recv.poll(0):
                         raise StorageError(f"sharded collection {self.name!r}: its build ended without a word "
-                                           f"(exit code {child.exitcode})")
+                                           f"(exit code {child.returncode})")
                     continue
                 try:
                     what, value = recv.recv()
                 except EOFError:
-                    child.join(5)
+                    try:
+                        child.wait(5)
+                    except subprocess.TimeoutExpired:
+                        pass
                     raise StorageError(f"sharded collection {self.name!r}: its build ended without a word "
-                                       f"(exit code {child.exitcode})") from None
+                                       f"(exit code {child.returncode})") from None
                 if what == "step":
                     self._step(*value)
                 elif what == "error":
@@ -451,9 +475,9 @@ class HostedSharded(Uses, CollectionContract):
                 else:
                     return value
         finally:
-            if child.is_alive():
+            if child.poll() is None:
                 child.kill()
-            child.join()
+            child.wait()
             recv.close()
             for p in self.path.glob(f"{BUILDING}.tmp-{child.pid}-*"):  # its staging, were it killed
                 shutil.rmtree(p, ignore_errors=True)
