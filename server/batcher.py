@@ -1,7 +1,11 @@
 """Micro-batching: concurrent searches gathered into few engine calls, which run off the event loop.
 
 A batch opens with the first waiting request and closes after `max_wait_s` or once `max_queries`
-queries wait, whichever comes first; a request that finds no batch running goes at once. Requests are then grouped by what the engine needs to share one
+queries wait, whichever comes first; a request that finds no batch running goes at once. A batch takes at most its thread's
+share of what waits (ceil(queued / threads)), never less than SHARE_FLOOR queries (nor less than one request): four
+clients of 32 queries each kept one thread on three requests while the other ran one and then idled (1.3 of 2 cores
+busy); below the floor one call still pays for itself (an engine call's cost a query falls steeply up to ~32
+queries and little beyond). Requests are then grouped by what the engine needs to share one
 call (collection, k, filter, tuning, whether hits carry vectors); each group is one `Collection.search`, whose rows are handed back to the requests they came from. While
 every engine thread is busy, new requests keep queueing and join the next batch, so batches grow with
 the load instead of the wait. A collection whose index serves calls from a size on from the GPU
@@ -36,6 +40,11 @@ from fusionrag.retriever.collection.embedding import get_embedder
 from fusionrag.retriever.engine.config import SearchOverrides, SearchParams
 from fusionrag.retriever.engine.queries import PreparedQueries
 from fusionrag.server.metrics import Metrics
+
+# Queries from which a batch no longer waits for company and is split across the search threads: Collection.search's
+# CPU a query on the 38k x 384 Python-docs set (bench/service/chroma_http.py's), calls of 1 query 402 us, 4 266,
+# 8 213, 16 180, 32 161, 64 146, 128 148 (2-core VM): little is gained past 32, and a thread that idles loses it all.
+SHARE_FLOOR = 32
 
 
 def _joined(parts: list) -> PreparedQueries | np.ndarray:
@@ -184,9 +193,18 @@ class MicroBatcher:
         future = asyncio.get_running_loop().create_future()
         req = _Request(collection, vectors, texts, k, filter, params, mode, text_weight, future, time.perf_counter(),
                        with_vectors, fusion, partial)
-        if not self._pending and not self._inflight and self.gpu_wait_s <= 0:
+        if not self._pending and not self._inflight and (self.gpu_wait_s <= 0 or not collection.crossover()):
+            if self.metrics.active <= 1 and mode == "vector" and filter is None and collection.quick(req.size):
+                # The one request in progress, and a quick search (Collection.quick): run here, on the event loop,
+                # which has nothing else to do meanwhile; the hand-off to a search thread and back cost more than a
+                # tenth of a one-query request (two thread wake-ups). A request that arrives meanwhile waits at most
+                # this search's millisecond, then finds this one in flight no more.
+                self._execute_here(req)
+                return await future
             # An idle engine: this request goes at once from its own task, as the gathering loop would send it
-            # (alone, without waiting), without the loop's two hand-offs; requests arriving meanwhile gather.
+            # (alone, without waiting), without the loop's two hand-offs; requests arriving meanwhile gather. (Not
+            # for a collection a GPU serves from a size on: its batches may be held to reach that size. Before, the
+            # gpu_wait_s default sent every request through the loop, GPU or not.)
             task = asyncio.current_task()
             await self._slots.acquire()  # free: nothing is in flight
             self._inflight.add(task)
@@ -230,7 +248,7 @@ class MicroBatcher:
             # loaded event loop). Under load the engine is busy, so batches still gather (and grow while every
             # thread is taken).
             deadline = opened + (self.max_wait_s if self._inflight else 0.0)
-            while self._queued < self.max_queries and not self._closing:
+            while self._queued < min(self.max_queries, SHARE_FLOOR) and not self._closing:
                 left = deadline - loop.time()
                 if left <= 0:
                     break
@@ -239,10 +257,10 @@ class MicroBatcher:
                     await asyncio.wait_for(self._wake.wait(), left)
                 except asyncio.TimeoutError:
                     break
-            await self._wait_for_the_device(loop, opened)
+            want = await self._wait_for_the_device(loop, opened)
             # Requests arriving while we wait for a free thread join this batch.
             await self._slots.acquire()
-            task = asyncio.create_task(self._execute(self._take()))
+            task = asyncio.create_task(self._execute(self._take(want)))
             self._inflight.add(task)
             task.add_done_callback(self._finished)
 
@@ -253,21 +271,24 @@ class MicroBatcher:
         later = self._queued - self._pending[0].size
         return later / max(1e-6, time.perf_counter() - self._pending[0].enqueued)
 
-    async def _wait_for_the_device(self, loop, opened: float) -> None:
+    async def _wait_for_the_device(self, loop, opened: float) -> int:
         """Hold the batch open (until gpu_wait_s after it opened) while it is below the size from which its
-        collection's GPU serves a call cheaper, and queries arrive fast enough to reach that size in time."""
-        if self.gpu_wait_s <= 0 or not self._pending or self._closing:
-            return
+        collection's GPU serves a call cheaper, and queries arrive fast enough to reach that size in time; that
+        size (0 for none), which the batch may then take whole."""
+        if not self._pending or self._closing:
+            return 0
         want = self._pending[0].collection.crossover()
         if not want:
-            return
+            return 0
         want = min(want, self.max_queries)
+        if self.gpu_wait_s <= 0:
+            return want
         end = opened + self.gpu_wait_s
         held = False
         while self._queued < want and not self._closing:
             left = end - loop.time()
             if left <= 0 or self._rate() * left < want - self._queued:
-                return
+                return want
             if not held:
                 held = True
                 self.metrics.batches_held.inc()
@@ -275,15 +296,20 @@ class MicroBatcher:
             try:
                 await asyncio.wait_for(self._wake.wait(), left)
             except asyncio.TimeoutError:
-                return
+                return want
+        return want
 
     def _finished(self, task: asyncio.Task) -> None:
         self._inflight.discard(task)
         self._slots.release()
 
-    def _take(self) -> list[_Request]:
+    def _take(self, want: int = 0) -> list[_Request]:
+        """The next batch: the oldest requests, up to this thread's share of the queries waiting (SHARE_FLOOR at
+        least, `want` at least: the size the device needs) and max_queries at most, one request at least."""
+        share = max(SHARE_FLOOR, want, -(-self._queued // self.threads))
+        limit = min(self.max_queries, share)
         batch, n = [], 0
-        while self._pending and (not batch or n + self._pending[0].size <= self.max_queries):
+        while self._pending and (not batch or n + self._pending[0].size <= limit):
             req = self._pending.popleft()
             batch.append(req)
             n += req.size
@@ -306,6 +332,17 @@ class MicroBatcher:
                     req.future.set_exception(answer)
                 else:
                     req.future.set_result(answer)
+
+    def _execute_here(self, req: _Request) -> None:
+        """_execute of one request, in this thread (the event loop's)."""
+        self.metrics.stage["queue"].observe(time.perf_counter() - req.enqueued)
+        self.metrics.batch_requests.observe(1)
+        try:
+            answer = self._search_group([req])[req]
+        except Exception as e:  # noqa: BLE001 - the request's own answer
+            req.future.set_exception(e)
+        else:
+            req.future.set_result(answer)
 
     def _run_batch(self, batch: list[_Request]) -> dict:
         answers: dict[_Request, CollectionSearch | Exception] = {}

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
+import collections
 import json
 import logging
 import sys
+import threading
 import time
 
 import orjson
@@ -44,8 +47,72 @@ class JsonFormatter(logging.Formatter):
             return json.dumps(line, default=str)
 
 
+class DeferredHandler(logging.StreamHandler):
+    """A stream handler that formats and writes lines below warning from a thread of its own, those that wait
+    together every INTERVAL_S in one write, rather than on the thread that logs: the service logs a line per
+    request from its event loop, where formatting and writing it was ~5% of the loop's busy time at one connection.
+    A warning or worse is written at once, after the lines waiting before it (in order). What waits is written when
+    the handler is flushed or closed (at exit too); a process killed outright loses at most INTERVAL_S of info
+    lines."""
+
+    INTERVAL_S = 0.05
+
+    def __init__(self, stream=None):
+        super().__init__(stream)
+        self._waiting: collections.deque[logging.LogRecord] = collections.deque()
+        self._writing = threading.RLock()  # one batch written at a time, in order (StreamHandler.emit flushes)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fusionrag-log", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.WARNING:
+            with self._writing:
+                self._write_waiting()
+                super().emit(record)
+        else:
+            self._waiting.append(record)
+
+    def _write_waiting(self) -> None:
+        lines = []
+        while self._waiting:
+            record = self._waiting.popleft()
+            try:
+                lines.append(self.format(record))
+            except Exception:  # noqa: BLE001 - as logging does: said on stderr, the rest written
+                self.handleError(record)
+        if lines:
+            try:
+                self.stream.write("\n".join(lines) + "\n")
+                self.stream.flush()
+            except Exception:  # noqa: BLE001
+                self.handleError(logging.makeLogRecord({"msg": "writing log lines failed"}))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.INTERVAL_S):
+            if self._waiting:
+                with self._writing:
+                    self._write_waiting()
+
+    def flush(self) -> None:
+        with self._writing:
+            self._write_waiting()
+        super().flush()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(1.0)
+        try:
+            self.flush()
+        except ValueError:  # the stream is closed already
+            pass
+        super().close()
+
+
 def setup_logging(level: str, fmt: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    handler = DeferredHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else
                          logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     for name in ("fusionrag", "uvicorn", "uvicorn.error"):

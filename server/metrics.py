@@ -75,6 +75,9 @@ class Metrics:
         self.pages_buffered = Counter("fusionrag_page_buffer_hits", "Pages served by the DRAM page buffer",
                                       ["collection"], registry=r)
         self._hits: dict[str, list[int]] = {}  # collection -> [read, buffered], for the hit ratio
+        # HTTP requests in progress now (ObserveMiddleware's count, on the event loop): the batcher runs a quick
+        # search on the loop itself only while it is the one request in progress.
+        self.active = 0
         self._lock = threading.Lock()
         self._collections_info = collections_info
         r.register(_CollectionCollector(self))

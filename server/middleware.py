@@ -128,9 +128,11 @@ class ObserveMiddleware:
                 status = message["status"]
             await send(message)
 
+        self.metrics.active += 1
         try:
             await self.app(scope, receive, send_status)
         finally:
+            self.metrics.active -= 1
             seconds = time.perf_counter() - start
             route = getattr(scope.get("route"), "path", "unmatched")
             series = self.metrics.series

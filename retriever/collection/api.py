@@ -48,6 +48,10 @@ from fusionrag.retriever.engine.manifest import ArrayFileWriter
 from fusionrag.retriever.engine.vectors import vector_problems
 from fusionrag.retriever.errors import FusionRAGError, IndexFormatError, InputError, UnavailableError
 
+# The most queries a search may hold to count as quick (Collection.quick): an engine call of four queries on a 38k x 384
+# collection takes ~0.6-1 ms of one core on a 2-core VM, the span the service's event loop may be held by it.
+QUICK_QUERIES = 4
+
 log = logging.getLogger(__name__)
 
 
@@ -210,6 +214,14 @@ class Collection(WriteOps, SearchOps, MergeOps, ImportOps, Uses, CollectionContr
         the CPU tier beside it (filter_tier auto with CUDA; Index.crossover); None otherwise."""
         index = getattr(self._main, "index", None)  # read once: a merge may publish another meanwhile
         return index.crossover() if index is not None else None
+
+    def quick(self, queries: int) -> bool:
+        """A few queries (at most QUICK_QUERIES) on an index whose searches stay on the CPU (no GPU tier), a fresh
+        tier (searched exactly) no larger than a merge leaves it, and its files open: work of a millisecond or so."""
+        index = getattr(self._main, "index", None)  # read once: a merge may publish another meanwhile
+        return (queries <= QUICK_QUERIES and not self._dormant and self._closed is None
+                and self._fresh.n <= self.config.merge_fresh_count
+                and (index is None or index.filter.name == "cpu"))
 
     # -- description ---------------------------------------------------------------------------
     @in_use

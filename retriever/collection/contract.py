@@ -197,6 +197,13 @@ class CollectionContract(ABC):
         """Whether its files are closed while idle (release_files), to be opened by its next call."""
         return False
 
+    def quick(self, queries: int) -> bool:
+        """Whether a vector search of this many queries, without a filter, is short work on this process's CPU
+        alone: nothing waited for in another process or on a device, no files to open first. The service may then
+        run it on its event loop when no other request is in flight (no hand-off to a search thread and back).
+        Default: no."""
+        return False
+
     def release_files(self) -> bool:
         """Close its files while nothing uses it (the catalog's pool of open files needs the room); True when
         it did. Default: it keeps them open."""

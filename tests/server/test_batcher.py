@@ -29,6 +29,7 @@ def collection(tmp_path):
         return search(vectors, *a, **kw)
 
     col.search = counted
+    col.quick = lambda queries: False  # on the search threads, as under load (the event loop's own: its own test)
     yield col, calls
     cat.close()
 
@@ -210,3 +211,102 @@ def test_a_hung_model_holds_only_the_requests_that_need_it(tmp_path, monkeypatch
     assert all(len(r.hits[0]) == 5 for r in done)
     cat.close()
     other.close()
+
+
+def test_large_requests_are_shared_across_the_search_threads(collection):
+    """Four clients of 32 queries each and two search threads: each batch takes its thread's share of what waits,
+    so a call takes half of what waits at most and both threads run (before, one thread took three requests in one
+    call while the other ran one and then idled). Requests of one query still gather into one call while the threads are
+    busy."""
+    import threading
+    import time
+
+    col, calls = collection
+    col.crossover = lambda: None
+    search = col.search
+    running, most = [0], [0]
+    lock = threading.Lock()
+
+    def slow(vectors=None, *a, **kw):  # an engine call long enough for the others to queue behind it
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        try:
+            time.sleep(0.02)
+            return search(vectors, *a, **kw)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    col.search = slow
+    rng = np.random.default_rng(3)
+
+    async def main(users: int, rows: int, rounds: int):
+        batcher = MicroBatcher(0.002, 256, 2, Metrics(lambda: {}))
+        await batcher.start()
+
+        async def user():
+            for _ in range(rounds):
+                q = rng.standard_normal((rows, DIM)).astype(np.float32)
+                res = await batcher.search(col, 5, vectors=q)
+                assert len(res.hits) == rows and all(len(h) == 5 for h in res.hits)
+
+        await asyncio.gather(*(user() for _ in range(users)))
+        await batcher.stop()
+
+    asyncio.run(main(4, 32, 10))
+    # A call takes at most half of what waits (four requests waiting: two each), never three of four.
+    assert sum(calls) == 4 * 10 * 32 and max(calls) <= 64, calls
+    assert most[0] == 2, most
+    calls.clear()
+    asyncio.run(main(16, 1, 10))  # small requests: the busy threads' queue still goes in few calls
+    assert sum(calls) == 16 * 10 and max(calls) > 4, calls
+
+
+def test_a_quick_search_alone_runs_on_the_event_loop_and_any_other_on_a_search_thread(tmp_path):
+    """The one request in progress (the service's count of requests, Metrics.active) with a quick search
+    (Collection.quick: a few queries, CPU only, no filter) is searched on the event loop, with no hand-off; beside
+    another request in progress, with a filter, with more queries than quick allows, or on a collection that is not
+    quick, on a search thread. Each answer equals the collection's own search."""
+    import threading
+
+    cat = Catalog(tmp_path, collection_config=CollectionConfig(background_merge=False, min_index_count=100))
+    col = cat.create("q", DIM, "l2")
+    rng = np.random.default_rng(4)
+    col.add([Document(str(i), None, rng.standard_normal(DIM), {"even": i % 2 == 0}) for i in range(300)])
+    col.merge()  # an index: quick asks that its searches stay on the CPU
+    where, search = [], col.search
+
+    def recorded(*a, **kw):
+        where.append(threading.current_thread().name)
+        return search(*a, **kw)
+
+    col.search = recorded
+    metrics = Metrics(lambda: {})
+    q1 = rng.standard_normal((1, DIM)).astype(np.float32)
+    q8 = rng.standard_normal((8, DIM)).astype(np.float32)
+
+    async def main():
+        # The service's defaults (server/config.py): gpu_batch_wait_ms 5 holds batches only for a collection a GPU
+        # serves from a size on (crossover), none here.
+        batcher = MicroBatcher(0.002, 256, 2, metrics, 0.005)
+        await batcher.start()
+        loop_thread = threading.current_thread().name
+        cases = []
+        for active, q, flt, quick in ((1, q1, None, None), (2, q1, None, None), (1, q1, {"even": True}, None),
+                                      (1, q8, None, None), (1, q1, None, False)):
+            metrics.active = active
+            if quick is not None:
+                col.quick = lambda queries: quick
+            res = await batcher.search(col, 5, vectors=q, filter=flt)
+            if quick is not None:
+                del col.quick
+            want = search(q, 5, flt)
+            assert [[h.id for h in hits] for hits in res.hits] == [[h.id for h in hits] for hits in want.hits]
+            cases.append(where[-1] == loop_thread)
+        await batcher.stop()
+        return cases
+
+    assert asyncio.run(main()) == [True, False, False, False, False], where
+    assert col.quick(1) and col.quick(4) and not col.quick(5)
+    cat.close()
