@@ -45,6 +45,18 @@ from fusionrag.server.metrics import Metrics
 # CPU a query on the 38k x 384 Python-docs set (bench/service/chroma_http.py's), calls of 1 query 402 us, 4 266,
 # 8 213, 16 180, 32 161, 64 146, 128 148 (2-core VM): little is gained past 32, and a thread that idles loses it all.
 SHARE_FLOOR = 32
+# How long after two requests last overlapped a lone request may search on the event loop (MicroBatcher._quiet).
+QUIET_S = 1.0
+# The HTTP server's requests in progress (uvicorn's ServerState.tasks: a task each from its head on, started or not),
+# set by the service's protocol (main._HeadDeadline); None where another server runs the app (then the middleware's
+# count, which misses requests whose tasks have not started: a burst's, read in one turn of the loop).
+_REQUESTS: set | None = None
+
+
+def count_requests_in(tasks: set) -> None:
+    """The set of the HTTP server's request tasks, whose size says how many requests are in progress."""
+    global _REQUESTS
+    _REQUESTS = tasks
 
 
 def _joined(parts: list) -> PreparedQueries | np.ndarray:
@@ -194,11 +206,14 @@ class MicroBatcher:
         req = _Request(collection, vectors, texts, k, filter, params, mode, text_weight, future, time.perf_counter(),
                        with_vectors, fusion, partial)
         if not self._pending and not self._inflight and (self.gpu_wait_s <= 0 or not collection.crossover()):
-            if self.metrics.active <= 1 and mode == "vector" and filter is None and collection.quick(req.size):
-                # The one request in progress, and a quick search (Collection.quick): run here, on the event loop,
-                # which has nothing else to do meanwhile; the hand-off to a search thread and back cost more than a
-                # tenth of a one-query request (two thread wake-ups). A request that arrives meanwhile waits at most
-                # this search's millisecond, then finds this one in flight no more.
+            if self._quiet() and mode == "vector" and filter is None and collection.quick(req.size):
+                # The one request in progress, none overlapping for QUIET_S, and a quick search (Collection.quick):
+                # run here, on the event loop, which has nothing else to do meanwhile; the hand-off to a search
+                # thread and back cost more than a tenth of a one-query request (two thread wake-ups). A request that
+                # arrives meanwhile waits at most this search's millisecond, and its overlap with the next ends this
+                # for QUIET_S: under concurrent load the loop must parse requests while the threads search (the
+                # count alone let a burst's requests, whose tasks had not started yet, each run here in turn: one
+                # core for 16 connections).
                 self._execute_here(req)
                 return await future
             # An idle engine: this request goes at once from its own task, as the gathering loop would send it
@@ -333,8 +348,17 @@ class MicroBatcher:
                 else:
                     req.future.set_result(answer)
 
+    def _quiet(self) -> bool:
+        """This request alone in the server, and none overlapping another for QUIET_S."""
+        m = self.metrics
+        if (len(_REQUESTS) if _REQUESTS is not None else m.active) > 1:
+            m.overlapped_at = time.monotonic()
+            return False
+        return time.monotonic() - m.overlapped_at > QUIET_S
+
     def _execute_here(self, req: _Request) -> None:
         """_execute of one request, in this thread (the event loop's)."""
+        self.metrics.loop_searches.inc()
         self.metrics.stage["queue"].observe(time.perf_counter() - req.enqueued)
         self.metrics.batch_requests.observe(1)
         try:

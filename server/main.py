@@ -16,6 +16,7 @@ from uvicorn.server import HANDLED_SIGNALS
 
 from fusionrag.retriever.errors import ConfigError
 from fusionrag.server.app import create_app
+from fusionrag.server.batcher import count_requests_in
 from fusionrag.server.config import ServerConfig
 from fusionrag.server.logs import setup_logging
 
@@ -116,6 +117,7 @@ class _HeadDeadline(AutoHTTPProtocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(CoalescedWrites(transport, self.loop))
+        count_requests_in(self.server_state.tasks)
         self._arm()
 
     def connection_lost(self, exc) -> None:

@@ -65,6 +65,9 @@ class Metrics:
         self.batch_queries = Histogram("fusionrag_batch_queries", "Queries in one engine call",
                                        buckets=_SIZES, registry=r)
         self.queries = Counter("fusionrag_queries", "Queries searched", ["collection"], registry=r)
+        self.loop_searches = Counter("fusionrag_searches_on_event_loop", "Searches run on the event loop itself: "
+                                     "quick ones, alone, while requests do not overlap (others go to the search threads)",
+                                     registry=r)
         self.batches_held = Counter("fusionrag_batches_held_for_gpu", "Micro-batches held open (gpu_batch_wait_ms) "
                                     "to reach the size from which the GPU serves them cheaper", registry=r)
         self.tier_queries = Counter("fusionrag_filter_tier_queries", "Queries whose main-index search a filter tier "
@@ -75,9 +78,11 @@ class Metrics:
         self.pages_buffered = Counter("fusionrag_page_buffer_hits", "Pages served by the DRAM page buffer",
                                       ["collection"], registry=r)
         self._hits: dict[str, list[int]] = {}  # collection -> [read, buffered], for the hit ratio
-        # HTTP requests in progress now (ObserveMiddleware's count, on the event loop): the batcher runs a quick
-        # search on the loop itself only while it is the one request in progress.
+        # HTTP requests in progress now, and when two last were (ObserveMiddleware's, on the event loop): the
+        # batcher runs a quick search on the loop itself only for the one request in progress, and only while
+        # requests have not overlapped for a while (batcher.QUIET_S).
         self.active = 0
+        self.overlapped_at = float("-inf")
         self._lock = threading.Lock()
         self._collections_info = collections_info
         r.register(_CollectionCollector(self))

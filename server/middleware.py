@@ -128,11 +128,14 @@ class ObserveMiddleware:
                 status = message["status"]
             await send(message)
 
-        self.metrics.active += 1
+        metrics = self.metrics
+        metrics.active += 1
+        if metrics.active > 1:
+            metrics.overlapped_at = time.monotonic()
         try:
             await self.app(scope, receive, send_status)
         finally:
-            self.metrics.active -= 1
+            metrics.active -= 1
             seconds = time.perf_counter() - start
             route = getattr(scope.get("route"), "path", "unmatched")
             series = self.metrics.series

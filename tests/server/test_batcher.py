@@ -266,9 +266,13 @@ def test_large_requests_are_shared_across_the_search_threads(collection):
 def test_a_quick_search_alone_runs_on_the_event_loop_and_any_other_on_a_search_thread(tmp_path):
     """The one request in progress (the service's count of requests, Metrics.active) with a quick search
     (Collection.quick: a few queries, CPU only, no filter) is searched on the event loop, with no hand-off; beside
-    another request in progress, with a filter, with more queries than quick allows, or on a collection that is not
-    quick, on a search thread. Each answer equals the collection's own search."""
+    another request in progress, within QUIET_S of two requests overlapping, with a filter, with more queries than
+    quick allows, or on a collection that is not quick, on a search thread. Each answer equals the collection's own
+    search."""
     import threading
+    import time
+
+    from fusionrag.server.batcher import QUIET_S
 
     cat = Catalog(tmp_path, collection_config=CollectionConfig(background_merge=False, min_index_count=100))
     col = cat.create("q", DIM, "l2")
@@ -293,9 +297,13 @@ def test_a_quick_search_alone_runs_on_the_event_loop_and_any_other_on_a_search_t
         await batcher.start()
         loop_thread = threading.current_thread().name
         cases = []
-        for active, q, flt, quick in ((1, q1, None, None), (2, q1, None, None), (1, q1, {"even": True}, None),
-                                      (1, q8, None, None), (1, q1, None, False)):
+        for active, q, flt, quick, overlap in ((1, q1, None, None, False), (2, q1, None, None, False),
+                                               (1, q1, {"even": True}, None, False), (1, q8, None, None, False),
+                                               (1, q1, None, False, False), (1, q1, None, None, True),
+                                               (1, q1, None, None, False)):
             metrics.active = active
+            # Two requests overlapped just now (ObserveMiddleware's mark), or over QUIET_S ago.
+            metrics.overlapped_at = time.monotonic() - (0.0 if overlap else QUIET_S + 0.1)
             if quick is not None:
                 col.quick = lambda queries: quick
             res = await batcher.search(col, 5, vectors=q, filter=flt)
@@ -307,6 +315,6 @@ def test_a_quick_search_alone_runs_on_the_event_loop_and_any_other_on_a_search_t
         await batcher.stop()
         return cases
 
-    assert asyncio.run(main()) == [True, False, False, False, False], where
+    assert asyncio.run(main()) == [True, False, False, False, False, False, True], where
     assert col.quick(1) and col.quick(4) and not col.quick(5)
     cat.close()
