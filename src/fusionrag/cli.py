@@ -355,8 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--device", default="h100", help="h100 (80 GB), h200 (141 GB), both, or a name with --device-gb")
     pl.add_argument("--device-gb", type=float, help="the device's memory, GB (for a device not named)")
     pl.add_argument("--budget-gb", type=float, help="GPU memory the process may take, GB (default: the device's)")
-    pl.add_argument("--centroid-ratio", type=float, default=BuildConfig.centroid_ratio,
-                    help="posting-list centroids per vector (the build's)")
+    pl.add_argument("--centroid-ratio", type=float, default=None,
+                    help="posting-list centroids per vector (default: the build's 0.1 below 100M vectors, 0.01 from "
+                         "100M: plan.default_ratio)")
     pl.add_argument("--metric", default="l2", choices=list(METRICS))
     pl.add_argument("--cpus", type=int, default=16, help="the serving machine's CPUs (the host re-rank's bound)")
     pl.add_argument("--build-budget-gb", type=float, default=0.0,

@@ -130,10 +130,15 @@ def test_a_billion_takes_wide_offsets_and_a_plan_that_does_not_fit_is_flagged(ca
                                           centroid_dtype="float32").qps["low"]
     from fusionrag.cli import main
 
+    assert main(["plan", "--n", "1e9", "--dim", "128", "--device", "h100", "--json"]) == 0
+    (cli_big,) = json.loads(capsys.readouterr().out)
+    assert cli_big["centroid_ratio"] == 0.01  # the command takes the plan's default ratio, as plan() does
     assert main(["plan", "--n", "1e9", "--dim", "128", "--device", "h100"]) == 0
     out = capsys.readouterr().out
     assert "1,000,000,000" in out and "int64" in out and "tiered" in out and "float16" in out
-    assert main(["plan", "--n", "1e9", "--dim", "128", "--device", "h100", "--budget-gb", "20"]) == 3
+    # 1B at ratio 0.1: 27 GB of float16 centroids in a 20 GB budget
+    assert main(["plan", "--n", "1e9", "--dim", "128", "--device", "h100", "--budget-gb", "20",
+                 "--centroid-ratio", "0.1"]) == 3
     assert "lists tier" in capsys.readouterr().out
     assert main(["plan", "--n", "1e6", "1e7", "--device", "both", "--json"]) == 0
     plans = json.loads(capsys.readouterr().out)
