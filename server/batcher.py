@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import json
 import os
 import time
@@ -111,6 +112,7 @@ class _ModelQueue:
         self.embedder, self.max_texts, self.metrics, self.calls = embedder, max_texts, metrics, max(1, calls)
         self._waiting: deque[tuple[list[str], asyncio.Future]] = deque()
         self._running = 0
+        self._frozen = False  # whether the objects its model's load made are out of the collector's passes
         self._executor = ThreadPoolExecutor(self.calls, thread_name_prefix="fusionrag-embed")
 
     async def embed(self, texts: list[str]) -> np.ndarray:
@@ -154,6 +156,9 @@ class _ModelQueue:
                     future.set_exception(e)
             return
         self.metrics.stage["embed"].observe(time.perf_counter() - t)
+        if not self._frozen:  # a model loaded after the start (its first call loads it): as life.load's gc.freeze
+            self._frozen = True
+            gc.freeze()
         at = 0
         for part, future in batch:
             if not future.done():

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import shutil
 import threading
@@ -119,6 +120,10 @@ class State:
                 log.exception("loading the embedding model of collection %r failed", name)
         if self.own_catalog:
             self.vector_stores.start()  # after the collections: it takes up the files a stop left in progress
+        # What the start made (the models' libraries: torch and transformers are millions of objects) is kept out of the
+        # garbage collector's passes: with it in, each full pass held the GIL for ~0.1-0.2 s, every request waiting
+        # (32-query searches at one connection, bf16 model loaded: p99 244 and 207 ms, 7.4 and 8.4 with it out).
+        gc.freeze()
         self.ready.set()
         log.info("ready", extra={"collections": self.catalog.names(), "failed": failed})
 

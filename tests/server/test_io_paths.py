@@ -204,3 +204,24 @@ def test_a_real_service_answers_whole_through_the_coalesced_transport(tmp_path):
         assert on_loop() - before <= 40, on_loop() - before  # of 160
     finally:
         srv.stop()
+
+
+def test_what_the_start_made_is_kept_out_of_the_collectors_passes(tmp_path):
+    """life.load freezes what the start made (gc.freeze: the models' libraries are millions of objects, whose full
+    passes held the GIL ~0.1-0.2 s), so a collection pass after it walks only what requests made since."""
+    import gc
+
+    from integration_helpers import serving
+
+    from fusionrag.server.app import create_app
+    from fusionrag.server.config import ServerConfig
+
+    gc.unfreeze()
+    assert gc.get_freeze_count() == 0
+    try:
+        with serving(create_app(ServerConfig(data_dir=str(tmp_path), demo=False))) as url:
+            assert httpx.get(f"{url}/readyz").status_code == 200
+            frozen = gc.get_freeze_count()
+        assert frozen > 10_000, frozen  # the interpreter's and the service's objects at least
+    finally:
+        gc.unfreeze()
