@@ -210,7 +210,7 @@ class MicroBatcher:
         future = asyncio.get_running_loop().create_future()
         req = _Request(collection, vectors, texts, k, filter, params, mode, text_weight, future, time.perf_counter(),
                        with_vectors, fusion, partial)
-        if not self._pending and not self._inflight and (self.gpu_wait_s <= 0 or not collection.crossover()):
+        if not self._pending and not self._inflight:
             if self._quiet() and mode == "vector" and filter is None and collection.quick(req.size):
                 # The one request in progress, none overlapping for QUIET_S, and a quick search (Collection.quick):
                 # run here, on the event loop, which has nothing else to do meanwhile; the hand-off to a search
@@ -221,10 +221,12 @@ class MicroBatcher:
                 # core for 16 connections).
                 self._execute_here(req)
                 return await future
+        if not self._pending and not self._inflight and self.gpu_wait_s <= 0:
             # An idle engine: this request goes at once from its own task, as the gathering loop would send it
-            # (alone, without waiting), without the loop's two hand-offs; requests arriving meanwhile gather. (Not
-            # for a collection a GPU serves from a size on: its batches may be held to reach that size. Before, the
-            # gpu_wait_s default sent every request through the loop, GPU or not.)
+            # (alone, without waiting), without the loop's two hand-offs; requests arriving meanwhile gather. (With
+            # the default gpu_batch_wait_ms every request goes through the gathering loop, which takes all that
+            # arrived in the same turn together: at 16 connections, this path taken whenever the engine fell idle
+            # answered 1,510-1,630 req/s against 1,660-1,850 through the loop, alternated x2.)
             task = asyncio.current_task()
             await self._slots.acquire()  # free: nothing is in flight
             self._inflight.add(task)

@@ -14,8 +14,11 @@ choose() decides, per machine, as the model loads: the bf16 model serves only wh
 instructions, torch imports, its vectors on PROBES and SAMPLE are within MIN_COSINE of the float32 model's, and a
 short timing (thread CPU, one thread each, min of a few passes) finds it at most FASTER of the float32 runtime's
 time for a batch of 16 paragraphs and for one. Otherwise the float32 runtime serves, unchanged. The log says which
-and why. FUSIONRAG_EMBED_BF16 (or embedding.set_runtime): 'off' never, 'on' without the capability check and the
-timing (the cosine check stays), 'auto' (default) as above.
+and why. FUSIONRAG_EMBED_BF16 (or embedding.set_runtime): 'off' (the default) never, 'on' without the capability
+check and the timing (the cosine check stays), 'auto' as above. Off by default: in the service (text queries of
+Python-docs paragraphs from 1 and 16 connections, alternated x2 on the 2-core AMX VM) it answered 64.6 and 113 q/s
+against ONNX Runtime's 81.9 and 129, at the same server CPU a query (14.4-15.1 ms against 14.4-16.9), and holds
+~650 MB more: the one-thread thread-CPU timing here does not see what the service pays.
 
 Threads: every pass runs on one torch thread (torch's thread count is one setting for the process, and its
 OpenMP passes on two threads were far slower on a busy machine: _Passes), at most one pass a core at once across
@@ -41,7 +44,7 @@ from fusionrag.retriever.collection import embedding_onnx
 
 log = logging.getLogger(__name__)
 
-ENV = "FUSIONRAG_EMBED_BF16"  # auto | on | off
+ENV = "FUSIONRAG_EMBED_BF16"  # off (default) | auto | on
 MODES = ("auto", "on", "off")
 MIN_COSINE = 0.9999  # to the float32 model's vectors, on PROBES and SAMPLE
 FASTER = 0.9  # the bf16 pass must take at most this share of the float32 runtime's thread CPU (batch and single)
@@ -71,8 +74,8 @@ class Unsupported(Exception):
 
 
 def mode() -> str:
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    return value if value in MODES else "auto"
+    value = os.environ.get(ENV, "off").strip().lower() or "off"
+    return value if value in MODES else "off"
 
 
 def cpu_bf16() -> str | None:

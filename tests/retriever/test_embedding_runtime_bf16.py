@@ -52,7 +52,7 @@ def shared_cache(tmp_path_factory):
 @pytest.fixture
 def cache(shared_cache, monkeypatch):
     monkeypatch.setenv("FUSIONRAG_CACHE_DIR", str(shared_cache))
-    monkeypatch.delenv(embedding_bf16.ENV, raising=False)
+    monkeypatch.setenv(embedding_bf16.ENV, "auto")  # the choice by measurement (not the default: see below)
     monkeypatch.setattr(embedding, "_runtime", "auto")
     return shared_cache
 
@@ -174,7 +174,8 @@ def test_either_runtime_is_forced(cache, monkeypatch, caplog):
     monkeypatch.setattr(embedding, "_sentence_transformer", lambda path: loads.append(path) or load(path))
     monkeypatch.setenv(embedding_bf16.ENV, "off")
     _onnx_because(caplog, monkeypatch, "FUSIONRAG_EMBED_BF16=off")
-    monkeypatch.delenv(embedding_bf16.ENV)
+    monkeypatch.delenv(embedding_bf16.ENV)  # the default: off (in the service it was slower; embedding_bf16's doc)
+    _onnx_because(caplog, monkeypatch, "FUSIONRAG_EMBED_BF16=off")
     monkeypatch.setattr(embedding, "_runtime", "onnx")
     _onnx_because(caplog, monkeypatch, "the runtime asked for is 'onnx'")
     assert not loads  # neither loads torch's model

@@ -301,6 +301,7 @@ def test_a_quick_search_alone_runs_on_the_event_loop_and_any_other_on_a_search_t
                                                (1, q1, {"even": True}, None, False), (1, q8, None, None, False),
                                                (1, q1, None, False, False), (1, q1, None, None, True),
                                                (1, q1, None, None, False)):
+            await asyncio.sleep(0.01)  # the batch before this one done and out of the batcher's books
             metrics.active = active
             # Two requests overlapped just now (ObserveMiddleware's mark), or over QUIET_S ago.
             metrics.overlapped_at = time.monotonic() - (0.0 if overlap else QUIET_S + 0.1)
