@@ -104,8 +104,9 @@ class _ModelQueue:
     search thread): a call takes every text waiting when it starts (at most max_texts), and texts that arrive
     while the calls run wait for the next, so a lone query waits for nothing and concurrent ones share calls. Up to
     `calls` calls run at once (the model's single-threaded passes then use as many cores: one call at a time held
-    text queries to one core, 0.92x Chroma's clients embedding on theirs at 16 connections). A slow or hung model
-    (an endpoint) holds only the requests that need it; the endpoint's own total deadline
+    text queries to one core, 0.92x Chroma's clients embedding on theirs at 16 connections), or as few as the
+    loaded model says (Embedder.calls_at_once: one where a call's passes take every core themselves). A slow or
+    hung model (an endpoint) holds only the requests that need it; the endpoint's own total deadline
     (embedding._Endpoint.DEADLINE_S) bounds each call."""
 
     def __init__(self, embedder, max_texts: int, metrics: Metrics, calls: int = 1):
@@ -118,12 +119,15 @@ class _ModelQueue:
     async def embed(self, texts: list[str]) -> np.ndarray:
         future = asyncio.get_running_loop().create_future()
         self._waiting.append((texts, future))
-        if self._running < self.calls:
+        if self._running < self._limit():
             self._next()
         return await future
 
+    def _limit(self) -> int:
+        return min(self.calls, getattr(self.embedder, "calls_at_once", None) or self.calls)
+
     def _next(self) -> None:
-        while self._running < self.calls and self._waiting:
+        while self._running < self._limit() and self._waiting:
             batch, n = [], 0
             while self._waiting and (not batch or n + len(self._waiting[0][0]) <= self.max_texts):
                 texts, future = self._waiting.popleft()

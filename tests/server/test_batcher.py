@@ -4,6 +4,7 @@ gpu_wait_s, while other requests keep arriving fast enough to fill it; a lone cl
 the engine calls' sizes and the held-batch counter, against a real collection (crossover set: there is no GPU)."""
 
 import asyncio
+import os
 
 import numpy as np
 import pytest
@@ -177,6 +178,56 @@ def test_concurrent_text_queries_share_model_calls_and_answer_as_alone(tmp_path,
     # Each query's own passage comes first (its vector is the stored one).
     assert [r.hits[0][0].id for r in together[:24]] == [str(i) for i in range(0, 240, 10)]
     cat.close()
+
+
+def test_a_model_that_takes_every_core_runs_one_call_at_a_time(tmp_path, monkeypatch):
+    """A model whose calls spread their passes over the cores themselves (Embedder.calls_at_once 1: bf16) runs one
+    call at a time, the texts that arrive meanwhile gathered for the next; one without it runs a call a core."""
+    import threading
+    import time as _time
+
+    for limit, most_allowed in ((1, 1), (None, os.cpu_count() or 1)):
+        model = _Model(DIM)
+        if limit is not None:
+            model.calls_at_once = limit
+        active, most = [0], [0]
+        lock = threading.Lock()
+        embed = model.embed
+
+        def slow(texts, wide=False, _embed=embed):
+            with lock:
+                active[0] += 1
+                most[0] = max(most[0], active[0])
+            _time.sleep(0.02)
+            try:
+                return _embed(texts, wide=wide)
+            finally:
+                with lock:
+                    active[0] -= 1
+
+        model.embed = slow
+        monkeypatch.setattr("fusionrag.server.batcher.get_embedder", lambda name, _m=model: _m)
+        cat, col, texts = _text_collection(tmp_path, f"t{limit}", model)
+
+        async def main():
+            batcher = MicroBatcher(0.002, 256, 2, Metrics(lambda: {}))
+            await batcher.start()
+            out = []
+            for _ in range(3):
+                out += await asyncio.gather(*(batcher.search(col, 5, texts=[texts[i]]) for i in range(0, 160, 10)))
+            await batcher.stop()
+            return out
+
+        answers = asyncio.run(main())
+        assert [r.hits[0][0].id for r in answers] == [str(i) for i in range(0, 160, 10)] * 3
+        assert sum(model.calls) == 48 and len(model.calls) < 24, model.calls
+        if limit == 1:
+            assert most[0] == 1, most[0]
+        else:
+            assert 1 <= most[0] <= most_allowed
+            if most_allowed > 1:
+                assert most[0] > 1, model.calls  # 16 texts at once: a second call beside the first
+        cat.close()
 
 
 def test_a_hung_model_holds_only_the_requests_that_need_it(tmp_path, monkeypatch):
