@@ -144,10 +144,11 @@ class ServerConfig(ConfigBase):
     embed_bulk_threads: Annotated[int, knob("CPU threads that embed an import's texts, on ONNX Runtime (0: every "
                                             "core)", ge=0)] = 0
     embed_runtime: Annotated[EmbedRuntime, knob("what runs the embedding models from a directory: auto (ONNX "
-                                                "Runtime where a model can run there, else torch; bf16 on torch only "
-                                                "with FUSIONRAG_EMBED_BF16=auto or on), onnx (float32), bf16 (the "
-                                                "transformer in bf16 on torch, ~650 MB more memory) or torch "
-                                                "(float32)")] = "auto"
+                                                "Runtime where a model can run there, else torch; its transformer "
+                                                "in bf16 on torch where the CPU has bf16 matrix instructions and "
+                                                "that measures right and faster as it loads, unless "
+                                                "FUSIONRAG_EMBED_BF16=off), onnx (float32), bf16 (the transformer "
+                                                "in bf16 on torch, ~155 MiB more memory) or torch (float32)")] = "auto"
     embedding_timeout_s: Annotated[float, knob("an embedding endpoint's whole answer to a call must arrive within "
                                                "this many seconds (503 past it; only that model's requests wait)",
                                                gt=0)] = 30.0
