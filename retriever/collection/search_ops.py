@@ -122,7 +122,8 @@ class SearchOps:
         exact vector distance. partial: a sharded collection's (whether an answer missing a down shard's lists may
         be given); a collection's answers are never partial."""
         k = check_search(k, mode, texts, vectors, text_weight)
-        fusion = Fusion.of(fusion)
+        if fusion is not None or mode == "hybrid":  # checked whatever the mode; the default made where it is used
+            fusion = Fusion.of(fusion)
         if mode != "text":
             q = self._queries(vectors)
         if mode == "hybrid" and len(texts) != len(q):
@@ -229,13 +230,21 @@ class SearchOps:
         # Python numbers, the counts' columns as one matrix and the seconds' as another (two conversions, not one a
         # column), then a query's all at once.
         st = res.stats
-        counts = np.array([st[key] for key in _COUNT_KEYS], np.int64).T.tolist()
-        seconds = np.array([st[key] for key in _SECONDS_KEYS], np.float64).T.tolist()
         tier = res.info.get("filter_tier")  # which tier served (under filter_tier auto with CUDA, the cheaper)
-        for s, c, sec in zip(stats, counts, seconds):
-            s.update(zip(_COUNT_KEYS, c))
-            s.update(zip(_SECONDS_KEYS, sec))
+        if len(stats) == 1:  # one query (most calls): a number a key, half the time of the matrices below
+            s = stats[0]
+            for key in _COUNT_KEYS:
+                s[key] = int(st[key][0])
+            for key in _SECONDS_KEYS:
+                s[key] = float(st[key][0])
             s["filter_tier"] = tier
+        else:
+            counts = np.array([st[key] for key in _COUNT_KEYS], np.int64).T.tolist()
+            seconds = np.array([st[key] for key in _SECONDS_KEYS], np.float64).T.tolist()
+            for s, c, sec in zip(stats, counts, seconds):
+                s.update(zip(_COUNT_KEYS, c))
+                s.update(zip(_SECONDS_KEYS, sec))
+                s["filter_tier"] = tier
         # The engine pads with id -1 at distance inf (every tier): hits skip the -1 rows, whatever their distance.
         rows = main.rows.take(ids, mode="clip") if n else np.zeros(ids.shape, np.int64)  # -1 taken, then put back
         rows[ids < 0] = -1
@@ -244,6 +253,7 @@ class SearchOps:
     def _hits(self, rows: np.ndarray, dists: np.ndarray, stats, k: int, with_vectors: bool,
               score=None, ordered: bool = False) -> CollectionSearch:
         """Each query's first k live documents by distance; ordered: rows are each nearest first already."""
+        cosine = score is None and self.metric == "cosine"  # the score inline: a call a hit less
         score = score or self._score
         k_all = []
         if not ordered:
@@ -260,7 +270,7 @@ class SearchOps:
                 doc = get(r)
                 if doc is None:  # padding, or deleted since the snapshot
                     continue
-                hits.append(Hit(doc[0], d, score(d), doc[1], doc[2], doc[3]))
+                hits.append(Hit(doc[0], d, 1.0 - d if cosine else score(d), doc[1], doc[2], doc[3]))
                 if len(hits) == k:
                     break
             k_all.append(hits)
