@@ -101,6 +101,7 @@ class DeferredHandler(logging.StreamHandler):
         super().flush()
 
     def close(self) -> None:
+        atexit.unregister(self.close)
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(1.0)
@@ -115,10 +116,14 @@ def setup_logging(level: str, fmt: str) -> None:
     handler = DeferredHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else
                          logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    replaced = set()
     for name in ("fusionrag", "uvicorn", "uvicorn.error"):
         logger = logging.getLogger(name)
+        replaced.update(h for h in logger.handlers if isinstance(h, DeferredHandler))
         logger.handlers[:] = [handler]
         logger.setLevel(level.upper())
         logger.propagate = False
+    for old in replaced:  # an earlier call's: its lines written, its thread ended (not one a call kept)
+        old.close()
     # Requests are logged once, by the service's middleware, with their route and latency.
     logging.getLogger("uvicorn.access").disabled = True

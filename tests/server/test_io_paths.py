@@ -63,6 +63,39 @@ def test_deferred_log_lines_keep_their_order_and_reach_the_stream_in_few_writes(
     assert json.loads(stream.getvalue().splitlines()[-1])["i"] == 600
 
 
+def test_setting_logging_up_again_ends_the_handler_it_replaces(monkeypatch):
+    """setup_logging replaces its handler: the one before has its lines written and its thread ended, so calls of it
+    (a service started again in one process, the tests') keep one log thread, not one a call."""
+    import sys
+
+    from fusionrag.server.logs import setup_logging
+
+    stream = _CountingStream()
+    monkeypatch.setattr(sys, "stderr", stream)
+    names = ("fusionrag", "uvicorn", "uvicorn.error")
+    saved = {n: (logging.getLogger(n).handlers[:], logging.getLogger(n).level, logging.getLogger(n).propagate)
+             for n in names}
+    try:
+        handlers = []
+        for i in range(5):
+            setup_logging("info", "json")
+            handlers.append(logging.getLogger("fusionrag").handlers[0])
+            logging.getLogger("fusionrag").info("line", extra={"i": i})
+        threads = [t for t in threading.enumerate() if t.name == "fusionrag-log" and t.is_alive()]
+        mine = [h._thread for h in handlers]
+        assert [t for t in threads if t in mine] == [handlers[-1]._thread]  # only the last one's thread lives
+        assert len({id(logging.getLogger(n).handlers[0]) for n in names}) == 1
+        handlers[-1].flush()
+        assert [json.loads(line)["i"] for line in stream.getvalue().splitlines()] == list(range(5))  # none lost
+    finally:
+        for n, (hs, level, propagate) in saved.items():
+            logger = logging.getLogger(n)
+            for h in logger.handlers:
+                if h not in hs and isinstance(h, DeferredHandler):
+                    h.close()
+            logger.handlers[:], logger.level, logger.propagate = hs, level, propagate
+
+
 class _Transport:
     def __init__(self):
         self.sent, self.closed, self.aborted = [], False, False
