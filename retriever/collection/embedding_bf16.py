@@ -312,7 +312,7 @@ class Bf16Model(embedding_onnx.OnnxModel):
         self._tok = Tokenizer.from_str(fp32._tok.to_str())
         self._spans = fp32._spans
         self.bert = _Bert(path)
-        if self.bert.dim != self._dim and self._pooling != "cls":
+        if self.bert.dim != self._dim:  # the pooled tokens are the embedding
             raise Unsupported(f"its hidden size {self.bert.dim} is not its embedding's {self._dim}")
         self._passes = _Passes()
         self.timing: dict = {}

@@ -294,3 +294,25 @@ def test_bf16_runtime_loads_neither_transformers_nor_sentence_transformers(cache
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[-2] == "bf16 (2, 384) ['torch']", out.stdout
+
+
+def test_models_other_than_bert_encoders_stay_on_onnx_runtime(tmp_path):
+    """The bf16 pass is BERT's encoder: a model of another architecture, position scheme or activation, or without
+    its weights, is refused with why (choose() then leaves ONNX Runtime's float32 model serving)."""
+    import json as _json
+    import shutil
+
+    good = _json.loads((MODEL_DIR / "config.json").read_text())
+    for n, (change, why) in enumerate((({"model_type": "roberta"}, "BERT encoders with absolute positions, not 'roberta'"),
+                        ({"position_embedding_type": "relative_key"}, "BERT encoders with absolute positions"),
+                        ({"hidden_act": "relu"}, "its activation is 'relu'"))):
+        folder = tmp_path / f"m{n}"
+        folder.mkdir()
+        (folder / "config.json").write_text(_json.dumps(good | change))
+        with pytest.raises(embedding_bf16.Unsupported, match=why):
+            embedding_bf16._Bert(folder)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(MODEL_DIR / "config.json", bare / "config.json")
+    with pytest.raises(embedding_bf16.Unsupported, match="no model.safetensors or pytorch_model.bin"):
+        embedding_bf16._Bert(bare)
