@@ -39,10 +39,11 @@ SYSTEMS = ["fusionrag", "fusionrag-halfbuf", "fusionrag-lean", "fusionrag-lean-h
            "faiss-ivfpq-refine", "faiss-hnsw", "hnswlib", "diskann"]
 # Run only when named: fusionrag's build with the record cache off, or with a plain (never compressed) page buffer;
 # fusionrag built to navigate by the graph.
-OPTIONAL = ["fusionrag-blocks", "fusionrag-plain", "fusionrag-graphnav"]
+# fusionrag's build with a budget that holds the raw vectors: in RAM (raw_in_ram auto), or as a page buffer (off).
+OPTIONAL = ["fusionrag-blocks", "fusionrag-plain", "fusionrag-graphnav", "fusionrag-ram", "fusionrag-rawbuf"]
 # Variants that search another system's index with other engine settings (worker.py says which).
 BUILT_BY = {"fusionrag-halfbuf": "fusionrag", "fusionrag-lean-fullbuf": "fusionrag-lean", "fusionrag-blocks": "fusionrag",
-            "fusionrag-plain": "fusionrag",
+            "fusionrag-plain": "fusionrag", "fusionrag-ram": "fusionrag", "fusionrag-rawbuf": "fusionrag",
             "fusionrag-lean-halfbuf": "fusionrag-lean", "fusionrag-lean-noprefetch": "fusionrag-lean",
             "fusionrag-lean-halfbuf-noprefetch": "fusionrag-lean"}
 SWEEPS = {
@@ -74,6 +75,11 @@ SWEEPS = {
 for _variant, _built_by in BUILT_BY.items():
     SWEEPS[_variant] = SWEEPS[_built_by]
 SWEEPS["fusionrag-graphnav"] = SWEEPS["fusionrag"]  # its own build, fusionrag's sweep
+# The re-rank from RAM scores every candidate (no early stop: beta and minibatch do nothing), at a few ns each: the
+# sweep is lists probed and candidates re-ranked only.
+SWEEPS["fusionrag-ram"] = [{"nprobe": n, "rerank": r, "probe_ratio": 1.0} for n, r in
+                           [(8, 20), (8, 40), (16, 30), (16, 60), (24, 40), (24, 80), (32, 50), (32, 100), (48, 60),
+                            (48, 120), (64, 100), (64, 200), (96, 150), (128, 200), (128, 400), (256, 400)]]
 
 
 def machine() -> dict:

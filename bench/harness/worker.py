@@ -115,6 +115,14 @@ def with_engine(by: int = 1, **engine):
     return open_
 
 
+def with_raw_budget(**engine):
+    """fusionrag_open with a page buffer budget that holds the raw vectors (the set's float32 bytes, p["raw_bytes"]),
+    and EngineConfig settings: raw_in_ram 'auto' then holds them in RAM (#68 item 5)."""
+    def open_(out, meta, p, threads):
+        return fusionrag_open(out, meta, {**p, "buffer_bytes": p["raw_bytes"], "engine": engine}, threads)
+    return open_
+
+
 def ivfpq_build(base_path, base, meta, out, p):
     import faiss
 
@@ -238,6 +246,10 @@ SYSTEMS = {  # name: (build, open, the library, imported before the baseline RSS
     # fusionrag's build with a page buffer never compressed (EngineConfig.buffer_compression off), as before stop 49
     "fusionrag-plain": (None, with_engine(buffer_compression="off"), ENGINE),
     "fusionrag-graphnav": (fusionrag_graphnav_build, fusionrag_open, ENGINE),
+    # fusionrag's build with a budget that holds the raw vectors: held in RAM and re-ranked from there
+    # (EngineConfig.raw_in_ram 'auto'), and the same budget as a page buffer over the SSD path (raw_in_ram 'off')
+    "fusionrag-ram": (None, with_raw_budget(raw_in_ram="auto"), ENGINE),
+    "fusionrag-rawbuf": (None, with_raw_budget(raw_in_ram="off"), ENGINE),
     "faiss-ivfpq-refine": (ivfpq_build, ivfpq_open, "faiss"),
     "faiss-hnsw": (faiss_hnsw_build, faiss_hnsw_open, "faiss"),
     "hnswlib": (hnswlib_build, hnswlib_open, "hnswlib"),

@@ -30,6 +30,7 @@ BufferPolicy = Literal["auto", "clock", "lfu"]
 RecordCache = Literal["auto", "on", "off"]
 BufferCompression = Literal["auto", "on", "off"]
 MapArrays = Literal["auto", "on", "off"]
+RawInRam = Literal["auto", "on", "off"]
 Probe = Literal["ratio", "learned"]
 Navigation = Literal["auto", "exact", "graph"]
 METRICS = get_args(Metric)
@@ -488,6 +489,16 @@ class EngineConfig(ConfigBase):
                                           "(page cache the kernel may reclaim) rather than heap copies: auto (where "
                                           "the index's in-RAM files exceed an eighth of what the process may use), "
                                           "on or off")] = "auto"
+    # The raw vectors held in RAM as one array (row = vector id), read once from the page file at open (each block's
+    # CRC checked): the re-rank scores every candidate straight from it in native code (native.rerank_resident: no
+    # page buffer lookup, no copy, no SSD read, no early stop), answering what the SSD path answers at beta 0, and
+    # the page buffer is not opened (its budget is the array's). 'auto': where buffer_bytes (as fitted to the
+    # process's memory) holds the array, count x record bytes; below that the SSD path with the page buffer, as
+    # before. 'on': always (the array's bytes beyond buffer_bytes); 'off': never. Off by default for now: with the
+    # default 64 MiB buffer, 'auto' would move every index under 64 MiB of raw vectors (most of the test suite's) off
+    # the SSD path its tests check; flipping it needs the whole suite run. Measured: docs/tuning.md.
+    raw_in_ram: Annotated[RawInRam, knob("hold the raw vectors in RAM and re-rank from them, reading nothing from "
+                                         "the SSD: auto (where buffer_bytes holds them), on or off")] = "off"
     # Re-chosen by the index manager thread every manager_interval_s seconds, never on the request path;
     # results never depend on it. Off by default: bench/results/cache/cache_policy.md.
     pin_fraction: Annotated[float, knob("share of the page buffer pinned to the pages of the most visited "

@@ -27,7 +27,8 @@ from fusionrag.retriever.engine.pq import ProductQuantizer
 from fusionrag.retriever.engine.queries import checked_for_search
 from fusionrag.retriever.engine.queries import prepare_queries as prepared
 from fusionrag.retriever.engine.tier_choice import TierChoice
-from fusionrag.retriever.engine.tiers import CpuFilterTier, NavigationTier, RerankTier, recorded_navigation
+from fusionrag.retriever.engine.tiers import (CpuFilterTier, NavigationTier, RerankTier, load_raw, raw_in_ram,
+                                              recorded_navigation)
 from fusionrag.retriever.engine.vectors import STORAGE_DTYPES, normalize
 from fusionrag.retriever.errors import IndexFormatError, InputError
 
@@ -242,14 +243,21 @@ class Index(ManifestShape):
             stored = {v: k for k, v in STORAGE_DTYPES.items()}[dtype]
             device = DeviceParts(graph.vectors, metric == "ip",
                                  raw_reader(path / "vectors.pages", layout, locations, stored, dim), dim)
+        raw = None
         try:
-            gain = buffer_gain(path / "vectors.pages", layout, config)
             room = fitted_buffer(config.buffer_bytes, path, MAPPED_BUFFER_SHARE if mapped else BUFFER_SHARE)
-            buffer_blocks, cache_records, adaptive = split_buffer(room, config, layout, gain > 1, gain)
+            # Where the budget holds the raw vectors (EngineConfig.raw_in_ram), they are its one tenant: the page
+            # buffer is not opened, so nothing is held twice.
+            resident = raw_in_ram(config.raw_in_ram, count, layout.record_bytes, room)
+            gain = 0.0 if resident else buffer_gain(path / "vectors.pages", layout, config)
+            buffer_blocks, cache_records, adaptive = (0, 0, False) if resident else split_buffer(
+                room, config, layout, gain > 1, gain)
             store = native.PageStore(str(path / "vectors.pages"), layout.record_bytes, layout.records_per_block,
                                      layout.pages_per_block, block_crc, buffer_blocks, config.io_backend,
                                      config.direct_io, config.io_threads, config.buffer_policy, cache_records,
                                      adaptive, gain)
+            if resident:
+                raw = load_raw(store, locations, count)
         except (OSError, RuntimeError, ValueError) as e:
             raise IndexFormatError(f"{path}: cannot open the SSD tier: {e}") from e
         filter_tier = open_filter_tier(config, offsets, list_ids, codes, codebooks, threads, str(path), engine_metric,
@@ -263,7 +271,7 @@ class Index(ManifestShape):
             NavigationTier(graph, metric == "ip", threads, navigation, load_probe_model(path, m), np.diff(offsets)),
             filter_tier,
             RerankTier(store, locations, dtype, engine_metric, threads, config.rerank_inflight, config.page_mates,
-                       config.rerank_prefetch),
+                       config.rerank_prefetch, raw),
             config, params, codes, cpu_beside,
         )
         index.buffer_budget, index.buffer_gain = room, gain
@@ -309,6 +317,8 @@ class Index(ManifestShape):
             host["page_buffer_metadata"] = int(
                 held_bytes(blocks, records, store.adaptive_layout, layout, store.buffer_policy, self.buffer_gain,
                            records_on) - host["page_buffer"] - host["record_cache"])
+        if rr.resident:  # the raw vectors in RAM (EngineConfig.raw_in_ram), in place of the page buffer
+            host["raw_vectors"] = rr.memory_bytes()
         host["search_scratch"] = int(native.scratch_bytes())
         return host, mapped
 
@@ -343,6 +353,8 @@ class Index(ManifestShape):
             "page_buffer_bytes": int(rr.store.buffer_bytes),
             "page_buffer_compressed": bool(rr.store.buffer_compressed),
             "record_cache_bytes": int(rr.store.record_cache_bytes),
+            "raw_in_ram": rr.resident,
+            "raw_vectors_bytes": rr.memory_bytes(),
             "ssd_bytes": int((self.path / "vectors.pages").stat().st_size),
         } | ({} if self.cpu_beside is None else {
             # The CPU tier beside a GPU one scans the codes file memory-mapped: page cache, resident as it reads.
@@ -387,7 +399,8 @@ class Index(ManifestShape):
             for b in batches:
                 self._rerank_stage(self._filter_stage(self._graph_stage(b), f))
         info = {**f.describe(), "io_backend": self.reranker.store.backend,
-                "direct_io": bool(self.reranker.store.direct), "buffer_policy": self.reranker.store.buffer_policy}
+                "direct_io": bool(self.reranker.store.direct), "buffer_policy": self.reranker.store.buffer_policy,
+                "raw_in_ram": self.reranker.resident}
         if self.choice is not None:
             self.choice.record(chosen, len(q), time.perf_counter() - t)
             info["chosen_by_cost"] = True
@@ -539,6 +552,9 @@ class Index(ManifestShape):
         search's re-rank."""
         layout = PageLayout(**self.manifest["pages"])
         dtype = np.dtype({v: k for k, v in STORAGE_DTYPES.items()}[self.reranker.dtype])
+        if self.reranker.resident:
+            rows = self.reranker.raw[np.asarray(ids, dtype=np.int64)]
+            return rows[:, :self.dim * dtype.itemsize].copy().view(dtype).astype(np.float32)
         slots = self.reranker.locations[np.asarray(ids, dtype=np.int64)].astype(np.int64)
         out = np.empty((len(slots), self.dim), np.float32)
         with open(self.path / "vectors.pages", "rb") as fh:
@@ -605,3 +621,4 @@ class Index(ManifestShape):
             self._manager = None
         self.filter.close()
         self.reranker.store = None
+        self.reranker.raw = None  # the raw vectors in RAM (raw_in_ram), given back with the generation

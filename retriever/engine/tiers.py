@@ -224,19 +224,71 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+RAW_LOAD_BLOCKS = 256  # blocks read at a time while the raw vectors are loaded into RAM (1 MiB of 4 KiB blocks)
+
+
+def raw_bytes(count: int, record_bytes: int) -> int:
+    """The bytes of the raw vectors held in RAM (EngineConfig.raw_in_ram): one record a vector."""
+    return int(count) * int(record_bytes)
+
+
+def raw_in_ram(choice: str, count: int, record_bytes: int, budget: int) -> bool:
+    """Whether an index's raw vectors are held in RAM (EngineConfig.raw_in_ram): 'auto' where the page buffer's
+    budget (buffer_bytes, as fitted to the process's memory) holds them all."""
+    if choice == "auto":
+        return raw_bytes(count, record_bytes) <= budget
+    if choice not in ("on", "off"):
+        raise ConfigError(f"raw_in_ram must be auto, on or off, not {choice!r}")
+    return choice == "on"
+
+
+def load_raw(store, locations: np.ndarray, count: int) -> np.ndarray:
+    """The raw vectors as uint8 (count, record_bytes), row = vector id: the page file read once, RAW_LOAD_BLOCKS
+    blocks at a time, through the store (each block's CRC checked; a store with no page buffer keeps none), and
+    each record put at its id's row (locations: id -> slot)."""
+    per, width = int(store.records_per_block), int(store.record_bytes)
+    raw = np.empty((count, width), np.uint8)
+    order = np.argsort(locations, kind="stable")  # ids by slot
+    slots = locations[order].astype(np.int64)
+    for b0 in range(0, int(store.num_blocks), RAW_LOAD_BLOCKS):
+        b1 = min(int(store.num_blocks), b0 + RAW_LOAD_BLOCKS)
+        lo, hi = np.searchsorted(slots, [b0 * per, b1 * per])
+        if lo == hi:
+            continue
+        data = store.read_blocks(np.arange(b0, b1, dtype=np.uint32))
+        records = data[:, :per * width].reshape((b1 - b0) * per, width)
+        raw[order[lo:hi]] = records[slots[lo:hi] - b0 * per]
+    return raw
+
+
 class RerankTier:
     """The exact re-ranker over the page file. With page_mates, a block read for a mini-batch also
     scores the query's later candidates stored in it (EngineConfig.page_mates); with prefetch, the next
-    mini-batch's blocks are read while the current one's are scored (EngineConfig.rerank_prefetch)."""
+    mini-batch's blocks are read while the current one's are scored (EngineConfig.rerank_prefetch).
+    With raw (the raw vectors resident in RAM, load_raw: EngineConfig.raw_in_ram), every candidate is scored
+    from there (native.rerank_resident) and nothing is read."""
 
     def __init__(self, store, locations: np.ndarray, dtype: str, metric: str, threads: int,
                  inflight: int = EngineConfig.rerank_inflight, page_mates: bool = EngineConfig.page_mates,
-                 prefetch: bool = EngineConfig.rerank_prefetch):
+                 prefetch: bool = EngineConfig.rerank_prefetch, raw: np.ndarray | None = None):
         self.store, self.locations, self.dtype, self.metric = store, locations, dtype, metric
         self.threads, self.inflight, self.page_mates, self.prefetch = threads, inflight, page_mates, prefetch
+        self.raw = raw
+
+    @property
+    def resident(self) -> bool:
+        """Whether the raw vectors are in RAM and the re-rank reads nothing."""
+        return self.raw is not None
+
+    def memory_bytes(self) -> int:
+        """The resident raw vectors' bytes (0 on the SSD path: the page buffer is counted by its store)."""
+        return 0 if self.raw is None else int(self.raw.nbytes)
 
     def rerank(self, queries: np.ndarray, cand: np.ndarray, k: int, p: SearchParams):
-        """(ids, exact distances, stats int64 (q, 7), seconds): see native.rerank."""
+        """(ids, exact distances, stats int64 (q, 7), seconds): see native.rerank (native.rerank_resident where
+        the raw vectors are in RAM: every candidate scored, no early stop)."""
+        if self.raw is not None:
+            return native.rerank_resident(self.raw, queries, cand, self.dtype, self.metric, k, self.threads)
         return native.rerank(self.store, queries, cand, self.locations, self.dtype, self.metric, k,
                              p.minibatch, p.eps, p.beta, self.threads, inflight=self.inflight,
                              page_mates=self.page_mates, prefetch=self.prefetch, resident_first=p.resident_first)
