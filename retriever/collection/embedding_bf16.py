@@ -239,7 +239,8 @@ class _Bert:
 
         w, b, packed = lin
         if packed:
-            return torch.ops.mkldnn._linear_pointwise(x, w, b, "gelu" if gelu else "none", [],
+            # The overload itself: the op's packet resolves it at every call (~9 us of a 30 us product of 18 tokens).
+            return torch.ops.mkldnn._linear_pointwise.default(x, w, b, "gelu" if gelu else "none", [],
                                                       self.gelu if gelu else "")
         y = torch.nn.functional.linear(x, w, b)
         return torch.nn.functional.gelu(y, approximate="tanh" if self.gelu == "tanh" else "none") if gelu else y
