@@ -93,6 +93,9 @@ def test_resident_answers_what_the_ssd_path_answers(request, which):
         np.testing.assert_array_equal(a.distances, b.distances)
         assert a.info["raw_in_ram"] and not b.info["raw_in_ram"]
         np.testing.assert_array_equal(a.stats["reranked"], b.stats["reranked"])
+        few = ram.search(queries[:5], 10, beta=0, **knob)  # under 16 queries: scored in the calling thread
+        np.testing.assert_array_equal(few.ids, a.ids[:5])
+        np.testing.assert_array_equal(few.distances, a.distances[:5])
         early = ssd.search(queries, 10, **knob)  # the SSD path's default early stop
         assert np.all(a.distances <= early.distances), knob
         # the control: the SSD path went through the page store (read, buffered or cached)
