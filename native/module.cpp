@@ -19,6 +19,7 @@ void bind_pagefile(nb::module_& m);
 void bind_rerank(nb::module_& m);
 void bind_json_vectors(nb::module_& m);
 void bind_query_rows(nb::module_& m);
+void bind_probe_cut(nb::module_& m);
 
 NB_MODULE(_native, m) {
   m.doc() = "fusionrag native core: navigation graph, CPU PQ scan, SSD page file, re-ranking, query vectors of JSON";
@@ -28,6 +29,7 @@ NB_MODULE(_native, m) {
   bind_rerank(m);
   bind_json_vectors(m);
   bind_query_rows(m);
+  bind_probe_cut(m);
 
   m.def(
       "scratch_bytes", [] { return std::max<int64_t>(0, fusionrag::scratch_total().load(std::memory_order_relaxed)); },
