@@ -262,14 +262,12 @@ class Embedder:
 
     @property
     def calls_at_once(self) -> int | None:
-        """Calls worth running at once (the service's queue of text queries, server/batcher.py), None until the
-        model is loaded (this does not load it): one for a model whose every call spreads its passes over the cores
-        itself (bf16: one call at a time gathered 16 concurrent queries into calls of 5-15 texts, where with two at
-        once the second ran mostly calls of one text, the least efficient pass), else a core each."""
-        model = self._model
-        if model is None:
-            return None
-        return max(1, int(getattr(model, "calls_at_once", 0) or embedding_onnx.cores()))
+        """Calls worth running at once where the loaded model says (the service's queue of text queries,
+        server/batcher.py, runs a call a core otherwise), None until it is loaded (this does not load it): one for
+        a model whose every call spreads its passes over the cores itself (bf16: one call at a time gathered 16
+        concurrent queries into calls of 5-15 texts, where with two at once the second ran mostly calls of one
+        text, the least efficient pass)."""
+        return getattr(self._model, "calls_at_once", None)
 
     @property
     def max_tokens(self) -> int:

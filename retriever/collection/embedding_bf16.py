@@ -171,6 +171,8 @@ class _Bert:
             raise Unsupported(f"its activation is {cfg.get('hidden_act')!r}, not one of {', '.join(ACTIVATIONS)}")
         self.gelu = ACTIVATIONS[cfg["hidden_act"]]
         self.dim, self.heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        if self.dim % self.heads:
+            raise Unsupported(f"its hidden size {self.dim} is not a multiple of its {self.heads} heads")
         self.eps = float(cfg.get("layer_norm_eps", 1e-12))
         sd = self._state(folder)
         prefix = "bert." if "bert.embeddings.word_embeddings.weight" in sd else ""
@@ -198,8 +200,6 @@ class _Bert:
                 self._linear(get(at + "intermediate.dense.weight"), get(at + "intermediate.dense.bias")),
                 self._linear(get(at + "output.dense.weight"), get(at + "output.dense.bias")),
                 (get(at + "output.LayerNorm.weight"), get(at + "output.LayerNorm.bias"))))
-        if self.dim % self.heads:
-            raise Unsupported(f"its hidden size {self.dim} is not a multiple of its {self.heads} heads")
 
     @staticmethod
     def _state(folder: Path) -> dict:
@@ -217,8 +217,8 @@ class _Bert:
 
     @staticmethod
     def _linear(weight, bias):
-        """(packed bf16 weight, bf16 bias): oneDNN's, where this torch has it and it answers as F.linear does;
-        else (the bf16 weight, None-packed marker) for F.linear."""
+        """(weight, bf16 bias, packed): the weight packed for oneDNN (packed True) where this torch has it and it
+        answers as F.linear does, else the bf16 weight for F.linear (packed False)."""
         import torch
 
         w, b = weight.to(torch.bfloat16).contiguous(), bias.to(torch.bfloat16)
@@ -248,7 +248,7 @@ class _Bert:
     def tokens(self, ids: np.ndarray, types: np.ndarray | None, mask: np.ndarray) -> np.ndarray:
         """The last hidden state (B, L, dim) float32 of a padded batch (right-padded: `mask` a prefix of ones a
         row), zero where padded. The texts' tokens run packed, without their padding, through every product and
-        norm (their count rounded up to rows(), the rest zeros); only attention sees them padded, each text's
+        norm (their count rounded up to padded_rows, the rest zeros); only attention sees them padded, each text's
         own."""
         import torch
         import torch.nn.functional as F
@@ -259,7 +259,7 @@ class _Bert:
         rows = padded_rows(count)
         pos = np.zeros(rows, dtype=np.int64)
         pos[:count] = slot % width
-        tok = np.full(rows, 0, dtype=np.int64)
+        tok = np.zeros(rows, dtype=np.int64)
         tok[:count] = ids.reshape(-1)[slot]
         kind = np.zeros(rows, dtype=np.int64)
         if types is not None:
@@ -339,9 +339,7 @@ class Bf16Model(embedding_onnx.OnnxModel):
         out = np.empty((len(texts), self._dim), dtype=np.float32)
         if not texts:
             return out
-        encodings = self._tok.encode_batch(texts)
-        lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(texts))
-        order = np.argsort(-lengths, kind="stable")
+        encodings, lengths, order = self._tokens(texts)
         parallel = min(len(texts), self._passes.slots(), max(1, int(self._threads(bulk or wide))))
         batches = pass_batches(lengths, order, batch_size, parallel)
 

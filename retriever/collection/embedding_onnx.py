@@ -455,10 +455,15 @@ class OnnxModel:
 
     def _plan(self, texts, batch_size):
         """The texts' encodings, their lengths in tokens, and the batches (length_batches) they run in."""
+        encodings, lengths, order = self._tokens(texts)
+        return encodings, lengths, length_batches(lengths[order], order, batch_size)
+
+    def _tokens(self, texts):
+        """The texts' encodings, their lengths in tokens, and their order longest first (as sentence-transformers
+        orders them)."""
         encodings = self._tok.encode_batch(texts)
         lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(texts))
-        order = np.argsort(-lengths, kind="stable")
-        return encodings, lengths, length_batches(lengths[order], order, batch_size)
+        return encodings, lengths, np.argsort(-lengths, kind="stable")
 
     def _feed(self, encodings, lengths, rows) -> dict:
         """The model's inputs for one batch (the texts `rows`, longest first), padded to its longest."""
