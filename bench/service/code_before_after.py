@@ -13,7 +13,11 @@ interpreter:
   after another (latency), the hits kept;
 - sharded-service: the sharded index's HTTP app (after #50 step 3 the service's own app over a ShardedCatalog,
   ray_serve.replica_app; before it ray_serve's own app, create_app) under uvicorn, shards in its process, the same
-  searches.
+  searches;
+- collection-writes, sharded-writes (#69, the one local store): 400 writes, each durable when it returns (upserts of
+  4 documents or vectors, some replacing earlier ones, deletes, metadata updates) to a new collection and to a copy
+  of the sharded index; q/s is writes a second, p50 a write's latency; the answers are an exhaustive search after a
+  merge and a reopen (the collection) or a reopen that replays every shard's log (the sharded index).
 
 The answers of every run are compared with the first run's (ids equal, distances within 1e-6 relative): the
 before and after code must give the same. Results: bench/results/service/code_before_after.json and .md.
@@ -27,6 +31,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
@@ -63,6 +68,78 @@ finally:
     index.close()
 np.savez(out, ids=res.ids, distances=res.distances)
 print(json.dumps({"qps": len(q) / batch_s, "latency_s": lat}))
+"""
+
+WRITES = 400  # writes a -writes run makes
+
+WRITER = r"""
+import json, shutil, sys, time
+import numpy as np
+
+kind, src, qfile, out, scratch = sys.argv[1:6]  # and the writes to make
+q = np.load(qfile)
+rng = np.random.default_rng(7)
+n_writes = int(sys.argv[6])
+lat = []
+
+
+def timed(call, *a, **kw):
+    t = time.perf_counter()
+    call(*a, **kw)
+    lat.append(time.perf_counter() - t)
+
+
+if kind == "collection-writes":
+    # A fresh collection: upserts of 4 documents (a fifth replacing earlier ones), deletes, metadata updates, each
+    # durable when it returns; then one merge, reopened, searched exhaustively.
+    from fusionrag.retriever.collection import Catalog, CollectionConfig, Document
+    cfg = CollectionConfig(background_merge=False)
+    cat = Catalog(scratch, collection_config=cfg)
+    col = cat.create("w", q.shape[1], "l2")
+    names = []
+    for i in range(n_writes):
+        r = rng.random()
+        if names and r < 0.1:
+            timed(col.delete, [names[j] for j in rng.integers(len(names), size=2)])
+        elif names and r < 0.15:
+            timed(col.set_metadata, {names[int(rng.integers(len(names)))]: {"i": i, "m": True}})
+        else:
+            docs = []
+            for j in range(4):
+                name = names[int(rng.integers(len(names)))] if names and rng.random() < 0.2 else f"d{len(names)}"
+                if name == f"d{len(names)}":
+                    names.append(name)
+                docs.append(Document(name, f"text {i} {j}", q[(i * 4 + j) % len(q)] + 0.01 * j, {"i": i}))
+            timed(col.upsert, docs)
+    col.merge()
+    cat.close()
+    cat = Catalog(scratch, collection_config=cfg)
+    col = cat.get("w")
+    res = col.search(q[:200], k=10, params={"nprobe": 100000, "rerank": 100000})
+    ids = [[int(h.id[1:]) for h in row] + [-1] * (10 - len(row)) for row in res.hits]
+    dists = [[h.distance for h in row] + [0.0] * (10 - len(row)) for row in res.hits]
+    count = len(col)
+    cat.close()
+else:
+    # A copy of the built sharded index: upserts of 4 vectors (new ids and built ones replaced), deletes; searched
+    # exhaustively, then reopened (each shard's log replayed) and searched again.
+    from fusionrag.retriever.sharded import ShardedIndex
+    shutil.copytree(src, scratch, dirs_exist_ok=True)
+    ix = ShardedIndex.open(scratch)
+    for i in range(n_writes):
+        if rng.random() < 0.1:
+            timed(ix.delete, rng.integers(0, 1000, size=2).astype(np.int64))
+        else:
+            new = np.where(rng.random(4) < 0.2, rng.integers(0, 1000, size=4), 10_000_000 + i * 4 + np.arange(4))
+            new = np.unique(new.astype(np.int64))
+            timed(ix.upsert, new, q[(i * 4 + np.arange(len(new))) % len(q)])
+    ix.close()
+    ix = ShardedIndex.open(scratch)
+    res = ix.search(q[:200], 10, rerank=100000, beta=0)
+    ids, dists, count = res.ids.tolist(), res.distances.tolist(), 0
+    ix.close()
+np.savez(out, ids=np.array(ids), distances=np.array(dists, np.float64))
+print(json.dumps({"latency_s": lat, "qps": n_writes / sum(lat), "count": count}))
 """
 
 CLIENT = r"""
@@ -199,12 +276,20 @@ def main() -> int:
                           "load_at_start": os.getloadavg()[0]},
               "built_s": built, "targets": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        for target in ("index", "sharded", "service", "sharded-service"):
+        for target in ("index", "sharded", "service", "sharded-service", "collection-writes", "sharded-writes"):
             runs, first = [], None
             for i, variant in enumerate(order):
                 cmd, env = envs[variant]
                 out = Path(tmp) / f"{target}-{i}.npz"
-                if target in ("service", "sharded-service"):
+                if target.endswith("-writes"):
+                    scratch = Path(tmp) / f"{target}-{i}"
+                    p = subprocess.run([*cmd, "-c", WRITER, target, str(work / "sharded"), str(qfile), str(out),
+                                        str(scratch), str(WRITES)], env=env, capture_output=True, text=True)
+                    if p.returncode:
+                        raise RuntimeError(p.stderr[-3000:])
+                    r = json.loads(p.stdout.strip().splitlines()[-1])
+                    shutil.rmtree(scratch, ignore_errors=True)
+                elif target in ("service", "sharded-service"):
                     r = run_service(cmd, env, data, qfile, args.single, out,
                                     work / "sharded" if target == "sharded-service" else None)
                 else:
@@ -236,7 +321,9 @@ def main() -> int:
              "speed", "",
              f"{args.set}, {args.queries} queries in one batch (q/s), the first {args.single} one at a time "
              f"(p50 latency); runs {' '.join(order)}; {os.cpu_count()} CPUs, load {report['machine']['load_at_start']:.2f}"
-             f" at the start. Every run's answers compared with the first run's.", "",
+             f" at the start. Every run's answers compared with the first run's. The -writes targets: {WRITES} writes, "
+             "each durable when it returns (q/s: writes a second; p50: a write's latency), then an exhaustive search "
+             "(the module's docstring).", "",
              "| target | answers the same in every run | q/s before | q/s after | ratio | p50 ms before | p50 ms after "
              "| ratio |", "|---|---|---|---|---|---|---|---|"]
     for target, t in report["targets"].items():

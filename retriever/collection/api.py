@@ -34,14 +34,13 @@ from fusionrag.retriever.collection import importer
 from fusionrag.retriever.collection.config import CollectionConfig, check_analyzer
 from fusionrag.retriever.collection.contract import CollectionContract, Uses, in_use
 from fusionrag.retriever.collection.docstore import DocStore
-from fusionrag.retriever.collection.fresh import FreshTier
 from fusionrag.retriever.collection.generations import Generation, load_published
 from fusionrag.retriever.collection.import_ops import ImportOps
 from fusionrag.retriever.collection.merge_ops import MergeOps
 from fusionrag.retriever.collection.quota import DESCRIPTORS_PER_COLLECTION, Limits, OpenFiles
-from fusionrag.retriever.collection.records import Write, engine_form
+from fusionrag.retriever.collection.records import engine_form
 from fusionrag.retriever.collection.search_ops import SearchOps
-from fusionrag.retriever.collection.wal import WriteAheadLog
+from fusionrag.retriever.collection.store import LiveSet, LocalStore
 from fusionrag.retriever.collection.write_ops import WriteOps
 from fusionrag.retriever.engine.config import EngineConfig, SearchParams
 from fusionrag.retriever.engine.manifest import ArrayFileWriter
@@ -79,14 +78,16 @@ class Collection(WriteOps, SearchOps, MergeOps, ImportOps, Uses, CollectionContr
         # The last bulk import: its state, and what it did or why it failed (import_ops.py).
         self._imports = importer.ImportState(self.path, f"collection {self.name!r}")
         self._build_config = replace(self.config.build, metric=self.metric)
-        self._lock = threading.Lock()  # log appends, applies, publishes
-        self._mem_lock = threading.Lock()  # the in-memory state searches snapshot
+        # Its log, doc store, fresh tier, tombstones and commit: the local store a shard is made of too (#69).
+        self._local = LocalStore(self.path, self.dim, self.metric, f"collection {self.name!r}", legacy="collection",
+                                 assigns_keys=True)
+        self._local.admit = self._admit
+        self._lock = self._local.lock  # log appends, applies, publishes
+        self._mem_lock = self._local.mem_lock  # the in-memory state searches snapshot
         self._merge_lock = threading.Lock()
         self._merge_thread: threading.Thread | None = None
         self._merging = False
-        self._merge_removed: list[int] = []
         self._merge_retry_at = 0.0
-        self._pending: list[Write] = []
         self._users = 0  # calls in progress, and a background merge
         self._users_cv = threading.Condition()
         self._closed: tuple[type, str] | None = None  # once closing began: what a later call raises
@@ -94,17 +95,16 @@ class Collection(WriteOps, SearchOps, MergeOps, ImportOps, Uses, CollectionContr
         self._progress: dict | None = None  # the running merge's or import's step, for info()
         self._files = files
         self._dormant = False  # its doc store and log are closed until its next call
-        self._set_aside_count = 0  # log entries the doc store could not apply (_set_aside)
 
-        self._wal = WriteAheadLog(self.path / "wal.log")
         self._main = Generation(0, None, np.empty(0, np.int64), -1)
         self.store = None
         try:
-            records = self._wal.open()
+            records = self._local.open_log()
             # Until a first merge the log holds every write ever made, and a lost doc store can be
             # remade from it; after one, the doc store holds what the log no longer does.
             whole_log = not (self.path / "CURRENT").exists() and (not records or records[0][0] == 1)
-            self.store = DocStore(self.path / "docs.sqlite", self.dim, create=whole_log, analyzer=self.analyzer)
+            self.store = self._local.store = DocStore(self.path / "docs.sqlite", self.dim, create=whole_log,
+                                                      analyzer=self.analyzer)
             self._main = load_published(self.path, self.engine_config, self.name)
             next_row = self.store.meta("next_row", 0)
             if next_row <= self._main.max_row:
@@ -115,17 +115,12 @@ class Collection(WriteOps, SearchOps, MergeOps, ImportOps, Uses, CollectionContr
             if records and records[0][0] > applied + 1:
                 raise IndexFormatError(f"docs.sqlite has applied writes up to {applied}, but wal.log starts at "
                                        f"write {records[0][0]}: the doc store is older than the log (restored?)")
-            self._next_row = self._applied_next_row = next_row
-            self._set_aside_count = self.store.set_aside_entries(0)[0]
-            replay = [Write.decode(lsn, p, self.dim) for lsn, p in records if lsn > applied]
-            if replay:
-                self._apply_to_store(replay, check=True)
-            self._next_lsn = max([applied] + [lsn for lsn, _ in records]) + 1
-            self._last_appended = self._next_lsn - 1
+            self._local.next_key = self._local.applied_next_key = next_row
+            self._local.replay(records, memory=False)  # the memory is read back from the doc store, below
             self._load_memory()
             self._load_import_state()
         except BaseException:
-            self._wal.close()
+            self._local.wal.close()
             if self.store is not None:
                 self.store.close()
             if self._main.index is not None:
@@ -134,17 +129,17 @@ class Collection(WriteOps, SearchOps, MergeOps, ImportOps, Uses, CollectionContr
 
     # -- opening -------------------------------------------------------------------------------
     def _load_memory(self) -> None:
+        """The live set read back from the doc store: the generation's rows it no longer holds tombstoned, the
+        rows written since the generation in the fresh tier."""
         live = self.store.live_rows()
-        dead = ~np.isin(self._main.rows, live, assume_unique=True)
-        self._tomb = np.packbits(dead, bitorder="little")
-        self._tomb_count = int(dead.sum())
-        rows, vecs, bad = self._usable(*self.store.rows_and_vectors(above=self._main.max_row))
-        # Live rows a merge left out of the index it built (see _usable), and those of the fresh tier.
         main = self._main
+        live_set = LiveSet(main.rows, self.dim, ~np.isin(main.rows, live, assume_unique=True))
+        rows, vecs, bad = self._usable(*self.store.rows_and_vectors(above=main.max_row))
+        # Live rows a merge left out of the index it built (see _usable), and those of the fresh tier.
         self._unsearchable = bad + len(np.setdiff1d(live[live <= main.max_row], main.rows, assume_unique=True))
-        self._fresh = FreshTier(self.dim)
         if len(rows):
-            self._fresh.add(rows, engine_form(vecs, self.metric))
+            live_set.add(rows, engine_form(vecs, self.metric))
+        self._local.live_set = live_set
 
     def _usable(self, rows: np.ndarray, vecs: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
         """The stored vectors the engine can use, and how many it cannot. Writes refuse those, but a
@@ -184,9 +179,9 @@ class Collection(WriteOps, SearchOps, MergeOps, ImportOps, Uses, CollectionContr
         """Close the doc store and the log if nothing uses the collection now (no call, merge or import in
         progress); its next call reopens them. True when they were closed."""
         with self._users_cv:
-            if self._users or self._closed is not None or self._dormant or self._pending:
+            if self._users or self._closed is not None or self._dormant or self._local.pending:
                 return False
-            self._wal.release()
+            self._local.wal.release()
             self.store.release()
             self._dormant = True
             return True
@@ -194,11 +189,11 @@ class Collection(WriteOps, SearchOps, MergeOps, ImportOps, Uses, CollectionContr
     def _wake(self) -> None:
         """Reopen what release_files closed (caller holds _users_cv)."""
         try:
-            self._wal.reopen()
+            self._local.wal.reopen()
             try:
                 self.store.reopen()
             except BaseException:
-                self._wal.release()
+                self._local.wal.release()
                 raise
         except (OSError, sqlite3.Error) as e:
             raise UnavailableError(f"collection {self.name!r} cannot reopen its files: {e}") from e
@@ -220,7 +215,7 @@ class Collection(WriteOps, SearchOps, MergeOps, ImportOps, Uses, CollectionContr
         tier (searched exactly) no larger than a merge leaves it, and its files open: work of a millisecond or so."""
         index = getattr(self._main, "index", None)  # read once: a merge may publish another meanwhile
         return (queries <= QUICK_QUERIES and not self._dormant and self._closed is None
-                and self._fresh.n <= self.config.merge_fresh_count
+                and self._local.live_set.fresh.n <= self.config.merge_fresh_count
                 and (index is None or index.filter.name == "cpu"))
 
     # -- description ---------------------------------------------------------------------------
@@ -257,7 +252,7 @@ class Collection(WriteOps, SearchOps, MergeOps, ImportOps, Uses, CollectionContr
         }
 
     def _set_aside_info(self) -> dict:
-        if not self._set_aside_count:
+        if not self._local.set_aside_count:
             return {"count": 0, "last": []}
         count, last = self.store.set_aside_entries(10)
         return {"count": count, "last": last}
@@ -275,7 +270,7 @@ class Collection(WriteOps, SearchOps, MergeOps, ImportOps, Uses, CollectionContr
         # Nothing uses the collection now, and nothing can start to.
         if self._files is not None:
             self._files.forget(self)
-        self._wal.close()
+        self._local.wal.close()
         self.store.close()
         with self._mem_lock:
             old, self._main = self._main, Generation(0, None, np.empty(0, np.int64), -1)

@@ -64,7 +64,7 @@ CREATE TRIGGER IF NOT EXISTS text_guests_delete AFTER DELETE ON text_guests BEGI
 END;
 -- Writes in the log that could not be applied (written before their values were refused, or refused by SQLite):
 -- each kept whole with why, in the transaction that moved applied_lsn past it, so that it never blocks the writes
--- after it or the opening of the collection (Collection._set_aside).
+-- after it or the opening of the collection (store.LocalStore._set_aside).
 CREATE TABLE IF NOT EXISTS set_aside (lsn INTEGER PRIMARY KEY, op TEXT NOT NULL, ids TEXT NOT NULL,
                                       reason TEXT NOT NULL, at REAL NOT NULL, payload BLOB NOT NULL);
 CREATE TRIGGER IF NOT EXISTS docs_guest_delete AFTER DELETE ON docs BEGIN
@@ -421,6 +421,11 @@ class DocStore:
                                (limit,)).fetchall()
         return n, [{"lsn": lsn, "op": op, "ids": json.loads(ids), "reason": reason, "at": at}
                    for lsn, op, ids, reason, at in rows]
+
+    def set_aside_lsns(self) -> set[int]:
+        """The lsn of every log entry set aside (a store replaying its log into memory skips them)."""
+        with self._reader() as con:
+            return {lsn for (lsn,) in con.execute("SELECT lsn FROM set_aside")}
 
     def remove(self, ids: list[str]) -> list[int]:
         """Delete these ids; returns the rows they had (unknown ids are skipped)."""

@@ -40,6 +40,20 @@ def write_json_atomic(path: Path, obj: dict) -> None:
     fsync_path(path.parent)
 
 
+def read_json_record(path: Path, fields: dict[str, type]) -> dict:
+    """A record write_json_atomic wrote (CURRENT of a collection, CURRENT.json of a shard part), each of `fields`
+    there and of its type: IndexFormatError naming the file when it is unreadable or garbled."""
+    try:
+        rec = json.loads(path.read_text())
+        for name, kind in fields.items():
+            if kind is str and not isinstance(rec[name], str):
+                raise TypeError(f"{name} is not a string")
+            kind(rec[name])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise IndexFormatError(f"{path}: unreadable ({e!r})") from e
+    return rec
+
+
 @dataclass(eq=False)
 class Generation:
     """A published generation: the engine index over the rows live when it was built."""
@@ -73,11 +87,8 @@ def load_published(path: Path, engine_config: EngineConfig, name: str) -> Genera
     keep = None
     main = Generation(0, None, np.empty(0, np.int64), -1)
     if cur.exists():
-        try:
-            c = json.loads(cur.read_text())
-            generation, indexed, max_row = int(c["generation"]), bool(c["indexed"]), int(c["max_row"])
-        except (OSError, ValueError, TypeError, KeyError) as e:
-            raise IndexFormatError(f"CURRENT is unreadable ({e!r})") from e
+        c = read_json_record(cur, {"generation": int, "indexed": bool, "max_row": int})
+        generation, indexed, max_row = int(c["generation"]), bool(c["indexed"]), int(c["max_row"])
         keep = gen_dir_name(generation)
         rows = _load_rows(path, keep, c, name) if indexed else np.empty(0, np.int64)
         index = Index.open(path / keep / "index", engine_config) if indexed else None

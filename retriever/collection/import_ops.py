@@ -107,7 +107,7 @@ class ImportOps:
 
     def is_empty(self) -> bool:
         """No document stored, indexed or fresh (what an import needs)."""
-        return not (self.store.count() or len(self._main.rows) or self._fresh.n)
+        return not (self.store.count() or len(self._main.rows) or self._local.live_set.fresh.n)
 
     def import_steps(self) -> tuple:
         """What importer.import_files calls back: (each step's progress, the build's config, the publication of
@@ -121,7 +121,7 @@ class ImportOps:
         vecs = np.load(source, mmap_mode="r")
         with self._lock:
             old = self._main
-            base = self._next_row
+            base = self._local.next_key
             rows = np.arange(base, base + n, dtype=np.int64)
             gen = old.generation + 1
             gdir = self.path / gen_dir_name(gen)
@@ -148,7 +148,7 @@ class ImportOps:
                 self.store.rollback()
                 shutil.rmtree(gdir, ignore_errors=True)
                 raise
-            self._next_row = self._applied_next_row = base + n
+            self._local.next_key = self._local.applied_next_key = base + n
             self.store.make_durable()
             index = None
             if index_dir is not None:

@@ -15,9 +15,9 @@ import numpy as np
 from fusionrag.retriever.collection import compaction, tombstones
 from fusionrag.retriever.collection.config import FRESH_SHARE, MERGE_RETRY_S
 from fusionrag.retriever.collection.contract import in_use
-from fusionrag.retriever.collection.fresh import FreshTier
 from fusionrag.retriever.collection.generations import Generation, gen_dir_name, write_json_atomic
 from fusionrag.retriever.collection.records import engine_form
+from fusionrag.retriever.collection.store import LiveSet
 from fusionrag.retriever.process import lower_thread_priority, memory_limit
 from fusionrag.retriever.errors import FusionRAGError
 
@@ -29,9 +29,9 @@ class MergeOps:
 
     # -- merge ---------------------------------------------------------------------------------
     def _merge_due(self) -> bool:
-        f, cfg = self._fresh, self.config
-        return (cfg.merge_due(f.live_count, self._tomb_count) or f.bytes >= self._fresh_limit()
-                or self._wal.bytes >= cfg.merge_fresh_bytes)
+        live, cfg = self._local.live_set, self.config
+        return (cfg.merge_due(live.fresh.live_count, live.dead) or live.fresh.bytes >= self._fresh_limit()
+                or self._local.wal.bytes >= cfg.merge_fresh_bytes)
 
     def _maybe_merge(self) -> None:
         cfg = self.config
@@ -95,19 +95,20 @@ class MergeOps:
     def _merge(self, progress: bool | None = False) -> None:
         self._stop_if_closing()
         with self._lock:
-            if self._fresh.n == 0 and self._tomb_count == 0:  # nothing to fold in
+            live_set = self._local.live_set
+            if live_set.fresh.n == 0 and live_set.dead == 0:  # nothing to fold in
                 self._checkpoint()
                 return
             with self._mem_lock:
                 old = self._main
-                dead = tombstones.dead(self._tomb, len(old.rows))
-                fresh_rows, fresh_vecs = self._fresh.live_items()
-                max_row = self._applied_next_row - 1
-                live = len(old.rows) - self._tomb_count + len(fresh_rows)
+                dead = tombstones.dead(live_set.tomb, len(old.rows))
+                fresh_rows, fresh_vecs = live_set.fresh.live_items()
+                max_row = self._local.applied_next_key - 1
+                live = len(old.rows) - live_set.dead + len(fresh_rows)
                 incremental = compaction.can_grow(self.config, old, live, fresh_vecs)
                 # A rebuild reads the stored vectors as of this point.
                 snap_con = None if incremental else self.store.snapshot()
-                self._merging, self._merge_removed = True, []
+                self._merging, live_set.removed = True, []  # what is removed while it runs
 
         def read_all(staged: Path):  # a rebuild reads the stored vectors as of the snapshot taken above
             try:
@@ -138,14 +139,15 @@ class MergeOps:
                     old.index.close()
         finally:
             with self._mem_lock:
-                self._merging, self._merge_removed, self._progress = False, [], None
+                self._merging, self._progress, self._local.live_set.removed = False, None, None
         shutil.rmtree(self.path / gen_dir_name(old.generation), ignore_errors=True)
 
     def _publish(self, new: Generation) -> None:
         """Swap in the new generation (caller holds _lock and _mem_lock)."""
-        dead = np.isin(new.rows, np.asarray(self._merge_removed, np.int64))
-        fresh = FreshTier(self.dim)
-        rows, vecs = self._fresh.live_items()
+        old = self._local.live_set
+        dead = np.isin(new.rows, np.asarray(old.removed or [], np.int64))
+        live_set = LiveSet(new.rows, self.dim, dead)
+        rows, vecs = old.fresh.live_items()
         if new.index is None:  # nothing indexed: every live row is fresh
             rows, vecs, new.unsearchable = self._usable(*self.store.rows_and_vectors(-1))
             vecs = engine_form(vecs, self.metric)
@@ -153,14 +155,9 @@ class MergeOps:
             self._unsearchable = new.unsearchable
         keep = rows > new.max_row
         if keep.any():
-            fresh.add(rows[keep], vecs[keep])
-        self._main, self._fresh = new, fresh
-        self._tomb, self._tomb_count = np.packbits(dead, bitorder="little"), int(dead.sum())
+            live_set.add(rows[keep], vecs[keep])
+        self._main, self._local.live_set = new, live_set
 
     def _checkpoint(self) -> None:
         """Make every logged write durable in the doc store, then empty the log (holds _lock)."""
-        if self._pending:
-            self._wal.sync(self._last_appended, lambda: self._last_appended)
-            self._apply_pending()
-        self.store.make_durable()
-        self._wal.reset()
+        self._local.compact(self._local.last_appended)

@@ -16,7 +16,7 @@ from fusionrag.retriever.collection.config import MAX_ID_CHARS
 from fusionrag.retriever.collection.values import check_id, check_text, metadata_json
 from fusionrag.retriever.engine.queries import QueryWords
 from fusionrag.retriever.engine.vectors import normalize, vector_problems
-from fusionrag.retriever.errors import InputError
+from fusionrag.retriever.errors import IndexFormatError, InputError
 # Document and Hit are the types the client shares (fusionrag.types); named here as ever.
 from fusionrag.types import Document, Hit
 
@@ -46,38 +46,127 @@ class CollectionSearch:
 
 # -- writes as log records ---------------------------------------------------------------------
 
+# A log record's payload in the one format both a collection and a shard write (v2, #69): this magic, then
+# _V2_HEAD, a JSON head (op, names, texts, metadata, filter, guests), the keys (int64), the router's lists (int64)
+# and the vectors (float32). No v1 payload starts so: a collection's v1 payload starts with its JSON head's byte
+# count, and this one's would be past a record's 1 GiB; a shard's v1 payload starts with its op letter.
+V2 = b"\x00FRS\x02"
+_V2_HEAD = struct.Struct("<IIIII")  # JSON head bytes, keys, lists, vectors, dimension
+_SHARD_V1 = struct.Struct("<cII")  # a shard's v1 record: op letter, count, dimension
+
+
 @dataclass
-class Write:
+class StoreRecord:
+    """One write to a local store (store.py), a collection's or a shard's, as it is logged and applied.
+
+    keys: the int64 keys it writes. A collection assigns an upsert's when it logs it (its rows) and names the
+    documents a delete or a metadata update touches; a shard's writer (the router) gives every key (its global
+    ids), and names only the documents it carries. ids/texts/metas: the documents' names, texts and metadata
+    (JSON text), one per key of an upsert that carries documents. lists: a shard's upsert, the router's list of
+    each vector (-1: none known). guests: per document, the shard that counts it in BM25 (-1: this one)."""
     op: str  # "upsert" | "delete" | "delete_where" | "clear" | "set_metadata" | "merge_metadata"
     ids: list[str] = field(default_factory=list)
     texts: list = field(default_factory=list)
     metas: list[str] = field(default_factory=list)  # JSON text
-    vectors: np.ndarray | None = None  # float32 (n, dim), as given
-    rows: np.ndarray | None = None  # int64 (n,), assigned when logged
+    vectors: np.ndarray | None = None  # float32 (n, dim)
+    keys: np.ndarray | None = None  # int64 (n,)
     lsn: int = 0
     offset: int = 0
     applied: bool = False
     error: BaseException | None = None
     result: int = 0
     filter: str | None = None  # JSON text, op "delete_where": evaluated when applied, at its place in the log
+    lists: np.ndarray | None = None  # int64 (n,)
+    guests: list[int] | None = None
 
     def payload(self) -> bytes:
-        head = {"op": self.op, "ids": self.ids, "texts": self.texts, "metas": self.metas,
-                "rows": [] if self.rows is None else self.rows.tolist()}
+        head: dict = {"op": self.op}
+        for name in ("ids", "texts", "metas"):
+            if getattr(self, name):
+                head[name] = getattr(self, name)
         if self.filter is not None:
             head["filter"] = self.filter
-        h = json.dumps(head, separators=(",", ":")).encode()
-        vec = b"" if self.vectors is None else np.ascontiguousarray(self.vectors, np.float32).tobytes()
-        return struct.pack("<I", len(h)) + h + vec
+        if self.guests is not None:
+            head["guests"] = self.guests
+        h = json.dumps(head, separators=(",", ":")).encode()  # ASCII: a lone surrogate is written escaped
+        keys = b"" if self.keys is None else np.ascontiguousarray(self.keys, "<i8").tobytes()
+        lists = b"" if self.lists is None else np.ascontiguousarray(self.lists, "<i8").tobytes()
+        vecs = np.empty((0, 0), "<f4") if self.vectors is None else np.ascontiguousarray(self.vectors, "<f4")
+        return (V2 + _V2_HEAD.pack(len(h), len(keys) // 8, len(lists) // 8, vecs.shape[0],
+                                   vecs.shape[1] if vecs.ndim == 2 else 0) + h + keys + lists + vecs.tobytes())
 
     @classmethod
-    def decode(cls, lsn: int, payload: bytes, dim: int) -> "Write":
+    def decode(cls, lsn: int, payload: bytes, dim: int, legacy: str) -> "StoreRecord":
+        """A logged record: the v2 format, or the v1 format of `legacy` ("collection" or "shard"), the one its
+        store wrote before v2 (kept read-only: logs in users' directories hold them). IndexFormatError if garbled."""
+        try:
+            if payload[:len(V2)] == V2:
+                return cls._decode_v2(lsn, payload, dim)
+            if legacy == "collection":
+                return cls._decode_collection_v1(lsn, payload, dim)
+            return cls._decode_shard_v1(lsn, payload)
+        except IndexFormatError:
+            raise
+        except (ValueError, KeyError, TypeError, struct.error) as e:
+            raise IndexFormatError(f"log record {lsn} is garbled ({e})") from None
+
+    @classmethod
+    def _decode_v2(cls, lsn: int, payload: bytes, dim: int) -> "StoreRecord":
+        hn, nk, nl, nv, vdim = _V2_HEAD.unpack_from(payload, len(V2))
+        pos = len(V2) + _V2_HEAD.size
+        end = pos + hn + 8 * (nk + nl) + 4 * nv * vdim
+        if end != len(payload) or (nv and vdim != dim):
+            raise IndexFormatError(f"log record {lsn} is garbled (its sizes do not add up)")
+        head = json.loads(payload[pos:pos + hn])
+        pos += hn
+        w = cls(head["op"], head.get("ids", []), head.get("texts", []), head.get("metas", []), lsn=lsn,
+                filter=head.get("filter"), guests=head.get("guests"))
+        if nk:
+            w.keys = np.frombuffer(payload, "<i8", nk, pos).astype(np.int64)
+        pos += 8 * nk
+        if nl:
+            w.lists = np.frombuffer(payload, "<i8", nl, pos).astype(np.int64)
+        pos += 8 * nl
+        if nv:
+            w.vectors = np.frombuffer(payload, "<f4", nv * vdim, pos).reshape(nv, vdim).copy()
+        return w
+
+    @classmethod
+    def _decode_collection_v1(cls, lsn: int, payload: bytes, dim: int) -> "StoreRecord":
         (n,) = struct.unpack_from("<I", payload)
         head = json.loads(payload[4:4 + n])
         w = cls(head["op"], head["ids"], head["texts"], head["metas"], lsn=lsn, filter=head.get("filter"))
-        w.rows = np.asarray(head["rows"], dtype=np.int64)
         if w.op == "upsert":
+            w.keys = np.asarray(head["rows"], dtype=np.int64)
             w.vectors = np.frombuffer(payload[4 + n:], dtype=np.float32).reshape(len(w.ids), dim)
+        return w
+
+    @classmethod
+    def _decode_shard_v1(cls, lsn: int, payload: bytes) -> "StoreRecord":
+        """b"u" an upsert (ids, vectors), b"l" one with the router's lists, b"U" one with lists and documents (as
+        JSON: name, text, metadata JSON[, the shard counting it in BM25]), b"d" a delete (ids)."""
+        op, n, dim = _SHARD_V1.unpack_from(payload)
+        pos = _SHARD_V1.size
+        listed = op in (b"l", b"U")
+        end = pos + n * 8 + n * dim * 4 + (n * 4 if listed else 0)
+        if op not in (b"u", b"l", b"U", b"d") or len(payload) < end or (op != b"U" and len(payload) != end):
+            raise IndexFormatError("a shard log record is garbled")
+        w = cls("delete" if op == b"d" else "upsert", lsn=lsn)
+        w.keys = np.frombuffer(payload, "<i8", n, pos).astype(np.int64)
+        if op == b"d":
+            return w
+        w.vectors = np.frombuffer(payload, "<f4", n * dim, pos + n * 8).reshape(n, dim).copy()
+        w.lists = np.frombuffer(payload, "<i4", n, pos + n * 8 + n * dim * 4).astype(np.int64) if listed \
+            else np.full(n, -1, np.int64)
+        if op == b"U":
+            try:
+                docs = [tuple(d) for d in json.loads(payload[end:])]
+            except ValueError:
+                raise IndexFormatError("a shard log record's documents are garbled") from None
+            if len(docs) != n or not all(len(d) == 3 or (len(d) == 4 and type(d[3]) is int) for d in docs):
+                raise IndexFormatError("a shard log record's documents are garbled")
+            w.ids, w.texts, w.metas = (list(c) for c in zip(*(d[:3] for d in docs)))
+            w.guests = [d[3] if len(d) == 4 else -1 for d in docs]
         return w
 
 
@@ -90,7 +179,7 @@ QUERY_WORDS = QueryWords(
 )
 
 
-def upsert_record(docs: Sequence[Document], dim: int, metric: str) -> tuple[Write, list[str]]:
+def upsert_record(docs: Sequence[Document], dim: int, metric: str) -> tuple[StoreRecord, list[str]]:
     """The log record of an upsert, every document checked (an id given twice: the last one wins), and the ids
     in input order (made up where a document has none)."""
     if isinstance(docs, (Document, str, bytes)) or not isinstance(docs, Sequence):
@@ -133,14 +222,14 @@ def upsert_record(docs: Sequence[Document], dim: int, metric: str) -> tuple[Writ
     last = {doc_id: j for j, doc_id in enumerate(ids)}
     keep = sorted(last.values())
     vectors = np.stack([vecs[j] for j in keep]) if keep else np.empty((0, dim), np.float32)
-    return Write("upsert", [ids[j] for j in keep], [texts[j] for j in keep], [metas[j] for j in keep],
+    return StoreRecord("upsert", [ids[j] for j in keep], [texts[j] for j in keep], [metas[j] for j in keep],
                   vectors), out
 
 
 METADATA_OPS = ("set_metadata", "merge_metadata")
 
 
-def metadata_record(updates: Mapping[str, dict], merge: bool) -> Write:
+def metadata_record(updates: Mapping[str, dict], merge: bool) -> StoreRecord:
     """The log record of a metadata-only update: ids and their new metadata (merged into the stored one as an RFC
     7386 merge patch, or replacing it), each checked as upsert checks a document's."""
     if not isinstance(updates, Mapping):
@@ -152,7 +241,7 @@ def metadata_record(updates: Mapping[str, dict], merge: bool) -> Write:
         check_id(doc_id)
         metas.append(metadata_json(doc_id, meta))
         ids.append(doc_id)
-    return Write("merge_metadata" if merge else "set_metadata", ids, [], metas)
+    return StoreRecord("merge_metadata" if merge else "set_metadata", ids, [], metas)
 
 
 def engine_form(vecs: np.ndarray, metric: str) -> np.ndarray:

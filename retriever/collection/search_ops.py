@@ -80,7 +80,7 @@ class SearchOps:
 
     def _snapshot(self) -> ReadView:
         with self._mem_lock:
-            snap = ReadView(self._main, self._tomb, self._tomb_count, self._fresh.view())  # never written in place
+            snap = ReadView(self._main, *self._local.live_set.view())  # never written in place
             snap.main.readers += 1
         return snap
 

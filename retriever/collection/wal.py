@@ -86,10 +86,15 @@ class WriteAheadLog:
         self.end = start + len(rec)
         return start
 
-    def cut(self, offset: int) -> None:
-        """Drop every record from offset on (records that failed before being acknowledged)."""
-        os.ftruncate(self._fd, offset)
-        self.end = offset
+    def cut(self, offset: int, lsn: int | None = None) -> None:
+        """Drop every record from offset on (records that failed before being acknowledged). lsn: the first of them,
+        whose number a later record may take again: none from it on counts as durable any more (taken after any
+        fsync under way, which may have counted them)."""
+        with self._sync_lock:
+            os.ftruncate(self._fd, offset)
+            self.end = offset
+            if lsn is not None:
+                self._durable_lsn = min(self._durable_lsn, lsn - 1)
 
     def sync(self, lsn: int, last_appended) -> None:
         """Make every record up to lsn durable. last_appended() gives the newest appended lsn;

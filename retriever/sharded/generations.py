@@ -17,12 +17,11 @@ reads it; generation 0's files stay.
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import numpy as np
 
-from fusionrag.retriever.collection.generations import write_json_atomic
+from fusionrag.retriever.collection.generations import read_json_record, write_json_atomic
 from fusionrag.retriever.engine.manifest import MANIFEST, load_array
 from fusionrag.retriever.errors import IndexFormatError
 
@@ -42,12 +41,8 @@ def current_part(path) -> tuple[Path, dict | None]:
     f = path / CURRENT
     if not f.exists():
         return path, None
-    try:
-        rec = json.loads(f.read_text())
-        d = path / rec["dir"]
-        int(rec["generation"]), int(rec["count"]), int(rec["merged_lsn"]), str(rec["manifest_sha256"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise IndexFormatError(f"{f}: unreadable ({e!r})") from e
+    rec = read_json_record(f, {"dir": str, "generation": int, "count": int, "merged_lsn": int, "manifest_sha256": str})
+    d = path / rec["dir"]
     try:
         sha = hashlib.sha256((d / MANIFEST).read_bytes()).hexdigest()
     except OSError as e:

@@ -252,7 +252,7 @@ def test_concurrent_writes_share_fsyncs_and_searches_run_during_merge(tmp_path):
     for t in threads:
         t.join()
     assert not errors, errors
-    assert col._wal.fsyncs < 241  # 241 acknowledged writes: group commit made some share an fsync
+    assert col._local.wal.fsyncs < 241  # 241 acknowledged writes: group commit made some share an fsync
     col.merge()
     assert len(col) == 2800 and col.info()["build_state"]["generation"] >= 3
     res = col.search(x[::100], k=1)

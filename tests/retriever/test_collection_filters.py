@@ -400,12 +400,13 @@ def test_set_metadata_changes_metadata_alone_and_survives_a_restart(tmp_path):
     col = cat.create("m", DIM, "l2")
     col.add([Document(str(i), f"text {i}", x[i], {"b": i % 4, "src": {"page": i, "file": "a"}}) for i in range(n)])
     col.merge()
-    tombs_before = col._tomb_count
+    tombs_before = col._local.live_set.dead
     assert col.set_metadata({"1": {"b": 9, "src": {"file": None, "seen": True}}, "2": {"new": "x"}, "nope": {}}) == 2
     assert col.get(["1"])[0].metadata == {"b": 9, "src": {"page": 1, "seen": True}}
     assert col.get(["2"])[0].metadata == {"b": 2, "src": {"page": 2, "file": "a"}, "new": "x"}
     assert col.set_metadata({"3": {"only": 1}}, merge=False) == 1 and col.get(["3"])[0].metadata == {"only": 1}
-    assert col._tomb_count == tombs_before and col._fresh.live_count == 0  # the index still holds them
+    live = col._local.live_set
+    assert live.dead == tombs_before and live.fresh.live_count == 0  # the index still holds them
     assert col.count({"b": 9}) == 1 and col.count({"src.seen": True}) == 1 and col.count({"only": 1}) == 1
     assert col.count({"b": 3}) == n // 4 - 1  # "3" no longer has b
     hit = col.search(x[1:2], k=1, filter={"b": 9}).hits[0][0]
@@ -419,9 +420,10 @@ def test_set_metadata_changes_metadata_alone_and_survives_a_restart(tmp_path):
     assert col.set_metadata({}) == 0
     cat.close()
     child = ("import os, sys\n"
-             "from fusionrag.retriever.collection import Catalog, Collection, CollectionConfig\n"
+             "from fusionrag.retriever.collection import Catalog, CollectionConfig\n"
+             "from fusionrag.retriever.collection.store import LocalStore\n"
              "col = Catalog(sys.argv[1], collection_config=CollectionConfig(background_merge=False)).get('m')\n"
-             "Collection._apply_pending = lambda self: None  # logged and fsynced, never applied: killed just after\n"
+             "LocalStore._apply_pending = lambda self: None  # logged and fsynced, never applied: killed just after\n"
              "col.set_metadata({'5': {'b': 7}})\n"
              "os._exit(0)\n")
     subprocess.run([sys.executable, "-c", child, str(tmp_path)], check=True, timeout=120)

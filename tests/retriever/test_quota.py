@@ -230,7 +230,7 @@ def test_an_import_interrupted_by_the_process_end_is_reported_and_its_staging_re
     (staging / "vectors.npy").write_bytes(b"\0" * (1 << 20))
     cat.files.forget(col)
     cat._open.clear()  # the process ends here: nothing closes the collection
-    col._wal.close()
+    col._local.wal.close()
     col.store.close()
     cat._release()
     cat = Catalog(tmp_path)

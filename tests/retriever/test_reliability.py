@@ -518,7 +518,7 @@ def test_create_on_a_full_disk_raises_storage_error_and_leaves_nothing(tmp_path,
     import errno
     import sqlite3
 
-    from fusionrag.retriever.collection import api, catalog
+    from fusionrag.retriever.collection import catalog, store
     from fusionrag.retriever.errors import StorageError
 
     def full(*_a, **_k):  # what the OS and SQLite say when the disk is full
@@ -528,7 +528,7 @@ def test_create_on_a_full_disk_raises_storage_error_and_leaves_nothing(tmp_path,
 
     cat = Catalog(tmp_path)
     module, target = {"collection.json": (catalog, "write_json_atomic"), "docs.sqlite": (catalog, "DocStore"),
-                      "open": (api, "WriteAheadLog")}[where]
+                      "open": (store, "WriteAheadLog")}[where]
     with monkeypatch.context() as m:
         m.setattr(module, target, full)
         with pytest.raises(StorageError, match="cannot create collection 'c'"):

@@ -482,24 +482,36 @@ def test_a_document_on_two_shards_counts_once_in_bm25(replicated, base, tmp_path
 
 
 def test_a_logged_document_keeps_its_owner_and_a_garbled_one_is_refused():
-    """A shard log record carries a replicated document's owner shard as a fourth field; records from before
-    owners were logged hold three and read as they did; anything else there is a garbled record."""
+    """A shard's log record carries a replicated document's owner shard (guests); v1 records (the shard's format
+    before the one store record, #69) from before owners were logged hold three fields and read as they did;
+    anything else there is a garbled record."""
     import json
+    import struct
 
+    from fusionrag.retriever.collection.records import StoreRecord
     from fusionrag.retriever.errors import IndexFormatError
-    from fusionrag.retriever.sharded.writes import UPSERT_DOCS, decode, encode
 
     ids, vecs = np.array([5, 9]), np.ones((2, 3), np.float32)
     docs = [("a", "x y", "{}"), ("b", None, '{"k": 1}', 2)]
-    op, got_ids, got_vecs, got_docs, lists = decode(encode(UPSERT_DOCS, ids, vecs, docs, np.array([4, 7])))
-    assert op == UPSERT_DOCS and got_ids.tolist() == [5, 9] and np.array_equal(got_vecs, vecs)
-    assert got_docs == docs and lists.tolist() == [4, 7]
-    record = encode(UPSERT_DOCS, ids, vecs, docs[:1] * 2)
-    assert decode(record)[3] == [docs[0]] * 2
-    head = record[:-len(json.dumps([list(docs[0])] * 2, separators=(",", ":")).encode())]
+    w = StoreRecord("upsert", ["a", "b"], ["x y", None], ["{}", '{"k": 1}'], vecs, np.array([5, 9]),
+                    lists=np.array([4, 7]), guests=[-1, 2])
+    got = StoreRecord.decode(3, w.payload(), 3, "shard")
+    assert got.op == "upsert" and got.keys.tolist() == [5, 9] and np.array_equal(got.vectors, vecs)
+    assert (got.ids, got.texts, got.metas, got.guests) == (["a", "b"], ["x y", None], ["{}", '{"k": 1}'], [-1, 2])
+    assert got.lists.tolist() == [4, 7] and got.lsn == 3
+
+    def v1(docs_json: bytes) -> bytes:  # b"U": op, count, dim, ids, vectors, lists (int32), documents
+        return (struct.pack("<cII", b"U", 2, 3) + ids.astype("<i8").tobytes() + vecs.tobytes()
+                + np.array([4, 7], "<i4").tobytes() + docs_json)
+
+    old = StoreRecord.decode(1, v1(json.dumps([list(d) for d in docs]).encode()), 3, "shard")
+    assert (old.ids, old.texts, old.metas, old.guests) == (["a", "b"], ["x y", None], ["{}", '{"k": 1}'], [-1, 2])
+    assert old.keys.tolist() == [5, 9] and old.lists.tolist() == [4, 7] and np.array_equal(old.vectors, vecs)
     for bad in ([["a", "x", "{}", "2"], ["b", None, "{}"]], [["a", "x", "{}", 1, 2], ["b", None, "{}"]]):
         with pytest.raises(IndexFormatError, match="documents are garbled"):
-            decode(head + json.dumps(bad).encode())
+            StoreRecord.decode(1, v1(json.dumps(bad).encode()), 3, "shard")
+    with pytest.raises(IndexFormatError, match="garbled"):
+        StoreRecord.decode(1, w.payload()[:-4], 3, "shard")
 
 
 def named_documents(base):

@@ -13,7 +13,7 @@ import pytest
 from conftest import clustered, exact_knn
 
 from fusionrag.retriever.collection import Catalog, CollectionConfig, Document
-from fusionrag.retriever.collection.records import Write
+from fusionrag.retriever.collection.records import StoreRecord
 from fusionrag.retriever.collection.wal import WriteAheadLog
 from fusionrag.retriever.errors import InputError
 
@@ -119,7 +119,7 @@ def test_the_edges_of_what_a_store_holds_are_kept_exactly(col):
     assert col.count({"l": {"$contains": lo}}) == 1 and col.count({"e": "\U0001F600"}) == 1
 
 
-def _plant(path, write: Write, dim: int) -> int:
+def _plant(path, write: StoreRecord, dim: int) -> int:
     """Append a write to a closed collection's log as the collection would have logged it, past every check."""
     wal = WriteAheadLog(path / "wal.log")
     records = wal.open()
@@ -127,9 +127,10 @@ def _plant(path, write: Write, dim: int) -> int:
 
     store = DocStore(path / "docs.sqlite", dim)
     last = max([store.meta("applied_lsn")] + [lsn for lsn, _ in records])
-    row = max([store.meta("next_row")] + [int(Write.decode(n, p, dim).rows.max(initial=-1)) + 1 for n, p in records])
+    logged = [StoreRecord.decode(n, p, dim, "collection").keys for n, p in records]
+    row = max([store.meta("next_row")] + [int(k.max(initial=-1)) + 1 for k in logged if k is not None])
     if write.op == "upsert":
-        write.rows = np.arange(row, row + len(write.ids), dtype=np.int64)
+        write.keys = np.arange(row, row + len(write.ids), dtype=np.int64)
     store.close()
     lsn = last + 1
     wal.append(lsn, write.payload())
@@ -152,9 +153,9 @@ def test_a_log_entry_that_cannot_be_applied_is_set_aside_and_the_collection_serv
     assert c.info()["build_state"]["generation"] == 1
     cat.close()
     path = tmp_path / "collections" / "c"
-    bad = [Write("upsert", ["p1"], ["bad \ud800"], ["{}"], np.ones((1, DIM), np.float32)),
-           Write("upsert", ["p2"], [None], [json.dumps({"n": BIG})], np.ones((1, DIM), np.float32)),
-           Write("delete_where", filter=json.dumps({"i": {"$bogus": 1}}))]
+    bad = [StoreRecord("upsert", ["p1"], ["bad \ud800"], ["{}"], np.ones((1, DIM), np.float32)),
+           StoreRecord("upsert", ["p2"], [None], [json.dumps({"n": BIG})], np.ones((1, DIM), np.float32)),
+           StoreRecord("delete_where", filter=json.dumps({"i": {"$bogus": 1}}))]
     lsns = [_plant(path, w, DIM) for w in bad]
     good = _docs(clustered(5, DIM, 1, seed=7), "g")
     from fusionrag.retriever.collection.records import upsert_record
@@ -193,7 +194,7 @@ def test_a_write_that_cannot_be_applied_fails_alone_and_the_next_ones_apply(col)
     """A write past the checks (as a bug in them would let through) that SQLite refuses: its writer gets InputError
     (the service's 422) saying it was set aside; the collection keeps taking writes (every later write answered
     500 before, and the collection failed to open after a restart)."""
-    poisoned = Write("upsert", ["p"], ["\ud800"], ["{}"], np.ones((1, DIM), np.float32))
+    poisoned = StoreRecord("upsert", ["p"], ["\ud800"], ["{}"], np.ones((1, DIM), np.float32))
     with pytest.raises(InputError, match="set aside"):
         col._commit(poisoned)
     col.upsert([Document("next", "fine", np.ones(DIM))])

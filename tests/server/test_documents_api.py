@@ -280,10 +280,11 @@ def test_count_nested_fields_and_a_misspelled_field_over_http(admin, service):
 
 CRASH_CHILD = """
 import os, sys
-from fusionrag.retriever.collection import Catalog, Collection, Document
+from fusionrag.retriever.collection import Catalog, Document
+from fusionrag.retriever.collection.store import LocalStore
 col = Catalog(sys.argv[1]).create("c", 2, "l2")
 col.upsert([Document(f"old{i}", None, [i, 0], {"kind": "draft" if i % 2 else "final"}) for i in range(6)])
-Collection._apply_pending = lambda self: None  # logged and fsynced, never applied: as if killed just after
+LocalStore._apply_pending = lambda self: None  # logged and fsynced, never applied: as if killed just after
 col.upsert([Document("a", None, [9, 9], {"kind": "draft"})])
 col.delete_where({"kind": "draft"})
 col.upsert([Document("b", None, [8, 8], {"kind": "draft"})])
