@@ -212,7 +212,7 @@ def device_postings(index_path: Path, base: np.ndarray, report: np.ndarray, poin
         b = dev.search(report, 10, nprobe=nprobe, rerank=rerank)
         rows.append({"nprobe": nprobe, "rerank": rerank, **{tier: {
             "recall@10": rec(r.ids), "postings_per_query": round(float(r.stats["candidates"].mean()), 1),
-            "lists_per_query": round(float(r.stats["centroids_probed"].mean()), 2)}
+            "lists_per_query": round(float(r.stats["lists_probed"].mean()), 2)}
             for tier, r in (("cpu_tier", a), ("device_tier", b))}})
         print(json.dumps({"device_postings": rows[-1]}), flush=True)
     cpu.close()

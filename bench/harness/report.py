@@ -144,7 +144,7 @@ def write_report(path: Path) -> None:
                         continue
                     e = p["engine"]
                     md.append(f"| {p['knob']['nprobe']} | {p['knob']['rerank']} | {p['knob'].get('minibatch', 8)} | {p['knob'].get('beta', '')} | {p['knob'].get('probe_ratio', '')} | {p['recall']:.3f} | {p['qps']:,.0f} | "
-                              f"{e['centroids_probed']:.0f} | {e['candidates']:.0f} | {e['unique_candidates']:.0f} | "
+                              f"{e.get('lists_probed', e.get('centroids_probed', 0)):.0f} | {e['candidates']:.0f} | {e['unique_candidates']:.0f} | "
                               f"{e['minibatches']:.1f} | {e['reranked']:.0f} | {e['pages_read']:.1f} | "
                               f"{e['pages_buffered']:.1f} | {e['graph_s'] * 1e6:.0f} | {e['lut_s'] * 1e6:.0f} | "
                               f"{e['scan_s'] * 1e6:.0f} | {e['rerank_s'] * 1e6:.0f} |")

@@ -135,7 +135,7 @@ def main() -> None:
                             continue
                         row = {"set": name, "start": how, "nprobe": nprobe,
                                "recall": round(recall_at(res.ids, truth), 4), "qps": round(len(q) / sec, 1),
-                               "lists": round(float(res.stats["centroids_probed"].mean()), 1),
+                               "lists": round(float(res.stats["lists_probed"].mean()), 1),
                                "candidates": round(float(res.stats["candidates"].mean()), 1),
                                "load": os.getloadavg()[0]}
                         out_rows.append(row)

@@ -83,7 +83,7 @@ def main() -> None:
                        "recall": round(recall_at(res.ids, truth), 4), "qps": round(len(q) / sec, 1),
                        "reranked": round(float(res.stats["reranked"].mean()), 1),
                        "pages_read": round(float(res.stats["pages_read"].mean()), 1),
-                       "lists": round(float(res.stats["centroids_probed"].mean()), 1)}
+                       "lists": round(float(res.stats["lists_probed"].mean()), 1)}
                 rows.append(row)
                 print(row, flush=True)
     finally:

@@ -22,4 +22,4 @@ q = np.ascontiguousarray(queries[:1000])
 for pt in [dict(), dict(nprobe=512, rerank=400), dict(nprobe=1024, rerank=800), dict(nprobe=512, rerank=400, probe_ratio=0), dict(nprobe=1024, rerank=800, probe_ratio=0), dict(nprobe=2048, rerank=800, probe_ratio=0)]:
     t = time.perf_counter(); r = idx.search(q, k=10, **pt); s = time.perf_counter() - t
     rec = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(r.ids, gt[:1000, :10])])
-    print(f"{pt or 'defaults'}: recall@10 {rec:.3f}, {1000 / s:.0f} q/s, probed {r.stats['centroids_probed'].mean():.0f}, pages {r.stats['pages_read'].mean():.1f}", flush=True)
+    print(f"{pt or 'defaults'}: recall@10 {rec:.3f}, {1000 / s:.0f} q/s, probed {r.stats['lists_probed'].mean():.0f}, pages {r.stats['pages_read'].mean():.1f}", flush=True)

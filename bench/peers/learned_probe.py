@@ -51,7 +51,7 @@ def recall(ids: np.ndarray, gt: np.ndarray, k: int = 10) -> float:
 
 
 def run(index, q: np.ndarray, gt: np.ndarray, batch: int, params: dict) -> dict:
-    ids, stats = [], {"centroids_probed": [], "candidates": [], "pages_read": [], "pages_buffered": []}
+    ids, stats = [], {"lists_probed": [], "candidates": [], "pages_read": [], "pages_buffered": []}
     t = time.perf_counter()
     for s in range(0, len(q), batch):
         r = index.search(q[s:s + batch], 10, **params)
@@ -60,7 +60,7 @@ def run(index, q: np.ndarray, gt: np.ndarray, batch: int, params: dict) -> dict:
             stats[key].append(r.stats[key])
     seconds = time.perf_counter() - t
     out = {key: float(np.concatenate(v).mean()) for key, v in stats.items()}
-    return {"recall": recall(np.concatenate(ids), gt), "lists": out["centroids_probed"],
+    return {"recall": recall(np.concatenate(ids), gt), "lists": out["lists_probed"],
             "candidates": out["candidates"], "pages": out["pages_read"] + out["pages_buffered"],
             "qps": len(q) / seconds}
 

@@ -61,7 +61,7 @@ def worker(d: Path) -> None:
         hit = np.mean([len(set(a) & set(b[:10])) / 10 for a, b in zip(r.ids.tolist(), truth.tolist())])
         out.append({"probe_ratio": ratio, "rerank": rerank, "beta": beta, "recall@10": float(hit),
                     "qps": len(q) / dt, "threads": threads,
-                    **{k: float(np.mean(r.stats[k])) for k in ("centroids_probed", "candidates", "pages_read")}})
+                    **{k: float(np.mean(r.stats[k])) for k in ("lists_probed", "candidates", "pages_read")}})
     nav = navigation(idx, base, q, rng)
     idx.close()
     print(json.dumps({"points": out, "navigation": nav}))
@@ -120,7 +120,7 @@ def report(records: list[dict]) -> None:
     for r in records:
         for p in r["points"]:
             lines.append(f"| {r['n']:,} | {p['probe_ratio']} | {p['rerank']} | {p['recall@10']:.3f} | {p['qps']:,.0f} | "
-                         f"{p['centroids_probed']:.0f} | {p['candidates']:,.0f} | {p['pages_read']:.0f} |")
+                         f"{p['lists_probed']:.0f} | {p['candidates']:,.0f} | {p['pages_read']:.0f} |")
     lines += ["", "Navigation: the share of rows (2,000 sampled) and report queries whose graph search at each beam lands over "
               "1.5x farther than their exact nearest centroid (lost), and the share whose nearest it finds; the build "
               "assigns rows at beam 32, a query searches at its nprobe (calibrated: 64 at 1M, 512-1,024 at 10M-20M).", "",

@@ -159,7 +159,7 @@ def search_worker(d: Path) -> None:
         s = time.perf_counter() - t
         rec = float(np.mean([len(set(a) & set(b)) / 10 for a, b in zip(r.ids.tolist(), truth[sl].tolist())]))
         return {"recall@10": rec, "qps": (sl.stop - sl.start) / s, "pages_per_query": float(r.stats["pages_read"].mean()),
-                "lists_probed": float(r.stats["centroids_probed"].mean()), **({"params": kw} if kw else {})}
+                "lists_probed": float(r.stats["lists_probed"].mean()), **({"params": kw} if kw else {})}
 
     p = idx.params
     out = {"open_s": opened, "defaults_params": {"nprobe": p.nprobe, "rerank": p.rerank, "probe_ratio": p.probe_ratio,

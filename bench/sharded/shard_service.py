@@ -134,7 +134,7 @@ def measure(work: Path, index_dir: Path, name: str, targets: list[float], fracti
         us = {k: round(float(st[k].mean()) * 1e6, 1) for k in ("graph_s", "lut_s", "scan_s", "rerank_s")}
         point = {"target": t, "reached": True, "params": chosen[t],
                  "recall_report": round(recall_at(ids, report[1][:, :K]), 4), "us_per_query": round(wall / nq * 1e6, 1),
-                 "stage_us": us, "lists": round(float(st["centroids_probed"].mean()), 1),
+                 "stage_us": us, "lists": round(float(st["lists_probed"].mean()), 1),
                  "candidates": round(float(st["unique_candidates"].mean())),
                  "reranked": round(float(st["reranked"].mean()), 1),
                  "pages_read": round(float(st["pages_read"].mean()), 2),

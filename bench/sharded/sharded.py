@@ -92,7 +92,7 @@ def measure_single(index: Index, q: np.ndarray, gt: np.ndarray) -> dict:
     res = index.search(q, 10)
     secs = time.perf_counter() - t
     return {"recall@10": round(recall_at(res.ids, gt), 4), "qps": round(len(q) / secs, 1),
-            "lists_per_query": round(float(res.stats["centroids_probed"].mean()), 1),
+            "lists_per_query": round(float(res.stats["lists_probed"].mean()), 1),
             "candidates_per_query": round(float(res.stats["candidates"].mean()), 1)}
 
 

@@ -521,7 +521,7 @@ class Index(ManifestShape):
         b.distances[:] = np.inf
         w = min(k, cand.ids.shape[1])
         b.ids[:, :w], b.distances[:, :w] = cand.ids[:, :w], cand.pq_dists[:, :w]
-        st["centroids_probed"][:] = b.probed
+        st["lists_probed"][:] = b.probed
         st["candidates"][:] = cand.gathered
         st["unique_candidates"][:] = cand.unique
         st["reranked"][:] = np.minimum(cand.unique, b.n)
@@ -533,7 +533,7 @@ class Index(ManifestShape):
         cand, st = b.candidates, b.stats
         ids, dists, rstats, rsec = self.reranker.rerank(b.queries, cand.ids, b.k, b.params)
         b.ids[:], b.distances[:] = ids, dists
-        st["centroids_probed"][:] = b.probed
+        st["lists_probed"][:] = b.probed
         st["candidates"][:] = cand.gathered
         st["unique_candidates"][:] = cand.unique
         _rerank_stats(st, rstats)

@@ -16,7 +16,7 @@ from fusionrag.retriever.engine.tiers import CpuFilterTier, cuda_available
 from fusionrag.retriever.engine.vectors import normalize
 from fusionrag.retriever.errors import ConfigError
 
-STAT_KEYS = ("centroids_probed", "candidates", "unique_candidates", "minibatches", "reranked",
+STAT_KEYS = ("lists_probed", "candidates", "unique_candidates", "minibatches", "reranked",
              "page_mates", "resident_scored", "records_cached", "pages_read", "pages_buffered", "graph_s", "lut_s", "scan_s", "rerank_s")
 
 

@@ -259,7 +259,7 @@ async function search(event) {
     renderHits(data.results[0], fusion);
     const parts = [];
     if (mode !== "text") {
-      parts.push(`${st.pages_read} pages read, ${st.pages_buffered} from the buffer, ${st.centroids_probed} lists probed`);
+      parts.push(`${st.pages_read} pages read, ${st.pages_buffered} from the buffer, ${st.lists_probed} lists probed`);
     }
     if (mode !== "vector") parts.push(`${st.text_candidates} matched by words`);
     if (filter) parts.push("filtered");

@@ -74,11 +74,11 @@ def test_a_requests_knobs_apply_over_the_calibrated_defaults(built):
         q = built["queries"]
         chosen = SearchParams(**built["coarse"]["calibration"]["params"])
         # nprobe 4 binds: the ratio rule alone probes more lists than that here.
-        assert index.search(q, 10).stats["centroids_probed"].mean() > 4
+        assert index.search(q, 10).stats["lists_probed"].mean() > 4
         full = index.search(q, 10, chosen.with_overrides(nprobe=4))
         for given in ({"nprobe": 4}, SearchOverrides.of({"nprobe": 4}), search_params({"nprobe": 4})):
             res = index.search(q, 10, given)
-            assert res.stats["centroids_probed"].max() <= 4  # the named knob applies
+            assert res.stats["lists_probed"].max() <= 4  # the named knob applies
             np.testing.assert_array_equal(res.ids, full.ids)  # and the calibrated ones stay
             np.testing.assert_array_equal(res.stats["minibatches"], full.stats["minibatches"])
         # A SearchParams still replaces them all: the class default's patience stops searches sooner.
@@ -97,7 +97,7 @@ def test_the_cli_applies_its_flags_over_the_calibrated_defaults(built, tmp_path,
     assert report["params"]["nprobe"] == 4 and report["params"]["beta"] == chosen["beta"]
     # What the search did, not only what it reports: at most 4 lists, and as many mini-batches as the
     # calibrated settings take (more than the class defaults' beta 2 takes).
-    assert report["per_query"]["centroids_probed"] <= 4
+    assert report["per_query"]["lists_probed"] <= 4
     index = Index.open(built["root"] / "coarse")
     try:
         q = built["queries"][:50]
@@ -201,12 +201,12 @@ def test_a_graph_navigated_index_gets_the_narrowest_beam_that_holds_its_recall(b
             assert not kept and "nprobe" not in cal["params"] and index.params.nprobe == SearchParams().nprobe
             return
         assert kept and cal["params"]["nprobe"] == kept[-1]["nprobe"] == index.params.nprobe < SearchParams().nprobe
-        assert at_defaults.stats["centroids_probed"].max() <= index.params.nprobe
+        assert at_defaults.stats["lists_probed"].max() <= index.params.nprobe
         # The ratio rule alone keeps fewer lists than the narrow beam here; loosened by a request, it shows the
         # default beam capping what a search probes (a request naming nprobe widens it again).
-        loose = index.search(q, 10, {"probe_ratio": 1.5}).stats["centroids_probed"]
+        loose = index.search(q, 10, {"probe_ratio": 1.5}).stats["lists_probed"]
         loose_wide = index.search(q, 10, {"probe_ratio": 1.5, "nprobe": SearchParams().nprobe}).stats
-        assert loose.max() <= index.params.nprobe < loose_wide["centroids_probed"].max()
+        assert loose.max() <= index.params.nprobe < loose_wide["lists_probed"].max()
         assert recall(at_defaults.ids, truth) >= recall(wide.ids, truth) - 0.01 >= 0.94
     finally:
         index.close()

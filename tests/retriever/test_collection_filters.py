@@ -296,7 +296,7 @@ def test_a_filter_few_pass_makes_each_passing_vector_a_candidate_without_reading
         assert all(sel[int(h.id)] and int(h.id) in set(alive) for hits in res.hits for h in hits)
         assert recall(found, ok[exact_knn(x[ok], q, 10)]) >= 0.97, flt
         for s in res.stats:
-            assert s["filtered_exact"] and s["centroids_probed"] == 0, s
+            assert s["filtered_exact"] and s["lists_probed"] == 0, s
             assert s["candidates"] == in_main and s["reranked"] <= 200, (s, in_main)
             assert s["fresh_candidates"] == int((ok >= before).sum()) + (3 in ok), s
     assert read == []

@@ -66,7 +66,7 @@ def test_device_search_answers_as_the_cpu_tier(every_metric, raw):
     truth = _truth(metric, base, queries)
     for nprobe in (4, 16):
         a, b = cpu.search(queries, 10, nprobe=nprobe), dev.search(queries, 10, nprobe=nprobe)
-        for key in ("centroids_probed", "candidates", "unique_candidates"):
+        for key in ("lists_probed", "candidates", "unique_candidates"):
             assert np.array_equal(a.stats[key], b.stats[key]), key
         assert recall(b.ids, truth) >= recall(a.ids, truth) - 0.005
         _common_distances_equal(a, b)

@@ -78,7 +78,7 @@ def test_the_wide_path_answers_as_the_narrow_one_and_the_cpu_tier(built, monkeyp
             np.testing.assert_array_equal(b.distances, want[nprobe].distances)
         else:  # the host re-ranks the top-n: the same ids
             assert np.array_equal(b.ids, want[nprobe].ids)
-        for key in ("centroids_probed", "candidates", "unique_candidates"):
+        for key in ("lists_probed", "candidates", "unique_candidates"):
             assert np.array_equal(a.stats[key], b.stats[key]), key
         assert recall(b.ids, truth) >= recall(a.ids, truth) - 0.005
         for ai, ad, bi, bd in zip(a.ids, a.distances, b.ids, b.distances):

@@ -60,7 +60,7 @@ def test_hybrid_finds_what_either_ranking_finds(indexed):
     res = col.search(q, k=10, texts=["zebra1234"], mode="hybrid")
     ids = [h.id for h in res.hits[0]]
     assert "d7" in ids and "d1234" in ids
-    assert res.stats[0]["centroids_probed"] > 0 and res.stats[0]["text_candidates"] >= 1  # the index path ran
+    assert res.stats[0]["lists_probed"] > 0 and res.stats[0]["text_candidates"] >= 1  # the index path ran
     scores = [h.score for h in res.hits[0]]
     assert scores == sorted(scores, reverse=True) and max(scores) <= 1 / (RRF_K + 1) + 1e-12
     # distances are the exact vector distances, also for a hit the vector ranking did not find

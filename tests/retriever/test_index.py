@@ -72,7 +72,7 @@ def test_defaults_have_high_recall_and_stats(small):
     res = index.search(queries, k=10)
     assert recall(res.ids, exact_knn(base, queries, 10)) >= 0.95
     s = res.stats
-    assert np.all(s["centroids_probed"] >= 1) and np.all(s["centroids_probed"] <= index.params.nprobe)
+    assert np.all(s["lists_probed"] >= 1) and np.all(s["lists_probed"] <= index.params.nprobe)
     assert np.all(s["unique_candidates"] <= s["candidates"]) and np.all(s["unique_candidates"] >= 10)
     assert np.all(s["minibatches"] >= 1) and np.all(s["reranked"] <= index.params.rerank)
     assert np.all(s["pages_read"] + s["pages_buffered"] >= 1)
@@ -453,7 +453,7 @@ def test_batch_plan_changes_no_answer(small):
             off, on = runs[False], runs[True]
             np.testing.assert_array_equal(on.ids, off.ids)
             np.testing.assert_array_equal(on.distances, off.distances)
-            for key in ("centroids_probed", "candidates", "unique_candidates", "minibatches", "reranked"):
+            for key in ("lists_probed", "candidates", "unique_candidates", "minibatches", "reranked"):
                 np.testing.assert_array_equal(on.stats[key], off.stats[key])
             assert off.stats["unique_candidates"].sum() > 0
     for index in indexes.values():
@@ -475,7 +475,7 @@ def test_search_among_scores_every_given_vector_and_reranks_the_best(tmp_path, m
         res = index.search_among(queries, ids[::-1], k=10, rerank=rerank)  # any order
         truth = ids[exact_knn(base[ids], queries, 10, metric)]
         assert set(res.ids.ravel().tolist()) <= set(ids.tolist())
-        assert np.all(res.stats["centroids_probed"] == 0) and np.all(res.stats["candidates"] == size)
+        assert np.all(res.stats["lists_probed"] == 0) and np.all(res.stats["candidates"] == size)
         assert np.all(res.stats["reranked"] <= min(size, rerank))
         assert recall(res.ids, truth) >= (1.0 if rerank >= size else 0.97), (size, rerank, recall(res.ids, truth))
         assert np.all(np.diff(res.distances, axis=1) >= 0)

@@ -45,13 +45,13 @@ def test_learned_pruning_probes_fewer_lists_than_the_ratio_rule_at_the_same_reca
     finally:
         index.close()
     assert recall(learned.ids, truth) >= recall(ratio.ids, truth) - 0.02 and recall(learned.ids, truth) >= 0.93
-    assert learned.stats["centroids_probed"].mean() < 0.8 * ratio.stats["centroids_probed"].mean()
+    assert learned.stats["lists_probed"].mean() < 0.8 * ratio.stats["lists_probed"].mean()
     assert learned.stats["candidates"].mean() < ratio.stats["candidates"].mean()
     # The count is predicted per query, not a constant cut.
-    assert len(np.unique(learned.stats["centroids_probed"])) > 3
+    assert len(np.unique(learned.stats["lists_probed"])) > 3
     # The scale moves what is probed, and recall with it.
-    assert narrow.stats["centroids_probed"].mean() < learned.stats["centroids_probed"].mean() \
-        < wider.stats["centroids_probed"].mean() <= 256
+    assert narrow.stats["lists_probed"].mean() < learned.stats["lists_probed"].mean() \
+        < wider.stats["lists_probed"].mean() <= 256
     assert recall(narrow.ids, truth) < recall(learned.ids, truth) <= recall(wider.ids, truth)
 
 
@@ -129,7 +129,7 @@ def test_the_cli_builds_a_model_and_searches_with_it(built, tmp_path, capsys):
                          "--groundtruth", str(tmp_path / "gt.npy"), "--probe", probe]) == 0
         reports[probe] = json.loads(capsys.readouterr().out)
     assert reports["learned"]["params"]["probe"] == "learned" and reports["learned"]["recall@10"] > 0.9
-    assert reports["learned"]["per_query"]["centroids_probed"] < reports["ratio"]["per_query"]["centroids_probed"]
+    assert reports["learned"]["per_query"]["lists_probed"] < reports["ratio"]["per_query"]["lists_probed"]
     assert cli_main(["search", str(tmp_path / "idx"), str(tmp_path / "q.npy"), "--out", str(tmp_path / "x.npy"),
                      "--probe", "learned", "--probe-scale", "-1"]) == 2
     assert "probe_scale" in capsys.readouterr().err
@@ -175,8 +175,8 @@ def test_a_collection_built_with_a_model_searches_with_it(tmp_path):
         res = col.search(q, k=10, params=SearchParams(probe="learned"))
         found = np.array([[int(h.id) for h in hits] for hits in res.hits])
         assert recall(found, exact_knn(x, q, 10)) >= 0.9
-        probed = [s["centroids_probed"] for s in res.stats]
-        ratio = [s["centroids_probed"] for s in col.search(q, k=10).stats]
+        probed = [s["lists_probed"] for s in res.stats]
+        ratio = [s["lists_probed"] for s in col.search(q, k=10).stats]
         assert np.mean(probed) < np.mean(ratio) and len(set(probed)) > 1
     finally:
         cat.close()
@@ -203,7 +203,7 @@ def test_a_model_trained_on_a_query_log_serves_queries_unlike_the_data(tmp_path)
             index.close()
     assert recall(got["log"].ids, truth) >= 0.95
     assert recall(got["log"].ids, truth) > recall(got["rows"].ids, truth) + 0.05
-    assert got["log"].stats["centroids_probed"].mean() > got["rows"].stats["centroids_probed"].mean()
+    assert got["log"].stats["lists_probed"].mean() > got["rows"].stats["lists_probed"].mean()
     with pytest.raises(InputError, match="sample_queries"):
         Index.build(x, tmp_path / "bad", cfg, progress=False, sample_queries=log[:, :5])
     # Sample queries serve the probe model and calibration: a build with neither refuses them.

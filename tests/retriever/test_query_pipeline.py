@@ -78,7 +78,7 @@ def test_a_call_overlaps_its_batches_when_the_tier_does(cosine_index, monkeypatc
     assert all(b.lists is None and b.candidates is None and b.probed is None and b.queries is None for b in seen)
     single = Index.open(path, filter_tier="cpu", batch_size=64).search(queries, k=5)
     np.testing.assert_array_equal(res.ids, single.ids)
-    for key in ("centroids_probed", "candidates", "unique_candidates", "minibatches", "reranked"):
+    for key in ("lists_probed", "candidates", "unique_candidates", "minibatches", "reranked"):
         np.testing.assert_array_equal(res.stats[key], single.stats[key])
 
 
@@ -95,7 +95,7 @@ def test_a_collection_checks_and_normalises_queries_once(tmp_path, monkeypatch):
         monkeypatch.setattr(queries_mod, "_rows", lambda q, m, w, unit: checks.append(unit) or rows(q, m, w, unit))
         got = col.search(vecs[:7] * 3.0, k=4)
         assert checks == [True]
-        assert all(s["centroids_probed"] > 0 and s["fresh_candidates"] == 20 for s in got.stats)  # both tiers searched
+        assert all(s["lists_probed"] > 0 and s["fresh_candidates"] == 20 for s in got.stats)  # both tiers searched
         assert all(h[0].distance < 1e-5 for h in got.hits)  # each query's own vector (d_i, or its copy f_i)
     finally:
         cat.close()

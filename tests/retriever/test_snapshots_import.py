@@ -402,7 +402,7 @@ def test_import_of_vectors_and_sidecar_builds_the_index_directly(files):
     assert state["import"]["state"] == "done"
     q = clustered(30, DIM, 20, seed=5)
     res = col.search(q, k=10)
-    assert res.stats[0]["centroids_probed"] > 0
+    assert res.stats[0]["lists_probed"] > 0
     assert recall(np.asarray([[int(h.id[1:]) for h in hits] for hits in res.hits]), exact_knn(x, q, 10)) >= 0.95
     d7 = col.get(["d7"], with_vectors=True)[0]
     assert d7.text == "paragraph 7 about topic0" and d7.metadata == {"n": 7, "tags": ["t1"]}
@@ -542,7 +542,7 @@ def test_import_over_http_multipart_and_json_lines(files):
                     time.sleep(0.2)
                 assert state["import"]["state"] == "done" and state["indexed"] == n, state
             r = c.post("/v1/collections/a/search", json={"vectors": x[:1].tolist(), "k": 1, "stats": True}).json()
-            assert r["results"][0][0]["id"] == "d0" and r["stats"][0]["centroids_probed"] > 0
+            assert r["results"][0][0]["id"] == "d0" and r["stats"][0]["lists_probed"] > 0
             assert c.post("/v1/collections/a/import", content=lines,
                           headers={"content-type": "application/x-ndjson"}).status_code == 409
             assert c.post("/v1/collections", json={"name": "e", "dimension": DIM}).status_code == 201

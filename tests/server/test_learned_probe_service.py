@@ -39,7 +39,7 @@ def test_the_service_searches_with_a_learned_probe(tmp_path):
                 answers[probe] = r.json()
             ids = np.array([[int(h["id"]) for h in hits] for hits in answers["learned"]["results"]])
             assert recall(ids, exact_knn(x, q, 10)) >= 0.9
-            lists = {p: np.mean([s["centroids_probed"] for s in a["stats"]]) for p, a in answers.items()}
+            lists = {p: np.mean([s["lists_probed"] for s in a["stats"]]) for p, a in answers.items()}
             assert lists["learned"] < lists["ratio"]
             r = c.post("/v1/collections/plain/search", json={"vectors": q[:2].tolist(), "k": 10,
                                                              "params": {"probe": "learned"}})

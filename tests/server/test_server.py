@@ -210,10 +210,12 @@ def test_vector_search_returns_the_document_of_its_vector(demo, demo_vectors):
         assert hits[0]["score"] == pytest.approx(1.0, abs=1e-4) and hits[0]["distance"] == pytest.approx(0, abs=1e-4)
     stats = body["stats"]
     assert len(stats) == 8
+    # One vocabulary on every backend (docs/api.md): the same measure under the same name.
+    assert all(s["lists_probed"] >= 1 and s["candidates"] >= 1 and s["reranked"] >= 1 for s in stats), stats
     if demo.kind == "single":
-        assert all(s["centroids_probed"] >= 1 and s["pages_read"] + s["pages_buffered"] >= 1 for s in stats), stats
+        assert all(s["pages_read"] + s["pages_buffered"] >= 1 for s in stats), stats
     else:
-        assert all(s["lists_probed"] >= 1 and s["shards_probed"] >= 1 for s in stats), stats
+        assert all(s["shards_probed"] >= 1 for s in stats), stats
 
 
 def test_filter_and_tuning(demo):
