@@ -3,9 +3,9 @@
 a pure function of (seed, thread), so the test can rebuild what each acknowledgement promised."""
 
 import sys
-import threading
 
 import numpy as np
+from crash_helpers import stream_writes
 
 DIM = 8
 THREADS = 3
@@ -37,31 +37,11 @@ def ops(seed: int, t: int):
 
 
 def main(root: str, seed: int) -> None:
-    from fusionrag.retriever.collection import Catalog, CollectionConfig, Document
+    from fusionrag.retriever.collection import Catalog, CollectionConfig
 
     cat = Catalog(root, collection_config=CollectionConfig(min_index_count=100, merge_fresh_count=120))
     col = cat.get("c") if "c" in cat.names() else cat.create("c", DIM, "l2")
-    out = threading.Lock()
-
-    def say(line: str) -> None:
-        with out:
-            sys.stdout.write(line + "\n")
-            sys.stdout.flush()
-
-    def writer(t: int) -> None:
-        for i, op, ids, docs in ops(seed, t):
-            say(f"B {t} {i}")
-            if op == "delete":
-                col.delete(ids)
-            else:
-                col.upsert([Document(d, text, v, m) for d, text, v, m in docs])
-            say(f"A {t} {i}")
-
-    threads = [threading.Thread(target=writer, args=(t,), daemon=True) for t in range(THREADS)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    stream_writes(col, ops, seed, THREADS)
 
 
 if __name__ == "__main__":

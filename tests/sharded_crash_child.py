@@ -5,9 +5,9 @@ acknowledged. The writes are a pure function of (seed, thread), so the test can 
 promised."""
 
 import sys
-import threading
 
 import numpy as np
+from crash_helpers import stream_writes
 
 DIM = 16
 THREADS = 3
@@ -53,32 +53,11 @@ def ops(seed: int, t: int):
 
 
 def main(root: str, seed: int) -> None:
-    from fusionrag.retriever.collection import Document
     from fusionrag.retriever.sharded.docs import ShardedCollection
     from fusionrag.retriever.sharded.router import ShardedIndex
 
     coll = ShardedCollection(ShardedIndex.open(root), "docs")
-    out = threading.Lock()
-
-    def say(line: str) -> None:
-        with out:
-            sys.stdout.write(line + "\n")
-            sys.stdout.flush()
-
-    def writer(t: int) -> None:
-        for i, op, names, docs in ops(seed, t):
-            say(f"B {t} {i}")
-            if op == "delete":
-                coll.delete(names)
-            else:
-                coll.upsert([Document(d, text, v, m) for d, text, v, m in docs])
-            say(f"A {t} {i}")
-
-    threads = [threading.Thread(target=writer, args=(t,), daemon=True) for t in range(THREADS)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    stream_writes(coll, ops, seed, THREADS)
 
 
 if __name__ == "__main__":

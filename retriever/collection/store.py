@@ -118,7 +118,7 @@ class LiveSet:
 
 class LocalStore:
     """One directory's log, doc store and live set, and the commit (the module's docstring). Thread-safe: writers
-    commit at once (group commit); searches take `mem_lock` to read `live`."""
+    commit at once (group commit); searches take `mem_lock` to read `live_set`."""
 
     def __init__(self, path, dim: int, metric: str, label: str, legacy: str, assigns_keys: bool,
                  store: DocStore | None = None, live: LiveSet | None = None, merged_lsn: int = 0):

@@ -2,14 +2,13 @@
 present and no unacknowledged one half-applied; a full disk fails a write and loses nothing."""
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 from collection_crash_child import THREADS, ops
+from crash_helpers import apply_op, run_and_kill
 
 from fusionrag.retriever.collection import Catalog, CollectionConfig, Document
 from fusionrag.retriever.errors import StorageError
@@ -17,55 +16,12 @@ from fusionrag.retriever.errors import StorageError
 CHILD = Path(__file__).parents[1] / "collection_crash_child.py"
 
 
-def apply_op(state: dict, op: str, ids, docs) -> None:
-    if op == "delete":
-        for d in ids:
-            state.pop(d, None)
-    else:
-        for d, text, v, meta in docs:
-            state[d] = (text, v, meta)
-
-
-def run_and_kill(root: Path, seed: int, rng: np.random.Generator) -> dict:
-    """Start the writer, SIGKILL it after a random number of acknowledgements; returns per
-    thread (last acknowledged write, last begun write)."""
-    proc = subprocess.Popen([sys.executable, str(CHILD), str(root), str(seed)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    acked = {t: -1 for t in range(THREADS)}
-    begun = {t: -1 for t in range(THREADS)}
-    target = int(rng.integers(5, 120))
-
-    def note(line: str) -> int:
-        kind, t, i = line.split()
-        (acked if kind == "A" else begun)[int(t)] = int(i)
-        return kind == "A"
-
-    n = 0
-    try:
-        for line in proc.stdout:
-            n += note(line)
-            if n >= target:
-                time.sleep(float(rng.uniform(0, 0.02)))
-                break
-        assert proc.poll() is None, proc.stderr.read()
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        for line in proc.stdout:  # what it printed before it died
-            note(line)
-    finally:
-        proc.kill()
-        proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
-    return {t: (acked[t], begun[t]) for t in range(THREADS)}
-
-
 def test_sigkill_loses_no_acknowledged_write(tmp_path):
     runs = int(os.environ.get("FUSIONRAG_CRASH_RUNS", "8"))  # more for a soak: FUSIONRAG_CRASH_RUNS=200
     rng = np.random.default_rng(int(os.environ.get("FUSIONRAG_CRASH_SEED", "20261122")))
     expected: dict = {}  # every id written so far -> (text, vector, metadata)
     for seed in range(runs):
-        marks = run_and_kill(tmp_path, seed, rng)
+        marks = run_and_kill(CHILD, tmp_path, seed, rng, THREADS)
         cat = Catalog(tmp_path, collection_config=CollectionConfig(min_index_count=100, background_merge=False))
         col = cat.get("c")
         for t, (acked, begun) in marks.items():

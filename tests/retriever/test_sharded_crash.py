@@ -6,15 +6,12 @@ on each shard, and a write cut short across shards is completed by its retry, sh
 wholly there or wholly absent across shards is checked too, as an expected failure today."""
 
 import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import clustered
+from crash_helpers import apply_op, run_and_kill
 from sharded_crash_child import DIM, N, THREADS, ops
 
 from fusionrag.retriever.collection import Document
@@ -25,49 +22,6 @@ from fusionrag.retriever.sharded.router import ShardedIndex
 
 CHILD = Path(__file__).parents[1] / "sharded_crash_child.py"
 EXHAUSTIVE = SearchParams(rerank=5000, beta=0)
-
-
-def apply_op(state: dict, op: str, names, docs) -> None:
-    if op == "delete":
-        for d in names:
-            state.pop(d, None)
-    else:
-        for d, text, v, meta in docs:
-            state[d] = (text, v, meta)
-
-
-def run_and_kill(root: Path, seed: int, rng: np.random.Generator) -> dict:
-    """Start the writer, SIGKILL it after a random number of acknowledgements; returns per thread (last
-    acknowledged write, last begun write)."""
-    proc = subprocess.Popen([sys.executable, str(CHILD), str(root), str(seed)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    acked = {t: -1 for t in range(THREADS)}
-    begun = {t: -1 for t in range(THREADS)}
-    target = int(rng.integers(5, 80))
-
-    def note(line: str) -> int:
-        kind, t, i = line.split()
-        (acked if kind == "A" else begun)[int(t)] = int(i)
-        return kind == "A"
-
-    n = 0
-    try:
-        for line in proc.stdout:
-            n += note(line)
-            if n >= target:
-                time.sleep(float(rng.uniform(0, 0.01)))
-                break
-        assert proc.poll() is None, proc.stderr.read()
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        for line in proc.stdout:  # what it printed before it died
-            note(line)
-    finally:
-        proc.kill()
-        proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
-    return {t: (acked[t], begun[t]) for t in range(THREADS)}
 
 
 def same(a: dict, b: dict) -> bool:
@@ -84,7 +38,7 @@ def crash_rounds(built, runs: int, rng: np.random.Generator) -> None:
     # Every name written so far -> (text, vector, metadata); the built vectors are documents with no text.
     expected: dict = {str(i): (None, base[i], {}) for i in range(N)}
     for seed in range(runs):
-        marks = run_and_kill(path, seed, rng)
+        marks = run_and_kill(CHILD, path, seed, rng, THREADS, most_acks=80, pause_s=0.01)
         coll = ShardedCollection(ShardedIndex.open(path), "docs")
         try:
             for t, (acked, begun) in marks.items():
