@@ -194,3 +194,28 @@ def drop_collection(url: str, name: str) -> None:
     """Remove a collection the test made (a store's delete-all keeps the collection itself)."""
     r = httpx.delete(f"{url}/v1/collections/{name}", headers={"Authorization": f"Bearer {API_KEY}"})
     assert r.status_code in (200, 404), r.text
+
+
+@contextlib.contextmanager
+def serving_filled_backend(kind: str, root: Path, config: ServerConfig, name: str, dim: int, first: list[dict],
+                           rest: list) -> Iterator[tuple[str, object]]:
+    """serving_filled on backend `kind` (BACKENDS): "single" and "hosted" are serving_filled's "single" and
+    "sharded" (2 shards, built by its import); "sharded" is the documents `first` (as the API takes them, each with
+    its vector) built by build_sharded (2 shards, l2) as a collection's import builds them, served in this process
+    by the app every Ray Serve router replica builds (serving_sharded), then `rest` (client Documents) written
+    after, fresh. root: a fresh folder of the test's for the files. (base URL, a Client) while the block runs."""
+    if kind in ("single", "hosted"):
+        with serving_filled(config, "single" if kind == "single" else "sharded", name, dim, first, rest) as got:
+            yield got
+        return
+    assert kind == "sharded", kind
+    from fusionrag.client import Client
+    from fusionrag.retriever.sharded.build import build_sharded
+
+    lines = root / "first.jsonl"
+    lines.write_text("".join(json.dumps(d) + "\n" for d in first))
+    build_sharded(None, root / "built", 2, BuildConfig(threads=1, metric="l2"), progress=False, documents=str(lines))
+    with serving_sharded(root / "built", root / "idx", name, config) as (url, _), Client(url) as c:
+        c.upsert(name, rest)
+        assert c.count(name) == len(first) + len(rest)
+        yield url, c

@@ -201,7 +201,7 @@ class ShardedCollection(CollectionContract):
         return [Document(name, text, vec, meta) for _, name, text, meta, vec in found], nxt
 
     def filter_warnings(self, filter: dict) -> list[str]:
-        return filter_warnings(filter, self.index.field_types)
+        return filter_warnings(filter, self.index.field_types, self.index.field_names)
 
     def search(self, vectors=None, k: int = 10, filter: dict | None = None, params: SearchParams | None = None,
                with_vectors: bool = False, *, texts: Sequence[str] | None = None, mode: str = "vector",

@@ -141,7 +141,7 @@ class ShardedFollower(ShardedIndex):
         raise ConfigError(f"{self.path}: this router follows another; writes, merges and restarts are the leader's")
 
     upsert = delete = merge_shards = calibrate = heal = restart_shard = kill_shard = _leader_only
-    documents = matching = text_search = page = live_count = _leader_only  # field_types: every shard's, here
+    documents = matching = text_search = page = live_count = _leader_only  # field_types, field_names: shards', here
 
     def close(self) -> None:
         """Lets go of the leader's shards (they are the leader's to stop)."""

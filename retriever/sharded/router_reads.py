@@ -99,3 +99,10 @@ class RouterReads:
         live = [s for s in range(self.n_shards) if self.alive[s]]
         got = self._write_round([ShardCall(s, "field_types", (key,)) for s in live], "reading field types", False)
         return set().union(*got.values()) if got else set()
+
+    def field_names(self, limit: int = 10000) -> list[str]:
+        """The metadata keys the documents hold, over the live shards, sorted (the nearest to a filter's missing
+        field are suggested, as a collection's are: filters.filter_warnings)."""
+        live = [s for s in range(self.n_shards) if self.alive[s]]
+        got = self._write_round([ShardCall(s, "field_names", (limit,)) for s in live], "reading field names", False)
+        return sorted(set().union(*got.values()))[:limit] if got else []

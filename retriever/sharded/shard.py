@@ -401,6 +401,11 @@ class ShardServer:
         with self._reading() as (_, w):
             return w.store.field_types(key) if w.store is not None else set()
 
+    def field_names(self, limit: int) -> list[str]:
+        """The metadata keys its documents hold (DocStore.field_names)."""
+        with self._reading() as (_, w):
+            return w.store.field_names(limit) if w.store is not None else []
+
     def write_state(self) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, list[str]], dict[int, int]]:
         """(ids live in the fresh tier, base ids tombstoned, (ids, names) of the documents here, upserts logged per
         router list): what the router's write maps are built from."""

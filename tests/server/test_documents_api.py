@@ -10,11 +10,15 @@ import subprocess
 import sys
 import zlib
 
+import httpx
 import numpy as np
 import pytest
+from integration_helpers import BACKENDS, serving_backend
 from server_util import ServerProcess
 
 from fusionrag.retriever.collection import Catalog
+from fusionrag.server.auth import KeyRing, parse_entries
+from fusionrag.server.config import ServerConfig
 
 MAX_DOCS = 16
 ADMIN = "admin-key-0123456789"
@@ -387,3 +391,201 @@ def test_a_text_analyzer_and_a_fusion_over_http(admin):
         res = c.search("stemmed", [0, 1, 0, 0], texts=["running"], mode="hybrid", k=3,
                        fusion={"method": "rrf", "k": 1})
         assert res.hits[0][0].id == "running" and res.hits[0][0].score == pytest.approx(0.5 / 2 + 0.5 / 2)
+
+
+# -- the same routes on every backend (#69 item 1) ---------------------------------------------------------------
+# A collection "docs" of SHARED documents (all in its index) on each of integration_helpers.BACKENDS, served in this
+# process behind the same two keys and max_documents; a sharded backend creates no collection of the test's own
+# (test_server.py's new_collection), so these tests share the one the fixture made. Answers are checked against the
+# documents as written (and an exact search in numpy), not against another backend.
+
+SHARED = 200
+
+
+def _shared_docs() -> list[dict]:
+    return [{"id": f"d{i:03d}", "text": f"text of d{i:03d}", "vector": _vec(i),
+             "metadata": {"name": f"d{i:03d}", "n": i, "src": {"page": i % 4, "file": "a.md" if i < 150 else "b.md"}}}
+            for i in range(SHARED)]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend(request, tmp_path_factory):
+    """(kind, base URL) of the service over "docs" on each backend, with the module's two keys."""
+    root = tmp_path_factory.mktemp(f"documents-{request.param}")
+    keys = KeyRing(parse_entries(f"{ADMIN}\n{TEAM} team-*", "test"))
+    config = ServerConfig(data_dir=str(root / "data"), demo=False, log_level="warning", max_documents=MAX_DOCS)
+    docs = _shared_docs()
+    vectors = np.asarray([d["vector"] for d in docs], dtype=np.float32)
+    with serving_backend(request.param, root, "docs", config, vectors, keys=keys, shards=2,
+                         headers={"Authorization": f"Bearer {ADMIN}"},
+                         documents=[{k: d[k] for k in ("id", "text", "metadata")} for d in docs]) as url:
+        yield request.param, url
+
+
+@pytest.fixture
+def on(backend):
+    kind, url = backend
+    with httpx.Client(base_url=url, timeout=60, headers={"Authorization": f"Bearer {ADMIN}"}) as c:
+        yield kind, c
+
+
+def test_every_backend_batch_gets_in_the_order_asked(on):
+    _, c = on
+    r = c.post("/v1/collections/docs/documents/get", json={"ids": ["d005", "missing", "d001", "d005"]})
+    assert r.status_code == 200, r.text
+    got = r.json()["documents"]
+    assert [d["id"] for d in got] == ["d005", "d001", "d005"]
+    want = _shared_docs()[5]
+    assert got[0] == {"id": "d005", "text": want["text"], "metadata": want["metadata"]}  # no vector unless asked
+    r = c.post("/v1/collections/docs/documents/get", json={"ids": ["d007", "d003"], "with_vectors": True})
+    assert [d["id"] for d in r.json()["documents"]] == ["d007", "d003"]
+    for d in r.json()["documents"]:
+        assert np.array_equal(np.float32(d["vector"]), np.float32(_vec(int(d["id"][1:]))))
+    r = c.post("/v1/collections/docs/documents/get", json={"ids": [f"d{i:03d}" for i in range(MAX_DOCS + 1)]})
+    assert r.status_code == 422 and f"at most {MAX_DOCS} allowed (max_documents)" in r.json()["detail"]
+    for body in ({"ids": []}, {"ids": [""]}, {"ids": ["a"], "extra": 1}, {"ids": ["a"], "with_vectors": "yes"}):
+        assert c.post("/v1/collections/docs/documents/get", json=body).status_code == 422, body
+    assert c.post("/v1/collections/team-nope/documents/get", json={"ids": ["a"]}).status_code == 404
+    r = c.get("/v1/collections/docs/documents/get")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+
+
+def test_every_backend_search_hits_carry_their_vectors_when_asked(on):
+    _, c = on
+    base = np.float32([_vec(i) for i in range(SHARED)])
+    q = [_vec(3), _vec(150)]
+    body = {"vectors": q, "k": 5, "params": {"nprobe": 4096, "rerank": SHARED, "beta": 0}}
+    plain = c.post("/v1/collections/docs/search", json=body).json()["results"]
+    for hits, x in zip(plain, q):  # the exact top 5 in numpy
+        d = ((base.astype(np.float64) - np.float64(x)) ** 2).sum(1)
+        assert [h["id"] for h in hits] == [f"d{j:03d}" for j in np.argsort(d, kind="stable")[:5]]
+        assert all("vector" not in h for h in hits)
+    with_vectors = c.post("/v1/collections/docs/search", json={**body, "with_vectors": True}).json()
+    for hits, p in zip(with_vectors["results"], plain):
+        assert [h["id"] for h in hits] == [h["id"] for h in p]
+        for h in hits:
+            assert np.array_equal(np.float32(h["vector"]), base[int(h["id"][1:])]), h["id"]
+    text = c.post("/v1/collections/docs/search",
+                  json={"texts": ["d004"], "mode": "text", "k": 2, "with_vectors": True}).json()
+    assert [h["id"] for h in text["results"][0]] == ["d004"]  # the one text holding the token
+    assert np.array_equal(np.float32(text["results"][0][0]["vector"]), base[4])
+
+
+def test_every_backend_counts_nested_fields_and_warns_of_a_misspelled_one(on):
+    _, c = on
+    base = "/v1/collections/docs/documents"
+    assert c.post(f"{base}/count", json={}).json() == {"count": SHARED}
+    assert c.post(f"{base}/count").json() == {"count": SHARED}
+    assert c.post(f"{base}/count", json={"filter": {"src.page": {"$gte": 2}}}).json() == {"count": SHARED // 2}
+    assert c.get(f"{base}/count").status_code == 405
+    ids, sizes = _scroll(c, "docs", filter=json.dumps({"src.file": "b.md"}))
+    assert sorted(ids) == [f"d{i:03d}" for i in range(150, SHARED)] and max(sizes) == MAX_DOCS
+    found = c.post("/v1/collections/docs/search",
+                   json={"vectors": [_vec(3)], "k": 3, "filter": {"src.page": 3, "n": {"$lt": 5}}}).json()
+    assert [h["id"] for h in found["results"][0]] == ["d003"] and "warnings" not in found
+    typo = c.post(f"{base}/count", json={"filter": {"src.pgae": 1}}).json()
+    assert typo["count"] == 0 and "no document holds" in typo["warnings"][0], typo
+    found = c.post("/v1/collections/docs/search", json={"vectors": [_vec(3)], "k": 3, "filter": {"N": 1}}).json()
+    assert found["results"] == [[]] and "'N'" in found["warnings"][0], found
+    assert c.post(f"{base}/count", json={"filter": [1]}).status_code == 422
+    assert c.post(f"{base}/count", json={"filter": {"n": {"$regex": 1}}}).status_code == 422
+    assert c.post(f"{base}/count", json={"where": {}}).status_code == 422
+    # docs/collections.md: the warning names "the stored fields nearest a missing one's name" (a collection's
+    # does: 'src.page' for 'src.pgae', 'n' for 'N'); checked last, so the rest above holds on every backend.
+    said = {"count {'src.pgae': 1}": (typo["warnings"][0], "'src.page'"),
+            "search {'N': 1}": (found["warnings"][0], "'n'")}
+    missing = {route: warning for route, (warning, nearest) in said.items() if nearest not in warning}
+    assert not missing, f"the filter warnings name no nearest stored field on this backend: {missing}"
+
+
+@pytest.mark.parametrize("params, status, words", [
+    ({"limit": MAX_DOCS + 1}, 422, f"at most {MAX_DOCS} allowed (max_documents)"),
+    ({"limit": 0}, 422, "limit"),
+    ({"cursor": "abc"}, 422, "cursor"),
+    ({"filter": "{"}, 400, "the filter query parameter: malformed JSON"),
+    ({"filter": '{"a": {"$near": 1}}'}, 422, "unknown operator '$near'"),
+])
+def test_every_backend_refuses_a_bad_scroll_alike(on, params, status, words):
+    _, c = on
+    r = c.get("/v1/collections/docs/documents", params=params)
+    assert r.status_code == status and words in r.json()["detail"], r.text
+
+
+def test_every_backend_refuses_keys_scoped_elsewhere(backend, on):
+    _, url = backend
+    _, admin = on
+    calls = [("POST", "/v1/collections/docs/documents/get", {"json": {"ids": ["d001"]}}),
+             ("GET", "/v1/collections/docs/documents", {}),
+             ("POST", "/v1/collections/docs/documents/count", {"json": {}}),
+             ("POST", "/v1/collections/docs/documents/metadata",
+              {"json": {"documents": [{"id": "zz", "metadata": {}}]}}),
+             ("POST", "/v1/collections/docs/documents/delete", {"json": {"filter": {"a": 1}}}),
+             ("DELETE", "/v1/collections/docs/documents", {"json": {"filter": {"a": 1}}})]
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TEAM}"}) as team, \
+            httpx.Client(base_url=url) as anonymous:
+        for method, path, kw in calls:
+            assert team.request(method, path, **kw).status_code == 403, path
+            assert anonymous.request(method, path, **kw).status_code == 401, path
+            assert admin.request(method, path, **kw).status_code == 200, path
+    assert admin.post("/v1/collections/docs/documents/count", json={}).json() == {"count": SHARED}
+
+
+def test_every_backend_scrolls_each_document_present_throughout_once_while_writes_go_on(on):
+    """The scroll of test_scroll_sees_each_document_present_throughout_once_while_writes_go_on, over 40 documents
+    written beside the shared ones (a filter scrolls them alone), deleted again after."""
+    kind, c = on
+    mark = json.dumps({"scrolled": True})
+    _write(c, "docs", _docs([f"w{i:02d}" for i in range(40)], scrolled=True))
+
+    def writes(page: int) -> None:
+        if page == 1:  # w00..w06 seen: replace one seen and one not, delete one not seen, add new ones
+            _write(c, "docs", _docs(["w02", "w25", "new0", "new1"], scrolled=True))
+            assert c.post("/v1/collections/docs/documents/delete", json={"ids": ["w30"]}).json() == {"deleted": 1}
+
+    try:
+        ids, sizes = _scroll(c, "docs", writes, limit=7, filter=mark)
+        assert max(sizes) == 7 and sizes[-1] > 0
+        untouched = {f"w{i:02d}" for i in range(40)} - {"w02", "w25", "w30"}
+        assert all(ids.count(d) == 1 for d in untouched), ids
+        assert "w30" not in ids and ids.count("w25") == 1 and ids.count("new0") == ids.count("new1") == 1
+        # docs/api.md: "a document present throughout a scroll is seen once while writes go on (one replaced
+        # meanwhile comes again at the end of a collection's scroll ...; a sharded collection's keeps its id ...,
+        # so it keeps its place and is seen once)"
+        if kind == "single":
+            assert ids.count("w02") == 2 and ids[-4:] == ["w02", "w25", "new0", "new1"], \
+                f"w02 (seen on page 1, replaced before page 2) not seen again at the end; scrolled: {' '.join(ids)}"
+        else:
+            assert ids == [f"w{i:02d}" for i in range(40) if i != 30] + ["new0", "new1"], " ".join(ids)
+    finally:
+        c.post("/v1/collections/docs/documents/delete", json={"filter": {"scrolled": True}})
+    assert c.post("/v1/collections/docs/documents/count", json={}).json() == {"count": SHARED}
+
+
+def test_every_backend_sets_metadata(on):
+    """Last of the backends' tests: it changes d010, d011 and d012 (their metadata put back after)."""
+    _, c = on
+    url = "/v1/collections/docs/documents/metadata"
+    before = {d["id"]: d["metadata"] for d in _shared_docs()[10:13]}
+    try:
+        r = c.post(url, json={"documents": [{"id": "d010", "metadata": {"kind": "final", "name": None}},
+                                            {"id": "zz", "metadata": {}}]})
+        assert r.status_code == 200 and r.json() == {"updated": 1}, r.text
+        assert c.get("/v1/collections/docs/documents/d010").json()["metadata"] == \
+            {**{k: v for k, v in before["d010"].items() if k != "name"}, "kind": "final"}
+        r = c.post(url, json={"documents": [{"id": "d011", "metadata": {"x": 1}}], "merge": False})
+        assert r.json() == {"updated": 1}
+        assert c.get("/v1/collections/docs/documents/d011").json()["metadata"] == {"x": 1}
+        assert c.post("/v1/collections/docs/documents/count", json={"filter": {"kind": "final"}}).json()["count"] == 1
+        found = c.post("/v1/collections/docs/search", json={"vectors": [_vec(200)], "k": 1,
+                                                            "filter": {"kind": "final"}}).json()["results"][0]
+        assert [h["id"] for h in found] == ["d010"] and found[0]["text"] == "text of d010"
+        for body in ({"documents": []}, {"documents": [{"id": "d012"}]},
+                     {"documents": [{"id": "d012", "metadata": [1]}]},
+                     {"documents": [{"id": "d012", "metadata": {}}] * 2},
+                     {"documents": [{"id": f"d{i:03d}", "metadata": {}} for i in range(MAX_DOCS + 1)]},
+                     {"documents": [{"id": "d012", "metadata": {}}], "merge": "yes"}):
+            assert c.post(url, json=body).status_code == 422, body
+        assert c.get("/v1/collections/docs/documents/d012").json()["metadata"] == before["d012"]  # none applied
+    finally:
+        r = c.post(url, json={"documents": [{"id": i, "metadata": m} for i, m in before.items()], "merge": False})
+        assert r.json() == {"updated": 3}

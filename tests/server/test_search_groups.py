@@ -1,9 +1,11 @@
 """#67 item 7: hits grouped by a metadata field (POST /v1/collections/{name}/search/groups, the client's
-search_groups), on a collection (index and fresh tier) and on a sharded collection in the service's data directory
-(2 shards, built by its import, written to after). Vector answers are checked against a brute force in Python: every
-passing document's exact distance in numpy, ranked, the top max_k grouped by the rule docs/collections.md states (a
-list value in each of its values' groups, no string or integer value in none, "1" and 1 apart); text answers against
-the grouping of the service's own BM25 ranking at depth max_k. Bad input gets 422."""
+search_groups), on every backend (integration_helpers.BACKENDS): a collection (index and fresh tier), a sharded
+collection in the service's process (2 shards, built by build_sharded, written to after; the app every Ray Serve
+router replica builds) and one in the service's data directory (2 shards, built by its import, written to after).
+Vector answers are checked against a brute force in Python: every passing document's exact distance in numpy,
+ranked, the top max_k grouped by the rule docs/collections.md states (a list value in each of its values' groups, no
+string or integer value in none, "1" and 1 apart); text answers against the grouping of the service's own BM25
+ranking at depth max_k. Bad input gets 422."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import json
 import httpx
 import numpy as np
 import pytest
-from integration_helpers import serving_filled
+from integration_helpers import BACKENDS, serving_filled_backend
 
 from fusionrag.client import Document
 from fusionrag.server.config import ServerConfig
@@ -104,11 +106,11 @@ def _doc(i: int) -> dict:
     return {"id": str(i), "vector": X[i].tolist(), "text": TEXTS[i], "metadata": METAS[i]}
 
 
-@pytest.fixture(scope="module", params=["single", "sharded"])
+@pytest.fixture(scope="module", params=BACKENDS)
 def service(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"groups-{request.param}")
     config = ServerConfig(data_dir=str(root / "data"), demo=False, log_level="warning", max_k=MAX_K)
-    with serving_filled(config, request.param, NAME, DIM,
+    with serving_filled_backend(request.param, root, config, NAME, DIM,
                         [_doc(i) for i in range(BEFORE)],
                         [Document(str(i), TEXTS[i], X[i].tolist(), METAS[i]) for i in range(BEFORE, N)]
                         ) as (url, c):

@@ -1,5 +1,7 @@
-"""#67 item 7: the text-contains filter over HTTP and in the Python client, on a collection and on a sharded
-collection in the service's data directory (2 shards, built by its import, with documents written after it): vector,
+"""#67 item 7: the text-contains filter over HTTP and in the Python client, on every backend
+(integration_helpers.BACKENDS): a collection, a sharded collection in the service's process (2 shards, built by
+build_sharded, the app every Ray Serve router replica builds) and one in the service's data directory (2 shards,
+built by its import), each with documents written after it was built: vector,
 text and hybrid search, count, scroll and delete by filter, each answer checked against a brute force over the
 documents in Python (the ids whose text holds the string, case-sensitive, and whose metadata passes; their exact
 nearest by numpy); a bad text condition gets 422 naming it on every route that takes a filter."""
@@ -11,7 +13,7 @@ import json
 import httpx
 import numpy as np
 import pytest
-from integration_helpers import serving_filled
+from integration_helpers import BACKENDS, serving_filled_backend
 
 from fusionrag.client import Document, with_document
 from fusionrag.server.config import ServerConfig
@@ -65,11 +67,11 @@ def _doc(i: int) -> dict:
     return d
 
 
-@pytest.fixture(scope="module", params=["single", "sharded"])
+@pytest.fixture(scope="module", params=BACKENDS)
 def service(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"text-filter-{request.param}")
     config = ServerConfig(data_dir=str(root / "data"), demo=False, log_level="warning")
-    with serving_filled(config, request.param, NAME, DIM,
+    with serving_filled_backend(request.param, root, config, NAME, DIM,
                         [_doc(i) for i in range(BEFORE)],
                         [Document(str(i), TEXTS[i], X[i].tolist(), METAS[i]) for i in range(BEFORE, N)]
                         ) as (url, c):
