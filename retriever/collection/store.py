@@ -238,16 +238,15 @@ class LocalStore:
             batch.append(p)
         if not batch:
             return
-        stored = self._for_store(batch)
+        stored = self._for_store(batch)  # the batch's last records: those before it remove nothing stored
         try:
-            gone = dict(zip((id(w) for w in stored), self._apply_to_store(stored))) if stored else {}
+            gone = [[]] * (len(batch) - len(stored)) + (self._apply_to_store(stored) if stored else [])
         except (sqlite3.Error, OSError) as e:
             self._fail_pending(lambda p: True, e)
             return
         self.pending = self.pending[len(batch):]
         with self.mem_lock:
-            for p in batch:
-                removed = gone.get(id(p), [])
+            for p, removed in zip(batch, gone):
                 if removed is not None:  # None: set aside, its error set
                     self._apply_to_memory(p, removed)
                     p.applied = True

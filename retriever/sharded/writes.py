@@ -52,12 +52,10 @@ class ShardWrites(LocalStore):
     def __init__(self, path, base_ids: np.ndarray, dim: int, metric: str, merged_lsn: int = 0,
                  store: DocStore | None = None, list_writes: dict[int, int] | None = None):
         path = Path(path)
-        base_ids = np.asarray(base_ids, dtype=np.int64)
         if store is None and (path / DOCS).exists():
             store = DocStore(path / DOCS, dim)
         super().__init__(path, dim, metric, f"shard {path}", legacy="shard", assigns_keys=False, store=store,
                          live=LiveSet(base_ids, dim), merged_lsn=merged_lsn)
-        self.base_ids = base_ids
         self.replayed = 0
         self.fresh_list: dict[int, int] = {}  # fresh id -> the router's list it was written to (-1: none known)
         self.list_writes: dict[int, int] = dict(list_writes or {})  # router list -> upserts to it this shard logged
@@ -68,10 +66,6 @@ class ShardWrites(LocalStore):
         except BaseException:
             self.close()
             raise
-
-    @property
-    def fresh(self):
-        return self.live_set.fresh
 
     @property
     def deleted(self) -> int:
