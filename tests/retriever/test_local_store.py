@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -96,12 +97,38 @@ def test_a_shard_logs_the_one_format_and_shares_fsyncs(tmp_path):
     w.close()
     logged = records_of(tmp_path / "wal.log")
     assert len(logged) == 3 + n * threads and all(p.startswith(V2) for _, p in logged)
-    assert fsyncs <= len(logged)  # at most one a write (fewer where writers queued together; not asserted: timing)
+    assert fsyncs <= len(logged)
     again = ShardWrites(tmp_path, np.arange(100, dtype=np.int64), DIM, "l2")
     live = set(again.live_ids().tolist())
     assert 5 not in live and 2000 not in live and 1000 in live and len(live) == 99 + 1 + n * threads - 1
     assert again.list_writes == {t: n for t in range(threads)}  # upserts per router list, counted on replay
     again.close()
+
+
+def test_writers_at_once_share_one_fsync_on_a_shard(tmp_path, monkeypatch):
+    """Group commit, made certain: every writer's fsync waits until all four have appended (or 10 s pass), so the
+    first to fsync covers all four and the others find theirs durable: one fsync for four writes. Before the one
+    local store a shard held its write lock through each fsync, so the others could not append meanwhile: four."""
+    w = ShardWrites(tmp_path, np.arange(10, dtype=np.int64), DIM, "l2")
+    w.write(UPSERT, [100], np.ones((1, DIM), np.float32))  # the log made
+    before, target = w.wal.fsyncs, w.last_lsn + 4
+    real_sync = WriteAheadLog.sync
+
+    def sync_once_all_appended(self, lsn, last):
+        deadline = time.monotonic() + 10
+        while w.last_appended < target and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return real_sync(self, lsn, last)
+
+    monkeypatch.setattr(WriteAheadLog, "sync", sync_once_all_appended)
+    ts = [threading.Thread(target=w.write, args=(UPSERT, [200 + t], np.full((1, DIM), t, np.float32)))
+          for t in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert w.wal.fsyncs - before == 1 and sorted(w.fresh_ids().tolist()) == [100, 200, 201, 202, 203]
+    w.close()
 
 
 def test_a_shard_write_its_doc_store_cannot_hold_is_set_aside(tmp_path):
