@@ -76,7 +76,9 @@ def summarize_metrics(before: dict, after: dict) -> dict:
         "queries": queries,
         "ssd_pages_read_per_query": _ratio(read, queries),
         "page_buffer_hits_per_query": _ratio(buffered, queries),
+        # None where nothing was read: the raw vectors in RAM (raw_in_ram, where the budget holds them)
         "page_buffer_hit_ratio": _ratio(buffered, (read or 0) + (buffered or 0)),
+        "reranked_per_query": _ratio(_delta(before, after, "fusionrag_reranked_candidates_total"), queries),
         "stage_mean_ms": {s: (None if v is None else 1000 * v) for s, v in sorted(stages.items())},
         # Statuses answered before the run (a /readyz 503 while loading, say) are not the run's.
         "http_responses_by_status": {s: n for s, n in sorted(statuses.items()) if n > 0},

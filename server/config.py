@@ -18,7 +18,8 @@ from pydantic import AfterValidator, TypeAdapter, ValidationError, create_model
 
 from fusionrag.retriever.collection.embedding import DEFAULT_MODEL, canonical_name, register_models
 from fusionrag.retriever.engine.config import (BufferCompression, BufferPolicy, ConfigBase, EngineConfig, FilterTier,
-                                               GpuSearch, RecordCache, add_flags, config_class, knob, knobs, problems)
+                                               GpuSearch, RawInRam, RecordCache, add_flags, config_class, knob, knobs,
+                                               problems)
 from fusionrag.retriever.engine.config import flags_of as _flags_of
 from fusionrag.retriever.errors import ConfigError
 
@@ -97,7 +98,11 @@ class ServerConfig(ConfigBase):
     gpu_batch_wait_ms: Annotated[float, knob("under load, how long a batch may wait to reach the size from which "
                                              "the GPU serves it cheaper than the CPU", ge=0)] = 5.0
     search_threads: Annotated[int, knob("engine batches running at once", ge=1, le=64)] = 2
-    buffer_mb: Annotated[float, knob("DRAM page buffer per collection, MiB", ge=0)] = 64.0
+    buffer_mb: Annotated[float, knob("DRAM per collection for its raw vectors (where they fit: raw_in_ram) or else "
+                                     "its page buffer, MiB", ge=0)] = 64.0
+    raw_in_ram: Annotated[RawInRam, knob("hold a collection's raw vectors in RAM and re-rank from them, reading "
+                                         "nothing from the SSD: auto (where buffer_mb holds them), on or off")
+                          ] = EngineConfig.raw_in_ram
     doc_cache_mb: Annotated[float, knob("documents searches returned (id, text, metadata), kept for the searches "
                                         "that return them again, MiB, all collections together", ge=0,
                                         note="0 = read each from the store")] = 32.0

@@ -29,7 +29,7 @@ def open_catalog(config: ServerConfig) -> Catalog:
     docstore.ROW_CACHE.resize(int(config.doc_cache_mb * (1 << 20)))
     engine = EngineConfig(buffer_bytes=int(config.buffer_mb * (1 << 20)), filter_tier=config.filter_tier,
                           buffer_policy=config.buffer_policy, record_cache=config.record_cache,
-                          buffer_compression=config.buffer_compression,
+                          buffer_compression=config.buffer_compression, raw_in_ram=config.raw_in_ram,
                           pipeline=config.pipeline, rerank_prefetch=config.rerank_prefetch,
                           gpu_budget_bytes=int(config.gpu_budget_mb * (1 << 20)),
                           gpu_memory_utilization=config.gpu_memory_utilization,

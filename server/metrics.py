@@ -77,6 +77,9 @@ class Metrics:
                                   ["collection"], registry=r)
         self.pages_buffered = Counter("fusionrag_page_buffer_hits", "Pages served by the DRAM page buffer",
                                       ["collection"], registry=r)
+        # Where the raw vectors are in RAM (raw_in_ram) no page is read: this counts the re-rank's work either way.
+        self.reranked = Counter("fusionrag_reranked_candidates", "Candidates the exact re-rank scored, from the raw "
+                                "vectors in RAM or from SSD pages", ["collection"], registry=r)
         self._hits: dict[str, list[int]] = {}  # collection -> [read, buffered], for the hit ratio
         # HTTP requests in progress now, and when two last were (ObserveMiddleware's, on the event loop): the
         # batcher runs a quick search on the loop itself only for the one request in progress, and only while
@@ -103,6 +106,7 @@ class Metrics:
     def observe_search(self, collection: str, stats: list[dict]) -> None:
         read = sum(int(s.get("pages_read", 0)) for s in stats)
         buffered = sum(int(s.get("pages_buffered", 0)) for s in stats)
+        reranked = sum(int(s.get("reranked", 0)) for s in stats)
         series = self.series
         series(self.queries, collection).inc(len(stats))
         tiers: dict[str, int] = {}
@@ -113,6 +117,7 @@ class Metrics:
             series(self.tier_queries, collection, tier).inc(n)
         series(self.pages_read, collection).inc(read)
         series(self.pages_buffered, collection).inc(buffered)
+        series(self.reranked, collection).inc(reranked)
         with self._lock:
             tot = self._hits.setdefault(collection, [0, 0])
             tot[0] += read

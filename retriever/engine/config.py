@@ -494,11 +494,10 @@ class EngineConfig(ConfigBase):
     # page buffer lookup, no copy, no SSD read, no early stop), answering what the SSD path answers at beta 0, and
     # the page buffer is not opened (its budget is the array's). 'auto': where buffer_bytes (as fitted to the
     # process's memory) holds the array, count x record bytes; below that the SSD path with the page buffer, as
-    # before. 'on': always (the array's bytes beyond buffer_bytes); 'off': never. Off by default for now: with the
-    # default 64 MiB buffer, 'auto' would move every index under 64 MiB of raw vectors (most of the test suite's) off
-    # the SSD path its tests check; flipping it needs the whole suite run. Measured: docs/tuning.md.
+    # before. 'on': always (the array's bytes beyond buffer_bytes); 'off': never (the tests of the SSD path set
+    # it). 'auto' by default: most RAG collections fit the budget, and then no query waits on the SSD. docs/tuning.md.
     raw_in_ram: Annotated[RawInRam, knob("hold the raw vectors in RAM and re-rank from them, reading nothing from "
-                                         "the SSD: auto (where buffer_bytes holds them), on or off")] = "off"
+                                         "the SSD: auto (where buffer_bytes holds them), on or off")] = "auto"
     # Re-chosen by the index manager thread every manager_interval_s seconds, never on the request path;
     # results never depend on it. Off by default: bench/results/cache/cache_policy.md.
     pin_fraction: Annotated[float, knob("share of the page buffer pinned to the pages of the most visited "

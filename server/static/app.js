@@ -325,8 +325,9 @@ async function refreshFigures() {
       const tr = body.insertRow();
       tr.dataset.collection = name;
       const pq = bytes(t.pq_bytes) + (t.pq_tier ? ` (${t.pq_tier})` : "");
-      // The buffer's bytes: blocks (page_buffer_bytes) and single records (record_cache_bytes) share it.
-      const buffer = (t.page_buffer_bytes || 0) + (t.record_cache_bytes || 0);
+      // The buffer's bytes: blocks (page_buffer_bytes) and single records (record_cache_bytes) share it, or the
+      // raw vectors held in RAM in its place (raw_vectors_bytes: raw_in_ram, where the budget holds them).
+      const buffer = (t.page_buffer_bytes || 0) + (t.record_cache_bytes || 0) + (t.raw_vectors_bytes || 0);
       const cells = [name, info.count, bytes(t.host_index_bytes), pq, bytes(buffer), bytes(t.ssd_bytes),
         bytes(t.fresh_bytes), buildState(info.build_state || {})];
       for (const v of cells) {

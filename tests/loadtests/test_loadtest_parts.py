@@ -143,11 +143,13 @@ def test_prometheus_parse_and_summary_over_a_run():
     before = parse_prometheus('# HELP x\nfusionrag_queries_total{collection="a"} 10\n'
                               'fusionrag_ssd_pages_read_total{collection="a"} 5\n'
                               'fusionrag_page_buffer_hits_total{collection="a"} 5\n'
+                              'fusionrag_reranked_candidates_total{collection="a"} 100\n'
                               'fusionrag_batch_queries_count 4\nfusionrag_batch_queries_sum 10\n'
                               'fusionrag_http_requests_total{method="GET",route="/readyz",status="503"} 3\n')
     after_text = ('fusionrag_queries_total{collection="a"} 30\n'
                   'fusionrag_ssd_pages_read_total{collection="a"} 15\n'
                   'fusionrag_page_buffer_hits_total{collection="a"} 35\n'
+                  'fusionrag_reranked_candidates_total{collection="a"} 500\n'
                   'fusionrag_batch_queries_count 8\nfusionrag_batch_queries_sum 30\n'
                   'fusionrag_stage_seconds_count{stage="rerank"} 20\nfusionrag_stage_seconds_sum{stage="rerank"} 0.02\n'
                   'fusionrag_gpu_memory_bytes{kind="used"} 100\nfusionrag_gpu_memory_bytes{kind="budget"} 200\n'
@@ -159,7 +161,7 @@ def test_prometheus_parse_and_summary_over_a_run():
     assert after[("weird_label", (("path", 'a \\"quoted\\" b'),))] == 1500.0
     s = summarize_metrics(before, after)
     assert s["queries"] == 20 and s["ssd_pages_read_per_query"] == 0.5 and s["page_buffer_hit_ratio"] == 0.75
-    assert s["queries_per_batch"] == 5 and s["stage_mean_ms"] == {"rerank": pytest.approx(1.0)}
+    assert s["reranked_per_query"] == 20 and s["queries_per_batch"] == 5 and s["stage_mean_ms"] == {"rerank": pytest.approx(1.0)}
     # Judged by what the process holds (250), not by the budget's bookkeeping (100).
     assert s["gpu_within_budget"] is False and s["http_responses_by_status"] == {"200": 20}
     assert summarize_metrics(before, parse_prometheus(after_text.replace("} 250", "} 150")))["gpu_within_budget"]

@@ -1,7 +1,8 @@
 """The page buffer's policies (CLOCK, cache by use) and pinning by hotness, and the index manager
 thread that re-pins: hit ratios and reads counted independently of the buffer, through the process's
 own read counters (/proc/self/io: bytes read by read/pread system calls, which the pread backend
-makes), residency, the thread's life, and answers that never depend on the policy."""
+makes), residency, the thread's life, and answers that never depend on the policy. Every index here opens with
+raw_in_ram 'off': the budget would hold these small indexes' raw vectors in RAM, with no page buffer to test."""
 
 import threading
 import time
@@ -205,7 +206,7 @@ def manager_threads():
 
 def test_engine_pins_hot_pages_and_stats_count_real_reads(small):
     _, queries, path = small
-    index = Index.open(path, filter_tier="cpu", io_backend="pread", buffer_bytes=64 * 4096, pin_fraction=0.5,
+    index = Index.open(path, filter_tier="cpu", raw_in_ram="off", io_backend="pread", buffer_bytes=64 * 4096, pin_fraction=0.5,
                        manager_interval_s=0, threads=1)
     assert not manager_threads()  # interval 0: no thread, rounds by hand
     store = index.reranker.store
@@ -230,7 +231,7 @@ def test_engine_pins_hot_pages_and_stats_count_real_reads(small):
 def test_manager_thread_repins_in_the_background_and_stops_on_close(small):
     _, queries, path = small
     before = set(manager_threads())
-    index = Index.open(path, filter_tier="cpu", buffer_bytes=64 * 4096, pin_fraction=0.5, manager_interval_s=0.01)
+    index = Index.open(path, filter_tier="cpu", raw_in_ram="off", buffer_bytes=64 * 4096, pin_fraction=0.5, manager_interval_s=0.01)
     mine = [t for t in manager_threads() if t not in before]
     assert len(mine) == 1 and mine[0].daemon
     index.search(queries[:50], k=10)
@@ -241,13 +242,13 @@ def test_manager_thread_repins_in_the_background_and_stops_on_close(small):
     index.close()
     assert not mine[0].is_alive() and set(manager_threads()) == before
     # No pinning and a CPU tier: nothing to manage, no thread.
-    Index.open(path, filter_tier="cpu").close()
+    Index.open(path, filter_tier="cpu", raw_in_ram="off").close()
     assert set(manager_threads()) == before
 
 
 def test_manager_rebalances_a_tiered_gpu_tier_only_when_queries_came(small):
     _, _, path = small
-    index = Index.open(path, filter_tier="cpu", manager_interval_s=0)
+    index = Index.open(path, filter_tier="cpu", raw_in_ram="off", manager_interval_s=0)
 
     class TieredTier:  # what refresh_hotness asks of a GPU tier holding only its hottest codes
         tiered, calls = True, 0
@@ -274,8 +275,8 @@ def test_manager_rebalances_a_tiered_gpu_tier_only_when_queries_came(small):
 def test_answers_do_not_depend_on_the_policy(small, overrides):
     _, queries, path = small
     stream = np.concatenate([queries[:100], queries[:100], queries[100:300]])
-    base = Index.open(path, filter_tier="cpu", buffer_bytes=32 * 4096, manager_interval_s=0)
-    other = Index.open(path, filter_tier="cpu", buffer_bytes=32 * 4096, manager_interval_s=0, **overrides)
+    base = Index.open(path, filter_tier="cpu", raw_in_ram="off", buffer_bytes=32 * 4096, manager_interval_s=0)
+    other = Index.open(path, filter_tier="cpu", raw_in_ram="off", buffer_bytes=32 * 4096, manager_interval_s=0, **overrides)
     for lo in range(0, len(stream), 50):
         want, got = base.search(stream[lo:lo + 50], k=10), other.search(stream[lo:lo + 50], k=10)
         np.testing.assert_array_equal(got.ids, want.ids)
@@ -292,7 +293,7 @@ def test_record_cache_takes_its_share_of_the_buffer_and_counts_real_reads(small,
     says it read are the bytes the process read (pread backend)."""
     _, queries, path = small
     budget = 32 * 4096
-    index = Index.open(path, filter_tier="cpu", io_backend="pread", buffer_bytes=budget, buffer_policy="lfu",
+    index = Index.open(path, filter_tier="cpu", raw_in_ram="off", io_backend="pread", buffer_bytes=budget, buffer_policy="lfu",
                        record_cache="on", record_cache_share=fraction, manager_interval_s=0, threads=1)
     mem, store = index.memory(), index.reranker.store
     assert mem["record_cache_bytes"] == store.record_cache_capacity * (store.record_bytes + store.record_cache_overhead)
@@ -316,8 +317,8 @@ def test_adaptive_layout_gives_the_same_answers_in_either_layout(small):
     served some records from memory."""
     _, queries, path = small
     budget = 32 * 4096
-    base = Index.open(path, filter_tier="cpu", buffer_bytes=budget, manager_interval_s=0)
-    other = Index.open(path, filter_tier="cpu", buffer_bytes=budget, manager_interval_s=0)  # record_cache auto
+    base = Index.open(path, filter_tier="cpu", raw_in_ram="off", buffer_bytes=budget, manager_interval_s=0)
+    other = Index.open(path, filter_tier="cpu", raw_in_ram="off", buffer_bytes=budget, manager_interval_s=0)  # record_cache auto
     store = other.reranker.store
     assert store.adaptive_layout and store.layout == "blocks"  # 24-d: 96 + 96 bytes against 97.5 of a page
     stream = np.concatenate([queries[:100], queries[:100], queries[100:300]])
@@ -351,7 +352,7 @@ def test_an_index_dropped_without_close_stops_its_manager(small):
 
     _, _, path = small
     before = set(manager_threads())
-    index = Index.open(path, filter_tier="cpu", pin_fraction=0.5, manager_interval_s=0.01)
+    index = Index.open(path, filter_tier="cpu", raw_in_ram="off", pin_fraction=0.5, manager_interval_s=0.01)
     mine = [t for t in manager_threads() if t not in before]
     del index
     gc.collect()
@@ -363,10 +364,10 @@ def test_an_index_dropped_without_close_stops_its_manager(small):
 def test_cpu_pipeline_gives_the_same_answers(small, backend):
     _, queries, path = small
     try:
-        plain = Index.open(path, filter_tier="cpu", batch_size=16, io_backend=backend, pipeline=False)
+        plain = Index.open(path, filter_tier="cpu", raw_in_ram="off", batch_size=16, io_backend=backend, pipeline=False)
     except Exception as e:  # noqa: BLE001 - io_uring refused by this kernel or sandbox
         pytest.skip(f"{backend}: {e}")
-    piped = Index.open(path, filter_tier="cpu", batch_size=16, io_backend=backend, pipeline=True)
+    piped = Index.open(path, filter_tier="cpu", raw_in_ram="off", batch_size=16, io_backend=backend, pipeline=True)
     want, got = plain.search(queries, k=10), piped.search(queries, k=10)  # 25 batches
     np.testing.assert_array_equal(got.ids, want.ids)
     np.testing.assert_array_equal(got.distances, want.distances)
@@ -383,7 +384,7 @@ def test_record_cache_auto_is_on_where_records_leave_pages_part_empty(tmp_path, 
     rng = np.random.default_rng(0)
     path = tmp_path / "idx"
     Index.build(rng.standard_normal((300, dim)).astype(np.float32), path, BuildConfig(metric="l2"), progress=False)
-    index = Index.open(path, filter_tier="cpu", buffer_bytes=256 * 4096, manager_interval_s=0)
+    index = Index.open(path, filter_tier="cpu", raw_in_ram="off", buffer_bytes=256 * 4096, manager_interval_s=0)
     store = index.reranker.store
     share = (store.record_bytes + store.record_cache_overhead) / (store.block_bytes / store.records_per_block)
     assert (share < 1) == on

@@ -75,11 +75,17 @@ def test_defaults_have_high_recall_and_stats(small):
     assert np.all(s["lists_probed"] >= 1) and np.all(s["lists_probed"] <= index.params.nprobe)
     assert np.all(s["unique_candidates"] <= s["candidates"]) and np.all(s["unique_candidates"] >= 10)
     assert np.all(s["minibatches"] >= 1) and np.all(s["reranked"] <= index.params.rerank)
-    assert np.all(s["pages_read"] + s["pages_buffered"] >= 1)
+    # The default budget (64 MiB) holds this index's raw vectors: the re-rank scores every candidate from RAM
+    # (raw_in_ram 'auto') and reads nothing; the SSD path's own stats are the tests below (raw_in_ram 'off').
+    assert res.info["raw_in_ram"] and np.all(s["reranked"] >= 10) and not s["pages_read"].any()
+    assert not s["pages_buffered"].any()
     assert res.info["filter_tier"] == "cpu" and res.info["io_backend"] in ("io_uring", "pread")
     mem = index.memory()
     assert mem["pq_bytes"] >= len(base) * index.manifest["pq"]["m"]
-    assert mem["ssd_bytes"] >= base.nbytes
+    assert mem["ssd_bytes"] >= base.nbytes and mem["raw_vectors_bytes"] >= base.nbytes
+    ssd = Index.open(path, raw_in_ram="off").search(queries, k=10)
+    assert not ssd.info["raw_in_ram"] and np.all(ssd.stats["pages_read"] + ssd.stats["pages_buffered"] >= 1)
+    assert np.all(ssd.stats["minibatches"] >= 1) and np.all(ssd.stats["reranked"] <= index.params.rerank)
 
 
 def test_early_stop_reads_less(small):
@@ -94,7 +100,7 @@ def test_early_stop_reads_less(small):
 
 def test_page_buffer_serves_repeated_queries(small):
     _, queries, path = small
-    index = Index.open(path, buffer_bytes=64 << 20)
+    index = Index.open(path, buffer_bytes=64 << 20, raw_in_ram="off")
     first = index.search(queries[:5], k=10)
     again = index.search(queries[:5], k=10)
     assert first.stats["pages_read"].sum() > 0
@@ -206,7 +212,7 @@ def test_page_mates(small):
     base, queries, path = small
     truth = exact_knn(base, queries, 10)
     lean = dict(nprobe=8, rerank=40, minibatch=2, beta=1)  # an early stop: page-mates matter
-    on, off = Index.open(path), Index.open(path, page_mates=False)
+    on, off = Index.open(path, raw_in_ram="off"), Index.open(path, page_mates=False, raw_in_ram="off")
     assert on.config.page_mates and not off.config.page_mates
     a, b = on.search(queries, k=10, **lean), off.search(queries, k=10, **lean)
     assert a.stats["page_mates"].sum() > 0 and b.stats["page_mates"].sum() == 0

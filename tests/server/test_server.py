@@ -145,8 +145,9 @@ def test_first_start_builds_the_demo_with_its_index(server, client):
     assert info["count"] == len(corpus()) and info["embedding"] == "all-MiniLM-L6-v2"
     assert info["build_state"]["indexed"] == len(corpus()) and info["build_state"]["generation"] == 1
     assert info["tiers"]["ssd_bytes"] > 0 and info["tiers"]["pq_bytes"] > 0
-    # 384-d float32 records leave a quarter of their pages empty: the buffer holds single records (record_cache auto)
-    assert info["tiers"]["record_cache_bytes"] > 0 and info["tiers"]["page_buffer_bytes"] == 0
+    # The demo's raw vectors fit the default budget (--buffer-mb 64): held in RAM in place of the page buffer
+    assert info["tiers"]["raw_in_ram"] and info["tiers"]["raw_vectors_bytes"] >= len(corpus()) * 384 * 4
+    assert info["tiers"]["record_cache_bytes"] == 0 and info["tiers"]["page_buffer_bytes"] == 0
     assert client.get("/v1/collections").json()["collections"][0]["name"] == "demo"
 
 
@@ -213,7 +214,8 @@ def test_vector_search_returns_the_document_of_its_vector(demo, demo_vectors):
     # One vocabulary on every backend (docs/api.md): the same measure under the same name.
     assert all(s["lists_probed"] >= 1 and s["candidates"] >= 1 and s["reranked"] >= 1 for s in stats), stats
     if demo.kind == "single":
-        assert all(s["pages_read"] + s["pages_buffered"] >= 1 for s in stats), stats
+        # re-ranked from the raw vectors in RAM (the demo fits the budget): nothing read
+        assert all(s["pages_read"] + s["pages_buffered"] == 0 and s["reranked"] >= 2 for s in stats), stats
     else:
         assert all(s["shards_probed"] >= 1 for s in stats), stats
 
@@ -473,6 +475,7 @@ def test_metrics_parse_and_cover_the_figures(client):
     for name in ("fusionrag_http_requests", "fusionrag_http_request_seconds", "fusionrag_stage_seconds",
                  "fusionrag_batch_requests", "fusionrag_batch_queries", "fusionrag_queries",
                  "fusionrag_ssd_pages_read", "fusionrag_page_buffer_hits", "fusionrag_page_buffer_hit_ratio",
+                 "fusionrag_reranked_candidates",
                  "fusionrag_collection_documents", "fusionrag_tier_bytes", "fusionrag_gpu_memory_bytes",
                  "fusionrag_search_scratch_bytes"):
         assert name in fams, name
@@ -483,15 +486,17 @@ def test_metrics_parse_and_cover_the_figures(client):
     docs = {s.labels["collection"]: s.value for s in fams["fusionrag_collection_documents"].samples}
     assert docs["demo"] == len(corpus())
     tiers = {s.labels["tier"] for s in fams["fusionrag_tier_bytes"].samples if s.labels["collection"] == "demo"}
-    assert {"host_index", "pq", "page_buffer", "record_cache", "ssd", "fresh"} <= tiers
+    assert {"host_index", "pq", "page_buffer", "record_cache", "raw_vectors", "ssd", "fresh"} <= tiers
+    # No page was asked for (the demo's raw vectors are in RAM): no hit ratio to give for it
     ratio = [s.value for s in fams["fusionrag_page_buffer_hit_ratio"].samples if s.labels["collection"] == "demo"]
-    assert len(ratio) == 1 and 0 <= ratio[0] <= 1
+    assert ratio == []
     ok = [s for s in fams["fusionrag_http_requests"].samples
           if s.name == "fusionrag_http_requests_total" and s.labels["route"] == "/v1/collections/{name}/search"
           and s.labels["status"] == "200"]
     assert ok and ok[0].value >= 1
-    read = sum(s.value for s in fams["fusionrag_ssd_pages_read"].samples if s.name.endswith("_total"))
-    assert read >= 1
+    # The demo's raw vectors are in RAM (they fit the default budget): candidates re-ranked, no page read
+    total = lambda name: sum(s.value for s in fams[name].samples if s.name.endswith("_total"))
+    assert total("fusionrag_reranked_candidates") >= 3 and total("fusionrag_ssd_pages_read") == 0
 
 
 def test_stats_endpoint_and_structured_logs(server, client):
@@ -712,7 +717,9 @@ def test_web_page_searches_and_shows_live_figures(server, browser):
     wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, "#tiers tr[data-collection='demo']")))
     row = [td.text for td in browser.find_elements(By.CSS_SELECTOR, "#tiers tr[data-collection='demo'] td")]
     assert row[0] == "demo" and row[1] == str(len(corpus())) and row[5].endswith("KiB")
-    assert row[4].endswith("MiB") and float(row[4].split()[0]) > 0  # the buffer: its record cache (384-d records)
+    # the buffer's column: the raw vectors held in RAM in its place (the demo's fit the default budget), fewer
+    # bytes than their pages on the SSD (two 1536-byte records a 4 KiB page)
+    assert row[4].endswith("KiB") and 0 < float(row[4].split()[0]) < float(row[5].split()[0])
     wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "dd[data-figure='latency p50']").text.endswith(" ms"))
     # An error is shown, not swallowed.
     query.clear()

@@ -99,7 +99,7 @@ def test_service_buffer_compression_reaches_the_index(tmp_path, mode):
     from fusionrag.server.life import open_catalog
 
     config = load_config(flags={"data_dir": str(tmp_path), "demo": False, "filter_tier": "cpu",
-                                "buffer_compression": mode}, environ={})
+                                "buffer_compression": mode, "raw_in_ram": "off"}, environ={})  # a page buffer
     catalog = open_catalog(config)
     try:
         coll = catalog.create("c", dim=32, metric="l2")
@@ -112,6 +112,32 @@ def test_service_buffer_compression_reaches_the_index(tmp_path, mode):
         assert store.buffer_compressed == (mode != "off")
         assert coll.info()["tiers"]["page_buffer_compressed"] == (mode != "off")
         assert (index.search(vectors[:100], 1).ids[:, 0] == np.arange(100)).all()
+    finally:
+        catalog.close()
+
+
+@pytest.mark.parametrize("mode", ["auto", "on", "off"])
+def test_raw_in_ram_reaches_every_collection(tmp_path, mode):
+    """--raw-in-ram opens every collection's index with it: under 'auto' (the default) and 'on' a collection whose
+    raw vectors --buffer-mb holds keeps them in RAM and its searches read no page; under 'off' they are read
+    from the page file through the page buffer."""
+    from fusionrag.retriever.collection import Document
+    from fusionrag.server.life import open_catalog
+
+    config = load_config(flags={"data_dir": str(tmp_path), "demo": False, "filter_tier": "cpu",
+                                **({} if mode == "auto" else {"raw_in_ram": mode})}, environ={})
+    catalog = open_catalog(config)
+    try:
+        coll = catalog.create("c", dim=32, metric="l2")
+        vectors = np.random.default_rng(0).standard_normal((600, 32)).astype(np.float32)
+        coll.upsert([Document(id=str(i), vector=v) for i, v in enumerate(vectors)])
+        coll.merge()
+        tiers = coll.info()["tiers"]
+        resident = mode != "off"
+        assert tiers["raw_in_ram"] == resident and (tiers["raw_vectors_bytes"] >= vectors.nbytes) == resident
+        res = coll._main.index.search(vectors[:50], 1)
+        assert (res.ids[:, 0] == np.arange(50)).all() and (res.stats["reranked"] > 0).all()
+        assert (res.stats["pages_read"] + res.stats["pages_buffered"] > 0).all() != resident
     finally:
         catalog.close()
 
