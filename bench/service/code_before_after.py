@@ -23,6 +23,7 @@ The answers of every run are compared with the first run's (ids equal, distances
 before and after code must give the same. Results: bench/results/service/code_before_after.json and .md.
 
     python -m bench.service.code_before_after --before-site /tmp/before-site [--set fashion] [--queries 2000]
+        [--targets index,sharded] [--engine '{"raw_in_ram": "on"}'] [--name NAME]
 """
 
 from __future__ import annotations
@@ -45,15 +46,18 @@ import numpy as np
 from bench.harness.paths import WORK, results
 from bench.harness.sets import load, prepare  # noqa: E402
 
+TARGETS = ("index", "sharded", "service", "sharded-service", "collection-writes", "sharded-writes")
+
 WORKER = r"""
 import json, sys, time
 import numpy as np
-from fusionrag.retriever import Index
+from fusionrag.retriever import EngineConfig, Index
 from fusionrag.retriever.sharded import ShardedIndex
 
-path, kind, qfile, single, out = sys.argv[1:6]
+path, kind, qfile, single, out, engine = sys.argv[1:7]
 q = np.load(qfile)
-index = (ShardedIndex if kind == "sharded" else Index).open(path)
+engine = EngineConfig().with_overrides(**json.loads(engine))
+index = (ShardedIndex if kind == "sharded" else Index).open(path, engine)
 try:
     index.search(q[:64], 10)  # warm
     t = time.perf_counter()
@@ -244,7 +248,15 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="A B B A blocks")
     ap.add_argument("--work", type=Path, default=WORK)
     ap.add_argument("--out", type=Path, default=results("service"))
+    ap.add_argument("--targets", default=",".join(TARGETS), help="comma-separated, of: " + ", ".join(TARGETS))
+    ap.add_argument("--engine", default="{}", help="EngineConfig overrides (JSON) the index and sharded targets "
+                    "open with, e.g. '{\"raw_in_ram\": \"on\"}': the same settings under either code's defaults")
+    ap.add_argument("--name", default="code_before_after", help="the result files' name (.json, .md) in --out")
     args = ap.parse_args()
+    targets = args.targets.split(",")
+    if unknown := set(targets) - set(TARGETS):
+        ap.error(f"unknown targets: {sorted(unknown)}")
+    engine = json.loads(args.engine)
 
     prepare(args.work, args.set)
     base, q, gt, meta = load(args.work, args.set)
@@ -257,13 +269,15 @@ def main() -> int:
     built = {}
     for kind, extra in (("index", []), ("sharded", ["--shards", "2"])):
         path = work / kind
+        if not any(t.startswith(kind) for t in targets):  # only what the targets search
+            continue
         if not (path / "manifest.json").exists():
             t = time.perf_counter()
             subprocess.run([*after_cmd, "build", str(fbin), str(path), "--quiet", "--overwrite", *extra], check=True,
                            stdout=subprocess.DEVNULL)
             built[kind] = round(time.perf_counter() - t, 1)
     data = work / "data"
-    if not (data / "collections" / "c").exists():  # imported by an earlier run
+    if {"service", "sharded-service"} & set(targets) and not (data / "collections" / "c").exists():  # an earlier run's
         subprocess.run([*after_cmd, "import", str(data), "--collection", "c", "--vectors", str(fbin), "--metric",
                         meta["metric"], "--quiet"], check=True, stdout=subprocess.DEVNULL)
 
@@ -274,9 +288,9 @@ def main() -> int:
                                                                    capture_output=True, text=True).stdout.strip(),
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                           "load_at_start": os.getloadavg()[0]},
-              "built_s": built, "targets": {}}
+              "built_s": built, "engine": engine, "targets": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        for target in ("index", "sharded", "service", "sharded-service", "collection-writes", "sharded-writes"):
+        for target in targets:
             runs, first = [], None
             for i, variant in enumerate(order):
                 cmd, env = envs[variant]
@@ -294,7 +308,8 @@ def main() -> int:
                                     work / "sharded" if target == "sharded-service" else None)
                 else:
                     p = subprocess.run([*cmd, "-c", WORKER, str(work / target), target, str(qfile),
-                                        str(args.single), str(out)], env=env, capture_output=True, text=True)
+                                        str(args.single), str(out), json.dumps(engine)], env=env, capture_output=True,
+                                       text=True)
                     if p.returncode:
                         raise RuntimeError(p.stderr[-3000:])
                     r = json.loads(p.stdout.strip().splitlines()[-1])
@@ -316,12 +331,13 @@ def main() -> int:
             report["targets"][target] = {"runs": runs, **summary}
     report["machine"]["load_at_end"] = os.getloadavg()[0]
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "code_before_after.json").write_text(json.dumps(report, indent=1))
+    (args.out / f"{args.name}.json").write_text(json.dumps(report, indent=1))
     lines = [f"# Code before ({args.before_label or 'before'}) and after ({report['after']}): same answers, same "
              "speed", "",
              f"{args.set}, {args.queries} queries in one batch (q/s), the first {args.single} one at a time "
              f"(p50 latency); runs {' '.join(order)}; {os.cpu_count()} CPUs, load {report['machine']['load_at_start']:.2f}"
-             f" at the start. Every run's answers compared with the first run's. The -writes targets: {WRITES} writes, "
+             f" at the start; index and sharded opened with {json.dumps(engine)}. Every run's answers compared with "
+             f"the first run's. The -writes targets: {WRITES} writes, "
              "each durable when it returns (q/s: writes a second; p50: a write's latency), then an exhaustive search "
              "(the module's docstring).", "",
              "| target | answers the same in every run | q/s before | q/s after | ratio | p50 ms before | p50 ms after "
@@ -332,7 +348,7 @@ def main() -> int:
                      f"{'' if qb is None else f'{qb:,.0f}'} | {'' if qa is None else f'{qa:,.0f}'} | "
                      f"{t.get('qps_ratio_after_over_before', float('nan')):.3f} | {t['before']['p50_ms']:.3f} | "
                      f"{t['after']['p50_ms']:.3f} | {t['p50_ratio_after_over_before']:.3f} |")
-    (args.out / "code_before_after.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0 if all(t["answers_same_in_every_run"] for t in report["targets"].values()) else 1
 

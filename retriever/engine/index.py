@@ -22,7 +22,8 @@ from fusionrag.retriever.engine.learned_probe import load_probe_model
 from fusionrag.retriever.engine.manifest import ManifestShape, load_array, read_manifest
 from fusionrag.retriever.engine.memory import held_bytes, search_call_bytes, split_buffer
 from fusionrag.retriever.engine.overlap import overlapped
-from fusionrag.retriever.engine.pipeline import STAT_KEYS, DeviceParts, QueryBatch, cut, filter_kind, open_filter_tier
+from fusionrag.retriever.engine.pipeline import (STAT_KEYS, DeviceParts, QueryBatch, cut, filter_kind, open_filter_tier,
+                                                 stat_arrays)
 from fusionrag.retriever.engine.pq import ProductQuantizer
 from fusionrag.retriever.engine.queries import checked_for_search
 from fusionrag.retriever.engine.queries import prepare_queries as prepared
@@ -57,8 +58,8 @@ RERANK_STATS = ("minibatches", "reranked", "pages_read", "pages_buffered", "page
 
 
 def _rerank_stats(stats: dict[str, np.ndarray], rstats: np.ndarray) -> None:
-    for j, key in enumerate(RERANK_STATS):
-        stats[key][:] = rstats[:, j]
+    for key, column in zip(RERANK_STATS, rstats.T):
+        stats[key][:] = column
 
 
 def prepare_queries(queries, dim: int, metric: str) -> np.ndarray:
@@ -448,7 +449,7 @@ class Index(ManifestShape):
         nq, n = len(q), min(max(p.rerank, k), len(ids))
         out_ids = np.full((nq, k), -1, np.int64)
         out_d = np.full((nq, k), np.inf, np.float32)
-        stats = {key: np.zeros(nq, dtype=np.float64 if key.endswith("_s") else np.int64) for key in STAT_KEYS}
+        stats = stat_arrays(nq)
         info = {"filter_tier": "cpu", "among": True}  # PQ on the host, whatever tier the index's searches use
         if n == 0:
             return self._result(out_ids, out_d, stats, info)
