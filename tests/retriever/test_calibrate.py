@@ -1,7 +1,9 @@
 """Build-time calibration of an index's default search settings (BuildConfig.calibrate, retriever/engine/calibrate.py).
 
 Recall is measured here against brute force on held-out queries (not the rows calibration sampled), and the
-settings a search ran with are read from what it did (mini-batches re-ranked), not from the index's record."""
+settings a search ran with are read from what it did (mini-batches re-ranked), not from the index's record. Indexes
+open here as calibration measures them, on the SSD path (raw_in_ram 'off'): these small ones' raw vectors would
+fit the default budget, and in RAM every candidate is re-ranked, with no early stop for the settings to change."""
 
 import json
 
@@ -12,12 +14,13 @@ from conftest import exact_knn, recall
 from fusionrag.cli import main as cli_main
 from fusionrag.retriever import BuildConfig, Index
 from fusionrag.retriever.engine.calibrate import LADDER
-from fusionrag.retriever.engine.config import SearchOverrides, SearchParams
+from fusionrag.retriever.engine.config import EngineConfig, SearchOverrides, SearchParams
 from fusionrag.retriever.engine.vectors import write_bin
 from fusionrag.retriever.errors import ConfigError, IndexFormatError
 from fusionrag.server.requests import search_params
 
 N, DIM = 12000, 96
+SSD = EngineConfig(raw_in_ram="off")
 
 
 def flat(n: int, seed: int) -> np.ndarray:
@@ -45,7 +48,7 @@ def test_calibration_raises_the_rerank_where_the_defaults_fall_short(built):
     assert cal["source"] == "rows" and cal["queries"] == 500
     assert cal["tried"][0]["recall"] < 0.95 and cal["params"], cal
     assert built["coarse"]["search_defaults"] == cal["params"]
-    index = Index.open(built["root"] / "coarse")
+    index = Index.open(built["root"] / "coarse", raw_in_ram="off")
     try:
         assert index.params == SearchParams(**cal["params"])
         q, truth = built["queries"], built["truth"]
@@ -60,7 +63,7 @@ def test_calibration_raises_the_rerank_where_the_defaults_fall_short(built):
 def test_calibration_leaves_the_defaults_where_they_reach_the_target(built):
     cal = built["plain"]["calibration"]
     assert len(cal["tried"]) == 1 and cal["tried"][0]["recall_low"] >= 0.95 and cal["params"] == {}
-    index = Index.open(built["root"] / "plain")
+    index = Index.open(built["root"] / "plain", raw_in_ram="off")
     try:
         assert index.params == SearchParams()
         assert recall(index.search(built["queries"], 10).ids, built["truth"]) >= 0.95
@@ -69,7 +72,7 @@ def test_calibration_leaves_the_defaults_where_they_reach_the_target(built):
 
 
 def test_a_requests_knobs_apply_over_the_calibrated_defaults(built):
-    index = Index.open(built["root"] / "coarse")
+    index = Index.open(built["root"] / "coarse", raw_in_ram="off")
     try:
         q = built["queries"]
         chosen = SearchParams(**built["coarse"]["calibration"]["params"])
@@ -91,14 +94,14 @@ def test_a_requests_knobs_apply_over_the_calibrated_defaults(built):
 def test_the_cli_applies_its_flags_over_the_calibrated_defaults(built, tmp_path, capsys):
     write_bin(tmp_path / "q.fbin", built["queries"][:50])
     assert cli_main(["search", str(built["root"] / "coarse"), str(tmp_path / "q.fbin"), "--out",
-                     str(tmp_path / "o.npy"), "--nprobe", "4"]) == 0
+                     str(tmp_path / "o.npy"), "--nprobe", "4", "--raw-in-ram", "off"]) == 0
     report = json.loads(capsys.readouterr().out)
     chosen = built["coarse"]["calibration"]["params"]
     assert report["params"]["nprobe"] == 4 and report["params"]["beta"] == chosen["beta"]
     # What the search did, not only what it reports: at most 4 lists, and as many mini-batches as the
     # calibrated settings take (more than the class defaults' beta 2 takes).
     assert report["per_query"]["lists_probed"] <= 4
-    index = Index.open(built["root"] / "coarse")
+    index = Index.open(built["root"] / "coarse", raw_in_ram="off")
     try:
         q = built["queries"][:50]
         calibrated = index.search(q, 10, {"nprobe": 4}).stats["minibatches"].mean()
@@ -115,7 +118,7 @@ def test_calibration_measures_the_builds_sample_queries_and_can_be_turned_off(bu
     off = Index.build(built["base"], tmp_path / "off", BuildConfig(threads=1, pq_m=8, calibrate=False),
                       progress=False)
     assert "calibration" not in off and "search_defaults" not in off
-    index = Index.open(tmp_path / "off")
+    index = Index.open(tmp_path / "off", raw_in_ram="off")
     try:
         assert index.params == SearchParams()
     finally:
@@ -137,7 +140,7 @@ def test_a_merge_calibrates_again_once_the_index_has_grown(built, tmp_path):
     assert "skipped" in Index.build(small, tmp_path / "g0", config, progress=False)["calibration"]
 
     def merge(src: str, dst: str, new: np.ndarray) -> dict:
-        old = Index.open(tmp_path / src)
+        old = Index.open(tmp_path / src, raw_in_ram="off")
         try:
             merge_index(old, np.zeros(old.count, bool), new, tmp_path / dst, config, progress=False)
         finally:
@@ -148,7 +151,7 @@ def test_a_merge_calibrates_again_once_the_index_has_grown(built, tmp_path):
     cal = m1["calibration"]
     assert cal["source"] == "rows" and cal["count"] == N and cal["tried"][0]["recall"] < 0.95 and cal["params"]
     assert m1["search_defaults"] == cal["params"] and m1["merge"]["calibrate_s"] > 0
-    index = Index.open(tmp_path / "g1")
+    index = Index.open(tmp_path / "g1", raw_in_ram="off")
     try:
         assert index.params == SearchParams(**cal["params"])
         q, truth = built["queries"], built["truth"]  # held out, against brute force over all 12,000 rows
@@ -192,7 +195,7 @@ def test_a_graph_navigated_index_gets_the_narrowest_beam_that_holds_its_recall(b
             break
         kept, best = kept + [t], max(best, t["recall"])
     assert len(narrowed) == min(len(kept) + 1, len(BEAMS)), cal
-    index = Index.open(tmp_path / "g")
+    index = Index.open(tmp_path / "g", raw_in_ram="off")
     try:
         truth = exact_knn(base, q, 10)
         at_defaults = index.search(q, 10)
@@ -228,7 +231,7 @@ def test_bad_search_defaults_in_a_manifest_are_refused(built, tmp_path):
     for bad in ({"rerank": 0}, {"no_such_knob": 1}, ["rerank"]):
         path.write_text(json.dumps({**m, "search_defaults": bad}))
         with pytest.raises(IndexFormatError, match="search_defaults"):
-            Index.open(dest)
+            Index.open(dest, raw_in_ram="off")
 
 
 def test_bad_overrides_are_refused_when_made():
@@ -250,7 +253,7 @@ def test_a_sharded_build_calibrates_its_router_and_requests_apply_over_it(built,
     assert cal["source"] == "rows" and cal["tried"][0]["recall"] < 0.95 and cal["params"], cal
     assert m["search_defaults"] == cal["params"]
     q, truth = built["queries"], built["truth"]
-    index = ShardedIndex.open(tmp_path / "sh")
+    index = ShardedIndex.open(tmp_path / "sh", SSD)
     try:
         chosen = SearchParams(**cal["params"])
         assert index.params == chosen
@@ -269,7 +272,7 @@ def test_a_sharded_build_calibrates_its_router_and_requests_apply_over_it(built,
         index.close()
     write_bin(tmp_path / "q.fbin", q[:50])
     assert cli_main(["search", str(tmp_path / "sh"), str(tmp_path / "q.fbin"), "--out", str(tmp_path / "o.npy"),
-                     "--nprobe", "4"]) == 0
+                     "--nprobe", "4", "--raw-in-ram", "off"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["params"]["nprobe"] == 4 and report["params"]["beta"] == chosen.beta
     assert report["per_query"]["reranked"] == pytest.approx(full.stats["reranked"][:50].mean(), abs=1e-3)
@@ -321,7 +324,7 @@ def test_an_index_built_without_calibration_is_calibrated_afterwards_as_its_buil
     out = json.loads(capsys.readouterr().out)
     at_build = built["coarse"]["calibration"]
     assert out["tried"] == at_build["tried"] and out["params"] == at_build["params"] and out["params"]
-    index = Index.open(path)  # checksums verified against the rewritten manifest
+    index = Index.open(path, raw_in_ram="off")  # checksums verified against the rewritten manifest
     try:
         assert index.params == SearchParams(**at_build["params"])
     finally:
@@ -362,7 +365,7 @@ def test_a_sharded_index_is_calibrated_afterwards_across_its_shards_with_its_wri
     q = built["queries"]
     truth = exact_knn(every, q, 10)
     assert (truth >= N).any()  # the written vectors are among the held-out queries' neighbours
-    index = ShardedIndex.open(path)
+    index = ShardedIndex.open(path, SSD)
     try:
         assert index.params == SearchParams(**at_build["params"])  # the rewritten router manifest verifies
         index.upsert(np.arange(N, N + len(extra)), extra)
@@ -374,7 +377,7 @@ def test_a_sharded_index_is_calibrated_afterwards_across_its_shards_with_its_wri
         index.close()
     cal = recalibrate(path)  # the writes are in the shards' fresh tiers, not merged
     assert cal["count"] == N + len(extra) and cal["source"] == "rows" and cal["params"]
-    index = ShardedIndex.open(path)
+    index = ShardedIndex.open(path, SSD)
     try:
         assert index.params == SearchParams(**cal["params"])
         assert recall(index.search(q, 10).ids, truth) >= 0.92
@@ -385,7 +388,7 @@ def test_a_sharded_index_is_calibrated_afterwards_across_its_shards_with_its_wri
         recalibrate(part)
 
     # A served index's merge: 12,000 -> 16,000 live vectors, past 1.25x what the build measured.
-    index = ShardedIndex.open(tmp_path / "on")
+    index = ShardedIndex.open(tmp_path / "on", SSD)
     try:
         index.upsert(np.arange(N, N + len(extra)), extra)
         index.merge_shards()
@@ -512,7 +515,7 @@ def test_the_truth_of_a_built_index_is_read_in_the_order_of_its_page_file(built)
     from fusionrag.retriever.engine.calibrate import page_rows
     from fusionrag.retriever.engine.learned_probe import exact_topk
 
-    index = Index.open(built["root"] / "plain")
+    index = Index.open(built["root"] / "plain", raw_in_ram="off")
     try:
         rows = page_rows(index)
     finally:
