@@ -157,7 +157,7 @@ def test_service_engine_settings_reach_the_index(tmp_path, monkeypatch, policy, 
     monkeypatch.setattr(index_module, "overlapped", lambda items, *a, **kw: (overlaps.append(1), real(items, *a, **kw)))
     config = load_config(flags={"data_dir": str(tmp_path), "demo": False, "buffer_policy": policy,
                                 "pipeline": pipeline, "filter_tier": "cpu", "record_cache": records,
-                                "rerank_prefetch": prefetch},
+                                "rerank_prefetch": prefetch, "raw_in_ram": "off"},  # the page buffer's settings
                          environ={})
     catalog = open_catalog(config)
     try:
