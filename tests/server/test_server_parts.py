@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 
@@ -10,6 +12,24 @@ from fusionrag.retriever.errors import ConfigError
 from fusionrag.server.auth import KeyRing
 from fusionrag.server.config import ServerConfig, load_config
 from fusionrag.server.demo import MAX_CHUNK_CHARS, chunk_markdown, corpus
+
+
+@contextmanager
+def merged_collection(tmp_path, flags: dict, vectors: np.ndarray):
+    """A service's catalog opened with these flags (no demo, the CPU tier), its collection "c" of these l2 vectors
+    (ids "0", "1", ...) merged into an index; (the collection, the config). Closed on the way out."""
+    from fusionrag.retriever.collection import Document
+    from fusionrag.server.life import open_catalog
+
+    config = load_config(flags={"data_dir": str(tmp_path), "demo": False, "filter_tier": "cpu", **flags}, environ={})
+    catalog = open_catalog(config)
+    try:
+        coll = catalog.create("c", dim=vectors.shape[1], metric="l2")
+        coll.upsert([Document(id=str(i), vector=v) for i, v in enumerate(vectors)])
+        coll.merge()
+        yield coll, config
+    finally:
+        catalog.close()
 
 
 def test_config_precedence_flags_over_env_over_file(tmp_path):
@@ -95,25 +115,14 @@ def test_service_buffer_compression_reaches_the_index(tmp_path, mode):
     """--buffer-compression opens every collection's index with it: on vectors that are mostly zero (ReLU
     outputs), 'auto' and 'on' hold the buffer's blocks coded, as the native store reports it, and the answers
     are found."""
-    from fusionrag.retriever.collection import Document
-    from fusionrag.server.life import open_catalog
-
-    config = load_config(flags={"data_dir": str(tmp_path), "demo": False, "filter_tier": "cpu",
-                                "buffer_compression": mode, "raw_in_ram": "off"}, environ={})  # a page buffer
-    catalog = open_catalog(config)
-    try:
-        coll = catalog.create("c", dim=32, metric="l2")
-        vectors = np.maximum(np.random.default_rng(0).standard_normal((600, 32)) - 1.0, 0).astype(np.float32)
-        vectors[:, 0] = np.arange(600)  # every vector distinct
-        coll.upsert([Document(id=str(i), vector=v) for i, v in enumerate(vectors)])
-        coll.merge()
-        index = coll._main.index
+    vectors = np.maximum(np.random.default_rng(0).standard_normal((600, 32)) - 1.0, 0).astype(np.float32)
+    vectors[:, 0] = np.arange(600)  # every vector distinct
+    with merged_collection(tmp_path, {"buffer_compression": mode, "raw_in_ram": "off"}, vectors) as (coll, _):
+        index = coll._main.index  # raw_in_ram off above: a page buffer to compress
         store = index.reranker.store
         assert store.buffer_compressed == (mode != "off")
         assert coll.info()["tiers"]["page_buffer_compressed"] == (mode != "off")
         assert (index.search(vectors[:100], 1).ids[:, 0] == np.arange(100)).all()
-    finally:
-        catalog.close()
 
 
 @pytest.mark.parametrize("mode", ["auto", "on", "off"])
@@ -121,25 +130,14 @@ def test_raw_in_ram_reaches_every_collection(tmp_path, mode):
     """--raw-in-ram opens every collection's index with it: under 'auto' (the default) and 'on' a collection whose
     raw vectors --buffer-mb holds keeps them in RAM and its searches read no page; under 'off' they are read
     from the page file through the page buffer."""
-    from fusionrag.retriever.collection import Document
-    from fusionrag.server.life import open_catalog
-
-    config = load_config(flags={"data_dir": str(tmp_path), "demo": False, "filter_tier": "cpu",
-                                **({} if mode == "auto" else {"raw_in_ram": mode})}, environ={})
-    catalog = open_catalog(config)
-    try:
-        coll = catalog.create("c", dim=32, metric="l2")
-        vectors = np.random.default_rng(0).standard_normal((600, 32)).astype(np.float32)
-        coll.upsert([Document(id=str(i), vector=v) for i, v in enumerate(vectors)])
-        coll.merge()
+    vectors = np.random.default_rng(0).standard_normal((600, 32)).astype(np.float32)
+    with merged_collection(tmp_path, {} if mode == "auto" else {"raw_in_ram": mode}, vectors) as (coll, _):
         tiers = coll.info()["tiers"]
         resident = mode != "off"
         assert tiers["raw_in_ram"] == resident and (tiers["raw_vectors_bytes"] >= vectors.nbytes) == resident
         res = coll._main.index.search(vectors[:50], 1)
         assert (res.ids[:, 0] == np.arange(50)).all() and (res.stats["reranked"] > 0).all()
         assert (res.stats["pages_read"] + res.stats["pages_buffered"] > 0).all() != resident
-    finally:
-        catalog.close()
 
 
 @pytest.mark.parametrize("policy,pipeline,records,prefetch", [("clock", False, "off", False), ("lfu", True, "on", True),
@@ -149,22 +147,14 @@ def test_service_engine_settings_reach_the_index(tmp_path, monkeypatch, policy, 
     the policy as the native page buffer reports it, the record cache as the native store sizes it, whether a
     call's batches overlapped as the engine's batch loop ran them, and whether the store read blocks ahead."""
     import fusionrag.retriever.engine.index as index_module
-    from fusionrag.retriever.collection import Document
-    from fusionrag.server.life import open_catalog
 
     overlaps = []
     real = index_module.overlapped
     monkeypatch.setattr(index_module, "overlapped", lambda items, *a, **kw: (overlaps.append(1), real(items, *a, **kw)))
-    config = load_config(flags={"data_dir": str(tmp_path), "demo": False, "buffer_policy": policy,
-                                "pipeline": pipeline, "filter_tier": "cpu", "record_cache": records,
-                                "rerank_prefetch": prefetch, "raw_in_ram": "off"},  # the page buffer's settings
-                         environ={})
-    catalog = open_catalog(config)
-    try:
-        coll = catalog.create("c", dim=8, metric="l2")
-        vectors = np.random.default_rng(0).standard_normal((600, 8)).astype(np.float32)
-        coll.upsert([Document(id=str(i), vector=v) for i, v in enumerate(vectors)])
-        coll.merge()
+    flags = {"buffer_policy": policy, "pipeline": pipeline, "record_cache": records, "rerank_prefetch": prefetch,
+             "raw_in_ram": "off"}  # the page buffer's settings: these vectors would fit the budget in RAM
+    vectors = np.random.default_rng(0).standard_normal((600, 8)).astype(np.float32)
+    with merged_collection(tmp_path, flags, vectors) as (coll, config):
         index = coll._main.index
         assert index is not None, "the merge built no index"
         res = index.search(vectors[:300], 5)  # five CPU batches of 64: the case the pipeline overlaps
@@ -177,8 +167,6 @@ def test_service_engine_settings_reach_the_index(tmp_path, monkeypatch, policy, 
         assert index.reranker.prefetch == prefetch
         if records != "auto":  # auto holds these 5 blocks after the first round: nothing left to read ahead
             assert (store.stats()["read_ahead"] > 0) == prefetch
-    finally:
-        catalog.close()
 
 
 def test_a_json_log_line_holds_the_callers_extras_and_not_what_libraries_add():
