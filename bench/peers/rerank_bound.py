@@ -166,7 +166,8 @@ def study(idx, X, queries, gt, nq, nprobe, n, rnorm, out):
             f = run(P, gt, rep, e, mb, beta, True)
             cells = []
             for x in (w, f):
-                cells += [f"{x['pages']:.2f}", f"{x['recall']:.4f}", f"{x['skipped']:.1f} of {x['skipped'] + x['scored']:.1f}",
+                cells += [f"{x['pages']:.2f}", f"{x['recall']:.4f}",
+                          f"{x['skipped']:.1f} of {x['skipped'] + x['scored']:.1f}",
                           f"{x['false']:.4f} ({x['false_q']})" if e is not None and e < 1 else "-"]
             out(f"| {mb}, {beta} | {name} | " + " | ".join(cells) + " |")
     out(f"\n({time.perf_counter() - t:.0f} s)")

@@ -17,15 +17,13 @@ from fusionrag.retriever.collection.generations import Generation, ReadView
 from fusionrag.retriever.collection.records import QUERY_WORDS, CollectionSearch, Document, Hit
 from fusionrag.retriever.collection.values import check_ids
 from fusionrag.retriever.engine.config import SearchOverrides, SearchParams, resolve_params
-from fusionrag.retriever.engine.index import STAT_KEYS
+from fusionrag.retriever.engine.pipeline import COUNT_KEYS, SECONDS_KEYS, STAT_KEYS
 from fusionrag.retriever.engine.queries import PreparedQueries, prepare_queries
 from fusionrag.retriever.errors import InputError
 
 
-# A query's statistics before its search fills them, and the engine's columns' Python types (counts int, seconds float).
+# A query's statistics before its search fills them; the engine's columns are counts (int) and seconds (float).
 _NO_STATS = dict.fromkeys(STAT_KEYS, 0) | {"fresh_candidates": 0, "filtered_exact": False}
-_SECONDS_KEYS = tuple(key for key in STAT_KEYS if key.endswith("_s"))
-_COUNT_KEYS = tuple(key for key in STAT_KEYS if not key.endswith("_s"))
 
 
 class _Reading:
@@ -233,17 +231,17 @@ class SearchOps:
         tier = res.info.get("filter_tier")  # which tier served (under filter_tier auto with CUDA, the cheaper)
         if len(stats) == 1:  # one query (most calls): a number a key, half the time of the matrices below
             s = stats[0]
-            for key in _COUNT_KEYS:
+            for key in COUNT_KEYS:
                 s[key] = int(st[key][0])
-            for key in _SECONDS_KEYS:
+            for key in SECONDS_KEYS:
                 s[key] = float(st[key][0])
             s["filter_tier"] = tier
         else:
-            counts = np.array([st[key] for key in _COUNT_KEYS], np.int64).T.tolist()
-            seconds = np.array([st[key] for key in _SECONDS_KEYS], np.float64).T.tolist()
+            counts = np.array([st[key] for key in COUNT_KEYS], np.int64).T.tolist()
+            seconds = np.array([st[key] for key in SECONDS_KEYS], np.float64).T.tolist()
             for s, c, sec in zip(stats, counts, seconds):
-                s.update(zip(_COUNT_KEYS, c))
-                s.update(zip(_SECONDS_KEYS, sec))
+                s.update(zip(COUNT_KEYS, c))
+                s.update(zip(SECONDS_KEYS, sec))
                 s["filter_tier"] = tier
         # The engine pads with id -1 at distance inf (every tier): hits skip the -1 rows, whatever their distance.
         rows = main.rows.take(ids, mode="clip") if n else np.zeros(ids.shape, np.int64)  # -1 taken, then put back

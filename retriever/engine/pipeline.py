@@ -76,17 +76,12 @@ def cut(queries: np.ndarray, k: int, params: SearchParams, exclude: np.ndarray |
     ids = np.empty((nq, k), dtype=np.int64)
     dists = np.empty((nq, k), dtype=np.float32)
     stats = stat_arrays(nq)
-    if nq <= size:  # one batch (a one-query call among them): the call's own arrays, no views to make
-        b = QueryBatch(queries, k, params, exclude, ids, dists, stats, unit_pending=unit_pending)
-        if lists is not None:
-            b.lists = lists
-            b.probed = (lists >= 0).sum(axis=1)
-        return ids, dists, stats, [b]
     batches = []
     for s in range(0, nq, size):
         sl = slice(s, min(nq, s + size))
-        b = QueryBatch(queries[sl], k, params, exclude, ids[sl], dists[sl], {key: v[sl] for key, v in stats.items()},
-                       unit_pending=unit_pending)
+        # one batch (a one-query call among them) writes the call's statistics as they are: no fourteen views
+        rows = stats if nq <= size else {key: v[sl] for key, v in stats.items()}
+        b = QueryBatch(queries[sl], k, params, exclude, ids[sl], dists[sl], rows, unit_pending=unit_pending)
         if lists is not None:
             b.lists = lists[sl]
             b.probed = (b.lists >= 0).sum(axis=1)
