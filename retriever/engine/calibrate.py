@@ -22,6 +22,10 @@ re-rank, and narrows the beam only where the recall measured holds. An increment
 index holds REMEASURE_GROWTH times more (or fewer) rows than its calibration measured, or first reaches MIN_ROWS
 (merge_remeasures); a calibration on a query log is kept, since the merge has no log. A sharded build calibrates
 its router the same way (calibrate_sharded), its sample searched across the shards.
+
+Last, a second choice for an index that holds its raw vectors in RAM (EngineConfig.raw_in_ram), where the re-rank
+scores every candidate it takes, with no early stop: the first choice with fewer candidates re-ranked while the
+recall holds (walk_ram), kept as "search_defaults_ram".
 """
 
 from __future__ import annotations
@@ -70,6 +74,20 @@ MIN_ROWS = 2000  # fewer rows: the sample would be a large share of the data, an
 # A merge measures again at 1.25x (or 1/1.25x) the rows measured: a collection merges up to 4x its last full build
 # (CollectionConfig.rebuild_growth) before it rebuilds, and the settings chosen at 1x need not hold there.
 REMEASURE_GROWTH = 1.25
+# With the raw vectors in RAM (EngineConfig.raw_in_ram) a re-rank reads nothing: every candidate is scored from
+# memory, with no early stop, so each one the re-rank takes costs the same, where the SSD path's early stop scores
+# about a third of its 200 and stops. In RAM those 200 are more than the target needs: Fashion-MNIST's held-out
+# queries, nprobe 64, 1 thread: rerank 200 recall@10 0.9969 at 8.9k q/s, 100 0.9966 at 11.1k, 50 0.9931 at 13.5k
+# (the scan's selection of the best candidates costs less too). So calibration measures the answer RAM gives (the
+# SSD path's at beta 0, where the re-rank too scores every candidate) at the settings it chose with the re-rank
+# halved (to RAM_RERANK_MIN), while the recall's lower bound holds the target and the recall lies within RAM_SLACK
+# of the best measured (walk_ram); the result is the manifest's search_defaults_ram, which Index.open takes where the
+# raw vectors are resident. Not below 50: a query beside an outlier (far from every cluster, its neighbours at nearly
+# equal distances) found 7 of its 10 at 30, 9 at 50. The lists probed stay as chosen: the sampled rows do not
+# show what fewer lists cost a filtered search (a filter passing 10% of 4,500 clustered rows: recall 1.0 on the
+# rows at nprobe 32, 0.925 for the filtered queries) or queries unlike the rows (other clusters: 0.65 at nprobe 8).
+RAM_RERANK_MIN = 50
+RAM_SLACK = 0.01
 
 
 # A rung is chosen where the recall's lower confidence bound reaches the target, not its mean: the mean of 500
@@ -122,6 +140,26 @@ def climb(search, q: np.ndarray, truth: np.ndarray, target: float, graph: bool =
     if graph and low >= target:
         chosen = _narrow(search, q, truth, target, r, chosen, tried)
     return tried, chosen
+
+
+def walk_ram(search, q: np.ndarray, truth: np.ndarray, target: float, chosen: dict) -> tuple[list, dict]:
+    """(tried, chosen in RAM): chosen (the SSD path's settings) with the re-rank halved down to RAM_RERANK_MIN, measured
+    at beta 0 (the answer the raw vectors in RAM give), while the recall's lower bound reaches target and the
+    recall lies within RAM_SLACK of the best measured. Where chosen itself falls short, chosen. The settings kept
+    name no beta: RAM has no early stop."""
+    tried: list = []
+    best_r, low = _measure(search, q, truth, {**chosen, "beta": 0}, tried)
+    if low < target:
+        return tried, dict(chosen)
+    best = {k: v for k, v in chosen.items() if k != "beta"}
+    start = SearchParams(**chosen).rerank
+    for rerank in (start >> i for i in range(1, 32) if start >> i >= RAM_RERANK_MIN):
+        params = {**best, "rerank": rerank}
+        r, low = _measure(search, q, truth, {**params, "beta": 0}, tried)
+        if low < target or r < best_r - RAM_SLACK:
+            break
+        best, best_r = params, max(best_r, r)
+    return tried, best
 
 
 def _measure(search, q: np.ndarray, truth: np.ndarray, params: dict, tried: list) -> tuple[float, float]:
@@ -188,9 +226,36 @@ def _narrow(search, q: np.ndarray, truth: np.ndarray, target: float, full: float
     return chosen
 
 
-def calibration_entry(q, source: str, target: float, tried: list, chosen: dict, t0: float, n: int) -> dict:
+def calibrate_both(search, q: np.ndarray, truth: np.ndarray, target: float, graph: bool) -> tuple[list, dict, dict]:
+    """(tried, chosen, ram): climb's choice for the SSD path, and walk_ram's from there for the raw vectors in RAM
+    (ram: {"tried", "params"})."""
+    tried, chosen = climb(search, q, truth, target, graph=graph)
+    ram_tried, ram = walk_ram(search, q, truth, target, chosen)
+    return tried, chosen, {"tried": ram_tried, "params": ram}
+
+
+def calibration_entry(q, source: str, target: float, tried: list, chosen: dict, t0: float, n: int,
+                      ram: dict | None = None) -> dict:
+    """ram: calibrate_both's choice for the raw vectors in RAM (None: not measured)."""
     return {"queries": int(len(q)), "source": source, "target_recall": target, "tried": tried,
-            "params": chosen, "count": int(n), "seconds": round(time.perf_counter() - t0, 2)}
+            "params": chosen, **({} if ram is None else {"ram": ram}), "count": int(n),
+            "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def defaults_entries(cal: dict) -> dict:
+    """The manifest entries a calibration sets: search_defaults, and search_defaults_ram where it measured RAM's
+    (None: the key is dropped, so an older choice does not outlive the calibration that replaced it)."""
+    return {"search_defaults": cal["params"], "search_defaults_ram": (cal.get("ram") or {}).get("params")}
+
+
+def set_defaults(manifest: dict, cal: dict) -> None:
+    """manifest's calibration and its defaults_entries, in place."""
+    manifest["calibration"] = cal
+    for key, value in defaults_entries(cal).items():
+        if value is None:
+            manifest.pop(key, None)
+        else:
+            manifest[key] = value
 
 
 def merge_remeasures(old: dict, count: int, calibrate_on: bool) -> bool:
@@ -228,13 +293,12 @@ def calibration_engine(threads: int) -> EngineConfig:
 def calibrate_build(manifest: dict, w, steps, timings: dict, t_start: float, measure) -> None:
     """A build's last step, for the manifest about to be published by w (an IndexWriter): staged, so the index
     can be opened; measured (measure(index_dir) -> the calibration entry: calibrate or calibrate_sharded); the
-    choice kept as its search_defaults, and the time in its build timings."""
+    choice kept as its search_defaults (and search_defaults_ram), and the time in its build timings."""
     t = time.perf_counter()
     with steps.step("calibrating", 1, "index") as update:
         w.stage(manifest)
-        manifest["calibration"] = measure(w.dir)
+        set_defaults(manifest, measure(w.dir))
         update(1)
-    manifest["search_defaults"] = manifest["calibration"]["params"]
     timings["calibrate_s"] = time.perf_counter() - t
     timings["total_s"] = time.perf_counter() - t_start
 
@@ -242,7 +306,8 @@ def calibrate_build(manifest: dict, w, steps, timings: dict, t_start: float, mea
 def calibrate(index_dir: Path, rows, n: int, engine_metric: str, queries: int, target: float, seed: int,
               threads: int, sample_queries: np.ndarray | None = None) -> dict:
     """The manifest's "calibration" entry for the complete (not yet published) index in index_dir: recall of each
-    rung tried, and "params", the SearchParams fields of the one chosen (empty: the class defaults)."""
+    rung tried, and "params", the SearchParams fields of the one chosen (empty: the class defaults); "ram", what
+    walk_ram tried and chose for the raw vectors in RAM."""
     t0 = time.perf_counter()
     if sample_queries is None and n < MIN_ROWS:
         return {"skipped": f"fewer than {MIN_ROWS} rows", "params": {}, "count": int(n)}
@@ -258,17 +323,12 @@ def calibrate(index_dir: Path, rows, n: int, engine_metric: str, queries: int, t
         truth = np.array([t[(t >= 0) & ~mask[np.maximum(t, 0)]][:K] for t in wide])
     index = Index.open(index_dir, calibration_engine(threads))
     try:
-        tried, chosen = climb(lambda q, p: in_slices(lambda s: index.search(s, K, p, exclude=exclude).ids, q), q,
-                              truth, target, graph=not index.nav.exhaustive)
+        tried, chosen, ram = calibrate_both(
+            lambda q, p: in_slices(lambda s: index.search(s, K, p, exclude=exclude).ids, q), q, truth, target,
+            graph=not index.nav.exhaustive)
     finally:
         index.close()
-    return calibration_entry(q, source, target, tried, chosen, t0, n)
-
-
-
-
-
-
+    return calibration_entry(q, source, target, tried, chosen, t0, n, ram)
 
 
 def page_rows(index):
@@ -319,10 +379,11 @@ def recalibrate(index_dir, sample_queries=None, queries: int | None = None, targ
 
 def write_calibration(path: Path, cal: dict) -> dict:
     """The manifest at path (an index's, or a sharded router's) rewritten whole with cal as its calibration and
-    its search_defaults; returns those two entries."""
-    entry = {"calibration": cal, "search_defaults": cal["params"]}
-    rewrite_manifest(path, {**json.loads((Path(path) / MANIFEST).read_text()), **entry})
-    return entry
+    its search_defaults (and search_defaults_ram); returns those entries."""
+    manifest = json.loads((Path(path) / MANIFEST).read_text())
+    set_defaults(manifest, cal)
+    rewrite_manifest(path, manifest)
+    return {"calibration": cal, **{k: v for k, v in defaults_entries(cal).items() if v is not None}}
 
 
 def config_of(m: dict, queries: int | None, target: float | None):

@@ -403,13 +403,15 @@ def resolve_params(params: "SearchParams | SearchOverrides | dict | None", base:
     return params
 
 
-def search_defaults(manifest: dict, path) -> SearchParams:
+def search_defaults(manifest: dict, path, resident: bool = False) -> SearchParams:
     """An index's (or a sharded router's) default SearchParams: its manifest's search_defaults, what its build's
-    calibration chose (the class defaults where it has none)."""
+    calibration chose (the class defaults where it has none); resident (the raw vectors in RAM,
+    EngineConfig.raw_in_ram): its search_defaults_ram where it has them, what calibration chose for RAM."""
+    key = "search_defaults_ram" if resident and manifest.get("search_defaults_ram") is not None else "search_defaults"
     try:
-        return SearchParams.from_dict(manifest.get("search_defaults") or {})
+        return SearchParams.from_dict(manifest.get(key) or {})
     except (ConfigError, TypeError) as e:
-        raise IndexFormatError(f"{path}: the manifest's search_defaults are not search settings ({e})") from e
+        raise IndexFormatError(f"{path}: the manifest's {key} are not search settings ({e})") from e
 
 
 @config_class

@@ -188,7 +188,8 @@ class Index(ManifestShape):
     def open(cls, path, config: EngineConfig | None = None, params: SearchParams | None = None,
              graph_of: "Index | None" = None, **engine_overrides) -> "Index":
         """params: the index's default search settings (self.params); None: those its build's calibration
-        chose (the manifest's search_defaults), else the class defaults. graph_of: an open index (the generation a
+        chose (the manifest's search_defaults, or its search_defaults_ram where the raw vectors are held in RAM),
+        else the class defaults. graph_of: an open index (the generation a
         merge grew this one out of) whose navigation graph this one shares, not loads again, where both graph
         files are the same (by their manifests' SHA-256) and were loaded alike: a merge without splits keeps it,
         and a second copy was the largest thing a service held while a merge was published."""
@@ -237,8 +238,9 @@ class Index(ManifestShape):
         problems = [p for p in problems if p]
         if problems:
             raise IndexFormatError(f"{path}: inconsistent index: " + "; ".join(problems))
-        if params is None:  # the index's own defaults: what its build's calibration chose
-            params = search_defaults(m, path)
+        # The index's own defaults, what its build's calibration chose: for the SSD path, and for the raw vectors in
+        # RAM (both read here, so that a bad entry is refused before the page file is opened).
+        defaults = None if params is not None else (search_defaults(m, path), search_defaults(m, path, True))
         device = None  # what the GPU's device tier takes beside the filter tier's arrays
         if filter_kind(config) == "gpu":
             stored = {v: k for k, v in STORAGE_DTYPES.items()}[dtype]
@@ -261,6 +263,8 @@ class Index(ManifestShape):
                 raw = load_raw(store, locations, count)
         except (OSError, RuntimeError, ValueError) as e:
             raise IndexFormatError(f"{path}: cannot open the SSD tier: {e}") from e
+        if defaults is not None:
+            params = defaults[int(resident)]
         filter_tier = open_filter_tier(config, offsets, list_ids, codes, codebooks, threads, str(path), engine_metric,
                                        device)
         cpu_beside = None

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fusionrag.retriever.engine.calibrate import (MIN_ROWS, K, calibration_engine, calibration_entry, climb, exact_topk,
-                                                  sample_for_calibration)
+from fusionrag.retriever.engine.calibrate import (MIN_ROWS, K, calibrate_both, calibration_engine, calibration_entry,
+                                                  exact_topk, sample_for_calibration)
 from fusionrag.retriever.engine.config import SearchParams
 from fusionrag.retriever.sharded.parts import merge_topk
 from fusionrag.retriever.sharded.router import ShardedIndex
@@ -42,11 +42,11 @@ def calibrate_sharded(index_dir: Path, rows, n: int, engine_metric: str, queries
     truth = exact_topk(rows, n, q, K, engine_metric, exclude=None if own is None else self_id)
     index = ShardedIndex.open(index_dir, calibration_engine(threads), verify=False)
     try:
-        tried, chosen = climb(sharded_found(index, self_id, own is not None), q, truth, target,
-                              graph=not index.nav.exhaustive)
+        tried, chosen, ram = calibrate_both(sharded_found(index, self_id, own is not None), q, truth, target,
+                                            graph=not index.nav.exhaustive)
     finally:
         index.close()
-    return calibration_entry(q, source, target, tried, chosen, t0, n)
+    return calibration_entry(q, source, target, tried, chosen, t0, n, ram)
 
 
 def calibrate_open_sharded(index, queries: int, target: float, seed: int,
@@ -69,9 +69,9 @@ def calibrate_open_sharded(index, queries: int, target: float, seed: int,
     own, q, source = sample_for_calibration(rows, n, queries, seed, sample_queries)
     self_id = np.full(len(q), -1, np.int64) if own is None else live[own]
     truth = merge_topk(index.every_shard("exact", (q, K, self_id), "brute force for calibration"), K)[0]
-    tried, chosen = climb(sharded_found(index, self_id, own is not None), q, truth, target,
-                          graph=not index.nav.exhaustive)
-    return calibration_entry(q, source, target, tried, chosen, t0, n)
+    tried, chosen, ram = calibrate_both(sharded_found(index, self_id, own is not None), q, truth, target,
+                                        graph=not index.nav.exhaustive)
+    return calibration_entry(q, source, target, tried, chosen, t0, n, ram)
 
 
 def recalibrate_sharded(path: Path, sample_queries, queries: int | None, target: float | None,

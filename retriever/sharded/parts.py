@@ -68,3 +68,10 @@ def merge_topk(parts: list[tuple[np.ndarray, np.ndarray]], k: int) -> tuple[np.n
         out_ids = np.pad(out_ids, ((0, 0), (0, pad)), constant_values=-1)
         out_d = np.pad(out_d, ((0, 0), (0, pad)), constant_values=np.inf)
     return out_ids, out_d
+
+
+def shards_resident(where: list[dict]) -> bool:
+    """Whether every shard (where: each one's ShardServer.where()) holds its raw vectors in RAM
+    (EngineConfig.raw_in_ram): then the router searches with its search_defaults_ram. A shard's residency is
+    decided as it opens, within its share of the budget."""
+    return bool(where) and all(w["memory"].get("raw_vectors_bytes", 0) > 0 for w in where)

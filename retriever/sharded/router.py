@@ -48,7 +48,7 @@ from fusionrag.retriever.errors import ConfigError, IndexFormatError, Unavailabl
 from fusionrag.retriever.sharded.actors import LocalShards, RayShards, is_down
 from fusionrag.retriever.sharded.calls import ShardCall
 from fusionrag.retriever.sharded.generations import current_part, load_global_ids
-from fusionrag.retriever.sharded.parts import NAMED_IDS, ROUTER_FILES, is_sharded, part_name
+from fusionrag.retriever.sharded.parts import NAMED_IDS, ROUTER_FILES, is_sharded, part_name, shards_resident
 from fusionrag.retriever.sharded.router_admin import RouterAdmin
 from fusionrag.retriever.sharded.router_reads import RouterReads
 from fusionrag.retriever.sharded.router_search import RouterSearch, ShardedResult
@@ -134,7 +134,10 @@ class ShardedIndex(RouterSearch, RouterReads, RouterWrites, RouterAdmin, Manifes
                                        "not match the router's)")
         graph, list_shards, list_local, list_sizes, navigation = cls._router_tier(path, m, config)
         metric = m["metric"]
-        params = params or search_defaults(m, path)  # what the build's calibration chose
+        # What the build's calibration chose: for the SSD path, and for the raw vectors in RAM where every shard holds
+        # its own there (both read now, so that a bad entry is refused before a shard is opened).
+        defaults = None if params is not None else (search_defaults(m, path), search_defaults(m, path, True))
+        params = params or defaults[0]
         shard_paths = [str((path / name).resolve()) for name in names]
         kind = RayShards.connected(actor_options) if ray else LocalShards(len(shard_paths))
         shards, where = kind.open_all(path, shard_paths, config, params)
@@ -143,6 +146,8 @@ class ShardedIndex(RouterSearch, RouterReads, RouterWrites, RouterAdmin, Manifes
                 kind.stop(shards)
                 raise IndexFormatError(f"{path}: shard part {name} holds {w['count']} vectors, the router expects "
                                        f"{expected[name]}")
+        if defaults is not None and shards_resident(where):
+            params = defaults[1]
         nav = NavigationTier(graph, metric == "ip", cpu_threads(config.threads), navigation, None, list_sizes)
         out = cls(path, m, nav,
                   list_shards, list_local, list_sizes, shards, kind, params, batch_size)

@@ -15,13 +15,13 @@ import logging
 import numpy as np
 
 from fusionrag.retriever.engine.calibrate import config_of, merge_remeasures, write_calibration
-from fusionrag.retriever.engine.config import SearchParams
+from fusionrag.retriever.engine.config import search_defaults
 from fusionrag.retriever.engine.vectors import sample_query_matrix
 from fusionrag.retriever.errors import IndexFormatError
 from fusionrag.retriever.sharded.actors import is_down
 from fusionrag.retriever.sharded.calls import ShardCall
 from fusionrag.retriever.sharded.generations import current_part, load_global_ids
-from fusionrag.retriever.sharded.parts import part_name
+from fusionrag.retriever.sharded.parts import part_name, shards_resident
 
 log = logging.getLogger("fusionrag.retriever.sharded.router")  # the router's log, as before its parts were apart
 
@@ -80,15 +80,17 @@ class RouterAdmin:
                   target: float | None = None) -> dict:
         """Measure this index's default search settings again through its shards (calibrate.calibrate_open_sharded:
         on a query log where given, else on rows of its live vectors, written ones included), write them into
-        the router's manifest (search_defaults, calibration) and search with them from now on. queries, target:
-        calibrate_queries and target_recall (the build's, where None). Returns the calibration."""
+        the router's manifest (search_defaults, search_defaults_ram, calibration) and search with them from now on
+        (those for RAM where every shard holds its raw vectors there). queries, target: calibrate_queries and
+        target_recall (the build's, where None). Returns the calibration."""
         config, built = config_of(self.manifest, queries, target)
         log = None if sample_queries is None else sample_query_matrix(sample_queries, self.dim, self.metric)
         from fusionrag.retriever.sharded.calibrate import calibrate_open_sharded
 
         cal = calibrate_open_sharded(self, config.calibrate_queries, config.target_recall, built.get("seed", 0), log)
-        self.manifest = {**self.manifest, **write_calibration(self.path, cal)}
-        self.params = SearchParams(**cal["params"])
+        self.manifest = {**{k: v for k, v in self.manifest.items() if k != "search_defaults_ram"},
+                         **write_calibration(self.path, cal)}
+        self.params = search_defaults(self.manifest, self.path, shards_resident(self.where))
         self._changed()
         return cal
 

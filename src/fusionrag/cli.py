@@ -159,14 +159,16 @@ def _cmd_info(args) -> int:
             m = {key: v for key, v in index.manifest.items() if key != "files"}
             memory = {"router_graph_bytes": index.nav.memory_bytes(),
                       "shards": [s.index.memory() for s in index.shards]}
+            params = index.params.to_dict()
         finally:
             index.close()
-        print(json.dumps({**m, "memory": memory}, indent=1))
+        print(json.dumps({**m, "search_params": params, "memory": memory}, indent=1))
         return 0
     index = Index.open(args.index_dir, verify=not args.no_verify, filter_tier=args.filter_tier)
     m = dict(index.manifest)
     m.pop("files", None)
-    print(json.dumps({**m, "memory": index.memory()}, indent=1))
+    # search_params: the settings a search of it opened so takes (search_defaults_ram where its raw vectors are in RAM)
+    print(json.dumps({**m, "search_params": index.params.to_dict(), "memory": index.memory()}, indent=1))
     return 0
 
 

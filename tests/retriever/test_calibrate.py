@@ -228,10 +228,11 @@ def test_bad_search_defaults_in_a_manifest_are_refused(built, tmp_path):
     shutil.copytree(built["root"] / "coarse", dest)
     path = dest / "manifest.json"
     m = json.loads(path.read_text())
-    for bad in ({"rerank": 0}, {"no_such_knob": 1}, ["rerank"]):
-        path.write_text(json.dumps({**m, "search_defaults": bad}))
-        with pytest.raises(IndexFormatError, match="search_defaults"):
-            Index.open(dest, raw_in_ram="off")
+    for key in ("search_defaults", "search_defaults_ram"):  # each refused whichever path the index opens with
+        for bad in ({"rerank": 0}, {"no_such_knob": 1}, ["rerank"]):
+            path.write_text(json.dumps({**m, key: bad}))
+            with pytest.raises(IndexFormatError, match=key):
+                Index.open(dest, raw_in_ram="off")
 
 
 def test_bad_overrides_are_refused_when_made():
@@ -279,7 +280,20 @@ def test_a_sharded_build_calibrates_its_router_and_requests_apply_over_it(built,
     # `fusionrag info` opens a sharded index too: the router's record, and each shard's memory.
     assert cli_main(["info", str(tmp_path / "sh")]) == 0
     info = json.loads(capsys.readouterr().out)
+    # opened with the engine's defaults, each shard's 6,000 raw vectors fit its half of the budget: those for RAM
+    assert all(sh["raw_vectors_bytes"] > 0 for sh in info["memory"]["shards"]), info["memory"]["shards"]
     assert info["search_defaults"] == cal["params"] and info["shards"] == 2
+    assert info["search_defaults_ram"] == cal["ram"]["params"] == m["search_defaults_ram"]
+    assert info["search_params"] == SearchParams(**cal["ram"]["params"]).to_dict()
+    ram = SearchParams(**cal["ram"]["params"])
+    assert ram.rerank <= chosen.rerank and ram.nprobe == chosen.nprobe and "beta" not in cal["ram"]["params"]
+    for mode, want in (("on", ram), ("off", chosen)):  # read from what a search did: candidates re-ranked
+        index = ShardedIndex.open(tmp_path / "sh", EngineConfig(raw_in_ram=mode))
+        try:
+            res = index.search(q, 10)
+            assert index.params == want and res.stats["reranked"].max() <= 2 * want.rerank  # each shard its own
+        finally:
+            index.close()
     codes = [np.load(p, mmap_mode="r").nbytes for p in sorted(tmp_path.glob("sh/shard-*/pq_codes.npy"))]
     assert len(codes) == 2 and all(s["pq_bytes"] >= c > 0 for s, c in zip(info["memory"]["shards"], codes))
     off = build_sharded(built["base"], tmp_path / "off", 2, BuildConfig(threads=1, pq_m=4, calibrate=False),
@@ -306,7 +320,9 @@ def test_a_collections_info_says_which_search_settings_its_index_uses(built, tmp
         (written,) = (tmp_path / "data").glob("collections/c/gen-*/index/manifest.json")
         stored = json.loads(written.read_text())
         assert stored["search_defaults"], stored["calibration"]  # the class defaults fall short here (above)
-        assert info["search_defaults"] == SearchParams(**stored["search_defaults"]).to_dict()
+        # 12,000 x 96 float32 fit the default budget: the raw vectors are in RAM, and so are the settings
+        assert info["tiers"]["raw_in_ram"] and stored["search_defaults_ram"] == stored["calibration"]["ram"]["params"]
+        assert info["search_defaults"] == SearchParams(**stored["search_defaults_ram"]).to_dict()
         assert info["calibration"]["tried"] == stored["calibration"]["tried"]
     finally:
         catalog.close()
@@ -324,6 +340,8 @@ def test_an_index_built_without_calibration_is_calibrated_afterwards_as_its_buil
     out = json.loads(capsys.readouterr().out)
     at_build = built["coarse"]["calibration"]
     assert out["tried"] == at_build["tried"] and out["params"] == at_build["params"] and out["params"]
+    assert out["ram"] == at_build["ram"]
+    assert json.loads((path / "manifest.json").read_text())["search_defaults_ram"] == at_build["ram"]["params"]
     index = Index.open(path, raw_in_ram="off")  # checksums verified against the rewritten manifest
     try:
         assert index.params == SearchParams(**at_build["params"])
@@ -359,6 +377,8 @@ def test_a_sharded_index_is_calibrated_afterwards_across_its_shards_with_its_wri
     assert cli_main(["calibrate", str(path)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["tried"] == at_build["tried"] and out["params"] == at_build["params"] and out["params"]
+    assert out["ram"] == at_build["ram"]
+    assert json.loads((path / "manifest.json").read_text())["search_defaults_ram"] == at_build["ram"]["params"]
 
     extra = flat(4000, 6)
     every = np.concatenate([built["base"], extra])
@@ -537,3 +557,79 @@ def test_the_truth_of_a_built_index_is_read_in_the_order_of_its_page_file(built)
     unordered = exact_topk(lambda ids: rows(ids), N, q, 10, "l2", exclude=self_rows)
     assert (exact_topk(recorded, N, q, 10, "l2", exclude=self_rows) == unordered).all()
     assert not (unordered == self_rows[:, None]).any()
+
+
+def test_calibration_lowers_the_rerank_for_the_raw_vectors_in_ram():
+    """#68: in RAM every candidate the re-rank takes is scored, with no early stop, and the SSD path's 200 are more
+    than the target needs. walk_ram measures at beta 0 (the answer RAM gives) the SSD path's choice with the re-rank
+    halved down to RAM_RERANK_MIN, while the recall's lower bound holds the target and the recall stays within
+    RAM_SLACK of the best; the lists probed are never narrowed. Where the choice itself falls short, it is kept."""
+    from fusionrag.retriever.engine.calibrate import RAM_RERANK_MIN, RAM_SLACK, walk_ram
+
+    truth = np.arange(500 * 10).reshape(500, 10)
+    asked = []
+
+    def model(curve):
+        def found(q, p):
+            asked.append(p)
+            return _missing_columnwise(truth, curve(p.rerank))
+        return found
+
+    # flat data: the SSD path needed 1600; in RAM 400 holds the target, 200 does not
+    tried, ram = walk_ram(model(lambda r: 0.97 if r >= 400 else 0.94), np.zeros((500, 4)), truth, 0.95,
+                          {"nprobe": 64, "rerank": 1600, "beta": 24})
+    assert {p.beta for p in asked} == {0} and {p.nprobe for p in asked} == {64}
+    assert [t["rerank"] for t in tried] == [1600, 800, 400, 200] and all(t["beta"] == 0 for t in tried)
+    assert ram == {"nprobe": 64, "rerank": 400}  # no beta: RAM has no early stop
+
+    # from the class defaults, down to the floor where the recall holds
+    tried, ram = walk_ram(model(lambda r: 0.99), np.zeros((500, 4)), truth, 0.95, {})
+    assert ram == {"rerank": RAM_RERANK_MIN} and [t.get("rerank", 200) for t in tried] == [200, 100, 50]
+    # a loss over RAM_SLACK ends the walk though the target still holds
+    tried, ram = walk_ram(model(lambda r: 0.995 if r >= 200 else 0.995 - 2 * RAM_SLACK), np.zeros((500, 4)),
+                          truth, 0.95, {})
+    assert ram == {} and len(tried) == 2
+
+    short = {"rerank": 1600, "beta": 24}
+    tried, ram = walk_ram(model(lambda r: 0.9), np.zeros((500, 4)), truth, 0.95, short)
+    assert ram == short and len(tried) == 1
+
+
+def test_an_index_with_its_raw_vectors_in_ram_searches_with_what_calibration_chose_for_ram(built, tmp_path):
+    """The build's calibration keeps a second choice for the raw vectors in RAM (search_defaults_ram), which
+    Index.open takes where they are resident and only there. Checked against what the searches did (candidates
+    re-ranked) and brute force on held-out queries; and the premise of its measurement, that RAM answers as the SSD
+    path does at beta 0."""
+    import shutil
+
+    path = built["root"] / "plain"
+    m = json.loads((path / "manifest.json").read_text())
+    cal = m["calibration"]
+    assert m["search_defaults_ram"] == cal["ram"]["params"] and all(t["beta"] == 0 for t in cal["ram"]["tried"])
+    ssd, ram = SearchParams(**m["search_defaults"]), SearchParams(**m["search_defaults_ram"])
+    assert ram.rerank < ssd.rerank and ram.nprobe == ssd.nprobe, cal["ram"]
+    q, truth = built["queries"], built["truth"]
+    in_ram, on_ssd = Index.open(path, raw_in_ram="on"), Index.open(path, raw_in_ram="off")
+    # auto with a budget under the raw vectors' 4.6 MB: the SSD path, and its settings
+    small = Index.open(path, buffer_bytes=2 << 20)
+    try:
+        assert in_ram.params == ram and on_ssd.params == ssd and small.params == ssd
+        assert in_ram.memory()["raw_in_ram"] and not small.memory()["raw_in_ram"]
+        got = in_ram.search(q, 10)
+        assert got.stats["reranked"].max() == ram.rerank  # every candidate it takes, no more
+        assert np.array_equal(got.ids, on_ssd.search(q, 10, ram.with_overrides(beta=0)).ids)
+        # held-out queries against brute force
+        assert recall(got.ids, truth) >= 0.95
+        assert recall(on_ssd.search(q, 10).ids, truth) >= 0.95
+    finally:
+        for ix in (in_ram, on_ssd, small):
+            ix.close()
+    # an index calibrated before search_defaults_ram: the SSD path's settings in RAM too
+    shutil.copytree(path, tmp_path / "older")
+    old = {k: v for k, v in m.items() if k != "search_defaults_ram"}
+    (tmp_path / "older" / "manifest.json").write_text(json.dumps(old))
+    index = Index.open(tmp_path / "older", raw_in_ram="on", verify=False)
+    try:
+        assert index.params == ssd and index.search(q, 10).stats["reranked"].max() == ssd.rerank
+    finally:
+        index.close()
