@@ -25,15 +25,21 @@ from fusionrag.server.vector_stores import FileLimits, VectorStores
 log = logging.getLogger("fusionrag.server")
 
 
+def engine_config(config: ServerConfig) -> EngineConfig:
+    """How the service opens an index: its engine flags (--buffer-mb, --raw-in-ram, --filter-tier, ...), for a data
+    directory's collections and for a sharded index served on Ray alike."""
+    return EngineConfig(buffer_bytes=int(config.buffer_mb * (1 << 20)), filter_tier=config.filter_tier,
+                        buffer_policy=config.buffer_policy, record_cache=config.record_cache,
+                        buffer_compression=config.buffer_compression, raw_in_ram=config.raw_in_ram,
+                        pipeline=config.pipeline, rerank_prefetch=config.rerank_prefetch,
+                        gpu_budget_bytes=int(config.gpu_budget_mb * (1 << 20)),
+                        gpu_memory_utilization=config.gpu_memory_utilization,
+                        gpu_tiered_share=config.gpu_tiered_share, gpu_search=config.gpu_search)
+
+
 def open_catalog(config: ServerConfig) -> Catalog:
     docstore.ROW_CACHE.resize(int(config.doc_cache_mb * (1 << 20)))
-    engine = EngineConfig(buffer_bytes=int(config.buffer_mb * (1 << 20)), filter_tier=config.filter_tier,
-                          buffer_policy=config.buffer_policy, record_cache=config.record_cache,
-                          buffer_compression=config.buffer_compression, raw_in_ram=config.raw_in_ram,
-                          pipeline=config.pipeline, rerank_prefetch=config.rerank_prefetch,
-                          gpu_budget_bytes=int(config.gpu_budget_mb * (1 << 20)),
-                          gpu_memory_utilization=config.gpu_memory_utilization,
-                          gpu_tiered_share=config.gpu_tiered_share, gpu_search=config.gpu_search)
+    engine = engine_config(config)
     limits = quota.Limits(max_collections=config.max_collections, max_open_collections=config.max_open_collections,
                           descriptor_reserve=config.descriptor_reserve,
                           disk_reserve_bytes=int(config.disk_reserve_mb * (1 << 20)),

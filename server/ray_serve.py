@@ -100,12 +100,19 @@ class _IndexOwner:
     """A replica that opens the index with its shards as Ray actors of its own and keeps them healthy (the single
     router, or the leader of several): the two deployments' shared part."""
 
-    def _open(self, index_dir: str, loopback: bool, actor_options: dict | None, call_timeout_s: float | None) -> None:
+    def _open(self, index_dir: str, loopback: bool, actor_options: dict | None, call_timeout_s: float | None,
+              config: ServerConfig | None) -> None:
+        """config: the service's settings, whose engine flags (--buffer-mb, --raw-in-ram, ...) every shard actor
+        opens its part with (each its own process: the whole --buffer-mb each, where shards in one process share
+        it); None: the engine's defaults."""
         from fusionrag.retriever.sharded.router import ShardedIndex
+        from fusionrag.server.life import engine_config
 
         if loopback:
             _keep_replica_on_loopback()
-        self.index = ShardedIndex.open(index_dir, ray=True, actor_options=actor_options, call_timeout_s=call_timeout_s)
+        engine = engine_config(config) if config is not None else None
+        self.index = ShardedIndex.open(index_dir, engine, ray=True, actor_options=actor_options,
+                                       call_timeout_s=call_timeout_s)
         self.stop = threading.Event()
 
     def _heal_every(self, every_s: float, after=None) -> None:
@@ -135,7 +142,7 @@ def _deployment(index_dir: str, name: str, actor_options: dict | None, loopback:
     @serve.ingress()
     class Router(_IndexOwner):
         def __init__(self):
-            self._open(index_dir, loopback, actor_options, call_timeout_s)
+            self._open(index_dir, loopback, actor_options, call_timeout_s, config)
             self._heal_every(heal_every_s)
 
         def __serve_build_asgi_app__(self):
@@ -205,7 +212,7 @@ def _led_deployment(index_dir: str, name: str, actor_options: dict | None, loopb
     @serve.deployment(name=LEADER, num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
     class Leader(_IndexOwner):
         def __init__(self):
-            self._open(index_dir, loopback, actor_options, call_timeout_s)
+            self._open(index_dir, loopback, actor_options, call_timeout_s, config)
             self.coll = ShardedCollection(self.index, name)
             self.board = ray.remote(ViewBoard).options(num_cpus=0).remote()
             self.published: tuple[str | None, int] = (None, -1)
@@ -287,7 +294,8 @@ def serve(address: str, index_dir, host: str = "127.0.0.1", port: int = 8000, na
     application is deleted and Serve shut down; else returns the base URL and leaves it running (serve.shutdown()
     stops it). routers: replicas of the router; more than one: a leader replica does every write and each router
     replica follows it (_led_deployment, retriever/sharded/follow.py). config: the service's settings, whose
-    request limits (max_queries, max_documents, max_k, max_text_chars, max_body_bytes) every replica applies."""
+    request limits (max_queries, max_documents, max_k, max_text_chars, max_body_bytes) every replica applies, and
+    whose engine flags (--buffer-mb, --raw-in-ram, --filter-tier, ...) the shard actors open their parts with."""
     import ray
     from ray import serve as rserve
 

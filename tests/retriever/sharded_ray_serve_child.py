@@ -77,13 +77,14 @@ def main() -> None:
         report["nodes"] = sum(1 for n in ray.nodes() if n["Alive"])
         t = time.perf_counter()
         # The settings as `fusionrag serve --ray ADDRESS --index DIR --max-k 40 ...` reads them from its flags
-        # (cli._cmd_serve hands them to serve() as config): a limit given there reaches every replica.
+        # (cli._cmd_serve hands them to serve() as config): a limit given there reaches every replica, and the
+        # engine flags every shard actor.
         from fusionrag.cli import build_parser
         from fusionrag.server.config import flags_of, load_config
 
         args = build_parser().parse_args(["serve", "--ray", f"127.0.0.1:{PORT}", "--index", str(work / "idx"),
                                           "--name", "docs", "--host", "127.0.0.1", "--port", str(HTTP_PORT),
-                                          "--max-k", "40"])
+                                          "--max-k", "40", "--raw-in-ram", "off", "--buffer-mb", "2"])
         config = load_config(args.config, flags_of(args))
         url = serve(args.ray, args.index, config.host, config.port, name=args.name, block=False, config=config)
         report["url"] = url
@@ -93,6 +94,7 @@ def main() -> None:
         expect = np.load(work / "expect.npz")
         status, body = call("POST", "/v1/collections/docs/search", {"vectors": queries.tolist(), "k": 10})
         report["search_status"] = status
+        report["tiers"] = call("GET", "/v1/collections/docs")[1]["tiers"]
         report["over_max_k"] = call("POST", "/v1/collections/docs/search", {"vectors": queries[:1].tolist(), "k": 41})
         ids = np.array([[int(h["id"]) for h in hits] + [-1] * (10 - len(hits)) for hits in body["results"]])
         dists = np.array([[h["distance"] for h in hits] + [np.inf] * (10 - len(hits)) for hits in body["results"]])

@@ -13,7 +13,7 @@ import pytest
 from conftest import clustered
 from ray_namespace import LOOPBACK, in_namespace, netns_works
 
-from fusionrag.retriever.engine.config import BuildConfig
+from fusionrag.retriever.engine.config import BuildConfig, EngineConfig
 from fusionrag.retriever.sharded.build import build_sharded
 
 FAULTS_CHILD = Path(__file__).with_name("sharded_ray_faults_child.py")
@@ -83,15 +83,16 @@ def test_a_worker_node_crashed_under_load_on_three_nodes(ray_namespace, tmp_path
     assert r["listening"] and all(a in LOOPBACK for a in r["listening"]), r["listening"]
 
 
-def two_shards_answered(work: Path) -> None:
-    """A two-shard index in work/idx, queries.npy, and expect.npz: their answers with the shards in this process."""
+def two_shards_answered(work: Path, engine: EngineConfig | None = None) -> None:
+    """A two-shard index in work/idx, queries.npy, and expect.npz: their answers with the shards in this process
+    (opened with engine: as the service's flags open them)."""
     from fusionrag.retriever.sharded.router import ShardedIndex
 
     base = clustered(3000, 16, 20, seed=5, spread=0.6)
     queries = clustered(30, 16, 20, seed=6, spread=0.6)
     np.save(work / "queries.npy", queries)
     build_sharded(base, work / "idx", 2, BuildConfig(threads=1, centroid_ratio=0.05), progress=False)
-    index = ShardedIndex.open(work / "idx")
+    index = ShardedIndex.open(work / "idx", engine)
     try:
         res = index.search(queries, 10)
     finally:
@@ -100,10 +101,15 @@ def two_shards_answered(work: Path) -> None:
 
 
 def test_served_over_http_with_the_router_a_ray_serve_deployment(ray_namespace, tmp_path):
-    two_shards_answered(tmp_path)
+    # the child serves with --raw-in-ram off --buffer-mb 2: the expected answers are the SSD path's
+    two_shards_answered(tmp_path, EngineConfig(raw_in_ram="off", buffer_bytes=2 << 20))
     r = in_namespace(SERVE_CHILD, tmp_path, 500)
     print(r)
     assert r["nodes"] == 2
+    # The engine flags reached the shard actors: no raw vectors in RAM (their 3,000 x 16 would fit the default
+    # budget), a page buffer within --buffer-mb each
+    tiers = r["tiers"]
+    assert tiers["raw_vectors_bytes"] == 0 and 0 < tiers["page_buffer_bytes"] <= 2 * (2 << 20), tiers
     # the service's own readiness, with each shard's (#50: one app for every kind of collection)
     assert r["ready"] == [200, {"status": "ready", "collections": ["docs"], "failed": {}, "shards_alive": [True, True]}], r
     assert r["search_status"] == 200 and r["ids_equal"] and r["dists_close"], r
