@@ -304,7 +304,6 @@ def test_locality_placement_equals_the_single_index_and_reaches_fewer_shards(bui
     fewer shards than with round-robin, counted from the lists it probes and the list -> shard map on disk."""
     root, q = built["root"], built["queries"]
     single = Index.open(root / "single")
-    lists, _, _ = single.nav.probe(q, SearchParams())
     reached = {}
     for name in ("loc", "loc0", "rr"):
         index = ShardedIndex.open(root / name)
@@ -318,6 +317,9 @@ def test_locality_placement_equals_the_single_index_and_reaches_fewer_shards(bui
             list_shards = np.load(root / name / "list_shards.npy")
             assert ((list_shards >= 0).sum(axis=1) >= 1).all()  # every list on at least one shard
             if name != "loc":  # no replicas: a query's shards are its probed lists' shards
+                # probed at the router's own settings (the ratio rule keeps lists until they hold `rerank`
+                # candidates, and the router's re-rank is its calibration's for RAM where the shards hold them there)
+                lists, _, _ = single.nav.probe(q, index.params)
                 want = np.array([len(set(list_shards[row[row >= 0], 0])) for row in lists])
                 assert np.array_equal(res.stats["shards_probed"], want)
             reached[name] = float(res.stats["shards_probed"].mean())
