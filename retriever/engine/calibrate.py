@@ -242,20 +242,17 @@ def calibration_entry(q, source: str, target: float, tried: list, chosen: dict, 
             "seconds": round(time.perf_counter() - t0, 2)}
 
 
-def defaults_entries(cal: dict) -> dict:
-    """The manifest entries a calibration sets: search_defaults, and search_defaults_ram where it measured RAM's
-    (None: the key is dropped, so an older choice does not outlive the calibration that replaced it)."""
-    return {"search_defaults": cal["params"], "search_defaults_ram": (cal.get("ram") or {}).get("params")}
-
-
 def set_defaults(manifest: dict, cal: dict) -> None:
-    """manifest's calibration and its defaults_entries, in place."""
+    """manifest (in place) with cal as its calibration, and the settings cal chose as its search_defaults and
+    search_defaults_ram (dropped where cal measured none for RAM, so that an older choice does not outlive the
+    calibration that replaced it)."""
     manifest["calibration"] = cal
-    for key, value in defaults_entries(cal).items():
-        if value is None:
-            manifest.pop(key, None)
-        else:
-            manifest[key] = value
+    manifest["search_defaults"] = cal["params"]
+    ram = (cal.get("ram") or {}).get("params")
+    if ram is None:
+        manifest.pop("search_defaults_ram", None)
+    else:
+        manifest["search_defaults_ram"] = ram
 
 
 def merge_remeasures(old: dict, count: int, calibrate_on: bool) -> bool:
@@ -377,13 +374,12 @@ def recalibrate(index_dir, sample_queries=None, queries: int | None = None, targ
     return cal
 
 
-def write_calibration(path: Path, cal: dict) -> dict:
+def write_calibration(path: Path, cal: dict) -> None:
     """The manifest at path (an index's, or a sharded router's) rewritten whole with cal as its calibration and
-    its search_defaults (and search_defaults_ram); returns those entries."""
+    the settings it chose (set_defaults)."""
     manifest = json.loads((Path(path) / MANIFEST).read_text())
     set_defaults(manifest, cal)
     rewrite_manifest(path, manifest)
-    return {"calibration": cal, **{k: v for k, v in defaults_entries(cal).items() if v is not None}}
 
 
 def config_of(m: dict, queries: int | None, target: float | None):

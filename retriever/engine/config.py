@@ -414,6 +414,13 @@ def search_defaults(manifest: dict, path, resident: bool = False) -> SearchParam
         raise IndexFormatError(f"{path}: the manifest's {key} are not search settings ({e})") from e
 
 
+def calibrated_defaults(manifest: dict, path) -> tuple[SearchParams, SearchParams]:
+    """(for the SSD path, for the raw vectors in RAM): search_defaults both ways, read at once so that an open
+    refuses a bad entry before it opens the page file or a shard, and takes the one that fits once it knows where
+    the raw vectors are (Index.open, ShardedIndex.open)."""
+    return search_defaults(manifest, path), search_defaults(manifest, path, True)
+
+
 @config_class
 class EngineConfig(ConfigBase):
     """How an opened index uses the machine. What each knob was measured to do: docs/tuning.md,

@@ -15,7 +15,7 @@ import numpy as np
 
 from fusionrag import native
 from fusionrag.retriever.engine.config import (BuildConfig, EngineConfig, SearchOverrides, SearchParams, cpu_threads,
-                                               resolve_params, search_defaults)
+                                               calibrated_defaults, resolve_params)
 from fusionrag.retriever.engine.filtering import Candidates
 from fusionrag.retriever.engine.layout import PageLayout, raw_reader
 from fusionrag.retriever.engine.learned_probe import load_probe_model
@@ -238,9 +238,7 @@ class Index(ManifestShape):
         problems = [p for p in problems if p]
         if problems:
             raise IndexFormatError(f"{path}: inconsistent index: " + "; ".join(problems))
-        # The index's own defaults, what its build's calibration chose: for the SSD path, and for the raw vectors in
-        # RAM (both read here, so that a bad entry is refused before the page file is opened).
-        defaults = None if params is not None else (search_defaults(m, path), search_defaults(m, path, True))
+        defaults = None if params is not None else calibrated_defaults(m, path)  # what its build's calibration chose
         device = None  # what the GPU's device tier takes beside the filter tier's arrays
         if filter_kind(config) == "gpu":
             stored = {v: k for k, v in STORAGE_DTYPES.items()}[dtype]

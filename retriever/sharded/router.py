@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from fusionrag import native
-from fusionrag.retriever.engine.config import EngineConfig, SearchParams, cpu_threads, search_defaults
+from fusionrag.retriever.engine.config import EngineConfig, SearchParams, calibrated_defaults, cpu_threads
 from fusionrag.retriever.engine.index import prepare_queries
 from fusionrag.retriever.engine.learned_probe import load_probe_model
 from fusionrag.retriever.engine.manifest import MANIFEST, ManifestShape, load_array, read_manifest
@@ -134,9 +134,7 @@ class ShardedIndex(RouterSearch, RouterReads, RouterWrites, RouterAdmin, Manifes
                                        "not match the router's)")
         graph, list_shards, list_local, list_sizes, navigation = cls._router_tier(path, m, config)
         metric = m["metric"]
-        # What the build's calibration chose: for the SSD path, and for the raw vectors in RAM where every shard holds
-        # its own there (both read now, so that a bad entry is refused before a shard is opened).
-        defaults = None if params is not None else (search_defaults(m, path), search_defaults(m, path, True))
+        defaults = None if params is not None else calibrated_defaults(m, path)  # what the build's calibration chose
         params = params or defaults[0]
         shard_paths = [str((path / name).resolve()) for name in names]
         kind = RayShards.connected(actor_options) if ray else LocalShards(len(shard_paths))

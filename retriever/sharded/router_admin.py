@@ -14,7 +14,7 @@ import logging
 
 import numpy as np
 
-from fusionrag.retriever.engine.calibrate import config_of, merge_remeasures, write_calibration
+from fusionrag.retriever.engine.calibrate import config_of, merge_remeasures, set_defaults, write_calibration
 from fusionrag.retriever.engine.config import search_defaults
 from fusionrag.retriever.engine.vectors import sample_query_matrix
 from fusionrag.retriever.errors import IndexFormatError
@@ -88,8 +88,10 @@ class RouterAdmin:
         from fusionrag.retriever.sharded.calibrate import calibrate_open_sharded
 
         cal = calibrate_open_sharded(self, config.calibrate_queries, config.target_recall, built.get("seed", 0), log)
-        self.manifest = {**{k: v for k, v in self.manifest.items() if k != "search_defaults_ram"},
-                         **write_calibration(self.path, cal)}
+        write_calibration(self.path, cal)
+        manifest = dict(self.manifest)
+        set_defaults(manifest, cal)
+        self.manifest = manifest
         self.params = search_defaults(self.manifest, self.path, shards_resident(self.where))
         self._changed()
         return cal
