@@ -213,7 +213,9 @@ class SearchOps:
             res = main.index.search_among(q, np.flatnonzero(ok), k, params)
             ids, dists = res.ids, res.distances
         else:
-            res = main.index.search(q, k, params, exclude=exclude)
+            # The lists probed widen by the share passing (the live rows': a filter's, the tombstones').
+            passing = max(live, 1) / n
+            res = main.index.search(q, k, params, exclude=exclude, passing=passing)
             ids, dists = res.ids, res.distances
             # Excluded vectors can empty the probed lists: probe them all for queries left short (ids are best
             # first, -1 padded: short where the min(k, live)-th is -1).
@@ -223,7 +225,7 @@ class SearchOps:
                 # Every list: the ratio rule would still cut those beyond twice the nearest one's distance.
                 p = resolve_params(params, main.index.params).with_overrides(
                     nprobe=main.index.nav.graph.size, probe="ratio", probe_ratio=0.0)
-                again = main.index.search(q.rows(short), k, p, exclude=exclude)
+                again = main.index.search(q.rows(short), k, p, exclude=exclude, passing=passing)
                 ids[short], dists[short] = again.ids, again.distances
         # Python numbers, the counts' columns as one matrix and the seconds' as another (two conversions, not one a
         # column), then a query's all at once.

@@ -58,7 +58,7 @@ from fusionrag.kernels.pool import ALIGN, OVERHEAD, BudgetAccount, BudgetError
 from fusionrag.kernels.pq_table import pq_tables
 from fusionrag.kernels.topn import EMPTY, unpack_keys
 from fusionrag.kernels.variants import Variant, compile_all
-from fusionrag.retriever.engine.config import SearchParams
+from fusionrag.retriever.engine.config import SearchParams, probe_widening
 from fusionrag.retriever.engine.filtering import Candidates
 from fusionrag.retriever.errors import InputError
 
@@ -427,9 +427,10 @@ class DeviceTier:
 
     # -- the device search --------------------------------------------------------------------------------------
     def search(self, queries: np.ndarray, p: SearchParams | None, n: int, k: int, exclude: np.ndarray | None = None,
-               lists: np.ndarray | None = None, rerank: bool = True) -> DeviceBatch:
-        """One batch: queries float32 (q, dim), prepared. lists None: navigate by p (nprobe, and the probe rule);
-        else the lists given. rerank: re-rank on the device where the raw vectors are (else the top-n return)."""
+               lists: np.ndarray | None = None, rerank: bool = True, passing: float = 1.0) -> DeviceBatch:
+        """One batch: queries float32 (q, dim), prepared. lists None: navigate by p (nprobe, and the probe rule,
+        widened where only `passing` of the vectors may be returned, as NavigationTier.probe); else the lists
+        given. rerank: re-rank on the device where the raw vectors are (else the top-n return)."""
         if self.codes is None:
             raise InputError(f"the device tier of {self.account.owner} is closed")
         if n < 1:
@@ -441,7 +442,7 @@ class DeviceTier:
             q = _host(queries.astype(np.float32, copy=False)).to(self.device)
             up += q.numel() * 4
             if lists is None:
-                dev_lists = self._navigate(q, p)
+                dev_lists = self._navigate(q, p, passing)
             else:
                 lists = np.ascontiguousarray(lists, dtype=np.int64)
                 if lists.ndim != 2 or len(lists) != nq:
@@ -500,11 +501,12 @@ class DeviceTier:
             yield s, min(e, nq)
             s = e
 
-    def _navigate(self, q: torch.Tensor, p: SearchParams) -> torch.Tensor:
+    def _navigate(self, q: torch.Tensor, p: SearchParams, passing: float = 1.0) -> torch.Tensor:
         """Each query's probed lists (int64 (q, m), -1 where the probe rule cuts): the nearest centroids by exact
         distance, then the rule NavigationTier.probe applies."""
         n_lists = self.centroids.shape[0]
-        m = min(p.nprobe, n_lists)
+        m, floor = probe_widening(p, passing)
+        m = min(m, n_lists)
         qa = torch.cat([q, torch.zeros(len(q), 1, dtype=q.dtype, device=q.device)], 1) if self.augmented else q
         rows = max(1, self.work_bytes // (n_lists * 4 * 3))
         lists = torch.empty((len(q), m), dtype=torch.int64, device=q.device)
@@ -521,7 +523,7 @@ class DeviceTier:
             r = dists.clamp(min=0).sqrt()
             keep = r <= (1 + p.probe_ratio) * r[:, :1]
             sizes = self.sizes[lists]
-            keep |= (torch.cumsum(sizes, 1) - sizes) < p.rerank
+            keep |= (torch.cumsum(sizes, 1) - sizes) < floor
             lists = torch.where(keep, lists, torch.full_like(lists, -1))
         return lists
 

@@ -23,7 +23,7 @@ from fusionrag.retriever.engine.manifest import ManifestShape, load_array, read_
 from fusionrag.retriever.engine.memory import held_bytes, search_call_bytes, split_buffer
 from fusionrag.retriever.engine.overlap import overlapped
 from fusionrag.retriever.engine.pipeline import (STAT_KEYS, DeviceParts, QueryBatch, cut, filter_kind, open_filter_tier,
-                                                 stat_arrays)
+                                                 passing_share, stat_arrays)
 from fusionrag.retriever.engine.pq import ProductQuantizer
 from fusionrag.retriever.engine.queries import checked_for_search
 from fusionrag.retriever.engine.queries import prepare_queries as prepared
@@ -376,19 +376,22 @@ class Index(ManifestShape):
         return prepare_queries(queries, self.dim, self.metric)
 
     def search(self, queries, k: int = 10, params: SearchParams | SearchOverrides | dict | None = None,
-               exclude: np.ndarray | None = None, **overrides) -> SearchResult:
+               exclude: np.ndarray | None = None, passing: float | None = None, **overrides) -> SearchResult:
         """Top-k of each query with exact distances; see SearchParams for the knobs. params: all of them, or the
         knobs to change (SearchOverrides, a dict) of the index's defaults (self.params). exclude: a
-        bitmap (uint8[ceil(count/8)], bit i little-endian) of vectors never to return. queries:
-        PreparedQueries (a collection's) are searched as they are; anything else is checked first."""
+        bitmap (uint8[ceil(count/8)], bit i little-endian) of vectors never to return; the lists probed widen
+        by the share it lets through (config.probe_widening), counted from it unless the caller knows it
+        (passing: a collection counts its live rows anyway). queries: PreparedQueries (a collection's) are
+        searched as they are; anything else is checked first."""
         if not isinstance(k, (int, np.integer)) or k < 1:
             raise InputError(f"k must be a positive integer, got {k!r}")
         p = resolve_params(params, self.params).with_overrides(**overrides)
         q, unit_pending = checked_for_search(queries, self.dim, self.metric)
+        share = 1.0 if exclude is None else passing_share(exclude, self.count) if passing is None else passing
         chosen = self.choice.choose(len(q)) if self.choice is not None else 0
         f = self.filter if chosen == 0 else self.cpu_beside
         t = time.perf_counter()
-        ids, dists, stats, batches = cut(q, k, p, exclude, f.batch_size, unit_pending=unit_pending)
+        ids, dists, stats, batches = cut(q, k, p, exclude, f.batch_size, unit_pending=unit_pending, passing=share)
         if getattr(f, "navigates", False) and p.probe != "learned":
             # The whole batch on the device; where the raw vectors are not there, the host re-ranks batch b
             # while the device searches batch b+1.
@@ -490,7 +493,7 @@ class Index(ManifestShape):
 
     def _graph_stage(self, b: QueryBatch) -> QueryBatch:
         """The coarse quantizer: each query's posting lists by the navigation graph."""
-        b.lists, b.probed, b.graph_s = self.nav.probe(b.ready().queries, b.params)
+        b.lists, b.probed, b.graph_s = self.nav.probe(b.ready().queries, b.params, b.passing)
         return b
 
     def _filter_stage(self, b: QueryBatch, f=None) -> QueryBatch:
@@ -508,7 +511,7 @@ class Index(ManifestShape):
 
     def _device_stage(self, b: QueryBatch) -> QueryBatch:
         """Navigation, lists, scan, top-n and (where the raw vectors are on the device) the re-rank, on the device."""
-        d = self.filter.search(b.queries, b.params, b.n, b.k, b.exclude)
+        d = self.filter.search(b.queries, b.params, b.n, b.k, b.exclude, passing=b.passing)
         b.probed = d.probed
         b.candidates = Candidates(d.ids, d.dists, d.gathered, d.unique, np.full(len(b.queries), d.seconds /
                                                                                  max(1, len(b.queries))))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fusionrag import native
-from fusionrag.retriever.engine.config import EngineConfig, SearchParams
+from fusionrag.retriever.engine.config import EngineConfig, SearchParams, probe_widening
 from fusionrag.retriever.engine.filtering import Candidates
 from fusionrag.retriever.engine.kmeans import sq_dists
 from fusionrag.retriever.engine.learned_probe import ProbeModel, probe_features
@@ -134,35 +134,55 @@ class NavigationTier:
         """The m nearest of every centroid, by exact distance: what probing all lists must mean."""
         return self.graph.exact_search(q, m, self.threads)
 
-    def nearest(self, queries: np.ndarray, p: SearchParams) -> tuple[np.ndarray, np.ndarray]:
-        """The nprobe nearest lists of each query and their squared distances, nearest first (no cut)."""
+    def nearest(self, queries: np.ndarray, p: SearchParams, m: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The m (else p.nprobe) nearest lists of each query and their squared distances, nearest first (no cut).
+        By exact distances to every centroid where the build's rows went so, or where the graph's beam would be
+        wide (exact_navigation): a filtered search's widened m."""
         q = np.hstack([queries, np.zeros((len(queries), 1), np.float32)]) if self.augmented else queries
-        m = min(p.nprobe, self.graph.size)
-        if m == self.graph.size or self.exhaustive:
+        m = min(p.nprobe if m is None else m, self.graph.size)
+        if self.exhaustive or exact_navigation(m, self.graph.size):
             return self._exhaustive(q, m)
         return self.graph.search(q, m, max(m, p.graph_ef), self.threads)
 
-    def probe(self, queries: np.ndarray, p: SearchParams) -> tuple[np.ndarray, np.ndarray, float]:
-        """Posting lists to probe per query (-1 where p.probe's rule cuts), their count, seconds."""
+    def probe(self, queries: np.ndarray, p: SearchParams,
+              passing: float = 1.0) -> tuple[np.ndarray, np.ndarray, float]:
+        """Posting lists to probe per query (-1 where p.probe's rule cuts), their count, seconds. passing: the share
+        of the index's vectors the search may return (a filter's, tombstones'): the lists probed are widened to
+        hold as many of those as an unfiltered search's lists hold vectors (probe_widening)."""
         t = time.perf_counter()
         if p.probe == "learned" and self.model is None:
             raise ConfigError("probe 'learned' needs an index built with a probe model (build with --probe-model, "
                               "BuildConfig(probe_model=True))")
-        lists, dists = self.nearest(queries, p)
+        m, floor = probe_widening(p, passing)
+        lists, dists = self.nearest(queries, p, m)
         m = lists.shape[1]
         if p.probe == "learned":
             keep = self.model.lists(probe_features(dists), p.probe_scale, m)
+            if passing < 1:
+                keep = np.minimum(np.ceil(keep / passing), m)
             lists[np.arange(m)[None, :] >= keep[:, None]] = -1
         elif p.probe_ratio > 0 and not self.augmented and m > 1:
             # Lists much farther than the nearest one rarely hold a top-k neighbour. But never fewer lists
-            # than hold the p.rerank candidates the re-rank wants: a query near a centroid of one vector (an
-            # outlier's own list) or of none kept that list alone, and got fewer than k answers. In one native
-            # pass (native/probe_cut.cpp: numpy's dozen calls cost ~15-20 us of a one-query search).
+            # than hold the p.rerank candidates the re-rank wants (scaled by passing): a query near a centroid
+            # of one vector (an outlier's own list) or of none kept that list alone, and got fewer than k answers.
+            # In one native pass (native/probe_cut.cpp: numpy's dozen calls cost ~15-20 us of a one-query search).
             lists = np.ascontiguousarray(lists, dtype=np.int32)
             probed = native.ratio_cut(lists, np.ascontiguousarray(dists, dtype=np.float32), self.list_sizes,
-                                      float(p.probe_ratio), int(p.rerank))
+                                      float(p.probe_ratio), floor)
             return lists, probed, time.perf_counter() - t
         return lists, (lists >= 0).sum(axis=1), time.perf_counter() - t
+
+
+# The graph's search costs ~0.3-0.5 us a list found (its beam is at least m), exact distances to every centroid a
+# fixed ~0.15-0.2 ms plus ~0.1 us a list (measured one query at a time, 1 thread: GloVe 40,555 centroids x 50,
+# Fashion-MNIST 5,954 x 784); the two cross near m = 500 on both, and the exact scan grows with the centroids
+# (size / 64: ~600 on GloVe's). Reached only by a filtered search's widened lists or an nprobe set that high.
+EXACT_NAVIGATION_MIN = 512
+
+
+def exact_navigation(m: int, size: int) -> bool:
+    """Whether finding a query's m nearest of `size` centroids is cheaper by exact distances than by the graph."""
+    return m >= size or m >= max(EXACT_NAVIGATION_MIN, size // 64)
 
 
 class CpuFilterTier:

@@ -42,11 +42,21 @@ class RouterSearch:
     """ShardedIndex's vector search (mixed into it: it reads the router's state and calls its shards through
     ShardedIndex's plumbing, sharded/router.py)."""
 
-    def probe(self, q: np.ndarray, p: SearchParams):
+    def probe(self, q: np.ndarray, p: SearchParams, passing: float = 1.0):
         """(lists int32 (q, m), -1 where cut; their count per query): as Index probes (p.probe 'ratio', the
-        distance-ratio rule, or 'learned', the router's probe model)."""
-        lists, probed, _ = self.nav.probe(q, p)
+        distance-ratio rule, or 'learned', the router's probe model), widened by the share passing a filter."""
+        lists, probed, _ = self.nav.probe(q, p, passing)
         return lists, probed
+
+    def _passing(self, reads: ShardReads | None) -> float:
+        """The share of the shards' built vectors a search's filter passes (1.0 without one), from one round to the
+        live shards: each counts its own (a replicated list's vectors on both of its shards, on both sides of the
+        share). Shards down are left out of the sums."""
+        if reads is None or reads.where is None:
+            return 1.0
+        got, _ = self._round([ShardCall(s, "passing", (reads.where,)) for s in range(self.n_shards) if self.alive[s]])
+        passing, total = (sum(v) for v in zip(*got.values())) if got else (0, 0)
+        return max(passing, 1) / total if total else 1.0
 
     def _dispatch(self, q: np.ndarray, lo: int, lists: np.ndarray, k: int, p: SearchParams, fresh: bool,
                   stats: dict, per_shard: dict, missing: list[set],
@@ -96,7 +106,7 @@ class RouterSearch:
 
     def search(self, queries, k: int = 10, params: SearchParams | None = None, probe: str | None = None,
                probe_scale: float | None = None, partial: bool = True, reads: ShardReads | None = None,
-               _again: bool = True, **overrides) -> ShardedResult:
+               _again: bool = True, _passing: float | None = None, **overrides) -> ShardedResult:
         """Top-k of each query over every shard's index and fresh tier, with exact distances (as Index.search
         reports them). probe, probe_scale: SearchParams' (as overrides): 'ratio' (the distance-ratio rule, as
         Index) or 'learned' (learned pruning; probe_scale x the predicted lists).
@@ -105,7 +115,9 @@ class RouterSearch:
         UnavailableError instead.
         stats per query: lists_probed, shards_probed, candidates (PQ-scanned postings), reranked, missing_lists;
         per_shard: queries, lists, work (postings of the lists sent), candidates, seconds. reads: a metadata filter
-        the answers must pass, and whether the shards return the answers' documents (ShardedResult.docs)."""
+        the answers must pass, and whether the shards return the answers' documents (ShardedResult.docs); the lists
+        probed widen by the share of the shards' vectors it passes (Index.search's passing), counted by one round
+        to the shards first."""
         if not isinstance(k, (int, np.integer)) or k < 1:
             raise InputError(f"k must be a positive integer, got {k!r}")
         p = resolve_params(params, self.params).with_overrides(probe=probe, probe_scale=probe_scale, **overrides)
@@ -118,9 +130,10 @@ class RouterSearch:
         missing: list[set] = [set() for _ in range(nq)]
         missing_shards = set(self._fresh_unreachable())
         jobs = []  # (batch slice, its lists, its calls)
+        passing = self._passing(reads) if _passing is None else _passing
         for lo in range(0, nq, self.batch_size):
             sl = slice(lo, min(nq, lo + self.batch_size))
-            lists, probed = self.probe(q[sl], p)
+            lists, probed = self.probe(q[sl], p, passing)
             stats["lists_probed"][sl] = probed
             jobs.append((sl, lists, self._dispatch(q, lo, lists, k, p, True, stats, per_shard, missing, reads)))
         ids = np.full((nq, k), -1, dtype=np.int64)
@@ -171,7 +184,8 @@ class RouterSearch:
             # Vectors a filter excludes can empty the lists probed: queries left short probe every list, as a
             # collection's do (Collection._search_main), the ratio rule off (it would still cut the far ones).
             again = self.search(q[short], k, p.with_overrides(nprobe=len(self.list_shards), probe="ratio",
-                                                             probe_ratio=0.0), partial=True, reads=reads, _again=False)
+                                                             probe_ratio=0.0), partial=True, reads=reads, _again=False,
+                                _passing=passing)
             ids[short], dists[short] = again.ids, again.distances
             docs.update(again.docs or {})
             for key in ("candidates", "reranked", "lists_probed"):

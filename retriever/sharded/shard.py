@@ -319,6 +319,17 @@ class ShardServer:
             out[i] = (str(i), None, {}, vectors.get(i))
         return out
 
+    def passing(self, where: tuple[str, list]) -> tuple[int, int]:
+        """(vectors of this shard's index a compiled filter passes, not deleted or replaced since; the index's
+        vectors): the router widens the lists it probes by the share the shards' sums make (Index.search's
+        passing)."""
+        with self._reading() as (g, w):
+            exclude, _ = w.snapshot()
+            n = len(g.global_ids)
+            if w.store is None or not n:
+                return 0, n
+            return int(tombstones.passing(g.global_ids, w.store.rows_where(*where), exclude).sum()), n
+
     def matching(self, where: tuple[str, list]) -> np.ndarray:
         """Sorted ids of the documents here that pass a compiled filter (only documents written with their
         metadata can)."""

@@ -76,6 +76,26 @@ def test_device_search_answers_as_the_cpu_tier(every_metric, raw):
     dev.close()
 
 
+def test_a_filtered_search_widens_the_device_tiers_lists_as_the_cpu_tiers(built):
+    """An exclusion passing a tenth of the vectors: the device navigates the lists NavigationTier.probe widens
+    (nprobe and the ratio rule's floor over the share passing), the same count as the CPU tier's, ten times or
+    so those of the search given passing=1.0, and returns no excluded vector."""
+    metric, base, queries, path = built
+    cpu = Index.open(path, EngineConfig(filter_tier="cpu"))
+    dev = Index.open(path, EngineConfig(**DEVICE))
+    ok = np.random.default_rng(3).random(len(base)) < 0.1
+    exclude = np.packbits(~ok, bitorder="little")
+    a = cpu.search(queries, 10, nprobe=4, exclude=exclude)
+    b = dev.search(queries, 10, nprobe=4, exclude=exclude)
+    narrow = dev.search(queries, 10, nprobe=4, exclude=exclude, passing=1.0)
+    assert np.array_equal(a.stats["lists_probed"], b.stats["lists_probed"])
+    assert b.stats["lists_probed"].mean() >= 5 * narrow.stats["lists_probed"].mean()
+    assert np.isin(b.ids[b.ids >= 0], np.flatnonzero(ok)).all()
+    truth = np.flatnonzero(ok)[_truth(metric, base[ok], queries)]
+    assert recall(b.ids, truth) >= recall(a.ids, truth) - 0.01 and recall(b.ids, truth) > recall(narrow.ids, truth)
+    dev.close()
+
+
 def test_top_n_of_the_lists_given_equals_the_cpu_tiers(every_metric):
     """What a shard of a sharded index (and learned pruning) asks: the top-n of lists the caller gives."""
     metric, base, queries, path = every_metric

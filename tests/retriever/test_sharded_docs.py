@@ -651,3 +651,42 @@ def test_a_filter_the_lists_probed_do_not_pass_probes_every_list_as_a_collection
         assert res.stats[0]["lists_probed"] > 4  # probed again, wider
     finally:
         c.close()
+
+
+def test_a_filter_widens_the_routers_lists_by_the_share_the_shards_count(named_build, base, tmp_path):
+    """A filter passing a tenth of the built documents, answered from the index (filter_exact_max 0): the router
+    asks the shards what share of their vectors passes (ShardServer.passing: a replicated list's on both of its
+    shards) and probes lists widened by it, as a single index does (config.probe_widening); the same search given
+    the share 1.0 probes the unfiltered lists and finds fewer of the filtered top-k (numpy over those documents)."""
+    from fusionrag.retriever.collection import CollectionConfig
+    from fusionrag.retriever.collection.filters import compile_filter
+    from fusionrag.retriever.sharded.shard import ShardReads
+
+    path, docs = named_build
+    shutil.copytree(path, tmp_path / "idx")
+    c = ShardedCollection(ShardedIndex.open(tmp_path / "idx"), "docs", CollectionConfig(filter_exact_max=0))
+    try:
+        ix = c.index
+        flt = {"n": {"$in": list(range(3, N, 10))}}
+        where = compile_filter(flt)
+        counts = np.array(ix.every_shard("passing", (where,), "a filter's share"))  # (passing, vectors) a shard
+        # each built document on one shard or, its list replicated, on two: both sums count it as many times
+        assert N <= counts[:, 1].sum() <= 2 * N and N // 10 <= counts[:, 0].sum() <= 2 * N // 10
+        assert counts[:, 0].sum() / counts[:, 1].sum() == pytest.approx(0.1, abs=0.02)
+        q = clustered(30, DIM, 20, seed=9, spread=0.6)
+        p = SearchParams(nprobe=4, rerank=50)
+        res = c.search(q, K, filter=flt, params=p)
+        ok = np.arange(3, N, 10)
+        want, _ = expected_named(base[ok], [f"doc-{i}" for i in ok.tolist()], q, K)
+        got = [[h.id for h in hits] for hits in res.hits]
+        found = np.mean([len(set(a) & set(b)) / K for a, b in zip(got, want)])
+        narrow = ix.search(q, K, p, reads=ShardReads(where, with_docs=True, exact_max=0), _passing=1.0)
+        named = [[f"doc-{i}" for i in row if i >= 0] for row in narrow.ids.tolist()]
+        found_narrow = np.mean([len(set(a) & set(b)) / K for a, b in zip(named, want)])
+        lists = np.array([s["lists_probed"] for s in res.stats])
+        # widened tenfold (the ratio rule cuts a few); the narrow search's short queries probed every list again
+        assert lists.mean() >= 5 * p.nprobe and lists.max() <= 4 / 0.08
+        assert np.isin(narrow.stats["lists_probed"], [4, 4 + len(ix.list_shards)]).all()
+        assert found >= 0.9 and found > found_narrow, (found, found_narrow)
+    finally:
+        c.close()
