@@ -645,17 +645,27 @@ auto pq_distances(Array<float> luts, Array<int64_t> ids, Array<uint8_t> codes, i
   size_t q = ids.shape(0), n = ids.shape(1);
   LutArray tables(luts, q);
   Codes pq(codes, tables.M, "luts");
-  size_t threads = pool_threads(num_threads);
+  const int64_t* id = ids.data();
+  for (size_t i = 0; i < q * n; ++i)
+    if (id[i] < -1 || id[i] >= int64_t(pq.N))
+      throw std::invalid_argument("ids[" + std::to_string(i / std::max<size_t>(n, 1)) + ", " +
+                                  std::to_string(i % std::max<size_t>(n, 1)) + "] = " + std::to_string(id[i]) +
+                                  " is out of range for " + std::to_string(pq.N) + " codes");
   auto dists = std::make_unique<float[]>(q * n);
+  // A filter's passing vectors (Index.search_among) lie anywhere in the codes: each code is fetched ahead of its
+  // sum, as the scan does, and one query's ids are cut into blocks the threads share (a call is most often one
+  // query with thousands of ids, which one thread did alone).
+  constexpr size_t kBlock = 4096, kAhead = 16;
+  const size_t blocks = (n + kBlock - 1) / kBlock;
   {
     nb::gil_scoped_release unlocked;
-    ThreadPool::instance().parallel_for(q, threads, [&](size_t i, size_t) {
-      for (size_t j = 0; j < n; ++j) {
-        int64_t id = ids.data()[i * n + j];
-        if (id < -1 || id >= int64_t(pq.N))
-          throw std::invalid_argument("ids[" + std::to_string(i) + ", " + std::to_string(j) + "] = " +
-                                      std::to_string(id) + " is out of range for " + std::to_string(pq.N) + " codes");
-        dists[i * n + j] = id < 0 ? std::numeric_limits<float>::infinity() : pq.adc(tables.lut(i), size_t(id));
+    ThreadPool::instance().parallel_for(q * blocks, pool_threads(num_threads), [&](size_t task, size_t) {
+      const size_t i = task / blocks, lo = (task % blocks) * kBlock, hi = std::min(n, lo + kBlock);
+      const int64_t* row = id + i * n;
+      const float* lut = tables.lut(i);
+      for (size_t j = lo; j < hi; ++j) {
+        if (j + kAhead < hi && row[j + kAhead] >= 0) __builtin_prefetch(pq.codes + size_t(row[j + kAhead]) * pq.M);
+        dists[i * n + j] = row[j] < 0 ? std::numeric_limits<float>::infinity() : pq.adc(lut, size_t(row[j]));
       }
     });
   }

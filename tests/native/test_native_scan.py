@@ -166,6 +166,20 @@ def test_pq_distances():
             assert got[i, j] == want
 
 
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_pq_distances_of_many_ids_in_blocks_the_threads_share(threads):
+    """A filter's passing vectors (search_among): one query, or a few, with more ids than one block (4096) holds,
+    -1 among them; each block's sums as numpy's, whichever thread took it."""
+    rng = np.random.default_rng(threads)
+    codes = rng.integers(0, 256, (20_000, 9), dtype=np.uint8)
+    for q, n in ((1, 10_001), (3, 8_192), (2, 4_095)):
+        luts = integer_luts(rng, q, 9)
+        ids = rng.integers(-1, len(codes), (q, n)).astype(np.int64)
+        got = pq_distances(luts, ids, codes, threads)
+        want = np.stack([luts[i][np.arange(9)[None, :], codes[np.maximum(ids[i], 0)]].sum(1) for i in range(q)])
+        np.testing.assert_array_equal(got, np.where(ids < 0, np.inf, want))
+
 def test_empty_query_batch():
     offsets, ids = np.array([0, 2], np.int64), np.array([0, 1], np.uint32)
     codes = np.zeros((2, 4), np.uint8)

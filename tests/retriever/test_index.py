@@ -489,6 +489,10 @@ def test_search_among_scores_every_given_vector_and_reranks_the_best(tmp_path, m
         assert np.all(res.stats["reranked"] <= min(size, rerank))
         assert recall(res.ids, truth) >= (1.0 if rerank >= size else 0.97), (size, rerank, recall(res.ids, truth))
         assert np.all(np.diff(res.distances, axis=1) >= 0)
+        # sorted and distinct (a filter's rows: taken as they are), or with repeats (made distinct): the same answer
+        for given in (ids, np.concatenate([ids, ids[:50]]), ids.astype(np.int32)):
+            again = index.search_among(queries, given, k=10, rerank=rerank)
+            assert np.array_equal(again.ids, res.ids) and np.all(again.stats["candidates"] == size)
         whole = index.search(queries, k=10, **EXHAUSTIVE)  # the same distance for the same vector
         same = res.ids[:, :1] == whole.ids[:, :1]
         np.testing.assert_allclose(res.distances[:, :1][same], whole.distances[:, :1][same], rtol=1e-5, atol=1e-5)
