@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -93,18 +94,42 @@ def test_batched_calls_answer_what_calls_of_one_text_do(cache, data_dir, monkeyp
         assert cosine.min() >= 0.9999, cosine.min()
 
 
+FIGURES = re.compile(r"batch of \d+ ([\d.]+) / ([\d.]+), one text ([\d.]+) / ([\d.]+); minimum cosine ([\d.]+)")
+
+
 def test_auto_takes_bf16_where_it_is_right_and_faster(cache, monkeypatch, caplog):
+    """auto measures the bf16 model against the float32 one as it loads, and its verdict is what its figures say:
+    bf16 where it is right and at most FASTER of the float32 runtime's thread CPU (batch and one text), else ONNX
+    Runtime, the log giving the figures. This machine's figures decide which (on a busy 2-core VM they fall on
+    either side of FASTER); then, the timing made so, bf16 measured faster is taken."""
     if not NATIVE:
         pytest.skip("this CPU has no bf16 matrix instructions")
     with caplog.at_level(logging.INFO, logger=LOGGER):
         emb = minilm()
-        assert emb.runtime == "bf16"
-    assert "runs in bf16 on torch" in caplog.text and "ms/text of thread CPU" in caplog.text, caplog.text
-    figures = emb._model.timing
-    print(f"\n{figures}")
-    assert figures["min_cosine"] >= embedding_bf16.MIN_COSINE
-    assert figures["bf16_batch_ms"] <= embedding_bf16.FASTER * figures["fp32_batch_ms"]
-    assert figures["bf16_one_ms"] <= embedding_bf16.FASTER * figures["fp32_one_ms"]
+        runtime = emb.runtime  # the model loads, and is measured, when first used
+    said = FIGURES.search(caplog.text)
+    assert said and "ms/text of thread CPU" in caplog.text, caplog.text
+    bf16_batch, fp32_batch, bf16_one, fp32_one, cosine = map(float, said.groups())
+    print(f"\n{said.group(0)}")
+    assert cosine >= embedding_bf16.MIN_COSINE
+    faster = bf16_batch <= embedding_bf16.FASTER * fp32_batch and bf16_one <= embedding_bf16.FASTER * fp32_one
+    # the log rounds to 0.01 ms: a verdict within that of the line is not checked against it
+    near = min(abs(bf16_batch - embedding_bf16.FASTER * fp32_batch), abs(bf16_one - embedding_bf16.FASTER * fp32_one))
+    if runtime == "bf16":
+        assert "runs in bf16 on torch" in caplog.text
+        figures = emb._model.timing
+        assert figures["bf16_batch_ms"] <= embedding_bf16.FASTER * figures["fp32_batch_ms"]
+        assert figures["bf16_one_ms"] <= embedding_bf16.FASTER * figures["fp32_one_ms"]
+        assert faster or near < 0.02
+    else:
+        assert runtime == "onnx" and "not faster here" in caplog.text, caplog.text
+        assert not faster or near < 0.02
+    monkeypatch.setattr(embedding_bf16, "timing", lambda model, texts: (4.0, 4.0) if isinstance(
+        model, embedding_bf16.Bf16Model) else (10.0, 10.0))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        assert minilm().runtime == "bf16"
+    assert "runs in bf16 on torch" in caplog.text and "batch of" in caplog.text, caplog.text
 
 
 def _onnx_because(caplog, monkeypatch, why: str) -> None:
