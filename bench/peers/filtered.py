@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.harness.paths import WORK, results
-from bench.harness.sets import load_as_searched, prepare
+from bench.harness.sets import exact_knn, load_as_searched, prepare
 
 import fusionrag.retriever as fr  # noqa: E402
 from fusionrag.retriever.engine.calibrate import recall_at  # noqa: E402
@@ -46,17 +46,6 @@ def filters(x: np.ndarray, seed: int = 0) -> list[tuple[str, np.ndarray]]:
         proj = x @ rng.standard_normal(x.shape[1]).astype(np.float32)
         out.append((f"half-space {s:g}", proj > np.quantile(proj, 1 - s)))
     return out
-
-
-def exact_knn(x: np.ndarray, q: np.ndarray, k: int) -> np.ndarray:
-    """Brute-force squared-L2 top-k rows of x (unit rows for cosine sets) for each query, in numpy."""
-    norms = (x * x).sum(1)
-    out = []
-    for s in range(0, len(q), 64):
-        d = norms[None, :] - 2 * (q[s:s + 64] @ x.T)
-        top = np.argpartition(d, k, axis=1)[:, :k]
-        out.append(np.take_along_axis(top, np.argsort(np.take_along_axis(d, top, 1), 1), 1))
-    return np.vstack(out)
 
 
 def measure(index, q: np.ndarray, truth: np.ndarray, exclude, passing) -> dict:
@@ -158,7 +147,7 @@ def main() -> None:
                             | hnsw_measure(hnsw, qs, truth, ok))
                 print(rows[-1], flush=True)
         where = index.memory()["raw_vectors_bytes"] > 0
-        params = index.params.to_dict() if hasattr(index.params, "to_dict") else str(index.params)
+        params = index.params.to_dict()
     finally:
         index.close()
     result = {"set": args.set, "count": int(len(x)), "dim": int(x.shape[1]), "metric": meta["metric"],
