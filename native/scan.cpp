@@ -24,6 +24,7 @@
 
 #include "distance.h"
 #include "numpy_out.h"
+#include "scan4.h"
 #include "scratch_meter.h"
 #include "threadpool.h"
 
@@ -672,6 +673,310 @@ auto pq_distances(Array<float> luts, Array<int64_t> ids, Array<uint8_t> codes, i
   return to_numpy(std::move(dists), {q, n});
 }
 
+
+// ---- 4-bit PQ (scan4.h): the same scan over codes of 16 centroids a sub-space, two a byte ----------------------
+
+// 4-bit codebooks laid out for building tables: M x dsub x 16 and ||c||^2 of every centroid (M x 16).
+class Pq4Codebooks {
+ public:
+  size_t M, dsub, P;
+  std::vector<float> columns, norms;
+
+  explicit Pq4Codebooks(const AnyArray& codebook_array) {
+    const float* c = float32_array(codebook_array, 3, "codebooks");
+    M = codebook_array.shape(0);
+    dsub = codebook_array.shape(2);
+    if (M == 0 || M > kMaxM4 || dsub == 0 || codebook_array.shape(1) != kCodebook4)
+      throw std::invalid_argument("4-bit codebooks must have shape (M, 16, dsub) with 1 <= M <= " +
+                                  std::to_string(kMaxM4) + ", dsub >= 1, got " + shape_of(codebook_array));
+    P = (M + 1) / 2;
+    columns.resize(M * dsub * kCodebook4);
+    norms.assign(M * kCodebook4, 0.0f);
+    for (size_t m = 0; m < M; ++m)
+      for (size_t d = 0; d < dsub; ++d)
+        for (size_t k = 0; k < kCodebook4; ++k) {
+          float x = c[(m * kCodebook4 + k) * dsub + d];
+          columns[(m * dsub + d) * kCodebook4 + k] = x;
+          norms[m * kCodebook4 + k] += x * x;
+        }
+  }
+
+  size_t nbytes() const { return (columns.size() + norms.size()) * sizeof(float); }
+};
+
+// A call's 4-bit codebooks: a Pq4Codebooks made earlier, or the raw array, laid out for this call.
+struct Codebooks4Arg {
+  std::optional<Pq4Codebooks> own;
+  const Pq4Codebooks* cb;
+
+  explicit Codebooks4Arg(nb::handle h) {
+    if (nb::isinstance<Pq4Codebooks>(h)) {
+      cb = nb::cast<const Pq4Codebooks*>(h);
+      return;
+    }
+    AnyArray raw;
+    if (!nb::try_cast(h, raw))
+      throw std::invalid_argument("codebooks must be a float32 (M, 16, dsub) array or a Pq4Codebooks");
+    own.emplace(raw);
+    cb = &*own;
+  }
+};
+
+// A query's 4-bit table, quantized: q8 (2P x 16: a row a sub-space, the rows past M zero), and the float distance
+// of a uint16 sum s is base + scale * s. Each sub-space's entries less its least, over one scale (the widest
+// sub-space's range / 255), rounded: a sum is within M * scale / 2 of the float table's.
+struct Table4 {
+  std::vector<float> lut;  // M x 16 floats: l2 ||q_m - c||^2, ip -q_m.c
+  std::vector<uint8_t> q8;
+  float base = 0, scale = 0;
+};
+
+class Lut4Builder {
+ public:
+  size_t q, dim;
+  const Pq4Codebooks& cb;
+
+  Lut4Builder(const AnyArray& query_array, const Pq4Codebooks& codebooks, const std::string& metric)
+      : cb(codebooks) {
+    ip_ = parse_metric(metric) == Metric::IP;
+    queries_ = float32_array(query_array, 2, "queries");
+    q = query_array.shape(0);
+    dim = query_array.shape(1);
+    if (dim > cb.M * cb.dsub || dim <= cb.M * (cb.dsub - 1))
+      throw std::invalid_argument("queries have dimension " + std::to_string(dim) + ", but codebooks of shape (" +
+                                  std::to_string(cb.M) + ", 16, " + std::to_string(cb.dsub) +
+                                  ") are for dimensions " + std::to_string(cb.M * (cb.dsub - 1) + 1) + ".." +
+                                  std::to_string(cb.M * cb.dsub));
+  }
+
+  void build(size_t i, Table4& t) const {
+    const size_t M = cb.M, dsub = cb.dsub;
+    const float* x = queries_ + i * dim;
+    t.lut.assign(M * kCodebook4, 0.0f);
+    t.q8.assign(2 * cb.P * kCodebook4, 0);
+    float widest = 0;
+    t.base = 0;
+    for (size_t m = 0; m < M; ++m) {
+      float dot[kCodebook4] = {}, qn = 0;
+      for (size_t d = 0; d < dsub; ++d) {
+        size_t at = m * dsub + d;
+        float v = at < dim ? x[at] : 0.0f;  // zero-padded to M * dsub, as ProductQuantizer splits it
+        qn += v * v;
+        const float* col = &cb.columns[at * kCodebook4];
+        for (size_t k = 0; k < kCodebook4; ++k) dot[k] += v * col[k];
+      }
+      float* row = &t.lut[m * kCodebook4];
+      for (size_t k = 0; k < kCodebook4; ++k)
+        row[k] = ip_ ? -dot[k] : (dot[k] * -2.0f + qn) + cb.norms[m * kCodebook4 + k];
+      float lo = *std::min_element(row, row + kCodebook4), hi = *std::max_element(row, row + kCodebook4);
+      t.base += lo;
+      widest = std::max(widest, hi - lo);
+    }
+    t.scale = widest / 255.0f;
+    const float inv = widest > 0 ? 255.0f / widest : 0.0f;
+    for (size_t m = 0; m < M; ++m) {
+      const float* row = &t.lut[m * kCodebook4];
+      float lo = *std::min_element(row, row + kCodebook4);
+      for (size_t k = 0; k < kCodebook4; ++k)
+        t.q8[m * kCodebook4 + k] = uint8_t(std::min(255.0f, (row[k] - lo) * inv + 0.5f));
+    }
+  }
+
+ private:
+  bool ip_;
+  const float* queries_;
+};
+
+// 4-bit codes, P bytes a vector.
+struct Codes4 {
+  const uint8_t* codes;
+  size_t P, N;
+
+  Codes4(const Array<uint8_t>& code_array, const Pq4Codebooks& cb) : P(cb.P) {
+    check_ndim(code_array, 2, "codes");
+    if (code_array.shape(1) != P)
+      throw std::invalid_argument("4-bit codes must have shape (N, " + std::to_string(P) + ") to match " +
+                                  std::to_string(cb.M) + " sub-spaces, got " + shape_of(code_array));
+    codes = code_array.data();
+    N = code_array.shape(0);
+  }
+};
+
+struct Scan4Scratch {
+  Table4 table;
+  std::vector<uint16_t> sums;
+  ScratchMeter meter;
+
+  size_t bytes() const { return capacity_bytes(table.lut, table.q8, sums); }
+
+  __attribute__((noinline)) static Scan4Scratch& local() {
+    thread_local Scan4Scratch s;
+    return s;
+  }
+};
+
+// scan_query over 4-bit codes: the same gathering and de-duplication (ScanScratch), each unique candidate's sum
+// by pq4_sums, the n best by (sum, id), their distances base + scale * sum.
+void scan_query4(size_t i, const Lists& lists, const Codes4& pq, const Table4& t, const uint8_t* exclude,
+                 ScanOut& out) {
+  ScanScratch& s = ScanScratch::local(pq.N);
+  SettleOnExit<ScanScratch> settle{s};
+  Scan4Scratch& s4 = Scan4Scratch::local();
+  SettleOnExit<Scan4Scratch> settle4{s4};
+  s.unique.clear();
+  struct Unmark {
+    ScanScratch& s;
+    ~Unmark() {
+      for (uint32_t id : s.unique) s.seen[id >> 6] = 0;
+    }
+  } unmark{s};
+  int64_t gathered = 0;
+  s.ranges.clear();
+  lists.for_each_list(i, [&](const uint32_t* begin, const uint32_t* end) {
+    __builtin_prefetch(begin);
+    s.ranges.emplace_back(begin, end);
+    gathered += end - begin;
+  });
+  for (auto [begin, end] : s.ranges) {
+    for (const uint32_t* p = begin; p != end; ++p) {
+      uint32_t id = lists.id_at(p, pq.N);
+      if (exclude && (exclude[id >> 3] >> (id & 7) & 1)) continue;
+      uint64_t& word = s.seen[id >> 6];
+      uint64_t bit = uint64_t(1) << (id & 63);
+      if (word & bit) continue;
+      word |= bit;
+      s.unique.push_back(id);
+    }
+  }
+  const size_t u = s.unique.size();
+  s4.sums.resize(u);
+  pq4_sums(pq.codes, pq.N, pq.P, s.unique.data(), u, t.q8.data(), s4.sums.data());
+  s.keys.resize(u);
+  for (size_t j = 0; j < u; ++j) s.keys[j] = (uint64_t(s4.sums[j]) << 32) | s.unique[j];
+  size_t n = out.n, keep = std::min(n, u);
+  std::nth_element(s.keys.begin(), s.keys.begin() + keep, s.keys.end());
+  std::sort(s.keys.begin(), s.keys.begin() + keep);
+  for (size_t j = 0; j < n; ++j) {
+    out.ids[i * n + j] = j < keep ? int64_t(uint32_t(s.keys[j])) : -1;
+    out.dists[i * n + j] =
+        j < keep ? t.base + t.scale * float(s.keys[j] >> 32) : std::numeric_limits<float>::infinity();
+  }
+  out.counts[2 * i] = gathered;
+  out.counts[2 * i + 1] = int64_t(u);
+}
+
+auto scan_topn_pq4(AnyArray queries, nb::handle codebooks, const std::string& metric, Array<int32_t> probe_lists,
+                   Array<int64_t> list_offsets, Array<uint32_t> list_ids, Array<uint8_t> codes, int64_t n,
+                   int num_threads, std::optional<Array<uint8_t>> exclude) {
+  Codebooks4Arg cb(codebooks);
+  Lut4Builder builder(queries, *cb.cb, metric);
+  Lists lists(probe_lists, list_offsets, list_ids);
+  if (lists.q != builder.q)
+    throw std::invalid_argument("probe_lists has " + std::to_string(lists.q) + " rows for " +
+                                std::to_string(builder.q) + " queries");
+  Codes4 pq(codes, *cb.cb);
+  ScanOut out(lists.q, n);
+  const uint8_t* excluded = exclude_bitmap(exclude, pq.N);
+  auto lut_seconds = std::make_unique<double[]>(lists.q);
+  {
+    nb::gil_scoped_release unlocked;
+    ThreadPool::instance().parallel_for(lists.q, pool_threads(num_threads), [&](size_t i, size_t) {
+      auto t0 = Clock::now();
+      Table4& t = Scan4Scratch::local().table;
+      builder.build(i, t);
+      auto t1 = Clock::now();
+      scan_query4(i, lists, pq, t, excluded, out);
+      lut_seconds[i] = std::chrono::duration<double>(t1 - t0).count();
+      out.seconds[i] = seconds_since(t1);
+    });
+  }
+  size_t q = lists.q;
+  return std::tuple_cat(out.release(), std::make_tuple(to_numpy(std::move(lut_seconds), {q})));
+}
+
+// The tables scan_topn_pq4 builds: (float32 (q, M, 16), uint8 (q, 2P, 16) quantized, base float32 (q),
+// scale float32 (q)).
+auto pq4_tables(AnyArray queries, nb::handle codebooks, const std::string& metric) {
+  Codebooks4Arg cb(codebooks);
+  Lut4Builder builder(queries, *cb.cb, metric);
+  const size_t q = builder.q, M = cb.cb->M, rows = 2 * cb.cb->P;
+  auto luts = std::make_unique<float[]>(q * M * kCodebook4);
+  auto q8 = std::make_unique<uint8_t[]>(q * rows * kCodebook4);
+  auto base = std::make_unique<float[]>(q), scale = std::make_unique<float[]>(q);
+  Table4 t;
+  for (size_t i = 0; i < q; ++i) {
+    builder.build(i, t);
+    std::copy(t.lut.begin(), t.lut.end(), luts.get() + i * M * kCodebook4);
+    std::copy(t.q8.begin(), t.q8.end(), q8.get() + i * rows * kCodebook4);
+    base[i] = t.base;
+    scale[i] = t.scale;
+  }
+  return std::make_tuple(to_numpy(std::move(luts), {q, M, kCodebook4}), to_numpy(std::move(q8), {q, rows, kCodebook4}),
+                         to_numpy(std::move(base), {q}), to_numpy(std::move(scale), {q}));
+}
+
+// The uint16 sums of ids' codes under one quantized table, by the kernel isa names ("auto", "avx2", "baseline").
+auto pq4_sums_of(Array<uint8_t> q8, Array<uint32_t> ids, Array<uint8_t> codes, const std::string& isa) {
+  check_ndim(q8, 2, "q8");
+  check_ndim(ids, 1, "ids");
+  check_ndim(codes, 2, "codes");
+  const size_t P = codes.shape(1), N = codes.shape(0), count = ids.shape(0);
+  if (q8.shape(0) != 2 * P || q8.shape(1) != kCodebook4)
+    throw std::invalid_argument("q8 must have shape (" + std::to_string(2 * P) + ", 16) for codes of " +
+                                std::to_string(P) + " bytes, got " + shape_of(q8));
+  for (size_t j = 0; j < count; ++j)
+    if (ids.data()[j] >= N)
+      throw std::invalid_argument("ids[" + std::to_string(j) + "] is out of range for " + std::to_string(N) + " codes");
+  auto sums = std::make_unique<uint16_t[]>(count);
+  if (isa == "auto")
+    pq4_sums(codes.data(), N, P, ids.data(), count, q8.data(), sums.get());
+  else if (!pq4_sums_isa(isa.c_str(), codes.data(), N, P, ids.data(), count, q8.data(), sums.get()))
+    throw std::invalid_argument("no " + isa + " kernel here (auto, avx2 where the CPU has it, baseline)");
+  return to_numpy(std::move(sums), {count});
+}
+
+// pq_distances over 4-bit codes (Index.search_among): each query's table built and quantized here.
+auto pq4_distances(AnyArray queries, nb::handle codebooks, const std::string& metric, Array<int64_t> ids,
+                   Array<uint8_t> codes, int num_threads) {
+  Codebooks4Arg cb(codebooks);
+  Lut4Builder builder(queries, *cb.cb, metric);
+  check_ndim(ids, 2, "ids");
+  Codes4 pq(codes, *cb.cb);
+  const size_t q = ids.shape(0), n = ids.shape(1);
+  if (q != builder.q)
+    throw std::invalid_argument("ids has " + std::to_string(q) + " rows for " + std::to_string(builder.q) +
+                                " queries");
+  const int64_t* id = ids.data();
+  for (size_t i = 0; i < q * n; ++i)
+    if (id[i] < -1 || id[i] >= int64_t(pq.N))
+      throw std::invalid_argument("ids[" + std::to_string(i / std::max<size_t>(n, 1)) + ", " +
+                                  std::to_string(i % std::max<size_t>(n, 1)) + "] = " + std::to_string(id[i]) +
+                                  " is out of range for " + std::to_string(pq.N) + " codes");
+  auto dists = std::make_unique<float[]>(q * n);
+  std::vector<Table4> tables(q);
+  constexpr size_t kBlock = 4096;
+  const size_t blocks = (n + kBlock - 1) / kBlock;
+  {
+    nb::gil_scoped_release unlocked;
+    for (size_t i = 0; i < q; ++i) builder.build(i, tables[i]);
+    ThreadPool::instance().parallel_for(q * blocks, pool_threads(num_threads), [&](size_t task, size_t) {
+      const size_t i = task / blocks, lo = (task % blocks) * kBlock, hi = std::min(n, lo + kBlock);
+      const Table4& t = tables[i];
+      uint32_t block_ids[kBlock];
+      uint16_t sums[kBlock];
+      size_t count = 0;
+      for (size_t j = lo; j < hi; ++j)
+        if (id[i * n + j] >= 0) block_ids[count++] = uint32_t(id[i * n + j]);
+      pq4_sums(pq.codes, pq.N, pq.P, block_ids, count, t.q8.data(), sums);
+      size_t at = 0;
+      for (size_t j = lo; j < hi; ++j)
+        dists[i * n + j] = id[i * n + j] < 0 ? std::numeric_limits<float>::infinity()
+                                             : t.base + t.scale * float(sums[at++]);
+    });
+  }
+  return to_numpy(std::move(dists), {q, n});
+}
+
 }  // namespace
 }  // namespace fusionrag
 
@@ -712,4 +1017,30 @@ void bind_scan(nb::module_& m) {
         "offsets int64[q+1]. Nothing is written when a probe is invalid or out is too small.");
   m.def("pq_distances", &pq_distances, "luts"_a, "ids"_a, "codes"_a, "num_threads"_a = 0,
         "PQ ADC distances float32[q, n] of the given ids; id -1 gives +inf.");
+  nb::class_<Pq4Codebooks>(m, "Pq4Codebooks",
+                           "4-bit PQ codebooks laid out for building tables (scan_topn_pq4, pq4_tables, "
+                           "pq4_distances): made once per index.")
+      .def(nb::init<const AnyArray&>(), "codebooks"_a, "codebooks: float32 (M, 16, dsub), C-contiguous, M <= 256.")
+      .def_ro("M", &Pq4Codebooks::M)
+      .def_ro("dsub", &Pq4Codebooks::dsub)
+      .def_ro("P", &Pq4Codebooks::P, "Code bytes a vector: ceil(M / 2).")
+      .def_prop_ro("nbytes", &Pq4Codebooks::nbytes, "Bytes held.");
+  m.def("scan_topn_pq4", &scan_topn_pq4, "queries"_a, "codebooks"_a, "metric"_a, "probe_lists"_a,
+        "list_offsets"_a, "list_ids"_a, "codes"_a, "n"_a, "num_threads"_a = 0, "exclude"_a = nb::none(),
+        "scan_topn_pq over 4-bit codes (uint8 (N, ceil(M / 2)): sub-space 2b in byte b's low nibble, 2b + 1 in\n"
+        "its high one) with codebooks float32 (M, 16, dsub) or a Pq4Codebooks: each query's table built, quantized\n"
+        "to uint8 (pq4_tables) and summed 32 candidates at a time (pq4_isa). Rows ascend by (integer sum, id);\n"
+        "dists are base + scale * sum. Returns (ids, dists, counts, seconds, lut_seconds) as scan_topn_pq.");
+  m.def("pq4_tables", &pq4_tables, "queries"_a, "codebooks"_a, "metric"_a,
+        "The tables scan_topn_pq4 builds (to check them): (float32 (q, M, 16), uint8 (q, 2 ceil(M / 2), 16):\n"
+        "each entry less its sub-space's least over scale, rounded, rows past M zero; base float32 (q): the sum\n"
+        "of the sub-spaces' least entries; scale float32 (q): the widest sub-space's range / 255).");
+  m.def("pq4_sums", &pq4_sums_of, "q8"_a, "ids"_a, "codes"_a, "isa"_a = "auto",
+        "uint16 (len(ids),): the sums of the ids' 4-bit codes under one quantized table q8 (2P, 16), by the\n"
+        "kernel isa names: 'auto' (pq4_isa()), 'avx2' (where the CPU has it) or 'baseline' (the scalar loop).");
+  m.def("pq4_distances", &pq4_distances, "queries"_a, "codebooks"_a, "metric"_a, "ids"_a, "codes"_a,
+        "num_threads"_a = 0,
+        "pq_distances over 4-bit codes: float32 (q, n), base + scale * sum of each id's code; id -1 gives +inf.");
+  m.def("pq4_isa", [] { return std::string(pq4_isa()); },
+        "The kernel scan_topn_pq4 sums with: 'avx2' or 'baseline' (FUSIONRAG_SCAN4_ISA=baseline asks for it).");
 }
