@@ -3,6 +3,7 @@
 // may not reorder a single float sum, so every loop keeps independent partial
 // sums ("lanes"), which it does vectorize.
 #include "distance.h"
+#include "scan4.h"
 
 #include <cstring>
 
@@ -145,6 +146,27 @@ void pq_table(const float* padded, const float* columns, const float* norms, siz
         store(row + at, norms ? (acc[j] * -2.0f + qn) + load(norms + m * kCodebook + at) : -acc[j]);
       }
     }
+  }
+}
+
+// The 4-bit tables (scan4.h): the same sums over 16 centroids a sub-space, two vectors of eight a row.
+FUSIONRAG_SIMD_CLONES
+void pq4_table(const float* padded, const float* columns, const float* norms, size_t M, size_t dsub, float* lut) {
+  static_assert(kCodebook4 == 2 * kWidth);
+  for (size_t m = 0; m < M; ++m) {
+    const float* qm = padded + m * dsub;
+    const float* cols = columns + m * dsub * kCodebook4;
+    float* row = lut + m * kCodebook4;
+    float qn = 0;
+    for (size_t d = 0; d < dsub; ++d) qn += qm[d] * qm[d];
+    Lanes acc[2] = {};
+    for (size_t d = 0; d < dsub; ++d) {
+      Lanes x = Lanes{} + qm[d];
+      for (size_t j = 0; j < 2; ++j) acc[j] += x * load(cols + d * kCodebook4 + j * kWidth);
+    }
+    for (size_t j = 0; j < 2; ++j)
+      store(row + j * kWidth,
+            norms ? (acc[j] * -2.0f + qn) + load(norms + m * kCodebook4 + j * kWidth) : -acc[j]);
   }
 }
 #pragma GCC diagnostic pop

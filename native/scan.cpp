@@ -727,6 +727,7 @@ struct Codebooks4Arg {
 // sub-space's range / 255), rounded: a sum is within M * scale / 2 of the float table's.
 struct Table4 {
   std::vector<float> lut;  // M x 16 floats: l2 ||q_m - c||^2, ip -q_m.c
+  std::vector<float> padded, mins;
   std::vector<uint8_t> q8;
   float base = 0, scale = 0;
 };
@@ -749,26 +750,24 @@ class Lut4Builder {
                                   std::to_string(cb.M * cb.dsub));
   }
 
+  // The float table by pq4_table (the query zero-padded to M * dsub, as ProductQuantizer splits it), then its
+  // quantization here, in the baseline build: no fused multiply-add, so numpy's float32 arithmetic gives the same.
   void build(size_t i, Table4& t) const {
-    const size_t M = cb.M, dsub = cb.dsub;
+    const size_t M = cb.M;
     const float* x = queries_ + i * dim;
-    t.lut.assign(M * kCodebook4, 0.0f);
+    t.padded.assign(M * cb.dsub, 0.0f);
+    std::copy(x, x + dim, t.padded.begin());
+    t.lut.resize(M * kCodebook4);
+    pq4_table(t.padded.data(), cb.columns.data(), ip_ ? nullptr : cb.norms.data(), M, cb.dsub, t.lut.data());
     t.q8.assign(2 * cb.P * kCodebook4, 0);
+    t.mins.resize(M);
     float widest = 0;
     t.base = 0;
     for (size_t m = 0; m < M; ++m) {
-      float dot[kCodebook4] = {}, qn = 0;
-      for (size_t d = 0; d < dsub; ++d) {
-        size_t at = m * dsub + d;
-        float v = at < dim ? x[at] : 0.0f;  // zero-padded to M * dsub, as ProductQuantizer splits it
-        qn += v * v;
-        const float* col = &cb.columns[at * kCodebook4];
-        for (size_t k = 0; k < kCodebook4; ++k) dot[k] += v * col[k];
-      }
-      float* row = &t.lut[m * kCodebook4];
-      for (size_t k = 0; k < kCodebook4; ++k)
-        row[k] = ip_ ? -dot[k] : (dot[k] * -2.0f + qn) + cb.norms[m * kCodebook4 + k];
-      float lo = *std::min_element(row, row + kCodebook4), hi = *std::max_element(row, row + kCodebook4);
+      const float* row = &t.lut[m * kCodebook4];
+      float lo = row[0], hi = row[0];
+      for (size_t k = 1; k < kCodebook4; ++k) lo = std::min(lo, row[k]), hi = std::max(hi, row[k]);
+      t.mins[m] = lo;
       t.base += lo;
       widest = std::max(widest, hi - lo);
     }
@@ -776,9 +775,8 @@ class Lut4Builder {
     const float inv = widest > 0 ? 255.0f / widest : 0.0f;
     for (size_t m = 0; m < M; ++m) {
       const float* row = &t.lut[m * kCodebook4];
-      float lo = *std::min_element(row, row + kCodebook4);
       for (size_t k = 0; k < kCodebook4; ++k)
-        t.q8[m * kCodebook4 + k] = uint8_t(std::min(255.0f, (row[k] - lo) * inv + 0.5f));
+        t.q8[m * kCodebook4 + k] = uint8_t(std::min(255.0f, (row[k] - t.mins[m]) * inv + 0.5f));
     }
   }
 
@@ -807,7 +805,7 @@ struct Scan4Scratch {
   std::vector<uint16_t> sums;
   ScratchMeter meter;
 
-  size_t bytes() const { return capacity_bytes(table.lut, table.q8, sums); }
+  size_t bytes() const { return capacity_bytes(table.lut, table.padded, table.mins, table.q8, sums); }
 
   __attribute__((noinline)) static Scan4Scratch& local() {
     thread_local Scan4Scratch s;
@@ -962,12 +960,12 @@ auto pq4_distances(AnyArray queries, nb::handle codebooks, const std::string& me
     ThreadPool::instance().parallel_for(q * blocks, pool_threads(num_threads), [&](size_t task, size_t) {
       const size_t i = task / blocks, lo = (task % blocks) * kBlock, hi = std::min(n, lo + kBlock);
       const Table4& t = tables[i];
-      uint32_t block_ids[kBlock];
-      uint16_t sums[kBlock];
+      std::vector<uint32_t> block_ids(hi - lo);
+      std::vector<uint16_t> sums(hi - lo);
       size_t count = 0;
       for (size_t j = lo; j < hi; ++j)
         if (id[i * n + j] >= 0) block_ids[count++] = uint32_t(id[i * n + j]);
-      pq4_sums(pq.codes, pq.N, pq.P, block_ids, count, t.q8.data(), sums);
+      pq4_sums(pq.codes, pq.N, pq.P, block_ids.data(), count, t.q8.data(), sums.data());
       size_t at = 0;
       for (size_t j = lo; j < hi; ++j)
         dists[i * n + j] = id[i * n + j] < 0 ? std::numeric_limits<float>::infinity()

@@ -21,6 +21,9 @@ void pq4_sums(const uint8_t* codes, size_t N, size_t P, const uint32_t* ids, siz
 // false where this build or CPU has no such kernel.
 bool pq4_sums_isa(const char* isa, const uint8_t* codes, size_t N, size_t P, const uint32_t* ids, size_t count,
                   const uint8_t* q8, uint16_t* sums);
+// One query's M x 16 float table from its zero-padded sub-vectors (M x dsub) and the codebooks transposed to
+// M x dsub x 16 (distance.cpp, beside pq_table): l2 (norms = ||c||^2, M x 16) or ip (norms null).
+void pq4_table(const float* padded, const float* columns, const float* norms, size_t M, size_t dsub, float* lut);
 // Which kernel pq4_sums runs: "avx2" or "baseline" (FUSIONRAG_SCAN4_ISA=baseline asks for the scalar one).
 const char* pq4_isa();
 
