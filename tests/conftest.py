@@ -97,6 +97,22 @@ def recall(found: np.ndarray, truth: np.ndarray) -> float:
     return sum(len(np.intersect1d(a[a >= 0], b)) for a, b in zip(found, truth)) / truth.size
 
 
+def make_index(rng, n_vectors, n_lists, m_sub, replicas=3, list_len=40):
+    """Posting lists in CSR form over n_vectors PQ codes; every vector sits in 1..replicas lists."""
+    members = [[] for _ in range(n_lists)]
+    for v in range(n_vectors):
+        for c in rng.choice(n_lists, size=rng.integers(1, replicas + 1), replace=False):
+            members[c].append(v)
+    for c in range(n_lists):  # random extra members, so lists differ in length and repeat ids
+        members[c] += list(rng.integers(0, n_vectors, rng.integers(0, list_len)))
+        rng.shuffle(members[c])
+    offsets = np.zeros(n_lists + 1, np.int64)
+    offsets[1:] = np.cumsum([len(m) for m in members])
+    ids = np.concatenate([np.asarray(m, np.uint32) for m in members]) if offsets[-1] else np.zeros(0, np.uint32)
+    codes = rng.integers(0, 256, (n_vectors, m_sub), dtype=np.uint8)
+    return offsets, ids.astype(np.uint32), codes
+
+
 def tiny_lists() -> dict:
     """Two queries' probes over three posting lists of a 10-vector, 4-byte-code index: the list arguments
     the native scan and the fused LUT scan share (tests/native), for their argument checks."""

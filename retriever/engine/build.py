@@ -26,7 +26,7 @@ from fusionrag.retriever.engine.kmeans import cluster_cap, hierarchical_balanced
 from fusionrag.retriever.engine.layout import PageLayout, chain_order, plan_layout
 from fusionrag.retriever.engine.learned_probe import csr_lists_of, save_probe_model, train_probe_model
 from fusionrag.retriever.engine.manifest import copy_file, resumable_index, writing_index
-from fusionrag.retriever.engine.pq import ProductQuantizer, auto_m
+from fusionrag.retriever.engine.pq import ProductQuantizer
 from fusionrag.retriever.engine.tiers import build_navigation, nearest_exhaustive
 from fusionrag.retriever.engine.vectors import (STORAGE_DTYPES, VectorFile, as_source, check_vectors,
                                                 internal_metric, normalize, sample_query_matrix, storage_dtype)
@@ -186,9 +186,10 @@ def train_index(rows, n: int, dim: int, config: BuildConfig, rng: np.random.Gene
     else:
         t = time.perf_counter()
         sample = np.sort(rng.choice(n, min(n, config.pq_train_size), replace=False))
-        pq_m = config.pq_m or auto_m(dim)
+        pq_m = config.pq_subspaces(dim)
         with steps.step("pq training", pq_m, "sub-space") as update:
-            pq = ProductQuantizer.train(rows(sample), pq_m, config.kmeans_iters, rng, progress=update)
+            pq = ProductQuantizer.train(rows(sample), pq_m, config.kmeans_iters, rng, progress=update,
+                                        ksub=1 << config.pq_bits)
         timings["pq_train_s"] = time.perf_counter() - t
         if w is not None and scratch is not None:
             np.save(scratch / "pq_codebooks.npy", pq.codebooks, allow_pickle=False)
@@ -375,7 +376,7 @@ def index_manifest(count: int, dim: int, metric: str, storage_dtype: str, src, c
         "source": {"path": str(src.path), "dtype": str(src.dtype)},
         "centroids": int(centroids),
         "postings": int(postings),
-        "pq": {"m": pq.m, "dsub": pq.dsub},
+        "pq": {"m": pq.m, "dsub": pq.dsub, "bits": 4 if pq.ksub == 16 else 8},
     }
     if pages is not None:
         manifest["pages"] = pages.to_dict()
@@ -500,7 +501,7 @@ def build_index(source, out_dir, config: BuildConfig = BuildConfig(), progress: 
         else:
             t = time.perf_counter()
             exact = centroids if navigation == "exact" else None  # and queries will go as rows went (NavigationTier)
-            codes = np.lib.format.open_memmap(w.path("pq_codes.npy"), "w+", np.uint8, (n, pq.m))
+            codes = np.lib.format.open_memmap(w.path("pq_codes.npy"), "w+", np.uint8, (n, pq.code_bytes))
             primary = np.lib.format.open_memmap(scratch / "primary.npy", "w+", np.int32, (n,))
             pairs = PairSpill(scratch, len(centroids))
             chunk = rows_per_chunk(budget, dim)

@@ -31,7 +31,7 @@ from fusionrag.retriever.engine.tier_choice import TierChoice
 from fusionrag.retriever.engine.tiers import (CpuFilterTier, NavigationTier, RerankTier, load_raw, raw_in_ram,
                                               recorded_navigation)
 from fusionrag.retriever.engine.vectors import STORAGE_DTYPES, normalize
-from fusionrag.retriever.errors import IndexFormatError, InputError
+from fusionrag.retriever.errors import ConfigError, IndexFormatError, InputError
 
 # The files an index is read from, and whether each is checksummed whole (the page file is too large:
 # its per-block CRC table is, and each block is checked as it is read).
@@ -215,6 +215,13 @@ class Index(ManifestShape):
         offsets = load_array(path, "list_offsets.npy", np.int64, 1)
         list_ids = load_array(path, "list_ids.npy", np.uint32, 1, mmap=mapped)
         codebooks = load_array(path, "pq_codebooks.npy", np.float32, 3)
+        code_bytes = codebooks.shape[0] if codebooks.shape[1] == 256 else -(-codebooks.shape[0] // 2)
+        if codebooks.shape[1] == 16 and filter_kind(config) == "gpu":
+            # 4-bit codes (BuildConfig.pq_bits) are scanned on the CPU tier only.
+            if config.filter_tier == "gpu":
+                raise ConfigError(f"{path}: the index's PQ codes are 4-bit (built with pq_bits 4), which only the CPU "
+                                  "filter tier scans: open it with filter_tier 'cpu' or 'auto'")
+            config = config.with_overrides(filter_tier="cpu")
         # The GPU tiers copy the codes to the device (the lists tier keeps the cold ones in pinned memory): a memory
         # map, not a second copy in the heap.
         codes = load_array(path, "pq_codes.npy", np.uint8, 2, mmap=filter_kind(config) == "gpu" or mapped)
@@ -228,8 +235,9 @@ class Index(ManifestShape):
             and "list_offsets.npy is not a valid CSR offset array",
             len(list_ids) and int(list_ids.max()) >= count and "list_ids.npy holds ids beyond the vector count",
             codes.shape[0] != count and "pq_codes.npy does not hold one code per vector",
-            codes.shape[1] != codebooks.shape[0] and "pq_codes.npy and pq_codebooks.npy disagree on M",
-            codebooks.shape[1] != 256 or codebooks.shape[0] * codebooks.shape[2] < dim and "pq_codebooks.npy has the wrong shape",
+            codes.shape[1] != code_bytes and "pq_codes.npy and pq_codebooks.npy disagree on M",
+            (codebooks.shape[1] not in (256, 16) or codebooks.shape[0] * codebooks.shape[2] < dim
+             or codebooks.shape[1] == 16 and codebooks.shape[0] > 256) and "pq_codebooks.npy has the wrong shape",
             len(locations) != count and "locations.npy does not hold one slot per vector",
             len(block_crc) != layout.num_blocks and "block_crc.npy does not match the page file's block count",
             len(locations) and int(locations.max()) >= layout.num_blocks * layout.records_per_block
@@ -463,12 +471,17 @@ class Index(ManifestShape):
         if n == 0:
             return self._result(out_ids, out_d, stats, info)
         codes, codebooks = self._among_parts()
+        metric = self.manifest["internal_metric"]
+        four = isinstance(codebooks, native.Pq4Codebooks)
         t = time.perf_counter()
-        luts = native.pq_luts(q, codebooks, self.manifest["internal_metric"], self.nav.threads)
-        lut_s = time.perf_counter() - t
+        luts = None if four else native.pq_luts(q, codebooks, metric, self.nav.threads)
+        lut_s = time.perf_counter() - t  # 4-bit: each query's table is built inside pq4_distances
         cand = np.empty((nq, n), np.int64)
         for i in range(nq):  # one query's distances at a time: (1, len(ids)), not a (q, len(ids)) copy of the ids
-            d = native.pq_distances(luts[i:i + 1], ids[None, :], codes, self.nav.threads)[0]
+            if four:
+                d = native.pq4_distances(q[i:i + 1], codebooks, metric, ids[None, :], codes, self.nav.threads)[0]
+            else:
+                d = native.pq_distances(luts[i:i + 1], ids[None, :], codes, self.nav.threads)[0]
             best = np.argpartition(d, n - 1)[:n] if n < len(ids) else np.arange(len(ids))
             cand[i] = ids[best[np.argsort(d[best], kind="stable")]]
         scan_s = time.perf_counter() - t - lut_s
@@ -486,8 +499,11 @@ class Index(ManifestShape):
             if self._codes is None:
                 self._codes = load_array(self.path, "pq_codes.npy", np.uint8, 2, mmap=True)
             own = getattr(self.filter, "codebooks", None)
-            self._among_codebooks = own if isinstance(own, native.PqCodebooks) else native.PqCodebooks(
-                load_array(self.path, "pq_codebooks.npy", np.float32, 3))
+            if isinstance(own, (native.PqCodebooks, native.Pq4Codebooks)):
+                self._among_codebooks = own
+            else:
+                books = load_array(self.path, "pq_codebooks.npy", np.float32, 3)
+                self._among_codebooks = (native.Pq4Codebooks if books.shape[1] == 16 else native.PqCodebooks)(books)
         return self._codes, self._among_codebooks
 
     def _result(self, ids, dists, stats, info) -> SearchResult:

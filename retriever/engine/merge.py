@@ -263,7 +263,7 @@ def merge_index(old: Index, dead: np.ndarray, new_vectors: np.ndarray, out_dir: 
         # when tiered only the hot rows, in slot order.
         old_codes = np.load(old.path / "pq_codes.npy", mmap_mode="r")
         pq = old.pq
-        new_codes = np.empty((n_new, pq.m), np.uint8)
+        new_codes = np.empty((n_new, pq.code_bytes), np.uint8)
         with steps.step("pq encoding", n_new) as update:
             rows = _rows_of(dim)  # the encoder's tables are several times the rows
             for s in range(0, n_new, rows):

@@ -201,7 +201,9 @@ class CpuFilterTier:
         self.metric, self.overlaps, self.batch_plan = metric, pipeline, batch_plan
         self.batch_size = batch_size or EngineConfig().batch_for(self.name)
         # Laid out for building tables once, not per call: ~0.1 ms a one-query request would pay every time.
-        self.codebooks = native.PqCodebooks(codebooks)
+        # 4-bit codes (16 centroids a sub-space, BuildConfig.pq_bits) are scanned by scan_topn_pq4.
+        self.four_bit = codebooks.shape[1] == 16
+        self.codebooks = (native.Pq4Codebooks if self.four_bit else native.PqCodebooks)(codebooks)
 
     def memory_bytes(self) -> int:
         return int(self.codes.nbytes + self.codebooks.nbytes)
@@ -218,6 +220,10 @@ class CpuFilterTier:
     def topn(self, tables: BatchTables | np.ndarray, probe_lists: np.ndarray, n: int,
              exclude: np.ndarray | None = None) -> Candidates:
         index = (self.list_offsets, self.list_ids, self.codes, n, self.threads, exclude)
+        if isinstance(tables, BatchTables) and self.four_bit:
+            ids, dists, counts, seconds, lut_seconds = native.scan_topn_pq4(
+                tables.queries, tables.codebooks, tables.metric, probe_lists, *index)
+            return Candidates(ids, dists, counts[:, 0], counts[:, 1], seconds, lut_seconds)
         if isinstance(tables, BatchTables):
             ids, dists, counts, seconds, lut_seconds = native.scan_topn_pq(
                 tables.queries, tables.codebooks, tables.metric, probe_lists, *index, batch_plan=self.batch_plan)

@@ -15,6 +15,12 @@ from fusionrag.retriever.errors import ConfigError, FusionRAGError
 from fusionrag.retriever.sharded.parts import PLACEMENTS
 
 
+def pq_bytes(manifest: dict) -> int:
+    """A build's PQ bytes a vector: its sub-spaces, half of them (rounded up) for 4-bit codes."""
+    pq = manifest["pq"]
+    return int(pq["m"]) if pq.get("bits", 8) == 8 else -(-int(pq["m"]) // 2)
+
+
 def _cmd_build(args) -> int:
     from fusionrag.retriever.engine.build import build_index
 
@@ -34,7 +40,8 @@ def _cmd_build(args) -> int:
                     overwrite=args.overwrite, sample_queries=sample, resume=args.resume)
     print(json.dumps({"index": args.index_dir, "count": m["count"], "dim": m["dim"], "metric": m["metric"],
                       "resumed_after": m.get("build_resumed", []),
-                      "centroids": m["centroids"], "postings": m["postings"], "pq_m": m["pq"]["m"],
+                      "centroids": m["centroids"], "postings": m["postings"], "pq_m": pq_bytes(m),
+                      "pq_bits": m["pq"].get("bits", 8),
                       "blocks": m["pages"]["num_blocks"], "build_seconds": round(m["build_timings"]["total_s"], 3),
                       "timings": {k: round(v, 3) for k, v in m["build_timings"].items()}}))
     return 0
@@ -65,7 +72,8 @@ def _build_sharded(args, config: BuildConfig) -> int:
                       use_ray=bool(args.ray), progress=False if args.quiet else None, overwrite=args.overwrite,
                       probe_model=args.probe_model is not False, documents=documents, embedding=args.embedding)
     print(json.dumps({"index": args.index_dir, "count": m["count"], "dim": m["dim"], "metric": m["metric"],
-                      "centroids": m["centroids"], "postings": m["postings"], "pq_m": m["pq"]["m"],
+                      "centroids": m["centroids"], "postings": m["postings"], "pq_m": pq_bytes(m),
+                      "pq_bits": m["pq"].get("bits", 8),
                       "shards": m["shards"], "placement": m["placement"], "embedding": m.get("embedding"),
                       "parts": {name: {"count": p["count"], "lists": p["lists"]} for name, p in m["parts"].items()},
                       "build_seconds": round(m["build_timings"]["total_s"], 3),

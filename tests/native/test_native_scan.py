@@ -2,25 +2,9 @@
 
 import numpy as np
 import pytest
-from conftest import tiny_lists
+from conftest import make_index, tiny_lists
 
 from fusionrag.native import gather, gather_into, gather_offsets, pq_distances, scan_topn
-
-
-def make_index(rng, n_vectors, n_lists, m_sub, replicas=3, list_len=40):
-    """Posting lists in CSR form over n_vectors PQ codes; every vector sits in 1..replicas lists."""
-    members = [[] for _ in range(n_lists)]
-    for v in range(n_vectors):
-        for c in rng.choice(n_lists, size=rng.integers(1, replicas + 1), replace=False):
-            members[c].append(v)
-    for c in range(n_lists):  # random extra members, so lists differ in length and repeat ids
-        members[c] += list(rng.integers(0, n_vectors, rng.integers(0, list_len)))
-        rng.shuffle(members[c])
-    offsets = np.zeros(n_lists + 1, np.int64)
-    offsets[1:] = np.cumsum([len(m) for m in members])
-    ids = np.concatenate([np.asarray(m, np.uint32) for m in members]) if offsets[-1] else np.zeros(0, np.uint32)
-    codes = rng.integers(0, 256, (n_vectors, m_sub), dtype=np.uint8)
-    return offsets, ids.astype(np.uint32), codes
 
 
 def integer_luts(rng, q, m_sub):

@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 import pytest
-from test_native_scan import make_index
+from conftest import make_index
 
 from fusionrag import native
 
