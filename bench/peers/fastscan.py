@@ -16,7 +16,9 @@ second; nothing is chosen here):
   (bench/peers/fastscan_kernels.cpp, g++ -O3 -march=x86-64-v3, best of 9 passes, pinned to one core where taskset
   is at hand) on the same candidates and tables; the 4-bit kernel's answers are checked against a scalar
   transposition of the same blocks. Beside it, the engine's own LUT and scan seconds (Index.search, one query a
-  call, the same nprobe and n, raw vectors in RAM) from its per-query stats.
+  call, the same nprobe and n, raw vectors in RAM) from its per-query stats, and a call of the engine's native
+  scans, one query a call, table built inside: scan_topn_pq over the index's 8-bit codes, scan_topn_pq4 over the
+  4-bit ones at the same bytes (native/scan4_kernel.cpp).
 Results: bench/results/peers/fastscan.md and .json.
 """
 from __future__ import annotations
@@ -28,6 +30,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -115,6 +118,30 @@ def time_kernels(exe: Path, tmp: Path, codes8, luts8, codes4, luts4, lists, prob
     return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
 
 
+def engine_kernels(q, lists, probed, offsets, list_ids, books8, codes8, books4, codes4, metric, n,
+                   passes: int = 3) -> dict:
+    """µs a call of the engine's own scans, one query a call, 1 thread, best of `passes` passes: native.scan_topn_pq
+    (8-bit) and native.scan_topn_pq4 (4-bit, native/scan4_kernel.cpp), each building its query's table inside, on
+    the same probed lists."""
+    from fusionrag import native
+
+    probes = np.where(np.arange(lists.shape[1])[None, :] < probed[:, None], lists, -1).astype(np.int32)
+    cb8, cb4 = native.PqCodebooks(books8), native.Pq4Codebooks(books4)
+    packed = np.ascontiguousarray(codes4[:, 0::2] | (codes4[:, 1::2] << 4), dtype=np.uint8)
+    calls = {"pq8": lambda i: native.scan_topn_pq(q[i:i + 1], cb8, metric, probes[i:i + 1], offsets, list_ids,
+                                                   codes8, n, 1),
+             "pq4": lambda i: native.scan_topn_pq4(q[i:i + 1], cb4, metric, probes[i:i + 1], offsets, list_ids,
+                                                    packed, n, 1)}
+    best = {name: float("inf") for name in calls}
+    for _ in range(passes):
+        for name, call in calls.items():
+            t = time.perf_counter()
+            for i in range(len(q)):
+                call(i)
+            best[name] = min(best[name], (time.perf_counter() - t) / len(q) * 1e6)
+    return {name: round(v, 2) for name, v in best.items()}
+
+
 def engine_stages(index, q, nprobe, n) -> dict:
     """Mean µs a query of the engine's LUT and scan stages, one query a call."""
     lut = scan = 0.0
@@ -147,7 +174,7 @@ def study(name: str, args, exe: Path | None, tmp: Path) -> dict:
         fours = {}
         for m4 in sorted({-(-2 * m8 // 8) * 8, -(-m8 // 8) * 8}, reverse=True):
             books, codes = train4(x, m4, rng)
-            fours[m4] = (codes, tables4(q, books))
+            fours[m4] = (codes, tables4(q, books), books)
         out = {"set": name, "count": len(x), "dim": x.shape[1], "m8": m8, "queries": len(q), "points": []}
         ns = [int(v) for v in args.rerank.split(",")]
         for nprobe in (int(v) for v in args.nprobe.split(",")):
@@ -158,7 +185,7 @@ def study(name: str, args, exe: Path | None, tmp: Path) -> dict:
             rows = np.arange(m8)[None, :]
             point["recall"][f"pq8 x {m8} ({m8} B)"] = recall_after_rerank(
                 x, q, truth, cands, lambda i, c: luts8[i][rows, codes8[c]].sum(axis=1), ns)
-            for m4, (codes, luts) in fours.items():
+            for m4, (codes, luts, _) in fours.items():
                 qt, r4 = quantized(luts), np.arange(m4)[None, :]
                 point["recall"][f"pq4 x {m4} ({m4 // 2} B)"] = recall_after_rerank(
                     x, q, truth, cands, lambda i, c, qt=qt, r4=r4, codes=codes: qt[i][r4, codes[c]].sum(axis=1), ns)
@@ -168,7 +195,9 @@ def study(name: str, args, exe: Path | None, tmp: Path) -> dict:
                 if exe is not None:
                     point["kernels"][n] = time_kernels(exe, tmp, codes8, luts8, fours[m4][0], fours[m4][1], lists,
                                                        probed, offsets, list_ids, n)
-                point["engine"][n] = engine_stages(index, q, nprobe, n)
+                point["engine"][n] = engine_stages(index, q, nprobe, n) | engine_kernels(
+                    q, lists, probed, offsets, list_ids, books8, codes8, fours[m4][2], fours[m4][0],
+                    index.manifest["internal_metric"], n)
                 print(name, nprobe, n, point["kernels"].get(n), point["engine"][n], flush=True)
             out["points"].append(point)
         return out
@@ -192,18 +221,20 @@ def report(res: list[dict], machine: str) -> str:
                       for c in names]
         lines += ["", "µs a query: de-duplication, scoring and the n best (C++), and the engine's stages:", "",
                   "| nprobe | n | candidates (unique) | pq8 | pq4 rows | pq4 gathers | pq4 per list | select alone "
-                  "| SIMD = scalar | engine LUT | engine scan |",
-                  "|---:|---:|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+                  "| SIMD = scalar | engine LUT | engine scan | engine pq8 call | engine pq4 call |",
+                  "|---:|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
         for p in r["points"]:
             for n, e in p["engine"].items():
                 k = p["kernels"].get(n)
                 if k is None:
-                    lines.append(f"| {p['nprobe']} | {n} | | | | | | | | {e['lut_us']} | {e['scan_us']} |")
+                    lines.append(f"| {p['nprobe']} | {n} | | | | | | | | {e['lut_us']} | {e['scan_us']} | "
+                                 f"{e['pq8']} | {e['pq4']} |")
                     continue
                 us = k["us"]
                 lines.append(f"| {p['nprobe']} | {n} | {k['gathered']:.0f} ({k['unique']:.0f}) | {us['pq8']} | "
                              f"{us['pq4-rows']} | {us['pq4']} | {us['pq4-lists']} | {us['select']} | "
-                             f"{k['rows_equal_scalar']} / {k['pq4_equals_scalar']} | {e['lut_us']} | {e['scan_us']} |")
+                             f"{k['rows_equal_scalar']} / {k['pq4_equals_scalar']} | {e['lut_us']} | {e['scan_us']} | "
+                             f"{e['pq8']} | {e['pq4']} |")
         k = next((k for p in r["points"] for k in p["kernels"].values()), None)
         if k:
             lines += ["", f"Code bytes: pq8 {k['pq8_bytes'] / 2**20:.1f} MiB, pq4 by id {k['pq4_bytes'] / 2**20:.1f} "
