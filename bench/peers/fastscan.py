@@ -1,4 +1,4 @@
-"""#68 item 2, measured before it is built: 4-bit PQ codes scanned with tables in registers (pshufb, as Faiss's
+"""#68 item 2: 4-bit PQ codes scanned with tables in registers (pshufb, as Faiss's
 IVFPQFastScan) against the engine's 8-bit codes with float tables, on the candidates the index's own navigation
 gives.
 
@@ -206,9 +206,9 @@ def study(name: str, args, exe: Path | None, tmp: Path) -> dict:
 
 
 def report(res: list[dict], machine: str) -> str:
-    lines = ["# 4-bit PQ scanned in registers against the engine's 8-bit scan (#68 item 2, measured before it is "
-             "built)", "", f"`python -m bench.peers.fastscan` on {machine}; the module's docstring says what each "
-             "column is. µs are a query's, one thread, best of 9 passes over the queries.", ""]
+    lines = ["# 4-bit PQ scanned in registers against the engine's 8-bit scan (#68 item 2)", "",
+             f"`python -m bench.peers.fastscan` on {machine}; the module's docstring says what each column is. "
+             "µs are a query's, one thread, best of 9 passes over the queries.", ""]
     for r in res:
         lines += [f"## {r['set']}: {r['count']:,} x {r['dim']}, the index's codes {r['m8']} B", "",
                   "Recall@10 after the n best are re-ranked exactly:", ""]

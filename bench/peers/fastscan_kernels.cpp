@@ -1,4 +1,4 @@
-// #68 item 2, measured before it is built: the scan of a query's candidates by 8-bit PQ with float tables (the
+// #68 item 2's study: the scan of a query's candidates by 8-bit PQ with float tables (the
 // engine's native/scan.cpp scan_query) against 4-bit PQ with 8-bit tables looked up in registers (pshufb, as
 // Faiss's IVFPQFastScan), on the data bench/peers/fastscan.py writes to DIR. Not part of the engine: built and
 // run by that script (g++ -O3 -march=x86-64-v3).
