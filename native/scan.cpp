@@ -315,38 +315,51 @@ const uint8_t* exclude_bitmap(const std::optional<Array<uint8_t>>& exclude, size
   return exclude->data();
 }
 
+// Unmarks exactly the words of s.seen a query touched, also when a bad id throws: a word is cleared whole, every
+// bit set in it belonging to an id in s.unique.
+struct Unmark {
+  ScanScratch& s;
+  ~Unmark() {
+    for (uint32_t id : s.unique) s.seen[id >> 6] = 0;
+  }
+};
+
+// Query i's candidates (scan_query's, scan_query4's): the ids of the lists it probes, de-duplicated and less the
+// excluded ones, in s.unique in the order the lists give them; gathered: how many the lists held, duplicates
+// counted. Their bits in s.seen are cleared when it ends (unmark, made first, so also when the gathering throws).
+struct QueryIds {
+  Unmark unmark;
+  int64_t gathered = 0;
+
+  QueryIds(ScanScratch& s, size_t i, const Lists& lists, size_t n_codes, const uint8_t* exclude) : unmark{s} {
+    s.unique.clear();
+    // Lists lie scattered in memory: find and prefetch them all before reading any.
+    s.ranges.clear();
+    lists.for_each_list(i, [&](const uint32_t* begin, const uint32_t* end) {
+      __builtin_prefetch(begin);
+      s.ranges.emplace_back(begin, end);
+      gathered += end - begin;
+    });
+    for (auto [begin, end] : s.ranges) {
+      for (const uint32_t* p = begin; p != end; ++p) {
+        uint32_t id = lists.id_at(p, n_codes);
+        if (exclude && (exclude[id >> 3] >> (id & 7) & 1)) continue;
+        uint64_t& word = s.seen[id >> 6];
+        uint64_t bit = uint64_t(1) << (id & 63);
+        if (word & bit) continue;
+        word |= bit;
+        s.unique.push_back(id);
+      }
+    }
+  }
+};
+
 void scan_query(size_t i, const Lists& lists, const Codes& pq, const float* lut, const uint8_t* exclude,
                 ScanOut& out) {
   ScanScratch& s = ScanScratch::local(pq.N);
   SettleOnExit<ScanScratch> settle{s};
-  s.unique.clear();
-  // Unmarks exactly the words this query touched, also when a bad id throws.
-  // A word is cleared whole: every bit set in it belongs to an id in s.unique.
-  struct Unmark {
-    ScanScratch& s;
-    ~Unmark() {
-      for (uint32_t id : s.unique) s.seen[id >> 6] = 0;
-    }
-  } unmark{s};
-  // Lists lie scattered in memory: find and prefetch them all before reading any.
-  int64_t gathered = 0;
-  s.ranges.clear();
-  lists.for_each_list(i, [&](const uint32_t* begin, const uint32_t* end) {
-    __builtin_prefetch(begin);
-    s.ranges.emplace_back(begin, end);
-    gathered += end - begin;
-  });
-  for (auto [begin, end] : s.ranges) {
-    for (const uint32_t* p = begin; p != end; ++p) {
-      uint32_t id = lists.id_at(p, pq.N);
-      if (exclude && (exclude[id >> 3] >> (id & 7) & 1)) continue;
-      uint64_t& word = s.seen[id >> 6];
-      uint64_t bit = uint64_t(1) << (id & 63);
-      if (word & bit) continue;
-      word |= bit;
-      s.unique.push_back(id);
-    }
-  }
+  QueryIds candidates(s, i, lists, pq.N, exclude);
+  const int64_t gathered = candidates.gathered;
 
   size_t u = s.unique.size();
   s.keys.resize(u);
@@ -813,7 +826,7 @@ struct Scan4Scratch {
   }
 };
 
-// scan_query over 4-bit codes: the same gathering and de-duplication (ScanScratch), each unique candidate's sum
+// scan_query over 4-bit codes: the same gathering and de-duplication (QueryIds), each unique candidate's sum
 // by pq4_sums, the n best by (sum, id), their distances base + scale * sum.
 void scan_query4(size_t i, const Lists& lists, const Codes4& pq, const Table4& t, const uint8_t* exclude,
                  ScanOut& out) {
@@ -821,31 +834,8 @@ void scan_query4(size_t i, const Lists& lists, const Codes4& pq, const Table4& t
   SettleOnExit<ScanScratch> settle{s};
   Scan4Scratch& s4 = Scan4Scratch::local();
   SettleOnExit<Scan4Scratch> settle4{s4};
-  s.unique.clear();
-  struct Unmark {
-    ScanScratch& s;
-    ~Unmark() {
-      for (uint32_t id : s.unique) s.seen[id >> 6] = 0;
-    }
-  } unmark{s};
-  int64_t gathered = 0;
-  s.ranges.clear();
-  lists.for_each_list(i, [&](const uint32_t* begin, const uint32_t* end) {
-    __builtin_prefetch(begin);
-    s.ranges.emplace_back(begin, end);
-    gathered += end - begin;
-  });
-  for (auto [begin, end] : s.ranges) {
-    for (const uint32_t* p = begin; p != end; ++p) {
-      uint32_t id = lists.id_at(p, pq.N);
-      if (exclude && (exclude[id >> 3] >> (id & 7) & 1)) continue;
-      uint64_t& word = s.seen[id >> 6];
-      uint64_t bit = uint64_t(1) << (id & 63);
-      if (word & bit) continue;
-      word |= bit;
-      s.unique.push_back(id);
-    }
-  }
+  QueryIds candidates(s, i, lists, pq.N, exclude);
+  const int64_t gathered = candidates.gathered;
   const size_t u = s.unique.size();
   s4.sums.resize(u);
   pq4_sums(pq.codes, pq.N, pq.P, s.unique.data(), u, t.q8.data(), s4.sums.data());
