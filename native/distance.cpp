@@ -124,50 +124,45 @@ __attribute__((always_inline)) inline void store(float* p, Lanes v) { std::memcp
 
 }  // namespace
 
-// numpy's tables come from OpenBLAS kernels picked at run time (AVX2, AVX-512); this
-// one has its AVX2 + FMA build too.
-FUSIONRAG_SIMD_CLONES
-void pq_table(const float* padded, const float* columns, const float* norms, size_t M, size_t dsub, float* lut) {
+// One query's table over K centroids a sub-space (pq_table's 256, pq4_table's 16): the sums of a block of them
+// (at most kBlock) stay in registers across a sub-space's dimensions. Inlined into each build of both.
+template <size_t K>
+__attribute__((always_inline)) inline void table_body(const float* padded, const float* columns, const float* norms,
+                                                      size_t M, size_t dsub, float* lut) {
+  constexpr size_t block = K < kBlock ? K : kBlock, lanes = block / kWidth;
+  static_assert(K % block == 0 && block % kWidth == 0);
   for (size_t m = 0; m < M; ++m) {
     const float* qm = padded + m * dsub;
-    const float* cols = columns + m * dsub * kCodebook;
-    float* row = lut + m * kCodebook;
+    const float* cols = columns + m * dsub * K;
+    float* row = lut + m * K;
     float qn = 0;
     for (size_t d = 0; d < dsub; ++d) qn += qm[d] * qm[d];
-    for (size_t k = 0; k < kCodebook; k += kBlock) {
-      Lanes acc[4] = {};
+    for (size_t k = 0; k < K; k += block) {
+      Lanes acc[lanes] = {};
       for (size_t d = 0; d < dsub; ++d) {
         Lanes x = Lanes{} + qm[d];
-        for (size_t j = 0; j < 4; ++j) acc[j] += x * load(cols + d * kCodebook + k + j * kWidth);
+        for (size_t j = 0; j < lanes; ++j) acc[j] += x * load(cols + d * K + k + j * kWidth);
       }
-      for (size_t j = 0; j < 4; ++j) {
+      for (size_t j = 0; j < lanes; ++j) {
         size_t at = k + j * kWidth;
         // As numpy: (-2 q.c + ||q||^2) + ||c||^2, so candidate orders match up to rounding.
-        store(row + at, norms ? (acc[j] * -2.0f + qn) + load(norms + m * kCodebook + at) : -acc[j]);
+        store(row + at, norms ? (acc[j] * -2.0f + qn) + load(norms + m * K + at) : -acc[j]);
       }
     }
   }
 }
 
-// The 4-bit tables (scan4.h): the same sums over 16 centroids a sub-space, two vectors of eight a row.
+// numpy's tables come from OpenBLAS kernels picked at run time (AVX2, AVX-512); this
+// one has its AVX2 + FMA build too.
+FUSIONRAG_SIMD_CLONES
+void pq_table(const float* padded, const float* columns, const float* norms, size_t M, size_t dsub, float* lut) {
+  table_body<kCodebook>(padded, columns, norms, M, dsub, lut);
+}
+
+// The 4-bit tables (scan4.h): the same sums over 16 centroids a sub-space.
 FUSIONRAG_SIMD_CLONES
 void pq4_table(const float* padded, const float* columns, const float* norms, size_t M, size_t dsub, float* lut) {
-  static_assert(kCodebook4 == 2 * kWidth);
-  for (size_t m = 0; m < M; ++m) {
-    const float* qm = padded + m * dsub;
-    const float* cols = columns + m * dsub * kCodebook4;
-    float* row = lut + m * kCodebook4;
-    float qn = 0;
-    for (size_t d = 0; d < dsub; ++d) qn += qm[d] * qm[d];
-    Lanes acc[2] = {};
-    for (size_t d = 0; d < dsub; ++d) {
-      Lanes x = Lanes{} + qm[d];
-      for (size_t j = 0; j < 2; ++j) acc[j] += x * load(cols + d * kCodebook4 + j * kWidth);
-    }
-    for (size_t j = 0; j < 2; ++j)
-      store(row + j * kWidth,
-            norms ? (acc[j] * -2.0f + qn) + load(norms + m * kCodebook4 + j * kWidth) : -acc[j]);
-  }
+  table_body<kCodebook4>(padded, columns, norms, M, dsub, lut);
 }
 #pragma GCC diagnostic pop
 

@@ -162,6 +162,8 @@ double seconds_since(Clock::time_point start) { return std::chrono::duration<dou
 // (M, 256, dsub) array makes its own, ~0.1 ms of set-up a single query would pay each time.
 class PqCodebooks {
  public:
+  static constexpr size_t kEntries = kCodebook;
+  static constexpr const char* kName = "PqCodebooks";
   size_t M, dsub;
   std::vector<float> columns, norms;
 
@@ -189,26 +191,48 @@ class PqCodebooks {
   size_t nbytes() const { return (columns.size() + norms.size()) * sizeof(float); }
 };
 
-// A call's codebooks: a PqCodebooks made earlier, or the raw array, laid out for this call.
-struct CodebooksArg {
-  std::optional<PqCodebooks> own;
-  const PqCodebooks* cb;
+// A call's codebooks: Books (PqCodebooks, Pq4Codebooks) made earlier, or the raw array, laid out for this call.
+template <class Books>
+struct BooksArg {
+  std::optional<Books> own;
+  const Books* cb;
   double setup_seconds = 0;  // laying out a raw array
 
-  explicit CodebooksArg(nb::handle h) {
-    if (nb::isinstance<PqCodebooks>(h)) {
-      cb = nb::cast<const PqCodebooks*>(h);
+  explicit BooksArg(nb::handle h) {
+    if (nb::isinstance<Books>(h)) {
+      cb = nb::cast<const Books*>(h);
       return;
     }
     AnyArray raw;
     if (!nb::try_cast(h, raw))
-      throw std::invalid_argument("codebooks must be a float32 (M, 256, dsub) array or a PqCodebooks");
+      throw std::invalid_argument(std::string("codebooks must be a float32 (M, ") + std::to_string(Books::kEntries) +
+                                  ", dsub) array or a " + Books::kName);
     auto start = Clock::now();
     own.emplace(raw);
     cb = &*own;
     setup_seconds = seconds_since(start);
   }
 };
+using CodebooksArg = BooksArg<PqCodebooks>;
+
+// Queries of dim dimensions against codebooks of M sub-spaces of dsub (entries centroids each): dsub = ceil(dim / M),
+// the dimensions the codebooks were trained for.
+void check_query_dim(size_t dim, size_t M, size_t dsub, size_t entries) {
+  if (dim > M * dsub || dim <= M * (dsub - 1))
+    throw std::invalid_argument("queries have dimension " + std::to_string(dim) + ", but codebooks of shape (" +
+                                std::to_string(M) + ", " + std::to_string(entries) + ", " + std::to_string(dsub) +
+                                ") are for dimensions " + std::to_string(M * (dsub - 1) + 1) + ".." +
+                                std::to_string(M * dsub));
+}
+
+// ids (q x n, -1 for none) are vector ids of n_codes codes.
+void check_ids(const int64_t* id, size_t q, size_t n, size_t n_codes) {
+  for (size_t i = 0; i < q * n; ++i)
+    if (id[i] < -1 || id[i] >= int64_t(n_codes))
+      throw std::invalid_argument("ids[" + std::to_string(i / std::max<size_t>(n, 1)) + ", " +
+                                  std::to_string(i % std::max<size_t>(n, 1)) + "] = " + std::to_string(id[i]) +
+                                  " is out of range for " + std::to_string(n_codes) + " codes");
+}
 
 // Builds each query's PQ table as ProductQuantizer.luts does (the query zero-padded to
 // M * dsub; l2: ||q||^2 - 2 q.c + ||c||^2 per sub-space, ip: -q.c).
@@ -222,11 +246,7 @@ class LutBuilder {
     queries_ = float32_array(query_array, 2, "queries");
     q = query_array.shape(0);
     dim = query_array.shape(1);
-    // dsub = ceil(dim / M): the dimensions these codebooks were trained for.
-    if (dim > M * dsub || dim <= M * (dsub - 1))
-      throw std::invalid_argument("queries have dimension " + std::to_string(dim) + ", but codebooks of shape (" +
-                                  std::to_string(M) + ", 256, " + std::to_string(dsub) + ") are for dimensions " +
-                                  std::to_string(M * (dsub - 1) + 1) + ".." + std::to_string(M * dsub));
+    check_query_dim(dim, M, dsub, kCodebook);
   }
 
   // Writes the M x 256 table of query i to lut; padded is scratch of M * dsub floats.
@@ -660,11 +680,7 @@ auto pq_distances(Array<float> luts, Array<int64_t> ids, Array<uint8_t> codes, i
   LutArray tables(luts, q);
   Codes pq(codes, tables.M, "luts");
   const int64_t* id = ids.data();
-  for (size_t i = 0; i < q * n; ++i)
-    if (id[i] < -1 || id[i] >= int64_t(pq.N))
-      throw std::invalid_argument("ids[" + std::to_string(i / std::max<size_t>(n, 1)) + ", " +
-                                  std::to_string(i % std::max<size_t>(n, 1)) + "] = " + std::to_string(id[i]) +
-                                  " is out of range for " + std::to_string(pq.N) + " codes");
+  check_ids(id, q, n, pq.N);
   auto dists = std::make_unique<float[]>(q * n);
   // A filter's passing vectors (Index.search_among) lie anywhere in the codes: each code is fetched ahead of its
   // sum, as the scan does, and one query's ids are cut into blocks the threads share (a call is most often one
@@ -692,6 +708,8 @@ auto pq_distances(Array<float> luts, Array<int64_t> ids, Array<uint8_t> codes, i
 // 4-bit codebooks laid out for building tables: M x dsub x 16 and ||c||^2 of every centroid (M x 16).
 class Pq4Codebooks {
  public:
+  static constexpr size_t kEntries = kCodebook4;
+  static constexpr const char* kName = "Pq4Codebooks";
   size_t M, dsub, P;
   std::vector<float> columns, norms;
 
@@ -717,23 +735,7 @@ class Pq4Codebooks {
   size_t nbytes() const { return (columns.size() + norms.size()) * sizeof(float); }
 };
 
-// A call's 4-bit codebooks: a Pq4Codebooks made earlier, or the raw array, laid out for this call.
-struct Codebooks4Arg {
-  std::optional<Pq4Codebooks> own;
-  const Pq4Codebooks* cb;
-
-  explicit Codebooks4Arg(nb::handle h) {
-    if (nb::isinstance<Pq4Codebooks>(h)) {
-      cb = nb::cast<const Pq4Codebooks*>(h);
-      return;
-    }
-    AnyArray raw;
-    if (!nb::try_cast(h, raw))
-      throw std::invalid_argument("codebooks must be a float32 (M, 16, dsub) array or a Pq4Codebooks");
-    own.emplace(raw);
-    cb = &*own;
-  }
-};
+using Codebooks4Arg = BooksArg<Pq4Codebooks>;
 
 // A query's 4-bit table, quantized: q8 (2P x 16: a row a sub-space, the rows past M zero), and the float distance
 // of a uint16 sum s is base + scale * s. Each sub-space's entries less its least, over one scale (the widest
@@ -756,11 +758,7 @@ class Lut4Builder {
     queries_ = float32_array(query_array, 2, "queries");
     q = query_array.shape(0);
     dim = query_array.shape(1);
-    if (dim > cb.M * cb.dsub || dim <= cb.M * (cb.dsub - 1))
-      throw std::invalid_argument("queries have dimension " + std::to_string(dim) + ", but codebooks of shape (" +
-                                  std::to_string(cb.M) + ", 16, " + std::to_string(cb.dsub) +
-                                  ") are for dimensions " + std::to_string(cb.M * (cb.dsub - 1) + 1) + ".." +
-                                  std::to_string(cb.M * cb.dsub));
+    check_query_dim(dim, cb.M, cb.dsub, kCodebook4);
   }
 
   // The float table by pq4_table (the query zero-padded to M * dsub, as ProductQuantizer splits it), then its
@@ -935,11 +933,7 @@ auto pq4_distances(AnyArray queries, nb::handle codebooks, const std::string& me
     throw std::invalid_argument("ids has " + std::to_string(q) + " rows for " + std::to_string(builder.q) +
                                 " queries");
   const int64_t* id = ids.data();
-  for (size_t i = 0; i < q * n; ++i)
-    if (id[i] < -1 || id[i] >= int64_t(pq.N))
-      throw std::invalid_argument("ids[" + std::to_string(i / std::max<size_t>(n, 1)) + ", " +
-                                  std::to_string(i % std::max<size_t>(n, 1)) + "] = " + std::to_string(id[i]) +
-                                  " is out of range for " + std::to_string(pq.N) + " codes");
+  check_ids(id, q, n, pq.N);
   auto dists = std::make_unique<float[]>(q * n);
   std::vector<Table4> tables(q);
   constexpr size_t kBlock = 4096;

@@ -24,12 +24,12 @@ from fusionrag.retriever.engine.memory import held_bytes, search_call_bytes, spl
 from fusionrag.retriever.engine.overlap import overlapped
 from fusionrag.retriever.engine.pipeline import (STAT_KEYS, DeviceParts, QueryBatch, cut, filter_kind, open_filter_tier,
                                                  passing_share, stat_arrays)
-from fusionrag.retriever.engine.pq import ProductQuantizer
+from fusionrag.retriever.engine.pq import ProductQuantizer, code_bytes
 from fusionrag.retriever.engine.queries import checked_for_search
 from fusionrag.retriever.engine.queries import prepare_queries as prepared
 from fusionrag.retriever.engine.tier_choice import TierChoice
-from fusionrag.retriever.engine.tiers import (CpuFilterTier, NavigationTier, RerankTier, load_raw, raw_in_ram,
-                                              recorded_navigation)
+from fusionrag.retriever.engine.tiers import (CpuFilterTier, NavigationTier, RerankTier, laid_out_codebooks, load_raw,
+                                              raw_in_ram, recorded_navigation)
 from fusionrag.retriever.engine.vectors import STORAGE_DTYPES, normalize
 from fusionrag.retriever.errors import ConfigError, IndexFormatError, InputError
 
@@ -215,7 +215,7 @@ class Index(ManifestShape):
         offsets = load_array(path, "list_offsets.npy", np.int64, 1)
         list_ids = load_array(path, "list_ids.npy", np.uint32, 1, mmap=mapped)
         codebooks = load_array(path, "pq_codebooks.npy", np.float32, 3)
-        code_bytes = codebooks.shape[0] if codebooks.shape[1] == 256 else -(-codebooks.shape[0] // 2)
+        code_width = code_bytes(codebooks.shape[0], codebooks.shape[1])
         if codebooks.shape[1] == 16 and filter_kind(config) == "gpu":
             # 4-bit codes (BuildConfig.pq_bits) are scanned on the CPU tier only.
             if config.filter_tier == "gpu":
@@ -235,7 +235,7 @@ class Index(ManifestShape):
             and "list_offsets.npy is not a valid CSR offset array",
             len(list_ids) and int(list_ids.max()) >= count and "list_ids.npy holds ids beyond the vector count",
             codes.shape[0] != count and "pq_codes.npy does not hold one code per vector",
-            codes.shape[1] != code_bytes and "pq_codes.npy and pq_codebooks.npy disagree on M",
+            codes.shape[1] != code_width and "pq_codes.npy and pq_codebooks.npy disagree on M",
             (codebooks.shape[1] not in (256, 16) or codebooks.shape[0] * codebooks.shape[2] < dim
              or codebooks.shape[1] == 16 and codebooks.shape[0] > 256) and "pq_codebooks.npy has the wrong shape",
             len(locations) != count and "locations.npy does not hold one slot per vector",
@@ -499,11 +499,8 @@ class Index(ManifestShape):
             if self._codes is None:
                 self._codes = load_array(self.path, "pq_codes.npy", np.uint8, 2, mmap=True)
             own = getattr(self.filter, "codebooks", None)
-            if isinstance(own, (native.PqCodebooks, native.Pq4Codebooks)):
-                self._among_codebooks = own
-            else:
-                books = load_array(self.path, "pq_codebooks.npy", np.float32, 3)
-                self._among_codebooks = (native.Pq4Codebooks if books.shape[1] == 16 else native.PqCodebooks)(books)
+            self._among_codebooks = own if isinstance(own, (native.PqCodebooks, native.Pq4Codebooks)) else \
+                laid_out_codebooks(load_array(self.path, "pq_codebooks.npy", np.float32, 3))
         return self._codes, self._among_codebooks
 
     def _result(self, ids, dists, stats, info) -> SearchResult:

@@ -21,6 +21,11 @@ KSUB = 256
 KSUB4 = 16  # centroids a sub-space of 4-bit codes
 
 
+def code_bytes(m: int, ksub: int) -> int:
+    """Bytes of a vector's code of m sub-spaces of ksub centroids: m, or ceil(m / 2) for 4-bit codes."""
+    return m if ksub == KSUB else -(-m // 2)
+
+
 def auto_m(dim: int) -> int:
     """One code byte per two dimensions, at most 64 and at least min(8, dim).
 
@@ -51,7 +56,7 @@ class ProductQuantizer:
     @property
     def code_bytes(self) -> int:
         """Bytes of a vector's code: M, or ceil(M / 2) for 4-bit codes."""
-        return self.m if self.ksub == KSUB else -(-self.m // 2)
+        return code_bytes(self.m, self.ksub)
 
     def _split(self, x: np.ndarray) -> np.ndarray:
         """(n, dim) -> (n, M, dsub), zero-padded."""

@@ -185,6 +185,12 @@ def exact_navigation(m: int, size: int) -> bool:
     return m >= size or m >= max(EXACT_NAVIGATION_MIN, size // 64)
 
 
+def laid_out_codebooks(codebooks: np.ndarray):
+    """float32 (M, 256 or 16, dsub) codebooks laid out for building tables: native.PqCodebooks, or
+    native.Pq4Codebooks for 4-bit codes."""
+    return (native.Pq4Codebooks if codebooks.shape[1] == 16 else native.PqCodebooks)(codebooks)
+
+
 class CpuFilterTier:
     """The filter tier in host RAM (native/scan.cpp). metric: the tables' ('l2' or 'ip'); pipeline: whether
     a call's batches overlap (EngineConfig.pipeline); batch_plan: whether queries that share posting lists
@@ -202,8 +208,8 @@ class CpuFilterTier:
         self.batch_size = batch_size or EngineConfig().batch_for(self.name)
         # Laid out for building tables once, not per call: ~0.1 ms a one-query request would pay every time.
         # 4-bit codes (16 centroids a sub-space, BuildConfig.pq_bits) are scanned by scan_topn_pq4.
-        self.four_bit = codebooks.shape[1] == 16
-        self.codebooks = (native.Pq4Codebooks if self.four_bit else native.PqCodebooks)(codebooks)
+        self.codebooks = laid_out_codebooks(codebooks)
+        self.four_bit = isinstance(self.codebooks, native.Pq4Codebooks)
 
     def memory_bytes(self) -> int:
         return int(self.codes.nbytes + self.codebooks.nbytes)

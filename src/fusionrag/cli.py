@@ -17,8 +17,10 @@ from fusionrag.retriever.sharded.parts import PLACEMENTS
 
 def pq_bytes(manifest: dict) -> int:
     """A build's PQ bytes a vector: its sub-spaces, half of them (rounded up) for 4-bit codes."""
+    from fusionrag.retriever.engine.pq import KSUB, KSUB4, code_bytes
+
     pq = manifest["pq"]
-    return int(pq["m"]) if pq.get("bits", 8) == 8 else -(-int(pq["m"]) // 2)
+    return code_bytes(int(pq["m"]), KSUB4 if pq.get("bits", 8) == 4 else KSUB)
 
 
 def _cmd_build(args) -> int:
