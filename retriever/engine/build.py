@@ -20,7 +20,8 @@ import numpy as np
 
 from fusionrag import __version__
 from fusionrag.native import Graph, PageWriter
-from fusionrag.retriever.engine.calibrate import calibrate, calibrate_build
+from fusionrag.retriever.engine import pq_choice
+from fusionrag.retriever.engine.calibrate import MIN_ROWS, calibrate, calibrate_build
 from fusionrag.retriever.engine.config import BuildConfig, cpu_threads
 from fusionrag.retriever.engine.kmeans import cluster_cap, hierarchical_balanced_kmeans
 from fusionrag.retriever.engine.layout import PageLayout, chain_order, plan_layout
@@ -189,7 +190,7 @@ def train_index(rows, n: int, dim: int, config: BuildConfig, rng: np.random.Gene
         pq_m = config.pq_subspaces(dim)
         with steps.step("pq training", pq_m, "sub-space") as update:
             pq = ProductQuantizer.train(rows(sample), pq_m, config.kmeans_iters, rng, progress=update,
-                                        ksub=1 << config.pq_bits)
+                                        ksub=1 << (config.pq_bits or 8))
         timings["pq_train_s"] = time.perf_counter() - t
         if w is not None and scratch is not None:
             np.save(scratch / "pq_codebooks.npy", pq.codebooks, allow_pickle=False)
@@ -568,9 +569,23 @@ def build_index(source, out_dir, config: BuildConfig = BuildConfig(), progress: 
         manifest = index_manifest(n, dim, metric, STORAGE_DTYPES[store_dtype], src, n_centroids,
                                   int(list_offsets[-1]), pq_shape, config, timings, navigation=navigation,
                                   pages=layout, **extra)
+        # pq_bits 0: 4-bit codes of the same rows, measured against the 8-bit ones by calibration (pq_choice).
+        trial = None
+        if not config.pq_bits:
+            why = pq_choice.why_eight(config, n, pq_shape.m, sample_queries, MIN_ROWS)
+            manifest["pq_choice"] = {"bits": 8, "why": why}
+            if why is None:
+                t = time.perf_counter()
+                with steps.step("4-bit codes", 1, "trial") as update:
+                    trial = pq_choice.train_trial(w.dir, rows, n, pq_shape.m, config, rows_per_chunk(budget, dim))
+                    update(1)
+                timings["pq4_trial_s"] = time.perf_counter() - t
         if config.calibrate:  # the default search settings, measured on the index as written
             calibrate_build(manifest, w, steps, timings, t_start, lambda d: calibrate(
                 d, rows, n, internal_metric(metric), config.calibrate_queries, config.target_recall, config.seed,
-                threads, sample_queries))
+                threads, sample_queries, trial=trial))
+        if trial is not None:
+            manifest["pq_choice"] = manifest["calibration"].pop("pq_bits")
+            pq_choice.adopt(w, manifest)
         w.publish(manifest)
     return manifest

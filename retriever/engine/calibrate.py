@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fusionrag.retriever.engine import pq_choice
 from fusionrag.retriever.engine.config import BuildConfig, EngineConfig, SearchParams, cpu_threads
 from fusionrag.retriever.engine.index import Index
 from fusionrag.retriever.engine.layout import PageLayout
@@ -302,10 +303,12 @@ def calibrate_build(manifest: dict, w, steps, timings: dict, t_start: float, mea
 
 
 def calibrate(index_dir: Path, rows, n: int, engine_metric: str, queries: int, target: float, seed: int,
-              threads: int, sample_queries: np.ndarray | None = None) -> dict:
+              threads: int, sample_queries: np.ndarray | None = None, trial: Path | None = None) -> dict:
     """The manifest's "calibration" entry for the complete (not yet published) index in index_dir: recall of each
     rung tried, and "params", the SearchParams fields of the one chosen (empty: the class defaults); "ram", what
-    walk_ram tried and chose for the raw vectors in RAM."""
+    walk_ram tried and chose for the raw vectors in RAM. trial: 4-bit codes of the same rows
+    (pq_choice.train_trial), measured against the index's at the settings chosen (compare_codes): the entry's
+    "pq_bits"."""
     t0 = time.perf_counter()
     if sample_queries is None and n < MIN_ROWS:
         return {"skipped": f"fewer than {MIN_ROWS} rows", "params": {}, "count": int(n)}
@@ -329,7 +332,48 @@ def calibrate(index_dir: Path, rows, n: int, engine_metric: str, queries: int, t
             graph=not index.nav.exhaustive)
     finally:
         index.close()
-    return calibration_entry(q, source, target, tried, chosen, t0, n, ram)
+    entry = calibration_entry(q, source, target, tried, chosen, t0, n, ram)
+    if trial is not None:
+        entry["pq_bits"] = compare_codes(index_dir, trial, q, truth, exclude, chosen, ram["params"], target, threads)
+        entry["seconds"] = round(time.perf_counter() - t0, 2)
+    return entry
+
+
+def compare_codes(index_dir: Path, trial: Path, q: np.ndarray, truth: np.ndarray, exclude, chosen: dict, ram: dict,
+                  target: float, threads: int) -> dict:
+    """The index's 8-bit codes against the trial's 4-bit ones (pq_choice): both searched over the same sampled
+    queries at the SSD path's chosen settings and at RAM's (beta 0), their recall@10 and its lower bound, and
+    their tables' and scan's seconds at RAM's settings, the best of pq_choice.ROUNDS alternated searches each;
+    "bits", the codes kept (pq_choice.verdict), and "why"."""
+    pq_choice.stage_trial(index_dir, trial)
+    settings = {"ssd": dict(chosen), "ram": {**ram, "beta": 0}}
+    indexes = {8: Index.open(index_dir, calibration_engine(threads)), 4: Index.open(trial, calibration_engine(threads))}
+    measured: dict = {8: {}, 4: {}}
+
+    def search(index, params: dict):
+        res = [index.search(q[i:i + SLICE], K, SearchParams(**params), exclude=exclude, passing=1.0)
+               for i in range(0, len(q), SLICE)]
+        return np.concatenate([r.ids for r in res]), sum(pq_choice.filter_seconds(r) for r in res)
+
+    try:
+        for name, params in settings.items():
+            for bits, index in indexes.items():
+                ids, seconds = search(index, params)
+                r, low = recall_bounds(ids, truth)
+                measured[bits][name] = {"recall": round(r, 4), "recall_low": round(low, 4)}
+                if name == "ram":
+                    measured[bits]["filter_s"] = seconds
+        for _ in range(pq_choice.ROUNDS - 1):
+            for bits, index in indexes.items():
+                measured[bits]["filter_s"] = min(measured[bits]["filter_s"], search(index, settings["ram"])[1])
+    finally:
+        for index in indexes.values():
+            index.close()
+    bits, why = pq_choice.verdict(measured, target)
+    for m in measured.values():
+        m["filter_s"] = round(m["filter_s"], 6)
+    return {"bits": bits, "why": why, "settings": settings, "slack": pq_choice.SLACK, "gain": pq_choice.GAIN,
+            "measured": {str(b): m for b, m in measured.items()}}
 
 
 def page_rows(index):

@@ -266,9 +266,12 @@ class BuildConfig(ConfigBase):
                               note="0 = automatic")] = 0
     # 4: 16 centroids a sub-space and twice the sub-spaces in the same bytes, scanned 32 codes at a time with the
     # table in registers: the same recall after re-rank as 8-bit on MiniLM and GloVe, at 1.3-3x the scan's speed;
-    # not on Fashion-MNIST's pixels (bench/results/peers/fastscan.md). Searched on the CPU tier only.
-    pq_bits: Annotated[int, knob("bits a PQ sub-code: 8 (256 centroids a sub-space) or 4 (16, two sub-spaces a "
-                                 "byte: twice the sub-spaces in pq_m bytes; CPU tier only)", ge=4, le=8)] = 8
+    # not on Fashion-MNIST's pixels (bench/results/peers/fastscan.md). Searched on the CPU tier only. 0 ('auto'):
+    # calibration measures both on the index and keeps 4-bit codes where they hold recall and scan faster
+    # (retriever/engine/pq_choice.py; 8-bit where a GPU tier could serve the index).
+    pq_bits: Annotated[int, knob("bits a PQ sub-code: 8 (256 centroids a sub-space), 4 (16, two sub-spaces a "
+                                 "byte: twice the sub-spaces in pq_m bytes; CPU tier only), or 0: measured at "
+                                 "calibration", ge=0, le=8, note="0 = automatic")] = 0
     pq_train_size: Annotated[int, knob("vectors PQ is trained on", ge=256)] = 32768
     graph_m: Annotated[int, knob("navigation graph: links per centroid", ge=4, le=64)] = 16
     graph_ef_construction: Annotated[int, knob("navigation graph: build beam (at least graph_m)")] = 200
@@ -306,14 +309,14 @@ class BuildConfig(ConfigBase):
     def __post_init__(self):
         if self.graph_ef_construction < self.graph_m:
             raise ConfigError("graph_ef_construction must be >= graph_m")
-        if self.pq_bits not in (4, 8):
-            raise ConfigError(f"pq_bits must be 8 or 4, not {self.pq_bits}")
+        if self.pq_bits not in (0, 4, 8):
+            raise ConfigError(f"pq_bits must be 8, 4 or 0 (measured at calibration), not {self.pq_bits}")
         if self.pq_bits == 4 and self.pq_m > 128:
             raise ConfigError(f"pq_m must be at most 128 with pq_bits 4 (256 sub-spaces of 4 bits), not {self.pq_m}")
 
     def pq_subspaces(self, dim: int) -> int:
         """Sub-spaces of a build of dim dimensions: pq_m bytes (auto_m where 0), twice as many with 4-bit codes
-        (at most 256)."""
+        (at most 256). pq_bits 0 trains 8-bit codes first (pq_choice measures 4-bit ones after)."""
         from fusionrag.retriever.engine.pq import auto_m
 
         m = self.pq_m or auto_m(dim)

@@ -219,8 +219,9 @@ class Index(ManifestShape):
         if codebooks.shape[1] == 16 and filter_kind(config) == "gpu":
             # 4-bit codes (BuildConfig.pq_bits) are scanned on the CPU tier only.
             if config.filter_tier == "gpu":
-                raise ConfigError(f"{path}: the index's PQ codes are 4-bit (built with pq_bits 4), which only the CPU "
-                                  "filter tier scans: open it with filter_tier 'cpu' or 'auto'")
+                raise ConfigError(f"{path}: the index's PQ codes are 4-bit (pq_bits 4, or kept by the build's "
+                                  "measurement), which only the CPU filter tier scans: open it with filter_tier "
+                                  "'cpu' or 'auto', or build it with pq_bits 8")
             config = config.with_overrides(filter_tier="cpu")
         # The GPU tiers copy the codes to the device (the lists tier keeps the cold ones in pinned memory): a memory
         # map, not a second copy in the heap.

@@ -43,7 +43,7 @@ def _cmd_build(args) -> int:
     print(json.dumps({"index": args.index_dir, "count": m["count"], "dim": m["dim"], "metric": m["metric"],
                       "resumed_after": m.get("build_resumed", []),
                       "centroids": m["centroids"], "postings": m["postings"], "pq_m": pq_bytes(m),
-                      "pq_bits": m["pq"].get("bits", 8),
+                      "pq_bits": m["pq"].get("bits", 8), "pq_bits_why": (m.get("pq_choice") or {}).get("why"),
                       "blocks": m["pages"]["num_blocks"], "build_seconds": round(m["build_timings"]["total_s"], 3),
                       "timings": {k: round(v, 3) for k, v in m["build_timings"].items()}}))
     return 0

@@ -101,8 +101,9 @@ def test_a_merge_encodes_new_vectors_in_four_bits(tmp_path):
     assert recall(idx.search(q, 10).ids, truth) >= 0.95
 
 
-def test_pq_bits_is_eight_or_four():
-    assert BuildConfig().pq_bits == 8 and BuildConfig().pq_subspaces(128) == 64
+def test_pq_bits_is_eight_or_four_or_measured():
+    assert BuildConfig().pq_bits == 0 and BuildConfig().pq_subspaces(128) == 64  # measured: 8-bit codes first
+    assert BuildConfig(pq_bits=8).pq_subspaces(128) == 64
     assert BuildConfig(pq_bits=4).pq_subspaces(128) == 128 and BuildConfig(pq_bits=4, pq_m=100).pq_subspaces(8) == 200
     for bad in (5, 16):
         with pytest.raises(ConfigError, match="pq_bits"):
