@@ -3,7 +3,8 @@ copy of the repository that carries the wheels of `make gpu-wheels` (.whl/, git-
 
   install  the wheels into /tmp/fusionrag-site, then this package, its native extension built there by
            CMake (scikit-build-core; incremental in build/); every later step imports it from there
-  a        the kernel, GPU-tier and GPU-memory tests, and the service's GPU-budget test, on the device
+  a        the kernel, GPU-tier and GPU-memory tests, the service's GPU-budget test, and the device tier over
+           4-bit codes, on the device
   b        a collection on the GPU tier: writes, a merge, deletes and writes, a second merge, searches
            after each (bench/gpu/gpu_collection.py)
   c        bench/gpu/gpu_tier.py on 1M x 128 clustered vectors made there: scan bandwidth against the measured
@@ -238,7 +239,10 @@ def step_install(run: Run) -> None:
 def step_a(run: Run) -> None:
     junit = run.files / "a.xml"
     files = ["tests/kernels/test_kernels.py", "tests/retriever/test_gpu_tier.py", "tests/kernels/test_gpu_memory.py",
-             "tests/server/test_gpu_service.py", "tests/native/test_native_scan.py"]
+             "tests/server/test_gpu_service.py", "tests/native/test_native_scan.py",
+             # 4-bit codes on the device tier against the CPU tier and numpy (never yet run on a GPU)
+             "tests/retriever/test_pq4_index.py::"
+             "test_the_device_tier_scans_four_bit_codes_and_the_lists_tier_refuses_them"]
     # The dry run: one test of each file, enough to see the step run (make test runs them all).
     pick = [] if run.cuda else ["-k", "test_rank_keys_order or test_budget_too_small"]
     status, seconds = run.run("a", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, *pick,

@@ -14,7 +14,8 @@ device idle 90% of a batch. Here, inside the same budget (kernels/pool.py), the 
   float16 centroids' (float32): a distance is then the exact one to the rounded centroid, off only by the query's
   rounding. Measured on sift5k, Fashion-MNIST and GloVe (bench/results/gpu/half_navigation.md): at least 99.95%
   of float32's lists, the same true neighbours reached and the same recall, so no float32 re-score follows;
-- the posting lists (CSR offsets and IDs) and every posting's PQ code in list order, so the scan streams each
+- the posting lists (CSR offsets and IDs) and every posting's PQ code (a byte a sub-space, or two 4-bit codes a
+  byte: BuildConfig.pq_bits, the tables then 16 entries a sub-space) in list order, so the scan streams each
   probed list (kernels/adc_stream.py) instead of gathering codes by ID; a vector replicated in several lists
   gives equal keys, removed at top-n. The offsets, and a batch's scan segments, are int32 where the index's
   postings fit and int64 past INT32_POSTINGS, chosen per index at open; vector IDs are uint32, up to 2^32 - 1
@@ -167,8 +168,9 @@ class DeviceTier:
         # One batch at a time on the device; in Triton's interpreter, which patches triton.language while a kernel
         # runs, one at a time in the process.
         self._lock = threading.Lock() if account.device.type == "cuda" else INTERPRETER_LOCK
-        count, m = codes.shape
-        self.count, self.m, self.metric, self.augmented = count, m, metric, augmented
+        count, m = codes.shape  # m: a posting's code bytes (sub-spaces, or half of them for 4-bit codes)
+        self.count, self.metric, self.augmented = count, metric, augmented
+        self.m, self.ksub, self.code_bytes = codebooks.shape[0], codebooks.shape[1], m  # sub-spaces, centroids each
         self.dim = dim or codebooks.shape[0] * codebooks.shape[2]
         self.dsub = codebooks.shape[2]
         n_lists, cdim = centroids.shape
@@ -342,9 +344,9 @@ class DeviceTier:
     # -- compile ------------------------------------------------------------------------------------------
     def variants(self) -> list[Variant]:
         # Both scans: whether the postings are tiered is known only once the kernels' own memory is counted.
-        return [*pq_table_mod.variants(self.m, self.dsub, self.metric),
-                *adc_stream_mod.variants(self.m, wide=self.wide),
-                *adc_stream_mod.variants(self.m, tiered=True, wide=self.wide)]
+        return [*pq_table_mod.variants(self.m, self.dsub, self.metric, self.ksub),
+                *adc_stream_mod.variants(self.m, wide=self.wide, ksub=self.ksub),
+                *adc_stream_mod.variants(self.m, tiered=True, wide=self.wide, ksub=self.ksub)]
 
     def _compile(self) -> dict[str, float]:
         with torch.cuda.device(self.device):
@@ -469,7 +471,7 @@ class DeviceTier:
             if self.tiered:  # the lists probed, counted for placement; the postings read over the bus
                 self._visits.index_add_(0, at.reshape(-1), valid.reshape(-1).to(torch.int64))  # no mask: no sync
                 counts = torch.stack([per_list.sum(1), (per_list * self.cold_list[at]).sum(1)]).cpu().numpy()
-                sizes, bus = counts[0], int(counts[1].sum()) * (self.m + 4)
+                sizes, bus = counts[0], int(counts[1].sum()) * (self.code_bytes + 4)
                 down += nq * 8
             else:
                 sizes = per_list.sum(1).cpu().numpy()

@@ -121,6 +121,9 @@ class GpuFilterTier:
                  *, account: BudgetAccount, metric: str, batch_size: int, threads: int, blocks: int = 2,
                  work_bytes: int = 0, hotness: np.ndarray | None = None, tiered_share: float = 0.5):
         """metric: the tables' ('l2' or 'ip'), which decides the table kernel compiled here."""
+        if codebooks.shape[1] != 256:
+            raise ConfigError("the lists tier (gpu_search 'lists') scans 8-bit PQ codes only; an index with 4-bit "
+                              "codes opens on the device tier (gpu_search 'device' or 'auto') or the CPU tier")
         self.list_offsets, self.list_ids, self.threads, self.batch_size = list_offsets, list_ids, threads, batch_size
         self.host_codes_all = codes  # the index's codes (memory-mapped or in RAM); placement reads them
         self.account, self.device = account, account.device

@@ -216,12 +216,13 @@ class Index(ManifestShape):
         list_ids = load_array(path, "list_ids.npy", np.uint32, 1, mmap=mapped)
         codebooks = load_array(path, "pq_codebooks.npy", np.float32, 3)
         code_width = code_bytes(codebooks.shape[0], codebooks.shape[1])
-        if codebooks.shape[1] == 16 and filter_kind(config) == "gpu":
-            # 4-bit codes (BuildConfig.pq_bits) are scanned on the CPU tier only.
+        if codebooks.shape[1] == 16 and filter_kind(config) == "gpu" and config.gpu_search == "lists":
+            # 4-bit codes (BuildConfig.pq_bits) are scanned by the CPU tier and the device tier, not the lists tier.
             if config.filter_tier == "gpu":
                 raise ConfigError(f"{path}: the index's PQ codes are 4-bit (pq_bits 4, or kept by the build's "
-                                  "measurement), which only the CPU filter tier scans: open it with filter_tier "
-                                  "'cpu' or 'auto', or build it with pq_bits 8")
+                                  "measurement), which the lists tier (gpu_search 'lists') does not scan: open it "
+                                  "with gpu_search 'device' or 'auto', or filter_tier 'cpu', or build it with "
+                                  "pq_bits 8")
             config = config.with_overrides(filter_tier="cpu")
         # The GPU tiers copy the codes to the device (the lists tier keeps the cold ones in pinned memory): a memory
         # map, not a second copy in the heap.

@@ -127,7 +127,9 @@ def open_filter_tier(config: EngineConfig, list_offsets: np.ndarray, list_ids: n
     """The filter tier filter_kind(config) names. Either tier builds its tables for `metric` ('l2' or 'ip'). A GPU
     tier holds an account, named by owner, in the process's one budget on its device, and compiles its kernels for
     that metric; with `device` given and config.gpu_search 'auto' or 'device', it is the device tier (the whole
-    batch on the GPU) where its parts fit the budget, else (under 'auto') the lists tier."""
+    batch on the GPU) where its parts fit the budget, else (under 'auto') the lists tier, which scans 8-bit codes
+    only: 4-bit codes (codebooks of 16 centroids) then go to the CPU tier under filter_tier 'auto', and are refused
+    under 'gpu'."""
     kind = filter_kind(config)
     if kind == "cpu":
         return CpuFilterTier(list_offsets, list_ids, codes, codebooks, threads, metric=metric,
@@ -146,8 +148,13 @@ def open_filter_tier(config: EngineConfig, list_offsets: np.ndarray, list_ids: n
                               account=account, metric=metric, batch_size=config.batch_for("gpu"), threads=threads,
                               raw=device.raw, dim=device.dim, raw_share=config.gpu_tiered_share)
         except BudgetError as e:
-            if config.gpu_search == "device":
-                raise ConfigError(f"{e}; raise gpu_budget_bytes, or set gpu_search 'auto' or 'lists'") from e
+            four_bit = codebooks.shape[1] == 16  # which the lists tier does not scan
+            if four_bit and config.filter_tier == "auto":
+                return open_filter_tier(config.with_overrides(filter_tier="cpu"), list_offsets, list_ids, codes,
+                                        codebooks, threads, owner, metric)
+            if config.gpu_search == "device" or four_bit:
+                raise ConfigError(f"{e}; raise gpu_budget_bytes, or set gpu_search 'auto' or 'lists'"
+                                  + (" (an index with 8-bit PQ codes)" if four_bit else "")) from e
             account = shared_account(gpu_device(), config.gpu_budget_bytes, config.gpu_memory_utilization, owner)
     return GpuFilterTier(list_offsets, list_ids, codes, codebooks, account=account, metric=metric,
                          batch_size=config.batch_for("gpu"), threads=threads, tiered_share=config.gpu_tiered_share)

@@ -16,7 +16,9 @@ the best of ROUNDS alternated searches each. Otherwise the 8-bit codes stay; the
 which and why ("pq_bits").
 
 Where a GPU tier could serve the index (a CUDA device, or Triton's interpreter) 'auto' keeps 8-bit codes: the
-GPU tiers scan 8-bit codes only. So do builds that do not calibrate (calibrate off, fewer than
+lists tier (gpu_tier.py, where the device tier does not fit its budget) scans 8-bit codes only, and the device
+tier's 4-bit scan (kernels/adc_stream.py) has been checked against its reference under the interpreter but not
+yet measured on a GPU. So do builds that do not calibrate (calibrate off, fewer than
 calibrate.MIN_ROWS rows), sharded builds, and codes of more than 128 bytes (256 sub-spaces at most).
 """
 
@@ -61,7 +63,8 @@ def why_eight(config: BuildConfig, n: int, pq_m: int, sample_queries, min_rows: 
     if 2 * pq_m > 256:
         return f"{pq_m}-byte codes: 4-bit codes have at most 256 sub-spaces (128 bytes)"
     if gpu_could_serve():
-        return "a GPU tier could serve this index (CUDA, or Triton's interpreter), and the GPU tiers scan 8-bit codes"
+        return ("a GPU tier could serve this index (CUDA, or Triton's interpreter): 8-bit codes, which every GPU "
+                "tier scans")
     return None
 
 
@@ -125,7 +128,8 @@ def verdict(measured: dict, target: float) -> tuple[int, str]:
     if t4 > GAIN * t8:
         return 8, f"4-bit codes' tables and scan took {t4 / max(t8, 1e-12):.2f}x the 8-bit codes' time (at most {GAIN})"
     return 4, (f"4-bit codes held recall (ram {measured[4]['ram']['recall']:.4f} against "
-               f"{measured[8]['ram']['recall']:.4f}) and their tables and scan took {t4 / max(t8, 1e-12):.2f}x the time")
+               f"{measured[8]['ram']['recall']:.4f}) and their tables and scan took {t4 / max(t8, 1e-12):.2f}x "
+               "the time")
 
 
 def adopt(w, manifest: dict) -> None:

@@ -24,6 +24,9 @@ CASES = [
     *adc_scan.variants(48, tiered=False), *adc_scan.variants(48, tiered=True),
     *topn.variants(), *adc_stream.variants(64), *adc_stream.variants(64, tiered=True),
     *adc_stream.variants(64, wide=False), *adc_stream.variants(64, tiered=True, wide=False),  # under 2^31 postings
+    # 4-bit codes (BuildConfig.pq_bits 4): 128 sub-spaces of 16 centroids in 64 bytes, and an odd count
+    *pq_table.variants(128, 1, "l2", ksub=16), *adc_stream.variants(128, ksub=16),
+    *adc_stream.variants(25, tiered=True, wide=False, ksub=16),
     variant(dedup_kernel, ("*i32", "*i64", "*i64", "*i8", "*i64"), 4, BLOCK=256),
 ]
 

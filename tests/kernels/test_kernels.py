@@ -50,6 +50,66 @@ def test_pq_tables_match_reference(metric, q, dim, m):
     torch.testing.assert_close(got.cpu(), pq_tables_reference(queries, codebooks, metric), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("metric", ["l2", "ip"])
+@pytest.mark.parametrize("q,dim,m", [(5, 13, 26), (3, 16, 16), (2, 7, 7)])
+def test_pq_tables_of_four_bit_codebooks_match_reference(metric, q, dim, m):
+    """4-bit codes' tables (BuildConfig.pq_bits 4): 16 entries a sub-space, as many sub-spaces as dimensions or
+    more."""
+    g = gen(q * 10 + m)
+    codebooks = torch.randn(m, 16, -(-dim // m), generator=g)
+    queries = torch.randn(q, dim, generator=g)
+    got = pq_tables(queries.to(DEVICE), codebooks.to(DEVICE), metric)
+    assert got.shape == (q, m, 16)
+    torch.testing.assert_close(got.cpu(), pq_tables_reference(queries, codebooks, metric), rtol=1e-4, atol=1e-4)
+
+
+def pack4(sub: torch.Tensor) -> torch.Tensor:
+    """(P, M) centroid numbers below 16 as 4-bit codes, two a byte (retriever/engine/pq.py's layout, written here
+    again: sub-space 2b in byte b's low nibble, 2b + 1 in its high one)."""
+    if sub.shape[1] % 2:
+        sub = torch.nn.functional.pad(sub, (0, 1))
+    return (sub[:, 0::2] | (sub[:, 1::2] << 4)).to(torch.uint8)
+
+
+@pytest.mark.parametrize("m", [9, 16])
+def test_adc_stream_of_four_bit_codes_matches_reference_and_the_engines_packing(m):
+    """4-bit codes streamed from the device and from host memory: each posting's distance the sum of its M
+    sub-spaces' entries (checked against the unpacked sums computed here and against the reference), an odd M's
+    last byte's high nibble unread, and codes packed by the engine's ProductQuantizer read the same way."""
+    from fusionrag.retriever.engine.pq import ProductQuantizer
+
+    g = gen(11 + m)
+    postings, q = 1500, 3
+    sub = torch.randint(0, 16, (postings, m), generator=g)
+    codes = pack4(sub)
+    if m % 2:
+        codes[:, -1] |= 0xF0  # the unused nibble holds junk: it must not be read
+    raw = torch.randint(0, 1 << 32, (postings,), generator=g)
+    luts = torch.randn(q, m, 16, generator=g)
+    segments = torch.tensor([[[0, 1100], [1200, 1500]], [[5, 5], [0, 3]], [[1400, 1500], [1100, 1200]]])
+    cold = torch.tensor([[0, 1], [0, 0], [1, 0]], dtype=torch.int8)
+    for tiered in (False, True):
+        extra = dict(cold=cold.to(DEVICE), host_ids=as_u32(raw), host_codes=codes.to(DEVICE)) if tiered else {}
+        keys, offsets = adc_stream(luts.to(DEVICE), segments.to(DEVICE), as_u32(raw), codes.to(DEVICE), **extra)
+        want = adc_stream_reference(luts, segments, as_u32(raw).cpu(), codes,
+                                    *((cold, as_u32(raw).cpu(), codes) if tiered else ()))
+        ids, dists = unpack_keys(keys.cpu())
+        for i, (want_ids, want_dists) in enumerate(want):
+            s, e = int(offsets[i]), int(offsets[i + 1])
+            assert torch.equal(ids[s:e], want_ids)
+            torch.testing.assert_close(dists[s:e], want_dists, rtol=1e-5, atol=1e-5)
+            rows = torch.cat([torch.arange(a, b) for a, b in segments[i].tolist()])
+            by_hand = luts[i].double().gather(1, sub[rows].T).sum(0).float()
+            torch.testing.assert_close(dists[s:e], by_hand, rtol=1e-5, atol=1e-5)
+    pq = ProductQuantizer(torch.randn(m, 16, 1, generator=g).numpy(), m)
+    x = torch.randn(200, m, generator=g).numpy()
+    engine_codes = torch.from_numpy(pq.encode(x))
+    assert torch.equal(pack4(torch.from_numpy(pq.sub_codes(engine_codes.numpy()).astype("int64"))), engine_codes)
+    with pytest.raises(ValueError, match=f"\\(1500, {(m + 1) // 2}\\)"):
+        adc_stream(luts.to(DEVICE), segments.to(DEVICE), as_u32(raw), torch.zeros(postings, m, dtype=torch.uint8,
+                                                                                   device=DEVICE))
+
+
 def test_pq_tables_refuse_bad_input():
     with pytest.raises(ValueError, match="metric"):
         pq_tables(torch.zeros(1, 4, device=DEVICE), torch.zeros(2, 256, 2, device=DEVICE), "cosine")
@@ -317,7 +377,8 @@ def test_kernels_compile_for_a_gpu():
     out = subprocess.run([sys.executable, str(Path(__file__).with_name("kernels_compile.py"))], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("compiled ") == 18  # kernels_compile.CASES: each variant the GPU tier compiles, both offset widths
+    # kernels_compile.CASES: each variant the GPU tier compiles, both offset widths, and 4-bit codes
+    assert out.stdout.count("compiled ") == 21
 
 
 class _FakeKernel:

@@ -1,12 +1,13 @@
 """4-bit PQ codes (BuildConfig.pq_bits 4) through the engine: built, searched on the CPU tier (native
-scan_topn_pq4), searched among a filter's ids, merged, and refused by the GPU tiers. Retrieval is measured on
-real data (SIFT5k: 5,000 x 128, its own queries and ground truth) against the same build with 8-bit codes."""
+scan_topn_pq4) and the device tier (kernels/adc_stream.py), searched among a filter's ids, merged, and refused by
+the lists tier. Retrieval is measured on real data (SIFT5k: 5,000 x 128, its own queries and ground truth) against
+the same build with 8-bit codes."""
 
 import numpy as np
 import pytest
 from conftest import clustered, exact_knn, recall
 
-from fusionrag.retriever import BuildConfig, Index
+from fusionrag.retriever import BuildConfig, EngineConfig, Index
 from fusionrag.retriever.engine.merge import merge_index
 from fusionrag.retriever.engine.pq import ProductQuantizer
 from fusionrag.retriever.engine.vectors import open_vectors
@@ -71,13 +72,52 @@ def test_filtered_searches_over_four_bit_codes(sift):
     assert ok[res.ids[res.ids >= 0]].all() and recall(res.ids, truth) >= 0.9
 
 
-def test_the_gpu_tiers_refuse_four_bit_codes_and_auto_takes_the_cpu(sift, monkeypatch):
-    tmp = sift[0]
-    with pytest.raises(ConfigError, match="4-bit"):
-        Index.open(tmp / "idx4", filter_tier="gpu")
+def test_the_device_tier_scans_four_bit_codes_and_the_lists_tier_refuses_them(sift, monkeypatch):
+    """The device tier (Triton's interpreter here, CPU tensors) over 4-bit codes: the CPU tier's lists, postings and
+    distinct candidates, its recall within 0.01 (the device sums float tables, the CPU tier byte-quantized ones),
+    and the PQ distances of its top-n those of the 4-bit codes by their codebooks, computed here with numpy. The
+    lists tier refuses such an index; too small a budget falls back to the CPU tier under 'auto'."""
+    from fusionrag.retriever.engine.device_tier import DeviceTier
+
+    tmp, base, queries, gt = sift
+    q = queries[:40]
+    cpu = Index.open(tmp / "idx4", filter_tier="cpu")
+    dev = Index.open(tmp / "idx4", EngineConfig(filter_tier="gpu", gpu_search="device", gpu_budget_bytes=128 << 20,
+                                                batch_size=16))
+    try:
+        assert isinstance(dev.filter, DeviceTier) and (dev.filter.m, dev.filter.ksub, dev.filter.code_bytes) == \
+            (128, 16, 64)
+        for nprobe in (8, 32):
+            a, b = cpu.search(q, 10, nprobe=nprobe), dev.search(q, 10, nprobe=nprobe)
+            for key in ("lists_probed", "candidates", "unique_candidates"):
+                assert np.array_equal(a.stats[key], b.stats[key]), key
+            assert recall(b.ids, gt[:40]) >= recall(a.ids, gt[:40]) - 0.01
+        prepared = cpu.prepare_queries(q)
+        lists, _, _ = cpu.nav.probe(prepared, cpu.params.with_overrides(nprobe=8))
+        got = dev.filter.topn(dev.filter.tables(prepared), lists, 60)
+        pq, codes = cpu.pq, np.load(tmp / "idx4" / "pq_codes.npy")
+        luts = pq.luts(prepared, "l2").astype(np.float64)
+        offsets, ids = np.load(tmp / "idx4" / "list_offsets.npy"), np.load(tmp / "idx4" / "list_ids.npy")
+        for i in range(len(q)):
+            cands = np.unique(np.concatenate([ids[offsets[c]:offsets[c + 1]] for c in lists[i] if c >= 0]))
+            adc = luts[i][np.arange(pq.m), pq.sub_codes(codes[cands]).astype(np.int64)].sum(1)
+            mine = got.ids[i][got.ids[i] >= 0]
+            np.testing.assert_allclose(got.pq_dists[i][:len(mine)], adc[np.searchsorted(cands, mine)], rtol=1e-4,
+                                       atol=1e-2)
+            assert len(mine) == min(60, len(cands)) and got.pq_dists[i][len(mine) - 1] <= \
+                np.sort(adc)[len(mine) - 1] * (1 + 1e-4) + 1e-2  # the nearest by ADC, ties aside
+    finally:
+        dev.close()
+        cpu.close()
+    with pytest.raises(ConfigError, match="lists tier"):
+        Index.open(tmp / "idx4", filter_tier="gpu", gpu_search="lists")
+    with pytest.raises(ConfigError, match="8-bit PQ codes"):  # the device tier does not fit, and no lists tier
+        Index.open(tmp / "idx4", filter_tier="gpu", gpu_budget_bytes=1 << 20)
     monkeypatch.setattr("fusionrag.retriever.engine.pipeline.cuda_available", lambda: True)
-    index = Index.open(tmp / "idx4", filter_tier="auto")
-    assert index.filter.name == "cpu" and index.cpu_beside is None
+    for extra in (dict(gpu_search="lists"), dict(gpu_budget_bytes=1 << 20)):
+        index = Index.open(tmp / "idx4", filter_tier="auto", **extra)
+        assert index.filter.name == "cpu" and index.cpu_beside is None
+        index.close()
 
 
 def test_a_merge_encodes_new_vectors_in_four_bits(tmp_path):
