@@ -113,6 +113,11 @@ def write_report(path: Path) -> None:
                f"PQ {params['fusionrag_pq_m']} B/vector (as fusionrag), node cache {params['diskann_cache_nodes']:,} "
                f"nodes (≈ the page buffer); faiss IVF{params['nlist']},PQ{params['pq_m']}+RFlat; HNSW M=16, "
                f"efConstruction=100.", "",
+               *(["fusionrag's PQ codes (the build's choice, BuildConfig.pq_bits 0): " + "; ".join(
+                   f"{s}: {b['pq_bits']}-bit ({b.get('pq_why') or 'not measured'})" for s, b in codes.items()), ""]
+                 if (codes := {s: r["build"] for s, r in ds["systems"].items()
+                               if isinstance(r.get("build"), dict) and "pq_bits" in r["build"]
+                               and s not in ("fusionrag-ram",)}) else []),
                "| system | build s | build peak RSS MiB | search peak RSS MiB (net) | "
                + " | ".join(f"QPS@{t:.2f} {th}t (pages/q)" for th in (1, 2) for t in TARGETS) + " |",
                "|---" * 8 + "|"]

@@ -270,7 +270,15 @@ def build(spec) -> dict:
     SYSTEMS[spec["system"]][0](base_path, base, meta, out, spec["params"])
     seconds = time.perf_counter() - t
     disk = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    return {"build_s": seconds, "build_peak_rss": status("VmHWM"), "base_rss": rss0, "index_disk_bytes": disk}
+    record = {"build_s": seconds, "build_peak_rss": status("VmHWM"), "base_rss": rss0, "index_disk_bytes": disk}
+    if (out / "manifest.json").exists():  # a fusionrag index: the PQ codes its build chose (BuildConfig.pq_bits)
+        record.update(pq_codes(json.loads((out / "manifest.json").read_text())))
+    return record
+
+
+def pq_codes(manifest: dict) -> dict:
+    """The code width a fusionrag build kept, and why (its manifest's pq_choice, where it measured)."""
+    return {"pq_bits": manifest["pq"].get("bits", 8), "pq_why": (manifest.get("pq_choice") or {}).get("why")}
 
 
 def return_freed_memory() -> None:
