@@ -39,27 +39,15 @@ def offsets_of(*lengths) -> torch.Tensor:
     return torch.tensor([0, *torch.cumsum(torch.tensor(lengths), 0).tolist()], dtype=torch.int64, device=DEVICE)
 
 
+@pytest.mark.parametrize("ksub", [256, 16])  # 16: 4-bit codes' tables (BuildConfig.pq_bits 4)
 @pytest.mark.parametrize("metric", ["l2", "ip"])
-@pytest.mark.parametrize("q,dim,m", [(5, 13, 5), (1, 3, 3), (3, 16, 8), (0, 7, 2)])
-def test_pq_tables_match_reference(metric, q, dim, m):
+@pytest.mark.parametrize("q,dim,m", [(5, 13, 5), (1, 3, 3), (3, 16, 8), (0, 7, 2), (5, 13, 26)])
+def test_pq_tables_match_reference(metric, q, dim, m, ksub):
     g = gen(q * 100 + dim)
-    codebooks = torch.randn(m, 256, -(-dim // m), generator=g)
+    codebooks = torch.randn(m, ksub, -(-dim // m), generator=g)
     queries = torch.randn(q, dim, generator=g)
     got = pq_tables(queries.to(DEVICE), codebooks.to(DEVICE), metric)
-    assert got.shape == (q, m, 256)
-    torch.testing.assert_close(got.cpu(), pq_tables_reference(queries, codebooks, metric), rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("metric", ["l2", "ip"])
-@pytest.mark.parametrize("q,dim,m", [(5, 13, 26), (3, 16, 16), (2, 7, 7)])
-def test_pq_tables_of_four_bit_codebooks_match_reference(metric, q, dim, m):
-    """4-bit codes' tables (BuildConfig.pq_bits 4): 16 entries a sub-space, as many sub-spaces as dimensions or
-    more."""
-    g = gen(q * 10 + m)
-    codebooks = torch.randn(m, 16, -(-dim // m), generator=g)
-    queries = torch.randn(q, dim, generator=g)
-    got = pq_tables(queries.to(DEVICE), codebooks.to(DEVICE), metric)
-    assert got.shape == (q, m, 16)
+    assert got.shape == (q, m, ksub)
     torch.testing.assert_close(got.cpu(), pq_tables_reference(queries, codebooks, metric), rtol=1e-4, atol=1e-4)
 
 
