@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from fusionrag.kernels import interpreted
+from fusionrag.kernels.pq_table import KSUBS
 from fusionrag.kernels.topn import pack_key
 from fusionrag.kernels.variants import Variant, variant
 
@@ -88,7 +89,7 @@ def adc_stream(luts: torch.Tensor, segments: torch.Tensor, list_ids: torch.Tenso
     knows them (device_tier: from the sizes it planned the batch's chunks by); else they are read from the device
     (a sync), with a check that no segment ends before it starts (another)."""
     q, m, ksub = luts.shape
-    if ksub not in (256, 16):
+    if ksub not in KSUBS:
         raise ValueError(f"tables must have 256 or 16 entries a sub-space, got {ksub}")
     width = code_bytes(m, ksub)
     if segments.shape[:1] != (q,) or segments.dim() != 3 or segments.shape[2] != 2:

@@ -350,10 +350,15 @@ def compare_codes(index_dir: Path, trial: Path, q: np.ndarray, truth: np.ndarray
     indexes = {8: Index.open(index_dir, calibration_engine(threads)), 4: Index.open(trial, calibration_engine(threads))}
     measured: dict = {8: {}, 4: {}}
 
-    def search(index, params: dict):
-        res = [index.search(q[i:i + SLICE], K, SearchParams(**params), exclude=exclude, passing=1.0)
-               for i in range(0, len(q), SLICE)]
-        return np.concatenate([r.ids for r in res]), sum(pq_choice.filter_seconds(r) for r in res)
+    def search(index, params: dict):  # (ids, the seconds of the stages the codes change), over in_slices
+        seconds = []
+
+        def one(s: np.ndarray) -> np.ndarray:
+            res = index.search(s, K, SearchParams(**params), exclude=exclude, passing=1.0)
+            seconds.append(pq_choice.filter_seconds(res))
+            return res.ids
+
+        return in_slices(one, q), sum(seconds)
 
     try:
         for name, params in settings.items():

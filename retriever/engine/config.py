@@ -266,11 +266,12 @@ class BuildConfig(ConfigBase):
                               note="0 = automatic")] = 0
     # 4: 16 centroids a sub-space and twice the sub-spaces in the same bytes, scanned 32 codes at a time with the
     # table in registers: the same recall after re-rank as 8-bit on MiniLM and GloVe, at 1.3-3x the scan's speed;
-    # not on Fashion-MNIST's pixels (bench/results/peers/fastscan.md). Searched on the CPU tier only. 0 ('auto'):
+    # not on Fashion-MNIST's pixels (bench/results/peers/fastscan.md). Scanned by the CPU and device tiers, not the
+    # lists tier. 0 ('auto'):
     # calibration measures both on the index and keeps 4-bit codes where they hold recall and scan faster
     # (retriever/engine/pq_choice.py; 8-bit where a GPU tier could serve the index).
     pq_bits: Annotated[int, knob("bits a PQ sub-code: 8 (256 centroids a sub-space), 4 (16, two sub-spaces a "
-                                 "byte: twice the sub-spaces in pq_m bytes; CPU tier only), or 0: measured at "
+                                 "byte: twice the sub-spaces in pq_m bytes; not the GPU lists tier), or 0: measured at "
                                  "calibration", ge=0, le=8, note="0 = automatic")] = 0
     pq_train_size: Annotated[int, knob("vectors PQ is trained on", ge=256)] = 32768
     graph_m: Annotated[int, knob("navigation graph: links per centroid", ge=4, le=64)] = 16

@@ -182,13 +182,14 @@ class IndexWriter:
                 np.save(f, np.ascontiguousarray(arr), allow_pickle=False)
         self.add_file(name)
 
-    def add_file(self, name: str, hashed: bool = True) -> None:
-        """Record a finished file: fsync it, note its size and (unless too large) its hash."""
+    def add_file(self, name: str, hashed: bool = True, sha256: str | None = None) -> None:
+        """Record a finished file: fsync it, note its size and (unless too large) its hash; sha256: the hash where
+        the caller computed it already (of these bytes)."""
         p = self.path(name)
         fsync_path(p)
         entry = {"bytes": p.stat().st_size}
         if hashed:
-            entry["sha256"] = sha256_file(p)
+            entry["sha256"] = sha256 or sha256_file(p)
         self.files[name] = entry
 
     def stage(self, manifest: dict) -> None:

@@ -148,13 +148,14 @@ def open_filter_tier(config: EngineConfig, list_offsets: np.ndarray, list_ids: n
                               account=account, metric=metric, batch_size=config.batch_for("gpu"), threads=threads,
                               raw=device.raw, dim=device.dim, raw_share=config.gpu_tiered_share)
         except BudgetError as e:
-            four_bit = codebooks.shape[1] == 16  # which the lists tier does not scan
-            if four_bit and config.filter_tier == "auto":
-                return open_filter_tier(config.with_overrides(filter_tier="cpu"), list_offsets, list_ids, codes,
-                                        codebooks, threads, owner, metric)
-            if config.gpu_search == "device" or four_bit:
-                raise ConfigError(f"{e}; raise gpu_budget_bytes, or set gpu_search 'auto' or 'lists'"
-                                  + (" (an index with 8-bit PQ codes)" if four_bit else "")) from e
+            if codebooks.shape[1] == 16:  # 4-bit codes, which the lists tier below does not scan
+                if config.filter_tier == "auto":
+                    return open_filter_tier(config.with_overrides(filter_tier="cpu"), list_offsets, list_ids, codes,
+                                            codebooks, threads, owner, metric)
+                raise ConfigError(f"{e}; raise gpu_budget_bytes, or open it with filter_tier 'cpu' or 'auto' (the "
+                                  "lists tier, which takes the device tier's place, scans 8-bit PQ codes only)") from e
+            if config.gpu_search == "device":
+                raise ConfigError(f"{e}; raise gpu_budget_bytes, or set gpu_search 'auto' or 'lists'") from e
             account = shared_account(gpu_device(), config.gpu_budget_bytes, config.gpu_memory_utilization, owner)
     return GpuFilterTier(list_offsets, list_ids, codes, codebooks, account=account, metric=metric,
                          batch_size=config.batch_for("gpu"), threads=threads, tiered_share=config.gpu_tiered_share)

@@ -134,16 +134,16 @@ def verdict(measured: dict, target: float) -> tuple[int, str]:
 
 def adopt(w, manifest: dict) -> None:
     """Where the build's choice (manifest["pq_choice"]) kept 4-bit codes: the trial's codebooks and codes made the
-    index's (w: the IndexWriter writing it; its files' entries recorded again) and the manifest's "pq" entry
-    theirs. The trial directory is removed either way."""
+    index's (w: the IndexWriter writing it; their entries recorded with the hashes stage_trial took) and the
+    manifest's "pq" entry the trial's. The trial directory is removed either way."""
     trial = w.path(TRIAL)
     try:
         if (manifest.get("pq_choice") or {}).get("bits") == 4:
+            staged = json.loads((trial / MANIFEST).read_text())
             for name in CODE_FILES:
                 os.replace(trial / name, w.path(name))
-                w.add_file(name)
-            books = np.load(w.path(CODE_FILES[1]), mmap_mode="r", allow_pickle=False)
-            manifest["pq"] = {"m": int(books.shape[0]), "dsub": int(books.shape[2]), "bits": 4}
+                w.add_file(name, sha256=staged["files"][name]["sha256"])
+            manifest["pq"] = staged["pq"]
     finally:
         shutil.rmtree(trial, ignore_errors=True)
 

@@ -11,7 +11,8 @@ from conftest import recall
 
 from fusionrag.retriever import BuildConfig, Index
 from fusionrag.retriever.engine import pq_choice
-from fusionrag.retriever.engine.config import EngineConfig
+from fusionrag.retriever.engine.calibrate import calibration_engine, sample_for_calibration
+from fusionrag.retriever.engine.config import EngineConfig, SearchParams
 from fusionrag.retriever.engine.pq import ProductQuantizer
 from fusionrag.retriever.engine.vectors import open_vectors
 from fusionrag.retriever.errors import ConfigError
@@ -102,13 +103,33 @@ def test_auto_measures_both_codes_and_its_verdict_is_what_it_measured(sift, tmp_
     got = {int(b): v for b, v in choice["measured"].items()}
     assert set(got) == {8, 4} and all({"ssd", "ram", "filter_s"} <= set(v) for v in got.values())
     assert choice["settings"]["ram"]["beta"] == 0
-    # the verdict recorded is the rule applied to the figures recorded
-    assert choice["bits"] == pq_choice.verdict(got, m["calibration"]["target_recall"])[0]
+    # the verdict recorded is the documented rule (written out here, not pq_choice.verdict) over the figures recorded
+    target = m["calibration"]["target_recall"]
+    holds = all(got[4][s]["recall"] >= got[8][s]["recall"] - pq_choice.SLACK
+                and got[4][s]["recall_low"] >= min(target, got[8][s]["recall_low"]) for s in ("ssd", "ram"))
+    assert choice["bits"] == (4 if holds and got[4]["filter_s"] <= pq_choice.GAIN * got[8]["filter_s"] else 8)
     assert "pq_bits" not in m["calibration"] and m["build_config"]["pq_bits"] == 0
     index, pq, codes = check_published(tmp_path / "auto", choice["bits"])
     try:
         assert np.array_equal(pq.encode(base), codes)
         assert recall(index.search(queries, k=10).ids, gt) >= 0.95  # held-out queries, the defaults
+    finally:
+        index.close()
+    # the recall recorded for the codes kept is what their index gives calibration's sampled rows (each left out of
+    # the search and of a brute-force truth computed here) at the recorded settings
+    own, sample, _ = sample_for_calibration(lambda ids: base[ids], len(base), m["calibration"]["queries"],
+                                            m["build_config"]["seed"], None)
+    left_out = np.zeros(len(base), bool)
+    left_out[own] = True
+    b64 = base.astype(np.float64)
+    d = (b64 ** 2).sum(1)[None] - 2 * sample.astype(np.float64) @ b64.T
+    d[:, left_out] = np.inf
+    truth = np.argsort(d, axis=1, kind="stable")[:, :10]
+    index = Index.open(tmp_path / "auto", calibration_engine(0))
+    try:
+        for name, params in choice["settings"].items():
+            found = index.search(sample, 10, SearchParams(**params), exclude=np.packbits(left_out, bitorder="little"))
+            assert recall(found.ids, truth) == pytest.approx(got[choice["bits"]][name]["recall"], abs=2e-4), name
     finally:
         index.close()
 
